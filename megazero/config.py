@@ -1,0 +1,362 @@
+"""Typed run configuration: dataclass sections, YAML files, `--section.key value` overrides.
+
+Precedence is CLI > file > defaults. Every key is typed; unknown keys, wrong types and
+inconsistent values raise `ConfigError` with one line that names the key, the values and
+the fix. `validate(cfg, world_size)` runs before any process group is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, mistyped or inconsistent (one-line message)."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    """Transformer blocks."""
+    hidden_size: int = 64
+    """Model width h."""
+    num_heads: int = 4
+    """Attention heads; must divide hidden_size and be divisible by parallel.tp."""
+    seq_length: int = 64
+    """Tokens per sample (context length); also the number of learned positions."""
+    vocab_size: int = 512
+    """Real vocabulary size; padded internally to a multiple of 128 x tp (loss unchanged)."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention probabilities and residual branches."""
+    ffn_hidden_size: int = 0
+    """MLP width; 0 means 4 x hidden_size (GPT-2)."""
+    layernorm_eps: float = 1e-5
+    """LayerNorm epsilon (GPT-2 uses 1e-5)."""
+    init_std: float = 0.02
+    """Std of the normal init; residual output projections use init_std / sqrt(2 L)."""
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel degree (ranks that split each layer)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages of contiguous layers)."""
+    vpp: int = 1
+    """Model chunks per pipeline rank (interleaved schedule when > 1)."""
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    """Pipeline schedule, used when pp > 1."""
+    sequence_parallel: bool = False
+    """Shard LayerNorm/dropout activations along the sequence over the TP group."""
+    pp_layers: Optional[list] = None
+    """Optional uneven split: layers per pipeline stage, e.g. [3, 5]; sums to num_layers."""
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    """0: DP all-reduce; 1: + sharded optimizer states; 2: + sharded gradients; 3: + sharded parameters."""
+    sub_group_size: int = 1_000_000_000
+    """Largest number of elements one optimizer sub-group step touches."""
+    bucket_size: int = 25_000_000
+    """Elements per gradient-communication bucket."""
+
+
+@dataclass
+class TrainConfig:
+    iters: int = 100
+    """Iterations (optimizer steps) to train."""
+    micro_batch_size: int = 4
+    """Samples per micro-batch per data-parallel rank."""
+    global_batch_size: int = 16
+    """Samples per iteration over all DP ranks: micro_batch_size x accumulation x dp."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision; 16-bit keeps fp32 master weights."""
+    seed: int = 1234
+    """Seeds weights, data order, dropout."""
+    log_interval: int = 1
+    """Iterations between log lines / JSONL records."""
+    eval_interval: int = 0
+    """Iterations between validation runs (0: never)."""
+    eval_iters: int = 10
+    """Batches per validation run."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of decay."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to biases and LayerNorm)."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0: off)."""
+    warmup_iters: int = 0
+    """Linear warmup iterations."""
+    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    """LR decay after warmup."""
+    decay_iters: int = 0
+    """Iterations over which LR decays to min_lr; 0 means train.iters."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class DataConfig:
+    mock: bool = False
+    """Synthetic deterministic token stream (tests, benchmarks)."""
+    prefix: Optional[list] = None
+    """Indexed-dataset prefixes, optionally weighted: [P1, P2] or [0.3, P1, 0.7, P2]."""
+    split: str = "969,30,1"
+    """Train/valid/test proportions."""
+    tokenizer: Optional[str] = None
+    """Tokenizer spec, e.g. gpt2bpe:DIR or sentencepiece:FILE.model."""
+    cache_dir: Optional[str] = None
+    """Where sample indices are cached (default: beside the data)."""
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    """Directory to save sharded checkpoints into."""
+    load: Optional[str] = None
+    """Directory to resume from (its `latest`)."""
+    interval: int = 0
+    """Iterations between saves (0: only at the end)."""
+    keep_last: int = 0
+    """Keep only this many newest checkpoints (0: keep all)."""
+
+
+@dataclass
+class LoggingConfig:
+    jsonl: Optional[str] = None
+    """Path of the metrics JSONL file (one object per logged iteration)."""
+    wandb: bool = False
+    """Log to Weights & Biases (offline when there is no network)."""
+    wandb_project: str = "megazero"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+# ---------------------------------------------------------------------------- typing
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check `value` against a field annotation (given as a string or a type)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _coerce(key, value, inner)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{key} ({value!r}) must be one of {', '.join(map(str, choices))}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} ({value!r}) must be true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} ({value!r}) must be an integer")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} ({value!r}) must be a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key} ({value!r}) must be a string")
+        return str(value)
+    if annotation is list:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # a single prefix given on the CLI
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} ({value!r}) must be a list")
+        return value
+    raise TypeError(f"unsupported annotation {annotation} for {key}")
+
+
+def _section_fields(section: str) -> dict[str, Any]:
+    """Field name -> resolved type annotation of one section."""
+    return typing.get_type_hints(SECTIONS[section])
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section '{section}'; sections are {', '.join(SECTIONS)}")
+    fields = _section_fields(section)
+    if key not in fields:
+        raise ConfigError(f"unknown config key '{section}.{key}'; {section} has {', '.join(fields)}")
+    setattr(getattr(cfg, section), key, _coerce(f"{section}.{key}", value, fields[key]))
+
+
+def load_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist; pass --config configs/gpt2-tiny.yaml or another file")
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of sections")
+    return data
+
+
+def build_config(file_data: Optional[dict] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Defaults, then the file's sections, then CLI overrides (`--section.key value`)."""
+    cfg = Config()
+    for section, values in (file_data or {}).items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section '{section}' must be a mapping of keys, got {values!r}")
+        for key, value in values.items():
+            _apply(cfg, section, key, value)
+    for section, key, value in parse_overrides(overrides or []):
+        _apply(cfg, section, key, value)
+    return cfg
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
+    """Turn ['--a.b', '1', '--c.d=x'] into [('a', 'b', 1), ('c', 'd', 'x')] (values parsed as YAML)."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument '{arg}'; overrides look like --section.key value")
+        if "=" in arg:
+            name, raw = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override '{arg}' has no value; write {arg} VALUE")
+            name, raw = arg[2:], args[i + 1]
+            i += 2
+        section, key = name.split(".", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((section, key, value))
+    return out
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config, world_size: int) -> int:
+    """Check every value and their consistency; return the inferred data-parallel degree."""
+    m, p, t, o, z = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.zero
+    for key, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
+                       ("model.num_heads", m.num_heads), ("model.seq_length", m.seq_length),
+                       ("model.vocab_size", m.vocab_size), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
+                       ("parallel.vpp", p.vpp), ("train.micro_batch_size", t.micro_batch_size),
+                       ("train.global_batch_size", t.global_batch_size), ("train.log_interval", t.log_interval),
+                       ("zero.sub_group_size", z.sub_group_size), ("zero.bucket_size", z.bucket_size)]:
+        if value < 1:
+            raise ConfigError(f"{key} ({value}) must be at least 1")
+    for key, value in [("train.iters", t.iters), ("train.eval_interval", t.eval_interval),
+                       ("train.eval_iters", t.eval_iters), ("optim.warmup_iters", o.warmup_iters),
+                       ("optim.lr", o.lr), ("optim.min_lr", o.min_lr), ("optim.clip_grad", o.clip_grad),
+                       ("optim.weight_decay", o.weight_decay), ("model.ffn_hidden_size", m.ffn_hidden_size),
+                       ("checkpoint.interval", cfg.checkpoint.interval),
+                       ("checkpoint.keep_last", cfg.checkpoint.keep_last)]:
+        if value < 0:
+            raise ConfigError(f"{key} ({value}) must not be negative")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout ({m.dropout}) must be in [0, 1)")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
+    if z.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero.stage ({z.stage}) must be 0, 1, 2 or 3")
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
+    if m.num_heads % p.tp:
+        raise ConfigError(f"model.num_heads ({m.num_heads}) must be divisible by parallel.tp ({p.tp})")
+    if m.ffn_size % p.tp:
+        raise ConfigError(f"MLP width ({m.ffn_size}) must be divisible by parallel.tp ({p.tp})")
+    if world_size % (p.tp * p.pp):
+        raise ConfigError(f"world size ({world_size}) must be divisible by parallel.tp x parallel.pp "
+                          f"({p.tp} x {p.pp} = {p.tp * p.pp}); change --nproc_per_node or the layout")
+    dp = world_size // (p.tp * p.pp)
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                          f"micro_batch_size x dp ({t.micro_batch_size} x {dp} = {t.micro_batch_size * dp})")
+    _validate_pipeline(cfg, dp)
+    if p.sequence_parallel and m.seq_length % p.tp:
+        raise ConfigError(f"model.seq_length ({m.seq_length}) must be divisible by parallel.tp ({p.tp}) "
+                          f"with parallel.sequence_parallel")
+    if not cfg.data.mock and not cfg.data.prefix:
+        raise ConfigError("no training data: set data.prefix (indexed dataset prefixes) or data.mock true")
+    return dp
+
+
+def _validate_pipeline(cfg: Config, dp: int) -> None:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.pp_layers is not None:
+        if p.vpp > 1:
+            raise ConfigError("parallel.pp_layers (uneven split) cannot be combined with parallel.vpp > 1")
+        if len(p.pp_layers) != p.pp or sum(p.pp_layers) != m.num_layers or min(p.pp_layers) < 1:
+            raise ConfigError(f"parallel.pp_layers ({p.pp_layers}) must list pp ({p.pp}) positive counts "
+                              f"summing to model.num_layers ({m.num_layers})")
+    elif m.num_layers % (p.pp * p.vpp):
+        per_stage = m.num_layers / p.pp
+        hint = [v for v in range(1, m.num_layers + 1) if m.num_layers % (p.pp * v) == 0]
+        if p.vpp > 1:
+            raise ConfigError(f"parallel.vpp ({p.vpp}) must divide num_layers / pp ({m.num_layers} / {p.pp} = "
+                              f"{per_stage:g}); try vpp {' or '.join(map(str, hint))}")
+        raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by parallel.pp ({p.pp}); "
+                          f"change pp or set parallel.pp_layers for an uneven split")
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.vpp > 1:
+        if p.pp == 1:
+            raise ConfigError(f"parallel.vpp ({p.vpp}) needs parallel.pp > 1")
+        if microbatches % p.pp:
+            raise ConfigError(f"interleaved schedule needs micro-batches per iteration ({microbatches}) to be a "
+                              f"multiple of parallel.pp ({p.pp}); change train.global_batch_size")
+        p.schedule = "interleaved"
+    elif p.schedule == "interleaved":
+        raise ConfigError("parallel.schedule interleaved needs parallel.vpp > 1")
+
+
+def describe(cfg: Config) -> str:
+    """The resolved config as YAML (printed once, saved with the run)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Vocab rounded up to a multiple of 128 x tp so every TP shard has equal, aligned rows."""
+    multiple = 128 * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)

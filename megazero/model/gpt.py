@@ -1,0 +1,219 @@
+"""GPT-2, as OpenAI built it, readable top to bottom and ready to be cut into stages.
+
+Learned position embeddings, pre-LayerNorm blocks, GELU (tanh), causal attention through
+scaled_dot_product_attention, a final LayerNorm and an output head tied to the token
+embedding. A `GPT` instance owns a contiguous range of blocks (a pipeline stage or model
+chunk); the embedding lives only on the first stage, the final norm and head only on the
+last. Blocks sit in a ModuleDict keyed by their global index, so parameter names do not
+depend on the layout.
+
+Parameter names are Hugging Face GPT2LMHeadModel's, one to one:
+
+    transformer.wte.weight              [V_pad/tp, h]    HF [V, h] (rows past V are padding)
+    transformer.wpe.weight              [s, h]
+    transformer.h.{i}.ln_1.{weight,bias}
+    transformer.h.{i}.attn.c_attn.{weight,bias}    weight [3h/tp, h] = HF Conv1D weight^T
+    transformer.h.{i}.attn.c_proj.{weight,bias}    weight [h, h/tp]  = HF Conv1D weight^T
+    transformer.h.{i}.ln_2.{weight,bias}
+    transformer.h.{i}.mlp.c_fc.{weight,bias}       weight [4h/tp, h] = HF Conv1D weight^T
+    transformer.h.{i}.mlp.c_proj.{weight,bias}     weight [h, 4h/tp] = HF Conv1D weight^T
+    transformer.ln_f.{weight,bias}
+    lm_head.weight      only on a last stage without the embedding: its tied copy of wte
+
+HF stores the four projections as Conv1D ([in, out]); here they are nn.Linear-shaped
+([out, in]), so export transposes them and strips the vocab padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megazero.config import ModelConfig, padded_vocab_size
+from megazero.model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_tp,
+                                   shard_of, vocab_parallel_cross_entropy)
+from megazero.parallel.comm import Group, copy_to_tp
+from megazero.parallel.random import RNGTracker
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: Group, tracker: Optional[RNGTracker], selective_recompute: bool):
+        super().__init__()
+        self.heads = cfg.num_heads // tp.size  # this rank's heads
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.dropout = cfg.dropout
+        self.tracker = tracker
+        self.selective_recompute = selective_recompute
+        # stride 3: q, k and v are each split over the TP ranks, so a rank owns whole heads.
+        self.c_attn = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, tp, stride=3)
+        self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def _attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        # Attention probabilities of this rank's heads are distinct per TP rank: use the
+        # per-rank stream so masks are independent (and reproducible).
+        region = self.tracker.fork("tp") if (self.tracker is not None and p > 0) else contextlib.nullcontext()
+        with region:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.c_attn(x)
+        if self.selective_recompute and self.training:
+            # Selective recomputation: keep only the attention core's input; its s x s
+            # intermediates are rebuilt in backward (Korthikanti et al., 2022).
+            y = checkpoint(self._attend, qkv, use_reentrant=False, context_fn=_rng_context(self.tracker))
+        else:
+            y = self._attend(qkv)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: Group):
+        super().__init__()
+        self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, tp)
+        self.c_proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: Group, tracker: Optional[RNGTracker], selective_recompute: bool):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+        self.attn = CausalSelfAttention(cfg, tp, tracker, selective_recompute)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+        self.mlp = MLP(cfg, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """One stage (or model chunk) of GPT-2: blocks `layers`, plus the embedding when
+    `pre_process` and the final norm and tied head when `post_process`."""
+
+    def __init__(self, cfg: ModelConfig, tp: Group, tracker: Optional[RNGTracker] = None,
+                 layers: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True,
+                 recompute: str = "none"):
+        super().__init__()
+        self.cfg, self.tp, self.tracker = cfg, tp, tracker
+        self.layers = list(range(cfg.num_layers) if layers is None else layers)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.full_recompute = recompute == "full"
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, tp.size)
+
+        self.transformer = nn.Module()
+        if pre_process:
+            self.transformer.wte = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, tp)
+            self.transformer.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+            self.transformer.drop = nn.Dropout(cfg.dropout)
+        self.transformer.h = nn.ModuleDict(
+            {str(i): Block(cfg, tp, tracker, recompute == "selective") for i in self.layers})
+        if post_process:
+            self.transformer.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+            if not pre_process:  # the last stage keeps its own copy of the tied embedding
+                per_rank = self.padded_vocab // tp.size
+                self.lm_head = nn.Module()
+                self.lm_head.weight = mark_tp(nn.Parameter(torch.empty(per_rank, cfg.hidden_size)), 0, 1,
+                                              (self.padded_vocab, cfg.hidden_size))
+        for p in self.parameters():  # replicated parameters: LayerNorm, wpe, row-parallel bias
+            if not hasattr(p, "tp_dim"):
+                mark_tp(p, None, 1, tuple(p.shape))
+
+    # ------------------------------------------------------------------ forward
+
+    def head_weight(self) -> torch.Tensor:
+        return self.transformer.wte.weight if self.pre_process else self.lm_head.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens [b, s] on the first stage (hidden states [b, s, h] elsewhere) ->
+        hidden states, or this rank's vocab slice of the logits [b, s, V_pad/tp] on the last."""
+        if self.pre_process:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
+        for block in self.transformer.h.values():
+            if self.full_recompute and self.training:
+                x = checkpoint(block, x, use_reentrant=False, context_fn=_rng_context(self.tracker))
+            else:
+                x = block(x)
+        if not self.post_process:
+            return x
+        x = self.transformer.ln_f(x)
+        return F.linear(copy_to_tp(x, self.tp), self.head_weight())
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy [b, s] from vocab-parallel logits (padding masked out)."""
+        return vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size)
+
+    # ------------------------------------------------------------------ init
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 init, independent of the layout: each parameter's full tensor is drawn
+        from a generator seeded by (seed, its name); this rank keeps its TP shard. So
+        tp = 1, 2, 4 and any pipeline split start from the same model."""
+        for name, p in self.named_parameters():
+            full = self._full_init(name, p, seed)
+            p.copy_(shard_of(full, p.tp_dim, p.tp_stride, self.tp.rank, self.tp.size))
+
+    def _full_init(self, name: str, p: nn.Parameter, seed: int) -> torch.Tensor:
+        if name == "lm_head.weight":
+            name = "transformer.wte.weight"  # identical to the first stage's copy
+        if ".ln_" in name or name.startswith("transformer.ln_f"):
+            return torch.ones(p.full_shape) if name.endswith("weight") else torch.zeros(p.full_shape)
+        if name.endswith("bias"):
+            return torch.zeros(p.full_shape)
+        std = self.cfg.init_std
+        if name.endswith("c_proj.weight"):  # residual projections, scaled as in GPT-2
+            std /= math.sqrt(2 * self.cfg.num_layers)
+        shape = p.full_shape
+        if name == "transformer.wte.weight":
+            shape = (self.cfg.vocab_size, shape[1])  # padding rows stay zero
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = torch.empty(shape).normal_(0.0, std, generator=g)
+        if shape != p.full_shape:
+            full = torch.cat([full, full.new_zeros(p.full_shape[0] - shape[0], shape[1])])
+        return full
+
+    def tied_weight(self) -> Optional[nn.Parameter]:
+        """The embedding copy whose gradient must be summed over the embedding group."""
+        if self.pre_process:
+            return self.transformer.wte.weight
+        return self.lm_head.weight if self.post_process else None
+
+
+def _rng_context(tracker: Optional[RNGTracker]):
+    """Recomputation must replay the same dropout masks. torch restores the default RNG
+    itself; this also snapshots the TP tracker's streams at forward and replays them."""
+    if tracker is None:
+        return lambda: (contextlib.nullcontext(), contextlib.nullcontext())
+
+    def make():
+        saved = tracker.state_dict()
+
+        @contextlib.contextmanager
+        def replay():
+            current = tracker.state_dict()
+            tracker.load_state_dict(saved)
+            try:
+                yield
+            finally:
+                tracker.load_state_dict(current)
+
+        return contextlib.nullcontext(), replay()
+
+    return make

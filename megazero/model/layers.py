@@ -1,0 +1,151 @@
+"""Tensor-parallel building blocks: vocab-parallel embedding, column/row-parallel linear,
+vocab-parallel cross-entropy, and the bookkeeping that maps a TP shard to its full tensor.
+
+At tp = 1 every layer here is exactly its torch twin (the f/g functions are identities).
+Each sharded parameter carries `tp_dim` (the split dimension, None when replicated),
+`tp_stride` (how many equal blocks of that dimension are split separately, e.g. 3 for a
+fused q|k|v projection) and `full_shape`. `shard_of` / `unshard` use them, so
+initialization, checkpoint resharding and export never special-case a layer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.parallel.comm import Group, all_reduce, copy_to_tp, reduce_from_tp
+
+
+def mark_tp(param: nn.Parameter, dim: Optional[int], stride: int, full_shape: tuple[int, ...]) -> nn.Parameter:
+    param.tp_dim, param.tp_stride, param.full_shape = dim, stride, tuple(full_shape)
+    return param
+
+
+def shard_of(full: torch.Tensor, dim: Optional[int], stride: int, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's shard of a full tensor (a copy of `full` itself when replicated)."""
+    if dim is None or size == 1:
+        return full
+    blocks = full.chunk(stride, dim=dim)  # e.g. q, k, v: each is split over ranks on its own
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
+
+
+def unshard(shards: list[torch.Tensor], dim: Optional[int], stride: int) -> torch.Tensor:
+    """Inverse of `shard_of`: the full tensor from every TP rank's shard, in rank order."""
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    per_rank = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([torch.cat([p[b] for p in per_rank], dim=dim) for b in range(stride)], dim=dim)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A split by output rows; the output stays split over TP ranks."""
+
+    def __init__(self, in_features: int, out_features: int, tp: Group, bias: bool = True, stride: int = 1):
+        super().__init__()
+        if out_features % (tp.size * stride):
+            raise ValueError(f"out_features ({out_features}) must be divisible by tp x stride ({tp.size} x {stride})")
+        self.tp = tp
+        local = out_features // tp.size
+        self.weight = mark_tp(nn.Parameter(torch.empty(local, in_features)), 0, stride, (out_features, in_features))
+        self.bias = mark_tp(nn.Parameter(torch.empty(local)), 0, stride, (out_features,)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The input is replicated; its gradient is the sum of every rank's partial gradient.
+        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A split by input columns; partial outputs are summed over TP."""
+
+    def __init__(self, in_features: int, out_features: int, tp: Group, bias: bool = True):
+        super().__init__()
+        if in_features % tp.size:
+            raise ValueError(f"in_features ({in_features}) must be divisible by tp ({tp.size})")
+        self.tp = tp
+        self.weight = mark_tp(nn.Parameter(torch.empty(out_features, in_features // tp.size)), 1, 1,
+                              (out_features, in_features))
+        self.bias = mark_tp(nn.Parameter(torch.empty(out_features)), None, 1, (out_features,)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        # The bias is added once, after the sum, not once per rank.
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose (padded) vocabulary rows are split over TP ranks."""
+
+    def __init__(self, num_embeddings: int, dim: int, tp: Group):
+        super().__init__()
+        if num_embeddings % tp.size:
+            raise ValueError(f"padded vocab ({num_embeddings}) must be divisible by tp ({tp.size})")
+        self.tp = tp
+        self.per_rank = num_embeddings // tp.size
+        self.start = tp.rank * self.per_rank
+        self.weight = mark_tp(nn.Parameter(torch.empty(self.per_rank, dim)), 0, 1, (num_embeddings, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.start + self.per_rank)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        # Each id's row lives on exactly one rank; the sum puts it everywhere.
+        return reduce_from_tp(out, self.tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token CE over logits split along the vocab, without gathering them.
+
+    Each rank holds logits for vocab rows [start, start + V/tp). The softmax denominator
+    and the target's logit are assembled with three small all-reduces over (b, s) tensors
+    instead of one all-gather of (b, s, V). Padded vocab rows (id >= vocab_size) are
+    masked to -inf so padding never changes the loss.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, tp, vocab_size):
+        per_rank = logits.shape[-1]
+        start = tp.rank * per_rank
+        ctx.in_dtype = logits.dtype
+        logits = logits.float()
+        pad_from = vocab_size - start
+        if pad_from < per_rank:
+            logits = logits.clone()
+            logits[..., max(pad_from, 0):] = float("-inf")
+        row_max = logits.max(dim=-1).values
+        all_reduce(row_max, tp, op=dist.ReduceOp.MAX)
+        shifted = logits - row_max.unsqueeze(-1)
+
+        outside = (target < start) | (target >= start + per_rank)
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        all_reduce(target_logit, tp)
+
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        all_reduce(sum_exp, tp)
+        loss = sum_exp.log() - target_logit
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax  # d loss / d logit = softmax - onehot(target)
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: Group,
+                                 vocab_size: int) -> torch.Tensor:
+    """Per-token loss (same shape as `target`) from this rank's vocab slice of the logits."""
+    return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size)

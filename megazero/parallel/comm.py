@@ -1,0 +1,270 @@
+"""Every collective megazero issues, and the autograd pairs of tensor/sequence parallelism.
+
+`Group` wraps one process group with a byte counter: each collective adds the bytes this
+rank puts on the wire under a ring algorithm, so benchmarks can compare the traffic of a
+ZeRO stage or a TP layout with theory. A group of one skips communication entirely.
+
+The f/g pairs (Megatron's names in brackets) are one autograd Function per collective:
+
+    copy_to_tp        identity  / all-reduce       [f: enter a TP region]
+    reduce_from_tp    all-reduce / identity        [g: leave a TP region]
+    scatter_to_tp     split last dim / all-gather
+    gather_from_tp    all-gather last dim / split
+    gather_from_sp    all-gather seq dim / reduce-scatter seq   [sequence parallel]
+    reduce_scatter_to_sp  reduce-scatter seq / all-gather seq   [sequence parallel]
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(eq=False)
+class Group:
+    """One process group as seen from this rank: its members, our index, a byte counter."""
+
+    name: str
+    pg: Optional[dist.ProcessGroup]
+    ranks: list[int]
+    rank: int
+    counter: Counter = field(default_factory=Counter)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def count(self, op: str, nbytes: float) -> None:
+        self.counter[op] += int(nbytes)
+        self.counter[op + "_calls"] += 1
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM,
+               async_op: bool = False) -> Optional[dist.Work]:
+    """In-place all-reduce. Ring traffic per rank: 2 (n-1)/n of the tensor."""
+    if group.size == 1:
+        return None
+    group.count("all_reduce", 2 * (group.size - 1) / group.size * _nbytes(t))
+    return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
+
+
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group,
+                    async_op: bool = False) -> Optional[dist.Work]:
+    """Concatenate every rank's `shard` (dim 0) into `out`. Traffic: (n-1) shards."""
+    if group.size == 1:
+        out.copy_(shard)
+        return None
+    group.count("all_gather", (group.size - 1) * _nbytes(shard))
+    return dist.all_gather_into_tensor(out, shard.contiguous(), group=group.pg, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group) -> None:
+    """Sum `full` over the group and keep this rank's 1/n slice of dim 0 in `out`.
+
+    NCCL has a true reduce-scatter. Gloo's reduce_scatter_tensor is an all-reduce
+    underneath (2x the traffic), so on gloo we run a ring of point-to-point exchanges that
+    moves exactly (n-1)/n of the tensor, as the ZeRO communication volume assumes.
+    """
+    n = group.size
+    if n == 1:
+        out.copy_(full)
+        return
+    group.count("reduce_scatter", (n - 1) * _nbytes(out))
+    if dist.get_backend(group.pg) != "gloo":
+        dist.reduce_scatter_tensor(out, full.contiguous(), group=group.pg)
+        return
+    chunks = list(full.reshape(n, -1).clone().unbind(0))
+    nxt, prv = group.ranks[(group.rank + 1) % n], group.ranks[(group.rank - 1) % n]
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        send_idx = (group.rank - 1 - step) % n
+        recv_idx = (group.rank - 2 - step) % n
+        ops = [dist.P2POp(dist.isend, chunks[send_idx], nxt, group.pg),
+               dist.P2POp(dist.irecv, incoming, prv, group.pg)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        chunks[recv_idx] += incoming
+    out.copy_(chunks[group.rank].view_as(out))
+
+
+def broadcast(t: torch.Tensor, src_index: int, group: Group) -> None:
+    """Broadcast from the group member with index `src_index` (not a global rank)."""
+    if group.size == 1:
+        return
+    group.count("broadcast", _nbytes(t))
+    dist.broadcast(t, src=group.ranks[src_index], group=group.pg)
+
+
+def send(t: torch.Tensor, dst_rank: int, group: Group) -> dist.Work:
+    group.count("send", _nbytes(t))
+    return dist.isend(t, dst_rank, group=group.pg)
+
+
+def recv(t: torch.Tensor, src_rank: int, group: Group) -> dist.Work:
+    return dist.irecv(t, src_rank, group=group.pg)
+
+
+def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[dist.Work]:
+    """Issue a batch of ('send'|'recv', tensor, global_rank) exchanges at once."""
+    p2p = []
+    for kind, t, peer in ops:
+        if kind == "send":
+            group.count("send", _nbytes(t))
+        p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group.pg))
+    return dist.batch_isend_irecv(p2p) if p2p else []
+
+
+def barrier(group: Group) -> None:
+    if group.size > 1:
+        dist.barrier(group=group.pg)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((group.size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into(out, moved, group)
+    return out.movedim(0, dim).contiguous() if dim else out
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // group.size,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out, moved, group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_reduced(x: torch.Tensor, group: Group) -> torch.Tensor:
+    x = x.clone()
+    all_reduce(x, group)
+    return x
+
+
+# ----------------------------------------------------------------------------- f/g pairs
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Each TP rank computed a partial input-gradient from its weight shard: sum them.
+        return _all_reduced(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduced(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, grad.dim() - 1, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, x.dim() - 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _ScatterToTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _GatherFromTP.apply(x, group)
+
+
+def gather_from_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Sequence-parallel: all-gather the sequence dim (backward reduce-scatters it)."""
+    return x if group.size == 1 else _GatherFromSP.apply(x, group, dim)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Sequence-parallel: reduce-scatter the sequence dim (backward all-gathers it)."""
+    return x if group.size == 1 else _ReduceScatterToSP.apply(x, group, dim)
+
+
+def scatter_to_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Keep this rank's slice of the sequence dim of a replicated tensor (backward all-gathers)."""
+    if group.size == 1:
+        return x
+    return _ScatterSeq.apply(x, group, dim)

@@ -1,0 +1,179 @@
+"""ProcessGrid: the tp x pp x dp layout of the job and every process group, built once.
+
+Rank order follows Megatron-LM: tensor parallel innermost (adjacent ranks, so TP traffic
+stays on one node), then data parallel, pipeline outermost:
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+The grid is the only place that creates process groups; everything else receives the
+`Group` objects it needs from here (no module-level state).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megazero.parallel.comm import Group
+
+
+@dataclass(frozen=True)
+class Coords:
+    tp: int
+    dp: int
+    pp: int
+
+
+@dataclass
+class ProcessGrid:
+    """Degrees of each parallelism and this rank's groups. Build with `ProcessGrid.create`."""
+
+    tp: int
+    pp: int
+    dp: int
+    rank: int = 0
+    backend: str = "gloo"
+    groups: dict[str, Group] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel degree {name} ({getattr(self, name)}) must be at least 1")
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def coords(self, rank: Optional[int] = None) -> Coords:
+        """(tp, dp, pp) coordinates of `rank` (default: this process)."""
+        r = self.rank if rank is None else rank
+        return Coords(tp=r % self.tp, dp=(r // self.tp) % self.dp, pp=r // (self.tp * self.dp))
+
+    def rank_of(self, tp: int, dp: int, pp: int) -> int:
+        return pp * self.dp * self.tp + dp * self.tp + tp
+
+    def group_ranks(self, kind: str) -> list[list[int]]:
+        """Every group of one kind as lists of global ranks (the same on all processes)."""
+        t, d, p = range(self.tp), range(self.dp), range(self.pp)
+        if kind == "tp":
+            return [[self.rank_of(i, j, k) for i in t] for k in p for j in d]
+        if kind == "dp":
+            return [[self.rank_of(i, j, k) for j in d] for k in p for i in t]
+        if kind == "pp":
+            return [[self.rank_of(i, j, k) for k in p] for j in d for i in t]
+        if kind == "mp":  # tensor x pipeline: one model replica
+            return [[self.rank_of(i, j, k) for k in p for i in t] for j in d]
+        if kind == "embed":  # first and last stage hold the tied embedding
+            return [sorted({g[0], g[-1]}) for g in self.group_ranks("pp")]
+        raise KeyError(kind)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords().tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords().dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords().pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """Global rank of the given pipeline stage that shares this rank's tp and dp coordinates."""
+        c = self.coords()
+        return self.rank_of(c.tp, c.dp, pp_rank % self.pp)
+
+    # ------------------------------------------------------------------ groups
+
+    def __getitem__(self, kind: str) -> Group:
+        return self.groups[kind]
+
+    @property
+    def tp_group(self) -> Group:
+        return self.groups["tp"]
+
+    @property
+    def dp_group(self) -> Group:
+        return self.groups["dp"]
+
+    @property
+    def pp_group(self) -> Group:
+        return self.groups["pp"]
+
+    @property
+    def mp_group(self) -> Group:
+        return self.groups["mp"]
+
+    @property
+    def embed_group(self) -> Group:
+        return self.groups["embed"]
+
+    def build_groups(self) -> None:
+        """Create every process group once. All ranks call new_group for all groups in the
+        same order (a torch.distributed requirement), keeping only their own."""
+        for kind in ("tp", "dp", "pp", "mp", "embed"):
+            for ranks in self.group_ranks(kind):
+                pg = _new_group(ranks, self.world_size)
+                if self.rank in ranks:
+                    self.groups[kind] = Group(kind, pg, ranks, ranks.index(self.rank))
+        world = list(range(self.world_size))
+        self.groups["world"] = Group("world", _new_group(world, self.world_size), world, self.rank)
+
+    @classmethod
+    def create(cls, tp: int, pp: int, timeout_s: int = 600) -> "ProcessGrid":
+        """Join torch.distributed from torchrun's environment (or as a lone process) and
+        build the grid; dp is inferred from the world size."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        if world_size % (tp * pp):
+            raise ValueError(f"world size ({world_size}) must be divisible by tp x pp ({tp} x {pp})")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if not dist.is_initialized():
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if "MASTER_ADDR" in os.environ:
+                dist.init_process_group(backend, timeout=timeout)
+            else:  # plain `python -m megazero.train`: a world of one
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                        timeout=timeout)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        grid = cls(tp=tp, pp=pp, dp=world_size // (tp * pp), rank=rank, backend=backend)
+        grid.build_groups()
+        return grid
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def bytes_moved(self) -> dict[str, dict[str, int]]:
+        """Bytes each group's collectives moved from this rank, by group and operation."""
+        return {name: dict(g.counter) for name, g in self.groups.items()}
+
+    def reset_counters(self) -> None:
+        for g in self.groups.values():
+            g.counter.clear()
+
+
+def _new_group(ranks: list[int], world_size: int) -> Optional[dist.ProcessGroup]:
+    """A process group for `ranks`; a group of one needs no communicator (collectives skip it)."""
+    if len(ranks) == 1:
+        return None
+    if len(ranks) == world_size:
+        return dist.group.WORLD
+    return dist.new_group(ranks)

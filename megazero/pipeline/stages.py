@@ -1,0 +1,44 @@
+"""Which layers each pipeline rank owns, and building its model chunks.
+
+With vpp model chunks per rank (interleaved schedule), the model is cut into pp x vpp
+equal chunks and rank r owns chunks r, r + pp, r + 2 pp, ... (Megatron's layout), so a
+micro-batch visits every rank vpp times.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megazero.config import Config
+from megazero.model.gpt import GPT
+from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.random import RNGTracker
+
+
+def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
+                 pp_layers: Optional[list[int]] = None) -> list[list[int]]:
+    """Global layer indices of each of `pp_rank`'s model chunks, in execution order."""
+    if pp_layers is not None:  # uneven split, one chunk per rank
+        start = sum(pp_layers[:pp_rank])
+        return [list(range(start, start + pp_layers[pp_rank]))]
+    per_chunk = num_layers // (pp * vpp)
+    chunks = []
+    for v in range(vpp):
+        first = (v * pp + pp_rank) * per_chunk
+        chunks.append(list(range(first, first + per_chunk)))
+    return chunks
+
+
+def build_model_chunks(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> list[GPT]:
+    """This rank's model chunks, initialised layout-independently from train.seed."""
+    p = cfg.parallel
+    layer_sets = stage_layers(cfg.model.num_layers, grid.pp, p.vpp, grid.pp_rank, p.pp_layers)
+    chunks = []
+    for v, layers in enumerate(layer_sets):
+        chunk = GPT(cfg.model, grid.tp_group, tracker, layers=layers,
+                    pre_process=grid.is_first_stage and v == 0,
+                    post_process=grid.is_last_stage and v == len(layer_sets) - 1,
+                    recompute=cfg.train.recompute)
+        chunk.init_weights(cfg.train.seed)
+        chunks.append(chunk.to(grid.device))
+    return chunks

@@ -1,0 +1,38 @@
+"""`python -m megazero.train --config FILE [--section.key value ...]` (under torchrun for N processes)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+from megazero.config import ConfigError, build_config, load_yaml, validate
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="megazero-train", description=__doc__,
+                                     epilog="Any config key can be overridden: --model.num_layers 4 --zero.stage=2")
+    parser.add_argument("--config", help="YAML config file (configs/gpt2-tiny.yaml, ...)")
+    args, overrides = parser.parse_known_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = build_config(load_yaml(args.config) if args.config else {}, overrides)
+        # Validate before any process group exists: a bad layout fails fast on every rank.
+        validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer
+
+    grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
+    Trainer(cfg, grid).run()
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

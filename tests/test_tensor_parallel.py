@@ -1,0 +1,118 @@
+"""Tensor-parallel layers and the full model against their non-parallel twins (tp = 2, 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed import run_distributed
+from megazero.config import ModelConfig
+from megazero.model.gpt import GPT
+from megazero.model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_of,
+                                   vocab_parallel_cross_entropy)
+from megazero.parallel.comm import Group, gather_from_tp
+from megazero.parallel.grid import ProcessGrid
+
+SOLO = Group("solo", None, [0], 0)
+
+
+def _grid(tp: int) -> ProcessGrid:
+    import torch.distributed as dist
+    grid = ProcessGrid(tp=tp, pp=1, dp=dist.get_world_size() // tp, rank=dist.get_rank())
+    grid.build_groups()
+    return grid
+
+
+def _check_layers(tp: int) -> bool:
+    grid = _grid(tp)
+    g = grid.tp_group
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    # Column-parallel then row-parallel: the TP MLP pattern.
+    col_full, row_full = ColumnParallelLinear(8, 24, SOLO), RowParallelLinear(24, 8, SOLO)
+    for p in list(col_full.parameters()) + list(row_full.parameters()):
+        torch.nn.init.normal_(p)
+    col, row = ColumnParallelLinear(8, 24, g), RowParallelLinear(24, 8, g)
+    with torch.no_grad():
+        for mine, full in [(col.weight, col_full.weight), (col.bias, col_full.bias),
+                           (row.weight, row_full.weight), (row.bias, row_full.bias)]:
+            mine.copy_(shard_of(full, mine.tp_dim, mine.tp_stride, g.rank, g.size))
+    x2 = x.detach().clone().requires_grad_()
+    ref = row_full(torch.tanh(col_full(x)))
+    out = row(torch.tanh(col(x2)))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    ref.pow(2).sum().backward()
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-4, atol=1e-5)
+    for mine, full in [(col.weight, col_full.weight), (col.bias, col_full.bias),
+                       (row.weight, row_full.weight), (row.bias, row_full.bias)]:
+        torch.testing.assert_close(mine.grad, shard_of(full.grad, mine.tp_dim, mine.tp_stride, g.rank, g.size),
+                                   rtol=1e-4, atol=1e-5)
+
+    # Vocab-parallel embedding and cross-entropy (vocab 300 padded to 512; padding masked).
+    emb_full, emb = VocabParallelEmbedding(512, 8, SOLO), VocabParallelEmbedding(512, 8, g)
+    torch.nn.init.normal_(emb_full.weight)
+    with torch.no_grad():
+        emb.weight.copy_(shard_of(emb_full.weight, 0, 1, g.rank, g.size))
+    ids = torch.randint(0, 300, (2, 5))
+    torch.testing.assert_close(emb(ids), emb_full(ids))
+    logits_full = torch.randn(2, 5, 512, requires_grad=True)
+    logits = shard_of(logits_full.detach(), 2, 1, g.rank, g.size).requires_grad_()
+    loss = vocab_parallel_cross_entropy(logits, ids, g, 300)
+    ref_loss = F.cross_entropy(logits_full[..., :300].reshape(-1, 300), ids.reshape(-1), reduction="none").view(2, 5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    (loss * torch.arange(10.).view(2, 5)).sum().backward()
+    (ref_loss * torch.arange(10.).view(2, 5)).sum().backward()
+    torch.testing.assert_close(logits.grad, shard_of(logits_full.grad, 2, 1, g.rank, g.size), rtol=1e-5, atol=1e-6)
+    return True
+
+
+def _check_model(tp: int) -> dict:
+    grid = _grid(tp)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
+    ref, model = GPT(cfg, SOLO), GPT(cfg, grid.tp_group)
+    ref.init_weights(7)
+    model.init_weights(7)
+    assert ref.padded_vocab == 384 and model.padded_vocab == 128 * tp * ((300 + 128 * tp - 1) // (128 * tp))
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        # same full weights at every TP degree (vocab padding rows aside)
+        if name == "transformer.wte.weight":
+            torch.testing.assert_close(gather_from_tp(q.detach().T, grid.tp_group).T[:300], p[:300], rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(q, shard_of(p, q.tp_dim, q.tp_stride, grid.tp_rank, tp), rtol=0, atol=0)
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(3))
+    labels = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
+    ref_logits, logits = ref(tokens), model(tokens)
+    torch.testing.assert_close(gather_from_tp(logits, grid.tp_group)[..., :300], ref_logits[..., :300],
+                               rtol=1e-5, atol=1e-5)
+    ref_loss, loss = ref.loss(ref_logits, labels).mean(), model.loss(logits, labels).mean()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    ref_loss.backward()
+    loss.backward()
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        want = shard_of(p.grad, q.tp_dim, q.tp_stride, grid.tp_rank, tp)
+        if name == "transformer.wte.weight":
+            want = shard_of(torch.cat([p.grad[:300], p.grad.new_zeros(model.padded_vocab - 300, 32)]), 0, 1,
+                            grid.tp_rank, tp)
+        torch.testing.assert_close(q.grad, want, rtol=1e-4, atol=1e-6, msg=name)
+    return {"loss": float(loss)}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_layers_match_single_process(tp):
+    assert all(run_distributed(_check_layers, tp, tp))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_model_matches_single_process(tp):
+    out = run_distributed(_check_model, tp, tp)
+    assert len({o["loss"] for o in out}) == 1  # every TP rank sees the same loss
+
+
+def test_shard_roundtrip_with_stride():
+    from megazero.model.layers import unshard
+    full = torch.arange(24.).view(12, 2)
+    shards = [shard_of(full, 0, 3, r, 2) for r in range(2)]
+    assert shards[0][:2].tolist() == [[0, 1], [2, 3]] and shards[0][2:4].tolist() == [[8, 9], [10, 11]]
+    torch.testing.assert_close(unshard(shards, 0, 3), full)
