@@ -193,6 +193,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key} ({value!r}) must be an integer")
         return value
     if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} ({value!r}) must be a number")
         return float(value)

@@ -1,0 +1,79 @@
+"""Config loading, overrides and validation: every bad value stops with one clear line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megazero.config import ConfigError, build_config, load_yaml, padded_vocab_size, parse_overrides, validate
+
+
+def test_precedence_cli_over_file_over_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  num_layers: 6\n  hidden_size: 128\ntrain:\n  seed: 5\n")
+    cfg = build_config(load_yaml(str(path)), ["--model.num_layers", "8", "--train.precision=bf16"])
+    assert cfg.model.num_layers == 8  # CLI wins
+    assert cfg.model.hidden_size == 128  # file wins over default
+    assert cfg.train.seed == 5 and cfg.train.precision == "bf16"
+    assert cfg.model.num_heads == 4  # default
+
+
+def test_override_parsing():
+    assert parse_overrides(["--a.b", "1", "--c.d=x", "--e.f", "[1, 2]"]) == [
+        ("a", "b", 1), ("c", "d", "x"), ("e", "f", [1, 2])]
+
+
+def test_data_prefix_accepts_single_value():
+    cfg = build_config(None, ["--data.prefix", "data/x_text_document"])
+    assert cfg.data.prefix == ["data/x_text_document"]
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["--model.foo", "1"], 1, "unknown config key 'model.foo'"),
+    (["--modle.num_layers", "1"], 1, "unknown config section 'modle'"),
+    (["--model.num_layers", "two"], 1, "model.num_layers ('two') must be an integer"),
+    (["--train.precision", "fp8"], 1, "train.precision ('fp8') must be one of fp32, bf16, fp16"),
+    (["--model.num_heads", "12", "--model.hidden_size", "120", "--parallel.tp", "5"], 5,
+     "model.num_heads (12) must be divisible by parallel.tp (5)"),
+    (["--train.global_batch_size", "30", "--train.micro_batch_size", "4"], 4,
+     "train.global_batch_size (30) must be a multiple of micro_batch_size x dp (4 x 4 = 16)"),
+    (["--parallel.tp", "2"], 3, "world size (3) must be divisible by parallel.tp x parallel.pp (2 x 1 = 2)"),
+    (["--zero.stage", "4"], 1, "zero.stage (4) must be 0, 1, 2 or 3"),
+    (["--model.num_layers", "6", "--parallel.pp", "4"], 4, "model.num_layers (6) must be divisible by parallel.pp (4)"),
+    (["--model.num_layers", "8", "--parallel.pp", "2", "--parallel.vpp", "3"], 2,
+     "parallel.vpp (3) must divide num_layers / pp (8 / 2 = 4); try vpp 1 or 2 or 4"),
+    (["--model.dropout", "1.5"], 1, "model.dropout (1.5) must be in [0, 1)"),
+    (["--model.hidden_size", "100", "--model.num_heads", "3"], 1,
+     "model.hidden_size (100) must be divisible by model.num_heads (3)"),
+    (["--optim.lr", "1e-4", "--optim.min_lr", "1e-3"], 1, "optim.min_lr (0.001) must not exceed optim.lr (0.0001)"),
+])
+def test_bad_config_messages(overrides, world, message):
+    with pytest.raises(ConfigError) as err:
+        validate(build_config({"data": {"mock": True}}, overrides), world)
+    assert message in str(err.value)
+
+
+def test_missing_data_is_an_error():
+    with pytest.raises(ConfigError, match="no training data"):
+        validate(build_config(None, []), 1)
+
+
+def test_padded_vocab():
+    assert padded_vocab_size(50257, 1) == 50304
+    assert padded_vocab_size(50257, 2) == 50432
+    assert padded_vocab_size(512, 4) == 512
+
+
+def test_cli_bad_config_exits_2_with_one_line():
+    proc = subprocess.run([sys.executable, "-m", "megazero.train", "--config", "configs/gpt2-tiny.yaml",
+                           "--parallel.tp", "3"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: model.num_heads (4) must be divisible by parallel.tp (3)"
+
+
+def test_cli_missing_config_file():
+    proc = subprocess.run([sys.executable, "-m", "megazero.train", "--config", "nope.yaml"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "config file 'nope.yaml' does not exist" in proc.stderr
