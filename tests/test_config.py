@@ -77,3 +77,9 @@ def test_cli_missing_config_file():
     proc = subprocess.run([sys.executable, "-m", "megazero.train", "--config", "nope.yaml"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "config file 'nope.yaml' does not exist" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "gpt2-124m", "gpt2-355m", "gpt2-774m", "gpt2-1.5b"])
+def test_shipped_configs_validate(name):
+    cfg = build_config(load_yaml(f"configs/{name}.yaml"))
+    assert validate(cfg, cfg.parallel.tp * cfg.parallel.pp) == 1
