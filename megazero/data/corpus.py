@@ -1,0 +1,330 @@
+"""Where documents come from: the embedded default corpus and the user's inputs.
+
+The default corpus is real English built from text that ships with Python itself: the
+documentation topics behind ``help()`` (pydoc_data.topics), the docstrings of the standard
+library read from its source with ``ast`` (nothing is imported, so no module runs), and a few
+text files in the standard library folder. Nothing is downloaded and nothing is committed.
+
+User inputs are JSONL files (one JSON object a line), plain text files (one document a file),
+Hugging Face ``datasets`` data (a ``save_to_disk`` folder, local parquet/arrow/csv files, or a
+hub name when online), a folder of such files, or a glob. They are read in chunks of raw
+records; ``parse_chunk`` turns a chunk into texts and can run in a worker process, so the
+costly JSON decoding happens in parallel while the file is still read in order.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import os
+import sysconfig
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple
+
+from megazero.data import DataError
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+HF_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+# Folders of the standard library that hold tests, bundled wheels or third-party code, not docs.
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "_bundled"}
+_EXTRA_TEXT_FILES = ("LICENSE.txt", "idlelib/*.txt", "email/*.rst")
+
+
+# --- the default corpus ---------------------------------------------------------------------
+
+
+def default_corpus_documents() -> list[str]:
+    """The default corpus: documentation topics, then one document per standard-library module
+    (its docstrings, pydoc style), then the shipped text files; deduplicated, fixed order.
+    About 2.5 MB of English on CPython 3.11."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    docs = [*_topic_documents(), *_module_documents(stdlib), *_text_file_documents(stdlib)]
+    return list(dict.fromkeys(d for d in docs if d.strip()))
+
+
+def write_default_corpus(path: str | os.PathLike) -> str:
+    """Write the default corpus as JSONL ({"text": ...} per line) to path, atomically; return path."""
+    path = os.fspath(path)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for doc in default_corpus_documents():
+            f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _topic_documents() -> list[str]:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distributions strip pydoc_data
+        return []
+    return [topics[name] for name in sorted(topics)]
+
+
+def _stdlib_sources(stdlib: Path) -> list[Path]:
+    """The standard library's .py files, sorted, pruning skipped folders before walking them
+    (site-packages alone can hold tens of thousands of files)."""
+    found = []
+    for folder, dirs, files in os.walk(stdlib):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        found.extend(Path(folder, f) for f in files if f.endswith(".py"))
+    return sorted(found)
+
+
+def _module_documents(stdlib: Path) -> Iterator[str]:
+    for path in _stdlib_sources(stdlib):
+        rel = path.relative_to(stdlib)
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue  # e.g. lib2to3 fixtures written in Python 2
+        name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        doc = _render_module(name, tree)
+        if doc:
+            yield doc
+
+
+def _render_module(name: str, tree: ast.Module) -> str:
+    """pydoc-like text: the module's docstring, then each documented class and function."""
+    parts = []
+    module_doc = ast.get_docstring(tree)
+    if module_doc:
+        parts.append(module_doc)
+    parts.extend(_render_members(tree.body, indent=""))
+    if not parts:
+        return ""
+    title = f"Module {name}"
+    return "\n\n".join([f"{title}\n{'=' * len(title)}", *parts]) + "\n"
+
+
+def _render_members(body: list[ast.stmt], indent: str) -> Iterator[str]:
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            header = f"{indent}def {node.name}({ast.unparse(node.args)})"
+        elif isinstance(node, ast.ClassDef):
+            header = f"{indent}class {node.name}"
+        else:
+            continue
+        doc = ast.get_docstring(node)
+        if doc:
+            body_text = "\n".join(f"{indent}    {line}" if line else "" for line in doc.splitlines())
+            yield f"{header}\n{body_text}"
+        if isinstance(node, ast.ClassDef):
+            yield from _render_members(node.body, indent + "    ")
+
+
+def _text_file_documents(stdlib: Path) -> Iterator[str]:
+    for pattern in _EXTRA_TEXT_FILES:
+        for path in sorted(stdlib.glob(pattern)):
+            try:
+                yield path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+
+
+# --- user inputs ----------------------------------------------------------------------------
+
+
+class Source(NamedTuple):
+    """One input: kind is "jsonl", "text" or "hf"; name is what error messages call it."""
+
+    kind: str
+    name: str
+    dataset: Any = None  # the datasets.Dataset for kind "hf"
+
+
+class Chunk(NamedTuple):
+    """Raw records read in order: payloads[i] is record number first + i of source.
+
+    Payloads are raw bytes (a JSONL line, a whole text file) or, for "hf", the texts per key.
+    """
+
+    kind: str
+    source: str
+    first: int
+    payloads: list[Any]
+    nbytes: int
+
+
+def resolve_inputs(spec: str, hf_split: str = "train") -> list[Source]:
+    """The sources an --input value names: a file, a folder, a glob, or a Hugging Face dataset."""
+    if glob.has_magic(spec):
+        paths = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+        if not paths:
+            raise DataError(f"--input {spec!r}: no files match")
+        return _file_sources(paths, hf_split)
+    if os.path.isdir(spec):
+        if _is_saved_hf_dataset(spec):
+            return [_load_hf(spec, hf_split, from_disk=True)]
+        paths = sorted(
+            str(p) for p in Path(spec).rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.parts)
+        )
+        if not paths:
+            raise DataError(f"--input {spec!r}: the folder holds no files")
+        return _file_sources(paths, hf_split)
+    if os.path.isfile(spec):
+        return _file_sources([spec], hf_split)
+    if os.path.splitext(spec)[1] or spec.startswith((".", "/", "~")):
+        raise DataError(f"--input {spec!r}: no such file or folder")
+    return [_load_hf(spec, hf_split, from_disk=False)]
+
+
+def _file_sources(paths: list[str], hf_split: str) -> list[Source]:
+    sources = []
+    for path in paths:
+        suffix = os.path.splitext(path)[1].lower()
+        if suffix in JSONL_SUFFIXES:
+            sources.append(Source("jsonl", path))
+        elif suffix in HF_FILE_BUILDERS:
+            sources.append(_load_hf(path, hf_split, from_disk=False, builder=HF_FILE_BUILDERS[suffix]))
+        else:
+            sources.append(Source("text", path))
+    return sources
+
+
+def _is_saved_hf_dataset(folder: str) -> bool:
+    return any(os.path.exists(os.path.join(folder, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def _load_hf(spec: str, split: str, from_disk: bool, builder: str | None = None) -> Source:
+    try:
+        import datasets
+
+        if from_disk:
+            ds = datasets.load_from_disk(spec)
+        elif builder:
+            ds = datasets.load_dataset(builder, data_files=spec, split=split)
+        else:
+            ds = datasets.load_dataset(spec, split=split)
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataError(f"--input {spec!r} has splits {', '.join(ds)}, not {split!r}; pick one with --split")
+            ds = ds[split]
+    except DataError:
+        raise
+    except Exception as e:  # datasets raises many types (connection, file not found, schema)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(
+            f"--input {spec!r} is not a local file or folder, and loading it with Hugging Face "
+            f"datasets failed: {reason}"
+        ) from None
+    return Source("hf", spec, ds)
+
+
+def read_chunks(sources: list[Source], keys: list[str], max_records: int = 512, max_bytes: int = 1 << 18) -> Iterator[Chunk]:
+    """Every record of every source, in order, in chunks of at most max_records / about max_bytes."""
+    for source in sources:
+        if source.kind == "jsonl":
+            yield from _jsonl_chunks(source.name, max_records, max_bytes)
+        elif source.kind == "text":
+            with open(source.name, "rb") as f:
+                data = f.read()
+            yield Chunk("text", source.name, 1, [data], len(data))
+        else:
+            yield from _hf_chunks(source, keys, max_records)
+
+
+def _jsonl_chunks(path: str, max_records: int, max_bytes: int) -> Iterator[Chunk]:
+    with open(path, "rb") as f:
+        lines: list[bytes] = []
+        first, nbytes = 1, 0
+        for line_no, line in enumerate(f, start=1):
+            lines.append(line)
+            nbytes += len(line)
+            if len(lines) >= max_records or nbytes >= max_bytes:
+                yield Chunk("jsonl", path, first, lines, nbytes)
+                lines, first, nbytes = [], line_no + 1, 0
+        if lines:
+            yield Chunk("jsonl", path, first, lines, nbytes)
+
+
+def _hf_chunks(source: Source, keys: list[str], batch_size: int) -> Iterator[Chunk]:
+    columns = source.dataset.column_names
+    missing = [k for k in keys if k not in columns]
+    if missing:
+        raise DataError(
+            f"{source.name}: no column {missing[0]!r} (columns: {', '.join(columns)}); pick one with --json-keys"
+        )
+    for start in range(0, len(source.dataset), batch_size):
+        batch = source.dataset[start : start + batch_size]
+        rows = [{k: batch[k][i] for k in keys} for i in range(len(batch[keys[0]]))]
+        nbytes = sum(len(v.encode("utf-8")) for row in rows for v in row.values() if isinstance(v, str))
+        yield Chunk("hf", source.name, start, rows, nbytes)
+
+
+class BadRecord(DataError):
+    """A record that cannot be read; its message starts with file:line (or dataset[row])."""
+
+
+def parse_chunk(chunk: Chunk, keys: list[str], skip_bad: bool) -> tuple[list[dict[str, str]], list[str]]:
+    """The texts of each good record (key -> text), and a message per skipped bad record.
+
+    Blank JSONL lines are not records. Without skip_bad the first bad record raises BadRecord.
+    """
+    texts, skipped = [], []
+    for i, payload in enumerate(chunk.payloads):
+        where = {
+            "hf": f"{chunk.source}[{chunk.first + i}]",
+            "jsonl": f"{chunk.source}:{chunk.first + i}",
+        }.get(chunk.kind, chunk.source)
+        try:
+            record = _parse_record(chunk.kind, payload, keys, where, is_first=chunk.first + i == 1)
+        except BadRecord as e:
+            if not skip_bad:
+                raise
+            skipped.append(str(e))
+            continue
+        if record is not None:
+            texts.append(record)
+    return texts, skipped
+
+
+def _parse_record(kind: str, payload: Any, keys: list[str], where: str, is_first: bool) -> dict[str, str] | None:
+    if kind == "text":
+        return {keys[0]: _decode(payload, where, is_first=True)}
+    if kind == "hf":
+        record = payload
+    else:
+        line = _decode(payload, where, is_first)
+        if not line.strip():
+            return None
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BadRecord(
+                f"{where}: not valid JSON ({e.msg} at column {e.colno}); fix the line or pass --skip-bad-lines"
+            ) from None
+        if not isinstance(record, dict):
+            raise BadRecord(f"{where}: a JSON {type(record).__name__}, not an object; each line must be {{\"key\": text}}")
+    for key in keys:
+        if key not in record:
+            present = ", ".join(map(repr, record)) or "none"
+            raise BadRecord(f"{where}: no key {key!r} (keys: {present}); pick one with --json-keys")
+        if not isinstance(record[key], str):
+            raise BadRecord(f"{where}: {key!r} is a {type(record[key]).__name__}, not a string")
+    return {key: record[key] for key in keys}
+
+
+def _decode(data: bytes, where: str, is_first: bool) -> str:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRecord(
+            f"{where}: not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            f"convert the file to UTF-8 (e.g. iconv) or pass --skip-bad-lines"
+        ) from None
+    # A byte order mark is legal at the start of a file but is not part of the text.
+    return text.removeprefix("\ufeff") if is_first else text
+
+
+def iter_texts(spec: str | None, keys: list[str], hf_split: str = "train", skip_bad: bool = False) -> Iterator[str]:
+    """Every text of an --input value (all keys of each record, in order); the default corpus for None."""
+    if spec is None:
+        yield from default_corpus_documents()
+        return
+    for chunk in read_chunks(resolve_inputs(spec, hf_split), keys):
+        records, _ = parse_chunk(chunk, keys, skip_bad)
+        for record in records:
+            yield from record.values()

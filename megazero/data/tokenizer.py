@@ -1,0 +1,282 @@
+"""Tokenizers: GPT-2 byte-level BPE and SentencePiece, built from a spec string; training both.
+
+A tokenizer spec (the ``data.tokenizer`` config value, preprocess_data.py's ``--tokenizer``) is
+``KIND:PATH``:
+
+    gpt2bpe:DIR                      DIR holds vocab.json and merges.txt (GPT-2's own files,
+                                     or those written by data_tools/train_tokenizer.py)
+    gpt2bpe:VOCAB.json,MERGES.txt    the two files named separately
+    sentencepiece:FILE.model         a SentencePiece model
+    sentencepiece:DIR                DIR holds tokenizer.model
+
+A tokenizer's identity (kind, vocabulary size, end-of-document id and a sha256 over its
+files' bytes) is stored beside every dataset made with it, so that training can refuse a
+dataset made with a different tokenizer. Paths are not part of the identity: the same files
+anywhere are the same tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from megazero.data import DataError
+
+EOD_TOKEN = "<|endoftext|>"
+KINDS = ("gpt2bpe", "sentencepiece")
+# Megatron-LM's --tokenizer-type names, so its users can keep their flags.
+MEGATRON_TYPES = {
+    "GPT2BPETokenizer": "gpt2bpe",
+    "SentencePieceTokenizer": "sentencepiece",
+    "GPTSentencePieceTokenizer": "sentencepiece",
+}
+SPM_MODEL_NAME = "tokenizer.model"
+
+
+def _sha256_of_files(paths: Iterable[str]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\x00")  # keep file boundaries part of the hash
+    return digest.hexdigest()
+
+
+def _require_file(path: str, spec: str) -> None:
+    if not os.path.isfile(path):
+        raise DataError(
+            f"tokenizer {spec!r}: {path} not found; train one with "
+            f"data_tools/train_tokenizer.py or fix the path"
+        )
+
+
+class GPT2BPETokenizer:
+    """GPT-2's byte-level BPE from vocab.json + merges.txt, run by the `tokenizers` library.
+
+    The text "<|endoftext|>" inside a document is encoded as ordinary text, never as the
+    end-of-document id: only preprocessing's --append-eod puts document boundaries in data.
+    """
+
+    kind = "gpt2bpe"
+
+    def __init__(self, vocab_file: str, merges_file: str) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        self.spec = f"gpt2bpe:{vocab_file},{merges_file}"
+        for path in (vocab_file, merges_file):
+            _require_file(path, self.spec)
+        self.files = (vocab_file, merges_file)
+        try:
+            model = models.BPE.from_file(vocab_file, merges_file)
+        except Exception as e:  # the library raises its own exception types for bad files
+            raise DataError(f"tokenizer {self.spec!r}: cannot load BPE files ({e})") from None
+        self._tok = Tokenizer(model)
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tok.decoder = decoders.ByteLevel()
+        eod = self._tok.token_to_id(EOD_TOKEN)
+        if eod is None:
+            raise DataError(f"tokenizer {self.spec!r}: {vocab_file} has no {EOD_TOKEN} entry for end of document")
+        self.eod = eod
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch_fast(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids))
+
+    def identity(self) -> dict[str, Any]:
+        return _identity(self)
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model; the end-of-document id is the model's </s> (eos) piece."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_file: str) -> None:
+        import sentencepiece as spm
+
+        self.spec = f"sentencepiece:{model_file}"
+        _require_file(model_file, self.spec)
+        self.files = (model_file,)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        except Exception as e:  # sentencepiece raises RuntimeError/OSError for foreign files
+            raise DataError(f"tokenizer {self.spec!r}: not a SentencePiece model ({e})") from None
+        self.eod = self._sp.eos_id()
+        if self.eod < 0:
+            raise DataError(f"tokenizer {self.spec!r}: the model has no eos piece to use as end of document")
+        self.vocab_size = self._sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # num_threads=1: parallelism comes from preprocessing's worker processes.
+        return self._sp.encode(texts, num_threads=1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode(list(ids))
+
+    def identity(self) -> dict[str, Any]:
+        return _identity(self)
+
+
+Tokenizer = GPT2BPETokenizer | SentencePieceTokenizer
+
+
+def _identity(tok: Tokenizer) -> dict[str, Any]:
+    return {"type": tok.kind, "vocab_size": tok.vocab_size, "eod": tok.eod, "sha256": _sha256_of_files(tok.files)}
+
+
+def build_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer a spec string names (see the module docstring for the forms)."""
+    kind, sep, path = spec.partition(":")
+    if not sep or not path or kind not in KINDS:
+        raise DataError(
+            f"tokenizer spec {spec!r} is not KIND:PATH with KIND one of {', '.join(KINDS)}; "
+            f"e.g. gpt2bpe:DIR (vocab.json + merges.txt) or sentencepiece:FILE.model"
+        )
+    tokenizer: Tokenizer
+    if kind == "gpt2bpe":
+        if "," in path:
+            vocab_file, merges_file = path.split(",", 1)
+        else:
+            vocab_file, merges_file = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
+        tokenizer = GPT2BPETokenizer(vocab_file, merges_file)
+    else:
+        tokenizer = SentencePieceTokenizer(os.path.join(path, SPM_MODEL_NAME) if os.path.isdir(path) else path)
+    tokenizer.spec = spec  # as the user wrote it, for messages and the dataset sidecar
+    return tokenizer
+
+
+def spec_from_megatron_args(
+    tokenizer_type: str, vocab_file: str | None, merge_file: str | None, tokenizer_model: str | None
+) -> str:
+    """A spec from Megatron-LM style flags (--tokenizer-type, --vocab-file, --merge-file, --tokenizer-model)."""
+    kind = MEGATRON_TYPES.get(tokenizer_type, tokenizer_type)
+    if kind == "gpt2bpe":
+        if not vocab_file or not merge_file:
+            raise DataError(f"--tokenizer-type {tokenizer_type} needs --vocab-file and --merge-file")
+        return f"gpt2bpe:{vocab_file},{merge_file}"
+    if kind == "sentencepiece":
+        if not tokenizer_model:
+            raise DataError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
+        return f"sentencepiece:{tokenizer_model}"
+    names = ", ".join([*MEGATRON_TYPES, *KINDS])
+    raise DataError(f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {names}")
+
+
+def train_gpt2bpe(texts: Iterable[str], vocab_size: int, output_dir: str | os.PathLike) -> str:
+    """Train a GPT-2 style byte-level BPE; write OUTPUT_DIR/vocab.json + merges.txt; return its spec.
+
+    As in GPT-2's own files, the ids start with the 256 byte symbols and <|endoftext|> is the
+    last id, so the vocabulary holds at most vocab_size entries (fewer if the corpus runs out
+    of merges).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise DataError(f"--vocab-size {vocab_size} is too small for byte-level BPE; use at least 257")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1,  # the last id is kept for <|endoftext|>
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    counter = _Counter(texts)
+    tok.train_from_iterator(iter(counter), trainer)
+    counter.require_some()
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab_file, merges_file = tok.model.save(tmp)
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+        vocab[EOD_TOKEN] = len(vocab)
+        with open(vocab_file, "w", encoding="utf-8") as f:
+            json.dump(vocab, f, ensure_ascii=False)
+        _move_into(output_dir, [vocab_file, merges_file])
+    return f"gpt2bpe:{output_dir}"
+
+
+def train_sentencepiece(
+    texts: Iterable[str], vocab_size: int, output_dir: str | os.PathLike, model_type: str = "bpe"
+) -> str:
+    """Train a SentencePiece model (byte fallback, so no text is unknown); write OUTPUT_DIR/tokenizer.model."""
+    import sentencepiece as spm
+
+    counter = _Counter(_paragraphs(texts))
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = os.path.join(tmp, "tokenizer")
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(counter),
+                model_prefix=prefix,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                byte_fallback=True,
+                character_coverage=0.9995,
+                # identity + kept whitespace: decode(encode(text)) == text, newlines included.
+                normalization_rule_name="identity",
+                remove_extra_whitespaces=False,
+                allow_whitespace_only_pieces=True,
+                unk_id=0,
+                bos_id=1,
+                eos_id=2,
+                pad_id=-1,
+                max_sentence_length=1 << 16,
+                minloglevel=2,
+            )
+        except RuntimeError as e:  # e.g. vocab_size larger than the corpus allows
+            counter.require_some()
+            raise DataError(f"sentencepiece training failed: {str(e).strip().splitlines()[-1]}") from None
+        _move_into(output_dir, [prefix + ".model"], rename={prefix + ".model": SPM_MODEL_NAME})
+    return f"sentencepiece:{os.path.join(output_dir, SPM_MODEL_NAME)}"
+
+
+class _Counter:
+    """Passes the non-empty texts through, counting them, so an empty corpus gets a clear error."""
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        self.texts, self.count = texts, 0
+
+    def __iter__(self) -> Iterator[str]:
+        for text in self.texts:
+            if text:
+                self.count += 1
+                yield text
+
+    def require_some(self) -> None:
+        if self.count == 0:
+            raise DataError("the training corpus holds no text; check --input and --json-keys")
+
+
+def _paragraphs(texts: Iterable[str]) -> Iterator[str]:
+    # SentencePiece trains on "sentences" of bounded length; paragraphs keep the newlines
+    # inside them, so the model learns pieces for line breaks and indentation.
+    for text in texts:
+        for paragraph in text.split("\n\n"):
+            if paragraph.strip():
+                yield paragraph
+
+
+def _move_into(output_dir: str | os.PathLike, files: list[str], rename: dict[str, str] | None = None) -> None:
+    """Move files into output_dir, each via a temporary name, so none is ever half-written."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for src in files:
+        name = (rename or {}).get(src, os.path.basename(src))
+        tmp = out / f".{name}.tmp{os.getpid()}"
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, out / name)
