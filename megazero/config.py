@@ -139,6 +139,8 @@ class CheckpointConfig:
     """Iterations between saves (0: only at the end)."""
     keep_last: int = 0
     """Keep only this many newest checkpoints (0: keep all)."""
+    iteration: int = 0
+    """Resume from iter_{iteration} instead of `latest` (0: latest)."""
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -123,6 +123,16 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[di
             group.count("send", _nbytes(t))
         p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group.pg))
     return dist.batch_isend_irecv(p2p) if p2p else []
+
+
+def all_gather_object(obj: Any, group: Group) -> list[Any]:
+    """Every member's picklable `obj`, in group order (small metadata only)."""
+    if group.size == 1:
+        return [obj]
+    out: list[Any] = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.pg)
+    group.count("all_gather_object", 0)
+    return out
 
 
 def barrier(group: Group) -> None:

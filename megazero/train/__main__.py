@@ -28,10 +28,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
 
-    grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
-    Trainer(cfg, grid).run()
     import torch.distributed as dist
-    dist.destroy_process_group()
+    from megazero.checkpoint.sharded import CheckpointError
+    from megazero.data import DataError
+
+    grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
+    try:
+        Trainer(cfg, grid).run()
+    except (CheckpointError, DataError) as e:  # the same message on every rank: print it once
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from typing import Optional
 
 import numpy as np
 import torch
 
+from megazero.checkpoint import sharded
 from megazero.config import Config, describe
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
-from megazero.parallel.random import seed_everything
+from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining
 from megazero.pipeline.stages import build_model_chunks
 from megazero.train.lr import learning_rate
@@ -50,6 +52,66 @@ class Trainer:
                   f"({grid.backend}); {self.num_microbatches} micro-batches/iter\n--- config ---\n"
                   f"{describe(cfg)}--------------", flush=True)
             save_resolved_config(cfg)
+        self.stop_requested = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        if cfg.checkpoint.load:
+            self.load_checkpoint(cfg.checkpoint.load, cfg.checkpoint.iteration)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop_requested = True  # acted on between iterations, by every rank together
+
+    def stop_agreed(self) -> bool:
+        """Did any rank get SIGTERM? All ranks must stop (and save) at the same iteration."""
+        flag = torch.tensor([int(self.stop_requested)])
+        comm.all_reduce(flag, self.grid["world"], op=torch.distributed.ReduceOp.MAX)
+        return bool(flag)
+
+    def rank_state(self) -> dict:
+        """What this rank owns: its optimizer shard (master weights, moments, partition map,
+        loss scaler), its RNG streams, and the loop position. At ZeRO stage 0 the optimizer
+        state is replicated over DP, so only DP rank 0 writes it."""
+        owns_optimizer = self.cfg.zero.stage > 0 or self.grid.dp_rank == 0
+        return {"optimizer": self.optimizer.state_dict() if owns_optimizer else None,
+                "rng": sharded.encode_rng(get_rng_states(self.tracker)),
+                "iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                "skipped_iters": self.skipped_iters}
+
+    def save_checkpoint(self) -> None:
+        c = self.cfg.checkpoint
+        path = sharded.save(c.save, self.iteration, self.rank_state(), self.cfg, self.grid, c.keep_last)
+        if self.is_logger:
+            print(f"saved checkpoint {path}", flush=True)
+
+    def load_checkpoint(self, load_dir: str, iteration: int) -> None:
+        """Resume from `load_dir` (its latest, or iter_{iteration}); a fresh start when the
+        directory holds no checkpoint yet. Every rank fails with the same message on a bad one."""
+        if not iteration and not os.path.isfile(os.path.join(load_dir, sharded.LATEST)):
+            if self.grid.rank == 0:
+                print(f"no checkpoint in {load_dir} yet: starting from scratch", flush=True)
+            return
+        error, state = None, None
+        try:
+            ckpt = sharded.resolve(load_dir, iteration)
+            meta = sharded.read_metadata(ckpt)
+            sharded.check_compatible(meta, self.cfg, self.grid, ckpt)
+            state = sharded.load_rank_state(ckpt, meta, self.grid)
+            if state["optimizer"] is None:  # stage 0: DP rank 0 holds the replicated optimizer state
+                c = self.grid.coords()
+                peer = self.grid.rank_of(c.tp, 0, c.pp)
+                state["optimizer"] = sharded.load_rank_state(ckpt, meta, self.grid, rank=peer)["optimizer"]
+        except sharded.CheckpointError as e:
+            error = str(e)
+        error = sharded.first_error(error, self.grid)
+        if error:
+            raise sharded.CheckpointError(error)
+        self.optimizer.load_state_dict(state["optimizer"])
+        set_rng_states(sharded.decode_rng(state["rng"]), self.tracker)
+        self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
+        self.skipped_iters = state["skipped_iters"]
+        if self.grid.rank == 0:
+            print(f"resumed from {ckpt} at iteration {self.iteration}", flush=True)
 
     # ------------------------------------------------------------------ data
 
@@ -105,27 +167,39 @@ class Trainer:
         return total / n if self.is_logger else None
 
     def run(self) -> list[dict]:
-        t = self.cfg.train
+        """Train until train.iters (or SIGTERM), logging, evaluating and saving on schedule."""
+        t, c = self.cfg.train, self.cfg.checkpoint
         tokens_per_iter = t.global_batch_size * self.cfg.model.seq_length
-        records, tic = [], time.perf_counter()
+        records, step_seconds, steps = [], 0.0, 0  # throughput counts training steps only
         while self.iteration < t.iters:
-            out = self.train_step()
-            if self.iteration % t.log_interval and self.iteration != t.iters:
-                continue
-            elapsed = (time.perf_counter() - tic) / (self.iteration - (records[-1]["iteration"] if records else 0))
             tic = time.perf_counter()
-            rec = self.record(out, tokens_per_iter / elapsed)
-            if t.eval_interval and self.iteration % t.eval_interval == 0:
-                val = self.evaluate()
+            out = self.train_step()
+            step_seconds, steps = step_seconds + time.perf_counter() - tic, steps + 1
+            if self.iteration % t.log_interval == 0 or self.iteration == t.iters:
+                records.append(self.log(out, tokens_per_iter * steps / step_seconds))
+                step_seconds, steps = 0.0, 0
+            stop = self.stop_agreed()
+            if c.save and (stop or self.iteration == t.iters or (c.interval and self.iteration % c.interval == 0)):
+                self.save_checkpoint()
+            if stop:
                 if self.is_logger:
-                    rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 50.0))
-                tic = time.perf_counter()
-            records.append(rec)
-            if self.is_logger:
-                print(format_line(rec, t.iters), flush=True)
-                self.metrics.write(rec)
+                    print(f"SIGTERM: saved and stopped cleanly at iteration {self.iteration}", flush=True)
+                break
         self.metrics.close()
         return records
+
+    def log(self, out: dict, tokens_per_sec: float) -> dict:
+        """Record one logged iteration (with validation when due) and print/write it."""
+        rec = self.record(out, tokens_per_sec)
+        t = self.cfg.train
+        if t.eval_interval and self.iteration % t.eval_interval == 0 and self.valid_ds is not None:
+            val = self.evaluate()
+            if self.is_logger:
+                rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 50.0))
+        if self.is_logger:
+            print(format_line(rec, t.iters), flush=True)
+            self.metrics.write(rec)
+        return rec
 
     def record(self, out: dict, tokens_per_sec: float) -> dict:
         tflops = self.flops_per_token * tokens_per_sec / self.grid.world_size / 1e12
@@ -148,6 +222,7 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
         from megazero.data.mock import MockGPTDataset
         return (MockGPTDataset(needed, m.seq_length, m.vocab_size, t.seed),
                 MockGPTDataset(eval_needed, m.seq_length, m.vocab_size, t.seed + 1))
+    from megazero.data import DataError
     from megazero.data.gpt_dataset import build_train_valid_test_datasets, check_compatibility
     check_compatibility(cfg.data.prefix, cfg.data.tokenizer, m.vocab_size)
 
@@ -156,10 +231,17 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
             [str(p) for p in cfg.data.prefix], cfg.data.split, m.seq_length, t.seed,
             (needed, eval_needed, eval_needed), cfg.data.cache_dir, is_builder)
 
-    # One rank builds and caches the sample indices; the others load them.
+    # One rank builds and caches the sample indices; the others load them. A failure on the
+    # builder reaches every rank (instead of leaving them waiting at a barrier).
+    error = None
     if grid.rank == 0:
-        train, valid, _ = build(True)
-    comm.barrier(grid["world"])
+        try:
+            train, valid, _ = build(True)
+        except DataError as e:
+            error = str(e)
+    error = sharded.first_error(error, grid)
+    if error:
+        raise DataError(error)
     if grid.rank != 0:
         train, valid, _ = build(False)
     return train, valid

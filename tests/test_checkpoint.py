@@ -1,0 +1,132 @@
+"""Sharded checkpoints: exact resume, atomic saves, refusal of bad checkpoints, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed import read_jsonl, torchrun
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--model.dropout", "0.1",
+        "--train.log_interval", "1"]
+
+
+def _train(tmp_path, nproc: int, name: str, extra: list[str]) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    out = str(tmp_path / f"{name}.jsonl")
+    args = BASE + extra + ["--logging.jsonl", out]
+    if nproc == 1:  # a lone process needs no torchrun (and its exit code is ours, not the agent's)
+        proc = subprocess.run([sys.executable, "-m", "megazero.train", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    else:
+        proc = torchrun(nproc, args, cwd=ROOT)
+    return proc, (read_jsonl(out) if os.path.exists(out) else [])
+
+
+def _final_state(ckpt_dir: str) -> dict:
+    with open(os.path.join(ckpt_dir, "latest")) as f:
+        d = os.path.join(ckpt_dir, f.read().strip())
+    return {n: torch.load(os.path.join(d, n), weights_only=True) for n in sorted(os.listdir(d)) if n.endswith(".pt")}
+
+
+def _assert_bitwise_equal(a, b, path="state"):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_bitwise_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_bitwise_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+LAYOUTS = {
+    "single": (1, []),
+    "tp2_dp2": (4, ["--parallel.tp", "2"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_is_bitwise_identical(tmp_path, layout):
+    nproc, extra = LAYOUTS[layout]
+    straight = str(tmp_path / "straight")
+    proc, full = _train(tmp_path, nproc, "straight", extra + ["--train.iters", "6", "--checkpoint.save", straight])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resumed = str(tmp_path / "resumed")
+    proc, first = _train(tmp_path, nproc, "first", extra + ["--train.iters", "3", "--checkpoint.save", resumed])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, second = _train(tmp_path, nproc, "second", extra + ["--train.iters", "6", "--checkpoint.save", resumed,
+                                                              "--checkpoint.load", resumed])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from" in proc.stdout
+    assert [r["loss"] for r in first + second] == [r["loss"] for r in full]
+    assert [r["grad_norm"] for r in first + second] == [r["grad_norm"] for r in full]
+    _assert_bitwise_equal(_final_state(straight), _final_state(resumed))
+
+
+def test_crashed_save_keeps_previous_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    proc, _ = _train(tmp_path, 1, "a", ["--train.iters", "2", "--checkpoint.save", ckpt])
+    assert proc.returncode == 0
+    # A save that died mid-way: a half-written temporary directory for iteration 4.
+    os.makedirs(os.path.join(ckpt, "iter_0000004.tmp"))
+    with open(os.path.join(ckpt, "iter_0000004.tmp", "rank_tp00_pp000_dp000.pt.part"), "wb") as f:
+        f.write(b"\x00" * 100)
+    assert open(os.path.join(ckpt, "latest")).read() == "iter_0000002"
+    proc, recs = _train(tmp_path, 1, "b", ["--train.iters", "4", "--checkpoint.save", ckpt, "--checkpoint.load", ckpt])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from" in proc.stdout and [r["iteration"] for r in recs] == [3, 4]
+    assert sorted(os.listdir(ckpt)) == ["config.yaml", "iter_0000002", "iter_0000004", "latest"]
+
+
+def test_corrupt_and_incomplete_checkpoints_are_refused(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    proc, _ = _train(tmp_path, 1, "a", ["--train.iters", "4", "--checkpoint.save", ckpt, "--checkpoint.interval", "2"])
+    assert proc.returncode == 0
+    shard = os.path.join(ckpt, "iter_0000004", "rank_tp00_pp000_dp000.pt")
+    with open(shard, "r+b") as f:
+        f.seek(200)
+        f.write(b"garbage")
+    resume = ["--train.iters", "6", "--checkpoint.load", ckpt]
+    proc, _ = _train(tmp_path, 1, "b", resume)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint '{ckpt}/iter_0000004' is corrupt: rank_tp00_pp000_dp000.pt fails its sha256 check; "
+        "the last good checkpoint is iter_0000002: resume from it with --checkpoint.iteration 2")
+    proc, recs = _train(tmp_path, 1, "c", resume + ["--checkpoint.iteration", "2"])
+    assert proc.returncode == 0 and recs[0]["iteration"] == 3
+    os.remove(os.path.join(ckpt, "iter_0000004", "metadata.json"))
+    proc, _ = _train(tmp_path, 1, "d", resume)
+    assert proc.returncode == 2 and "is incomplete (no metadata.json)" in proc.stderr
+
+
+def test_other_model_shape_is_refused(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    assert _train(tmp_path, 1, "a", ["--train.iters", "1", "--checkpoint.save", ckpt])[0].returncode == 0
+    proc, _ = _train(tmp_path, 1, "b", ["--train.iters", "2", "--checkpoint.load", ckpt, "--model.hidden_size", "128"])
+    assert proc.returncode == 2
+    assert "holds a model with model.hidden_size = 64, but this run has 128" in proc.stderr
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    cmd = [sys.executable, "-m", "megazero.train", *BASE, "--train.iters", "100000", "--checkpoint.save", ckpt]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("iter 3/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "SIGTERM: saved and stopped cleanly" in out
+    latest = open(os.path.join(ckpt, "latest")).read()
+    assert int(latest.split("_")[1]) >= 3
