@@ -165,26 +165,40 @@ def _encoded_chunks(chunks: Iterable[Chunk], encoder_args: tuple, workers: int) 
 
 
 class Progress:
-    """A tqdm bar over input bytes (MB/s, ETA) with documents and documents/s beside it."""
+    """Documents/s and MB/s while tokenizing: a tqdm bar on a terminal (with ETA when the
+    input size is known), else a plain line every LOG_SECONDS for log files."""
+
+    LOG_SECONDS = 30.0
 
     def __init__(self, total_bytes: int | None, enabled: bool) -> None:
-        from tqdm import tqdm
+        self.start = self.last_log = time.perf_counter()
+        self.documents = self.nbytes = 0
+        self.total_bytes = total_bytes
+        self.enabled = enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
 
-        self.start = time.perf_counter()
-        self.documents = 0
-        self.bar = tqdm(
-            total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", leave=False,
-            disable=not enabled, mininterval=0.5, file=sys.stderr,
-        )
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", leave=False, mininterval=0.5)
 
     def update(self, encoded: Encoded) -> None:
         self.documents += encoded.documents
-        rate = self.documents / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{self.documents:,} docs, {rate:,.0f} docs/s", refresh=False)
-        self.bar.update(encoded.nbytes)
+        self.nbytes += encoded.nbytes
+        now = time.perf_counter()
+        docs_per_s = self.documents / max(now - self.start, 1e-9)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{self.documents:,} docs, {docs_per_s:,.0f} docs/s", refresh=False)
+            self.bar.update(encoded.nbytes)
+        elif self.enabled and now - self.last_log >= self.LOG_SECONDS:
+            self.last_log = now
+            done = f" ({100 * self.nbytes / self.total_bytes:.0f}%)" if self.total_bytes else ""
+            mb_per_s = self.nbytes / 1e6 / (now - self.start)
+            print(f"tokenizing: {self.nbytes / 1e6:,.1f} MB{done}, {self.documents:,} docs, "
+                  f"{docs_per_s:,.0f} docs/s, {mb_per_s:,.2f} MB/s", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def preprocess(args: argparse.Namespace) -> dict[str, Any]:

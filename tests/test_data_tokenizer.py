@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -51,9 +52,15 @@ def write_jsonl(path: Path, texts: list[str], key: str = "text") -> Path:
 
 
 def load_script(name: str):
-    """A data_tools script as a module, to call its main() in-process."""
+    """A data_tools script as a module, to call its main() in-process.
+
+    It is registered in sys.modules so that worker processes can unpickle its functions.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, REPO / "data_tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

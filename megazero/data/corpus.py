@@ -15,6 +15,7 @@ costly JSON decoding happens in parallel while the file is still read in order.
 from __future__ import annotations
 
 import ast
+import functools
 import glob
 import json
 import os
@@ -34,13 +35,14 @@ _EXTRA_TEXT_FILES = ("LICENSE.txt", "idlelib/*.txt", "email/*.rst")
 # --- the default corpus ---------------------------------------------------------------------
 
 
-def default_corpus_documents() -> list[str]:
+@functools.lru_cache(maxsize=1)  # a few seconds of parsing; the result never changes
+def default_corpus_documents() -> tuple[str, ...]:
     """The default corpus: documentation topics, then one document per standard-library module
     (its docstrings, pydoc style), then the shipped text files; deduplicated, fixed order.
-    About 2.5 MB of English on CPython 3.11."""
+    About 2.9 MB of English on CPython 3.11."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     docs = [*_topic_documents(), *_module_documents(stdlib), *_text_file_documents(stdlib)]
-    return list(dict.fromkeys(d for d in docs if d.strip()))
+    return tuple(dict.fromkeys(d for d in docs if d.strip()))
 
 
 def write_default_corpus(path: str | os.PathLike) -> str:
