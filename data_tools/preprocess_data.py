@@ -40,7 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from megazero.data import DataError  # noqa: E402
-from megazero.data.corpus import Chunk, parse_chunk, read_chunks, resolve_inputs, write_default_corpus  # noqa: E402
+from megazero.data.corpus import (  # noqa: E402
+    Chunk,
+    parse_chunk,
+    quiet_hugging_face,
+    read_chunks,
+    resolve_inputs,
+    write_default_corpus,
+)
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, read_metadata  # noqa: E402
 from megazero.data.tokenizer import build_tokenizer, spec_from_megatron_args  # noqa: E402
 
@@ -231,8 +238,8 @@ def _tokenize_into(
 ) -> dict[str, Any]:
     start = time.perf_counter()
     progress = Progress(total_bytes, enabled=not args.no_progress)
-    counts = {"documents": 0, "empty": 0, "tokens": 0, "bytes": 0}
-    skipped: list[str] = []
+    counts = {"documents": 0, "empty": 0, "tokens": 0, "bytes": 0, "skipped": 0}
+    examples: list[str] = []  # of skipped lines, for the summary; not all of them
     try:
         chunks = read_chunks(sources, args.json_keys)
         encoder_args = (spec, args.json_keys, args.append_eod, args.skip_bad_lines)
@@ -243,12 +250,12 @@ def _tokenize_into(
             counts["documents"] += encoded.documents
             counts["empty"] += encoded.empty
             counts["bytes"] += encoded.nbytes
-            skipped.extend(encoded.skipped)
+            counts["skipped"] += len(encoded.skipped)
+            examples.extend(encoded.skipped[: MAX_SKIPPED_SHOWN - len(examples)])
             progress.update(encoded)
     finally:
         progress.close()
-    return {**counts, "skipped": len(skipped), "skipped_examples": skipped[:MAX_SKIPPED_SHOWN],
-            "seconds": time.perf_counter() - start}
+    return {**counts, "skipped_examples": examples, "seconds": time.perf_counter() - start}
 
 
 def _record_counts(summary: dict[str, Any]) -> str:
@@ -307,6 +314,7 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    quiet_hugging_face()
     try:
         summary = merge(args) if args.merge else preprocess(args)
     except DataError as e:

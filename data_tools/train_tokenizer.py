@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megazero.data import DataError  # noqa: E402
-from megazero.data.corpus import iter_texts  # noqa: E402
+from megazero.data.corpus import iter_texts, quiet_hugging_face  # noqa: E402
 from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe, train_sentencepiece  # noqa: E402
 
 
@@ -50,6 +50,7 @@ def train(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    quiet_hugging_face()
     start = time.perf_counter()
     try:
         spec = train(args)

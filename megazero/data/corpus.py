@@ -19,7 +19,9 @@ import functools
 import glob
 import json
 import os
+import socket
 import sysconfig
+import urllib.parse
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
@@ -190,7 +192,37 @@ def _is_saved_hf_dataset(folder: str) -> bool:
     return any(os.path.exists(os.path.join(folder, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
 
+def quiet_hugging_face() -> None:
+    """Ask datasets and the hub client for no progress bars and no retry warnings, so a CLI's
+    stderr holds only its own progress and its one `error:` line. Environment variables (read
+    when those libraries are imported) cost nothing when no Hugging Face input is used."""
+    for name, value in (
+        ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"),
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+        ("DATASETS_VERBOSITY", "error"),
+        ("HF_HUB_VERBOSITY", "error"),
+    ):
+        os.environ.setdefault(name, value)
+
+
+def _hub_unreachable_reason() -> str | None:
+    """Why a hub name cannot load, found in milliseconds instead of after the hub client's
+    retries; None when it may load (online, or offline mode reading the datasets cache)."""
+    if os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE"):
+        return None
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or ""
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return f"the Hugging Face hub ({host}) cannot be reached; pass a local path, or set HF_DATASETS_OFFLINE=1 to read the datasets cache"
+    return None
+
+
 def _load_hf(spec: str, split: str, from_disk: bool, builder: str | None = None) -> Source:
+    if not from_disk and builder is None:
+        reason = _hub_unreachable_reason()
+        if reason:
+            raise DataError(f"--input {spec!r} is not a local file or folder, and {reason}")
     try:
         import datasets
 
