@@ -58,6 +58,7 @@ def test_parse_split_and_ranges() -> None:
 
 def test_parse_blend() -> None:
     assert parse_blend(["a", "b"]) == (["a", "b"], None)
+    assert parse_blend("data/a_text_document") == (["data/a_text_document"], None)
     assert parse_blend(["0.3", "a", 0.7, "b"]) == (["a", "b"], [0.3, 0.7])
     with pytest.raises(DataError, match="mixes weights and paths"):
         parse_blend(["0.3", "a", "b"])

@@ -35,12 +35,13 @@ _INDEX_VERSION = 1
 # --- parsing the data config -----------------------------------------------------------------
 
 
-def parse_blend(prefixes: Sequence[Any]) -> tuple[list[str], list[float] | None]:
+def parse_blend(prefixes: Sequence[Any] | str) -> tuple[list[str], list[float] | None]:
     """(paths, weights) from ["P1", "P2"] (weights None) or ["0.3", "P1", "0.7", "P2"].
 
     Entries may be numbers or strings (YAML gives floats for unquoted weights).
     """
-    items = [str(p) for p in prefixes]
+    # A lone string is one prefix, not a sequence of one-character prefixes.
+    items = [prefixes] if isinstance(prefixes, str) else [str(p) for p in prefixes]
     if not items:
         raise DataError("data.prefix is empty; give one or more dataset prefixes")
     if len(items) >= 2 and _is_number(items[0]):
