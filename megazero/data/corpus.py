@@ -253,6 +253,8 @@ def read_chunks(sources: list[Source], keys: list[str], max_records: int = 512, 
         if source.kind == "jsonl":
             yield from _jsonl_chunks(source.name, max_records, max_bytes)
         elif source.kind == "text":
+            if len(keys) > 1:
+                raise DataError(f"{source.name} is plain text, one text per file; give one --json-keys key, not {len(keys)}")
             with open(source.name, "rb") as f:
                 data = f.read()
             yield Chunk("text", source.name, 1, [data], len(data))

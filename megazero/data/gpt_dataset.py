@@ -27,7 +27,6 @@ import numpy as np
 from megazero.data import DataError
 from megazero.data.indexed import IndexedDataset, read_metadata
 
-SPLIT_NAMES = ("train", "valid", "test")
 # Bump when the index algorithm changes, so stale caches are never reused.
 _INDEX_VERSION = 1
 
@@ -331,12 +330,12 @@ def build_train_valid_test_datasets(
     fractions = parse_split(split)
     indexed = [IndexedDataset(p) for p in paths]
     result = []
-    for s, name in enumerate(SPLIT_NAMES):
+    for s in range(3):
         if num_samples[s] <= 0 or fractions[s] == 0:
             result.append(None)
             continue
         ranges = [split_document_ranges(ds.num_documents, fractions)[s] for ds in indexed]
-        result.append(_build_split(indexed, ranges, weights, name, seq_length, seed, num_samples[s], cache_dir, is_builder, vocab_size))
+        result.append(_build_split(indexed, ranges, weights, seq_length, seed, num_samples[s], cache_dir, is_builder, vocab_size))
     return tuple(result)
 
 
@@ -344,7 +343,6 @@ def _build_split(
     indexed: list[IndexedDataset],
     ranges: list[tuple[int, int]],
     weights: list[float] | None,
-    name: str,
     seq_length: int,
     seed: int,
     num_samples: int,
