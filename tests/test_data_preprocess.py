@@ -146,6 +146,7 @@ BAD_INPUTS = {
     "missing key": (b'{"text": "ok"}\n{"body": "x"}\n', "bad.jsonl:2: no key 'text' (keys: 'body')"),
     "not a string": (b'{"text": 5}\n', "bad.jsonl:1: 'text' is a int"),
     "not utf-8": (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "bad.jsonl:2: not valid UTF-8 (byte 0xe9"),
+    "lone surrogate": (b'{"text": "a\\ud800b"}\n', "bad.jsonl:1: 'text' holds an unpaired surrogate"),
 }
 
 

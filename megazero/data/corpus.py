@@ -340,7 +340,19 @@ def _parse_record(kind: str, payload: Any, keys: list[str], where: str, is_first
             raise BadRecord(f"{where}: no key {key!r} (keys: {present}); pick one with --json-keys")
         if not isinstance(record[key], str):
             raise BadRecord(f"{where}: {key!r} is a {type(record[key]).__name__}, not a string")
+        _require_encodable(record[key], key, where)
     return {key: record[key] for key in keys}
+
+
+def _require_encodable(text: str, key: str, where: str) -> None:
+    """Refuse lone surrogates: JSON can escape them ("\\ud800") but no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRecord(
+            f"{where}: {key!r} holds an unpaired surrogate {text[e.start]!r} at character {e.start}; "
+            f"fix the text or pass --skip-bad-lines"
+        ) from None
 
 
 def _decode(data: bytes, where: str, is_first: bool) -> str:
