@@ -176,18 +176,13 @@ def read_metadata(ckpt: str) -> dict:
     return meta
 
 
-def check_compatible(meta: dict, cfg: Config, grid: ProcessGrid, ckpt: str) -> None:
-    """The model shape must match; the layout must match for a direct (non-resharding) load."""
+def check_model(meta: dict, cfg: Config, ckpt: str) -> None:
+    """The saved model must have this run's shape (any layout can be resharded)."""
     saved_model = meta["config"]["model"]
     for key in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size"):
         if saved_model.get(key) != getattr(cfg.model, key):
             raise CheckpointError(f"checkpoint '{ckpt}' holds a model with model.{key} = {saved_model.get(key)}, "
                                   f"but this run has {getattr(cfg.model, key)}; use the checkpoint's model config")
-    saved, now = meta["layout"], layout_of(cfg, grid)
-    if saved != now:
-        diff = ", ".join(f"{k} {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k])
-        raise CheckpointError(f"checkpoint '{ckpt}' was saved with another layout ({diff}); "
-                              f"resume with the saved layout")
 
 
 def load_rank_state(ckpt: str, meta: dict, grid: ProcessGrid, rank: Optional[int] = None) -> dict:

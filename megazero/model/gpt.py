@@ -56,20 +56,25 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def _attend(self, qkv: torch.Tensor) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if kv is not None:  # incremental decoding: attend to every cached position as well
+            k, v = kv.append(k, v, pos)
         p = self.dropout if self.training else 0.0
         # Attention probabilities of this rank's heads are distinct per TP rank: use the
         # per-rank stream so masks are independent (and reproducible).
         region = self.tracker.fork("tp") if (self.tracker is not None and p > 0) else contextlib.nullcontext()
         with region:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            # A prompt (pos 0) is causal within itself; a single new token sees all the past.
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=pos == 0)
         return y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
         qkv = self.c_attn(x)
-        if self.selective_recompute and self.training:
+        if kv is not None:
+            y = self._attend(qkv, kv, pos)
+        elif self.selective_recompute and self.training:
             # Selective recomputation: keep only the attention core's input; its s x s
             # intermediates are rebuilt in backward (Korthikanti et al., 2022).
             y = checkpoint(self._attend, qkv, use_reentrant=False, context_fn=_rng_context(self.tracker))
@@ -97,8 +102,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv, pos)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -139,17 +144,23 @@ class GPT(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.transformer.wte.weight if self.pre_process else self.lm_head.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Optional["KVCache"] = None) -> torch.Tensor:
         """Tokens [b, s] on the first stage (hidden states [b, s, h] elsewhere) ->
-        hidden states, or this rank's vocab slice of the logits [b, s, V_pad/tp] on the last."""
+        hidden states, or this rank's vocab slice of the logits [b, s, V_pad/tp] on the last.
+        With a `cache` (generation) the tokens continue the cached ones."""
+        start = cache.length if cache is not None else 0
         if self.pre_process:
-            pos = torch.arange(x.shape[1], device=x.device)
+            pos = torch.arange(start, start + x.shape[1], device=x.device)
             x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
-        for block in self.transformer.h.values():
-            if self.full_recompute and self.training:
+        for i, block in self.transformer.h.items():
+            if cache is not None:
+                x = block(x, cache.layers[int(i)], start)
+            elif self.full_recompute and self.training:
                 x = checkpoint(block, x, use_reentrant=False, context_fn=_rng_context(self.tracker))
             else:
                 x = block(x)
+        if cache is not None:
+            cache.length += x.shape[1]
         if not self.post_process:
             return x
         x = self.transformer.ln_f(x)
@@ -194,6 +205,35 @@ class GPT(nn.Module):
         if self.pre_process:
             return self.transformer.wte.weight
         return self.lm_head.weight if self.post_process else None
+
+
+class LayerKV:
+    """One layer's cached keys and values, [b, heads/tp, max_len, head_dim]."""
+
+    def __init__(self, batch: int, heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.k = torch.zeros(batch, heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if pos > 0 and k.shape[2] != 1:
+            raise ValueError("after the prompt, decode one token at a time")
+        end = pos + k.shape[2]
+        self.k[:, :, pos:end], self.v[:, :, pos:end] = k, v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Keys and values of the positions generated so far, for every layer of a model."""
+
+    def __init__(self, model: GPT, batch: int, max_len: int):
+        if max_len > model.cfg.seq_length:
+            raise ValueError(f"cannot cache {max_len} positions: model.seq_length is {model.cfg.seq_length}")
+        p = next(model.parameters())
+        heads = model.cfg.num_heads // model.tp.size
+        head_dim = model.cfg.hidden_size // model.cfg.num_heads
+        self.layers = {i: LayerKV(batch, heads, max_len, head_dim, p.dtype, p.device) for i in model.layers}
+        self.length = 0
 
 
 def _rng_context(tracker: Optional[RNGTracker]):

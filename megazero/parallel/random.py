@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -65,13 +65,15 @@ class RNGTracker:
         self.states = {k: v.clone() for k, v in states.items()}
 
 
-def seed_everything(seed: int, pp_rank: int, tp_rank: int, device: torch.device) -> RNGTracker:
-    """Seed the default streams (same on all TP ranks of a stage) and build the tracker."""
+def seed_everything(seed: int, pp_rank: int, tp_rank: int, device: torch.device,
+                    tracker: Optional[RNGTracker] = None) -> RNGTracker:
+    """Seed the default streams (same on all TP ranks of a stage) and the tracker's TP
+    stream (a new tracker, or `tracker` reseeded in place for the modules that hold it)."""
     stage_seed = seed + 100 * pp_rank
     random.seed(stage_seed)
     np.random.seed(stage_seed % 2**32)
     torch.manual_seed(stage_seed)
-    tracker = RNGTracker(device)
+    tracker = tracker or RNGTracker(device)
     tracker.add("tp", stage_seed + TP_STREAM_OFFSET + tp_rank)
     return tracker
 

@@ -1,0 +1,217 @@
+"""Read full tensors out of a sharded checkpoint, one parameter at a time, and write them
+as one plain torch state_dict (streamed) or a Hugging Face GPT-2 directory.
+
+`ShardedReader` is a pure function of the files: each rank file's optimizer state holds
+its flat fp32 shards (master weights, Adam moments) and the partition map saying where
+every element of every parameter lives (DP rank, offset, length). A full parameter is
+assembled from its DP pieces on every TP rank, then its TP shards are joined with the
+parameter's tp_dim / tp_stride. Rank files are memory-mapped, so only the pieces read
+are brought into memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zipfile
+from typing import Iterator, Optional
+
+import torch
+
+from megazero.checkpoint import sharded
+from megazero.config import ModelConfig, build_config
+from megazero.model.layers import unshard
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class ShardedReader:
+    """Full fp32 tensors (master weights or Adam moments) of a sharded checkpoint.
+
+    Rank files are memory-mapped for each parameter and let go right after, so what stays
+    resident is one parameter's pieces, not the files read so far."""
+
+    def __init__(self, ckpt: str):
+        self.ckpt = ckpt
+        self.meta = sharded.read_metadata(ckpt)
+        self.config = build_config(self.meta["config"])
+        layout = self.meta["layout"]
+        self.tp, self.pp, self.dp = layout["tp"], layout["pp"], layout["dp"]
+        # Partition maps are identical on every DP rank of a (tp, pp) coordinate.
+        self.maps = {(tp, pp): self.optimizer_state(tp, pp, 0)["partition"]
+                     for pp in range(self.pp) for tp in range(self.tp)}
+        self.stage_of = {}  # name -> pipeline rank holding it (the tied head copy aside)
+        for pp in range(self.pp):
+            for name in self.maps[(0, pp)]["params"]:
+                self.stage_of.setdefault(name, pp)
+
+    def optimizer_state(self, tp: int, pp: int, dp: int) -> dict:
+        """One rank file's optimizer state, memory-mapped (size-checked; sha256 is left to resume)."""
+        name = sharded.rank_file_name(tp, pp, dp)
+        path = os.path.join(self.ckpt, name)
+        expected = self.meta["files"].get(name)
+        if expected is None or not os.path.isfile(path):
+            raise sharded.CheckpointError(f"checkpoint '{self.ckpt}' is missing shard {name}")
+        if os.path.getsize(path) != expected["bytes"]:
+            raise sharded.CheckpointError(f"checkpoint '{self.ckpt}' is corrupt: {name} has the wrong size")
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if state["optimizer"] is None:
+            raise sharded.CheckpointError(f"checkpoint '{self.ckpt}': {name} holds no optimizer state")
+        return state["optimizer"]
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
+
+    @property
+    def iteration(self) -> int:
+        return self.meta["iteration"]
+
+    def trainer_state(self) -> dict:
+        """Loop position and optimizer counters (the same on every rank)."""
+        rank0 = torch.load(os.path.join(self.ckpt, sharded.rank_file_name(0, 0, 0)), map_location="cpu",
+                           weights_only=True, mmap=True)
+        opt = rank0["optimizer"]
+        return {"iteration": rank0["iteration"], "consumed_samples": rank0["consumed_samples"],
+                "skipped_iters": rank0["skipped_iters"], "step": int(opt["step"]), "loss_scaler": opt["loss_scaler"]}
+
+    def names(self) -> list[str]:
+        """Parameter names of the non-parallel model, in its order (no tied head copy)."""
+        return [n for n in self.stage_of if n != "lm_head.weight"]
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.maps[(0, self.stage_of[name])]["params"][name]["full_shape"])
+
+    def full(self, name: str, kind: str = "master") -> torch.Tensor:
+        """The whole parameter (all TP shards joined), fp32, in megazero's storage shape."""
+        if name == "lm_head.weight" and name not in self.stage_of:
+            name = "transformer.wte.weight"
+        pp = self.stage_of[name]
+        entry = self.maps[(0, pp)]["params"][name]
+        shards = [self._tp_shard(name, kind, tp, pp) for tp in range(self.tp)]
+        return unshard(shards, entry["tp_dim"], entry["tp_stride"])
+
+    def _tp_shard(self, name: str, kind: str, tp: int, pp: int) -> torch.Tensor:
+        entry = self.maps[(tp, pp)]["params"][name]
+        flat = torch.empty(entry["numel"], dtype=torch.float32)
+        for piece in entry["shards"]:  # at ZeRO-0 one piece, on DP rank 0 (the state is replicated)
+            values = self.optimizer_state(tp, pp, piece["rank"])[kind]
+            flat[piece["param_offset"]: piece["param_offset"] + piece["length"]] = \
+                values[piece["offset"]: piece["offset"] + piece["length"]]
+            del values  # unmaps the file
+        return flat.view(entry["shape"])
+
+    def tensors(self, kind: str = "master", dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.names():
+            t = self.full(name, kind)
+            yield name, t if dtype is None else t.to(dtype)
+
+
+# ----------------------------------------------------------------------------- torch export
+
+
+def save_streaming(path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                   tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Write a torch.save-format state_dict one tensor at a time: the file's skeleton is
+    saved without data, then each tensor's bytes are written at its record's offset. Host
+    memory stays near one tensor however large the model (torch.save needs them all)."""
+    tmp = path + ".tmp"
+    placeholders = {n: torch.empty(s, dtype=dtype) for n, s in shapes.items()}  # never touched: no RSS
+    with torch.serialization.skip_data():
+        torch.save(placeholders, tmp)
+    offsets = _record_offsets(tmp)
+    order = {n: i for i, n in enumerate(shapes)}  # storage keys follow the dict's order
+    with open(tmp, "r+b") as f:
+        for name, t in tensors:
+            t = t.to(dtype).contiguous()
+            if tuple(t.shape) != tuple(shapes[name]):
+                raise ValueError(f"{name}: shape {tuple(t.shape)} != {shapes[name]}")
+            f.seek(offsets[str(order[name])])
+            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def save_safetensors_streaming(path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                               tensors: Iterator[tuple[str, torch.Tensor]], metadata: Optional[dict] = None) -> None:
+    """Write a .safetensors file one tensor at a time (the header is known from the shapes):
+    8-byte header length, JSON header with each tensor's byte range, then the raw data."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        nbytes = itemsize * int(torch.Size(shape).numel())
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".tmp"
+    written = set()
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for name, t in tensors:  # must arrive in `shapes` order
+            if name != list(shapes)[len(written)] or tuple(t.shape) != tuple(shapes[name]):
+                raise ValueError(f"{name} {tuple(t.shape)} arrived out of order or with the wrong shape")
+            f.write(t.to(dtype).contiguous().view(torch.uint8).numpy().tobytes())
+            written.add(name)
+        f.flush()
+        os.fsync(f.fileno())
+    if len(written) != len(shapes):
+        os.remove(tmp)
+        raise ValueError(f"only {len(written)} of {len(shapes)} tensors were written")
+    os.replace(tmp, path)
+
+
+def _record_offsets(path: str) -> dict[str, int]:
+    """Byte offset of each data/<key> record's payload in a torch zip checkpoint."""
+    out = {}
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        for info in z.infolist():
+            parts = info.filename.split("/")
+            if len(parts) == 3 and parts[1] == "data":
+                f.seek(info.header_offset)
+                header = f.read(30)
+                name_len, extra_len = struct.unpack("<HH", header[26:30])
+                out[parts[2]] = info.header_offset + 30 + name_len + extra_len
+    return out
+
+
+def write_torch(reader: ShardedReader, output: str, dtype: torch.dtype) -> None:
+    """One plain state_dict for megazero's non-parallel GPT-2 (load with strict=True), and
+    OUTPUT.config.json with the model config and tokenizer needed to use it."""
+    from megazero.config import padded_vocab_size
+
+    m = reader.model_config
+    shapes = {}
+    for name in reader.names():
+        shape = list(reader.full_shape(name))
+        if name == "transformer.wte.weight":  # re-pad for tp = 1
+            shape[0] = padded_vocab_size(m.vocab_size, 1)
+        shapes[name] = tuple(shape)
+    save_streaming(output, shapes, dtype,
+                   ((n, fit_vocab(n, t, shapes[n])) for n, t in reader.tensors("master")))
+    write_sidecar(output + ".config.json", reader)
+
+
+def fit_vocab(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Vocab padding depends on tp: strip or add zero rows of the embedding to fit `shape`."""
+    if name in ("transformer.wte.weight", "lm_head.weight") and t.shape[0] != shape[0]:
+        if t.shape[0] > shape[0]:
+            return t[: shape[0]]
+        return torch.cat([t, t.new_zeros(shape[0] - t.shape[0], *t.shape[1:])])
+    return t
+
+
+def write_sidecar(path: str, reader: ShardedReader) -> None:
+    info = {"model": reader.meta["config"]["model"], "tokenizer": reader.meta["config"]["data"]["tokenizer"],
+            "iteration": reader.iteration, "source": os.path.abspath(reader.ckpt)}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=1)
+    os.replace(tmp, path)

@@ -1,0 +1,115 @@
+"""Resharding: resume a checkpoint saved at any (tp, pp, vpp, dp, ZeRO stage) at any other.
+
+The optimizer state is rebuilt per parameter: each rank asks a reader (the sharded
+checkpoint itself, or its universal export) for one full fp32 tensor at a time — master
+weights, then each Adam moment — keeps its new TP shard of it and copies the pieces its
+new DP partition owns into its flat shards. No rank ever holds more than about one full
+parameter beyond its own shards.
+
+The universal format (`python -m megazero.convert --to universal`) is parallelism-agnostic:
+
+    DIR/universal.json                      format version, iteration, data position, optimizer step,
+                                            loss scaler, config
+    DIR/{master,exp_avg,exp_avg_sq}.safetensors   full fp32 tensors by parameter name (no padding)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Protocol
+
+import torch
+
+from megazero.checkpoint import sharded
+from megazero.checkpoint.export import KINDS, ShardedReader, fit_vocab, save_safetensors_streaming
+from megazero.config import ModelConfig, build_config
+from megazero.model.layers import shard_of
+
+UNIVERSAL_VERSION = 1
+
+
+class FullTensorReader(Protocol):
+    model_config: ModelConfig
+
+    def full(self, name: str, kind: str = "master") -> torch.Tensor: ...
+
+    def trainer_state(self) -> dict: ...
+
+
+class UniversalReader:
+    """Full tensors from a universal checkpoint directory (read lazily, tensor by tensor)."""
+
+    def __init__(self, path: str):
+        meta_path = os.path.join(path, "universal.json")
+        if not os.path.isfile(meta_path):
+            raise sharded.CheckpointError(f"'{path}' is not a universal checkpoint (no universal.json)")
+        with open(meta_path) as f:
+            self.meta = json.load(f)
+        if self.meta["format_version"] > UNIVERSAL_VERSION:
+            raise sharded.CheckpointError(f"universal checkpoint '{path}' has format version "
+                                          f"{self.meta['format_version']}, newer than {UNIVERSAL_VERSION}; upgrade megazero")
+        from safetensors import safe_open
+        self.files = {k: safe_open(os.path.join(path, f"{k}.safetensors"), framework="pt") for k in KINDS}
+        self.config = build_config(self.meta["config"])
+        self.model_config = self.config.model
+
+    def full(self, name: str, kind: str = "master") -> torch.Tensor:
+        if name == "lm_head.weight":
+            name = "transformer.wte.weight"
+        return self.files[kind].get_tensor(name)
+
+    def trainer_state(self) -> dict:
+        return {k: self.meta[k] for k in ("iteration", "consumed_samples", "skipped_iters", "step", "loss_scaler")}
+
+
+def open_reader(path: str):
+    """A reader for a universal directory, a sharded iter_ directory or a save dir (its latest)."""
+    if os.path.isfile(os.path.join(path, "universal.json")):
+        return UniversalReader(path)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        path = sharded.resolve(path)
+    return ShardedReader(path)
+
+
+def reshard_optimizer_state(reader: FullTensorReader, template: dict, tp_rank: int, tp_size: int) -> dict:
+    """This rank's optimizer state_dict in its new layout (`template` is the fresh optimizer's
+    own state_dict: it supplies the partition map and the keys)."""
+    partition = template["partition"]
+    dp_rank = template["dp_rank"]
+    flats = {k: torch.zeros(partition["shard_numel"], dtype=torch.float32) for k in KINDS}
+    for name, entry in partition["params"].items():
+        mine = [p for p in entry["shards"] if p["rank"] == dp_rank]
+        if not mine:
+            continue
+        for kind in KINDS:
+            full = fit_vocab(name, reader.full(name, kind), tuple(entry["full_shape"]))
+            local = shard_of(full, entry["tp_dim"], entry["tp_stride"], tp_rank, tp_size).reshape(-1)
+            for p in mine:
+                flats[kind][p["offset"]: p["offset"] + p["length"]] = \
+                    local[p["param_offset"]: p["param_offset"] + p["length"]]
+            del full, local
+    state = reader.trainer_state()
+    return {**template, **flats, "step": state["step"], "loss_scaler": state["loss_scaler"]}
+
+
+def write_universal(reader: ShardedReader, output: str) -> None:
+    """Convert a sharded checkpoint into the universal format (streamed, tensor by tensor)."""
+    m = reader.model_config
+    os.makedirs(output, exist_ok=True)
+    shapes = {}
+    for name in reader.names():
+        shape = list(reader.full_shape(name))
+        if name == "transformer.wte.weight":
+            shape[0] = m.vocab_size  # no padding in the universal format
+        shapes[name] = tuple(shape)
+    for kind in KINDS:
+        save_safetensors_streaming(os.path.join(output, f"{kind}.safetensors"), shapes, torch.float32,
+                                   ((n, fit_vocab(n, t, shapes[n])) for n, t in reader.tensors(kind)))
+    state = reader.trainer_state()
+    meta = {"format_version": UNIVERSAL_VERSION, **state, "config": reader.meta["config"],
+            "source": os.path.abspath(reader.ckpt)}
+    tmp = os.path.join(output, "universal.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(tmp, os.path.join(output, "universal.json"))
