@@ -14,7 +14,6 @@ preprocess_data.py accepts; without it the embedded default corpus is used.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
