@@ -131,6 +131,7 @@ def corrupt(path: Path, offset: int, data: bytes) -> None:
         (lambda p: (p / "d.bin").write_bytes((p / "d.bin").read_bytes()[:-2]), "truncated or mismatched"),
         (lambda p: corrupt(p / "d.idx", 34 + 5 * 4 + 5 * 8, struct.pack("<q", 1)), "document indices"),
         (lambda p: (p / "d.bin").unlink(), "not found"),
+        (lambda p: (p / "d.idx").write_bytes((p / "d.idx").read_bytes() + bytes(5)), "multimodal"),
     ],
 )
 def test_bad_files_fail_clearly(tmp_path: Path, damage, words: str) -> None:

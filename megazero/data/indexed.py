@@ -123,6 +123,9 @@ class IndexedDataset:
         if code not in DTYPE_CODES:
             raise DataError(f"{idx} has unknown dtype code {code}; expected one of {sorted(DTYPE_CODES)}")
         expected = _HEADER.size + 12 * n_seq + 8 * n_doc
+        if size == expected + n_seq and n_seq:
+            # Megatron's multimodal variant appends one int8 mode per sequence.
+            raise DataError(f"{idx} is a multimodal MMIDIDX index (sequence modes); only text datasets are supported")
         if size != expected:
             raise DataError(
                 f"{idx} is {size} bytes but its header ({n_seq} sequences, {n_doc} document "
