@@ -338,22 +338,27 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
         if len(p.pp_layers) != p.pp or sum(p.pp_layers) != m.num_layers or min(p.pp_layers) < 1:
             raise ConfigError(f"parallel.pp_layers ({p.pp_layers}) must list pp ({p.pp}) positive counts "
                               f"summing to model.num_layers ({m.num_layers})")
+    elif m.num_layers % p.pp:
+        divisors = [d for d in range(1, m.num_layers + 1) if m.num_layers % d == 0]
+        raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by parallel.pp ({p.pp}); try pp "
+                          f"{', '.join(map(str, divisors[:-1]))} or {divisors[-1]}, or set parallel.pp_layers "
+                          f"for an uneven split")
     elif m.num_layers % (p.pp * p.vpp):
         per_stage = m.num_layers / p.pp
         hint = [v for v in range(1, m.num_layers + 1) if m.num_layers % (p.pp * v) == 0]
-        if p.vpp > 1:
-            raise ConfigError(f"parallel.vpp ({p.vpp}) must divide num_layers / pp ({m.num_layers} / {p.pp} = "
-                              f"{per_stage:g}); try vpp {' or '.join(map(str, hint))}")
-        raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by parallel.pp ({p.pp}); "
-                          f"change pp or set parallel.pp_layers for an uneven split")
+        raise ConfigError(f"parallel.vpp ({p.vpp}) must divide num_layers / pp ({m.num_layers} / {p.pp} = "
+                          f"{per_stage:g}); try vpp {' or '.join(map(str, hint))}")
     microbatches = t.global_batch_size // (t.micro_batch_size * dp)
     if p.vpp > 1:
         if p.pp == 1:
             raise ConfigError(f"parallel.vpp ({p.vpp}) needs parallel.pp > 1")
+        if p.schedule == "gpipe":
+            raise ConfigError(f"parallel.schedule gpipe runs one model chunk per rank, but parallel.vpp is {p.vpp}; "
+                              f"use --parallel.schedule interleaved or --parallel.vpp 1")
         if microbatches % p.pp:
             raise ConfigError(f"interleaved schedule needs micro-batches per iteration ({microbatches}) to be a "
                               f"multiple of parallel.pp ({p.pp}); change train.global_batch_size")
-        p.schedule = "interleaved"
+        p.schedule = "interleaved"  # 1f1b over vpp chunks per rank is the interleaved schedule
     elif p.schedule == "interleaved":
         raise ConfigError("parallel.schedule interleaved needs parallel.vpp > 1")
 

@@ -4,15 +4,33 @@ Every schedule returns this rank's share of the iteration loss: the sum over its
 micro-batches of (token-loss sum / global token count), so the DP sum of the returned
 values is the global mean loss and the gradients need no further rescaling (the loss is
 normalised once, globally). Ranks that do not compute the loss return None.
+
+With pp > 1 a schedule is an *order*: the list of actions (forward or backward of one
+micro-batch through one model chunk) that one pipeline rank runs, in sequence. One executor
+runs any order, exchanging activations and gradients with the neighbours (see p2p.py):
+
+    gpipe        all forwards, then all backwards: m micro-batches' activations alive
+    1f1b         warm-up forwards (pp - 1 - rank), then one forward / one backward in turn,
+                 then the remaining backwards: at most pp micro-batches alive on rank 0
+    interleaved  vpp model chunks per rank (Megatron-LM's interleaved 1F1B): micro-batches
+                 go through the chunks in groups of pp, which cuts the bubble by vpp
+
+Gradient sync contract with the optimizer: every backward runs inside `optimizer.no_sync()`
+except the last backward of each model chunk, so gradients are reduced over DP once per
+iteration, overlapping that last backward.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from megazero.model.gpt import GPT
+from megazero.parallel.grid import ProcessGrid
+from megazero.pipeline.p2p import PipelineP2P
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [b, s], labels [b, s])
 
@@ -21,10 +39,183 @@ def forward_backward_no_pipelining(chunk: GPT, microbatches: Sequence[Microbatch
                                    optimizer=None, forward_only: bool = False) -> Optional[torch.Tensor]:
     """pp = 1: a plain loop of forward + backward per micro-batch (gradients accumulate)."""
     total = torch.zeros((), dtype=torch.float64)
-    for tokens, labels in microbatches:
+    for i, (tokens, labels) in enumerate(microbatches):
         with torch.set_grad_enabled(not forward_only):
             loss = chunk.loss(chunk(tokens), labels).sum() / num_tokens
         if not forward_only:
-            optimizer.scale_loss(loss).backward()
+            # Gradients accumulate locally; only the last backward reduces them over DP.
+            last = i == len(microbatches) - 1
+            with contextlib.nullcontext() if last else optimizer.no_sync():
+                optimizer.scale_loss(loss).backward()
         total += loss.detach().double()
     return total
+
+
+# ----------------------------------------------------------------------------- orders
+
+
+@dataclass(frozen=True)
+class Action:
+    """Forward (or backward) of micro-batch `microbatch` through this rank's model chunk `chunk`."""
+
+    forward: bool
+    chunk: int
+    microbatch: int
+
+    def __repr__(self) -> str:
+        return f"{'F' if self.forward else 'B'}{self.chunk}.{self.microbatch}"
+
+
+Order = Callable[[int, int, int, int], list[Action]]
+"""(pp, vpp, pp_rank, num_microbatches) -> the actions of that rank, in order."""
+
+
+def _single_chunk(name: str, vpp: int) -> None:
+    if vpp != 1:
+        raise ValueError(f"the {name} schedule runs one model chunk per rank (vpp {vpp}); use interleaved")
+
+
+def gpipe_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
+    """GPipe: every forward, then every backward (simplest; keeps all m activations)."""
+    _single_chunk("gpipe", vpp)
+    return [Action(True, 0, j) for j in range(m)] + [Action(False, 0, j) for j in range(m)]
+
+
+def one_f_one_b_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
+    """1F1B (PipeDream-flush): rank r runs pp - 1 - r warm-up forwards, so the backward of
+    micro-batch j starts as soon as its gradient can arrive; then it alternates one
+    forward and one backward, and drains the remaining backwards. Same bubble as GPipe,
+    but at most pp - r micro-batches' activations are alive on rank r."""
+    _single_chunk("1f1b", vpp)
+    warmup = min(pp - 1 - pp_rank, m)
+    order = [Action(True, 0, j) for j in range(warmup)]
+    for j in range(m - warmup):
+        order += [Action(True, 0, warmup + j), Action(False, 0, j)]
+    return order + [Action(False, 0, j) for j in range(m - warmup, m)]
+
+
+def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
+    """(chunk, micro-batch) of the k-th forward (or backward) of a rank in the interleaved
+    schedule: micro-batches go in groups of pp, each group through chunk 0, 1, ... in
+    turn (backwards through the chunks in reverse)."""
+    group, within = divmod(k, pp * vpp)
+    chunk, i = divmod(within, pp)
+    return (chunk if forward else vpp - 1 - chunk), group * pp + i
+
+
+def interleaved_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B over vpp chunks per rank (m a multiple of pp).
+    The warm-up is longer than 1F1B's: the first backward needs a micro-batch to have gone
+    through all pp x vpp virtual stages, (vpp - 1) pp forwards of this rank's earlier
+    chunks plus two per rank still ahead of it (one forward there, one backward back)."""
+    if m % pp:
+        raise ValueError(f"the interleaved schedule needs micro-batches ({m}) to be a multiple of pp ({pp})")
+    total = m * vpp
+    warmup = min((pp - 1 - pp_rank) * 2 + (vpp - 1) * pp, total)
+    order = [Action(True, *_virtual(k, pp, vpp, True)) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [Action(True, *_virtual(warmup + k, pp, vpp, True)), Action(False, *_virtual(k, pp, vpp, False))]
+    return order + [Action(False, *_virtual(k, pp, vpp, False)) for k in range(total - warmup, total)]
+
+
+def forward_only_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
+    """Evaluation: the forwards alone, micro-batches in order through the chunks in turn."""
+    if vpp == 1:
+        return [Action(True, 0, j) for j in range(m)]
+    return [Action(True, *_virtual(k, pp, vpp, True)) for k in range(m * vpp)]
+
+
+ORDERS: dict[str, Order] = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "interleaved": interleaved_order}
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def message_target(action: Action, pp: int, vpp: int, pp_rank: int) -> Optional[tuple[int, Action]]:
+    """Where the tensor an action produces goes: (pipeline rank, the action that consumes it
+    there), or None. Virtual stage s = chunk x pp + rank; forwards feed stage s + 1,
+    backwards feed stage s - 1, and the first and last virtual stages talk to no one."""
+    stage = action.chunk * pp + pp_rank
+    target = stage + 1 if action.forward else stage - 1
+    if not 0 <= target < pp * vpp:
+        return None
+    return target % pp, Action(action.forward, target // pp, action.microbatch)
+
+
+def message_source(action: Action, pp: int, vpp: int, pp_rank: int) -> Optional[int]:
+    """The pipeline rank whose message this action needs (None: it needs none)."""
+    stage = action.chunk * pp + pp_rank
+    source = stage - 1 if action.forward else stage + 1
+    return source % pp if 0 <= source < pp * vpp else None
+
+
+def incoming_messages(order: Order, pp: int, vpp: int, pp_rank: int, m: int) -> dict[int, list[Action]]:
+    """For each neighbour (pipeline rank), the actions of ours its messages feed, in the
+    order it sends them: its own order, which every rank can compute."""
+    incoming: dict[int, list[Action]] = {}
+    for peer in {(pp_rank - 1) % pp, (pp_rank + 1) % pp}:
+        incoming[peer] = [t[1] for a in order(pp, vpp, peer, m)
+                          if (t := message_target(a, pp, vpp, peer)) is not None and t[0] == pp_rank]
+    return incoming
+
+
+# ----------------------------------------------------------------------------- executor
+
+
+def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Microbatch], num_tokens: int,
+                                grid: ProcessGrid, schedule: str, dtype: torch.dtype, optimizer=None,
+                                forward_only: bool = False) -> Optional[torch.Tensor]:
+    """Run one iteration's micro-batches through this rank's model chunks in the order of
+    `schedule` (gpipe | 1f1b | interleaved; forward_only: forwards alone), exchanging
+    activations [micro_batch_size, seq_length, hidden] in `dtype` with the neighbours."""
+    pp, vpp, rank, m = grid.pp, len(chunks), grid.pp_rank, len(microbatches)
+    order_of = forward_only_order if forward_only else ORDERS[schedule]
+    order = order_of(pp, vpp, rank, m)
+    tokens = microbatches[0][0]
+    shape = (tokens.shape[0], tokens.shape[1], chunks[0].cfg.hidden_size)
+    p2p = PipelineP2P(grid, shape, dtype, {grid.stage_rank(peer): keys for peer, keys in
+                                           incoming_messages(order_of, pp, vpp, rank, m).items()})
+    # The last backward of each chunk reduces its gradients over DP; earlier ones only accumulate.
+    last_backward = {a.chunk: a for a in order if not a.forward}
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    total = torch.zeros((), dtype=torch.float64)
+
+    def run(action: Action, received: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """One action; returns the tensor to pass on (None on the first/last virtual stage)."""
+        nonlocal total
+        chunk = chunks[action.chunk]
+        key = (action.chunk, action.microbatch)
+        if action.forward:
+            tokens, labels = microbatches[action.microbatch]
+            x = tokens if chunk.pre_process else received.requires_grad_(not forward_only)
+            with torch.set_grad_enabled(not forward_only):
+                y = chunk(x)
+                if chunk.post_process:
+                    y = chunk.loss(y, labels).sum() / num_tokens
+                    total += y.detach().double()
+            if not forward_only:
+                saved[key] = (x, y)
+            return None if chunk.post_process else y
+        x, y = saved.pop(key)
+        with contextlib.nullcontext() if action == last_backward[action.chunk] else optimizer.no_sync():
+            if chunk.post_process:
+                optimizer.scale_loss(y).backward()
+            else:
+                torch.autograd.backward(y, received)
+        return None if chunk.pre_process else x.grad
+
+    def needs(i: int) -> Optional[tuple[int, Action]]:
+        if i == len(order):
+            return None
+        source = message_source(order[i], pp, vpp, rank)
+        return None if source is None else (grid.stage_rank(source), order[i])
+
+    # Each exchange sends what one action produced and receives what the next one needs.
+    received = p2p.exchange(take=needs(0))
+    for i, action in enumerate(order):
+        out = run(action, received)
+        target = message_target(action, pp, vpp, rank)
+        send = (grid.stage_rank(target[0]), out) if target is not None else None
+        received = p2p.exchange(send, needs(i + 1))
+    p2p.flush()
+    return total if grid.is_last_stage else None

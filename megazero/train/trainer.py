@@ -22,7 +22,7 @@ from megazero.config import Config, describe
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
-from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining
+from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining
 from megazero.pipeline.stages import build_model_chunks
 from megazero.train.lr import learning_rate
 from megazero.train.metrics import (MetricsWriter, device_peak_flops, format_line, model_flops_per_token,
@@ -129,8 +129,14 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def run_schedule(self, batches: list[Microbatch], forward_only: bool) -> Optional[torch.Tensor]:
+        """Forward (and backward) of this DP rank's micro-batches; this rank's loss share on
+        the last pipeline stage, None elsewhere."""
         num_tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
-        return forward_backward_no_pipelining(self.chunks[0], batches, num_tokens, self.optimizer, forward_only)
+        if self.grid.pp == 1:
+            return forward_backward_no_pipelining(self.chunks[0], batches, num_tokens, self.optimizer, forward_only)
+        dtype = next(self.chunks[0].parameters()).dtype  # the compute dtype the optimizer cast the model to
+        return forward_backward_pipelining(self.chunks, batches, num_tokens, self.grid, self.cfg.parallel.schedule,
+                                           dtype, self.optimizer, forward_only)
 
     def global_loss(self, local: Optional[torch.Tensor]) -> Optional[float]:
         """Sum the per-rank shares over DP (on the last stage, where the loss exists)."""
