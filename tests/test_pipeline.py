@@ -227,27 +227,34 @@ def test_pp4_and_pipeline_with_tp_and_dp_match_single_process():
 # ----------------------------------------------------------------------------- tied embedding
 
 
-def _train_and_return_tied(overrides: list[str], steps: int) -> dict:
+def _train_and_return_tied(layouts: list[list[str]], steps: int) -> list[dict]:
     import torch.distributed as dist
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
-    cfg = build_config({"model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
-                                  "vocab_size": 256},
-                        "train": {"micro_batch_size": 2, "global_batch_size": 8, "iters": steps},
-                        "optim": {"lr": 1e-2}, "data": {"mock": True}}, overrides)
-    validate(cfg, dist.get_world_size())
-    grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
-    trainer = Trainer(cfg, grid)
-    first = trainer.chunks[0].transformer.wte.weight.detach().clone() if grid.is_first_stage else None
-    losses = [trainer.train_step()["loss"] for _ in range(steps)]
-    tied = [c.tied_weight() for c in trainer.chunks if c.tied_weight() is not None]
-    return {"stage": grid.pp_rank, "tied": [t.detach().clone() for t in tied], "initial": first, "losses": losses}
+    out = []
+    for overrides in layouts:
+        cfg = build_config({"model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
+                                      "vocab_size": 256},
+                            "train": {"micro_batch_size": 2, "global_batch_size": 8, "iters": steps},
+                            "optim": {"lr": 1e-2}, "data": {"mock": True}}, overrides)
+        validate(cfg, dist.get_world_size())
+        grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
+        trainer = Trainer(cfg, grid)
+        initial = [c.tied_weight().detach().clone() for c in trainer.chunks if c.tied_weight() is not None]
+        losses = [trainer.train_step()["loss"] for _ in range(steps)]
+        tied = [c.tied_weight().detach().clone() for c in trainer.chunks if c.tied_weight() is not None]
+        out.append({"initial": initial, "tied": tied, "losses": losses})
+    return out
 
 
-@pytest.mark.parametrize("overrides", [["--parallel.pp", "2"], ["--parallel.pp", "2", "--parallel.vpp", "2"]])
-def test_tied_embedding_copies_stay_identical(overrides):
-    first, last = run_distributed(_train_and_return_tied, 2, overrides, 4)
-    assert len(first["tied"]) == 1 and len(last["tied"]) == 1
-    assert not torch.equal(first["tied"][0], first["initial"])  # it was trained
-    assert torch.equal(first["tied"][0], last["tied"][0])
-    assert first["losses"] == [None] * 4 and all(isinstance(x, float) for x in last["losses"])
+def test_tied_embedding_copies_stay_identical():
+    """The first stage's wte and the last stage's lm_head start equal and, with their
+    gradients summed over the embedding group, stay bitwise equal (pp 2, and vpp 2)."""
+    layouts = [["--parallel.pp", "2"], ["--parallel.pp", "2", "--parallel.vpp", "2"]]
+    first, last = run_distributed(_train_and_return_tied, 2, layouts, 4)
+    for f, l in zip(first, last):
+        assert len(f["tied"]) == 1 and len(l["tied"]) == 1
+        assert torch.equal(f["initial"][0], l["initial"][0])
+        assert not torch.equal(f["tied"][0], f["initial"][0])  # it was trained
+        assert torch.equal(f["tied"][0], l["tied"][0])
+        assert f["losses"] == [None] * 4 and all(isinstance(x, float) for x in l["losses"])
