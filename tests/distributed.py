@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import queue as queue_module
 import socket
 import subprocess
@@ -29,7 +30,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, "ok", fn(*args)))
+        # Plain pickle copies tensors into the message; the queue's own pickler would share
+        # them through file descriptors that die with this process.
+        queue.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # report every failure to the parent instead of hanging it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -57,7 +60,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         if status == "error":
             errors.append(f"rank {rank}:\n{value}")
             break
-        results[rank] = value
+        results[rank] = pickle.loads(value)
     for p in procs:
         p.join(timeout=5 if errors else timeout)
         if p.is_alive():

@@ -39,8 +39,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    finally:
-        dist.destroy_process_group()
+    dist.barrier()  # no rank tears its communicators down while a peer still uses them
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
