@@ -83,3 +83,12 @@ def test_cli_missing_config_file():
 def test_shipped_configs_validate(name):
     cfg = build_config(load_yaml(f"configs/{name}.yaml"))
     assert validate(cfg, cfg.parallel.tp * cfg.parallel.pp) == 1
+
+
+def test_wandb_without_package_is_a_clear_error():
+    import importlib.util
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    proc = subprocess.run([sys.executable, "-m", "megazero.train", "--config", "configs/gpt2-tiny.yaml",
+                           "--logging.wandb", "true"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: logging.wandb is true but wandb is not installed")

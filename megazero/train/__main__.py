@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from typing import Optional
@@ -20,6 +21,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         cfg = build_config(load_yaml(args.config) if args.config else {}, overrides)
         # Validate before any process group exists: a bad layout fails fast on every rank.
         validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("logging.wandb is true but wandb is not installed; "
+                              "pip install -e '.[wandb]' or pass --logging.wandb false")
     except ConfigError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -94,10 +94,7 @@ class MetricsWriter:
 
 
 def _start_wandb(cfg: Config):
-    try:
-        import wandb
-    except ImportError:
-        raise SystemExit("error: logging.wandb is true but wandb is not installed; "
-                         "pip install -e '.[wandb]' or set --logging.wandb false")
+    import wandb  # presence checked at start-up, before any process group exists
+
     os.environ.setdefault("WANDB_MODE", "offline")  # no network here: sync later with `wandb sync`
     return wandb.init(project=cfg.logging.wandb_project, config=cfg.to_dict())
