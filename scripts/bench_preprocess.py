@@ -7,8 +7,9 @@ Two corpora: the embedded default corpus, and a larger one generated from its pa
 (seeded, so every run measures the same bytes). Without --tokenizer, a GPT-2 byte-level BPE
 of 8192 tokens is trained on the default corpus first (not timed). Each row runs
 data_tools/preprocess_data.py's pipeline in this process and times the tokenize-and-write
-stage (the fastest of --repeats runs); the outputs of different worker counts are checked
-to be identical bytes.
+stage (the fastest of --repeats runs) and its CPU time (MB/cpu-s: worker efficiency, which
+other load on the machine does not change); the outputs of different worker counts are
+checked to be identical bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import importlib.util
 import json
 import os
 import platform
+import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -54,11 +56,20 @@ def write_generated_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
     return path
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its reaped children (the pool's workers, once it closes)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def measure(preprocess, corpus: str | None, spec: str, workers: int, out: Path) -> dict:
     argv = ["--tokenizer", spec, "--output-prefix", str(out), "--workers", str(workers), "--append-eod", "--no-progress"]
     if corpus:
         argv += ["--input", corpus]
+    cpu_before = cpu_seconds()
     summary = preprocess.preprocess(preprocess.parse_args(argv))
+    # CPU time spent per MB does not depend on what else the machine runs; wall time does.
+    summary["cpu_seconds"] = cpu_seconds() - cpu_before
     summary["digest"] = [Path(f"{p}.{ext}").read_bytes() for p in summary["outputs"] for ext in ("bin", "idx")]
     return summary
 
@@ -79,7 +90,7 @@ def main() -> int:
         generated = write_generated_corpus(Path(tmp) / "generated.jsonl", args.generated_mb)
         print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, tokenizer {tok.kind} vocab {tok.vocab_size}")
         print(f"{'corpus':<10} {'MB':>7} {'docs':>8} {'tokens':>11} {'workers':>7} {'s':>7} "
-              f"{'MB/s':>6} {'docs/s':>8} {'tokens/s':>10} {'speedup':>7}")
+              f"{'MB/s':>6} {'docs/s':>8} {'tokens/s':>10} {'speedup':>7} {'MB/cpu-s':>8}")
         for name, corpus in (("default", None), ("generated", str(generated))):
             base, first_digest = None, None
             for workers in args.workers:
@@ -91,11 +102,11 @@ def main() -> int:
                 row = {"corpus": name, "mb": s["bytes"] / 1e6, "documents": s["documents"], "tokens": s["tokens"],
                        "workers": workers, "seconds": s["seconds"], "mb_per_s": s["bytes"] / 1e6 / s["seconds"],
                        "docs_per_s": s["documents"] / s["seconds"], "tokens_per_s": s["tokens"] / s["seconds"],
-                       "speedup": base / s["seconds"]}
+                       "speedup": base / s["seconds"], "mb_per_cpu_s": s["bytes"] / 1e6 / s["cpu_seconds"]}
                 rows.append(row)
                 print(f"{name:<10} {row['mb']:>7.2f} {row['documents']:>8,} {row['tokens']:>11,} {workers:>7} "
                       f"{row['seconds']:>7.2f} {row['mb_per_s']:>6.2f} {row['docs_per_s']:>8,.0f} "
-                      f"{row['tokens_per_s']:>10,.0f} {row['speedup']:>6.2f}x")
+                      f"{row['tokens_per_s']:>10,.0f} {row['speedup']:>6.2f}x {row['mb_per_cpu_s']:>8.2f}")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0
