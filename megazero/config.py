@@ -69,7 +69,17 @@ class ZeroConfig:
     sub_group_size: int = 1_000_000_000
     """Largest number of elements one optimizer sub-group step touches."""
     bucket_size: int = 25_000_000
-    """Elements per gradient-communication bucket."""
+    """Elements per gradient-communication bucket (stages 0-2; stage 3 communicates per module)."""
+    prefetch: int = 1
+    """Stage 3: modules whose parameters are gathered ahead of the one running (0: none)."""
+    initial_loss_scale: float = 65536.0
+    """fp16: starting loss scale (a power of two)."""
+    loss_scale_window: int = 1000
+    """fp16: clean steps in a row before the loss scale doubles."""
+    hysteresis: int = 2
+    """fp16: overflows in a row tolerated before the loss scale halves."""
+    min_loss_scale: float = 1.0
+    """fp16: the loss scale never drops below this."""
 
 
 @dataclass
@@ -306,8 +316,7 @@ def validate(cfg: Config, world_size: int) -> int:
         raise ConfigError(f"model.dropout ({m.dropout}) must be in [0, 1)")
     if o.min_lr > o.lr:
         raise ConfigError(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
-    if z.stage not in (0, 1, 2, 3):
-        raise ConfigError(f"zero.stage ({z.stage}) must be 0, 1, 2 or 3")
+    _validate_zero(cfg)
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
     if m.num_heads % p.tp:
@@ -322,12 +331,45 @@ def validate(cfg: Config, world_size: int) -> int:
         raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                           f"micro_batch_size x dp ({t.micro_batch_size} x {dp} = {t.micro_batch_size * dp})")
     _validate_pipeline(cfg, dp)
+    if z.bucket_size < ZERO_ALIGN * dp:
+        raise ConfigError(f"zero.bucket_size ({z.bucket_size}) must hold one aligned slice per DP rank: at least "
+                          f"{ZERO_ALIGN} x dp ({ZERO_ALIGN} x {dp} = {ZERO_ALIGN * dp})")
     if p.sequence_parallel and m.seq_length % p.tp:
         raise ConfigError(f"model.seq_length ({m.seq_length}) must be divisible by parallel.tp ({p.tp}) "
                           f"with parallel.sequence_parallel")
     if not cfg.data.mock and not cfg.data.prefix:
         raise ConfigError("no training data: set data.prefix (indexed dataset prefixes) or data.mock true")
     return dp
+
+
+ZERO_ALIGN = 64
+"""Elements: the alignment of ZeRO's flat partitions (megazero.zero.partition.ALIGN)."""
+
+
+def _validate_zero(cfg: Config) -> None:
+    z, precision = cfg.zero, cfg.train.precision
+    if z.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero.stage ({z.stage}) must be 0, 1, 2 or 3")
+    if z.sub_group_size < ZERO_ALIGN:
+        raise ConfigError(f"zero.sub_group_size ({z.sub_group_size}) must be at least {ZERO_ALIGN} elements "
+                          f"(the partition alignment)")
+    if z.prefetch < 0:
+        raise ConfigError(f"zero.prefetch ({z.prefetch}) must not be negative")
+    if z.loss_scale_window < 1 or z.hysteresis < 1:
+        raise ConfigError(f"zero.loss_scale_window ({z.loss_scale_window}) and zero.hysteresis ({z.hysteresis}) "
+                          f"must be at least 1")
+    if not 0 < z.min_loss_scale <= z.initial_loss_scale:
+        raise ConfigError(f"zero.min_loss_scale ({z.min_loss_scale:g}) must be positive and at most "
+                          f"zero.initial_loss_scale ({z.initial_loss_scale:g})")
+    if z.initial_loss_scale != 2.0 ** round(math.log2(z.initial_loss_scale)):
+        raise ConfigError(f"zero.initial_loss_scale ({z.initial_loss_scale:g}) must be a power of two, "
+                          f"e.g. {2.0 ** round(math.log2(z.initial_loss_scale)):g}, so scaling is exact")
+    defaults = ZeroConfig()
+    changed = [k for k in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
+               if getattr(z, k) != getattr(defaults, k)]
+    if changed and precision != "fp16":
+        raise ConfigError(f"zero.{changed[0]} configures the fp16 loss scaler, but train.precision is {precision}; "
+                          f"drop it or use --train.precision fp16")
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:

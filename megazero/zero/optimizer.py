@@ -1,25 +1,44 @@
-"""The optimizer side of training: gradient reduction over data-parallel replicas, global
-gradient-norm clipping, and AdamW on fp32 master weights.
+"""ZeRO-sharded data parallelism: gradient reduction over DP replicas, global-norm clipping,
+fp16 loss scaling and AdamW on fp32 master weights, at stages 0 to 3.
+
+    stage 0  every rank keeps everything; gradient buckets are all-reduced (async) as they
+             become ready during the last backward of the iteration
+    stage 1  optimizer state (fp32 master, Adam moments) partitioned over DP: buckets are
+             reduce-scattered in that last backward, each rank steps its shard, updated
+             parameters are all-gathered
+    stage 2  gradients partitioned as well: every backward reduce-scatters each bucket as it
+             fills and a rank accumulates only its shard across micro-batches
+    stage 3  parameters partitioned as well (see stage3.py): gathered per module on demand,
+             never all-gathered after the step
 
 Interface used by the trainer and the pipeline schedules:
     zero_grad()           before the first micro-batch of an iteration
     scale_loss(loss)      loss multiplier before backward (fp16 loss scaling)
-    finish_grad_sync()    after the last backward: reduce gradients over DP, sum tied embeddings
+    no_sync()             context for every backward but the last of each model chunk
+    finish_grad_sync()    after the last backward: complete DP reduction, sum tied embeddings
     step(lr) -> StepResult
-    state_dict() / load_state_dict()
+    state_dict() / load_state_dict()           this rank's shard plus the partition map
+    model_state_dict() / load_model_state_dict()  the model's parameters (shards at stage 3)
+    gathered_parameters() / full_state_dict()  full parameters on request at stage 3
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megazero.config import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
+from megazero.zero.partition import Bucket, Layout, Range, build_layout, sub_groups
+from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
+from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
 
 
 @dataclass
@@ -31,83 +50,420 @@ class StepResult:
 
 def no_weight_decay(name: str, p: nn.Parameter) -> bool:
     """Biases, LayerNorms and position embeddings are not decayed (GPT-2 / Megatron practice)."""
-    return p.dim() < 2 or ".ln_" in name or "ln_f" in name
+    return len(p.full_shape) < 2 or ".ln_" in name or "ln_f" in name
+
+
+def bucket_groups(chunks: list[nn.Module], bucket_size: int) -> list[tuple[int, Named]]:
+    """Stages 0-2: parameters in reverse execution order (the order gradients become ready),
+    cut into buckets of about `bucket_size` elements that never span two model chunks (each
+    chunk's last backward comes at its own time). The tied embedding weight gets a bucket of
+    its own, so the first and last stages partition it identically and can sum its shards."""
+    groups: list[tuple[int, Named]] = []
+    for ci in reversed(range(len(chunks))):
+        tied = chunks[ci].tied_weight()
+        named = list(chunks[ci].named_parameters())
+        groups += [(ci, [(n, p)]) for n, p in named if p is tied]
+        current: Named = []
+        size = 0
+        for n, p in reversed(named):
+            if p is tied:
+                continue
+            if current and size + p.numel() > bucket_size:
+                groups.append((ci, current))
+                current, size = [], 0
+            current.append((n, p))
+            size += p.numel()
+        if current:
+            groups.append((ci, current))
+    return groups
+
+
+def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+           exp_avg_sqs: list[torch.Tensor], decayed: list[torch.Tensor], *, lr: float, weight_decay: float,
+           beta1: float, beta2: float, eps: float, step: int) -> None:
+    """AdamW on lists of flat fp32 tensors, element for element what torch.optim.AdamW
+    (foreach=False) computes, so sharded and unsharded runs agree bitwise per element."""
+    if decayed and weight_decay:
+        torch._foreach_mul_(decayed, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    step_size = lr / (1 - beta1 ** step)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, (1 - beta2 ** step) ** 0.5)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-step_size)
 
 
 class ZeroOptimizer:
-    """ZeRO stage 0: every DP rank holds all optimizer state; gradients are all-reduced."""
+    """ZeRO stages 0-3 over one model-parallel rank's model chunks (see the module docstring)."""
 
     def __init__(self, chunks: list[nn.Module], cfg: Config, grid: ProcessGrid):
-        self.cfg, self.grid = cfg, grid
-        self.named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-        self.tied = [c.tied_weight() for c in chunks if c.tied_weight() is not None]
-        fp32 = cfg.train.precision == "fp32"
-        # fp32 master weights: the parameters themselves in fp32 runs, copies otherwise.
-        self.master = [p if fp32 else p.detach().float().clone().requires_grad_() for _, p in self.named]
-        groups = [
-            {"params": [m for (n, p), m in zip(self.named, self.master) if not no_weight_decay(n, p)],
-             "weight_decay": cfg.optim.weight_decay},
-            {"params": [m for (n, p), m in zip(self.named, self.master) if no_weight_decay(n, p)],
-             "weight_decay": 0.0},
-        ]
-        self.adam = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                                      eps=cfg.optim.eps, foreach=False)
+        self.cfg, self.grid, self.chunks = cfg, grid, chunks
+        z = cfg.zero
+        self.stage = z.stage
+        self.dtype = COMPUTE_DTYPE[cfg.train.precision]
+        self.dp = grid.dp_group
+        # Stage 0 is the same machinery with a single shard: every rank owns everything.
+        shards, rank = (1, 0) if self.stage == 0 else (grid.dp, grid.dp_rank)
+        units = None
+        if self.stage == 3:
+            units, groups = fetch_units(chunks)
+        else:
+            groups = bucket_groups(chunks, z.bucket_size)
+        self.layout: Layout = build_layout(groups, shards, rank)
+        slots = self.layout.slots()
+        tied = {id(c.tied_weight()) for c in chunks if c.tied_weight() is not None}
+        self.tied_buckets = [b.index for b, s in slots if id(s.param) in tied]
+        decays = {s.name: not no_weight_decay(s.name, s.param) for _, s in slots}
+        # Each gradient element counted once: TP-replicated parameters on TP rank 0 only, and the
+        # last stage's copy of the tied embedding not at all (its sum lives in wte's grad).
+        counted = {s.name: (s.param.tp_dim is not None or grid.tp_rank == 0) and s.name != "lm_head.weight"
+                   for _, s in slots}
+        self.ranges = self.layout.ranges(decays, counted, z.sub_group_size)
+        self.groups = sub_groups(self.ranges, z.sub_group_size)
+        self.scaler = (DynamicLossScaler(z.initial_loss_scale, z.loss_scale_window, z.hysteresis, z.min_loss_scale)
+                       if cfg.train.precision == "fp16" else None)
+        self.step_count = 0
+        self._sync = True
+        self._ready: dict[int, set[str]] = {}
+        self._reduced: set[int] = set()
+        self._works: list[dist.Work] = []
+        self._pending: dict[int, torch.Tensor] = {}  # stage 2/3: bucket -> full gradient being filled
+
+        self._build_storage()
+        n = self.layout.shard_numel
+        self.exp_avg = torch.zeros(n, device=grid.device)
+        self.exp_avg_sq = torch.zeros(n, device=grid.device)
+        self.gatherer = (ParamGatherer(self.layout, self.param_shard, units, self.dp, z.prefetch)
+                         if self.stage == 3 else None)
+        if self.gatherer is not None:
+            for c in chunks:
+                c.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
+        self.hooks = [s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
+                      for b, s in slots]
+        self.zero_grad()
+
+    def _build_storage(self) -> None:
+        """Move the fp32-initialised parameters into flat buckets: fp32 master values for this
+        rank's shard, the model in the compute dtype (stage 3: only this rank's shard of it)."""
+        device, n = self.grid.device, self.layout.shard_numel
+        fp32 = self.dtype == torch.float32
+        # In fp32 the model's own values are the master weights; a copy would be waste.
+        self.master: Optional[torch.Tensor] = None if fp32 else torch.zeros(n, device=device)
+        self.param_flat: list[torch.Tensor] = []
+        self.param_shard = torch.zeros(n if self.stage == 3 else 0, dtype=self.dtype, device=device)
+        for b in self.layout.buckets:
+            flat = torch.zeros(b.numel, device=device)
+            for s in b.slots:
+                flat[s.offset: s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+            lo, hi = b.slice_of(self.layout.rank)
+            shard = slice(b.shard_offset, b.shard_offset + b.shard_numel)
+            if self.master is not None:
+                self.master[shard].copy_(flat[lo:hi])
+            if self.stage == 3:
+                self.param_shard[shard].copy_(flat[lo:hi])
+                continue  # the gatherer points the parameters at placeholders
+            flat = flat.to(self.dtype)
+            self.param_flat.append(flat)
+            for s in b.slots:
+                s.param.data = flat[s.offset: s.offset + s.numel].view(s.shape)
+        # Gradients in the compute dtype (what is communicated): full buckets at stage 0/1,
+        # this rank's shard at stage 2/3.
+        if self.stage <= 1:
+            self.grad_flat = [torch.zeros(b.numel, dtype=self.dtype, device=device) for b in self.layout.buckets]
+        else:
+            self.grad_shard = torch.zeros(n, dtype=self.dtype, device=device)
+
+    # ------------------------------------------------------------------ views of one range
+
+    def _param(self, r: Range) -> torch.Tensor:
+        if self.stage == 3:
+            return self.param_shard[r.shard_offset: r.shard_offset + r.length]
+        return self.param_flat[r.bucket][r.start: r.start + r.length]
+
+    def _master(self, r: Range) -> torch.Tensor:
+        return self._param(r) if self.master is None else self.master[r.shard_offset: r.shard_offset + r.length]
+
+    def _grad(self, r: Range) -> torch.Tensor:
+        if self.stage >= 2:
+            return self.grad_shard[r.shard_offset: r.shard_offset + r.length]
+        return self.grad_flat[r.bucket][r.start: r.start + r.length]
+
+    def _grad_slice(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced gradient of bucket b."""
+        if self.stage >= 2:
+            return self.grad_shard[b.shard_offset: b.shard_offset + b.shard_numel]
+        lo, hi = b.slice_of(self.layout.rank)
+        return self.grad_flat[b.index][lo:hi]
+
+    # ------------------------------------------------------------------ gradients
 
     def zero_grad(self) -> None:
-        for _, p in self.named:
-            p.grad = None
+        self._ready.clear()
+        self._reduced.clear()
+        if self.stage <= 1:
+            for g in self.grad_flat:
+                g.zero_()
+            # Gradients are views into the buckets, so autograd accumulates in place and a
+            # bucket is ready to send without a copy.
+            for b, s in self.layout.slots():
+                s.param.grad = self.grad_flat[b.index][s.offset: s.offset + s.numel].view(s.shape)
+        else:
+            self.grad_shard.zero_()
+            for _, s in self.layout.slots():
+                s.param.grad = None
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without communication.
+        Stages 2/3 reduce every micro-batch into the shard anyway, so for them it changes nothing."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _grad_ready(self, b: Bucket, s, p: nn.Parameter) -> None:
+        """Called by autograd once p's gradient of this backward pass is accumulated."""
+        if self.stage <= 1:
+            if not self._sync:
+                return
+            if b.index in self._reduced:
+                raise RuntimeError(f"zero stage {self.stage} reduces gradients once per iteration, but bucket "
+                                   f"{b.index} ({s.name}) got a second synchronised backward; wrap every backward "
+                                   f"but the last of each model chunk in optimizer.no_sync()")
+        else:
+            buf = self._pending.get(b.index)
+            if buf is None:
+                buf = self._pending[b.index] = torch.zeros(b.numel, dtype=self.dtype, device=self.grid.device)
+            buf[s.offset: s.offset + s.numel].view(s.shape).add_(p.grad)
+            p.grad = None  # the full gradient lives on only in the bucket until it is reduced
+        ready = self._ready.setdefault(b.index, set())
+        ready.add(s.name)
+        if len(ready) == len(b.slots):
+            self._reduce(b)
+
+    def _reduce(self, b: Bucket) -> None:
+        self._ready.pop(b.index, None)
+        if self.stage == 0:
+            self._works.append(comm.all_reduce(self.grad_flat[b.index], self.dp, async_op=True))
+        elif self.stage == 1:
+            comm.reduce_scatter_into(self._grad_slice(b), self.grad_flat[b.index], self.dp)
+        else:
+            full = self._pending.pop(b.index)
+            reduced = torch.empty(b.shard_numel, dtype=self.dtype, device=self.grid.device)
+            comm.reduce_scatter_into(reduced, full, self.dp)
+            self._grad_slice(b).add_(reduced)
+            if self.gatherer is not None:
+                self.gatherer.release(b.index)
+        self._reduced.add(b.index)
 
     def finish_grad_sync(self) -> None:
-        for _, p in self.named:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        # The first stage's embedding and the last stage's head are one weight: sum their grads.
-        for w in self.tied:
-            comm.all_reduce(w.grad, self.grid.embed_group)
-        grads = [p.grad for _, p in self.named]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        comm.all_reduce(flat, self.grid.dp_group)
-        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+        """Complete the DP reduction (buckets some parameter of which got no gradient are sent
+        now, in bucket order on every rank), then sum the tied embedding over its group."""
+        if self.stage <= 1:
+            for b in self.layout.buckets:
+                if b.index not in self._reduced:
+                    self._reduce(b)
+        else:
+            for index in sorted(self._pending):
+                self._reduce(self.layout.buckets[index])
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        self._works.clear()
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+        for index in self.tied_buckets:
+            comm.all_reduce(self._grad_slice(self.layout.buckets[index]), self.grid.embed_group)
 
-    def grad_norm(self) -> float:
-        """Global L2 norm over TP, PP and DP, each gradient element counted once."""
-        sq = torch.zeros(1, dtype=torch.float64)
-        for (name, p), m in zip(self.named, self.master):
-            replicated_over_tp = p.tp_dim is None
-            if replicated_over_tp and self.grid.tp_rank != 0:
-                continue
-            if name == "lm_head.weight":  # tied copy of wte, counted on the first stage
-                continue
-            sq += p.grad.double().pow(2).sum()
-        comm.all_reduce(sq, self.grid.mp_group)
-        return float(sq.sqrt())
+    # ------------------------------------------------------------------ step
+
+    def _fp32_grads(self, group: list[Range]) -> list[torch.Tensor]:
+        return [self._grad(r).float() for r in group]
+
+    def grad_norm_and_overflow(self) -> tuple[float, bool]:
+        """Global L2 norm of the (unscaled) gradients over TP, PP and DP, each element once;
+        and whether any rank saw inf/NaN. One all-reduce: [counted sum of squares, the rest],
+        over the model-parallel group at stage 0 (DP replicas agree) and the world otherwise."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.grid.device)
+        for r in self.ranges:
+            sums[0 if r.counted else 1] += self._grad(r).double().pow(2).sum()
+        comm.all_reduce(sums, self.grid.mp_group if self.stage == 0 else self.grid["world"])
+        overflow = not bool(torch.isfinite(sums).all())
+        inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+        return float(sums[0].sqrt()) * inv_scale, overflow
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
-        for (_, p), m in zip(self.named, self.master):
-            m.grad = p.grad if m is p else p.grad.float()
-        norm = self.grad_norm()
-        clip = self.cfg.optim.clip_grad
-        if clip > 0 and norm > clip:
-            for m in self.master:
-                m.grad.mul_(clip / (norm + 1e-6))
-        for group in self.adam.param_groups:
-            group["lr"] = lr
-        self.adam.step()
-        for (_, p), m in zip(self.named, self.master):
-            if m is not p:
-                p.copy_(m)
-        return StepResult(grad_norm=norm, skipped=False)
+        norm, overflow = self.grad_norm_and_overflow()
+        scale = self.scaler.scale if self.scaler is not None else None
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+            if overflow:  # every rank saw the same sums, so every rank skips
+                return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
+        o = self.cfg.optim
+        coef = 1.0 / scale if scale is not None else 1.0
+        if o.clip_grad > 0 and norm > o.clip_grad:
+            coef *= o.clip_grad / (norm + 1e-6)
+        self.step_count += 1
+        for group in self.groups:
+            grads = self._fp32_grads(group)
+            if coef != 1.0:
+                torch._foreach_mul_(grads, coef)
+            masters = [self._master(r) for r in group]
+            adamw_(masters, grads,
+                   [self.exp_avg[r.shard_offset: r.shard_offset + r.length] for r in group],
+                   [self.exp_avg_sq[r.shard_offset: r.shard_offset + r.length] for r in group],
+                   [m for m, r in zip(masters, group) if r.decay],
+                   lr=lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                   step=self.step_count)
+            if self.master is not None:
+                torch._foreach_copy_([self._param(r) for r in group], masters)
+        self._gather_updated_params()
+        return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
+
+    def _gather_updated_params(self) -> None:
+        """Stages 1/2: every rank stepped its slice; put the full parameters everywhere."""
+        if self.stage not in (1, 2):
+            return
+        for b in self.layout.buckets:
+            lo, hi = b.slice_of(self.layout.rank)
+            comm.all_gather_into(self.param_flat[b.index], self.param_flat[b.index][lo:hi], self.dp)
+
+    # ------------------------------------------------------------------ state
+
+    def _shard_values(self) -> torch.Tensor:
+        """This rank's fp32 master shard as one flat tensor (padding included)."""
+        if self.master is not None:
+            return self.master.clone()
+        if self.stage == 3:
+            return self.param_shard.clone()
+        return torch.cat([self._param_slice(b) for b in self.layout.buckets])
+
+    def _param_slice(self, b: Bucket) -> torch.Tensor:
+        """Stages 0-2: this rank's slice of bucket b's parameters."""
+        lo, hi = b.slice_of(self.layout.rank)
+        return self.param_flat[b.index][lo:hi]
 
     def state_dict(self) -> dict:
-        return {"adam": self.adam.state_dict(), "master": [m.detach() for m in self.master]}
+        """Only this rank's shard (fp32 master, Adam moments, step, loss scaler) and the
+        partition map that says where each element belongs."""
+        return {"stage": self.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
+                "precision": self.cfg.train.precision, "step": self.step_count,
+                "master": self._shard_values(), "exp_avg": self.exp_avg.clone(),
+                "exp_avg_sq": self.exp_avg_sq.clone(),
+                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "partition": self.layout.param_map()}
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        self.adam.load_state_dict(state["adam"])
-        with torch.no_grad():
-            for m, saved in zip(self.master, state["master"]):
-                m.copy_(saved)
+        """Restore a state_dict of the same layout; the model's parameters are set from the
+        master weights exactly as a step would have set them (bitwise resume)."""
+        mine = self.layout.param_map()
+        if state["partition"] != mine or state["stage"] != self.stage:
+            raise ValueError(f"optimizer state has a different layout (stage {state['stage']}, "
+                             f"{state['partition']['shards']} shards) than this run (stage {self.stage}, "
+                             f"{mine['shards']} shards); reshard it first")
+        self.step_count = int(state["step"])
+        self.exp_avg.copy_(state["exp_avg"])
+        self.exp_avg_sq.copy_(state["exp_avg_sq"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        master = state["master"]
+        for b in self.layout.buckets:
+            values = master[b.shard_offset: b.shard_offset + b.shard_numel]
+            if self.master is not None:
+                self.master[b.shard_offset: b.shard_offset + b.shard_numel].copy_(values)
+            if self.stage == 3:
+                self.param_shard[b.shard_offset: b.shard_offset + b.shard_numel].copy_(values)
+            else:
+                self._param_slice(b).copy_(values)
+        self._gather_updated_params()
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's parameters as this rank holds them: full (per model-parallel rank) at
+        stages 0-2; at stage 3 each parameter's piece of this rank's shard, flattened (the
+        partition map in state_dict() says where each piece goes)."""
+        if self.stage < 3:
+            return {s.name: s.param.detach().clone() for _, s in self.layout.slots()}
+        return {name: piece.clone() for name, piece in self._stage3_pieces()}
+
+    @torch.no_grad()
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of model_state_dict(); the master weights follow the loaded values."""
+        if self.stage < 3:
+            for _, s in self.layout.slots():
+                s.param.copy_(state[s.name])
+        else:
+            for name, piece in self._stage3_pieces():
+                piece.copy_(state[name])
+        if self.master is not None:
+            for b in self.layout.buckets:
+                own = self.param_shard[b.shard_offset: b.shard_offset + b.shard_numel] if self.stage == 3 \
+                    else self._param_slice(b)
+                self.master[b.shard_offset: b.shard_offset + b.shard_numel].copy_(own)
+
+    def _stage3_pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, the view of param_shard holding this rank's piece of it) per parameter;
+        a piece is empty when the parameter lies wholly in other ranks' slices."""
+        out = []
+        for b, s in self.layout.slots():
+            lo, hi = b.slice_of(self.layout.rank)
+            start = max(lo, s.offset)
+            length = max(0, min(hi, s.offset + s.numel) - start)
+            base = b.shard_offset + min(start, hi) - lo
+            out.append((s.name, self.param_shard[base: base + length]))
+        return out
+
+    # ------------------------------------------------------------------ stage 3: full parameters on request
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Inside, every parameter holds its full value (read-only: changes are not kept).
+        At stages 0-2 parameters are always full, so this does nothing."""
+        if self.gatherer is None:
+            yield
+            return
+        newly = self.gatherer.fetch_all()
+        try:
+            yield
+        finally:
+            for b in newly:
+                self.gatherer.release(b)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter of this model-parallel rank in full, as copies (any stage)."""
+        with self.gathered_parameters():
+            return {s.name: s.param.detach().clone() for _, s in self.layout.slots()}
+
+    def _refuse_sharded_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self.gatherer.gathered != set(range(len(self.layout.buckets))):
+            raise RuntimeError("zero stage 3 keeps parameters sharded, so module.state_dict() would hold empty "
+                               "placeholders; use optimizer.model_state_dict() (shards), "
+                               "optimizer.full_state_dict(), or call it inside optimizer.gathered_parameters()")
+
+    # ------------------------------------------------------------------ accounting
+
+    @property
+    def materialized_numel(self) -> int:
+        """Stage 3: full parameter elements gathered right now (0 at other stages: not tracked)."""
+        return self.gatherer.materialized_numel if self.gatherer else 0
+
+    @property
+    def peak_materialized_numel(self) -> int:
+        return self.gatherer.peak_materialized_numel if self.gatherer else 0
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds persistently: parameters, gradients and
+        optimizer states (master weights when separate, Adam moments)."""
+        def nbytes(ts) -> int:
+            return sum(t.numel() * t.element_size() for t in ts)
+        params = nbytes([self.param_shard] if self.stage == 3 else self.param_flat)
+        grads = nbytes([self.grad_shard] if self.stage >= 2 else self.grad_flat)
+        optim = nbytes([self.exp_avg, self.exp_avg_sq] + ([self.master] if self.master is not None else []))
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}

@@ -1,0 +1,174 @@
+"""Flat, aligned partitions of a model-parallel rank's parameters over its data-parallel group.
+
+Parameters are laid end to end into buckets (the unit of gradient communication; at stage
+3 also the unit of parameter gathering). Every parameter starts at a multiple of ALIGN
+elements and every bucket is padded to a multiple of ALIGN x shards, so each DP rank owns
+an equal, aligned slice of every bucket (Megatron's distributed-optimizer layout): a
+bucket is reduce-scattered and all-gathered on its own, as soon as it is ready.
+
+A rank's *shard* is the concatenation of its slices of all buckets, in bucket order. Its
+optimizer state (fp32 master, Adam moments) and, at stage 2/3, its gradients are flat
+tensors in that shard space. `Layout.param_map()` records where every element of every
+parameter lives, for checkpoints and resharding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from megazero.config import ZERO_ALIGN as ALIGN  # elements: 256 B in fp32; validated against at start-up
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class Slot:
+    """One parameter's place in its bucket."""
+
+    name: str
+    param: nn.Parameter = field(repr=False)
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Bucket:
+    index: int
+    chunk: int
+    slots: list[Slot]
+    numel: int
+    """Padded size: a multiple of ALIGN x shards."""
+    shards: int
+    shard_offset: int
+    """Where each rank's slice of this bucket starts in that rank's flat shard (the same on every rank)."""
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.shards
+
+    @property
+    def padding(self) -> int:
+        return self.numel - sum(s.numel for s in self.slots)
+
+    def slice_of(self, rank: int) -> tuple[int, int]:
+        """[start, end) of `rank`'s slice, in bucket coordinates."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+
+@dataclass
+class Range:
+    """A run of this rank's shard with one weight-decay and one grad-norm treatment."""
+
+    bucket: int
+    start: int
+    """In bucket coordinates."""
+    length: int
+    shard_offset: int
+    decay: bool
+    counted: bool
+    """Whether the grad norm counts these elements (TP-replicated copies and the tied head are counted elsewhere)."""
+
+
+@dataclass
+class Layout:
+    buckets: list[Bucket]
+    shards: int
+    rank: int
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(b.shard_numel for b in self.buckets)
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.buckets)
+
+    @property
+    def param_numel(self) -> int:
+        return sum(s.numel for b in self.buckets for s in b.slots)
+
+    def slots(self) -> list[tuple[Bucket, Slot]]:
+        return [(b, s) for b in self.buckets for s in b.slots]
+
+    def param_map(self) -> dict:
+        """Parameter -> where its elements live on every DP rank, plus the padding.
+
+        `params[name]["shards"]` lists (rank, offset in that rank's flat shard, length,
+        offset in the flattened parameter); the pieces of a parameter cover it exactly.
+        """
+        params = {}
+        for b, s in self.slots():
+            pieces = []
+            for r in range(self.shards):
+                lo, hi = b.slice_of(r)
+                start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if start < end:
+                    pieces.append({"rank": r, "offset": b.shard_offset + start - lo, "length": end - start,
+                                   "param_offset": start - s.offset})
+            params[s.name] = {"shape": list(s.shape), "tp_dim": s.param.tp_dim, "tp_stride": s.param.tp_stride,
+                              "full_shape": list(s.param.full_shape), "bucket": b.index,
+                              "bucket_offset": s.offset, "numel": s.numel, "shards": pieces}
+        buckets = [{"numel": b.numel, "padding": b.padding, "shard_numel": b.shard_numel,
+                    "shard_offset": b.shard_offset, "chunk": b.chunk} for b in self.buckets]
+        return {"align": ALIGN, "shards": self.shards, "shard_numel": self.shard_numel,
+                "buckets": buckets, "params": params}
+
+    def ranges(self, decays: dict[str, bool], counted: dict[str, bool], max_len: int) -> list[Range]:
+        """This rank's shard as runs of equal treatment, each at most `max_len` long.
+
+        Padding between two parameters with the same treatment is folded into one run: it is
+        zero in parameters, gradients and moments alike, so updating it changes nothing.
+        """
+        runs: list[Range] = []
+        for b in self.buckets:
+            lo, hi = b.slice_of(self.rank)
+            for s in b.slots:
+                start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if start >= end:
+                    continue
+                prev = runs[-1] if runs else None
+                if (prev is not None and prev.bucket == b.index and prev.decay == decays[s.name]
+                        and prev.counted == counted[s.name]):
+                    prev.length = end - prev.start
+                else:
+                    runs.append(Range(b.index, start, end - start, b.shard_offset + start - lo,
+                                      decays[s.name], counted[s.name]))
+        out = []
+        for r in runs:  # split long runs so no sub-group has to hold more than max_len
+            for off in range(0, r.length, max_len):
+                out.append(Range(r.bucket, r.start + off, min(max_len, r.length - off), r.shard_offset + off,
+                                 r.decay, r.counted))
+        return out
+
+
+def build_layout(groups: list[tuple[int, list[tuple[str, nn.Parameter]]]], shards: int, rank: int) -> Layout:
+    """One bucket per (chunk index, [(name, param), ...]) group, partitioned over `shards` ranks."""
+    buckets, shard_offset = [], 0
+    for index, (chunk, named) in enumerate(groups):
+        slots, offset = [], 0
+        for name, p in named:
+            slots.append(Slot(name, p, offset, p.numel(), tuple(p.shape)))
+            offset = _round_up(offset + p.numel(), ALIGN)
+        bucket = Bucket(index, chunk, slots, _round_up(max(offset, 1), ALIGN * shards), shards, shard_offset)
+        shard_offset += bucket.shard_numel
+        buckets.append(bucket)
+    return Layout(buckets, shards, rank)
+
+
+def sub_groups(ranges: list[Range], max_numel: int) -> list[list[Range]]:
+    """Pack consecutive ranges into groups of at most `max_numel` elements (the optimizer's
+    unit of work, and what NVMe offload will swap)."""
+    groups: list[list[Range]] = [[]]
+    size = 0
+    for r in ranges:
+        if groups[-1] and size + r.length > max_numel:
+            groups.append([])
+            size = 0
+        groups[-1].append(r)
+        size += r.length
+    return [g for g in groups if g]

@@ -1,0 +1,198 @@
+"""ZeRO stage 3: every parameter lives as 1/dp shards; full values exist only while needed.
+
+The model is cut into *fetch units* along its execution order (per model chunk: the token
+embedding, the position embedding, each transformer block, the final norm with the head).
+Each unit's parameters form one bucket of the flat layout; the tied embedding weight has a
+bucket of its own because two units use it on a single-stage model (which therefore
+gathers it twice per forward: once for the embedding, once for the head).
+
+    forward:  pre-hook of a unit's first module  -> gather its buckets (wait), prefetch the
+              next units' buckets (async); hook after its last module -> free them
+    backward: a hook on the unit's outputs fires when their gradient arrives, i.e. just
+              before the unit's backward -> gather again, prefetch the previous units;
+              the optimizer frees a bucket once every parameter of it has its gradient
+              (and has reduce-scattered it)
+
+A parameter's `.data` is a view into its bucket's full buffer while gathered and a shared
+empty placeholder while released. Freeing also shrinks the buffer's storage to zero bytes,
+because autograd keeps views of weights (e.g. the transpose inside F.linear) that would
+otherwise pin the full tensor until backward; re-gathering refills the same storage, so
+those saved views see the right values again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megazero.parallel import comm
+from megazero.zero.partition import Layout
+
+Named = list[tuple[str, nn.Parameter]]
+
+
+@dataclass
+class Unit:
+    """Parameters used together, and the modules whose hooks bracket their use."""
+
+    chunk: int
+    start: nn.Module
+    """Its forward pre-hook gathers."""
+    end: nn.Module
+    """Its forward hook frees (outside backward)."""
+    outputs: list[nn.Module]
+    """Modules whose outputs' gradients announce the unit's backward."""
+    named: Named
+    """Parameters other than the tied embedding weight."""
+    uses_tied: bool
+    buckets: tuple[int, ...] = ()
+
+
+def fetch_units(chunks: list[nn.Module]) -> tuple[list[Unit], list[tuple[int, Named]]]:
+    """The fetch units of each GPT chunk in execution order, and the layout's bucket groups
+    (one per unit, plus one per tied weight) with `Unit.buckets` filled in."""
+    units: list[Unit] = []
+    groups: list[tuple[int, Named]] = []
+    for ci, chunk in enumerate(chunks):
+        tied = chunk.tied_weight()
+        tied_bucket = None
+        if tied is not None:
+            name = next(n for n, p in chunk.named_parameters() if p is tied)
+            tied_bucket = len(groups)
+            groups.append((ci, [(name, tied)]))
+        t = chunk.transformer
+        chunk_units = []
+        if chunk.pre_process:  # token and position embeddings: separate outputs, separate units
+            chunk_units.append(Unit(ci, t.wte, t.wte, [t.wte], [], True))
+            chunk_units.append(Unit(ci, t.wpe, t.wpe, [t.wpe], _named(t.wpe, "transformer.wpe"), False))
+        for key, block in t.h.items():
+            chunk_units.append(Unit(ci, block, block, [block], _named(block, f"transformer.h.{key}"), False))
+        if chunk.post_process:
+            # The head matmul runs in GPT.forward itself, after ln_f: the unit ends with the chunk.
+            chunk_units.append(Unit(ci, t.ln_f, chunk, [chunk], _named(t.ln_f, "transformer.ln_f"), True))
+        for unit in chunk_units:
+            own = ()
+            if unit.named:
+                own = (len(groups),)
+                groups.append((ci, unit.named))
+            unit.buckets = own + ((tied_bucket,) if unit.uses_tied else ())
+        units.extend(chunk_units)
+    return units, groups
+
+
+def _named(module: nn.Module, prefix: str) -> Named:
+    return [(f"{prefix}.{n}", p) for n, p in module.named_parameters()]
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. recomputing a checkpointed block)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class ParamGatherer:
+    """Gathers and frees the full parameters of stage-3 buckets; counts what is materialized."""
+
+    def __init__(self, layout: Layout, param_shard: torch.Tensor, units: list[Unit], dp: comm.Group,
+                 prefetch: int) -> None:
+        self.layout, self.param_shard, self.units, self.dp = layout, param_shard, units, dp
+        self.prefetch = prefetch
+        self.placeholder = param_shard.new_empty(0)
+        self.full = [param_shard.new_empty(b.numel) for b in layout.buckets]
+        self.pending: dict[int, Optional[dist.Work]] = {}  # bucket -> in-flight gather
+        self.gathered: set[int] = set()
+        self.materialized_numel = 0
+        self.peak_materialized_numel = 0
+        self.handles = []
+        for b in range(len(layout.buckets)):
+            self._free_storage(b)
+        for i, unit in enumerate(units):
+            self.handles.append(unit.start.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i)))
+            self.handles.append(unit.end.register_forward_hook(lambda m, a, o, i=i: self._after_forward(i)))
+            for module in unit.outputs:
+                self.handles.append(module.register_forward_hook(lambda m, a, o, i=i: self._watch_output(i, o)))
+
+    # ------------------------------------------------------------------ buckets
+
+    def _free_storage(self, b: int) -> None:
+        for slot in self.layout.buckets[b].slots:
+            slot.param.data = self.placeholder
+        self.full[b].untyped_storage().resize_(0)
+
+    def fetch(self, b: int, wait: bool = True) -> None:
+        """Start gathering bucket `b` if it is not there yet; with `wait`, make it usable."""
+        if b not in self.gathered and b not in self.pending:
+            bucket = self.layout.buckets[b]
+            full = self.full[b]
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            self.materialized_numel += bucket.numel
+            self.peak_materialized_numel = max(self.peak_materialized_numel, self.materialized_numel)
+            mine = self.param_shard[bucket.shard_offset: bucket.shard_offset + bucket.shard_numel]
+            self.pending[b] = comm.all_gather_into(full, mine, self.dp, async_op=True)
+        if wait and b in self.pending:
+            work = self.pending.pop(b)
+            if work is not None:
+                work.wait()
+            full = self.full[b]
+            for slot in self.layout.buckets[b].slots:
+                slot.param.data = full[slot.offset: slot.offset + slot.numel].view(slot.shape)
+            self.gathered.add(b)
+
+    def release(self, b: int) -> None:
+        if b in self.pending:
+            self.fetch(b)  # never free a buffer a collective is still writing into
+        if b in self.gathered:
+            self.gathered.discard(b)
+            self._free_storage(b)
+            self.materialized_numel -= self.layout.buckets[b].numel
+
+    def fetch_all(self) -> list[int]:
+        """Gather every bucket; return those that were not gathered before."""
+        newly = [b for b in range(len(self.full)) if b not in self.gathered]
+        for b in newly:
+            self.fetch(b, wait=False)
+        for b in newly:
+            self.fetch(b)
+        return newly
+
+    def release_all(self) -> None:
+        for b in range(len(self.full)):
+            self.release(b)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _neighbours(self, i: int, step: int) -> list[Unit]:
+        """Up to `prefetch` units after (step 1) or before (step -1) unit i in its chunk."""
+        out, j = [], i + step
+        while len(out) < self.prefetch and 0 <= j < len(self.units) and self.units[j].chunk == self.units[i].chunk:
+            out.append(self.units[j])
+            j += step
+        return out
+
+    def _before_forward(self, i: int) -> None:
+        for b in self.units[i].buckets:
+            self.fetch(b)
+        if not in_backward():  # a recomputation inside backward would prefetch the wrong way
+            for unit in self._neighbours(i, 1):
+                for b in unit.buckets:
+                    self.fetch(b, wait=False)
+
+    def _after_forward(self, i: int) -> None:
+        if in_backward():  # recomputed forward: backward needs these parameters next
+            return
+        for b in self.units[i].buckets:
+            self.release(b)
+
+    def _watch_output(self, i: int, output) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad and torch.is_grad_enabled():
+            output.register_hook(lambda grad: self._before_backward(i))
+
+    def _before_backward(self, i: int) -> None:
+        for b in self.units[i].buckets:
+            self.fetch(b)
+        for unit in self._neighbours(i, -1):
+            for b in unit.buckets:
+                self.fetch(b, wait=False)

@@ -1,0 +1,363 @@
+"""ZeRO stages 0-3: parameters after k steps equal the single-process run (and torch's
+AdamW), with TP and PP; fp16 overflow; stage-3 release and gather; bitwise resume;
+communication volume and model-state memory against the ZeRO formulas; the partition map."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from megazero.config import ConfigError, build_config, load_yaml, validate
+from megazero.model.layers import shard_of
+from megazero.zero.partition import ALIGN, build_layout, sub_groups
+
+TINY = ["--model.seq_length", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
+        "--zero.sub_group_size", "5000", "--zero.bucket_size", "20000"]
+
+
+def _cfg(args: list[str]):
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return build_config(load_yaml(os.path.join(root, "configs/gpt2-tiny.yaml")), TINY + args)
+
+
+def _trainer(args: list[str]):
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer
+    import torch.distributed as dist
+    cfg = _cfg(args)
+    validate(cfg, dist.get_world_size())
+    return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
+
+
+def _pack(obj) -> bytes:
+    """Tensors sent through the result queue would be shared-memory handles that die with the
+    child; send them by value."""
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(results: list[bytes]) -> list:
+    import io
+    return [torch.load(io.BytesIO(r), weights_only=False) for r in results]
+
+
+def _train(args: list[str], iters: int) -> bytes:
+    """Run `iters` optimizer steps; return this rank's full parameters and what was measured."""
+    tr = _trainer(args)
+    opt, grid = tr.optimizer, tr.grid
+    norms = []
+    for _ in range(iters):
+        grid.reset_counters()
+        norms.append(tr.train_step()["grad_norm"])
+    # measured before full_state_dict() gathers everything on purpose
+    measured = {"bytes": grid.bytes_moved(), "materialized": opt.materialized_numel,
+                "peak": opt.peak_materialized_numel}
+    return _pack({"params": opt.full_state_dict(), "norms": norms, "tp_rank": grid.tp_rank, "tp": grid.tp,
+            **measured, "numel": opt.layout.numel, "param_numel": opt.layout.param_numel,
+            "bucket_numels": [b.numel for b in opt.layout.buckets], "tied": opt.tied_buckets,
+            "memory": opt.model_state_bytes(), "micro": tr.num_microbatches})
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return _unpack(run_distributed(_train, 1, ["--optim.clip_grad", "0.5"], 3))[0]
+
+
+def _assert_params_equal(out: dict, ref: dict, atol: float = 1e-5) -> None:
+    """Equal up to summation order: Adam divides by sqrt(v), so an element with a tiny
+    gradient turns a rounding difference into up to ~1e-5 after a few steps."""
+    for name, p in out["params"].items():
+        full = ref["params"]["transformer.wte.weight" if name == "lm_head.weight" else name]
+        torch.testing.assert_close(p, _shard_like(full, name, out), rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def _shard_like(full: torch.Tensor, name: str, out: dict) -> torch.Tensor:
+    """The TP shard of a reference parameter that rank `out` holds."""
+    if out["tp"] == 1:
+        return full
+    dim, stride = _tp_layout(name)
+    return shard_of(full, dim, stride, out["tp_rank"], out["tp"])
+
+
+def _tp_layout(name: str) -> tuple:
+    if name.endswith(("wte.weight", "lm_head.weight", "c_fc.weight", "c_fc.bias")):
+        return 0, 1
+    if name.endswith(("c_attn.weight", "c_attn.bias")):
+        return 0, 3
+    if name.endswith("c_proj.weight"):
+        return 1, 1
+    return None, 1
+
+
+def test_single_process_matches_torch_adamw(reference):
+    """The sharding machinery at dp = 1 is plain AdamW with clipping, element for element."""
+    from megazero.model.gpt import GPT
+    from megazero.parallel.comm import Group
+    from megazero.data.mock import MockGPTDataset
+    cfg = _cfg(["--optim.clip_grad", "0.5"])
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    model = GPT(m, Group("solo", None, [0], 0))
+    model.init_weights(t.seed)
+    from megazero.zero.optimizer import no_weight_decay
+    groups = [{"params": [p for n, p in model.named_parameters() if not no_weight_decay(n, p)],
+               "weight_decay": o.weight_decay},
+              {"params": [p for n, p in model.named_parameters() if no_weight_decay(n, p)], "weight_decay": 0.0}]
+    adam = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+    from megazero.train.lr import learning_rate
+    ds = MockGPTDataset((t.iters + 1) * t.global_batch_size, m.seq_length, m.vocab_size, t.seed)
+    for it in range(3):
+        adam.zero_grad()
+        rows = torch.stack([torch.as_tensor(ds[it * t.global_batch_size + k]).long()
+                            for k in range(t.global_batch_size)])
+        loss = model.loss(model(rows[:, :-1]), rows[:, 1:]).sum() / rows[:, 1:].numel()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+        assert abs(float(norm) - reference["norms"][it]) < 1e-5
+        for g in adam.param_groups:
+            g["lr"] = learning_rate(it, o, t.iters)
+        adam.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(reference["params"][name], p.detach(), rtol=0, atol=2e-6, msg=name)
+
+
+def _comm_theory(stage: int, psi_bytes: float, n: int, micro: int) -> float:
+    """DP bytes one rank sends per iteration (ring): 2Ψ at stages 0-2 (stage 2 reduce-scatters
+    every micro-batch: (m + 1)Ψ), 3Ψ per micro-batch at stage 3; times (n - 1)/n."""
+    psi = {0: 2, 1: 2, 2: micro + 1, 3: 3 * micro}[stage] * psi_bytes
+    return psi * (n - 1) / n
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stage_matches_single_process_dp2(reference, stage):
+    outs = _unpack(run_distributed(_train, 2, ["--zero.stage", str(stage), "--optim.clip_grad", "0.5"], 3))
+    for out in outs:
+        _assert_params_equal(out, reference)
+        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+        moved = out["bytes"]["dp"]
+        sent = sum(v for k, v in moved.items() if not k.endswith("_calls"))
+        # Exactly the theory, plus the 8-byte all-reduce of the iteration's loss and, at stage 3
+        # on one pipeline stage, a second forward gather of the tied embedding (used by the head).
+        tied = out["bucket_numels"][out["tied"][0]] * 4 * out["micro"] / 2 if stage == 3 else 0
+        assert sent - 8 - tied == _comm_theory(stage, 4 * out["numel"], 2, out["micro"]), moved
+    if stage == 3:
+        out = outs[0]
+        assert out["materialized"] == 0  # nothing stays gathered after the step
+        # never more than a unit in flight, the prefetched next one and the tied embedding
+        biggest = sorted(out["bucket_numels"], reverse=True)
+        assert out["peak"] <= sum(biggest[:3]) < out["numel"]
+
+
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
+def test_stage_with_tp2_dp2(reference, stage):
+    for out in _unpack(run_distributed(_train, 4, ["--zero.stage", str(stage), "--parallel.tp", "2",
+                                                   "--optim.clip_grad", "0.5"], 3)):
+        _assert_params_equal(out, reference)
+        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+
+
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
+def test_stage_with_pp2_dp2_tied_embedding(reference, stage):
+    """The last stage's copy of the tied embedding is summed with the first's over the
+    embedding group, and the grad norm counts it once."""
+    outs = _unpack(run_distributed(_train, 4, ["--zero.stage", str(stage), "--parallel.pp", "2",
+                                               "--optim.clip_grad", "0.5"], 3))
+    for out in outs:
+        _assert_params_equal(out, reference)
+        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+    assert {"lm_head.weight", "transformer.wte.weight"} <= {n for o in outs for n in o["params"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stage_tp2_pp2_dp2_interleaved(reference, stage):
+    outs = _unpack(run_distributed(_train, 8, ["--zero.stage", str(stage), "--parallel.tp", "2", "--parallel.pp",
+                                               "2", "--parallel.vpp", "2", "--optim.clip_grad", "0.5"], 3))
+    for out in outs:
+        _assert_params_equal(out, reference)
+
+
+# ---------------------------------------------------------------------------- fp16 overflow
+
+
+def _overflow(stage: int) -> dict:
+    import torch.distributed as dist
+    tr = _trainer(["--zero.stage", str(stage), "--train.precision", "fp16", "--zero.hysteresis", "1",
+                   "--zero.initial_loss_scale", "1024"])
+    opt = tr.optimizer
+    before = {k: v.clone() for k, v in opt.full_state_dict().items()}
+    opt.zero_grad()
+    tr.run_schedule(tr.microbatches(tr.train_ds, 0), forward_only=False)
+    opt.finish_grad_sync()
+    if dist.get_rank() == 1:  # one rank alone sees the overflow
+        opt._grad_slice(opt.layout.buckets[0])[3] = float("inf")
+    result = opt.step(1e-3)
+    after = opt.full_state_dict()
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    tr.train_step()  # the next iteration steps normally at the backed-off scale
+    return {"skipped": result.skipped, "unchanged": unchanged, "scale": opt.scaler.scale,
+            "steps": opt.step_count, "clean_skipped": tr.skipped_iters}
+
+
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_fp16_overflow_skips_everywhere_and_backs_off(stage):
+    for out in run_distributed(_overflow, 2, stage):
+        assert out["skipped"] and out["unchanged"]
+        assert out["scale"] == 512.0 and out["steps"] == 1 and not out["clean_skipped"]
+
+
+def test_loss_scaler_hysteresis_and_growth():
+    from megazero.zero.precision import DynamicLossScaler
+    s = DynamicLossScaler(1024, window=3, hysteresis=2, min_scale=256)
+    s.update(True)
+    assert s.scale == 1024  # one overflow is tolerated
+    s.update(True)
+    assert s.scale == 512
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 1024 and s.hysteresis_left == 2
+    for _ in range(6):
+        s.update(True)
+    assert s.scale == 256  # never below min_scale
+
+
+# ---------------------------------------------------------------------------- stage 3 gather API, resume
+
+
+def _stage3_gather_api() -> dict:
+    tr = _trainer(["--zero.stage", "3"])
+    opt, chunk = tr.optimizer, tr.chunks[0]
+    shapes = {n: tuple(p.shape) for n, p in chunk.named_parameters()}
+    try:
+        chunk.state_dict()
+        refused = False
+    except RuntimeError as e:
+        refused = "gathered_parameters" in str(e)
+    with opt.gathered_parameters():
+        inside = {n: p.detach().clone() for n, p in chunk.named_parameters()}
+        sd = chunk.state_dict()
+    full = opt.full_state_dict()
+    # Forward-only: every unit is freed after use; with no prefetch only one unit at a time.
+    with torch.no_grad():
+        chunk(tr.microbatches(tr.train_ds, 0)[0][0])
+    return {"shapes": shapes, "refused": refused, "equal": all(torch.equal(inside[n], full[n]) for n in full),
+            "sd_full": all(sd[n].shape == full[n].shape for n in full), "after": opt.materialized_numel,
+            "full_shapes": {n: tuple(t.shape) for n, t in full.items()}}
+
+
+def test_stage3_releases_and_gathers_on_request():
+    from megazero.model.gpt import GPT
+    from megazero.parallel.comm import Group
+    cfg = _cfg([])
+    expected = {n: tuple(p.shape) for n, p in GPT(cfg.model, Group("solo", None, [0], 0)).named_parameters()}
+    for out in run_distributed(_stage3_gather_api, 2):
+        assert all(s == (0,) for s in out["shapes"].values())  # released: empty placeholders ...
+        assert out["refused"]  # ... that module.state_dict() refuses to hand out
+        assert out["equal"] and out["sd_full"] and out["full_shapes"] == expected
+        assert out["after"] == 0
+
+
+def _resume(stage: int, precision: str) -> bool:
+    args = ["--zero.stage", str(stage), "--train.precision", precision]
+    tr = _trainer(args)
+    for _ in range(2):
+        tr.train_step()
+    saved = {"optim": tr.optimizer.state_dict(), "model": tr.optimizer.model_state_dict()}
+    import io
+    buf = io.BytesIO()
+    torch.save(saved, buf)
+    for _ in range(2):
+        tr.train_step()
+    want = tr.optimizer.full_state_dict()
+
+    fresh = _trainer(args)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    fresh.optimizer.load_model_state_dict(loaded["model"])
+    fresh.optimizer.load_state_dict(loaded["optim"])
+    fresh.iteration, fresh.consumed_samples = 2, 2 * fresh.cfg.train.global_batch_size
+    for _ in range(2):
+        fresh.train_step()
+    got = fresh.optimizer.full_state_dict()
+    return all(torch.equal(want[n], got[n]) for n in want)
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "fp16"), pytest.param(2, "fp32", marks=pytest.mark.slow),
+                                             (3, "bf16")])
+def test_state_dict_resume_is_bitwise(stage, precision):
+    assert all(run_distributed(_resume, 2, stage, precision))
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def _memory() -> dict:
+    out = {}
+    for precision in ("fp32", "bf16"):
+        for stage in range(4):
+            tr = _trainer(["--zero.stage", str(stage), "--train.precision", precision])
+            out[(precision, stage)] = (tr.optimizer.model_state_bytes()["total"], tr.optimizer.layout.numel)
+    return out
+
+
+def test_model_state_memory_matches_zero_formulas():
+    """Mixed precision: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N; fp32: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N
+    (Ψ counted with the layout's padding, as allocated)."""
+    n = 2
+    formulas = {"bf16": [lambda p: 16 * p, lambda p: 4 * p + 12 * p / n, lambda p: 2 * p + 14 * p / n,
+                         lambda p: 16 * p / n],
+                "fp32": [lambda p: 16 * p, lambda p: 8 * p + 8 * p / n, lambda p: 4 * p + 12 * p / n,
+                         lambda p: 16 * p / n]}
+    for rank_out in run_distributed(_memory, n):
+        for (precision, stage), (measured, psi) in rank_out.items():
+            assert measured == formulas[precision][stage](psi), (precision, stage)
+
+
+# ---------------------------------------------------------------------------- partition map, config
+
+
+def test_partition_map_covers_every_parameter_once():
+    params = [("a", torch.nn.Parameter(torch.zeros(100, 3))), ("b", torch.nn.Parameter(torch.zeros(7))),
+              ("c", torch.nn.Parameter(torch.zeros(130)))]
+    for p in (p for _, p in params):
+        p.tp_dim, p.tp_stride, p.full_shape = None, 1, tuple(p.shape)
+    layout = build_layout([(0, params[:2]), (0, params[2:])], shards=3, rank=1)
+    pmap = layout.param_map()
+    assert all(b["numel"] % (ALIGN * 3) == 0 for b in pmap["buckets"])
+    assert pmap["buckets"][0]["padding"] == pmap["buckets"][0]["numel"] - 307
+    for name, entry in pmap["params"].items():
+        assert entry["bucket_offset"] % ALIGN == 0
+        covered = sorted((s["param_offset"], s["length"]) for s in entry["shards"])
+        assert sum(length for _, length in covered) == entry["numel"]
+        assert all(a + la == b for (a, la), (b, _) in zip(covered, covered[1:]))
+    ranges = layout.ranges({n: True for n, _ in params}, {n: True for n, _ in params}, max_len=100)
+    assert all(r.length <= 100 for r in ranges) and sum(r.length for r in ranges) <= layout.shard_numel
+    assert all(sum(r.length for r in g) <= 250 for g in sub_groups(ranges, 250))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--zero.stage", "4"], "zero.stage (4) must be 0, 1, 2 or 3"),
+    (["--zero.sub_group_size", "10"], "zero.sub_group_size (10) must be at least 64"),
+    (["--zero.hysteresis", "3"], "configures the fp16 loss scaler, but train.precision is fp32"),
+    (["--train.precision", "fp16", "--zero.initial_loss_scale", "1000"], "must be a power of two"),
+    (["--zero.bucket_size", "100"], "zero.bucket_size (100) must hold one aligned slice per DP rank"),
+])
+def test_bad_zero_config_is_one_clear_line(args, message):
+    with pytest.raises(ConfigError) as e:
+        validate(_cfg(args), 2)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_zero_stage_exits_2_from_train_entry_point():
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "megazero.train", "--config", "configs/gpt2-tiny.yaml",
+                           "--zero.stage", "5"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: zero.stage (5) must be 0, 1, 2 or 3"
+
