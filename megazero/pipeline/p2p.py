@@ -21,6 +21,7 @@ whose order respects the data dependencies cannot deadlock.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Hashable, Iterable, Optional, Sequence
 
@@ -48,6 +49,8 @@ class PipelineP2P:
         self.expected = {peer: deque(keys) for peer, keys in incoming.items()}
         self.inbox: dict[Hashable, torch.Tensor] = {}
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.wait_seconds = 0.0
+        """Time spent blocked on neighbours (the pipeline bubble as this rank sees it)."""
 
     def exchange(self, send: Optional[tuple[int, torch.Tensor]] = None,
                  take: Optional[tuple[int, Hashable]] = None) -> Optional[torch.Tensor]:
@@ -68,6 +71,7 @@ class PipelineP2P:
             ops += [("recv", torch.empty(self.shape, dtype=self.dtype, device=self.grid.device), peer)
                     for _ in wanted]
         works = comm.batch_p2p(ops, self.group)
+        tic = time.perf_counter()
         if len(works) != len(ops):  # NCCL coalesces a batch into one work, ordered on the stream
             for work in works:
                 work.wait()
@@ -77,6 +81,7 @@ class PipelineP2P:
                 self.sends.append((works[0], ops[0][1]))
             for work in works[len(works) - len(wanted):]:
                 work.wait()
+        self.wait_seconds += time.perf_counter() - tic
         self.inbox.update((k, op[1]) for k, op in zip(wanted, ops[len(ops) - len(wanted):]))
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
         return self.inbox.pop(take[1]) if take is not None else None
@@ -84,8 +89,10 @@ class PipelineP2P:
     def flush(self) -> None:
         """Wait for every send to complete (end of the schedule) and check that every message
         the schedule announced was received."""
+        tic = time.perf_counter()
         for work, _ in self.sends:
             work.wait()
+        self.wait_seconds += time.perf_counter() - tic
         self.sends.clear()
         leftover = [k for q in self.expected.values() for k in q] + list(self.inbox)
         if leftover:

@@ -164,10 +164,11 @@ def incoming_messages(order: Order, pp: int, vpp: int, pp_rank: int, m: int) -> 
 
 def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Microbatch], num_tokens: int,
                                 grid: ProcessGrid, schedule: str, dtype: torch.dtype, optimizer=None,
-                                forward_only: bool = False) -> Optional[torch.Tensor]:
+                                forward_only: bool = False, stats: Optional[dict] = None) -> Optional[torch.Tensor]:
     """Run one iteration's micro-batches through this rank's model chunks in the order of
     `schedule` (gpipe | 1f1b | interleaved; forward_only: forwards alone), exchanging
-    activations [micro_batch_size, seq_length, hidden] in `dtype` with the neighbours."""
+    activations [micro_batch_size, seq_length, hidden] in `dtype` with the neighbours.
+    `stats`, when given, receives "wait_s": the seconds this rank waited on neighbours."""
     pp, vpp, rank, m = grid.pp, len(chunks), grid.pp_rank, len(microbatches)
     order_of = forward_only_order if forward_only else ORDERS[schedule]
     order = order_of(pp, vpp, rank, m)
@@ -218,4 +219,6 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
         send = (grid.stage_rank(target[0]), out) if target is not None else None
         received = p2p.exchange(send, needs(i + 1))
     p2p.flush()
+    if stats is not None:
+        stats["wait_s"] = p2p.wait_seconds
     return total if grid.is_last_stage else None

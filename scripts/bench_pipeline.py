@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Pipeline schedules measured against theory: per-rank busy and idle time per iteration,
+and peak activation memory per stage.
+
+    python scripts/bench_pipeline.py [--pp 2 4] [--factors 1 2 4 8] [--iters 2] [--layers 8]
+
+For each pp, each schedule (gpipe, 1f1b, interleaved with vpp 2) and m = f x pp micro-batches
+(f in --factors), one spawned gloo process per stage runs one untimed iteration, then --iters
+timed ones (forward + backward of every micro-batch; no optimizer step). Per rank:
+
+    busy   seconds computing (the iteration's wall time minus the time waiting on neighbours)
+    idle   seconds blocked on a neighbour's activation or gradient (p2p.wait_seconds)
+
+The measured bubble, idle / (busy + idle) averaged over ranks, is printed beside the theory
+for equal stages, (p - 1) / (m + p - 1), divided by v for the interleaved schedule, and
+beside the bubble of the very orders the executor runs, replayed in simulated time (a
+chunk's backward takes twice its forward; transfers are free). Peak activation memory per
+stage is the largest number of bytes held at once by tensors that autograd saved for
+backward (counted with torch.autograd.graph.saved_tensors_hooks, each storage once,
+parameters excluded).
+
+Measured times are only comparable with theory when every rank has a core of its own and
+the machine is otherwise quiet: with more stages than cores, a rank also waits while the
+neighbour it needs is descheduled. The simulated and memory columns do not depend on the
+machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megazero.config import build_config, validate  # noqa: E402
+from megazero.parallel import comm  # noqa: E402
+from megazero.parallel.grid import ProcessGrid  # noqa: E402
+from megazero.parallel.random import seed_everything  # noqa: E402
+from megazero.pipeline.schedules import ORDERS, Action, forward_backward_pipelining, message_target  # noqa: E402
+from megazero.pipeline.stages import build_model_chunks  # noqa: E402
+from megazero.zero.optimizer import ZeroOptimizer  # noqa: E402
+
+
+class ActivationMeter:
+    """Bytes of tensors autograd keeps for backward, live and at peak. A storage saved by
+    several operations counts once; it is released when the last of them lets go."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude = exclude  # storages of the parameters (weights are not activations)
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
+        self.current = self.peak = 0
+
+    def pack(self, t: torch.Tensor):
+        key = t.untyped_storage().data_ptr()
+        if key in self.exclude:
+            return t
+        if key in self.live:
+            self.live[key][1] += 1
+        else:
+            self.live[key] = [t.untyped_storage().nbytes(), 1]
+            self.current += self.live[key][0]
+            self.peak = max(self.peak, self.current)
+        return _Saved(self, key, t)
+
+    @staticmethod
+    def unpack(saved) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[key]
+
+
+class _Saved:
+    """A saved tensor; autograd drops it after the backward that used it (or with the graph)."""
+
+    def __init__(self, meter: ActivationMeter, key: int, tensor: torch.Tensor):
+        self.meter, self.key, self.tensor = meter, key, tensor
+
+    def __del__(self):
+        self.meter.release(self.key)
+
+
+def bench_config(args, pp: int, schedule: str, m: int):
+    vpp = 2 if schedule == "interleaved" else 1
+    return build_config({"model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_heads": 4,
+                                   "seq_length": args.seq, "vocab_size": 512},
+                         "parallel": {"pp": pp, "vpp": vpp, "schedule": schedule},
+                         "train": {"micro_batch_size": args.micro_batch, "global_batch_size": args.micro_batch * m},
+                         "data": {"mock": True}})
+
+
+def run_case(args, grid: ProcessGrid, schedule: str, m: int) -> dict:
+    """This rank's mean busy and idle seconds per iteration and its peak activation bytes."""
+    cfg = bench_config(args, grid.pp, schedule, m)
+    validate(cfg, grid.world_size)
+    tracker = seed_everything(cfg.train.seed, grid.pp_rank, grid.tp_rank, grid.device)
+    chunks = build_model_chunks(cfg, grid, tracker)
+    optimizer = ZeroOptimizer(chunks, cfg, grid)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 512, (args.micro_batch, args.seq), generator=g),
+                torch.randint(0, 512, (args.micro_batch, args.seq), generator=g)) for _ in range(m)]
+    num_tokens = m * args.micro_batch * args.seq
+    params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+    busy = idle = 0.0
+    peak = 0
+    for it in range(args.iters + 1):  # the first iteration warms up and is not timed
+        optimizer.zero_grad()
+        meter, stats = ActivationMeter(params), {}
+        comm.barrier(grid["world"])
+        tic = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            forward_backward_pipelining(chunks, batches, num_tokens, grid, schedule, torch.float32, optimizer,
+                                        stats=stats)
+        wall = time.perf_counter() - tic
+        optimizer.finish_grad_sync()
+        if it:
+            busy += wall - stats["wait_s"]
+            idle += stats["wait_s"]
+        peak = max(peak, meter.peak)
+    return {"busy": busy / args.iters, "idle": idle / args.iters, "peak_bytes": peak}
+
+
+def worker(rank: int, pp: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=pp)
+    grid = ProcessGrid(tp=1, pp=pp, dp=1, rank=rank)
+    grid.build_groups()
+    try:
+        for schedule in args.schedules:
+            for f in args.factors:
+                queue.put((schedule, f * pp, rank, run_case(args, grid, schedule, f * pp)))
+    except BaseException:  # tell the parent instead of leaving it waiting
+        queue.put((None, 0, rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def simulated_bubble(pp: int, vpp: int, m: int, schedule: str) -> float:
+    """Idle fraction when every rank runs its order as soon as its inputs exist, with a
+    chunk's forward taking 1 / vpp and its backward 2 / vpp time units."""
+    orders = {r: ORDERS[schedule](pp, vpp, r, m) for r in range(pp)}
+    finished: dict[tuple[int, Action], float] = {}
+    feeder_of = {message_target(a, pp, vpp, r): (r, a) for r in range(pp) for a in orders[r]}
+    clock, position = [0.0] * pp, [0] * pp
+    while any(position[r] < len(orders[r]) for r in range(pp)):
+        for r in range(pp):
+            while position[r] < len(orders[r]):
+                a = orders[r][position[r]]
+                feeder = feeder_of.get((r, a))
+                if feeder is not None and feeder not in finished:
+                    break  # wait for the neighbour's tensor
+                start = max(clock[r], finished.get(feeder, 0.0))
+                clock[r] = finished[(r, a)] = start + (1 if a.forward else 2) / vpp
+                position[r] += 1
+    return 1 - 3 * m / max(clock)
+
+
+def per_rank(ranks: list[dict], key: str, scale: float, fmt: str) -> str:
+    return " / ".join(format(r[key] * scale, fmt) for r in ranks)
+
+
+def theory(pp: int, m: int, schedule: str) -> float:
+    bubble = (pp - 1) / (m + pp - 1)
+    return bubble / 2 if schedule == "interleaved" else bubble
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8], help="m = factor x pp")
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"])
+    parser.add_argument("--iters", type=int, default=2, help="timed iterations per case")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"gloo; GPT-2 {args.layers} layers, h {args.hidden}, s {args.seq}, micro-batch {args.micro_batch}, "
+          f"fp32; interleaved: vpp 2; {args.iters} timed iterations")
+    print("| schedule | pp | m | bubble theory | simulated | measured | busy ms / rank | idle ms / rank "
+          "| peak activations MiB / stage |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    ctx = mp.get_context("spawn")
+    for pp in args.pp:
+        queue = ctx.Queue()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [ctx.Process(target=worker, args=(r, pp, port, args, queue)) for r in range(pp)]
+        for p in procs:
+            p.start()
+        results: dict[tuple[str, int], dict[int, dict]] = {}
+        for _ in range(pp * len(args.schedules) * len(args.factors)):
+            schedule, m, rank, res = queue.get(timeout=1800)
+            if schedule is None:
+                for p in procs:
+                    p.kill()
+                sys.exit(f"pipeline rank {rank} failed:\n{res}")
+            results.setdefault((schedule, m), {})[rank] = res
+            if len(results[(schedule, m)]) == pp:
+                ranks = [results[(schedule, m)][r] for r in range(pp)]
+                measured = sum(r["idle"] / (r["busy"] + r["idle"]) for r in ranks) / pp
+                vpp = 2 if schedule == "interleaved" else 1
+                print(f"| {schedule} | {pp} | {m} | {theory(pp, m, schedule):.3f} | "
+                      f"{simulated_bubble(pp, vpp, m, schedule):.3f} | {measured:.3f} | "
+                      f"{per_rank(ranks, 'busy', 1e3, '.0f')} | {per_rank(ranks, 'idle', 1e3, '.0f')} | "
+                      f"{per_rank(ranks, 'peak_bytes', 2.0 ** -20, '.1f')} |", flush=True)
+        for p in procs:
+            p.join()
+            if p.exitcode:
+                sys.exit(f"a pipeline rank failed (exit code {p.exitcode})")
+
+
+if __name__ == "__main__":
+    main()
