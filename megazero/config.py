@@ -151,6 +151,8 @@ class CheckpointConfig:
     """Keep only this many newest checkpoints (0: keep all)."""
     iteration: int = 0
     """Resume from iter_{iteration} instead of `latest` (0: latest)."""
+    save_model_16bit: bool = False
+    """With each checkpoint also write model_16bit.safetensors: the whole model gathered in 16 bits, by rank 0."""
 
 
 @dataclass

@@ -2,7 +2,8 @@
 --temperature T --top-k K --top-p P --seed S]`: sample text with a KV cache.
 
 CKPT_OR_EXPORT is a megazero save directory / iter_ directory, a `--to torch` export
-(FILE with FILE.config.json beside it) or a Hugging Face GPT-2 directory. Under torchrun
+(FILE with FILE.config.json beside it), a model_16bit.safetensors written during training,
+or a Hugging Face GPT-2 directory. Under torchrun
 with N processes the model is split tp = N ways; every rank samples the same tokens
 (same seed, same gathered logits). Temperature 0 is greedy decoding.
 """
@@ -25,11 +26,21 @@ from megazero.parallel.comm import Group, gather_from_tp
 
 def load_weights(path: str) -> tuple[ModelConfig, Optional[str], Iterator[tuple[str, torch.Tensor]]]:
     """(model config, tokenizer spec, full tensors by megazero name) from any supported source."""
+    from safetensors.torch import load_file
+
     from megazero.checkpoint.hf import from_hf, read_hf
     if os.path.isfile(os.path.join(path, "config.json")):  # Hugging Face directory
         m, tensors = read_hf(path)
         spec = f"gpt2bpe:{path}" if os.path.isfile(os.path.join(path, "vocab.json")) else None
         return m, spec, ((n, from_hf(n, t)) for n, t in tensors)
+    if path.endswith(".safetensors"):  # checkpoint.save_model_16bit's gathered model
+        from safetensors import safe_open
+        with safe_open(path, framework="pt") as f:
+            info = json.loads((f.metadata() or {}).get("megazero_model", "null") or "null")
+        if info is None:
+            raise ValueError(f"'{path}' carries no megazero model config; for an HF model pass its directory")
+        state = load_file(path)
+        return ModelConfig(**info), None, iter(state.items())
     if os.path.isfile(path):  # torch export
         sidecar = path + ".config.json"
         if not os.path.isfile(sidecar):

@@ -70,6 +70,24 @@ def test_consolidated_and_hf_exports_equal_live_model(tmp_path, layout):
         assert (hf(TOKENS).logits - live).abs().max() <= 1e-4
 
 
+def test_gathered_16bit_save_at_zero3_with_pipeline(tmp_path):
+    """tp2 x pp2 x dp2 ZeRO-3: the 16-bit model is gathered from shards, written by rank 0."""
+    from safetensors.torch import load_file
+    save = str(tmp_path / "ckpt")
+    _losses(tmp_path, "z3", 8, ["--parallel.tp", "2", "--parallel.pp", "2", "--zero.stage", "3", "--train.iters", "2",
+                                "--checkpoint.save", save, "--checkpoint.save_model_16bit", "true"])
+    gathered = load_file(os.path.join(save, "iter_0000002", "model_16bit.safetensors"))
+    convert_main(["--load", save, "--to", "torch", "--output", str(tmp_path / "m.pt"), "--dtype", "bf16"])
+    consolidated = torch.load(str(tmp_path / "m.pt"), weights_only=True)
+    assert gathered.keys() == consolidated.keys()
+    for name, t in gathered.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, consolidated[name]), name
+    assert all(t.abs().sum() > 0 for n, t in gathered.items() if n.endswith("weight"))  # no empty placeholders
+    from megazero.generate import build_model, load_weights
+    m, _, tensors = load_weights(os.path.join(save, "iter_0000002", "model_16bit.safetensors"))
+    build_model(m, tensors, SOLO)
+
+
 def _losses(tmp_path, name: str, nproc: int, extra: list[str]) -> list[float]:
     out = str(tmp_path / f"{name}.jsonl")
     proc = torchrun(nproc, ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true",

@@ -139,8 +139,9 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 
 def save_safetensors_streaming(path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
                                tensors: Iterator[tuple[str, torch.Tensor]], metadata: Optional[dict] = None) -> None:
-    """Write a .safetensors file one tensor at a time (the header is known from the shapes):
-    8-byte header length, JSON header with each tensor's byte range, then the raw data."""
+    """Write a .safetensors file one tensor at a time, in any order: the header (8-byte
+    length, JSON with each tensor's byte range) is known from `shapes`, so each tensor is
+    written at its offset as it arrives. Renamed into place only when every tensor came."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     header, offset = {}, 0
     for name, shape in shapes.items():
@@ -151,20 +152,22 @@ def save_safetensors_streaming(path: str, shapes: dict[str, tuple[int, ...]], dt
         header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    tmp = path + ".tmp"
-    written = set()
+    start = 8 + len(blob)
+    tmp, written = path + ".tmp", set()
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
-        for name, t in tensors:  # must arrive in `shapes` order
-            if name != list(shapes)[len(written)] or tuple(t.shape) != tuple(shapes[name]):
-                raise ValueError(f"{name} {tuple(t.shape)} arrived out of order or with the wrong shape")
+        f.truncate(start + offset)
+        for name, t in tensors:
+            if tuple(t.shape) != tuple(shapes[name]):
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shapes[name])}")
+            f.seek(start + header[name]["data_offsets"][0])
             f.write(t.to(dtype).contiguous().view(torch.uint8).numpy().tobytes())
             written.add(name)
         f.flush()
         os.fsync(f.fileno())
-    if len(written) != len(shapes):
+    if written != set(shapes):
         os.remove(tmp)
-        raise ValueError(f"only {len(written)} of {len(shapes)} tensors were written")
+        raise ValueError(f"{len(shapes) - len(written)} tensors never arrived, e.g. {sorted(set(shapes) - written)[0]}")
     os.replace(tmp, path)
 
 

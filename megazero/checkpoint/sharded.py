@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import shutil
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -87,8 +87,10 @@ def decode_rng(states: dict) -> dict:
 
 
 def save(save_dir: str, iteration: int, rank_state: dict, cfg: Config, grid: ProcessGrid,
-         keep_last: int = 0) -> str:
-    """Collective: every rank writes its state; rank 0 seals the checkpoint. Returns its path."""
+         keep_last: int = 0, extra: Optional[Callable[[str], str]] = None) -> str:
+    """Collective: every rank writes its state; rank 0 seals the checkpoint. Returns its path.
+    `extra(directory)`, when given, is a collective writing one more file (named by its
+    return value) into the checkpoint before it is sealed."""
     final = os.path.join(save_dir, iter_dir_name(iteration))
     tmp = final + ".tmp"
     world = grid["world"]
@@ -108,6 +110,10 @@ def save(save_dir: str, iteration: int, rank_state: dict, cfg: Config, grid: Pro
     os.replace(path + ".part", path)
     entries = comm.all_gather_object({"file": name, "sha256": _sha256(path), "bytes": os.path.getsize(path)},
                                      world)
+    if extra is not None:
+        extra_path = os.path.join(tmp, extra(tmp))
+        entries.append({"file": os.path.basename(extra_path), "sha256": _sha256(extra_path) if grid.rank == 0 else "",
+                        "bytes": os.path.getsize(extra_path) if grid.rank == 0 else 0})
     if grid.rank == 0:
         meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
                 "layout": layout_of(cfg, grid), "config": cfg.to_dict(),

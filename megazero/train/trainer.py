@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from megazero.checkpoint import sharded
+from megazero.checkpoint.gathered import save_model_16bit
+from megazero.checkpoint.universal import open_reader, reshard_optimizer_state
 from megazero.config import Config, describe
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
@@ -80,38 +82,63 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         c = self.cfg.checkpoint
-        path = sharded.save(c.save, self.iteration, self.rank_state(), self.cfg, self.grid, c.keep_last)
+        extra = None
+        if c.save_model_16bit:
+            dtype = torch.float16 if self.cfg.train.precision == "fp16" else torch.bfloat16
+
+            def extra(directory: str) -> str:
+                params = self.optimizer.full_parameters()
+                return os.path.basename(save_model_16bit(directory, params, self.cfg, self.grid, dtype))
+        path = sharded.save(c.save, self.iteration, self.rank_state(), self.cfg, self.grid, c.keep_last, extra)
         if self.is_logger:
             print(f"saved checkpoint {path}", flush=True)
 
     def load_checkpoint(self, load_dir: str, iteration: int) -> None:
-        """Resume from `load_dir` (its latest, or iter_{iteration}); a fresh start when the
-        directory holds no checkpoint yet. Every rank fails with the same message on a bad one."""
-        if not iteration and not os.path.isfile(os.path.join(load_dir, sharded.LATEST)):
+        """Resume from `load_dir`: a save directory (its latest, or iter_{iteration}), an
+        iter_ directory, or a universal checkpoint. A checkpoint of another layout is
+        resharded on the fly. A save directory without a checkpoint yet is a fresh start.
+        Every rank fails together, with the same one-line message, on a bad checkpoint."""
+        universal = os.path.isfile(os.path.join(load_dir, "universal.json"))
+        if not (iteration or universal or os.path.isfile(os.path.join(load_dir, sharded.LATEST))):
             if self.grid.rank == 0:
                 print(f"no checkpoint in {load_dir} yet: starting from scratch", flush=True)
             return
         error, state = None, None
         try:
-            ckpt = sharded.resolve(load_dir, iteration)
-            meta = sharded.read_metadata(ckpt)
-            sharded.check_compatible(meta, self.cfg, self.grid, ckpt)
-            state = sharded.load_rank_state(ckpt, meta, self.grid)
-            if state["optimizer"] is None:  # stage 0: DP rank 0 holds the replicated optimizer state
-                c = self.grid.coords()
-                peer = self.grid.rank_of(c.tp, 0, c.pp)
-                state["optimizer"] = sharded.load_rank_state(ckpt, meta, self.grid, rank=peer)["optimizer"]
-        except sharded.CheckpointError as e:
+            ckpt = load_dir if universal else sharded.resolve(load_dir, iteration)
+            state = self._read_resume_state(ckpt, universal)
+        except (sharded.CheckpointError, ValueError) as e:
             error = str(e)
         error = sharded.first_error(error, self.grid)
         if error:
             raise sharded.CheckpointError(error)
         self.optimizer.load_state_dict(state["optimizer"])
-        set_rng_states(sharded.decode_rng(state["rng"]), self.tracker)
         self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
         self.skipped_iters = state["skipped_iters"]
+        if "rng" in state:
+            set_rng_states(sharded.decode_rng(state["rng"]), self.tracker)
+        else:  # RNG streams do not map across layouts: reseed them from (seed, iteration)
+            seed_everything(self.cfg.train.seed + self.iteration, self.grid.pp_rank, self.grid.tp_rank,
+                            self.grid.device, self.tracker)
         if self.grid.rank == 0:
-            print(f"resumed from {ckpt} at iteration {self.iteration}", flush=True)
+            how = "" if "rng" in state else " (resharded to this layout)"
+            print(f"resumed from {ckpt} at iteration {self.iteration}{how}", flush=True)
+
+    def _read_resume_state(self, ckpt: str, universal: bool) -> dict:
+        if not universal:
+            meta = sharded.read_metadata(ckpt)
+            sharded.check_model(meta, self.cfg, ckpt)
+            if meta["layout"] == sharded.layout_of(self.cfg, self.grid):
+                state = sharded.load_rank_state(ckpt, meta, self.grid)
+                if state["optimizer"] is None:  # stage 0: DP rank 0 holds the replicated optimizer state
+                    c = self.grid.coords()
+                    peer = self.grid.rank_of(c.tp, 0, c.pp)
+                    state["optimizer"] = sharded.load_rank_state(ckpt, meta, self.grid, rank=peer)["optimizer"]
+                return state
+        reader = open_reader(ckpt)
+        sharded.check_model(reader.meta, self.cfg, ckpt)
+        optimizer = reshard_optimizer_state(reader, self.optimizer.state_dict(), self.grid.tp_rank, self.grid.tp)
+        return {**reader.trainer_state(), "optimizer": optimizer}
 
     # ------------------------------------------------------------------ data
 

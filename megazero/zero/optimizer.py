@@ -436,6 +436,19 @@ class ZeroOptimizer:
             for b in newly:
                 self.gatherer.release(b)
 
+    def full_parameters(self) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
+        """(name, parameter, full value) for this model-parallel rank, one gather unit at a
+        time: at stage 3 a bucket is gathered, handed out and released before the next, so
+        at most one unit is materialized beyond the shards. Collective over DP at stage 3."""
+        for index, bucket in enumerate(self.layout.buckets):
+            fetched = self.gatherer is not None and index not in self.gatherer.gathered
+            if fetched:
+                self.gatherer.fetch(index)
+            for slot in bucket.slots:
+                yield slot.name, slot.param, slot.param.detach()
+            if fetched:
+                self.gatherer.release(index)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of this model-parallel rank in full, as copies (any stage)."""
         with self.gathered_parameters():

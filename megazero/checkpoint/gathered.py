@@ -1,0 +1,102 @@
+"""A 16-bit copy of the whole model written during training (`checkpoint.save_model_16bit`).
+
+Every parameter is assembled in full — from its ZeRO-3 shards over DP (one gather unit at
+a time), its TP shards (all-gathered within the TP group) and its pipeline stage (sent to
+global rank 0) — and written by global rank 0 alone into one safetensors file holding the
+non-parallel model's state_dict (megazero names, tp = 1 vocab padding) with the model
+config in its metadata. Rank 0 never holds more than one full parameter: the file's
+header is written first from the model's shapes and each tensor lands at its offset
+(the order in which the stages deliver them does not matter).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from megazero.checkpoint.export import fit_vocab, save_safetensors_streaming
+from megazero.config import Config, ModelConfig
+from megazero.model.gpt import GPT
+from megazero.model.layers import unshard
+from megazero.parallel import comm
+from megazero.parallel.comm import Group
+from megazero.parallel.grid import ProcessGrid
+
+FILE_NAME = "model_16bit.safetensors"
+
+
+def plain_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the non-parallel model's state_dict, in its order."""
+    with torch.device("meta"):
+        model = GPT(m, Group("solo", None, [0], 0))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _tp_full(local: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tensor:
+    """Join the TP shards of one parameter (collective over the TP group)."""
+    if param.tp_dim is None or tp.size == 1:
+        return local
+    flat = torch.empty(tp.size * local.numel(), dtype=local.dtype)
+    comm.all_gather_into(flat, local.reshape(-1), tp)
+    return unshard(list(flat.view(tp.size, *local.shape).unbind(0)), param.tp_dim, param.tp_stride)
+
+
+def save_model_16bit(directory: str, full_parameters: Iterator[tuple[str, nn.Parameter, torch.Tensor]],
+                     cfg: Config, grid: ProcessGrid, dtype: torch.dtype) -> str:
+    """Collective over the world: write DIRECTORY/model_16bit.safetensors from rank 0.
+
+    `full_parameters` yields (name, parameter, value) for this rank's chunks with every
+    value full over DP (the optimizer gathers ZeRO-3 shards unit by unit)."""
+    shapes = plain_shapes(cfg.model)
+    own = _joined(full_parameters, shapes, grid, dtype)
+    path = os.path.join(directory, FILE_NAME)
+    if grid.rank == 0:
+        save_safetensors_streaming(path, shapes, dtype, itertools.chain(own, _other_stages(shapes, dtype, grid)),
+                                   metadata={"format": "pt", "megazero_model": json.dumps(cfg.model.__dict__)})
+    else:
+        leader = grid.dp_rank == 0 and grid.tp_rank == 0  # speaks for its pipeline stage
+        names = list(shapes)
+        for name, full in own:
+            if leader:
+                _send(names.index(name), full, grid)
+        if leader:
+            _send(-1, torch.empty(0, dtype=dtype), grid)  # end of this stage's parameters
+    comm.barrier(grid["world"])
+    return path
+
+
+def _joined(full_parameters: Iterator, shapes: dict, grid: ProcessGrid, dtype: torch.dtype) -> Iterator:
+    """(name, full tensor) on the DP-rank-0 row, one at a time; other rows only take part
+    in the ZeRO-3 gathers that `full_parameters` runs."""
+    for name, param, value in full_parameters:
+        if name == "lm_head.weight" or grid.dp_rank != 0:  # the head is wte's tied copy
+            continue
+        yield name, fit_vocab(name, _tp_full(value.detach(), param, grid.tp_group), shapes[name]).to(dtype)
+
+
+def _send(index: int, tensor: torch.Tensor, grid: ProcessGrid) -> None:
+    pp = grid.pp_group
+    comm.send(torch.tensor([index]), pp.ranks[0], pp).wait()
+    if index >= 0:
+        comm.send(tensor.contiguous(), pp.ranks[0], pp).wait()
+
+
+def _other_stages(shapes: dict, dtype: torch.dtype, grid: ProcessGrid) -> Iterator:
+    """Each later stage's tensors, as its leader sends them to rank 0."""
+    names, pp = list(shapes), grid.pp_group
+    for stage in range(1, grid.pp):
+        src = grid.rank_of(0, 0, stage)
+        while True:
+            index = torch.empty(1, dtype=torch.int64)
+            comm.recv(index, src, pp).wait()
+            if int(index) < 0:
+                break
+            name = names[int(index)]
+            t = torch.empty(shapes[name], dtype=dtype)
+            comm.recv(t, src, pp).wait()
+            yield name, t
