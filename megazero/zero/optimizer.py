@@ -36,7 +36,7 @@ from torch import nn
 from megazero.config import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
-from megazero.zero.partition import Bucket, Layout, Range, build_layout, sub_groups
+from megazero.zero.partition import Bucket, Layout, Range, Slot, build_layout, sub_groups
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
 from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
 
@@ -227,7 +227,7 @@ class ZeroOptimizer:
         finally:
             self._sync = previous
 
-    def _grad_ready(self, b: Bucket, s, p: nn.Parameter) -> None:
+    def _grad_ready(self, b: Bucket, s: Slot, p: nn.Parameter) -> None:
         """Called by autograd once p's gradient of this backward pass is accumulated."""
         if self.stage <= 1:
             if not self._sync:
@@ -283,9 +283,6 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ step
 
-    def _fp32_grads(self, group: list[Range]) -> list[torch.Tensor]:
-        return [self._grad(r).float() for r in group]
-
     def grad_norm_and_overflow(self) -> tuple[float, bool]:
         """Global L2 norm of the (unscaled) gradients over TP, PP and DP, each element once;
         and whether any rank saw inf/NaN. One all-reduce: [counted sum of squares, the rest],
@@ -312,7 +309,7 @@ class ZeroOptimizer:
             coef *= o.clip_grad / (norm + 1e-6)
         self.step_count += 1
         for group in self.groups:
-            grads = self._fp32_grads(group)
+            grads = [self._grad(r).float() for r in group]  # a copy only for 16-bit gradients
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
             masters = [self._master(r) for r in group]
