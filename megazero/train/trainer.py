@@ -262,7 +262,7 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
     def build(is_builder: bool):
         return build_train_valid_test_datasets(
             [str(p) for p in cfg.data.prefix], cfg.data.split, m.seq_length, t.seed,
-            (needed, eval_needed, eval_needed), cfg.data.cache_dir, is_builder)
+            (needed, eval_needed, eval_needed), cfg.data.cache_dir, is_builder, vocab_size=m.vocab_size)
 
     # One rank builds and caches the sample indices; the others load them. A failure on the
     # builder reaches every rank (instead of leaving them waiting at a barrier).
