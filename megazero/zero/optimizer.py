@@ -140,8 +140,8 @@ class ZeroOptimizer:
         if self.gatherer is not None:
             for c in chunks:
                 c.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
-        self.hooks = [s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
-                      for b, s in slots]
+        for b, s in slots:
+            s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
         self.zero_grad()
 
     def _build_storage(self) -> None:

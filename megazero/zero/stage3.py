@@ -3,8 +3,9 @@
 The model is cut into *fetch units* along its execution order (per model chunk: the token
 embedding, the position embedding, each transformer block, the final norm with the head).
 Each unit's parameters form one bucket of the flat layout; the tied embedding weight has a
-bucket of its own because two units use it on a single-stage model (which therefore
-gathers it twice per forward: once for the embedding, once for the head).
+bucket of its own because two units use it on a single-stage model, which therefore
+gathers it twice per forward (embedding, head) and keeps it from the head's backward to
+the embedding's, when its gradient is complete.
 
     forward:  pre-hook of a unit's first module  -> gather its buckets (wait), prefetch the
               next units' buckets (async); hook after its last module -> free them
@@ -106,14 +107,13 @@ class ParamGatherer:
         self.gathered: set[int] = set()
         self.materialized_numel = 0
         self.peak_materialized_numel = 0
-        self.handles = []
         for b in range(len(layout.buckets)):
             self._free_storage(b)
         for i, unit in enumerate(units):
-            self.handles.append(unit.start.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i)))
-            self.handles.append(unit.end.register_forward_hook(lambda m, a, o, i=i: self._after_forward(i)))
+            unit.start.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i))
+            unit.end.register_forward_hook(lambda m, a, o, i=i: self._after_forward(i))
             for module in unit.outputs:
-                self.handles.append(module.register_forward_hook(lambda m, a, o, i=i: self._watch_output(i, o)))
+                module.register_forward_hook(lambda m, a, o, i=i: self._watch_output(i, o))
 
     # ------------------------------------------------------------------ buckets
 
