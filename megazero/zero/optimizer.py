@@ -447,9 +447,9 @@ class ZeroOptimizer:
                 self.gatherer.release(index)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter of this model-parallel rank in full, as copies (any stage)."""
-        with self.gathered_parameters():
-            return {s.name: s.param.detach().clone() for _, s in self.layout.slots()}
+        """Every parameter of this model-parallel rank in full, as copies (any stage; at
+        stage 3 gathered one unit at a time)."""
+        return {name: value.clone() for name, _, value in self.full_parameters()}
 
     def _refuse_sharded_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self.gatherer.gathered != set(range(len(self.layout.buckets))):
