@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, ContextManager, Optional, Protocol, Sequence
 
 import torch
 
@@ -35,8 +35,19 @@ from megazero.pipeline.p2p import PipelineP2P
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [b, s], labels [b, s])
 
 
+class GradSync(Protocol):
+    """What a schedule needs from the optimizer (megazero.zero.optimizer.ZeroOptimizer)."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on (multiplied by the fp16 loss scale)."""
+
+    def no_sync(self) -> ContextManager[None]:
+        """Backwards inside accumulate gradients without reducing them over DP."""
+
+
 def forward_backward_no_pipelining(chunk: GPT, microbatches: Sequence[Microbatch], num_tokens: int,
-                                   optimizer=None, forward_only: bool = False) -> Optional[torch.Tensor]:
+                                   optimizer: Optional[GradSync] = None,
+                                   forward_only: bool = False) -> Optional[torch.Tensor]:
     """pp = 1: a plain loop of forward + backward per micro-batch (gradients accumulate)."""
     total = torch.zeros((), dtype=torch.float64)
     for i, (tokens, labels) in enumerate(microbatches):
@@ -163,8 +174,9 @@ def incoming_messages(order: Order, pp: int, vpp: int, pp_rank: int, m: int) -> 
 
 
 def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Microbatch], num_tokens: int,
-                                grid: ProcessGrid, schedule: str, dtype: torch.dtype, optimizer=None,
-                                forward_only: bool = False, stats: Optional[dict] = None) -> Optional[torch.Tensor]:
+                                grid: ProcessGrid, schedule: str, dtype: torch.dtype,
+                                optimizer: Optional[GradSync] = None, forward_only: bool = False,
+                                stats: Optional[dict] = None) -> Optional[torch.Tensor]:
     """Run one iteration's micro-batches through this rank's model chunks in the order of
     `schedule` (gpipe | 1f1b | interleaved; forward_only: forwards alone), exchanging
     activations [micro_batch_size, seq_length, hidden] in `dtype` with the neighbours.
