@@ -56,8 +56,6 @@ class ParallelConfig:
     """Model chunks per pipeline rank (interleaved schedule when > 1)."""
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     """Pipeline schedule, used when pp > 1."""
-    sequence_parallel: bool = False
-    """Shard LayerNorm/dropout activations along the sequence over the TP group."""
     pp_layers: Optional[list] = None
     """Optional uneven split: layers per pipeline stage, e.g. [3, 5]; sums to num_layers."""
 
@@ -336,9 +334,6 @@ def validate(cfg: Config, world_size: int) -> int:
     if z.bucket_size < ZERO_ALIGN * dp:
         raise ConfigError(f"zero.bucket_size ({z.bucket_size}) must hold one aligned slice per DP rank: at least "
                           f"{ZERO_ALIGN} x dp ({ZERO_ALIGN} x {dp} = {ZERO_ALIGN * dp})")
-    if p.sequence_parallel and m.seq_length % p.tp:
-        raise ConfigError(f"model.seq_length ({m.seq_length}) must be divisible by parallel.tp ({p.tp}) "
-                          f"with parallel.sequence_parallel")
     if not cfg.data.mock and not cfg.data.prefix:
         raise ConfigError("no training data: set data.prefix (indexed dataset prefixes) or data.mock true")
     return dp

@@ -81,3 +81,12 @@ def torchrun(nproc: int, args: list[str], cwd: str, timeout: float = 300) -> sub
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def train_records(tmp_path, nproc: int, args: list[str], name: str) -> list[dict]:
+    """Run megazero.train under torchrun with ARGS, assert it succeeded, return its JSONL records."""
+    out = str(tmp_path / f"{name}.jsonl")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = torchrun(nproc, args + ["--logging.jsonl", out], cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_jsonl(out)

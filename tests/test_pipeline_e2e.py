@@ -4,22 +4,17 @@ run (fp32 training and validation losses over 10 iterations, same global batch).
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 
-from distributed import read_jsonl, torchrun
+from distributed import train_records
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--train.iters", "10",
         "--train.eval_interval", "5", "--train.eval_iters", "2"]
 
 
 def _run(tmp_path, nproc: int, extra: list[str], name: str, base: list[str] = BASE) -> list[dict]:
-    out = str(tmp_path / f"{name}.jsonl")
-    proc = torchrun(nproc, base + extra + ["--logging.jsonl", out], cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return read_jsonl(out)
+    return train_records(tmp_path, nproc, base + extra, name)
 
 
 @pytest.fixture(scope="module")

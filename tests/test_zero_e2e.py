@@ -4,23 +4,18 @@ composed with tensor and pipeline parallelism."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
-from distributed import read_jsonl, torchrun
+from distributed import train_records
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small buckets and sub-groups so every stage really splits the model into many of them.
 BASE = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--train.iters", "10",
         "--zero.bucket_size", "30000", "--zero.sub_group_size", "20000"]
 
 
 def _run(tmp_path, nproc: int, extra: list[str], name: str) -> list[dict]:
-    out = str(tmp_path / f"{name}.jsonl")
-    proc = torchrun(nproc, BASE + extra + ["--logging.jsonl", out], cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return read_jsonl(out)
+    return train_records(tmp_path, nproc, BASE + extra, name)
 
 
 @pytest.fixture(scope="module")
