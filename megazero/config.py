@@ -78,6 +78,9 @@ class ZeroConfig:
     """fp16: overflows in a row tolerated before the loss scale halves."""
     min_loss_scale: float = 1.0
     """fp16: the loss scale never drops below this."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Data-parallel gradient communication dtype. Gradients always accumulate in fp32 over
+    micro-batches (Megatron's main_grad); bf16 halves the bytes reduced over DP."""
 
 
 @dataclass
@@ -100,6 +103,8 @@ class TrainConfig:
     """Batches per validation run."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
+    max_skipped_steps: int = 10
+    """Stop the run after this many consecutive steps skipped for a non-finite gradient norm or loss."""
 
 
 @dataclass
@@ -301,7 +306,8 @@ def validate(cfg: Config, world_size: int) -> int:
                        ("model.vocab_size", m.vocab_size), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
                        ("parallel.vpp", p.vpp), ("train.micro_batch_size", t.micro_batch_size),
                        ("train.global_batch_size", t.global_batch_size), ("train.log_interval", t.log_interval),
-                       ("zero.sub_group_size", z.sub_group_size), ("zero.bucket_size", z.bucket_size)]:
+                       ("zero.sub_group_size", z.sub_group_size), ("zero.bucket_size", z.bucket_size),
+                       ("train.max_skipped_steps", t.max_skipped_steps)]:
         if value < 1:
             raise ConfigError(f"{key} ({value}) must be at least 1")
     for key, value in [("train.iters", t.iters), ("train.eval_interval", t.eval_interval),

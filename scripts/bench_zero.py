@@ -195,9 +195,11 @@ def launch(fn, args: argparse.Namespace, *fn_args) -> list[dict]:
 
 
 def formula(stage: int, psi: float, n: int, mixed: bool) -> float:
-    """ZeRO model-state bytes per rank (Rajbhandari et al., 2020; K = 12 for Adam)."""
+    """ZeRO model-state bytes per rank (Rajbhandari et al., 2020; K = 12 for Adam), with
+    fp32 gradient buffers in mixed precision (Megatron's main_grad: 2 more bytes per element
+    where the gradient is kept)."""
     if mixed:
-        return [16 * psi, 4 * psi + 12 * psi / n, 2 * psi + 14 * psi / n, 16 * psi / n][stage]
+        return [18 * psi, 6 * psi + 12 * psi / n, 2 * psi + 16 * psi / n, 18 * psi / n][stage]
     return [16 * psi, 8 * psi + 8 * psi / n, 4 * psi + 12 * psi / n, 16 * psi / n][stage]
 
 
@@ -259,7 +261,7 @@ def main() -> None:
               f"{out['dp_bytes'] / theory:.3f} | {ops} |")
     tied = results["ZeRO-3"][0]["tied_numel"] * 4 * ring * results["ZeRO-3"][0]["micro"]
     print(f"\n(stage 3 extra: the tied embedding is gathered a second time for the head on a single "
-          f"pipeline stage, {tied / MiB:.3f} MiB; plus 8 B for the loss all-reduce at every stage)")
+          f"pipeline stage, {tied / MiB:.3f} MiB; plus 4 B for the fp32 loss all-reduce at every stage)")
 
     print(f"\nModel-state bytes per rank (parameters + gradients + optimizer states allocated), N = {n}, "
           f"Ψ = padded elements:\n")
@@ -271,8 +273,8 @@ def main() -> None:
             mem = out["memory"][precision]
             f = formula(stage, out["padded_numel"], n, precision == "bf16")
             label = {("fp32", 0): "16Ψ", ("fp32", 1): "8Ψ+8Ψ/N", ("fp32", 2): "4Ψ+12Ψ/N", ("fp32", 3): "16Ψ/N",
-                     ("bf16", 0): "16Ψ", ("bf16", 1): "4Ψ+12Ψ/N", ("bf16", 2): "2Ψ+14Ψ/N",
-                     ("bf16", 3): "16Ψ/N"}[(precision, stage)]
+                     ("bf16", 0): "18Ψ", ("bf16", 1): "6Ψ+12Ψ/N", ("bf16", 2): "2Ψ+16Ψ/N",
+                     ("bf16", 3): "18Ψ/N"}[(precision, stage)]
             print(f"| {stage} | {precision} | {mem['params'] / MiB:.2f} | {mem['grads'] / MiB:.2f} | "
                   f"{mem['optimizer'] / MiB:.2f} | {mem['total'] / MiB:.2f} | {f / MiB:.2f} ({label}) | "
                   f"{mem['total'] / f:.3f} |")

@@ -30,7 +30,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(2)
 
     from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
+    from megazero.train.trainer import Trainer, TrainingError
 
     import torch.distributed as dist
     from megazero.checkpoint.sharded import CheckpointError
@@ -39,7 +39,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
     try:
         Trainer(cfg, grid).run()
-    except (CheckpointError, DataError) as e:  # the same message on every rank: print it once
+    except (CheckpointError, DataError, TrainingError) as e:  # the same message on every rank: print it once
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

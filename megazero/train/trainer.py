@@ -32,6 +32,10 @@ from megazero.train.metrics import (MetricsWriter, device_peak_flops, format_lin
 from megazero.zero.optimizer import ZeroOptimizer
 
 
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite steps in a row); the same on every rank."""
+
+
 class Trainer:
     def __init__(self, cfg: Config, grid: ProcessGrid):
         self.cfg, self.grid = cfg, grid
@@ -44,6 +48,7 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.skipped_iters = 0
+        self.skipped_in_a_row = 0
         # The rank that holds the loss and speaks for the run: last stage, first TP/DP rank.
         self.is_logger = grid.rank == grid.rank_of(0, 0, grid.pp - 1)
         self.metrics = MetricsWriter(cfg, self.is_logger)
@@ -66,7 +71,7 @@ class Trainer:
 
     def stop_agreed(self) -> bool:
         """Did any rank get SIGTERM? All ranks must stop (and save) at the same iteration."""
-        flag = torch.tensor([int(self.stop_requested)])
+        flag = torch.tensor([int(self.stop_requested)], device=self.grid.device)
         comm.all_reduce(flag, self.grid["world"], op=torch.distributed.ReduceOp.MAX)
         return bool(flag)
 
@@ -81,6 +86,9 @@ class Trainer:
                 "skipped_iters": self.skipped_iters}
 
     def save_checkpoint(self) -> None:
+        if not self.optimizer.all_finite():  # every rank agrees: none writes, all stop
+            raise TrainingError(f"refusing to save iteration {self.iteration}: the weights hold inf/NaN; the last "
+                                f"saved checkpoint is intact; lower optim.lr or enable optim.clip_grad and resume")
         c = self.cfg.checkpoint
         extra = None
         if c.save_model_16bit:
@@ -181,12 +189,30 @@ class Trainer:
         batches = self.microbatches(self.train_ds, self.consumed_samples)
         loss = self.run_schedule(batches, forward_only=False)
         self.optimizer.finish_grad_sync()
-        result = self.optimizer.step(lr)
+        result = self.optimizer.step(lr, loss)
         self.iteration += 1
         self.consumed_samples += self.cfg.train.global_batch_size
-        self.skipped_iters += int(result.skipped)
-        return {"loss": self.global_loss(loss), "lr": lr, "grad_norm": result.grad_norm,
-                "loss_scale": result.loss_scale}
+        out = {"loss": self.global_loss(loss), "lr": lr, "grad_norm": result.grad_norm,
+               "loss_scale": result.loss_scale}
+        self._count_skip(result.skipped, out)
+        return out
+
+    def _count_skip(self, skipped: bool, out: dict) -> None:
+        """Report a skipped step; stop after train.max_skipped_steps in a row (every rank skipped
+        the same steps, so every rank stops at the same one)."""
+        self.skipped_iters += int(skipped)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if not skipped:
+            return
+        limit = self.cfg.train.max_skipped_steps
+        if self.is_logger:
+            why = "fp16 overflow" if self.optimizer.scaler is not None else "non-finite gradient norm or loss"
+            print(f"iteration {self.iteration}: step skipped ({why}: loss {out['loss']}, grad norm "
+                  f"{out['grad_norm']}); {self.skipped_in_a_row} in a row, limit {limit}", flush=True)
+        if self.skipped_in_a_row >= limit:
+            raise TrainingError(f"{self.skipped_in_a_row} steps in a row skipped for inf/NaN (train.max_skipped_steps "
+                                f"{limit}) at iteration {self.iteration}; no weights were changed by them; lower "
+                                f"optim.lr, check the data, or resume from the last checkpoint")
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:

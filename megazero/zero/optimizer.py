@@ -36,6 +36,7 @@ from torch import nn
 from megazero.config import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.host import HostCopier, to_host
 from megazero.zero.partition import Bucket, Layout, Range, Slot, build_layout, sub_groups
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
 from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
@@ -103,6 +104,9 @@ class ZeroOptimizer:
         z = cfg.zero
         self.stage = z.stage
         self.dtype = COMPUTE_DTYPE[cfg.train.precision]
+        # Gradients accumulate over micro-batches in fp32 whatever the compute dtype (Megatron's
+        # main_grad): summing 16 bf16 micro-batch gradients in bf16 would lose ~4 bits.
+        self.reduce_dtype = COMPUTE_DTYPE[z.reduce_dtype]
         self.dp = grid.dp_group
         # Stage 0 is the same machinery with a single shard: every rank owns everything.
         shards, rank = (1, 0) if self.stage == 0 else (grid.dp, grid.dp_rank)
@@ -128,8 +132,9 @@ class ZeroOptimizer:
         self._sync = True
         self._ready: dict[int, set[str]] = {}
         self._reduced: set[int] = set()
-        self._works: list[dist.Work] = []
-        self._pending: dict[int, torch.Tensor] = {}  # stage 2/3: bucket -> full gradient being filled
+        # In-flight stage-0 all-reduces: (work, tensor on the wire, fp32 bucket it lands in).
+        self._works: list[tuple[Optional[dist.Work], torch.Tensor, torch.Tensor]] = []
+        self._pending: dict[int, torch.Tensor] = {}  # stage 2/3: bucket -> full fp32 gradient being filled
 
         self._build_storage()
         n = self.layout.shard_numel
@@ -168,12 +173,11 @@ class ZeroOptimizer:
             self.param_flat.append(flat)
             for s in b.slots:
                 s.param.data = flat[s.offset: s.offset + s.numel].view(s.shape)
-        # Gradients in the compute dtype (what is communicated): full buckets at stage 0/1,
-        # this rank's shard at stage 2/3.
+        # fp32 gradients: full buckets at stage 0/1, this rank's shard at stage 2/3.
         if self.stage <= 1:
-            self.grad_flat = [torch.zeros(b.numel, dtype=self.dtype, device=device) for b in self.layout.buckets]
+            self.grad_flat = [torch.zeros(b.numel, device=device) for b in self.layout.buckets]
         else:
-            self.grad_shard = torch.zeros(n, dtype=self.dtype, device=device)
+            self.grad_shard = torch.zeros(n, device=device)
 
     # ------------------------------------------------------------------ views of one range
 
@@ -205,10 +209,11 @@ class ZeroOptimizer:
         if self.stage <= 1:
             for g in self.grad_flat:
                 g.zero_()
-            # Gradients are views into the buckets, so autograd accumulates in place and a
-            # bucket is ready to send without a copy.
+            # fp32 model: gradients are views into the buckets, so autograd accumulates in place
+            # and a bucket is ready to send without a copy. 16-bit: the hook adds each
+            # micro-batch's gradient into the fp32 bucket.
             for b, s in self.layout.slots():
-                s.param.grad = self.grad_flat[b.index][s.offset: s.offset + s.numel].view(s.shape)
+                s.param.grad = self._bucket_view(b, s) if self.dtype == torch.float32 else None
         else:
             self.grad_shard.zero_()
             for _, s in self.layout.slots():
@@ -227,9 +232,16 @@ class ZeroOptimizer:
         finally:
             self._sync = previous
 
+    def _bucket_view(self, b: Bucket, s: Slot) -> torch.Tensor:
+        """Stages 0/1: parameter s's place in the fp32 gradient bucket b."""
+        return self.grad_flat[b.index][s.offset: s.offset + s.numel].view(s.shape)
+
     def _grad_ready(self, b: Bucket, s: Slot, p: nn.Parameter) -> None:
         """Called by autograd once p's gradient of this backward pass is accumulated."""
         if self.stage <= 1:
+            if p.grad is not None and p.grad.dtype != torch.float32:
+                self._bucket_view(b, s).add_(p.grad)  # fp32 accumulation of a 16-bit gradient
+                p.grad = None
             if not self._sync:
                 return
             if b.index in self._reduced:
@@ -239,7 +251,7 @@ class ZeroOptimizer:
         else:
             buf = self._pending.get(b.index)
             if buf is None:
-                buf = self._pending[b.index] = torch.zeros(b.numel, dtype=self.dtype, device=self.grid.device)
+                buf = self._pending[b.index] = torch.zeros(b.numel, device=self.grid.device)
             buf[s.offset: s.offset + s.numel].view(s.shape).add_(p.grad)
             p.grad = None  # the full gradient lives on only in the bucket until it is reduced
         ready = self._ready.setdefault(b.index, set())
@@ -247,20 +259,34 @@ class ZeroOptimizer:
         if len(ready) == len(b.slots):
             self._reduce(b)
 
+    def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """An fp32 gradient as it is communicated (zero.reduce_dtype)."""
+        return t if self.reduce_dtype == torch.float32 else t.to(self.reduce_dtype)
+
     def _reduce(self, b: Bucket) -> None:
         self._ready.pop(b.index, None)
         if self.stage == 0:
-            self._works.append(comm.all_reduce(self.grad_flat[b.index], self.dp, async_op=True))
+            full = self.grad_flat[b.index]
+            wire = self._on_wire(full)
+            self._works.append((comm.all_reduce(wire, self.dp, async_op=True), wire, full))
         elif self.stage == 1:
-            comm.reduce_scatter_into(self._grad_slice(b), self.grad_flat[b.index], self.dp)
+            self._reduce_scatter(b, self.grad_flat[b.index], add=False)
         else:
-            full = self._pending.pop(b.index)
-            reduced = torch.empty(b.shard_numel, dtype=self.dtype, device=self.grid.device)
-            comm.reduce_scatter_into(reduced, full, self.dp)
-            self._grad_slice(b).add_(reduced)
+            self._reduce_scatter(b, self._pending.pop(b.index), add=True)
             if self.gatherer is not None:
                 self.gatherer.release(b.index)
         self._reduced.add(b.index)
+
+    def _reduce_scatter(self, b: Bucket, full: torch.Tensor, add: bool) -> None:
+        """Sum fp32 bucket `full` over DP in the reduce dtype; write (stage 1) or add (stages
+        2/3, once per micro-batch) this rank's slice into its fp32 gradient slice."""
+        into, wire = self._grad_slice(b), self._on_wire(full)
+        if wire is full and not add:  # stage 1 in fp32: reduced in place, into full's own slice
+            comm.reduce_scatter_into(into, full, self.dp)
+            return
+        out = torch.empty(b.shard_numel, dtype=wire.dtype, device=wire.device)
+        comm.reduce_scatter_into(out, wire, self.dp)
+        into.add_(out) if add else into.copy_(out)
 
     def finish_grad_sync(self) -> None:
         """Complete the DP reduction (buckets some parameter of which got no gradient are sent
@@ -272,9 +298,11 @@ class ZeroOptimizer:
         else:
             for index in sorted(self._pending):
                 self._reduce(self.layout.buckets[index])
-        for work in self._works:
+        for work, wire, full in self._works:
             if work is not None:
                 work.wait()
+            if wire is not full:
+                full.copy_(wire)
         self._works.clear()
         if self.gatherer is not None:
             self.gatherer.release_all()
@@ -283,33 +311,40 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ step
 
-    def grad_norm_and_overflow(self) -> tuple[float, bool]:
+    def grad_norm_and_overflow(self, loss: Optional[torch.Tensor] = None) -> tuple[float, bool]:
         """Global L2 norm of the (unscaled) gradients over TP, PP and DP, each element once;
-        and whether any rank saw inf/NaN. One all-reduce: [counted sum of squares, the rest],
-        over the model-parallel group at stage 0 (DP replicas agree) and the world otherwise."""
+        and whether any rank saw inf/NaN in a gradient or in its `loss` share. One all-reduce
+        over the world: [counted sum of squares, the rest (replicas, the tied head, a
+        non-finite loss as inf)]. At stage 0 DP replicas hold the same reduced gradients, so
+        only DP rank 0 adds them."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.grid.device)
-        for r in self.ranges:
-            sums[0 if r.counted else 1] += self._grad(r).double().pow(2).sum()
-        comm.all_reduce(sums, self.grid.mp_group if self.stage == 0 else self.grid["world"])
+        for r in self.ranges if self.stage > 0 or self.grid.dp_rank == 0 else ():
+            sums[0 if r.counted else 1] += torch.linalg.vector_norm(self._grad(r), dtype=torch.float64).square()
+        if loss is not None:
+            sums[1] += torch.where(torch.isfinite(loss.detach()), 0.0, float("inf")).double().to(sums.device)
+        comm.all_reduce(sums, self.grid["world"])
         overflow = not bool(torch.isfinite(sums).all())
         inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
         return float(sums[0].sqrt()) * inv_scale, overflow
 
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
-        norm, overflow = self.grad_norm_and_overflow()
+    def step(self, lr: float, loss: Optional[torch.Tensor] = None) -> StepResult:
+        """One AdamW step of this rank's shard, or none anywhere when a gradient (or a rank's
+        `loss` share) is inf/NaN: in every precision such a step would poison the master
+        weights and Adam moments, so it is skipped whole (fp16 also backs off its loss scale)."""
+        norm, overflow = self.grad_norm_and_overflow(loss)
         scale = self.scaler.scale if self.scaler is not None else None
         if self.scaler is not None:
             self.scaler.update(overflow)
-            if overflow:  # every rank saw the same sums, so every rank skips
-                return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
+        if overflow:  # every rank saw the same sums, so every rank skips
+            return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
         o = self.cfg.optim
         coef = 1.0 / scale if scale is not None else 1.0
         if o.clip_grad > 0 and norm > o.clip_grad:
             coef *= o.clip_grad / (norm + 1e-6)
         self.step_count += 1
         for group in self.groups:
-            grads = [self._grad(r).float() for r in group]  # a copy only for 16-bit gradients
+            grads = [self._grad(r) for r in group]  # fp32; scaled in place (zeroed before the next use)
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
             masters = [self._master(r) for r in group]
@@ -324,6 +359,14 @@ class ZeroOptimizer:
         self._gather_updated_params()
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
 
+    def all_finite(self) -> bool:
+        """Whether every rank's master weights are finite (collective over the world)."""
+        bad = torch.zeros(1, device=self.grid.device)
+        for values in self._shard_values():
+            bad += (~torch.isfinite(values)).sum()
+        comm.all_reduce(bad, self.grid["world"])
+        return not bool(bad)
+
     def _gather_updated_params(self) -> None:
         """Stages 1/2: every rank stepped its slice; put the full parameters everywhere."""
         if self.stage not in (1, 2):
@@ -334,13 +377,13 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ state
 
-    def _shard_values(self) -> torch.Tensor:
-        """This rank's fp32 master shard as one flat tensor (padding included)."""
+    def _shard_values(self) -> list[torch.Tensor]:
+        """This rank's fp32 master shard (padding included), as pieces laid end to end."""
         if self.master is not None:
-            return self.master.clone()
+            return [self.master]
         if self.stage == 3:
-            return self.param_shard.clone()
-        return torch.cat([self._param_slice(b) for b in self.layout.buckets])
+            return [self.param_shard]
+        return [self._param_slice(b) for b in self.layout.buckets]
 
     def _param_slice(self, b: Bucket) -> torch.Tensor:
         """Stages 0-2: this rank's slice of bucket b's parameters."""
@@ -349,11 +392,13 @@ class ZeroOptimizer:
 
     def state_dict(self) -> dict:
         """Only this rank's shard (fp32 master, Adam moments, step, loss scaler) and the
-        partition map that says where each element belongs."""
+        partition map that says where each element belongs, in host memory: copied out one
+        tensor at a time through a pinned buffer, never cloned on the device."""
+        host = HostCopier()
         return {"stage": self.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
                 "precision": self.cfg.train.precision, "step": self.step_count,
-                "master": self._shard_values(), "exp_avg": self.exp_avg.clone(),
-                "exp_avg_sq": self.exp_avg_sq.clone(),
+                "master": host.concat(self._shard_values()), "exp_avg": host.concat([self.exp_avg]),
+                "exp_avg_sq": host.concat([self.exp_avg_sq]),
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "partition": self.layout.param_map()}
 
@@ -387,8 +432,8 @@ class ZeroOptimizer:
         stages 0-2; at stage 3 each parameter's piece of this rank's shard, flattened (the
         partition map in state_dict() says where each piece goes)."""
         if self.stage < 3:
-            return {s.name: s.param.detach().clone() for _, s in self.layout.slots()}
-        return {name: piece.clone() for name, piece in self._stage3_pieces()}
+            return {s.name: to_host(s.param.detach()) for _, s in self.layout.slots()}
+        return {name: to_host(piece) for name, piece in self._stage3_pieces()}
 
     @torch.no_grad()
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -449,7 +494,7 @@ class ZeroOptimizer:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of this model-parallel rank in full, as copies (any stage; at
         stage 3 gathered one unit at a time)."""
-        return {name: value.clone() for name, _, value in self.full_parameters()}
+        return {name: to_host(value) for name, _, value in self.full_parameters()}
 
     def _refuse_sharded_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self.gatherer.gathered != set(range(len(self.layout.buckets))):
