@@ -7,7 +7,9 @@ normalised once, globally). Ranks that do not compute the loss return None.
 
 With pp > 1 a schedule is an *order*: the list of actions (forward or backward of one
 micro-batch through one model chunk) that one pipeline rank runs, in sequence. One executor
-runs any order, exchanging activations and gradients with the neighbours (see p2p.py):
+runs any order, exchanging activations and gradients with the neighbours in batches that
+`pipeline_plan` derives from the orders of all ranks, so that no send waits on a receive
+its peer has not posted (see p2p.py):
 
     gpipe        all forwards, then all backwards: m micro-batches' activations alive
     1f1b         warm-up forwards (pp - 1 - rank), then one forward / one backward in turn,
@@ -23,8 +25,10 @@ iteration, overlapping that last backward.
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional, Protocol, Sequence
+from typing import Callable, ContextManager, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -49,7 +53,8 @@ def forward_backward_no_pipelining(chunk: GPT, microbatches: Sequence[Microbatch
                                    optimizer: Optional[GradSync] = None,
                                    forward_only: bool = False) -> Optional[torch.Tensor]:
     """pp = 1: a plain loop of forward + backward per micro-batch (gradients accumulate)."""
-    total = torch.zeros((), dtype=torch.float64)
+    # On the tokens' device: a CPU accumulator plus a CUDA loss fails only on the GPU.
+    total = torch.zeros((), dtype=torch.float32, device=microbatches[0][0].device)
     for i, (tokens, labels) in enumerate(microbatches):
         with torch.set_grad_enabled(not forward_only):
             loss = chunk.loss(chunk(tokens), labels).sum() / num_tokens
@@ -58,7 +63,7 @@ def forward_backward_no_pipelining(chunk: GPT, microbatches: Sequence[Microbatch
             last = i == len(microbatches) - 1
             with contextlib.nullcontext() if last else optimizer.no_sync():
                 optimizer.scale_loss(loss).backward()
-        total += loss.detach().double()
+        total += loss.detach().float()
     return total
 
 
@@ -160,14 +165,77 @@ def message_source(action: Action, pp: int, vpp: int, pp_rank: int) -> Optional[
     return source % pp if 0 <= source < pp * vpp else None
 
 
-def incoming_messages(order: Order, pp: int, vpp: int, pp_rank: int, m: int) -> dict[int, list[Action]]:
-    """For each neighbour (pipeline rank), the actions of ours its messages feed, in the
-    order it sends them: its own order, which every rank can compute."""
-    incoming: dict[int, list[Action]] = {}
-    for peer in {(pp_rank - 1) % pp, (pp_rank + 1) % pp}:
-        incoming[peer] = [t[1] for a in order(pp, vpp, peer, m)
-                          if (t := message_target(a, pp, vpp, peer)) is not None and t[0] == pp_rank]
-    return incoming
+# ----------------------------------------------------------------------------- communication plan
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One p2p op of a batch: send (or receive) the tensor that action `key` of the receiving
+    rank consumes, to (or from) pipeline rank `peer`."""
+
+    send: bool
+    peer: int
+    key: Action
+
+    def __repr__(self) -> str:
+        return f"{'send' if self.send else 'recv'} {self.key!r}"
+
+
+Batch = tuple[Transfer, ...]
+Step = Union[Action, Batch]
+"""A plan is a list of steps: run an action, or post a batch of transfers and wait for all of it."""
+
+
+def pipeline_plan(order: Order, pp: int, vpp: int, pp_rank: int, m: int) -> tuple[Step, ...]:
+    """What pipeline rank `pp_rank` does, in sequence, to run `order`: its actions, and
+    between them the batches of sends and receives it posts.
+
+    The plan comes from one run of every rank's order in unit-time steps: at step t each
+    rank runs its next action if that action's input arrived before t, and then every rank
+    posts batch t, which holds the sends of what it produced at t and the receives of what
+    its neighbours produced at t. So every send's receive is in the peer's batch of the
+    same step, and no plan can deadlock even when a send blocks until its receive is
+    posted: batch t of a rank waits only for the neighbours' batch t, the actions in
+    between wait for nothing, and by induction on t every rank reaches and completes each
+    of its batches. Megatron-LM's paired calls (send_forward_recv_backward, ...) are this
+    plan written out by hand for 1F1B. Every rank's first batch needs no one else's work
+    (only rank 0 computes before it), so all ranks join the first call on the pp group.
+
+    A receive may come in before its action is due (it waits in the inbox); that is the
+    price of pairing it with the send that produced it."""
+    return _plans(order, pp, vpp, m)[pp_rank]
+
+
+@functools.lru_cache(maxsize=32)
+def _plans(order: Order, pp: int, vpp: int, m: int) -> tuple[tuple[Step, ...], ...]:
+    """Every rank's plan (see pipeline_plan); cached, as every iteration runs the same one."""
+    pending = [deque(order(pp, vpp, r, m)) for r in range(pp)]
+    plans: list[list[Step]] = [[] for _ in range(pp)]
+    arrived: set[tuple[int, Action]] = set()  # (rank, action): the action's input has come in
+    while any(pending):
+        ready = [r for r in range(pp) if pending[r] and _input_arrived(pending[r][0], r, arrived, pp, vpp)]
+        if not ready:
+            stuck = {r: pending[r][0] for r in range(pp) if pending[r]}
+            raise ValueError(f"{order.__name__}(pp {pp}, vpp {vpp}, m {m}) deadlocks on its own data: the next "
+                             f"actions {stuck} each wait for another rank's; an action must follow its feeder")
+        sends: list[list[Transfer]] = [[] for _ in range(pp)]
+        receives: list[list[Transfer]] = [[] for _ in range(pp)]
+        for r in ready:
+            action = pending[r].popleft()
+            plans[r].append(action)
+            target = message_target(action, pp, vpp, r)
+            if target is not None:  # the peer receives it in its batch of this same step
+                sends[r].append(Transfer(True, *target))
+                receives[target[0]].append(Transfer(False, r, target[1]))
+                arrived.add(target)
+        for r in range(pp):
+            if sends[r] or receives[r]:
+                plans[r].append(tuple(sends[r] + receives[r]))
+    return tuple(tuple(plan) for plan in plans)
+
+
+def _input_arrived(action: Action, pp_rank: int, arrived: set[tuple[int, Action]], pp: int, vpp: int) -> bool:
+    return message_source(action, pp, vpp, pp_rank) is None or (pp_rank, action) in arrived
 
 
 # ----------------------------------------------------------------------------- executor
@@ -186,12 +254,11 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
     order = order_of(pp, vpp, rank, m)
     tokens = microbatches[0][0]
     shape = (tokens.shape[0], tokens.shape[1], chunks[0].cfg.hidden_size)
-    p2p = PipelineP2P(grid, shape, dtype, {grid.stage_rank(peer): keys for peer, keys in
-                                           incoming_messages(order_of, pp, vpp, rank, m).items()})
+    p2p = PipelineP2P(grid, shape, dtype)
     # The last backward of each chunk reduces its gradients over DP; earlier ones only accumulate.
     last_backward = {a.chunk: a for a in order if not a.forward}
     saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float32, device=grid.device)
 
     def run(action: Action, received: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """One action; returns the tensor to pass on (None on the first/last virtual stage)."""
@@ -205,7 +272,7 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
                 y = chunk(x)
                 if chunk.post_process:
                     y = chunk.loss(y, labels).sum() / num_tokens
-                    total += y.detach().double()
+                    total += y.detach().float()
             if not forward_only:
                 saved[key] = (x, y)
             return None if chunk.post_process else y
@@ -217,20 +284,20 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
                 torch.autograd.backward(y, received)
         return None if chunk.pre_process else x.grad
 
-    def needs(i: int) -> Optional[tuple[int, Action]]:
-        if i == len(order):
-            return None
-        source = message_source(order[i], pp, vpp, rank)
-        return None if source is None else (grid.stage_rank(source), order[i])
-
-    # Each exchange sends what one action produced and receives what the next one needs.
-    received = p2p.exchange(take=needs(0))
-    for i, action in enumerate(order):
-        out = run(action, received)
-        target = message_target(action, pp, vpp, rank)
-        send = (grid.stage_rank(target[0]), out) if target is not None else None
-        received = p2p.exchange(send, needs(i + 1))
-    p2p.flush()
+    # Run this rank's plan: actions, and between them batches that send what the last
+    # action produced and receive what the neighbours produced at the same step.
+    outbox: dict[Action, torch.Tensor] = {}  # keyed by the action that consumes the tensor
+    for step in pipeline_plan(order_of, pp, vpp, rank, m):
+        if isinstance(step, Action):
+            fed = message_source(step, pp, vpp, rank) is not None
+            out = run(step, p2p.take(step) if fed else None)
+            target = message_target(step, pp, vpp, rank)
+            if target is not None:
+                outbox[target[1]] = out
+        else:
+            p2p.exchange([(grid.stage_rank(t.peer), outbox.pop(t.key)) for t in step if t.send],
+                         [(grid.stage_rank(t.peer), t.key) for t in step if not t.send])
+    p2p.finish()
     if stats is not None:
         stats["wait_s"] = p2p.wait_seconds
     return total if grid.is_last_stage else None
