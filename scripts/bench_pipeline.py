@@ -49,8 +49,7 @@ from megazero.parallel import comm  # noqa: E402
 from megazero.parallel.grid import ProcessGrid  # noqa: E402
 from megazero.parallel.random import seed_everything  # noqa: E402
 from megazero.pipeline.schedules import ORDERS, Action, forward_backward_pipelining, message_target  # noqa: E402
-from megazero.pipeline.stages import build_model_chunks  # noqa: E402
-from megazero.zero.optimizer import ZeroOptimizer  # noqa: E402
+from megazero.train.parallelize import parallelize  # noqa: E402
 
 
 class ActivationMeter:
@@ -110,8 +109,7 @@ def run_case(args, grid: ProcessGrid, schedule: str, m: int) -> dict:
     cfg = bench_config(args, grid.pp, schedule, m)
     validate(cfg, grid.world_size)
     tracker = seed_everything(cfg.train.seed, grid.pp_rank, grid.tp_rank, grid.device)
-    chunks = build_model_chunks(cfg, grid, tracker)
-    optimizer = ZeroOptimizer(chunks, cfg, grid)
+    chunks, optimizer = parallelize(cfg, grid, tracker)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 512, (args.micro_batch, args.seq), generator=g),
                 torch.randint(0, 512, (args.micro_batch, args.seq), generator=g)) for _ in range(m)]

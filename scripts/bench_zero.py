@@ -97,10 +97,10 @@ def _plain_model(args: argparse.Namespace):
 
 def run_peer(args: argparse.Namespace, kind: str) -> dict:
     from megazero.data.mock import MockGPTDataset
-    from megazero.zero.optimizer import no_weight_decay
     cfg, model = _plain_model(args)
     rank, n = dist.get_rank(), dist.get_world_size()
-    decayed = {k: not no_weight_decay(k, p) for k, p in model.named_parameters()}  # before wrapping hides TP attrs
+    no_decay = model.no_weight_decay()  # before wrapping changes the names
+    decayed = {k: k not in no_decay for k, _ in model.named_parameters()}
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         wrapped = DistributedDataParallel(model, bucket_cap_mb=args.bucket * 4 / MiB)

@@ -297,8 +297,7 @@ def _check_layouts(num_layers: int, gbs: int, cases: list[tuple[int, int, int, s
     from megazero.parallel.grid import ProcessGrid
     from megazero.parallel.random import seed_everything
     from megazero.pipeline.schedules import forward_backward_pipelining
-    from megazero.pipeline.stages import build_model_chunks
-    from megazero.zero.optimizer import ZeroOptimizer
+    from megazero.train.parallelize import parallelize
 
     world = dist.get_world_size()
     grids: dict[tuple[int, int], ProcessGrid] = {}
@@ -315,8 +314,7 @@ def _check_layouts(num_layers: int, gbs: int, cases: list[tuple[int, int, int, s
         validate(cfg, world)
         ref_loss, ref_grads = _reference(cfg, all_batches)
         tracker = seed_everything(cfg.train.seed, grid.pp_rank, grid.tp_rank, grid.device)
-        chunks = build_model_chunks(cfg, grid, tracker)
-        optimizer = ZeroOptimizer(chunks, cfg, grid)
+        chunks, optimizer = parallelize(cfg, grid, tracker)
         # This DP rank's micro-batches: the same slicing as Trainer.microbatches.
         mine = [all_batches[j * grid.dp + grid.dp_rank] for j in range(len(all_batches) // grid.dp)]
         loss = forward_backward_pipelining(chunks, mine, 16 * gbs, grid, schedule, torch.float32, optimizer)

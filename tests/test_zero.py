@@ -103,10 +103,10 @@ def test_single_process_matches_torch_adamw(reference):
     m, t, o = cfg.model, cfg.train, cfg.optim
     model = GPT(m, Group("solo", None, [0], 0))
     model.init_weights(t.seed)
-    from megazero.zero.optimizer import no_weight_decay
-    groups = [{"params": [p for n, p in model.named_parameters() if not no_weight_decay(n, p)],
+    no_decay = model.no_weight_decay()
+    groups = [{"params": [p for n, p in model.named_parameters() if n not in no_decay],
                "weight_decay": o.weight_decay},
-              {"params": [p for n, p in model.named_parameters() if no_weight_decay(n, p)], "weight_decay": 0.0}]
+              {"params": [p for n, p in model.named_parameters() if n in no_decay], "weight_decay": 0.0}]
     adam = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
     from megazero.train.lr import learning_rate
     ds = MockGPTDataset((t.iters + 1) * t.global_batch_size, m.seq_length, m.vocab_size, t.seed)

@@ -29,12 +29,11 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megazero.config import ModelConfig, padded_vocab_size
 from megazero.model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_tp,
@@ -44,19 +43,19 @@ from megazero.parallel.random import RNGTracker
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Group, tracker: Optional[RNGTracker], selective_recompute: bool):
+    def __init__(self, cfg: ModelConfig, tp: Group, tracker: Optional[RNGTracker]):
         super().__init__()
         self.heads = cfg.num_heads // tp.size  # this rank's heads
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.dropout = cfg.dropout
         self.tracker = tracker
-        self.selective_recompute = selective_recompute
         # stride 3: q, k and v are each split over the TP ranks, so a rank owns whole heads.
         self.c_attn = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, tp, stride=3)
         self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def _attend(self, qkv: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
+        """The attention core: q, k, v -> weighted values (selective recompute wraps this)."""
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if kv is not None:  # incremental decoding: attend to every cached position as well
@@ -71,15 +70,7 @@ class CausalSelfAttention(nn.Module):
         return y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
-        qkv = self.c_attn(x)
-        if kv is not None:
-            y = self._attend(qkv, kv, pos)
-        elif self.selective_recompute and self.training:
-            # Selective recomputation: keep only the attention core's input; its s x s
-            # intermediates are rebuilt in backward (Korthikanti et al., 2022).
-            y = checkpoint(self._attend, qkv, use_reentrant=False, context_fn=_rng_context(self.tracker))
-        else:
-            y = self._attend(qkv)
+        y = self.attend(self.c_attn(x), kv, pos)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -95,10 +86,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Group, tracker: Optional[RNGTracker], selective_recompute: bool):
+    def __init__(self, cfg: ModelConfig, tp: Group, tracker: Optional[RNGTracker]):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
-        self.attn = CausalSelfAttention(cfg, tp, tracker, selective_recompute)
+        self.attn = CausalSelfAttention(cfg, tp, tracker)
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
         self.mlp = MLP(cfg, tp)
 
@@ -112,13 +103,11 @@ class GPT(nn.Module):
     `pre_process` and the final norm and tied head when `post_process`."""
 
     def __init__(self, cfg: ModelConfig, tp: Group, tracker: Optional[RNGTracker] = None,
-                 layers: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True,
-                 recompute: str = "none"):
+                 layers: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True):
         super().__init__()
         self.cfg, self.tp, self.tracker = cfg, tp, tracker
         self.layers = list(range(cfg.num_layers) if layers is None else layers)
         self.pre_process, self.post_process = pre_process, post_process
-        self.full_recompute = recompute == "full"
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, tp.size)
 
         self.transformer = nn.Module()
@@ -127,7 +116,7 @@ class GPT(nn.Module):
             self.transformer.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
             self.transformer.drop = nn.Dropout(cfg.dropout)
         self.transformer.h = nn.ModuleDict(
-            {str(i): Block(cfg, tp, tracker, recompute == "selective") for i in self.layers})
+            {str(i): Block(cfg, tp, tracker) for i in self.layers})
         if post_process:
             self.transformer.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
             if not pre_process:  # the last stage keeps its own copy of the tied embedding
@@ -153,12 +142,7 @@ class GPT(nn.Module):
             pos = torch.arange(start, start + x.shape[1], device=x.device)
             x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
         for i, block in self.transformer.h.items():
-            if cache is not None:
-                x = block(x, cache.layers[int(i)], start)
-            elif self.full_recompute and self.training:
-                x = checkpoint(block, x, use_reentrant=False, context_fn=_rng_context(self.tracker))
-            else:
-                x = block(x)
+            x = block(x, cache.layers[int(i)], start) if cache is not None else block(x)
         if cache is not None:
             cache.length += x.shape[1]
         if not self.post_process:
@@ -174,12 +158,18 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """GPT-2 init, independent of the layout: each parameter's full tensor is drawn
-        from a generator seeded by (seed, its name); this rank keeps its TP shard. So
-        tp = 1, 2, 4 and any pipeline split start from the same model."""
+        """Set every (materialized) parameter to its `initial_value`."""
         for name, p in self.named_parameters():
-            full = self._full_init(name, p, seed)
-            p.copy_(shard_of(full, p.tp_dim, p.tp_stride, self.tp.rank, self.tp.size))
+            p.copy_(self.initial_value(name, seed))
+
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """GPT-2 init of one parameter, independent of the layout: its full tensor is drawn
+        (on the CPU, in fp32) from a generator seeded by (seed, its name) and this rank keeps
+        its TP shard. So tp = 1, 2, 4, any pipeline split and any ZeRO partition start from
+        the same model; a model built on the meta device is materialized from this, one
+        parameter at a time."""
+        p = self.get_parameter(name)
+        return shard_of(self._full_init(name, p, seed), p.tp_dim, p.tp_stride, self.tp.rank, self.tp.size)
 
     def _full_init(self, name: str, p: nn.Parameter, seed: int) -> torch.Tensor:
         if name == "lm_head.weight":
@@ -205,6 +195,45 @@ class GPT(nn.Module):
         if self.pre_process:
             return self.transformer.wte.weight
         return self.lm_head.weight if self.post_process else None
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameters not decayed (GPT-2 / Megatron practice): biases and LayerNorm weights,
+        the one-dimensional ones."""
+        return {n for n, p in self.named_parameters() if len(p.full_shape) < 2}
+
+    def units(self) -> list["Unit"]:
+        """The model in execution order as units of parameters used together (what ZeRO-3
+        gathers and frees at once): token embedding, position embedding, each block, and the
+        final norm with the head. The tied embedding weight is not in any unit's `named`."""
+        t, out = self.transformer, []
+        if self.pre_process:  # separate outputs, separate units
+            out.append(Unit(t.wte, t.wte, [t.wte], [], True))
+            out.append(Unit(t.wpe, t.wpe, [t.wpe], _named(t.wpe, "transformer.wpe"), False))
+        for key, block in t.h.items():
+            out.append(Unit(block, block, [block], _named(block, f"transformer.h.{key}"), False))
+        if self.post_process:
+            # The head matmul runs in GPT.forward itself, after ln_f: the unit ends with the chunk.
+            out.append(Unit(t.ln_f, self, [self], _named(t.ln_f, "transformer.ln_f"), True))
+        return out
+
+
+class Unit(NamedTuple):
+    """Parameters used together, and the modules whose hooks bracket their use."""
+
+    start: nn.Module
+    """Runs first: its forward pre-hook may gather the parameters."""
+    end: nn.Module
+    """Runs last: its forward hook may free them."""
+    outputs: list[nn.Module]
+    """Modules whose outputs' gradients announce the unit's backward."""
+    named: list[tuple[str, nn.Parameter]]
+    """Its parameters (other than the tied embedding weight), by name in the model."""
+    uses_tied: bool
+    """Whether it uses the tied embedding weight (embedding or head)."""
+
+
+def _named(module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
+    return [(f"{prefix}.{n}", p) for n, p in module.named_parameters()]
 
 
 class LayerKV:
@@ -234,26 +263,3 @@ class KVCache:
         head_dim = model.cfg.hidden_size // model.cfg.num_heads
         self.layers = {i: LayerKV(batch, heads, max_len, head_dim, p.dtype, p.device) for i in model.layers}
         self.length = 0
-
-
-def _rng_context(tracker: Optional[RNGTracker]):
-    """Recomputation must replay the same dropout masks. torch restores the default RNG
-    itself; this also snapshots the TP tracker's streams at forward and replays them."""
-    if tracker is None:
-        return lambda: (contextlib.nullcontext(), contextlib.nullcontext())
-
-    def make():
-        saved = tracker.state_dict()
-
-        @contextlib.contextmanager
-        def replay():
-            current = tracker.state_dict()
-            tracker.load_state_dict(saved)
-            try:
-                yield
-            finally:
-                tracker.load_state_dict(current)
-
-        return contextlib.nullcontext(), replay()
-
-    return make

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -94,3 +94,27 @@ def set_rng_states(states: dict, tracker: RNGTracker) -> None:
     tracker.load_state_dict(states["tracker"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
+
+
+def recompute_rng_context(tracker: Optional[RNGTracker]) -> Callable[[], tuple]:
+    """`context_fn` for torch.utils.checkpoint: recomputation must replay the same dropout
+    masks. torch restores the default RNG itself; this also snapshots the TP tracker's
+    streams at forward and replays them during the recomputation."""
+    if tracker is None:
+        return lambda: (contextlib.nullcontext(), contextlib.nullcontext())
+
+    def make() -> tuple:
+        saved = tracker.state_dict()
+
+        @contextlib.contextmanager
+        def replay() -> Iterator[None]:
+            current = tracker.state_dict()
+            tracker.load_state_dict(saved)
+            try:
+                yield
+            finally:
+                tracker.load_state_dict(current)
+
+        return contextlib.nullcontext(), replay()
+
+    return make

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from megazero.config import Config
 from megazero.model.gpt import GPT
 from megazero.parallel.grid import ProcessGrid
@@ -30,15 +32,13 @@ def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
 
 
 def build_model_chunks(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> list[GPT]:
-    """This rank's model chunks, initialised layout-independently from train.seed."""
+    """This rank's model chunks, built on the meta device: shapes and names, no memory.
+    Their values come later, from the layout-independent init, when ZeRO materializes
+    only what this rank owns (megazero.train.parallelize)."""
     p = cfg.parallel
     layer_sets = stage_layers(cfg.model.num_layers, grid.pp, p.vpp, grid.pp_rank, p.pp_layers)
-    chunks = []
-    for v, layers in enumerate(layer_sets):
-        chunk = GPT(cfg.model, grid.tp_group, tracker, layers=layers,
+    with torch.device("meta"):
+        return [GPT(cfg.model, grid.tp_group, tracker, layers=layers,
                     pre_process=grid.is_first_stage and v == 0,
-                    post_process=grid.is_last_stage and v == len(layer_sets) - 1,
-                    recompute=cfg.train.recompute)
-        chunk.init_weights(cfg.train.seed)
-        chunks.append(chunk.to(grid.device))
-    return chunks
+                    post_process=grid.is_last_stage and v == len(layer_sets) - 1)
+                for v, layers in enumerate(layer_sets)]

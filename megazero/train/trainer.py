@@ -1,8 +1,8 @@
 """The training loop: data -> schedule (forward/backward) -> optimizer step -> metrics.
 
 Parallel pieces are put together here, in this order: grid and seeds, this rank's model
-chunks (layout-independent init), the optimizer (which owns DP gradient reduction and
-sharding), the datasets. Every layout sees the same global batch: sample i depends only
+chunks with the optimizer that materializes and shards them (train/parallelize.py), the
+datasets. Every layout sees the same global batch: sample i depends only
 on (seed, i), and each DP rank takes a fixed slice of every global batch.
 """
 
@@ -25,11 +25,10 @@ from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining
-from megazero.pipeline.stages import build_model_chunks
 from megazero.train.lr import learning_rate
+from megazero.train.parallelize import parallelize
 from megazero.train.metrics import (MetricsWriter, device_peak_flops, format_line, model_flops_per_token,
                                     peak_memory_gib)
-from megazero.zero.optimizer import ZeroOptimizer
 
 
 class TrainingError(RuntimeError):
@@ -41,8 +40,7 @@ class Trainer:
         self.cfg, self.grid = cfg, grid
         t = cfg.train
         self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device)
-        self.chunks = build_model_chunks(cfg, grid, self.tracker)
-        self.optimizer = ZeroOptimizer(self.chunks, cfg, grid)
+        self.chunks, self.optimizer = parallelize(cfg, grid, self.tracker)
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * grid.dp)
         self.train_ds, self.valid_ds = build_datasets(cfg, grid)
         self.iteration = 0

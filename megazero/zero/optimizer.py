@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from megazero.config import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostCopier, to_host
+from megazero.zero.materialize import hollow_meta_parameters
 from megazero.zero.partition import Bucket, Layout, Range, Slot, build_layout, sub_groups
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
 from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
@@ -49,9 +50,22 @@ class StepResult:
     loss_scale: Optional[float] = None
 
 
-def no_weight_decay(name: str, p: nn.Parameter) -> bool:
-    """Biases, LayerNorms and position embeddings are not decayed (GPT-2 / Megatron practice)."""
-    return len(p.full_shape) < 2 or ".ln_" in name or "ln_f" in name
+class ShardableModel(Protocol):
+    """What ZeRO needs from each model chunk (megazero.model.gpt.GPT provides it)."""
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def tied_weight(self) -> Optional[nn.Parameter]:
+        """The embedding copy whose gradient is summed over the embedding group."""
+
+    def no_weight_decay(self) -> set[str]:
+        """Names of the parameters AdamW does not decay."""
+
+    def units(self) -> list:
+        """Stage 3's fetch units in execution order (see GPT.units)."""
+
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """A parameter's starting value on this TP rank (materializes meta-device models)."""
 
 
 def bucket_groups(chunks: list[nn.Module], bucket_size: int) -> list[tuple[int, Named]]:
@@ -99,8 +113,11 @@ def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
 class ZeroOptimizer:
     """ZeRO stages 0-3 over one model-parallel rank's model chunks (see the module docstring)."""
 
-    def __init__(self, chunks: list[nn.Module], cfg: Config, grid: ProcessGrid):
+    def __init__(self, chunks: list[ShardableModel], cfg: Config, grid: ProcessGrid):
         self.cfg, self.grid, self.chunks = cfg, grid, chunks
+        # A model built on the meta device gets its values from its init, drawn here: each
+        # rank writes only the elements it owns.
+        self.sharded_init = hollow_meta_parameters(chunks, grid.device)
         z = cfg.zero
         self.stage = z.stage
         self.dtype = COMPUTE_DTYPE[cfg.train.precision]
@@ -119,7 +136,8 @@ class ZeroOptimizer:
         slots = self.layout.slots()
         tied = {id(c.tied_weight()) for c in chunks if c.tied_weight() is not None}
         self.tied_buckets = [b.index for b, s in slots if id(s.param) in tied]
-        decays = {s.name: not no_weight_decay(s.name, s.param) for _, s in slots}
+        no_decay = [c.no_weight_decay() for c in chunks]
+        decays = {s.name: s.name not in no_decay[b.chunk] for b, s in slots}
         # Each gradient element counted once: TP-replicated parameters on TP rank 0 only, and the
         # last stage's copy of the tied embedding not at all (its sum lives in wte's grad).
         counted = {s.name: (s.param.tp_dim is not None or grid.tp_rank == 0) and s.name != "lm_head.weight"
@@ -149,9 +167,16 @@ class ZeroOptimizer:
             s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
         self.zero_grad()
 
+    def _initial(self, b: Bucket, s: Slot) -> torch.Tensor:
+        """Parameter s's starting value, flat: drawn from its chunk's init when the model was
+        built on the meta device, else the values it holds."""
+        if self.sharded_init:
+            return self.chunks[b.chunk].initial_value(s.name, self.cfg.train.seed).reshape(-1)
+        return s.param.detach().reshape(-1)
+
     def _build_storage(self) -> None:
-        """Move the fp32-initialised parameters into flat buckets: fp32 master values for this
-        rank's shard, the model in the compute dtype (stage 3: only this rank's shard of it)."""
+        """Put the initial parameters into flat buckets: fp32 master values for this rank's
+        shard, the model in the compute dtype (stage 3: only this rank's shard of it)."""
         device, n = self.grid.device, self.layout.shard_numel
         fp32 = self.dtype == torch.float32
         # In fp32 the model's own values are the master weights; a copy would be waste.
@@ -159,16 +184,15 @@ class ZeroOptimizer:
         self.param_flat: list[torch.Tensor] = []
         self.param_shard = torch.zeros(n if self.stage == 3 else 0, dtype=self.dtype, device=device)
         for b in self.layout.buckets:
+            if self.stage == 3:
+                self._fill_shard(b)  # the gatherer points the parameters at placeholders
+                continue
             flat = torch.zeros(b.numel, device=device)
             for s in b.slots:
-                flat[s.offset: s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+                flat[s.offset: s.offset + s.numel].copy_(self._initial(b, s))
             lo, hi = b.slice_of(self.layout.rank)
-            shard = slice(b.shard_offset, b.shard_offset + b.shard_numel)
             if self.master is not None:
-                self.master[shard].copy_(flat[lo:hi])
-            if self.stage == 3:
-                self.param_shard[shard].copy_(flat[lo:hi])
-                continue  # the gatherer points the parameters at placeholders
+                self.master[b.shard_offset: b.shard_offset + b.shard_numel].copy_(flat[lo:hi])
             flat = flat.to(self.dtype)
             self.param_flat.append(flat)
             for s in b.slots:
@@ -178,6 +202,20 @@ class ZeroOptimizer:
             self.grad_flat = [torch.zeros(b.numel, device=device) for b in self.layout.buckets]
         else:
             self.grad_shard = torch.zeros(n, device=device)
+
+    def _fill_shard(self, b: Bucket) -> None:
+        """Stage 3: this rank's slice of bucket b, written parameter by parameter (never the
+        whole bucket): model values in the compute dtype and fp32 master weights."""
+        lo, hi = b.slice_of(self.layout.rank)
+        for s in b.slots:
+            start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if start >= end:
+                continue
+            piece = self._initial(b, s)[start - s.offset: end - s.offset]
+            where = slice(b.shard_offset + start - lo, b.shard_offset + end - lo)
+            self.param_shard[where].copy_(piece)
+            if self.master is not None:
+                self.master[where].copy_(piece)
 
     # ------------------------------------------------------------------ views of one range
 

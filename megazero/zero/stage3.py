@@ -38,24 +38,18 @@ Named = list[tuple[str, nn.Parameter]]
 
 @dataclass
 class Unit:
-    """Parameters used together, and the modules whose hooks bracket their use."""
+    """One of the model's units (see `GPT.units`) and the layout buckets it gathers."""
 
     chunk: int
     start: nn.Module
-    """Its forward pre-hook gathers."""
     end: nn.Module
-    """Its forward hook frees (outside backward)."""
     outputs: list[nn.Module]
-    """Modules whose outputs' gradients announce the unit's backward."""
-    named: Named
-    """Parameters other than the tied embedding weight."""
-    uses_tied: bool
-    buckets: tuple[int, ...] = ()
+    buckets: tuple[int, ...]
 
 
 def fetch_units(chunks: list[nn.Module]) -> tuple[list[Unit], list[tuple[int, Named]]]:
-    """The fetch units of each GPT chunk in execution order, and the layout's bucket groups
-    (one per unit, plus one per tied weight) with `Unit.buckets` filled in."""
+    """The fetch units of each model chunk in execution order (the chunk's own `units()`),
+    and the layout's bucket groups: one per unit, plus one per tied weight."""
     units: list[Unit] = []
     groups: list[tuple[int, Named]] = []
     for ci, chunk in enumerate(chunks):
@@ -65,28 +59,14 @@ def fetch_units(chunks: list[nn.Module]) -> tuple[list[Unit], list[tuple[int, Na
             name = next(n for n, p in chunk.named_parameters() if p is tied)
             tied_bucket = len(groups)
             groups.append((ci, [(name, tied)]))
-        t = chunk.transformer
-        chunk_units = []
-        if chunk.pre_process:  # token and position embeddings: separate outputs, separate units
-            chunk_units.append(Unit(ci, t.wte, t.wte, [t.wte], [], True))
-            chunk_units.append(Unit(ci, t.wpe, t.wpe, [t.wpe], _named(t.wpe, "transformer.wpe"), False))
-        for key, block in t.h.items():
-            chunk_units.append(Unit(ci, block, block, [block], _named(block, f"transformer.h.{key}"), False))
-        if chunk.post_process:
-            # The head matmul runs in GPT.forward itself, after ln_f: the unit ends with the chunk.
-            chunk_units.append(Unit(ci, t.ln_f, chunk, [chunk], _named(t.ln_f, "transformer.ln_f"), True))
-        for unit in chunk_units:
+        for part in chunk.units():
             own = ()
-            if unit.named:
+            if part.named:
                 own = (len(groups),)
-                groups.append((ci, unit.named))
-            unit.buckets = own + ((tied_bucket,) if unit.uses_tied else ())
-        units.extend(chunk_units)
+                groups.append((ci, part.named))
+            units.append(Unit(ci, part.start, part.end, part.outputs,
+                              own + ((tied_bucket,) if part.uses_tied else ())))
     return units, groups
-
-
-def _named(module: nn.Module, prefix: str) -> Named:
-    return [(f"{prefix}.{n}", p) for n, p in module.named_parameters()]
 
 
 def in_backward() -> bool:

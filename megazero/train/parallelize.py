@@ -1,0 +1,64 @@
+"""Apply the parallelisms to the model from outside it, in one place and a fixed order.
+
+The GPT file knows layers (its TP layers are sized by the tensor-parallel group they are
+given), not pipelines, recomputation or ZeRO. `parallelize` turns a config and a grid into
+this rank's trainable share of the model:
+
+1. Pipeline split and tensor-parallel shapes: this rank's model chunks (its stages'
+   layers, each TP layer holding 1/tp of its weight), built on the meta device.
+2. Activation recomputation (`train.recompute`): wraps each block (full) or each
+   attention core (selective) in torch.utils.checkpoint, inside the module call: ZeRO-3's
+   hooks on a block still bracket its forward, and its backward hook gathers the
+   parameters before the recomputation needs them.
+3. ZeRO (`zero.stage`): the optimizer lays the parameters out in flat buckets on the
+   grid's device and materializes only this rank's elements from the model's init (its DP
+   partition at stage 3, whose gather/release hooks it installs), in the compute dtype
+   with fp32 master weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megazero.config import Config
+from megazero.model.gpt import GPT
+from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.random import RNGTracker, recompute_rng_context
+from megazero.pipeline.stages import build_model_chunks
+from megazero.zero.optimizer import ZeroOptimizer
+
+
+def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[list[GPT], ZeroOptimizer]:
+    """This rank's model chunks and the ZeRO optimizer that owns their values (see above)."""
+    chunks = build_model_chunks(cfg, grid, tracker)
+    for chunk in chunks:
+        apply_recompute(chunk, cfg.train.recompute, tracker)
+    return chunks, ZeroOptimizer(chunks, cfg, grid)
+
+
+def apply_recompute(model: GPT, mode: str, tracker: Optional[RNGTracker]) -> None:
+    """full: keep only each block's input and recompute the block in backward; selective:
+    recompute only the attention core, whose s x s intermediates dominate activation
+    memory (Korthikanti et al., 2022). Parameter names do not change."""
+    if mode == "none":
+        return
+    for block in model.transformer.h.values():
+        if mode == "full":
+            block.forward = _recomputed(block.forward, tracker)
+        else:
+            block.attn.attend = _recomputed(block.attn.attend, tracker)
+
+
+def _recomputed(fn: Callable, tracker: Optional[RNGTracker]) -> Callable:
+    """fn(x, kv=None, pos=0) recomputed in backward when it runs with gradients and without a
+    KV cache; dropout masks are replayed from the same RNG states."""
+    @functools.wraps(fn)
+    def run(x: torch.Tensor, kv=None, pos: int = 0) -> torch.Tensor:
+        if kv is not None or not torch.is_grad_enabled():
+            return fn(x, kv, pos)
+        return checkpoint(fn, x, use_reentrant=False, context_fn=recompute_rng_context(tracker))
+    return run

@@ -1,0 +1,37 @@
+"""Sharded initialization (DeepSpeed's zero.Init, torchtitan's meta-device init).
+
+The model is built on the meta device: shapes and names, no memory. Before ZeRO lays the
+parameters out, each one is replaced by a *hollow* parameter of the same shape on the
+run's device, which holds no memory either; the optimizer then writes only what this rank
+owns (its TP shard, its pipeline stage's chunks and, at stage 3, its DP partition) into its
+flat buffers, drawing each value from the model's layout-independent `initial_value`, one
+parameter at a time. No rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def hollow_meta_parameters(chunks: list[nn.Module], device: torch.device) -> bool:
+    """Swap every meta-device parameter of `chunks` for a hollow one on `device` (same
+    Parameter attributes: tp_dim, tp_stride, full_shape); True when there were any."""
+    found = False
+    for chunk in chunks:
+        for module in chunk.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.device.type == "meta":
+                    setattr(module, name, _hollow(p, device))
+                    found = True
+    return found
+
+
+def _hollow(p: nn.Parameter, device: torch.device) -> nn.Parameter:
+    t = torch.empty(p.shape, dtype=p.dtype, device=device)
+    # Keep the shape, drop the memory (never touched on the host; a transient block of the
+    # caching allocator on a GPU): the optimizer points .data at its own buffers.
+    t.untyped_storage().resize_(0)
+    hollow = nn.Parameter(t, requires_grad=p.requires_grad)
+    hollow.__dict__.update(p.__dict__)
+    return hollow
