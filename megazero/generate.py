@@ -6,6 +6,9 @@ CKPT_OR_EXPORT is a megazero save directory / iter_ directory, a `--to torch` ex
 or a Hugging Face GPT-2 directory. Under torchrun
 with N processes the model is split tp = N ways; every rank samples the same tokens
 (same seed, same gathered logits). Temperature 0 is greedy decoding.
+
+The model, its KV cache, the logits and the sampling generator live on the run's device:
+the process's GPU when CUDA is available (one per rank under torchrun), else the CPU.
 """
 
 from __future__ import annotations
@@ -54,10 +57,14 @@ def load_weights(path: str) -> tuple[ModelConfig, Optional[str], Iterator[tuple[
     return reader.model_config, reader.config.data.tokenizer, reader.tensors("master")
 
 
-def build_model(m: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]], tp: Group) -> GPT:
-    """Plain (pp = 1) GPT-2 split over `tp`, each rank keeping its shard of every tensor."""
+def build_model(m: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]], tp: Group,
+                device: torch.device | str = "cpu") -> GPT:
+    """Plain (pp = 1) GPT-2 split over `tp` on `device`, each rank keeping its shard of every
+    tensor. Parameters are allocated on the device directly and filled one shard at a time,
+    so the full model never sits in host memory as well."""
     from megazero.checkpoint.export import fit_vocab
-    model = GPT(m, tp)
+    with torch.device(device):
+        model = GPT(m, tp)
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():
@@ -82,17 +89,18 @@ def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: fl
     if room <= 0:
         raise ValueError(f"the prompt has {len(prompt)} tokens; model.seq_length is {model.cfg.seq_length}")
     max_new_tokens = min(max_new_tokens, room)
-    g = torch.Generator().manual_seed(seed)
-    cache = KVCache(model, 1, len(prompt) + max_new_tokens)
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)  # multinomial needs a generator on its device
+    cache = KVCache(model, 1, len(prompt) + max_new_tokens)  # allocated beside the model's parameters
     ids = list(prompt)
-    x = torch.tensor([prompt])
+    x = torch.tensor([prompt], device=device)
     for _ in range(max_new_tokens):
         logits = gather_from_tp(model(x, cache)[:, -1], model.tp)[0, : model.cfg.vocab_size].float()
         nxt = sample(logits, temperature, top_k, top_p, g)
         ids.append(nxt)
         if nxt == eod:
             break
-        x = torch.tensor([[nxt]])
+        x = torch.tensor([[nxt]], device=device)
     return ids
 
 
@@ -124,6 +132,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--tokenizer", help="tokenizer spec when the checkpoint names none (gpt2bpe:DIR, ...)")
     args = parser.parse_args(argv)
 
+    import torch.distributed as dist
+
     from megazero.checkpoint.sharded import CheckpointError
     from megazero.data import DataError
     from megazero.data.tokenizer import build_tokenizer
@@ -142,8 +152,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                              f"{m.vocab_size}; pass the tokenizer the model was trained with")
         if m.num_heads % world:
             raise ValueError(f"model.num_heads ({m.num_heads}) must be divisible by the process count ({world})")
-        grid = ProcessGrid.create(tp=world, pp=1)
-        model = build_model(m, tensors, grid.tp_group)
+        grid = ProcessGrid.create(tp=world, pp=1)  # sets this rank's CUDA device when there is one
+        model = build_model(m, tensors, grid.tp_group, grid.device)
         ids = generate(model, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
                        args.top_p, args.seed, tokenizer.eod)
     except (CheckpointError, DataError, OSError, ValueError) as e:
@@ -152,6 +162,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(2)
     if rank == 0:
         print(tokenizer.decode(ids))
+    # NCCL warns (and may hang at exit) when its communicators are left for interpreter teardown.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 import torch
 
 from megazero.checkpoint import sharded
+from megazero.checkpoint.host import HostStaging
 from megazero.config import ModelConfig, build_config
 from megazero.model.layers import unshard
 
@@ -115,20 +116,21 @@ def save_streaming(path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.d
                    tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Write a torch.save-format state_dict one tensor at a time: the file's skeleton is
     saved without data, then each tensor's bytes are written at its record's offset. Host
-    memory stays near one tensor however large the model (torch.save needs them all)."""
+    memory stays near one tensor however large the model (torch.save needs them all).
+    Tensors may arrive on any device; device ones reach the file through a pinned buffer."""
     tmp = path + ".tmp"
     placeholders = {n: torch.empty(s, dtype=dtype) for n, s in shapes.items()}  # never touched: no RSS
     with torch.serialization.skip_data():
         torch.save(placeholders, tmp)
     offsets = _record_offsets(tmp)
     order = {n: i for i, n in enumerate(shapes)}  # storage keys follow the dict's order
+    staging = HostStaging()
     with open(tmp, "r+b") as f:
         for name, t in tensors:
-            t = t.to(dtype).contiguous()
             if tuple(t.shape) != tuple(shapes[name]):
                 raise ValueError(f"{name}: shape {tuple(t.shape)} != {shapes[name]}")
             f.seek(offsets[str(order[name])])
-            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            staging.write(f, t.to(dtype))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -141,7 +143,8 @@ def save_safetensors_streaming(path: str, shapes: dict[str, tuple[int, ...]], dt
                                tensors: Iterator[tuple[str, torch.Tensor]], metadata: Optional[dict] = None) -> None:
     """Write a .safetensors file one tensor at a time, in any order: the header (8-byte
     length, JSON with each tensor's byte range) is known from `shapes`, so each tensor is
-    written at its offset as it arrives. Renamed into place only when every tensor came."""
+    written at its offset as it arrives (from any device, through a pinned buffer). Renamed
+    into place only when every tensor came."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     header, offset = {}, 0
     for name, shape in shapes.items():
@@ -153,7 +156,7 @@ def save_safetensors_streaming(path: str, shapes: dict[str, tuple[int, ...]], dt
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
     start = 8 + len(blob)
-    tmp, written = path + ".tmp", set()
+    tmp, written, staging = path + ".tmp", set(), HostStaging()
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         f.truncate(start + offset)
@@ -161,7 +164,7 @@ def save_safetensors_streaming(path: str, shapes: dict[str, tuple[int, ...]], dt
             if tuple(t.shape) != tuple(shapes[name]):
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shapes[name])}")
             f.seek(start + header[name]["data_offsets"][0])
-            f.write(t.to(dtype).contiguous().view(torch.uint8).numpy().tobytes())
+            staging.write(f, t.to(dtype))
             written.add(name)
         f.flush()
         os.fsync(f.fileno())

@@ -7,6 +7,10 @@ non-parallel model's state_dict (megazero names, tp = 1 vocab padding) with the 
 config in its metadata. Rank 0 never holds more than one full parameter: the file's
 header is written first from the model's shapes and each tensor lands at its offset
 (the order in which the stages deliver them does not matter).
+
+Everything that meets a collective or a p2p exchange lives on `grid.device` (NCCL takes
+only CUDA tensors); parameters stay on the device until the writer copies each one to the
+host through its pinned buffer.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ def _tp_full(local: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tenso
     """Join the TP shards of one parameter (collective over the TP group)."""
     if param.tp_dim is None or tp.size == 1:
         return local
-    flat = torch.empty(tp.size * local.numel(), dtype=local.dtype)
+    flat = torch.empty(tp.size * local.numel(), dtype=local.dtype, device=local.device)
     comm.all_gather_into(flat, local.reshape(-1), tp)
     return unshard(list(flat.view(tp.size, *local.shape).unbind(0)), param.tp_dim, param.tp_stride)
 
@@ -65,7 +69,7 @@ def save_model_16bit(directory: str, full_parameters: Iterator[tuple[str, nn.Par
             if leader:
                 _send(names.index(name), full, grid)
         if leader:
-            _send(-1, torch.empty(0, dtype=dtype), grid)  # end of this stage's parameters
+            _send(-1, torch.empty(0, dtype=dtype, device=grid.device), grid)  # end of this stage's parameters
     comm.barrier(grid["world"])
     return path
 
@@ -81,22 +85,33 @@ def _joined(full_parameters: Iterator, shapes: dict, grid: ProcessGrid, dtype: t
 
 def _send(index: int, tensor: torch.Tensor, grid: ProcessGrid) -> None:
     pp = grid.pp_group
-    comm.send(torch.tensor([index]), pp.ranks[0], pp).wait()
+    _send_and_wait(torch.tensor([index], dtype=torch.int64, device=grid.device), pp)
     if index >= 0:
-        comm.send(tensor.contiguous(), pp.ranks[0], pp).wait()
+        _send_and_wait(tensor.contiguous(), pp)
+
+
+def _send_and_wait(t: torch.Tensor, pp: Group) -> None:
+    """Send to the pipeline's first stage and return once the tensor is delivered. On CUDA,
+    wait() only orders the current stream after the send, so the CPU would race ahead and
+    queue every full parameter of this stage on the device while rank 0 still writes the
+    stages before it; synchronizing keeps one parameter in flight, as gloo does."""
+    comm.send(t, pp.ranks[0], pp).wait()
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
 
 
 def _other_stages(shapes: dict, dtype: torch.dtype, grid: ProcessGrid) -> Iterator:
-    """Each later stage's tensors, as its leader sends them to rank 0."""
+    """Each later stage's tensors, as its leader sends them to rank 0 (received on the
+    device; the writer copies each to the host before the next arrives)."""
     names, pp = list(shapes), grid.pp_group
     for stage in range(1, grid.pp):
         src = grid.rank_of(0, 0, stage)
         while True:
-            index = torch.empty(1, dtype=torch.int64)
+            index = torch.empty(1, dtype=torch.int64, device=grid.device)
             comm.recv(index, src, pp).wait()
-            if int(index) < 0:
+            if int(index) < 0:  # int() synchronizes: the index has arrived
                 break
             name = names[int(index)]
-            t = torch.empty(shapes[name], dtype=dtype)
+            t = torch.empty(shapes[name], dtype=dtype, device=grid.device)
             comm.recv(t, src, pp).wait()
             yield name, t

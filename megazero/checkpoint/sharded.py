@@ -225,6 +225,10 @@ def _verifies(ckpt: str) -> bool:
 
 
 def first_error(message: Optional[str], grid: ProcessGrid) -> Optional[str]:
-    """Share the first rank's error message with all ranks (None when every rank is fine)."""
+    """Share the first rank's error message with all ranks (None when every rank is fine).
+
+    Under NCCL, all_gather_object pickles through a CUDA tensor on the current device, so
+    each rank's device must be set first (ProcessGrid.create does it); otherwise every rank
+    would use cuda:0."""
     messages: list[Any] = comm.all_gather_object(message, grid["world"])
     return next((m for m in messages if m), None)

@@ -74,7 +74,9 @@ def open_reader(path: str):
 
 def reshard_optimizer_state(reader: FullTensorReader, template: dict, tp_rank: int, tp_size: int) -> dict:
     """This rank's optimizer state_dict in its new layout (`template` is the fresh optimizer's
-    own state_dict: it supplies the partition map and the keys)."""
+    own state_dict: it supplies the partition map and the keys). The flat shards are built
+    in host memory, whatever the run's device: the optimizer's load_state_dict copies each
+    to the device once, so resharding needs no device memory beyond the optimizer's own."""
     partition = template["partition"]
     dp_rank = template["dp_rank"]
     flats = {k: torch.zeros(partition["shard_numel"], dtype=torch.float32) for k in KINDS}

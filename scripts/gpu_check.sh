@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# GPU check: megazero on one CUDA device, in under 8 minutes on an H200, with no network.
+#
+#   bash scripts/gpu_check.sh [bench_gpu.py arguments...]
+#
+# 1. prints the device (nvidia-smi) and the torch / CUDA / NCCL versions;
+# 2. runs the GPU tests: python -m pytest -q -m gpu tests/test_gpu.py (bf16 training at ZeRO
+#    stages 0-3 through NCCL, fp32 parity with CPU, 16-bit save, export, generation);
+# 3. benchmarks GPT-2 124M and 355M in bf16: python scripts/bench_gpu.py (tokens/s, TFLOP/s, MFU).
+#
+# Nothing is installed from the internet: torch with CUDA and the repository's dependencies
+# must already be there; megazero itself is used from this checkout (PYTHONPATH), or
+# installed with `pip install -e . --no-deps` if it cannot be imported that way. Every part
+# runs under `timeout`; without a usable CUDA device the script stops after the versions,
+# otherwise a failed part does not stop the later ones. The exit status is non-zero when
+# any part failed. Arguments are passed on to bench_gpu.py.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+failed=()
+
+# part NAME SECONDS COMMAND...: run COMMAND under a time limit and record a failure by name.
+part() {
+    local name=$1 limit=$2 rc=0
+    shift 2
+    printf '\n=== %s (limit %ss) ===\n' "$name" "$limit"
+    local start=$SECONDS
+    timeout --kill-after=15 "$limit" "$@" || rc=$?
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        echo "--- $name: TIMED OUT after ${limit}s"
+        failed+=("$name (timeout)")
+    elif [ "$rc" -ne 0 ]; then
+        echo "--- $name: FAILED (exit $rc)"
+        failed+=("$name (exit $rc)")
+    else
+        echo "--- $name: ok in $((SECONDS - start))s"
+    fi
+    return "$rc"
+}
+
+versions() {
+    "$PYTHON" - <<'EOF'
+import torch
+print(f"torch {torch.__version__} | CUDA {torch.version.cuda} | cuDNN {torch.backends.cudnn.version()} | "
+      f"NCCL {'.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else 'n/a'}")
+if not torch.cuda.is_available():
+    raise SystemExit("gpu_check: torch sees no CUDA device (torch.cuda.is_available() is False); "
+                     "install a CUDA build of torch or check the driver (nvidia-smi)")
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"cuda:{i} {p.name} | {p.total_memory / 2**30:.0f} GiB | sm {p.major}.{p.minor} | {p.multi_processor_count} SMs")
+EOF
+}
+
+ensure_megazero() {
+    if "$PYTHON" -c "import megazero.train.trainer" 2>/dev/null; then
+        return 0
+    fi
+    echo "megazero is not importable from $PWD; installing it without dependencies (no network needed)"
+    "$PYTHON" -m pip install --no-deps --no-build-isolation -e .
+    "$PYTHON" -c "import megazero.train.trainer"
+}
+
+export PYTHON
+export -f versions ensure_megazero  # `timeout` runs programs: the functions go through bash -c
+
+# Worst case 20 + 40 + 60 + 220 + 130 s = 7.8 min; a normal run takes about half of that.
+part "device" 20 nvidia-smi || true  # informational: "versions" decides whether there is a usable GPU
+part "versions" 40 bash -c versions || { echo "gpu_check: no usable CUDA device; stopping"; exit 1; }
+part "import" 60 bash -c ensure_megazero || true
+part "gpu tests" 220 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu.py || true
+part "benchmark" 130 "$PYTHON" scripts/bench_gpu.py "$@" || true
+
+echo
+if [ "${#failed[@]}" -gt 0 ]; then
+    echo "gpu_check: FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "gpu_check: all parts passed in ${SECONDS}s"
