@@ -103,6 +103,8 @@ class TrainConfig:
     """Batches per validation run."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
+    compile: bool = False
+    """torch.compile each transformer block (fuses its elementwise work; the first steps compile)."""
     max_skipped_steps: int = 10
     """Stop the run after this many consecutive steps skipped for a non-finite gradient norm or loss."""
 

@@ -6,11 +6,14 @@ this rank's trainable share of the model:
 
 1. Pipeline split and tensor-parallel shapes: this rank's model chunks (its stages'
    layers, each TP layer holding 1/tp of its weight), built on the meta device.
-2. Activation recomputation (`train.recompute`): wraps each block (full) or each
-   attention core (selective) in torch.utils.checkpoint, inside the module call: ZeRO-3's
-   hooks on a block still bracket its forward, and its backward hook gathers the
-   parameters before the recomputation needs them.
-3. ZeRO (`zero.stage`): the optimizer lays the parameters out in flat buckets on the
+2. Compilation (`train.compile`): torch.compile each block's forward (with selective
+   recompute, each MLP's: torch.compile cannot trace a checkpoint that replays RNG
+   streams, so the recomputed attention core stays eager).
+3. Activation recomputation (`train.recompute`): wraps each (compiled) block forward
+   (full) or each attention core (selective) in torch.utils.checkpoint, inside the module
+   call: ZeRO-3's hooks on a block still bracket its forward, and its backward hook
+   gathers the parameters before the recomputation needs them. Names never change.
+4. ZeRO (`zero.stage`): the optimizer lays the parameters out in flat buckets on the
    grid's device and materializes only this rank's elements from the model's init (its DP
    partition at stage 3, whose gather/release hooks it installs), in the compute dtype
    with fp32 master weights.
@@ -36,8 +39,17 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
     """This rank's model chunks and the ZeRO optimizer that owns their values (see above)."""
     chunks = build_model_chunks(cfg, grid, tracker)
     for chunk in chunks:
+        if cfg.train.compile:
+            apply_compile(chunk, cfg.train.recompute)
         apply_recompute(chunk, cfg.train.recompute, tracker)
     return chunks, ZeroOptimizer(chunks, cfg, grid)
+
+
+def apply_compile(model: GPT, recompute: str) -> None:
+    """torch.compile every block's forward, or every MLP's under selective recompute."""
+    for block in model.transformer.h.values():
+        module = block.mlp if recompute == "selective" else block
+        module.forward = torch.compile(module.forward)
 
 
 def apply_recompute(model: GPT, mode: str, tracker: Optional[RNGTracker]) -> None:
