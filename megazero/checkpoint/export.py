@@ -20,7 +20,7 @@ from typing import Iterator, Optional
 import torch
 
 from megazero.checkpoint import sharded
-from megazero.checkpoint.host import HostStaging
+from megazero.parallel.host import HostStaging
 from megazero.config import ModelConfig, build_config
 from megazero.model.layers import unshard
 

@@ -1,58 +1,77 @@
-"""Copies from the run's device to host memory that never stage a second full copy on the device.
+"""Copies from the run's device to host memory, one bounded piece at a time, through one
+reusable pinned buffer: no second copy of anything is ever staged on the device.
 
-Saving a checkpoint must not clone the optimizer state on the GPU (that would need as much
-free device memory again as the state itself). Device tensors are copied out piece by
-piece through one reusable pinned buffer, so the device holds nothing extra and the host
-holds the result plus one staging buffer. On CPU a plain copy is all there is to do.
+Saving must not clone state on the GPU (that needs as much free device memory again as the
+state itself), and `.numpy()` needs host memory. A `HostStaging` owns one buffer, pinned
+when CUDA is present (page-locking is slow, so it is allocated once and reused) and hands
+out a tensor's bytes piece by piece: file writers stream them (`write`), the optimizer's
+state_dict assembles host tensors from them (`concat`). Without CUDA the buffer is plain
+host memory and the results are the same.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import BinaryIO, Iterator, Optional, Sequence
 
 import torch
 
-STAGING_NUMEL = 1 << 24
-"""Elements of the pinned staging buffer (64 MiB in fp32)."""
+PIECE_BYTES = 64 << 20
+"""Bytes moved per device-to-host copy: large enough to run at full copy bandwidth, small
+enough that the pinned buffer is a rounding error next to the model."""
 
 
-class HostCopier:
-    """Copies device tensors to pageable host memory through one pinned staging buffer."""
+class HostStaging:
+    """One pinned host buffer, reused for every device-to-host copy a writer makes."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32, staging_numel: int = STAGING_NUMEL) -> None:
-        self.dtype, self.staging_numel = dtype, staging_numel
-        self._staging: torch.Tensor | None = None
+    def __init__(self, piece_bytes: int = PIECE_BYTES):
+        if piece_bytes < 1:
+            raise ValueError(f"piece_bytes ({piece_bytes}) must be at least 1")
+        self.piece_bytes = piece_bytes
+        self._buffer: Optional[torch.Tensor] = None
 
-    def _buffer(self, numel: int) -> torch.Tensor:
-        """The staging buffer, grown to min(numel, staging_numel) elements when needed."""
-        numel = min(numel, self.staging_numel)
-        if self._staging is None or self._staging.numel() < numel:
-            self._staging = torch.empty(numel, dtype=self.dtype, pin_memory=True)
-        return self._staging
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of the buffer, grown (never beyond piece_bytes) when needed."""
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            # Pinning needs a CUDA driver; a CUDA tensor cannot exist without one anyway.
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._buffer[:nbytes]
+
+    def host_bytes(self, t: torch.Tensor) -> Iterator[torch.Tensor]:
+        """t's bytes in row-major order as pieces of the host buffer: each is valid only
+        until the next one is asked for.
+
+        Host tensors are copied through the buffer too: handing out their own memory would
+        let the writer's `.numpy()` mark their storage non-resizable for good, and a ZeRO-3
+        parameter whose storage cannot be freed after its save breaks the next release."""
+        raw = t.contiguous().reshape(-1).view(torch.uint8)  # reshape first: a 0-d tensor has no bytes view
+        for start in range(0, raw.numel(), self.piece_bytes):
+            piece = raw[start: start + self.piece_bytes]
+            host = self._staging(piece.numel())
+            host.copy_(piece)  # blocking: the buffer is complete, and free of the last piece, on return
+            yield host
+
+    def write(self, f: BinaryIO, t: torch.Tensor) -> None:
+        """Write t's bytes to `f` at its current position."""
+        for piece in self.host_bytes(t):
+            f.write(piece.numpy().data)
 
     def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst (host, contiguous) <- src (any device), one staging buffer at a time."""
-        src, out = src.reshape(-1), dst.view(-1)
-        if src.device.type == "cpu":
-            out.copy_(src)
-            return
-        staging = self._buffer(src.numel())
-        for lo in range(0, src.numel(), staging.numel()):
-            n = min(staging.numel(), src.numel() - lo)
-            staging[:n].copy_(src[lo: lo + n], non_blocking=True)
-            torch.cuda.current_stream(src.device).synchronize()
-            out[lo: lo + n].copy_(staging[:n])
+        """dst (a contiguous host tensor of src's size and dtype) <- src, from any device."""
+        out, offset = dst.view(-1).view(torch.uint8), 0
+        for piece in self.host_bytes(src):
+            out[offset: offset + piece.numel()].copy_(piece)
+            offset += piece.numel()
 
-    def concat(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
-        """One flat host tensor holding `pieces` end to end (each copied out in turn)."""
-        out = torch.empty(sum(p.numel() for p in pieces), dtype=self.dtype)
+    def concat(self, pieces: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One flat host tensor of `dtype` holding `pieces` end to end, copied out in turn."""
+        out = torch.empty(sum(p.numel() for p in pieces), dtype=dtype)
         offset = 0
         for p in pieces:
-            self.copy_into(out[offset: offset + p.numel()], p.to(self.dtype) if p.dtype != self.dtype else p)
+            self.copy_into(out[offset: offset + p.numel()], p.to(dtype))
             offset += p.numel()
         return out
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy of `t` (a new tensor even on CPU, so later in-place updates don't reach it)."""
-    return HostCopier(t.dtype).concat([t]).view(t.shape)
+    return HostStaging().concat([t], t.dtype).view(t.shape)

@@ -36,7 +36,7 @@ from torch import nn
 from megazero.config import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
-from megazero.parallel.host import HostCopier, to_host
+from megazero.parallel.host import HostStaging, to_host
 from megazero.zero.materialize import hollow_meta_parameters
 from megazero.zero.partition import Bucket, Layout, Range, Slot, build_layout, sub_groups
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
@@ -454,7 +454,7 @@ class ZeroOptimizer:
         """Only this rank's shard (fp32 master, Adam moments, step, loss scaler) and the
         partition map that says where each element belongs, in host memory: copied out one
         tensor at a time through a pinned buffer, never cloned on the device."""
-        host = HostCopier()
+        host = HostStaging()
         return {"stage": self.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
                 "precision": self.cfg.train.precision, "step": self.step_count,
                 "master": host.concat(self._shard_values()), "exp_avg": host.concat([self.exp_avg]),
