@@ -175,9 +175,9 @@ class GPT(nn.Module):
         if name == "lm_head.weight":
             name = "transformer.wte.weight"  # identical to the first stage's copy
         if ".ln_" in name or name.startswith("transformer.ln_f"):
-            return torch.ones(p.full_shape) if name.endswith("weight") else torch.zeros(p.full_shape)
+            return torch.ones(p.full_shape, device="cpu") if name.endswith("weight") else torch.zeros(p.full_shape, device="cpu")
         if name.endswith("bias"):
-            return torch.zeros(p.full_shape)
+            return torch.zeros(p.full_shape, device="cpu")
         std = self.cfg.init_std
         if name.endswith("c_proj.weight"):  # residual projections, scaled as in GPT-2
             std /= math.sqrt(2 * self.cfg.num_layers)
@@ -185,7 +185,7 @@ class GPT(nn.Module):
         if name == "transformer.wte.weight":
             shape = (self.cfg.vocab_size, shape[1])  # padding rows stay zero
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = torch.empty(shape).normal_(0.0, std, generator=g)
+        full = torch.empty(shape, device="cpu").normal_(0.0, std, generator=g)  # the same draws on any device
         if shape != p.full_shape:
             full = torch.cat([full, full.new_zeros(p.full_shape[0] - shape[0], shape[1])])
         return full

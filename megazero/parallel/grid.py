@@ -7,6 +7,11 @@ stays on one node), then data parallel, pipeline outermost:
 
 The grid is the only place that creates process groups; everything else receives the
 `Group` objects it needs from here (no module-level state).
+
+Devices, stated once: with CUDA the groups are NCCL's alone (one backend, no CPU side
+channel), so every tensor that meets a collective, a p2p op, the loss or a metric is
+created on `grid.device`; without CUDA they are gloo's and `grid.device` is the CPU.
+Host copies for checkpoints go through `parallel/host.py`.
 """
 
 from __future__ import annotations
