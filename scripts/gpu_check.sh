@@ -6,7 +6,8 @@
 # 1. prints the device (nvidia-smi) and the torch / CUDA / NCCL versions;
 # 2. runs the GPU tests: python -m pytest -q -m gpu tests/test_gpu.py (bf16 training at ZeRO
 #    stages 0-3 through NCCL, fp32 parity with CPU, 16-bit save, export, generation);
-# 3. benchmarks GPT-2 124M and 355M in bf16: python scripts/bench_gpu.py (tokens/s, TFLOP/s, MFU).
+# 3. benchmarks GPT-2 124M and 355M in bf16 without recomputation: python scripts/bench_gpu.py
+#    (tokens/s, TFLOP/s, MFU).
 #
 # Nothing is installed from the internet: torch with CUDA and the repository's dependencies
 # must already be there; megazero itself is used from this checkout (PYTHONPATH), or
@@ -72,7 +73,9 @@ part "device" 20 nvidia-smi || true  # informational: "versions" decides whether
 part "versions" 40 bash -c versions || { echo "gpu_check: no usable CUDA device; stopping"; exit 1; }
 part "import" 60 bash -c ensure_megazero || true
 part "gpu tests" 220 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu.py || true
-part "benchmark" 130 "$PYTHON" scripts/bench_gpu.py "$@" || true
+# No recomputation for the MFU figure: both models fit an H200 without it (pass --train.recompute
+# selective to measure it).
+part "benchmark" 130 "$PYTHON" scripts/bench_gpu.py --train.recompute none "$@" || true
 
 echo
 if [ "${#failed[@]}" -gt 0 ]; then
