@@ -107,6 +107,8 @@ class TrainConfig:
     """torch.compile each transformer block (fuses its elementwise work; the first steps compile)."""
     max_skipped_steps: int = 10
     """Stop the run after this many consecutive steps skipped for a non-finite gradient norm or loss."""
+    timeout_minutes: float = 10.0
+    """Process-group timeout: a collective or p2p op waiting longer on a missing peer fails with an error."""
 
 
 @dataclass
@@ -320,6 +322,8 @@ def validate(cfg: Config, world_size: int) -> int:
                        ("checkpoint.keep_last", cfg.checkpoint.keep_last)]:
         if value < 0:
             raise ConfigError(f"{key} ({value}) must not be negative")
+    if t.timeout_minutes <= 0:
+        raise ConfigError(f"train.timeout_minutes ({t.timeout_minutes:g}) must be positive, e.g. 10")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout ({m.dropout}) must be in [0, 1)")
     if o.min_lr > o.lr:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import train_records
+from distributed import run_distributed, train_records
 
 BASE = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--train.iters", "10"]
 
@@ -31,6 +31,32 @@ def test_tensor_parallel_losses_equal_single_process(tmp_path, reference, tp):
     run = _run(tmp_path, tp, ["--parallel.tp", str(tp)], f"tp{tp}")
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(run, reference)) <= 1e-5
     assert max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(run, reference)) <= 1e-5
+
+
+def _logged(args: list[str]) -> list[tuple[int, bool]]:
+    import contextlib
+    import io
+    import os
+
+    import torch.distributed as dist
+
+    from megazero.config import build_config, load_yaml, validate
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = build_config(load_yaml(os.path.join(root, "configs/gpt2-tiny.yaml")), args)
+    validate(cfg, dist.get_world_size())
+    with contextlib.redirect_stdout(io.StringIO()):
+        records = Trainer(cfg, ProcessGrid.create(1, 1)).run()
+    return [(r["iteration"], "val_loss" in r) for r in records]
+
+
+def test_evaluation_runs_on_its_own_schedule():
+    """eval_interval 3 with log_interval 5 over 7 iterations: validation at 3, 6 and the last
+    iteration, each with a record; plain log records at 5 (and the last)."""
+    got = run_distributed(_logged, 1, ["--data.mock", "true", "--train.iters", "7", "--train.log_interval", "5",
+                                       "--train.eval_interval", "3", "--train.eval_iters", "1"])[0]
+    assert got == [(3, True), (5, False), (6, True), (7, True)]
 
 
 @pytest.mark.slow

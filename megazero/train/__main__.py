@@ -36,7 +36,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from megazero.checkpoint.sharded import CheckpointError
     from megazero.data import DataError
 
-    grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
+    grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, timeout_s=round(cfg.train.timeout_minutes * 60))
     try:
         Trainer(cfg, grid).run()
     except (CheckpointError, DataError, TrainingError) as e:  # the same message on every rank: print it once

@@ -232,7 +232,7 @@ class Trainer:
             tic = time.perf_counter()
             out = self.train_step()
             step_seconds, steps = step_seconds + time.perf_counter() - tic, steps + 1
-            if self.iteration % t.log_interval == 0 or self.iteration == t.iters:
+            if self.iteration % t.log_interval == 0 or self.iteration == t.iters or self.eval_due():
                 records.append(self.log(out, tokens_per_iter * steps / step_seconds))
                 step_seconds, steps = 0.0, 0
             stop = self.stop_agreed()
@@ -245,11 +245,18 @@ class Trainer:
         self.metrics.close()
         return records
 
+    def eval_due(self) -> bool:
+        """Validation runs every train.eval_interval iterations and after the last one,
+        whatever train.log_interval is (an evaluation iteration is always logged)."""
+        t = self.cfg.train
+        return bool(t.eval_interval) and self.valid_ds is not None and (
+            self.iteration % t.eval_interval == 0 or self.iteration == t.iters)
+
     def log(self, out: dict, tokens_per_sec: float) -> dict:
         """Record one logged iteration (with validation when due) and print/write it."""
         rec = self.record(out, tokens_per_sec)
         t = self.cfg.train
-        if t.eval_interval and self.iteration % t.eval_interval == 0 and self.valid_ds is not None:
+        if self.eval_due():
             val = self.evaluate()
             if self.is_logger:
                 rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 50.0))
