@@ -60,11 +60,15 @@ def load_weights(path: str) -> tuple[ModelConfig, Optional[str], Iterator[tuple[
 def build_model(m: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]], tp: Group,
                 device: torch.device | str = "cpu") -> GPT:
     """Plain (pp = 1) GPT-2 split over `tp` on `device`, each rank keeping its shard of every
-    tensor. Parameters are allocated on the device directly and filled one shard at a time,
-    so the full model never sits in host memory as well."""
+    tensor. The model is built on the meta device and split over TP there, then only the
+    shards are allocated on the device and filled one at a time, so the full model never
+    sits in host or device memory."""
     from megazero.checkpoint.export import fit_vocab
-    with torch.device(device):
-        model = GPT(m, tp)
+    from megazero.train.parallelize import apply_tensor_parallel
+    from megazero.zero.materialize import replace_meta_parameters
+    with torch.device("meta"):
+        model = apply_tensor_parallel(GPT(m), tp)
+    replace_meta_parameters([model], torch.device(device))
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():

@@ -70,7 +70,7 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
     if sharded:
         _, opt = parallelize(cfg, grid, tracker)
     else:  # the way before sharded init: every rank builds and initializes the whole model
-        model = GPT(cfg.model, grid.tp_group, tracker)
+        model = GPT(cfg.model, tracker)
         model.init_weights(cfg.train.seed)
         opt = ZeroOptimizer([model], cfg, grid)
         del model

@@ -88,9 +88,8 @@ def run_megazero(args: argparse.Namespace, stage: int) -> dict:
 
 def _plain_model(args: argparse.Namespace):
     from megazero.model.gpt import GPT
-    from megazero.parallel.comm import Group
     cfg = make_config(args, 0)
-    model = GPT(cfg.model, Group("solo", None, [0], 0))
+    model = GPT(cfg.model)
     model.init_weights(cfg.train.seed)
     return cfg, model
 

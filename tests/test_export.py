@@ -48,7 +48,7 @@ def _train_then_logits(save_dir: str, overrides: list[str]) -> torch.Tensor:
 def _plain_model(path: str) -> GPT:
     with open(path + ".config.json") as f:
         m = ModelConfig(**json.load(f)["model"])
-    model = GPT(m, SOLO)
+    model = GPT(m)
     model.load_state_dict(torch.load(path, weights_only=True), strict=True)
     return model.eval()
 

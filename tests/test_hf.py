@@ -9,14 +9,12 @@ from megazero.checkpoint.export import fit_vocab
 from megazero.checkpoint.hf import from_hf, read_hf, write_hf
 from megazero.config import ModelConfig
 from megazero.model.gpt import GPT
-from megazero.parallel.comm import Group
 
-SOLO = Group("solo", None, [0], 0)
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
 
 
 def _model() -> GPT:
-    m = GPT(CFG, SOLO)
+    m = GPT(CFG)
     m.init_weights(3)
     with torch.no_grad():  # non-trivial LayerNorms and biases, so a mapping mistake shows
         for name, p in m.named_parameters():
@@ -47,7 +45,7 @@ def test_import_roundtrip(tmp_path):
     _write(model, tmp_path)
     cfg, tensors = read_hf(str(tmp_path))
     assert cfg == ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
-    fresh = GPT(cfg, SOLO)
+    fresh = GPT(cfg)
     shapes = {n: p.full_shape for n, p in fresh.named_parameters()}
     loaded = {n: fit_vocab(n, from_hf(n, t), shapes[n]) for n, t in tensors}
     fresh.load_state_dict(loaded, strict=True)

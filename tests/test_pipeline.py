@@ -278,8 +278,7 @@ def _config(num_layers: int, tp: int, pp: int, vpp: int, schedule: str, recomput
 def _reference(cfg, batches):
     """Loss and gradients of the whole model in this process (no parallelism)."""
     from megazero.model.gpt import GPT
-    from megazero.parallel.comm import Group
-    model = GPT(cfg.model, Group("solo", None, [0], 0))
+    model = GPT(cfg.model)
     model.init_weights(cfg.train.seed)
     num_tokens = sum(t.numel() for t, _ in batches)
     loss = sum(model.loss(model(t), y).sum() for t, y in batches) / num_tokens

@@ -47,7 +47,7 @@ def _bf16_accumulated_grads(tr) -> dict[str, torch.Tensor]:
     model's .grad): a fresh bf16 copy of the model, no optimizer hooks."""
     from megazero.model.gpt import GPT
     chunk = tr.chunks[0]
-    model = GPT(chunk.cfg, chunk.tp)
+    model = GPT(chunk.cfg)
     model.init_weights(tr.cfg.train.seed)
     model.to(torch.bfloat16)
     num_tokens = tr.cfg.train.global_batch_size * tr.cfg.model.seq_length

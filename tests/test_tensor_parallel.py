@@ -11,10 +11,9 @@ from megazero.config import ModelConfig
 from megazero.model.gpt import GPT
 from megazero.model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_of,
                                    vocab_parallel_cross_entropy)
-from megazero.parallel.comm import Group, gather_from_tp
+from megazero.parallel.comm import gather_from_tp
 from megazero.parallel.grid import ProcessGrid
-
-SOLO = Group("solo", None, [0], 0)
+from megazero.train.parallelize import apply_tensor_parallel
 
 
 def _grid(tp: int) -> ProcessGrid:
@@ -24,20 +23,23 @@ def _grid(tp: int) -> ProcessGrid:
     return grid
 
 
+def _copy(full: torch.nn.Module, layer: torch.nn.Module, tp) -> torch.nn.Module:
+    """`layer` holding `full`'s values, then split over `tp` (each rank keeps its shard)."""
+    layer.load_state_dict(full.state_dict())
+    layer.apply_tp(tp)
+    return layer
+
+
 def _check_layers(tp: int) -> bool:
     grid = _grid(tp)
     g = grid.tp_group
     torch.manual_seed(0)
     x = torch.randn(2, 5, 8, requires_grad=True)
     # Column-parallel then row-parallel: the TP MLP pattern.
-    col_full, row_full = ColumnParallelLinear(8, 24, SOLO), RowParallelLinear(24, 8, SOLO)
+    col_full, row_full = ColumnParallelLinear(8, 24), RowParallelLinear(24, 8)
     for p in list(col_full.parameters()) + list(row_full.parameters()):
         torch.nn.init.normal_(p)
-    col, row = ColumnParallelLinear(8, 24, g), RowParallelLinear(24, 8, g)
-    with torch.no_grad():
-        for mine, full in [(col.weight, col_full.weight), (col.bias, col_full.bias),
-                           (row.weight, row_full.weight), (row.bias, row_full.bias)]:
-            mine.copy_(shard_of(full, mine.tp_dim, mine.tp_stride, g.rank, g.size))
+    col, row = _copy(col_full, ColumnParallelLinear(8, 24), g), _copy(row_full, RowParallelLinear(24, 8), g)
     x2 = x.detach().clone().requires_grad_()
     ref = row_full(torch.tanh(col_full(x)))
     out = row(torch.tanh(col(x2)))
@@ -51,10 +53,9 @@ def _check_layers(tp: int) -> bool:
                                    rtol=1e-4, atol=1e-5)
 
     # Vocab-parallel embedding and cross-entropy (vocab 300 padded to 512; padding masked).
-    emb_full, emb = VocabParallelEmbedding(512, 8, SOLO), VocabParallelEmbedding(512, 8, g)
+    emb_full = VocabParallelEmbedding(512, 8)
     torch.nn.init.normal_(emb_full.weight)
-    with torch.no_grad():
-        emb.weight.copy_(shard_of(emb_full.weight, 0, 1, g.rank, g.size))
+    emb = _copy(emb_full, VocabParallelEmbedding(512, 8), g)
     ids = torch.randint(0, 300, (2, 5))
     torch.testing.assert_close(emb(ids), emb_full(ids))
     logits_full = torch.randn(2, 5, 512, requires_grad=True)
@@ -71,7 +72,7 @@ def _check_layers(tp: int) -> bool:
 def _check_model(tp: int) -> dict:
     grid = _grid(tp)
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
-    ref, model = GPT(cfg, SOLO), GPT(cfg, grid.tp_group)
+    ref, model = GPT(cfg), apply_tensor_parallel(GPT(cfg), grid.tp_group)
     ref.init_weights(7)
     model.init_weights(7)
     assert ref.padded_vocab == 384 and model.padded_vocab == 128 * tp * ((300 + 128 * tp - 1) // (128 * tp))

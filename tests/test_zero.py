@@ -97,11 +97,10 @@ def _tp_layout(name: str) -> tuple:
 def test_single_process_matches_torch_adamw(reference):
     """The sharding machinery at dp = 1 is plain AdamW with clipping, element for element."""
     from megazero.model.gpt import GPT
-    from megazero.parallel.comm import Group
     from megazero.data.mock import MockGPTDataset
     cfg = _cfg(["--optim.clip_grad", "0.5"])
     m, t, o = cfg.model, cfg.train, cfg.optim
-    model = GPT(m, Group("solo", None, [0], 0))
+    model = GPT(m)
     model.init_weights(t.seed)
     no_decay = model.no_weight_decay()
     groups = [{"params": [p for n, p in model.named_parameters() if n not in no_decay],
@@ -251,9 +250,8 @@ def _stage3_gather_api() -> dict:
 
 def test_stage3_releases_and_gathers_on_request():
     from megazero.model.gpt import GPT
-    from megazero.parallel.comm import Group
     cfg = _cfg([])
-    expected = {n: tuple(p.shape) for n, p in GPT(cfg.model, Group("solo", None, [0], 0)).named_parameters()}
+    expected = {n: tuple(p.shape) for n, p in GPT(cfg.model).named_parameters()}
     for out in run_distributed(_stage3_gather_api, 2):
         assert all(s == (0,) for s in out["shapes"].values())  # released: empty placeholders ...
         assert out["refused"]  # ... that module.state_dict() refuses to hand out
@@ -374,7 +372,8 @@ def _sharded_init(args: list[str]) -> dict:
     tr = _trainer(args)
     opt, grid = tr.optimizer, tr.grid
     hollow = all(p.untyped_storage().nbytes() == 0 for c in tr.chunks for p in c.parameters())
-    plain = GPT(tr.cfg.model, grid.tp_group)  # built and initialized whole, the pre-meta way
+    from megazero.train.parallelize import apply_tensor_parallel
+    plain = apply_tensor_parallel(GPT(tr.cfg.model), grid.tp_group)  # materialized, the pre-meta way
     plain.init_weights(tr.cfg.train.seed)
     want = dict(plain.named_parameters())
     equal = all(torch.equal(value, want[name].detach()) for name, value in opt.full_state_dict().items())

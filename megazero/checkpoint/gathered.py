@@ -37,7 +37,7 @@ FILE_NAME = "model_16bit.safetensors"
 def plain_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the non-parallel model's state_dict, in its order."""
     with torch.device("meta"):
-        model = GPT(m, Group("solo", None, [0], 0))
+        model = GPT(m)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 

@@ -37,22 +37,25 @@ from torch import nn
 
 from megazero.config import ModelConfig, padded_vocab_size
 from megazero.model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_tp,
-                                   shard_of, vocab_parallel_cross_entropy)
-from megazero.parallel.comm import Group, copy_to_tp
+                                   shard_of, split_parameter_, vocab_parallel_cross_entropy)
+from megazero.parallel.comm import Group, copy_to_tp, solo_group
 from megazero.parallel.random import RNGTracker
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Group, tracker: Optional[RNGTracker]):
+    def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker]):
         super().__init__()
-        self.heads = cfg.num_heads // tp.size  # this rank's heads
+        self.heads = cfg.num_heads  # this rank's heads (all until tensor parallelism splits them)
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.dropout = cfg.dropout
         self.tracker = tracker
         # stride 3: q, k and v are each split over the TP ranks, so a rank owns whole heads.
-        self.c_attn = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, tp, stride=3)
-        self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp)
+        self.c_attn = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, stride=3)
+        self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def apply_tp(self, tp: Group) -> None:
+        self.heads //= tp.size  # c_attn's stride-3 split hands each rank whole heads of q, k and v
 
     def attend(self, qkv: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
         """The attention core: q, k, v -> weighted values (selective recompute wraps this)."""
@@ -75,10 +78,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Group):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, tp)
-        self.c_proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp)
+        self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size)
+        self.c_proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,12 +89,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Group, tracker: Optional[RNGTracker]):
+    def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker]):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
-        self.attn = CausalSelfAttention(cfg, tp, tracker)
+        self.attn = CausalSelfAttention(cfg, tracker)
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv, pos)
@@ -100,33 +103,42 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """One stage (or model chunk) of GPT-2: blocks `layers`, plus the embedding when
-    `pre_process` and the final norm and tied head when `post_process`."""
+    `pre_process` and the final norm and tied head when `post_process`. Built whole (tp = 1);
+    tensor parallelism splits its TP layers afterwards, from outside (each module's
+    `apply_tp`, called by megazero.train.parallelize.apply_tensor_parallel)."""
 
-    def __init__(self, cfg: ModelConfig, tp: Group, tracker: Optional[RNGTracker] = None,
+    def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker] = None,
                  layers: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True):
         super().__init__()
-        self.cfg, self.tp, self.tracker = cfg, tp, tracker
+        self.cfg, self.tp, self.tracker = cfg, solo_group(), tracker
         self.layers = list(range(cfg.num_layers) if layers is None else layers)
         self.pre_process, self.post_process = pre_process, post_process
-        self.padded_vocab = padded_vocab_size(cfg.vocab_size, tp.size)
+        self.padded_vocab = padded_vocab_size(cfg.vocab_size, 1)
 
         self.transformer = nn.Module()
         if pre_process:
-            self.transformer.wte = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, tp)
+            self.transformer.wte = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size)
             self.transformer.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
             self.transformer.drop = nn.Dropout(cfg.dropout)
         self.transformer.h = nn.ModuleDict(
-            {str(i): Block(cfg, tp, tracker) for i in self.layers})
+            {str(i): Block(cfg, tracker) for i in self.layers})
         if post_process:
             self.transformer.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
             if not pre_process:  # the last stage keeps its own copy of the tied embedding
-                per_rank = self.padded_vocab // tp.size
                 self.lm_head = nn.Module()
-                self.lm_head.weight = mark_tp(nn.Parameter(torch.empty(per_rank, cfg.hidden_size)), 0, 1,
+                self.lm_head.weight = mark_tp(nn.Parameter(torch.empty(self.padded_vocab, cfg.hidden_size)), 0, 1,
                                               (self.padded_vocab, cfg.hidden_size))
         for p in self.parameters():  # replicated parameters: LayerNorm, wpe, row-parallel bias
             if not hasattr(p, "tp_dim"):
                 mark_tp(p, None, 1, tuple(p.shape))
+
+    def apply_tp(self, tp: Group) -> None:
+        """The model's own TP state: the group its head and loss use, the vocabulary padded
+        to a multiple of 128 x tp, and the last stage's copy of the tied embedding split like
+        the embedding itself (its layers split themselves)."""
+        self.tp, self.padded_vocab = tp, padded_vocab_size(self.cfg.vocab_size, tp.size)
+        if self.post_process and not self.pre_process:
+            split_parameter_(self.lm_head, "weight", tp, 0, full_rows=self.padded_vocab)
 
     # ------------------------------------------------------------------ forward
 

@@ -1,7 +1,10 @@
 """Tensor-parallel building blocks: vocab-parallel embedding, column/row-parallel linear,
 vocab-parallel cross-entropy, and the bookkeeping that maps a TP shard to its full tensor.
 
-At tp = 1 every layer here is exactly its torch twin (the f/g functions are identities).
+Layers are built whole (tp = 1), where each is exactly its torch twin (the f/g functions
+are identities); `apply_tp(tp)` then splits one over a TP group, in place: it keeps this
+rank's shard of every parameter (on the meta device only the shapes change) and routes the
+forward through the group. The parallelize step calls it from outside the model.
 Each sharded parameter carries `tp_dim` (the split dimension, None when replicated),
 `tp_stride` (how many equal blocks of that dimension are split separately, e.g. 3 for a
 fused q|k|v projection) and `full_shape`. `shard_of` / `unshard` use them, so
@@ -17,7 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.parallel.comm import Group, all_reduce, copy_to_tp, reduce_from_tp
+from megazero.config import padded_vocab_size
+from megazero.parallel.comm import Group, all_reduce, copy_to_tp, reduce_from_tp, solo_group
 
 
 def mark_tp(param: nn.Parameter, dim: Optional[int], stride: int, full_shape: tuple[int, ...]) -> nn.Parameter:
@@ -33,6 +37,19 @@ def shard_of(full: torch.Tensor, dim: Optional[int], stride: int, rank: int, siz
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
 
 
+def split_parameter_(module: nn.Module, name: str, tp: Group, dim: Optional[int] = None,
+                     stride: int = 1, full_rows: Optional[int] = None) -> None:
+    """Replace module.NAME (a whole parameter) by this TP rank's shard along `dim`, first
+    padding dim 0 with zero rows up to `full_rows` (vocabulary padding). On the meta device
+    only the shape changes."""
+    full = getattr(module, name).detach()
+    if full_rows is not None and full_rows > full.shape[0]:
+        full = torch.cat([full, full.new_zeros(full_rows - full.shape[0], *full.shape[1:])])
+    shard = shard_of(full, dim, stride, tp.rank, tp.size)
+    setattr(module, name, mark_tp(nn.Parameter(shard.clone() if shard is full else shard.contiguous()), dim,
+                                  stride, tuple(full.shape)))
+
+
 def unshard(shards: list[torch.Tensor], dim: Optional[int], stride: int) -> torch.Tensor:
     """Inverse of `shard_of`: the full tensor from every TP rank's shard, in rank order."""
     if dim is None or len(shards) == 1:
@@ -44,14 +61,22 @@ def unshard(shards: list[torch.Tensor], dim: Optional[int], stride: int) -> torc
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by output rows; the output stays split over TP ranks."""
 
-    def __init__(self, in_features: int, out_features: int, tp: Group, bias: bool = True, stride: int = 1):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, stride: int = 1):
         super().__init__()
-        if out_features % (tp.size * stride):
-            raise ValueError(f"out_features ({out_features}) must be divisible by tp x stride ({tp.size} x {stride})")
+        self.tp, self.stride = solo_group(), stride
+        self.weight = mark_tp(nn.Parameter(torch.empty(out_features, in_features)), 0, stride,
+                              (out_features, in_features))
+        self.bias = mark_tp(nn.Parameter(torch.empty(out_features)), 0, stride, (out_features,)) if bias else None
+
+    def apply_tp(self, tp: Group) -> None:
+        out_features = self.weight.shape[0]
+        if out_features % (tp.size * self.stride):
+            raise ValueError(f"out_features ({out_features}) must be divisible by tp x stride "
+                             f"({tp.size} x {self.stride})")
         self.tp = tp
-        local = out_features // tp.size
-        self.weight = mark_tp(nn.Parameter(torch.empty(local, in_features)), 0, stride, (out_features, in_features))
-        self.bias = mark_tp(nn.Parameter(torch.empty(local)), 0, stride, (out_features,)) if bias else None
+        split_parameter_(self, "weight", tp, 0, self.stride)
+        if self.bias is not None:
+            split_parameter_(self, "bias", tp, 0, self.stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The input is replicated; its gradient is the sum of every rank's partial gradient.
@@ -61,14 +86,19 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = x A^T + b with A split by input columns; partial outputs are summed over TP."""
 
-    def __init__(self, in_features: int, out_features: int, tp: Group, bias: bool = True):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
+        self.tp = solo_group()
+        self.weight = mark_tp(nn.Parameter(torch.empty(out_features, in_features)), 1, 1,
+                              (out_features, in_features))
+        self.bias = mark_tp(nn.Parameter(torch.empty(out_features)), None, 1, (out_features,)) if bias else None
+
+    def apply_tp(self, tp: Group) -> None:
+        in_features = self.weight.shape[1]
         if in_features % tp.size:
             raise ValueError(f"in_features ({in_features}) must be divisible by tp ({tp.size})")
         self.tp = tp
-        self.weight = mark_tp(nn.Parameter(torch.empty(out_features, in_features // tp.size)), 1, 1,
-                              (out_features, in_features))
-        self.bias = mark_tp(nn.Parameter(torch.empty(out_features)), None, 1, (out_features,)) if bias else None
+        split_parameter_(self, "weight", tp, 1)  # the bias is replicated: added once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = reduce_from_tp(F.linear(x, self.weight), self.tp)
@@ -79,14 +109,18 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Token embedding whose (padded) vocabulary rows are split over TP ranks."""
 
-    def __init__(self, num_embeddings: int, dim: int, tp: Group):
+    def __init__(self, num_embeddings: int, dim: int):
         super().__init__()
-        if num_embeddings % tp.size:
-            raise ValueError(f"padded vocab ({num_embeddings}) must be divisible by tp ({tp.size})")
-        self.tp = tp
-        self.per_rank = num_embeddings // tp.size
-        self.start = tp.rank * self.per_rank
-        self.weight = mark_tp(nn.Parameter(torch.empty(self.per_rank, dim)), 0, 1, (num_embeddings, dim))
+        self.tp = solo_group()
+        self.per_rank, self.start = num_embeddings, 0
+        self.weight = mark_tp(nn.Parameter(torch.empty(num_embeddings, dim)), 0, 1, (num_embeddings, dim))
+
+    def apply_tp(self, tp: Group) -> None:
+        """Pad the rows to a multiple of 128 x tp (zero rows, never looked up) and keep this
+        rank's equal slice of them."""
+        rows = padded_vocab_size(self.weight.shape[0], tp.size)
+        self.tp, self.per_rank, self.start = tp, rows // tp.size, tp.rank * (rows // tp.size)
+        split_parameter_(self, "weight", tp, 0, full_rows=rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

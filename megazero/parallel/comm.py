@@ -43,6 +43,11 @@ class Group:
         self.counter[op + "_calls"] += 1
 
 
+def solo_group() -> Group:
+    """A group of this process alone: every collective on it is a no-op (tp = 1 layers)."""
+    return Group("solo", None, [0], 0)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -32,13 +32,13 @@ def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
 
 
 def build_model_chunks(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> list[GPT]:
-    """This rank's model chunks, built on the meta device: shapes and names, no memory.
-    Their values come later, from the layout-independent init, when ZeRO materializes
-    only what this rank owns (megazero.train.parallelize)."""
+    """This rank's model chunks, built whole (tp = 1) on the meta device: shapes and names,
+    no memory. megazero.train.parallelize splits them over TP and ZeRO materializes only
+    what this rank owns from the layout-independent init."""
     p = cfg.parallel
     layer_sets = stage_layers(cfg.model.num_layers, grid.pp, p.vpp, grid.pp_rank, p.pp_layers)
     with torch.device("meta"):
-        return [GPT(cfg.model, grid.tp_group, tracker, layers=layers,
+        return [GPT(cfg.model, tracker, layers=layers,
                     pre_process=grid.is_first_stage and v == 0,
                     post_process=grid.is_last_stage and v == len(layer_sets) - 1)
                 for v, layers in enumerate(layer_sets)]

@@ -4,16 +4,19 @@ The GPT file knows layers (its TP layers are sized by the tensor-parallel group 
 given), not pipelines, recomputation or ZeRO. `parallelize` turns a config and a grid into
 this rank's trainable share of the model:
 
-1. Pipeline split and tensor-parallel shapes: this rank's model chunks (its stages'
-   layers, each TP layer holding 1/tp of its weight), built on the meta device.
-2. Compilation (`train.compile`): torch.compile each block's forward (with selective
+1. Pipeline split: this rank's model chunks (its stages' layers), built whole on the meta
+   device: shapes and names, no memory.
+2. Tensor parallelism: every module that can be split over the TP group (column/row-
+   parallel linears, the vocab-parallel embedding, attention's head count, the model's
+   head and loss) keeps this rank's shard; on the meta device only shapes change.
+3. Compilation (`train.compile`): torch.compile each block's forward (with selective
    recompute, each MLP's: torch.compile cannot trace a checkpoint that replays RNG
    streams, so the recomputed attention core stays eager).
-3. Activation recomputation (`train.recompute`): wraps each (compiled) block forward
+4. Activation recomputation (`train.recompute`): wraps each (compiled) block forward
    (full) or each attention core (selective) in torch.utils.checkpoint, inside the module
    call: ZeRO-3's hooks on a block still bracket its forward, and its backward hook
    gathers the parameters before the recomputation needs them. Names never change.
-4. ZeRO (`zero.stage`): the optimizer lays the parameters out in flat buckets on the
+5. ZeRO (`zero.stage`): the optimizer lays the parameters out in flat buckets on the
    grid's device and materializes only this rank's elements from the model's init (its DP
    partition at stage 3, whose gather/release hooks it installs), in the compute dtype
    with fp32 master weights.
@@ -29,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megazero.config import Config
 from megazero.model.gpt import GPT
+from megazero.parallel.comm import Group
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import RNGTracker, recompute_rng_context
 from megazero.pipeline.stages import build_model_chunks
@@ -39,10 +43,21 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
     """This rank's model chunks and the ZeRO optimizer that owns their values (see above)."""
     chunks = build_model_chunks(cfg, grid, tracker)
     for chunk in chunks:
+        apply_tensor_parallel(chunk, grid.tp_group)
         if cfg.train.compile:
             apply_compile(chunk, cfg.train.recompute)
         apply_recompute(chunk, cfg.train.recompute, tracker)
     return chunks, ZeroOptimizer(chunks, cfg, grid)
+
+
+def apply_tensor_parallel(model: GPT, tp: Group) -> GPT:
+    """Split `model` over the TP group, in place (a no-op at tp = 1); returns it. Values a
+    materialized model holds are kept: each rank keeps its shard of them."""
+    if tp.size > 1:
+        for module in list(model.modules()):
+            if hasattr(module, "apply_tp"):
+                module.apply_tp(tp)
+    return model
 
 
 def apply_compile(model: GPT, recompute: str) -> None:

@@ -15,23 +15,31 @@ from torch import nn
 
 
 def hollow_meta_parameters(chunks: list[nn.Module], device: torch.device) -> bool:
-    """Swap every meta-device parameter of `chunks` for a hollow one on `device` (same
-    Parameter attributes: tp_dim, tp_stride, full_shape); True when there were any."""
+    """Swap every meta-device parameter of `chunks` for a hollow one on `device`; True when
+    there were any."""
+    return replace_meta_parameters(chunks, device, hollow=True)
+
+
+def replace_meta_parameters(chunks: list[nn.Module], device: torch.device, hollow: bool = False) -> bool:
+    """Give every meta-device parameter of `chunks` real (uninitialized) memory on `device`,
+    or none at all when `hollow`, keeping its Parameter attributes (tp_dim, tp_stride,
+    full_shape; torch's Module.to_empty would drop them). True when there were any."""
     found = False
     for chunk in chunks:
         for module in chunk.modules():
             for name, p in list(module.named_parameters(recurse=False)):
                 if p.device.type == "meta":
-                    setattr(module, name, _hollow(p, device))
+                    setattr(module, name, _on_device(p, device, hollow))
                     found = True
     return found
 
 
-def _hollow(p: nn.Parameter, device: torch.device) -> nn.Parameter:
+def _on_device(p: nn.Parameter, device: torch.device, hollow: bool) -> nn.Parameter:
     t = torch.empty(p.shape, dtype=p.dtype, device=device)
-    # Keep the shape, drop the memory (never touched on the host; a transient block of the
-    # caching allocator on a GPU): the optimizer points .data at its own buffers.
-    t.untyped_storage().resize_(0)
-    hollow = nn.Parameter(t, requires_grad=p.requires_grad)
-    hollow.__dict__.update(p.__dict__)
-    return hollow
+    if hollow:
+        # Keep the shape, drop the memory (never touched on the host; a transient block of
+        # the caching allocator on a GPU): the optimizer points .data at its own buffers.
+        t.untyped_storage().resize_(0)
+    out = nn.Parameter(t, requires_grad=p.requires_grad)
+    out.__dict__.update(p.__dict__)
+    return out

@@ -25,7 +25,6 @@ Interface used by the trainer and the pipeline schedules:
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Protocol
 
