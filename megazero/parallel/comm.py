@@ -43,6 +43,12 @@ class Group:
         self.counter[op + "_calls"] += 1
 
 
+# The flat-tensor collectives: torch 2.13 names them *_single and warns on every call of the
+# old names; older torch (>= 2.4, setup.cfg's floor) has only the old ones.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def solo_group() -> Group:
     """A group of this process alone: every collective on it is a no-op (tp = 1 layers)."""
     return Group("solo", None, [0], 0)
@@ -71,7 +77,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group,
         out.copy_(shard)
         return None
     group.count("all_gather", (group.size - 1) * _nbytes(shard))
-    return dist.all_gather_into_tensor(out, shard.contiguous(), group=group.pg, async_op=async_op)
+    return _ALL_GATHER(out, shard.contiguous(), group=group.pg, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group) -> None:
@@ -87,7 +93,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group) -> 
         return
     group.count("reduce_scatter", (n - 1) * _nbytes(out))
     if dist.get_backend(group.pg) != "gloo":
-        dist.reduce_scatter_tensor(out, full.contiguous(), group=group.pg)
+        _REDUCE_SCATTER(out, full.contiguous(), group=group.pg)
         return
     chunks = list(full.reshape(n, -1).clone().unbind(0))
     nxt, prv = group.ranks[(group.rank + 1) % n], group.ranks[(group.rank - 1) % n]
