@@ -118,7 +118,10 @@ class GPT(nn.Module):
         self.transformer = nn.Module()
         if pre_process:
             self.transformer.wte = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size)
-            self.transformer.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+            # Values come from init_weights / initial_value: no reset_parameters (on the meta device
+            # its normal_ would import torch._dynamo, seconds per process).
+            self.transformer.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size,
+                                                _weight=torch.empty(cfg.seq_length, cfg.hidden_size))
             self.transformer.drop = nn.Dropout(cfg.dropout)
         self.transformer.h = nn.ModuleDict(
             {str(i): Block(cfg, tracker) for i in self.layers})
