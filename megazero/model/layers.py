@@ -41,13 +41,22 @@ def split_parameter_(module: nn.Module, name: str, tp: Group, dim: Optional[int]
                      stride: int = 1, full_rows: Optional[int] = None) -> None:
     """Replace module.NAME (a whole parameter) by this TP rank's shard along `dim`, first
     padding dim 0 with zero rows up to `full_rows` (vocabulary padding). On the meta device
-    only the shape changes."""
-    full = getattr(module, name).detach()
-    if full_rows is not None and full_rows > full.shape[0]:
-        full = torch.cat([full, full.new_zeros(full_rows - full.shape[0], *full.shape[1:])])
-    shard = shard_of(full, dim, stride, tp.rank, tp.size)
-    setattr(module, name, mark_tp(nn.Parameter(shard.clone() if shard is full else shard.contiguous()), dim,
-                                  stride, tuple(full.shape)))
+    only the shape changes (computed here: meta kernels for cat/chunk import torch._dynamo,
+    seconds per process)."""
+    whole = getattr(module, name).detach()
+    full_shape = list(whole.shape)
+    if full_rows is not None:
+        full_shape[0] = max(full_rows, full_shape[0])
+    if whole.is_meta:
+        shape = list(full_shape)
+        if dim is not None:
+            shape[dim] //= tp.size
+        shard = torch.empty(shape, dtype=whole.dtype, device="meta")
+    else:
+        if full_shape[0] > whole.shape[0]:
+            whole = torch.cat([whole, whole.new_zeros(full_shape[0] - whole.shape[0], *whole.shape[1:])])
+        shard = shard_of(whole, dim, stride, tp.rank, tp.size).clone()
+    setattr(module, name, mark_tp(nn.Parameter(shard), dim, stride, tuple(full_shape)))
 
 
 def unshard(shards: list[torch.Tensor], dim: Optional[int], stride: int) -> torch.Tensor:
