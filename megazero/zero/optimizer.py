@@ -11,12 +11,18 @@ fp16 loss scaling and AdamW on fp32 master weights, at stages 0 to 3.
     stage 3  parameters partitioned as well (see stage3.py): gathered per module on demand,
              never all-gathered after the step
 
+Gradients accumulate in fp32 buffers at every stage and precision (zero.reduce_dtype sets
+only the DP wire dtype). A step whose gradient norm or any rank's loss is inf/NaN is
+skipped on every rank, in every precision. A model built on the meta device is
+materialized here: each rank writes only the elements it owns (see materialize.py).
+
 Interface used by the trainer and the pipeline schedules:
     zero_grad()           before the first micro-batch of an iteration
     scale_loss(loss)      loss multiplier before backward (fp16 loss scaling)
     no_sync()             context for every backward but the last of each model chunk
     finish_grad_sync()    after the last backward: complete DP reduction, sum tied embeddings
-    step(lr) -> StepResult
+    step(lr, loss) -> StepResult                 skipped everywhere on inf/NaN
+    all_finite()          whether every rank's master weights are finite (before saving)
     state_dict() / load_state_dict()           this rank's shard plus the partition map
     model_state_dict() / load_model_state_dict()  the model's parameters (shards at stage 3)
     gathered_parameters() / full_state_dict()  full parameters on request at stage 3
@@ -143,7 +149,8 @@ class ZeroOptimizer:
         self.stage = z.stage
         self.dtype = COMPUTE_DTYPE[cfg.train.precision]
         # Gradients accumulate over micro-batches in fp32 whatever the compute dtype (Megatron's
-        # main_grad): summing 16 bf16 micro-batch gradients in bf16 would lose ~4 bits.
+        # main_grad: summing 16 bf16 micro-batch gradients in bf16 would lose ~4 bits);
+        # zero.reduce_dtype is only the dtype they travel in over DP.
         self.reduce_dtype = COMPUTE_DTYPE[z.reduce_dtype]
         self.dp = grid.dp_group
         # Stage 0 is the same machinery with a single shard: every rank owns everything.
