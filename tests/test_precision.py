@@ -81,17 +81,21 @@ def test_bf16_gradients_accumulate_in_fp32():
     assert errors["fp32_accumulation"] < 0.9 * errors["bf16_accumulation"], errors
 
 
-def _bf16_reduce_dtype(reduce_dtype: str) -> list[float]:
+def _bf16_reduce_dtype(reduce_dtype: str) -> tuple[list[float], int]:
+    """Losses of 3 iterations and the gradient bytes this rank reduce-scattered over DP."""
     tr = _trainer(["--zero.stage", "2", "--train.precision", "bf16", "--zero.reduce_dtype", reduce_dtype,
                    "--train.global_batch_size", "8", "--train.micro_batch_size", "2"])
-    return [tr.train_step()["loss"] for _ in range(3)]
+    losses = [tr.train_step()["loss"] for _ in range(3)]
+    return losses, tr.grid.bytes_moved()["dp"]["reduce_scatter"]
 
 
 def test_reduce_dtype_bf16_communicates_in_bf16():
-    """zero.reduce_dtype bf16 halves the DP bytes and trains like fp32 reduction."""
-    fp32 = run_distributed(_bf16_reduce_dtype, 2, "fp32")[0]
-    bf16 = run_distributed(_bf16_reduce_dtype, 2, "bf16")[0]
-    assert max(abs(a - b) for a, b in zip(fp32, bf16)) < 2e-2, (fp32, bf16)
+    """zero.reduce_dtype bf16 halves the DP gradient bytes exactly and trains like fp32
+    reduction (same losses to bf16 rounding of the reduced gradients)."""
+    fp32, fp32_bytes = run_distributed(_bf16_reduce_dtype, 2, "fp32")[0]
+    bf16, bf16_bytes = run_distributed(_bf16_reduce_dtype, 2, "bf16")[0]
+    assert 2 * bf16_bytes == fp32_bytes > 0, (bf16_bytes, fp32_bytes)
+    assert max(abs(a - b) for a, b in zip(fp32, bf16)) < 5e-4, (fp32, bf16)  # measured 6.7e-5
 
 
 # ---------------------------------------------------------------------------- non-finite steps

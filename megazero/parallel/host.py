@@ -71,7 +71,6 @@ class HostStaging:
             offset += p.numel()
         return out
 
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of `t` (a new tensor even on CPU, so later in-place updates don't reach it)."""
-    return HostStaging().concat([t], t.dtype).view(t.shape)
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of `t` (a new tensor even on CPU, so later in-place updates don't reach it)."""
+        return self.concat([t], t.dtype).view(t.shape)

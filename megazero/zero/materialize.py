@@ -14,12 +14,6 @@ import torch
 from torch import nn
 
 
-def hollow_meta_parameters(chunks: list[nn.Module], device: torch.device) -> bool:
-    """Swap every meta-device parameter of `chunks` for a hollow one on `device`; True when
-    there were any."""
-    return replace_meta_parameters(chunks, device, hollow=True)
-
-
 def replace_meta_parameters(chunks: list[nn.Module], device: torch.device, hollow: bool = False) -> bool:
     """Give every meta-device parameter of `chunks` real (uninitialized) memory on `device`,
     or none at all when `hollow`, keeping its Parameter attributes (tp_dim, tp_stride,

@@ -41,8 +41,8 @@ from torch import nn
 from megazero.config import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
-from megazero.parallel.host import HostStaging, to_host
-from megazero.zero.materialize import hollow_meta_parameters
+from megazero.parallel.host import HostStaging
+from megazero.zero.materialize import replace_meta_parameters
 from megazero.zero.partition import Bucket, Layout, Range, Slot, build_layout, sub_groups
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
 from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
@@ -131,9 +131,9 @@ def _fused_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
         idx = [i for i, p in enumerate(params) if (id(p) in is_decayed) == keep]
         if not idx:
             continue
-        steps = [torch.tensor(float(step), device=params[i].device) for i in idx]
+        step_t = torch.tensor(float(step), device=params[idx[0]].device)  # read, not updated, by the kernel
         torch._fused_adamw_([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                            [exp_avg_sqs[i] for i in idx], [], steps, lr=lr, beta1=beta1, beta2=beta2,
+                            [exp_avg_sqs[i] for i in idx], [], [step_t] * len(idx), lr=lr, beta1=beta1, beta2=beta2,
                             weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
 
 
@@ -144,7 +144,7 @@ class ZeroOptimizer:
         self.cfg, self.grid, self.chunks = cfg, grid, chunks
         # A model built on the meta device gets its values from its init, drawn here: each
         # rank writes only the elements it owns.
-        self.sharded_init = hollow_meta_parameters(chunks, grid.device)
+        self.sharded_init = replace_meta_parameters(chunks, grid.device, hollow=True)
         z = cfg.zero
         self.stage = z.stage
         self.dtype = COMPUTE_DTYPE[cfg.train.precision]
@@ -497,9 +497,10 @@ class ZeroOptimizer:
         """The model's parameters as this rank holds them: full (per model-parallel rank) at
         stages 0-2; at stage 3 each parameter's piece of this rank's shard, flattened (the
         partition map in state_dict() says where each piece goes)."""
+        host = HostStaging()  # one pinned buffer for every tensor
         if self.stage < 3:
-            return {s.name: to_host(s.param.detach()) for _, s in self.layout.slots()}
-        return {name: to_host(piece) for name, piece in self._stage3_pieces()}
+            return {s.name: host.copy(s.param.detach()) for _, s in self.layout.slots()}
+        return {name: host.copy(piece) for name, piece in self._stage3_pieces()}
 
     @torch.no_grad()
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -560,7 +561,8 @@ class ZeroOptimizer:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of this model-parallel rank in full, as copies (any stage; at
         stage 3 gathered one unit at a time)."""
-        return {name: to_host(value) for name, _, value in self.full_parameters()}
+        host = HostStaging()
+        return {name: host.copy(value) for name, _, value in self.full_parameters()}
 
     def _refuse_sharded_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self.gatherer.gathered != set(range(len(self.layout.buckets))):
