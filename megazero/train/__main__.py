@@ -44,7 +44,15 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     dist.barrier()  # no rank tears its communicators down while a peer still uses them
-    dist.destroy_process_group()
+    if grid.backend == "nccl":
+        dist.destroy_process_group()
+        return
+    # Gloo: every output is written and closed (metrics, checkpoints), so leave without
+    # tearing gloo's C++ state down; that teardown occasionally aborted a finished run with
+    # "terminate called without an active exception" (SIGABRT after the last iteration).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
