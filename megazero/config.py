@@ -15,8 +15,10 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from megazero.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration value is missing, mistyped or inconsistent (one-line message)."""
 
 

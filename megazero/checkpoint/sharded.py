@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from megazero.config import Config
+from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 
@@ -31,7 +32,7 @@ FORMAT_VERSION = 1
 LATEST = "latest"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used (incomplete, corrupt, another model or format)."""
 
 

@@ -21,6 +21,7 @@ from megazero.checkpoint import sharded
 from megazero.checkpoint.gathered import save_model_16bit
 from megazero.checkpoint.universal import open_reader, reshard_optimizer_state
 from megazero.config import Config, describe
+from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
@@ -31,7 +32,7 @@ from megazero.train.metrics import (MetricsWriter, device_peak_flops, format_lin
                                     peak_memory_gib)
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """The run cannot go on (e.g. too many non-finite steps in a row); the same on every rank."""
 
 
