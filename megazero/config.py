@@ -162,6 +162,9 @@ class CheckpointConfig:
     """Resume from iter_{iteration} instead of `latest` (0: latest)."""
     save_model_16bit: bool = False
     """With each checkpoint also write model_16bit.safetensors: the whole model gathered in 16 bits, by rank 0."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """A save that fails (disk full, unwritable directory): stop the run, or keep training and retry at the next
+    interval (the last save of a run always stops it). Either way the previous checkpoint stays intact."""
 
 
 @dataclass
@@ -256,9 +259,10 @@ def load_yaml(path: str) -> dict:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
     except FileNotFoundError:
-        raise ConfigError(f"config file '{path}' does not exist; pass --config configs/gpt2-tiny.yaml or another file")
+        raise ConfigError(f"config file '{path}' does not exist; pass --config configs/gpt2-tiny.yaml or another file") \
+            from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}")
+        raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of sections")
     return data

@@ -31,6 +31,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--iteration", type=int, default=0, help="convert iter_N instead of latest")
     args = parser.parse_args(argv)
 
+    from megazero.atomic import atomic_dir
     from megazero.checkpoint import sharded
     from megazero.checkpoint.export import ShardedReader, write_torch
     from megazero.checkpoint.universal import write_universal
@@ -43,23 +44,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         if args.to == "torch":
             write_torch(reader, args.output, DTYPES[args.dtype])
         elif args.to == "universal":
-            _into_fresh_dir(args.output, lambda tmp: write_universal(reader, tmp))
+            atomic_dir(args.output, lambda tmp: write_universal(reader, tmp))
         else:
-            _into_fresh_dir(args.output, lambda tmp: write_hf_export(reader, tmp, DTYPES[args.dtype]))
+            atomic_dir(args.output, lambda tmp: write_hf_export(reader, tmp, DTYPES[args.dtype]))
     except (sharded.CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote {args.to} export of {ckpt} (iteration {reader.iteration}) to {args.output}")
-
-
-def _into_fresh_dir(output: str, write) -> None:
-    """Write a directory under OUTPUT.tmp and rename it into place when complete."""
-    tmp = output.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    if os.path.exists(output):
-        shutil.rmtree(output)
-    os.replace(tmp, output)
 
 
 def write_hf_export(reader, output: str, dtype: torch.dtype) -> None:

@@ -42,6 +42,7 @@ def load_weights(path: str) -> tuple[ModelConfig, Optional[str], Iterator[tuple[
             info = json.loads((f.metadata() or {}).get("megazero_model", "null") or "null")
         if info is None:
             raise ValueError(f"'{path}' carries no megazero model config; for an HF model pass its directory")
+        _verify_in_checkpoint(path)
         state = load_file(path)
         return ModelConfig(**info), None, iter(state.items())
     if os.path.isfile(path):  # torch export
@@ -50,11 +51,30 @@ def load_weights(path: str) -> tuple[ModelConfig, Optional[str], Iterator[tuple[
             raise FileNotFoundError(f"'{sidecar}' not found: a torch export needs its config beside it")
         with open(sidecar) as f:
             info = json.load(f)
+        if "sha256" in info:  # the sidecar records the weights file's digest (older exports: none)
+            _verified(path, info, f"re-export it with python -m megazero.convert --load {info['source']} --to torch")
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return ModelConfig(**info["model"]), info.get("tokenizer"), iter(state.items())
     from megazero.checkpoint.universal import open_reader
     reader = open_reader(path)
     return reader.model_config, reader.config.data.tokenizer, reader.tensors("master")
+
+
+def _verified(path: str, expected: dict, fix: str) -> None:
+    from megazero.checkpoint.digest import DigestError, verify
+    from megazero.checkpoint.sharded import CheckpointError
+    try:
+        verify(path, expected)
+    except DigestError as e:
+        raise CheckpointError(f"'{path}' is corrupt: {e}; {fix}") from None
+
+
+def _verify_in_checkpoint(path: str) -> None:
+    """A model_16bit.safetensors inside a checkpoint directory is checked against its metadata.json."""
+    from megazero.checkpoint import sharded
+    ckpt, name = os.path.split(os.path.abspath(path))
+    if os.path.isfile(os.path.join(ckpt, "metadata.json")):
+        sharded.verify_file(ckpt, sharded.read_metadata(ckpt), name)
 
 
 def build_model(m: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]], tp: Group,

@@ -54,10 +54,11 @@ def peak_rss_mib() -> float:
 
 
 def run_megazero(args: argparse.Namespace, stage: int) -> dict:
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
     import contextlib
     import io
+
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer
     with contextlib.redirect_stdout(io.StringIO()):  # the trainer's config banner
         tr = Trainer(make_config(args, stage), ProcessGrid.create(1, 1))
     tr.train_step()  # warm-up

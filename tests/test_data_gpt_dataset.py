@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_data_tokenizer import bpe_spec, make_texts, spm_spec  # noqa: F401 (fixtures)
 
 from megazero.data import DataError
 from megazero.data.gpt_dataset import (
@@ -19,6 +18,7 @@ from megazero.data.gpt_dataset import (
 )
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megazero.data.tokenizer import build_tokenizer
+from test_data_tokenizer import bpe_spec, make_texts, spm_spec  # noqa: F401 (fixtures)
 
 SEQ = 16
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_data_tokenizer import REPO, bpe_spec, load_script, make_texts, spm_spec, write_jsonl  # noqa: F401
 
 from megazero.data.corpus import default_corpus_documents, write_default_corpus
 from megazero.data.indexed import IndexedDataset, read_metadata
 from megazero.data.tokenizer import build_tokenizer
+from test_data_tokenizer import REPO, bpe_spec, load_script, make_texts, spm_spec, write_jsonl  # noqa: F401
 
 SCRIPT = REPO / "data_tools" / "preprocess_data.py"
 

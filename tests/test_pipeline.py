@@ -16,8 +16,18 @@ import torch
 
 from distributed import run_distributed
 from megazero.config import ConfigError, build_config, validate
-from megazero.pipeline.schedules import (ORDERS, Action, Batch, Order, Step, Transfer, forward_only_order,
-                                         message_source, message_target, pipeline_plan)
+from megazero.pipeline.schedules import (
+    ORDERS,
+    Action,
+    Batch,
+    Order,
+    Step,
+    Transfer,
+    forward_only_order,
+    message_source,
+    message_target,
+    pipeline_plan,
+)
 from megazero.pipeline.stages import stage_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,6 +211,7 @@ def test_simulator_catches_the_old_executors_deadlock():
 
 def test_p2p_refuses_a_tensor_its_peer_would_misread():
     from types import SimpleNamespace
+
     from megazero.pipeline.p2p import PipelineP2P
     grid = SimpleNamespace(pp_group=None, pp_rank=1, device=torch.device("cpu"))
     p2p = PipelineP2P(grid, (2, 4, 8), torch.float32)
@@ -291,6 +302,7 @@ def _check_layouts(num_layers: int, gbs: int, cases: list[tuple[int, int, int, s
     build this rank's chunks, run one iteration, and compare this rank's loss share and its
     gradients (after the optimizer's DP and tied-embedding sync) with the reference."""
     import torch.distributed as dist
+
     from megazero.model.layers import shard_of
     from megazero.parallel import comm
     from megazero.parallel.grid import ProcessGrid
@@ -354,6 +366,7 @@ def test_pp4_and_pipeline_with_tp_and_dp_match_single_process():
 
 def _train_and_return_tied(layouts: list[list[str]], steps: int) -> list[dict]:
     import torch.distributed as dist
+
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
     out = []

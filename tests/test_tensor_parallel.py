@@ -9,8 +9,13 @@ import torch.nn.functional as F
 from distributed import run_distributed
 from megazero.config import ModelConfig
 from megazero.model.gpt import GPT
-from megazero.model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_of,
-                                   vocab_parallel_cross_entropy)
+from megazero.model.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard_of,
+    vocab_parallel_cross_entropy,
+)
 from megazero.parallel.comm import gather_from_tp
 from megazero.parallel.grid import ProcessGrid
 from megazero.train.parallelize import apply_tensor_parallel

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from distributed import run_distributed, train_records

@@ -4,7 +4,6 @@ communication volume and model-state memory against the ZeRO formulas; the parti
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -24,9 +23,10 @@ def _cfg(args: list[str]):
 
 
 def _trainer(args: list[str]):
+    import torch.distributed as dist
+
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
-    import torch.distributed as dist
     cfg = _cfg(args)
     validate(cfg, dist.get_world_size())
     return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
@@ -73,7 +73,7 @@ def _assert_params_equal(out: dict, ref: dict, atol: float = 1e-5) -> None:
     gradient turns a rounding difference into up to ~1e-5 after a few steps."""
     for name, p in out["params"].items():
         full = ref["params"]["transformer.wte.weight" if name == "lm_head.weight" else name]
-        torch.testing.assert_close(p, _shard_like(full, name, out), rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, _shard_like(full, name, out), rtol=0, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _shard_like(full: torch.Tensor, name: str, out: dict) -> torch.Tensor:
@@ -96,8 +96,8 @@ def _tp_layout(name: str) -> tuple:
 
 def test_single_process_matches_torch_adamw(reference):
     """The sharding machinery at dp = 1 is plain AdamW with clipping, element for element."""
-    from megazero.model.gpt import GPT
     from megazero.data.mock import MockGPTDataset
+    from megazero.model.gpt import GPT
     cfg = _cfg(["--optim.clip_grad", "0.5"])
     m, t, o = cfg.model, cfg.train, cfg.optim
     model = GPT(m)
@@ -328,7 +328,7 @@ def test_partition_map_covers_every_parameter_once():
     pmap = layout.param_map()
     assert all(b["numel"] % (ALIGN * 3) == 0 for b in pmap["buckets"])
     assert pmap["buckets"][0]["padding"] == pmap["buckets"][0]["numel"] - 307
-    for name, entry in pmap["params"].items():
+    for entry in pmap["params"].values():
         assert entry["bucket_offset"] % ALIGN == 0
         covered = sorted((s["param_offset"], s["length"]) for s in entry["shards"])
         assert sum(length for _, length in covered) == entry["numel"]

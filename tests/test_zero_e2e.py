@@ -4,7 +4,6 @@ composed with tensor and pipeline parallelism."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from distributed import train_records

@@ -15,14 +15,15 @@ import json
 import os
 import struct
 import zipfile
-from typing import Iterator, Optional
+from typing import IO, Iterator, Optional
 
 import torch
 
-from megazero.checkpoint import sharded
-from megazero.parallel.host import HostStaging
+from megazero.atomic import atomic_write, write_text
+from megazero.checkpoint import digest, sharded
 from megazero.config import ModelConfig, build_config
 from megazero.model.layers import unshard
+from megazero.parallel.host import HostStaging
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -31,11 +32,13 @@ class ShardedReader:
     """Full fp32 tensors (master weights or Adam moments) of a sharded checkpoint.
 
     Rank files are memory-mapped for each parameter and let go right after, so what stays
-    resident is one parameter's pieces, not the files read so far."""
+    resident is one parameter's pieces, not the files read so far. Each file's sha256 is
+    checked when it is first opened, before any value in it is used."""
 
     def __init__(self, ckpt: str):
         self.ckpt = ckpt
         self.meta = sharded.read_metadata(ckpt)
+        self._verified: set[str] = set()
         self.config = build_config(self.meta["config"])
         layout = self.meta["layout"]
         self.tp, self.pp, self.dp = layout["tp"], layout["pp"], layout["dp"]
@@ -47,16 +50,18 @@ class ShardedReader:
             for name in self.maps[(0, pp)]["params"]:
                 self.stage_of.setdefault(name, pp)
 
-    def optimizer_state(self, tp: int, pp: int, dp: int) -> dict:
-        """One rank file's optimizer state, memory-mapped (size-checked; sha256 is left to resume)."""
+    def _open(self, tp: int, pp: int, dp: int) -> dict:
+        """One rank file, memory-mapped (verified against its sha256 on first use)."""
         name = sharded.rank_file_name(tp, pp, dp)
-        path = os.path.join(self.ckpt, name)
-        expected = self.meta["files"].get(name)
-        if expected is None or not os.path.isfile(path):
-            raise sharded.CheckpointError(f"checkpoint '{self.ckpt}' is missing shard {name}")
-        if os.path.getsize(path) != expected["bytes"]:
-            raise sharded.CheckpointError(f"checkpoint '{self.ckpt}' is corrupt: {name} has the wrong size")
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if name not in self._verified:
+            sharded.verify_file(self.ckpt, self.meta, name)
+            self._verified.add(name)
+        return torch.load(os.path.join(self.ckpt, name), map_location="cpu", weights_only=True, mmap=True)
+
+    def optimizer_state(self, tp: int, pp: int, dp: int) -> dict:
+        """One rank file's optimizer state, memory-mapped."""
+        state = self._open(tp, pp, dp)
+        name = sharded.rank_file_name(tp, pp, dp)
         if state["optimizer"] is None:
             raise sharded.CheckpointError(f"checkpoint '{self.ckpt}': {name} holds no optimizer state")
         return state["optimizer"]
@@ -71,8 +76,7 @@ class ShardedReader:
 
     def trainer_state(self) -> dict:
         """Loop position and optimizer counters (the same on every rank)."""
-        rank0 = torch.load(os.path.join(self.ckpt, sharded.rank_file_name(0, 0, 0)), map_location="cpu",
-                           weights_only=True, mmap=True)
+        rank0 = self._open(0, 0, 0)
         opt = rank0["optimizer"]
         return {"iteration": rank0["iteration"], "consumed_samples": rank0["consumed_samples"],
                 "skipped_iters": rank0["skipped_iters"], "step": int(opt["step"]), "loss_scaler": opt["loss_scaler"]}
@@ -118,22 +122,18 @@ def save_streaming(path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.d
     saved without data, then each tensor's bytes are written at its record's offset. Host
     memory stays near one tensor however large the model (torch.save needs them all).
     Tensors may arrive on any device; device ones reach the file through a pinned buffer."""
-    tmp = path + ".tmp"
     placeholders = {n: torch.empty(s, dtype=dtype) for n, s in shapes.items()}  # never touched: no RSS
-    with torch.serialization.skip_data():
-        torch.save(placeholders, tmp)
-    offsets = _record_offsets(tmp)
     order = {n: i for i, n in enumerate(shapes)}  # storage keys follow the dict's order
     staging = HostStaging()
-    with open(tmp, "r+b") as f:
+    with atomic_write(path, "w+b") as f:
+        with torch.serialization.skip_data():
+            torch.save(placeholders, f)
+        offsets = _record_offsets(f)
         for name, t in tensors:
             if tuple(t.shape) != tuple(shapes[name]):
                 raise ValueError(f"{name}: shape {tuple(t.shape)} != {shapes[name]}")
             f.seek(offsets[str(order[name])])
             staging.write(f, t.to(dtype))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -156,8 +156,8 @@ def save_safetensors_streaming(path: str, shapes: dict[str, tuple[int, ...]], dt
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
     start = 8 + len(blob)
-    tmp, written, staging = path + ".tmp", set(), HostStaging()
-    with open(tmp, "wb") as f:
+    written, staging = set(), HostStaging()
+    with atomic_write(path) as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         f.truncate(start + offset)
         for name, t in tensors:
@@ -166,18 +166,15 @@ def save_safetensors_streaming(path: str, shapes: dict[str, tuple[int, ...]], dt
             f.seek(start + header[name]["data_offsets"][0])
             staging.write(f, t.to(dtype))
             written.add(name)
-        f.flush()
-        os.fsync(f.fileno())
-    if written != set(shapes):
-        os.remove(tmp)
-        raise ValueError(f"{len(shapes) - len(written)} tensors never arrived, e.g. {sorted(set(shapes) - written)[0]}")
-    os.replace(tmp, path)
+        if written != set(shapes):
+            raise ValueError(f"{len(shapes) - len(written)} tensors never arrived, "
+                             f"e.g. {sorted(set(shapes) - written)[0]}")
 
 
-def _record_offsets(path: str) -> dict[str, int]:
-    """Byte offset of each data/<key> record's payload in a torch zip checkpoint."""
+def _record_offsets(f: IO[bytes]) -> dict[str, int]:
+    """Byte offset of each data/<key> record's payload in a torch zip checkpoint (open file)."""
     out = {}
-    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+    with zipfile.ZipFile(f) as z:
         for info in z.infolist():
             parts = info.filename.split("/")
             if len(parts) == 3 and parts[1] == "data":
@@ -202,7 +199,7 @@ def write_torch(reader: ShardedReader, output: str, dtype: torch.dtype) -> None:
         shapes[name] = tuple(shape)
     save_streaming(output, shapes, dtype,
                    ((n, fit_vocab(n, t, shapes[n])) for n, t in reader.tensors("master")))
-    write_sidecar(output + ".config.json", reader)
+    write_sidecar(output + ".config.json", reader, digest.file_entry(output))
 
 
 def fit_vocab(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -214,10 +211,8 @@ def fit_vocab(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
     return t
 
 
-def write_sidecar(path: str, reader: ShardedReader) -> None:
+def write_sidecar(path: str, reader: ShardedReader, weights: dict) -> None:
+    """The export's config beside it, with the weights file's digest (`weights`: sha256, bytes)."""
     info = {"model": reader.meta["config"]["model"], "tokenizer": reader.meta["config"]["data"]["tokenizer"],
-            "iteration": reader.iteration, "source": os.path.abspath(reader.ckpt)}
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(info, f, indent=1)
-    os.replace(tmp, path)
+            "iteration": reader.iteration, "source": os.path.abspath(reader.ckpt), **weights}
+    write_text(path, json.dumps(info, indent=1))

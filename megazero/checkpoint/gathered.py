@@ -59,9 +59,16 @@ def save_model_16bit(directory: str, full_parameters: Iterator[tuple[str, nn.Par
     shapes = plain_shapes(cfg.model)
     own = _joined(full_parameters, shapes, grid, dtype)
     path = os.path.join(directory, FILE_NAME)
+    failure = None
     if grid.rank == 0:
-        save_safetensors_streaming(path, shapes, dtype, itertools.chain(own, _other_stages(shapes, dtype, grid)),
-                                   metadata={"format": "pt", "megazero_model": json.dumps(cfg.model.__dict__)})
+        tensors = itertools.chain(own, _other_stages(shapes, dtype, grid))
+        try:
+            save_safetensors_streaming(path, shapes, dtype, tensors,
+                                       metadata={"format": "pt", "megazero_model": json.dumps(cfg.model.__dict__)})
+        except OSError as e:  # disk full: still take every tensor the others send, or they would wait forever
+            failure = e
+            for _ in tensors:
+                pass
     else:
         leader = grid.dp_rank == 0 and grid.tp_rank == 0  # speaks for its pipeline stage
         names = list(shapes)
@@ -71,6 +78,8 @@ def save_model_16bit(directory: str, full_parameters: Iterator[tuple[str, nn.Par
         if leader:
             _send(-1, torch.empty(0, dtype=dtype, device=grid.device), grid)  # end of this stage's parameters
     comm.barrier(grid["world"])
+    if failure is not None:
+        raise failure
     return path
 
 

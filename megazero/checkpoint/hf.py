@@ -14,6 +14,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from megazero.atomic import write_text
 from megazero.config import ModelConfig
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -71,10 +72,7 @@ def write_hf(output_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], shape
     converted = ((name, to_hf(name, t, m)) for name, t in tensors if name != TIED_HEAD)
     save_safetensors_streaming(os.path.join(output_dir, "model.safetensors"), hf_shapes, dtype, converted,
                                metadata={"format": "pt"})
-    tmp = os.path.join(output_dir, "config.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(hf_config(m, eos_token_id), f, indent=2)
-    os.replace(tmp, os.path.join(output_dir, "config.json"))
+    write_text(os.path.join(output_dir, "config.json"), json.dumps(hf_config(m, eos_token_id), indent=2))
 
 
 def hf_shape(name: str, shape: tuple[int, ...], m: ModelConfig) -> tuple[int, ...]:

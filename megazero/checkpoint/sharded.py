@@ -6,23 +6,31 @@ Layout of `SAVE`:
     SAVE/iter_0000100/metadata.json  format version, layout, iteration, config, sha256 of every file
     SAVE/iter_0000100/rank_tp00_pp000_dp000.pt   this rank's state (see `rank_state`)
 
-A save goes to `iter_NNNNNNN.tmp/`; after every rank has written and fsynced its file,
-rank 0 writes metadata.json, renames the directory and then `latest`. A crash at any
-point leaves the previous checkpoint and `latest` untouched. Files are loaded with
-`torch.load(weights_only=True)`: loading never runs code from a checkpoint.
+A save goes to `iter_NNNNNNN.tmp/`; after every rank has written and fsynced its file
+(hashed as it is written), rank 0 writes metadata.json, renames the directory into place
+(an existing one of the same iteration is renamed aside first, see atomic.commit_dir) and
+then `latest`, fsyncing the directory after each rename. A crash or kill at any point
+leaves `latest` naming a complete checkpoint. A failed write on any rank (disk full, no
+permission) is agreed on by all ranks: the save is abandoned, the previous checkpoint and
+`latest` stay as they were, and every rank raises the same `CheckpointSaveError`.
+
+Every file is checked against its sha256 before any value in it is used (digest.py), and
+loaded with `torch.load(weights_only=True)`: loading never runs code from a checkpoint.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import re
 import shutil
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
+from megazero.atomic import TMP_SUFFIX, atomic_write, commit_dir, existing_dir, prepare_dir, remove_dir, write_bytes
+from megazero.checkpoint import digest
 from megazero.config import Config
 from megazero.errors import UserError
 from megazero.parallel import comm
@@ -30,10 +38,29 @@ from megazero.parallel.grid import ProcessGrid
 
 FORMAT_VERSION = 1
 LATEST = "latest"
+ITER_DIR = re.compile(r"iter_\d{7}$")  # not iter_*.tmp (being written) nor iter_*.old (being replaced)
 
 
 class CheckpointError(UserError, RuntimeError):
-    """A checkpoint cannot be used (incomplete, corrupt, another model or format)."""
+    """A checkpoint cannot be used (incomplete, corrupt, another model or format).
+
+    With `bad_checkpoint` set, the message is completed, when first shown, by the last good
+    checkpoint before it (a search that hashes older checkpoints: in distributed code use
+    `raise_agreed`, which runs it on rank 0 only)."""
+
+    def __init__(self, message: str, bad_checkpoint: Optional[str] = None):
+        super().__init__(message)
+        self.bad_checkpoint = bad_checkpoint
+        self._hint: Optional[str] = None
+
+    def __str__(self) -> str:
+        if self.bad_checkpoint and self._hint is None:
+            self._hint = last_good_hint(self.bad_checkpoint)
+        return super().__str__() + (self._hint or "")
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed on some rank (disk full, unwritable directory); the same on every rank."""
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -42,31 +69,6 @@ def iter_dir_name(iteration: int) -> str:
 
 def rank_file_name(tp: int, pp: int, dp: int) -> str:
     return f"rank_tp{tp:02d}_pp{pp:03d}_dp{dp:03d}.pt"
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- RNG encoding
@@ -91,45 +93,79 @@ def save(save_dir: str, iteration: int, rank_state: dict, cfg: Config, grid: Pro
          keep_last: int = 0, extra: Optional[Callable[[str], str]] = None) -> str:
     """Collective: every rank writes its state; rank 0 seals the checkpoint. Returns its path.
     `extra(directory)`, when given, is a collective writing one more file (named by its
-    return value) into the checkpoint before it is sealed."""
+    return value) into the checkpoint before it is sealed. Raises CheckpointSaveError on
+    every rank when any rank's write failed (nothing of the new checkpoint is kept)."""
     final = os.path.join(save_dir, iter_dir_name(iteration))
-    tmp = final + ".tmp"
-    world = grid["world"]
-    if grid.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-        os.makedirs(tmp)
-    comm.barrier(world)
-
+    step = _SaveStep(final, iteration, grid)
+    step.run(lambda: prepare_dir(final) if grid.rank == 0 else None)
+    tmp = final + TMP_SUFFIX
     c = grid.coords()
     name = rank_file_name(c.tp, c.pp, c.dp)
-    path = os.path.join(tmp, name)
-    with open(path + ".part", "wb") as f:
-        torch.save(rank_state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".part", path)
-    entries = comm.all_gather_object({"file": name, "sha256": _sha256(path), "bytes": os.path.getsize(path)},
-                                     world)
+    entries = step.run(lambda: _write_rank_file(os.path.join(tmp, name), rank_state))
+    files = {name: entry for name, entry in zip(_names(grid), entries)}
     if extra is not None:
-        extra_path = os.path.join(tmp, extra(tmp))
-        entries.append({"file": os.path.basename(extra_path), "sha256": _sha256(extra_path) if grid.rank == 0 else "",
-                        "bytes": os.path.getsize(extra_path) if grid.rank == 0 else 0})
-    if grid.rank == 0:
-        meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
-                "layout": layout_of(cfg, grid), "config": cfg.to_dict(),
-                "files": {e["file"]: {"sha256": e["sha256"], "bytes": e["bytes"]} for e in entries}}
-        _write_atomic(os.path.join(tmp, "metadata.json"), json.dumps(meta, indent=1).encode())
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # saving the same iteration again replaces it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(save_dir)
-        _write_atomic(os.path.join(save_dir, LATEST), iter_dir_name(iteration).encode())
-        if keep_last:
-            prune(save_dir, keep_last)
-    comm.barrier(world)
+        extra_name = step.run(lambda: extra(tmp))[0]
+        if grid.rank == 0:
+            files[extra_name] = digest.file_entry(os.path.join(tmp, extra_name))
+    meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
+            "layout": layout_of(cfg, grid), "config": cfg.to_dict(), "files": files}
+    step.run(lambda: _seal(save_dir, final, meta, keep_last) if grid.rank == 0 else None)
     return final
+
+
+def _names(grid: ProcessGrid) -> list[str]:
+    coords = [grid.coords(r) for r in range(grid.world_size)]
+    return [rank_file_name(c.tp, c.pp, c.dp) for c in coords]
+
+
+def _write_rank_file(path: str, rank_state: dict) -> dict:
+    with atomic_write(path) as f:
+        writer = digest.HashingWriter(f)
+        try:
+            torch.save(rank_state, writer)
+        except RuntimeError:
+            if writer.error is not None:  # the disk's own error (full, too large), not torch's wrapper
+                raise writer.error from None
+            raise
+    return writer.entry()
+
+
+def _seal(save_dir: str, final: str, meta: dict, keep_last: int) -> None:
+    """Rank 0: metadata, the directory renamed into place, then `latest` (each fsynced)."""
+    write_bytes(os.path.join(final + TMP_SUFFIX, "metadata.json"), json.dumps(meta, indent=1).encode())
+    commit_dir(final)
+    write_bytes(os.path.join(save_dir, LATEST), os.path.basename(final).encode())
+    prune(save_dir, keep_last)
+
+
+class _SaveStep:
+    """One step of a save on every rank, then a collective on its outcome, so that a write
+    that fails on one rank stops all of them at the same point (none waits for a peer)."""
+
+    def __init__(self, final: str, iteration: int, grid: ProcessGrid):
+        self.final, self.iteration, self.grid = final, iteration, grid
+
+    def run(self, fn: Callable[[], Any]) -> list[Any]:
+        """Each rank's result of fn(), gathered on every rank."""
+        outcome: tuple[Optional[str], Any] = (None, None)
+        try:
+            outcome = (None, fn())
+        except OSError as e:
+            outcome = (str(e), None)
+        outcomes = comm.all_gather_object(outcome, self.grid["world"])
+        failed = [(rank, error) for rank, (error, _) in enumerate(outcomes) if error]
+        if failed:
+            self._abandon()
+            rank, error = failed[0]
+            raise CheckpointSaveError(
+                f"saving iteration {self.iteration} to {os.path.dirname(self.final)} failed on rank {rank}: {error}; "
+                f"the previous checkpoint and '{LATEST}' are untouched; free disk space or fix the directory "
+                f"(checkpoint.save) and resume with --checkpoint.load")
+        return [result for _, result in outcomes]
+
+    def _abandon(self) -> None:
+        if self.grid.rank == 0:
+            shutil.rmtree(self.final + TMP_SUFFIX, ignore_errors=True)
 
 
 def layout_of(cfg: Config, grid: ProcessGrid) -> dict:
@@ -141,14 +177,19 @@ def complete_checkpoints(save_dir: str) -> list[str]:
     """Sealed checkpoint directories (with metadata.json), oldest first."""
     if not os.path.isdir(save_dir):
         return []
-    names = [n for n in os.listdir(save_dir) if n.startswith("iter_") and not n.endswith(".tmp")
-             and os.path.isfile(os.path.join(save_dir, n, "metadata.json"))]
+    names = [n for n in os.listdir(save_dir)
+             if ITER_DIR.match(n) and os.path.isfile(os.path.join(save_dir, n, "metadata.json"))]
     return sorted(names)
 
 
 def prune(save_dir: str, keep_last: int) -> None:
-    for name in complete_checkpoints(save_dir)[:-keep_last]:
-        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    """Delete all but the newest `keep_last` checkpoints (0: none) and the leftovers of
+    saves or deletions a crash interrupted (rank 0, between saves)."""
+    for name in complete_checkpoints(save_dir)[:-keep_last] if keep_last else []:
+        remove_dir(os.path.join(save_dir, name))
+    for name in os.listdir(save_dir):
+        if re.match(r"iter_\d{7}\.(tmp|del)$", name):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- load
@@ -165,18 +206,18 @@ def resolve(load_dir: str, iteration: int = 0) -> str:
                                   f"unset checkpoint.load to start from scratch")
         with open(latest) as f:
             path = os.path.join(load_dir, f.read().strip())
-    return path
+    return existing_dir(path)  # a kill while an iteration was being re-saved left it as PATH.old
 
 
 def read_metadata(ckpt: str) -> dict:
     meta_path = os.path.join(ckpt, "metadata.json")
     if not os.path.isfile(meta_path):
-        raise CheckpointError(f"checkpoint '{ckpt}' is incomplete (no metadata.json)" + _last_good_hint(ckpt))
+        raise CheckpointError(f"checkpoint '{ckpt}' is incomplete (no metadata.json)", ckpt)
     try:
         with open(meta_path) as f:
             meta = json.load(f)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint '{ckpt}' has an unreadable metadata.json ({e})" + _last_good_hint(ckpt))
+        raise CheckpointError(f"checkpoint '{ckpt}' has an unreadable metadata.json ({e})", ckpt) from None
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint '{ckpt}' has format version {meta.get('format_version')}, newer than "
                               f"this megazero's {FORMAT_VERSION}; upgrade megazero to load it")
@@ -192,37 +233,71 @@ def check_model(meta: dict, cfg: Config, ckpt: str) -> None:
                                   f"but this run has {getattr(cfg.model, key)}; use the checkpoint's model config")
 
 
-def load_rank_state(ckpt: str, meta: dict, grid: ProcessGrid, rank: Optional[int] = None) -> dict:
-    """A rank's file (default: this rank's), checksum-verified, loaded without running any code from it."""
-    c = grid.coords(rank)
-    name = rank_file_name(c.tp, c.pp, c.dp)
-    path = os.path.join(ckpt, name)
+def _checked(ckpt: str, meta: dict, name: str, check: Callable[[str, dict], Any]) -> Any:
     expected = meta["files"].get(name)
-    if expected is None or not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint '{ckpt}' is missing shard {name}" + _last_good_hint(ckpt))
-    if os.path.getsize(path) != expected["bytes"] or _sha256(path) != expected["sha256"]:
-        raise CheckpointError(f"checkpoint '{ckpt}' is corrupt: {name} fails its sha256 check"
-                              + _last_good_hint(ckpt))
-    return torch.load(path, map_location="cpu", weights_only=True)
+    if expected is None:
+        raise CheckpointError(f"checkpoint '{ckpt}' has no {name} in its metadata.json", ckpt)
+    try:
+        return check(os.path.join(ckpt, name), expected)
+    except digest.DigestError as e:
+        raise CheckpointError(f"checkpoint '{ckpt}' is corrupt: {e}", ckpt) from None
 
 
-def _last_good_hint(ckpt: str) -> str:
+def load_file(ckpt: str, meta: dict, name: str) -> Any:
+    """One file of a checkpoint, read once and its sha256 checked before any value is used,
+    loaded without running any code from it."""
+    return _checked(ckpt, meta, name, digest.load_torch)
+
+
+def verify_file(ckpt: str, meta: dict, name: str) -> str:
+    """Check one file against its sha256 (one sequential read) before it is memory-mapped
+    and read piece by piece; returns its path."""
+    _checked(ckpt, meta, name, digest.verify)
+    return os.path.join(ckpt, name)
+
+
+def load_rank_state(ckpt: str, meta: dict, grid: ProcessGrid, rank: Optional[int] = None) -> dict:
+    """A rank's file (default: this rank's), read once, checksum-verified, then loaded."""
+    c = grid.coords(rank)
+    return load_file(ckpt, meta, rank_file_name(c.tp, c.pp, c.dp))
+
+
+def last_good_hint(ckpt: str) -> str:
+    """"; the last good checkpoint is ...": the newest older checkpoint whose every file
+    verifies (older ones are not hashed once one is found)."""
     save_dir, bad = os.path.split(os.path.normpath(ckpt))
-    good = [n for n in complete_checkpoints(save_dir) if n < bad and _verifies(os.path.join(save_dir, n))]
-    if not good:
-        return "; no earlier good checkpoint exists there"
-    it = int(good[-1].split("_")[1])
-    return f"; the last good checkpoint is {good[-1]}: resume from it with --checkpoint.iteration {it}"
+    bad = bad.removesuffix(".old")
+    for name in reversed([n for n in complete_checkpoints(save_dir) if n < bad]):
+        if is_intact(os.path.join(save_dir, name)):
+            it = int(name.split("_")[1])
+            return f"; the last good checkpoint is {name}: resume from it with --checkpoint.iteration {it}"
+    return "; no earlier good checkpoint exists there"
 
 
-def _verifies(ckpt: str) -> bool:
+def is_intact(ckpt: str) -> bool:
+    """Does every file of checkpoint `ckpt` match the digest its metadata.json records?"""
     try:
         with open(os.path.join(ckpt, "metadata.json")) as f:
-            meta = json.load(f)
-        return all(os.path.isfile(os.path.join(ckpt, n)) and os.path.getsize(os.path.join(ckpt, n)) == e["bytes"]
-                   and _sha256(os.path.join(ckpt, n)) == e["sha256"] for n, e in meta["files"].items())
-    except (OSError, ValueError, KeyError):
+            files = json.load(f)["files"]
+        for name, expected in files.items():
+            digest.verify(os.path.join(ckpt, name), expected)
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def raise_agreed(error: Optional[CheckpointError], grid: ProcessGrid) -> None:
+    """Collective: when any rank failed, every rank raises the first failing rank's error.
+    The search for the last good checkpoint runs on rank 0 alone (it hashes older
+    checkpoints); the others wait for its answer."""
+    report = None if error is None else (error.args[0], error.bad_checkpoint)
+    first = next((r for r in comm.all_gather_object(report, grid["world"]) if r), None)
+    if first is None:
+        return
+    message, bad = first
+    if bad:
+        message += comm.broadcast_object(last_good_hint(bad) if grid.rank == 0 else None, 0, grid["world"])
+    raise CheckpointError(message)
 
 
 def first_error(message: Optional[str], grid: ProcessGrid) -> Optional[str]:

@@ -9,7 +9,7 @@ parameter beyond its own shards.
 The universal format (`python -m megazero.convert --to universal`) is parallelism-agnostic:
 
     DIR/universal.json                      format version, iteration, data position, optimizer step,
-                                            loss scaler, config
+                                            loss scaler, config, sha256 of every file
     DIR/{master,exp_avg,exp_avg_sq}.safetensors   full fp32 tensors by parameter name (no padding)
 """
 
@@ -21,12 +21,13 @@ from typing import Protocol
 
 import torch
 
-from megazero.checkpoint import sharded
+from megazero.atomic import write_text
+from megazero.checkpoint import digest, sharded
 from megazero.checkpoint.export import KINDS, ShardedReader, fit_vocab, save_safetensors_streaming
 from megazero.config import ModelConfig, build_config
 from megazero.model.layers import shard_of
 
-UNIVERSAL_VERSION = 1
+UNIVERSAL_VERSION = 2  # 2: universal.json records the files' sha256
 
 
 class FullTensorReader(Protocol):
@@ -38,21 +39,37 @@ class FullTensorReader(Protocol):
 
 
 class UniversalReader:
-    """Full tensors from a universal checkpoint directory (read lazily, tensor by tensor)."""
+    """Full tensors from a universal checkpoint directory (read lazily, tensor by tensor;
+    each file's sha256 is checked, in one sequential read, before it is opened)."""
 
     def __init__(self, path: str):
         meta_path = os.path.join(path, "universal.json")
         if not os.path.isfile(meta_path):
             raise sharded.CheckpointError(f"'{path}' is not a universal checkpoint (no universal.json)")
-        with open(meta_path) as f:
-            self.meta = json.load(f)
-        if self.meta["format_version"] > UNIVERSAL_VERSION:
-            raise sharded.CheckpointError(f"universal checkpoint '{path}' has format version "
-                                          f"{self.meta['format_version']}, newer than {UNIVERSAL_VERSION}; upgrade megazero")
+        try:
+            with open(meta_path) as f:
+                self.meta = json.load(f)
+        except (OSError, ValueError) as e:
+            raise sharded.CheckpointError(f"universal checkpoint '{path}' has an unreadable universal.json ({e})"
+                                          f"{_remake(path)}") from None
+        version = self.meta.get("format_version")
+        if version != UNIVERSAL_VERSION:
+            why = "newer than this megazero's; upgrade megazero" if (version or 0) > UNIVERSAL_VERSION else \
+                "which records no checksums"
+            raise sharded.CheckpointError(f"universal checkpoint '{path}' has format version {version}, {why}"
+                                          f"{_remake(path, self.meta.get('source'))}")
         from safetensors import safe_open
-        self.files = {k: safe_open(os.path.join(path, f"{k}.safetensors"), framework="pt") for k in KINDS}
+        self.files = {k: safe_open(self._verified(path, f"{k}.safetensors"), framework="pt") for k in KINDS}
         self.config = build_config(self.meta["config"])
         self.model_config = self.config.model
+
+    def _verified(self, path: str, name: str) -> str:
+        try:
+            digest.verify(os.path.join(path, name), self.meta["files"][name])
+        except digest.DigestError as e:
+            raise sharded.CheckpointError(f"universal checkpoint '{path}' is corrupt: {e}"
+                                          f"{_remake(path, self.meta.get('source'))}") from None
+        return os.path.join(path, name)
 
     def full(self, name: str, kind: str = "master") -> torch.Tensor:
         if name == "lm_head.weight":
@@ -61,6 +78,11 @@ class UniversalReader:
 
     def trainer_state(self) -> dict:
         return {k: self.meta[k] for k in ("iteration", "consumed_samples", "skipped_iters", "step", "loss_scaler")}
+
+
+def _remake(path: str, source: str | None = None) -> str:
+    src = source or "ITS_SOURCE_CHECKPOINT"
+    return f"; re-create it with: python -m megazero.convert --load {src} --to universal --output {path}"
 
 
 def open_reader(path: str):
@@ -105,13 +127,13 @@ def write_universal(reader: ShardedReader, output: str) -> None:
         if name == "transformer.wte.weight":
             shape[0] = m.vocab_size  # no padding in the universal format
         shapes[name] = tuple(shape)
+    files = {}
     for kind in KINDS:
-        save_safetensors_streaming(os.path.join(output, f"{kind}.safetensors"), shapes, torch.float32,
+        path = os.path.join(output, f"{kind}.safetensors")
+        save_safetensors_streaming(path, shapes, torch.float32,
                                    ((n, fit_vocab(n, t, shapes[n])) for n, t in reader.tensors(kind)))
+        files[os.path.basename(path)] = digest.file_entry(path)  # written by offset: hashed once complete
     state = reader.trainer_state()
     meta = {"format_version": UNIVERSAL_VERSION, **state, "config": reader.meta["config"],
-            "source": os.path.abspath(reader.ckpt)}
-    tmp = os.path.join(output, "universal.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(tmp, os.path.join(output, "universal.json"))
+            "source": os.path.abspath(reader.ckpt), "files": files}
+    write_text(os.path.join(output, "universal.json"), json.dumps(meta, indent=1))

@@ -25,6 +25,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
+from megazero.atomic import atomic_write
 from megazero.data import DataError
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -50,12 +51,9 @@ def default_corpus_documents() -> tuple[str, ...]:
 def write_default_corpus(path: str | os.PathLike) -> str:
     """Write the default corpus as JSONL ({"text": ...} per line) to path, atomically; return path."""
     path = os.fspath(path)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(path, "w", encoding="utf-8") as f:
         for doc in default_corpus_documents():
             f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
     return path
 
 

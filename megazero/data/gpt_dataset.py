@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from megazero.atomic import atomic_write, write_text
 from megazero.data import DataError
 from megazero.data.indexed import IndexedDataset, read_metadata
 
@@ -118,9 +119,10 @@ def _cached_arrays(
     try:
         os.makedirs(cache_dir, exist_ok=True)
         for name, array in arrays.items():
-            _atomic_write(f"{base}.{name}.npy", lambda f, a=array: np.save(f, a))
+            with atomic_write(f"{base}.{name}.npy") as f:
+                np.save(f, array)
         record = {"description": description, "capacity": capacity, "arrays": sorted(arrays)}
-        _atomic_write(manifest, lambda f: f.write(json.dumps(record, indent=2).encode()))
+        write_text(manifest, json.dumps(record, indent=2))
     except OSError as e:
         raise DataError(f"cannot write the sample index cache in {cache_dir} ({e.strerror}); set data.cache_dir") from None
     return arrays
@@ -132,17 +134,6 @@ def _load_manifest(path: str) -> dict[str, Any] | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
-
-
-def _atomic_write(path: str, write: Callable[[Any], Any]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 # --- one dataset -----------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from megazero.atomic import publish
 from megazero.data import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -300,7 +301,7 @@ class IndexedDatasetWriter:
                 os.remove(meta_path(self.prefix))
         for final in (data_path(self.prefix), meta_path(self.prefix), index_path(self.prefix)):
             if final in self._tmp:
-                os.replace(self._tmp[final], final)
+                publish(self._tmp[final], final)
         self._tmp.clear()
 
     def abort(self) -> None:

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from megazero.atomic import atomic_write
 from megazero.data import DataError
 
 EOD_TOKEN = "<|endoftext|>"
@@ -277,6 +278,5 @@ def _move_into(output_dir: str | os.PathLike, files: list[str], rename: dict[str
     out.mkdir(parents=True, exist_ok=True)
     for src in files:
         name = (rename or {}).get(src, os.path.basename(src))
-        tmp = out / f".{name}.tmp{os.getpid()}"
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, out / name)
+        with open(src, "rb") as f, atomic_write(str(out / name)) as g:
+            shutil.copyfileobj(f, g)

@@ -36,8 +36,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import ModelConfig, padded_vocab_size
-from megazero.model.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark_tp,
-                                   shard_of, split_parameter_, vocab_parallel_cross_entropy)
+from megazero.model.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    mark_tp,
+    shard_of,
+    split_parameter_,
+    vocab_parallel_cross_entropy,
+)
 from megazero.parallel.comm import Group, copy_to_tp, solo_group
 from megazero.parallel.random import RNGTracker
 

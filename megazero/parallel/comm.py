@@ -1,4 +1,4 @@
-"""Every collective megazero issues, and the autograd pairs of tensor/sequence parallelism.
+"""Every collective megazero issues, and the autograd pairs of tensor parallelism.
 
 `Group` wraps one process group with a byte counter: each collective adds the bytes this
 rank puts on the wire under a ring algorithm, so benchmarks can compare the traffic of a
@@ -10,8 +10,6 @@ The f/g pairs (Megatron's names in brackets) are one autograd Function per colle
     reduce_from_tp    all-reduce / identity        [g: leave a TP region]
     scatter_to_tp     split last dim / all-gather
     gather_from_tp    all-gather last dim / split
-    gather_from_sp    all-gather seq dim / reduce-scatter seq   [sequence parallel]
-    reduce_scatter_to_sp  reduce-scatter seq / all-gather seq   [sequence parallel]
 """
 
 from __future__ import annotations
@@ -146,6 +144,17 @@ def all_gather_object(obj: Any, group: Group) -> list[Any]:
     return out
 
 
+def broadcast_object(obj: Any, src_index: int, group: Group) -> Any:
+    """The picklable `obj` of the member with index `src_index`, on every member (small
+    metadata only; under NCCL it travels through a tensor on the current CUDA device)."""
+    if group.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=group.ranks[src_index], group=group.pg)
+    group.count("broadcast_object", 0)
+    return box[0]
+
+
 def barrier(group: Group) -> None:
     if group.size > 1:
         dist.barrier(group=group.pg)
@@ -163,13 +172,6 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     out = torch.empty((group.size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
     all_gather_into(out, moved, group)
     return out.movedim(0, dim).contiguous() if dim else out
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    moved = x.movedim(dim, 0).contiguous()
-    out = torch.empty((moved.shape[0] // group.size,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_into(out, moved, group)
-    return out.movedim(0, dim).contiguous()
 
 
 def _all_reduced(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -225,39 +227,6 @@ class _GatherFromTP(torch.autograd.Function):
         return _split(grad, -1, ctx.group), None
 
 
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group), None, None
-
-
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _CopyToTP.apply(x, group)
 
@@ -272,20 +241,3 @@ def scatter_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def gather_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _GatherFromTP.apply(x, group)
-
-
-def gather_from_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
-    """Sequence-parallel: all-gather the sequence dim (backward reduce-scatters it)."""
-    return x if group.size == 1 else _GatherFromSP.apply(x, group, dim)
-
-
-def reduce_scatter_to_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
-    """Sequence-parallel: reduce-scatter the sequence dim (backward all-gathers it)."""
-    return x if group.size == 1 else _ReduceScatterToSP.apply(x, group, dim)
-
-
-def scatter_to_sp(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
-    """Keep this rank's slice of the sequence dim of a replicated tensor (backward all-gathers)."""
-    if group.size == 1:
-        return x
-    return _ScatterSeq.apply(x, group, dim)

@@ -29,12 +29,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer, TrainingError
-
     import torch.distributed as dist
+
     from megazero.checkpoint.sharded import CheckpointError
     from megazero.data import DataError
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer, TrainingError
 
     grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, timeout_s=round(cfg.train.timeout_minutes * 60))
     try:

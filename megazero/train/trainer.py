@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from typing import Optional
 
 import numpy as np
 import torch
 
+from megazero.atomic import write_text
 from megazero.checkpoint import sharded
 from megazero.checkpoint.gathered import save_model_16bit
 from megazero.checkpoint.universal import open_reader, reshard_optimizer_state
@@ -27,9 +29,8 @@ from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining
 from megazero.train.lr import learning_rate
+from megazero.train.metrics import MetricsWriter, device_peak_flops, format_line, model_flops_per_token, peak_memory_gib
 from megazero.train.parallelize import parallelize
-from megazero.train.metrics import (MetricsWriter, device_peak_flops, format_line, model_flops_per_token,
-                                    peak_memory_gib)
 
 
 class TrainingError(UserError, RuntimeError):
@@ -84,19 +85,28 @@ class Trainer:
                 "iteration": self.iteration, "consumed_samples": self.consumed_samples,
                 "skipped_iters": self.skipped_iters}
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, last: bool = True) -> None:
+        """Save (collective). A failed save raises on every rank, unless checkpoint.on_save_error is
+        continue and this is not the `last` save of the run: then training goes on."""
         if not self.optimizer.all_finite():  # every rank agrees: none writes, all stop
             raise TrainingError(f"refusing to save iteration {self.iteration}: the weights hold inf/NaN; the last "
                                 f"saved checkpoint is intact; lower optim.lr or enable optim.clip_grad and resume")
         c = self.cfg.checkpoint
-        extra = None
-        if c.save_model_16bit:
-            dtype = torch.float16 if self.cfg.train.precision == "fp16" else torch.bfloat16
+        dtype = torch.float16 if self.cfg.train.precision == "fp16" else torch.bfloat16
 
-            def extra(directory: str) -> str:
-                params = self.optimizer.full_parameters()
-                return os.path.basename(save_model_16bit(directory, params, self.cfg, self.grid, dtype))
-        path = sharded.save(c.save, self.iteration, self.rank_state(), self.cfg, self.grid, c.keep_last, extra)
+        def model_16bit(directory: str) -> str:
+            params = self.optimizer.full_parameters()
+            return os.path.basename(save_model_16bit(directory, params, self.cfg, self.grid, dtype))
+        extra = model_16bit if c.save_model_16bit else None
+        try:
+            path = sharded.save(c.save, self.iteration, self.rank_state(), self.cfg, self.grid, c.keep_last, extra)
+        except sharded.CheckpointSaveError as e:  # every rank gets it: all stop, or all go on
+            if c.on_save_error == "stop" or last:
+                raise
+            if self.is_logger:
+                print(f"warning: {e} (checkpoint.on_save_error continue: training on, retrying at the next "
+                      f"interval)", file=sys.stderr, flush=True)
+            return
         if self.is_logger:
             print(f"saved checkpoint {path}", flush=True)
 
@@ -114,11 +124,11 @@ class Trainer:
         try:
             ckpt = load_dir if universal else sharded.resolve(load_dir, iteration)
             state = self._read_resume_state(ckpt, universal)
-        except (sharded.CheckpointError, ValueError) as e:
-            error = str(e)
-        error = sharded.first_error(error, self.grid)
-        if error:
-            raise sharded.CheckpointError(error)
+        except sharded.CheckpointError as e:
+            error = e
+        except ValueError as e:
+            error = sharded.CheckpointError(str(e))
+        sharded.raise_agreed(error, self.grid)  # every rank stops together, with one message
         self.optimizer.load_state_dict(state["optimizer"])
         self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
         self.skipped_iters = state["skipped_iters"]
@@ -238,7 +248,7 @@ class Trainer:
                 step_seconds, steps = 0.0, 0
             stop = self.stop_agreed()
             if c.save and (stop or self.iteration == t.iters or (c.interval and self.iteration % c.interval == 0)):
-                self.save_checkpoint()
+                self.save_checkpoint(last=stop or self.iteration == t.iters)
             if stop:
                 if self.is_logger:
                     print(f"SIGTERM: saved and stopped cleanly at iteration {self.iteration}", flush=True)
@@ -317,8 +327,4 @@ def save_resolved_config(cfg: Config) -> None:
     run_dir = cfg.checkpoint.save or (os.path.dirname(os.path.abspath(cfg.logging.jsonl)) if cfg.logging.jsonl else None)
     if not run_dir:
         return
-    os.makedirs(run_dir, exist_ok=True)
-    tmp = os.path.join(run_dir, "config.yaml.tmp")
-    with open(tmp, "w") as f:
-        f.write(describe(cfg))
-    os.replace(tmp, os.path.join(run_dir, "config.yaml"))
+    write_text(os.path.join(run_dir, "config.yaml"), describe(cfg))

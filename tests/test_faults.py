@@ -1,0 +1,261 @@
+"""Storage faults: kill -9 of a saving job, damaged checkpoint files on every load path,
+a disk that fills (or refuses writes) during a save."""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from distributed import free_port, run_distributed
+from megazero.checkpoint import sharded
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--train.log_interval", "1"]
+
+
+# ----------------------------------------------------------------------------- kill -9
+
+
+def _launch(nproc: int, args: list[str]) -> subprocess.Popen:
+    """The training job in a process group of its own (so that the whole job can be killed)."""
+    cmd = [sys.executable, "-m", "megazero.train", *args]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", "-m", "megazero.train", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _kill_while_saving(nproc: int, save: str, rng: random.Random) -> str:
+    """Start (resuming) a job that saves every iteration; once it is saving, SIGKILL its whole
+    process group at a random moment. Returns what it printed."""
+    proc = _launch(nproc, TINY + ["--train.iters", "100000", "--checkpoint.interval", "1",
+                                  "--checkpoint.save", save, "--checkpoint.load", save])
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("saved checkpoint"):
+            break
+    kill_at = rng.uniform(0.0, 0.6)  # a save takes a sizeable share of each iteration here
+    try:
+        proc.wait(timeout=kill_at)
+    except subprocess.TimeoutExpired:
+        pass
+    os.killpg(proc.pid, signal.SIGKILL)
+    out.append(proc.communicate()[0])
+    return "".join(out)
+
+
+def _assert_consistent(save: str) -> str:
+    """`latest` names a checkpoint whose every file matches its digest, and every directory
+    taken for a complete checkpoint is one (iter_*.tmp and the like never are)."""
+    ckpt = sharded.resolve(save)
+    assert sharded.is_intact(ckpt), f"latest names {ckpt}, which does not verify"
+    for name in sharded.complete_checkpoints(save):
+        assert sharded.ITER_DIR.match(name) and sharded.is_intact(os.path.join(save, name)), name
+    return os.path.basename(ckpt)
+
+
+def _kill_trials(tmp_path, nproc: int, trials: int, seed: int) -> None:
+    """Each trial after the first resumes from what the previous kill left and trains on to
+    a new save before it is killed in turn."""
+    save, rng = str(tmp_path / "ck"), random.Random(seed)
+    latest = []
+    for trial in range(trials):
+        out = _kill_while_saving(nproc, save, rng)
+        if trial:
+            assert f"resumed from {os.path.join(save, latest[-1])}" in out, out[-3000:]
+        latest.append(_assert_consistent(save))
+    assert latest == sorted(latest), latest  # training only went forward
+
+
+def test_kill_9_while_saving_never_corrupts(tmp_path):
+    _kill_trials(tmp_path, nproc=1, trials=3, seed=0)
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_distributed_job_while_saving_never_corrupts(tmp_path):
+    _kill_trials(tmp_path, nproc=4, trials=8, seed=1)
+
+
+# ----------------------------------------------------------------------------- damaged files
+
+
+def _trainer(save: str, args: list[str]):
+    """A Trainer of gpt2-tiny (mock data) at `args` saving into `save` (in a spawned rank)."""
+    from megazero.config import build_config, load_yaml, validate
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer
+
+    cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")),
+                       ["--data.mock", "true", "--zero.stage", "1", "--checkpoint.save", save] + args)
+    validate(cfg, int(os.environ["WORLD_SIZE"]))
+    return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
+
+
+def _damage(path: str, how: str) -> None:
+    """Flip one byte in the middle of the file, or cut it in half."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if how == "truncate":
+            f.truncate(size // 2)
+            return
+        f.seek(size // 2)
+        byte = f.read(1)[0]
+        f.seek(size // 2)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+HOWS = ("flip", "truncate")
+BAD_SHARD = "rank_tp00_pp000_dp001.pt"  # read by rank 1 alone at the same layout
+
+
+def _resume_errors(root: str) -> dict:
+    """Save iterations 1 and 2 at dp 2; damage copies of them (and of their universal
+    export); every trainer load path must refuse each copy, on every rank alike."""
+    import torch.distributed as dist
+
+    from megazero.checkpoint.export import ShardedReader
+    from megazero.checkpoint.universal import write_universal
+    from megazero.errors import UserError
+
+    save = os.path.join(root, "ck")
+    _trainer(save, ["--train.iters", "2", "--checkpoint.interval", "1"]).run()
+    if dist.get_rank() == 0:
+        for how in HOWS:
+            shutil.copytree(save, os.path.join(root, how))
+            _damage(os.path.join(root, how, "iter_0000002", BAD_SHARD), how)
+            write_universal(ShardedReader(os.path.join(save, "iter_0000002")), os.path.join(root, f"uni_{how}"))
+            _damage(os.path.join(root, f"uni_{how}", "exp_avg.safetensors"), how)
+    dist.barrier()
+    errors = {}
+    for how in HOWS:
+        for path, load, args in [("same_layout", how, []), ("resharded", how, ["--parallel.tp", "2"]),
+                                 ("universal", f"uni_{how}", [])]:
+            try:
+                _trainer(os.path.join(root, "unused"), ["--checkpoint.load", os.path.join(root, load)] + args)
+                errors[path, how] = None
+            except UserError as e:
+                errors[path, how] = str(e)
+    return errors
+
+
+def test_damaged_files_are_refused_on_every_load_path(tmp_path, capsys):
+    from megazero.convert import main as convert_main
+    from megazero.generate import build_model, load_weights
+    from megazero.parallel.comm import Group
+
+    root = str(tmp_path)
+    per_rank = run_distributed(_resume_errors, 2, root)
+    assert per_rank[0] == per_rank[1]  # every rank stops with the same line
+    errors = per_rank[0]
+    for how in HOWS:
+        ckpt = os.path.join(root, how)
+        # Convert and generate (single process) read the same damaged checkpoint.
+        with pytest.raises(SystemExit) as exit_info:
+            convert_main(["--load", ckpt, "--to", "torch", "--output", os.path.join(root, f"{how}.pt")])
+        assert exit_info.value.code == 2 and not os.path.exists(os.path.join(root, f"{how}.pt"))
+        errors["convert", how] = capsys.readouterr().err.strip().removeprefix("error: ")
+        with pytest.raises(sharded.CheckpointError) as e:
+            m, _, tensors = load_weights(ckpt)
+            build_model(m, tensors, Group("solo", None, [0], 0))
+        errors["generate", how] = str(e.value)
+        # A torch export records its digest beside it; generate checks it.
+        export = os.path.join(root, f"good_{how}.pt")
+        convert_main(["--load", ckpt, "--iteration", "1", "--to", "torch", "--output", export])
+        _damage(export, how)
+        with pytest.raises(sharded.CheckpointError) as e:
+            load_weights(export)
+        errors["torch_export", how] = str(e.value)
+    what = {"flip": "fails its sha256 check", "truncate": "is truncated or overwritten"}
+    for (path, how), message in errors.items():
+        assert message is not None and "\n" not in message, (path, how, message)
+        assert what[how] in message, (path, how, message)
+        if path == "universal":
+            assert "exp_avg.safetensors" in message and "re-create it with" in message, message
+        elif path == "torch_export":
+            assert f"good_{how}.pt" in message and "re-export it" in message, message
+        else:
+            assert f"{BAD_SHARD} {what[how]}" in message, (path, how, message)
+            assert message.endswith("the last good checkpoint is iter_0000001: resume from it with "
+                                    "--checkpoint.iteration 1"), (path, how, message)
+
+
+# ----------------------------------------------------------------------------- disk full
+
+
+def _limit_file_size(nbytes: int) -> None:
+    """Make writes past `nbytes` fail with EFBIG, like a full disk (works as root, where an
+    unwritable directory does not stop writes): RLIMIT_FSIZE with SIGXFSZ ignored."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.RLIM_INFINITY))
+
+
+def _save_failures(root: str) -> dict:
+    """Rank 1 alone runs out of space during saves: every rank must fail (or, with
+    on_save_error continue, go on) together, leaving the previous checkpoint and latest."""
+    import torch.distributed as dist
+
+    from megazero.checkpoint.sharded import CheckpointSaveError
+
+    out = {}
+    stop = os.path.join(root, "stop")
+    trainer = _trainer(stop, ["--train.iters", "2", "--checkpoint.interval", "1"])
+    trainer.run()  # saves iterations 1 and 2
+    if dist.get_rank() == 1:
+        _limit_file_size(4096)  # smaller than a rank file
+    trainer.cfg.train.iters = 3
+    try:
+        trainer.run()
+        out["stop"] = None
+    except CheckpointSaveError as e:
+        out["stop"] = str(e)
+    out["stop_latest"] = open(os.path.join(stop, "latest")).read()
+    out["stop_intact"] = sharded.is_intact(os.path.join(stop, "iter_0000002"))
+    out["stop_listing"] = sorted(os.listdir(stop))
+
+    cont = os.path.join(root, "continue")
+    trainer = _trainer(cont, ["--train.iters", "6", "--checkpoint.interval", "2",
+                              "--checkpoint.on_save_error", "continue"])
+    trainer.cfg.train.iters = 2
+    if dist.get_rank() == 1:
+        _limit_file_size(resource.RLIM_INFINITY)
+    trainer.run()  # iteration 2 saved
+    if dist.get_rank() == 1:
+        _limit_file_size(4096)
+    trainer.cfg.train.iters = 5
+    try:  # the save at 4 fails and training goes on; the run's last save (5) fails and stops it
+        trainer.run()
+        out["continue_last"] = None
+    except CheckpointSaveError as e:
+        out["continue_last"] = str(e)
+    out["continue_iteration"] = trainer.iteration
+    out["continue_latest"] = open(os.path.join(cont, "latest")).read()
+    if dist.get_rank() == 1:
+        _limit_file_size(resource.RLIM_INFINITY)  # space again: the next interval's save works
+    trainer.cfg.train.iters = 6
+    trainer.run()
+    out["continue_listing"] = sorted(os.listdir(cont))
+    return out
+
+
+def test_full_disk_during_a_save(tmp_path):
+    per_rank = run_distributed(_save_failures, 2, str(tmp_path))
+    for out in per_rank:
+        stop = out["stop"]
+        assert stop is not None and "\n" not in stop, stop
+        assert stop.startswith(f"saving iteration 3 to {tmp_path}/stop failed on rank 1: [Errno 27] File too large")
+        assert stop.endswith("the previous checkpoint and 'latest' are untouched; free disk space or fix the "
+                             "directory (checkpoint.save) and resume with --checkpoint.load")
+        assert out["stop_latest"] == "iter_0000002" and out["stop_intact"]
+        assert out["stop_listing"] == ["config.yaml", "iter_0000001", "iter_0000002", "latest"]
+        assert out["continue_last"].startswith(f"saving iteration 5 to {tmp_path}/continue failed on rank 1")
+        assert out["continue_iteration"] == 5 and out["continue_latest"] == "iter_0000002"
+        assert out["continue_listing"] == ["config.yaml", "iter_0000002", "iter_0000006", "latest"]
