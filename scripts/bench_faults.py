@@ -197,11 +197,12 @@ class Bench:
         return self._restarted(job, run, t0)
 
     def _restarted(self, job: Job, run: str, t0: float) -> tuple[bool, Optional[float], str]:
+        """`job` resumes training after the fault at t0 and finishes with nothing lost."""
         try:
             t1 = job.resumed_training(t0)
         except TimeoutError as e:
             job.kill()
-            return False, None, f"no restart: {str(e).splitlines()[0]}"
+            return False, None, f"did not resume: {e}"
         rc = job.finish()
         ok, why = self.nothing_lost(run) if rc == 0 else (False, f"job exited {rc}")
         return ok, t1 - t0, why
@@ -215,15 +216,7 @@ class Bench:
         return self._relaunched(run, t0, self.job_args(run, 1))
 
     def _relaunched(self, run: str, t0: float, args: list[str]) -> tuple[bool, Optional[float], str]:
-        job = Job(self.a.nproc, args)
-        try:
-            t1 = job.resumed_training(t0)
-        except TimeoutError as e:
-            job.kill()
-            return False, None, f"did not resume: {e}"
-        rc = job.finish()
-        ok, why = self.nothing_lost(run) if rc == 0 else (False, f"job exited {rc}")
-        return ok, t1 - t0, why
+        return self._restarted(Job(self.a.nproc, args), run, t0)
 
     def _stopped_after_a_save(self, run: str) -> str:
         """Run until a checkpoint or two exist, then stop with SIGTERM (saves and exits);
