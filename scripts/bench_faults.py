@@ -109,7 +109,7 @@ class Job:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.kill()
+            self.kill_all()
             return self.proc.wait()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
@@ -119,17 +119,18 @@ class Job:
             pass
 
     def workers(self) -> list[int]:
-        """The worker processes: children of the torchrun agent."""
-        out = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == self.proc.pid:
-                out.append(int(pid))
-        return out
+        """The worker processes: children of the torchrun agent (each in a session of its own)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+                return [int(pid) for pid in f.read().split()]
+        except FileNotFoundError:  # the agent is gone
+            return []
+
+    def kill_all(self) -> None:
+        """SIGKILL the whole job at once, as a node failure would: workers and launcher."""
+        for pid in self.workers():
+            os.kill(pid, signal.SIGKILL)
+        self.kill()
 
     def text(self) -> str:
         with self.changed:
@@ -201,7 +202,7 @@ class Bench:
         try:
             t1 = job.resumed_training(t0)
         except TimeoutError as e:
-            job.kill()
+            job.kill_all()
             return False, None, f"did not resume: {e}"
         rc = job.finish()
         ok, why = self.nothing_lost(run) if rc == 0 else (False, f"job exited {rc}")
@@ -210,7 +211,7 @@ class Bench:
     def job_sigkill_save(self, run: str) -> tuple[bool, Optional[float], str]:
         job = Job(self.a.nproc, self.job_args(run, 1))
         self.wait_saved(job)
-        job.kill()
+        job.kill_all()
         t0 = time.monotonic()
         job.finish()
         return self._relaunched(run, t0, self.job_args(run, 1))

@@ -48,9 +48,19 @@ def _kill_while_saving(nproc: int, save: str, rng: random.Random) -> str:
         proc.wait(timeout=kill_at)
     except subprocess.TimeoutExpired:
         pass
-    os.killpg(proc.pid, signal.SIGKILL)
+    _kill_job(proc)
     out.append(proc.communicate()[0])
     return "".join(out)
+
+
+def _kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the whole job at once, as a node failure would: the launcher's process group
+    and its workers (torchrun starts each worker in a session of its own)."""
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+        workers = [int(pid) for pid in f.read().split()]
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _assert_consistent(save: str) -> str:

@@ -102,11 +102,13 @@ def save(save_dir: str, iteration: int, rank_state: dict, cfg: Config, grid: Pro
     c = grid.coords()
     name = rank_file_name(c.tp, c.pp, c.dp)
     entries = step.run(lambda: _write_rank_file(os.path.join(tmp, name), rank_state))
-    files = {name: entry for name, entry in zip(_names(grid), entries)}
+    files = dict(zip(_names(grid), entries))
     if extra is not None:
-        extra_name = step.run(lambda: extra(tmp))[0]
-        if grid.rank == 0:
-            files[extra_name] = digest.file_entry(os.path.join(tmp, extra_name))
+        def write_extra() -> tuple[str, Optional[dict]]:
+            written = extra(tmp)  # rank 0 writes it (by offsets: hashed once complete)
+            return written, digest.file_entry(os.path.join(tmp, written)) if grid.rank == 0 else None
+        extra_name, entry = step.run(write_extra)[0]
+        files[extra_name] = entry
     meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
             "layout": layout_of(cfg, grid), "config": cfg.to_dict(), "files": files}
     step.run(lambda: _seal(save_dir, final, meta, keep_last) if grid.rank == 0 else None)
@@ -164,8 +166,10 @@ class _SaveStep:
         return [result for _, result in outcomes]
 
     def _abandon(self) -> None:
+        """Remove the partial checkpoint; every rank returns once it is gone."""
         if self.grid.rank == 0:
             shutil.rmtree(self.final + TMP_SUFFIX, ignore_errors=True)
+        comm.barrier(self.grid["world"])
 
 
 def layout_of(cfg: Config, grid: ProcessGrid) -> dict:
