@@ -92,3 +92,71 @@ def test_wandb_without_package_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-m", "megazero.train", "--config", "configs/gpt2-tiny.yaml",
                            "--logging.wandb", "true"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: logging.wandb is true but wandb is not installed")
+
+
+# ---------------------------------------------------------------------------- LR schedule
+
+
+def _lr_run(args: list[str], poison_from: int = -1, poison_to: int = -1) -> dict:
+    """Train the tiny model (world of one); NaN losses on iterations [poison_from, poison_to)."""
+    import contextlib
+    import io
+    import os
+
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = build_config(load_yaml(os.path.join(root, "configs/gpt2-tiny.yaml")),
+                       ["--model.seq_length", "16", "--model.num_layers", "2", "--optim.warmup_iters", "2",
+                        "--train.max_skipped_steps", "5"] + args)
+    validate(cfg, 1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        tr = Trainer(cfg, ProcessGrid.create(1, 1))
+        tr.chunks[0].register_forward_hook(
+            lambda m, a, out: out * float("nan") if poison_from <= tr.iteration < poison_to else out)
+        records = tr.run()
+    return {"lrs": {r["iteration"]: r["lr"] for r in records}, "printed": printed.getvalue(),
+            "steps": tr.schedule.steps, "skipped": tr.skipped_iters}
+
+
+def _lr_cases(tmp: str) -> dict:
+    save = ["--checkpoint.save", tmp, "--checkpoint.load", tmp]
+    return {"first": _lr_run(save + ["--train.iters", "6"]),
+            "kept": _lr_run(save + ["--train.iters", "9", "--checkpoint.save", tmp + "/kept"]),
+            "override": _lr_run(save + ["--train.iters", "9", "--checkpoint.save", tmp + "/override",
+                                        "--optim.override_schedule", "true"]),
+            "skipping": _lr_run(["--train.iters", "5"], poison_from=1, poison_to=3)}
+
+
+def test_lr_schedule_is_kept_on_resume_and_skips_do_not_advance_it(tmp_path):
+    from distributed import run_distributed
+
+    from megazero.config import OptimConfig
+    from megazero.train.lr import LRSchedule
+    out = run_distributed(_lr_cases, 1, str(tmp_path))[0]
+    optim = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_iters=2)
+    six, nine = LRSchedule.from_config(optim, 6), LRSchedule.from_config(optim, 9)
+    assert out["first"]["lrs"] == {i: pytest.approx(six.at(i - 1)) for i in range(1, 7)}
+    # Raised train.iters: the checkpoint's curve goes on (decay over 6 done: min_lr), reported once.
+    kept = out["kept"]
+    assert kept["lrs"] == {i: pytest.approx(1e-4) for i in range(7, 10)}
+    assert "lr schedule: keeping the checkpoint's; the config's change (decay_iters 6 -> 9)" in kept["printed"]
+    assert "--optim.override_schedule true" in kept["printed"]
+    over = out["override"]
+    assert over["lrs"] == {i: pytest.approx(nine.at(i - 1)) for i in range(7, 10)}
+    assert "optim.override_schedule is true, using the config's (decay_iters 6 -> 9)" in over["printed"]
+    # Iterations 2 and 3 skipped (NaN loss): the schedule stays at step 1 until a step applies.
+    skipping = out["skipping"]
+    assert skipping["skipped"] == 2 and skipping["steps"] == 3
+    five = LRSchedule.from_config(optim, 5)
+    assert skipping["lrs"] == {1: pytest.approx(five.at(0)), 2: pytest.approx(five.at(1)), 3: pytest.approx(five.at(1)),
+                               4: pytest.approx(five.at(1)), 5: pytest.approx(five.at(2))}
+
+
+def test_lr_schedule_resume_without_change_is_silent():
+    from megazero.config import OptimConfig
+    from megazero.train.lr import LRSchedule
+    schedule = LRSchedule.from_config(OptimConfig(), 10)
+    saved = {**schedule.state_dict(), "steps": 4}
+    assert schedule.resume(saved, override=False) is None and schedule.steps == 4
