@@ -17,7 +17,7 @@ import math
 import textwrap
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import IO, Any, Callable, Literal, Optional, Union
 
 import yaml
 
@@ -277,6 +277,19 @@ def _section_fields(section: str) -> dict[str, Any]:
     return typing.get_type_hints(SECTIONS[section])
 
 
+def has_key(name: str) -> bool:
+    """Is `section.key` a config key (of this version: issues add keys as they land)?"""
+    section, _, key = name.partition(".")
+    return section in SECTIONS and key in _section_fields(section)
+
+
+def check_value(name: str, value: Any, label: str) -> Any:
+    """`value` typed for config key `name`; a ConfigError names it as `label` (e.g. the
+    DeepSpeed key it came from)."""
+    section, _, key = name.partition(".")
+    return _coerce(label, value, _section_fields(section)[key])
+
+
 def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
     if section not in SECTIONS:
         raise ConfigError(f"unknown config section '{section}'; sections are {', '.join(SECTIONS)}")
@@ -287,15 +300,20 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
 
 
 def load_yaml(path: str) -> dict:
+    return read_mapping(path, "config file", "YAML", yaml.safe_load, "pass --config configs/gpt2-tiny.yaml or another file")
+
+
+def read_mapping(path: str, what: str, syntax: str, parse: Callable[[IO], Any], hint: str) -> dict:
+    """The mapping a YAML/JSON file holds; a missing, unparsable or non-mapping file is a ConfigError."""
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = parse(f) or {}
     except FileNotFoundError:
-        raise ConfigError(f"config file '{path}' does not exist; pass --config configs/gpt2-tiny.yaml or another file")
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}")
+        raise ConfigError(f"{what} '{path}' does not exist; {hint}")
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: json.JSONDecodeError
+        raise ConfigError(f"{what} '{path}' is not valid {syntax}: {str(e).splitlines()[0]}")
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}' must hold a mapping of sections")
+        raise ConfigError(f"{what} '{path}' must hold a mapping of keys")
     return data
 
 
