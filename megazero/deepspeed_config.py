@@ -105,11 +105,11 @@ def import_deepspeed(ds: dict, base: Config, world_size: int) -> DeepSpeedImport
     precision = [k for k in ("bf16", "bfloat16", "fp16") if _enabled(ds.get(k))]
     if len(precision) > 1:
         raise ConfigError(f"DeepSpeed config enables both {precision[0]} and {precision[1]}; enable one")
+    sections = {"optimizer": out.optimizer, "scheduler": out.scheduler, "zero_optimization": out.zero_optimization,
+                "bf16": out.precision, "bfloat16": out.precision, "fp16": out.precision}
     for key, value in sorted(ds.items(), key=lambda item: item[0] == "scheduler"):  # it reads optim.lr
-        if key in ("bf16", "bfloat16", "fp16") and isinstance(value, dict):
-            out.precision(key, value)
-        elif key in ("optimizer", "scheduler", "zero_optimization") and isinstance(value, dict):
-            getattr(out, key)(value)
+        if key in sections and isinstance(value, dict):
+            sections[key](value, key)
         elif key != "gradient_accumulation_steps":
             out.walk(key, value)
     out.batch(ds)
@@ -140,7 +140,9 @@ class _Importer:
         else:
             self.unsupported(path, value)
 
-    def set(self, name: str, value: Any, source: str) -> None:
+    def set(self, name: str, value: Any, source: str, replace: bool = False) -> None:
+        """Map `value` onto megazero key `name`; two DeepSpeed keys mapped onto one megazero key
+        must agree, unless `replace` (the later key wins in DeepSpeed too)."""
         if value == "auto":
             return
         if isinstance(value, float) and value.is_integer():
@@ -148,7 +150,7 @@ class _Importer:
         section, key = name.split(".")
         value = check_value(name, value, f"DeepSpeed {source} (megazero {name})")
         previous = self.result.sections.setdefault(section, {}).get(key, value)
-        if previous != value:
+        if previous != value and not replace:
             raise ConfigError(f"DeepSpeed {source} ({value!r}) disagrees with another key mapped onto {name} "
                               f"({previous!r}); give both the same value")
         self.result.sections[section][key] = value
@@ -159,7 +161,7 @@ class _Importer:
 
     # -- sections with conversions
 
-    def precision(self, key: str, section: dict) -> None:
+    def precision(self, section: dict, key: str) -> None:
         if not _enabled(section):
             return
         self.set("train.precision", "fp16" if key == "fp16" else "bf16", f"{key}.enabled")
@@ -170,7 +172,7 @@ class _Importer:
             elif name != "enabled":
                 self.walk(f"{key}.{name}", value)
 
-    def zero_optimization(self, section: dict) -> None:
+    def zero_optimization(self, section: dict, _: str) -> None:
         reduce_bucket = section.get("reduce_bucket_size")
         for name, value in section.items():
             path = f"zero_optimization.{name}"
@@ -194,7 +196,7 @@ class _Importer:
         block = 4 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * m.ffn_size
         return math.ceil(int(elements) / block)
 
-    def optimizer(self, section: dict) -> None:
+    def optimizer(self, section: dict, _: str) -> None:
         kind = str(section.get("type", "AdamW"))
         if kind.lower() not in ADAM_TYPES:
             raise ConfigError(f"DeepSpeed optimizer.type ({kind}) is not supported: megazero trains with AdamW; "
@@ -210,7 +212,7 @@ class _Importer:
             elif name != "type":
                 self.walk(f"optimizer.{name}", value)
 
-    def scheduler(self, section: dict) -> None:
+    def scheduler(self, section: dict, _: str) -> None:
         kind = section.get("type")
         if kind not in SCHEDULERS:
             raise ConfigError(f"DeepSpeed scheduler.type ({kind}) is not supported; use one of "
@@ -228,7 +230,8 @@ class _Importer:
                 self.unsupported("scheduler.params.warmup_min_ratio", params["warmup_min_ratio"])
         else:
             known |= {"warmup_min_lr", "warmup_max_lr"}
-            self.set("optim.lr", params["warmup_max_lr"], "scheduler.params.warmup_max_lr")
+            # DeepSpeed's scheduler sets the LR, whatever optimizer.params.lr says.
+            self.set("optim.lr", params["warmup_max_lr"], "scheduler.params.warmup_max_lr", replace=True)
             self.set("optim.min_lr", params["warmup_min_lr"], "scheduler.params.warmup_min_lr")
         style = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}[kind]
         self.set("optim.decay_style", style, "scheduler.type")

@@ -315,14 +315,15 @@ def test_deepspeed_fp16_scheduler_defaults_and_auto(tmp_path, capsys):
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "train_batch_size": "auto",
           "fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 4,
                    "min_loss_scale": 2, "consecutive_hysteresis": True},
-          "optimizer": {"type": "Adam", "params": {"lr": "auto"}},
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "eps": "auto"}},
           "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 50, "warmup_max_lr": 2e-3}}}
     cfg = _load(tmp_path, ds)
     assert (cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.precision) == (2, 12, "fp16")
     z = cfg.zero
     assert (z.initial_loss_scale, z.loss_scale_window, z.hysteresis, z.min_loss_scale) == (4096.0, 500, 4, 2.0)
-    o = cfg.optim  # DeepSpeed's WarmupDecayLR defaults: 1000 warmup steps from 0, log-shaped
+    o = cfg.optim  # the scheduler's LR wins; DeepSpeed's WarmupDecayLR defaults: 1000 warmup steps from 0, log-shaped
     assert (o.lr, o.min_lr, o.warmup_iters, o.decay_iters, o.decay_style) == (2e-3, 0.0, 1000, 50, "linear")
+    assert o.eps == 1e-8  # "auto": megazero's value
     err = capsys.readouterr().err
     assert "fp16.consecutive_hysteresis (true), scheduler.params.warmup_type (log)" in err
 
