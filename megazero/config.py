@@ -223,7 +223,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 return _coerce(key, value, option)
             except ConfigError:
                 pass
-        raise ConfigError(f"{key} ({value!r}) must be {' or '.join(_TYPE_WORDS.get(o) or type_name(o) for o in options)}")
+        kinds = " or ".join(_TYPE_WORDS.get(o) or type_name(o) for o in options)
+        raise ConfigError(f"{key} ({value!r}) must be {kinds}")
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value not in choices:
@@ -300,7 +301,8 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
 
 
 def load_yaml(path: str) -> dict:
-    return read_mapping(path, "config file", "YAML", yaml.safe_load, "pass --config configs/gpt2-tiny.yaml or another file")
+    return read_mapping(path, "config file", "YAML", yaml.safe_load,
+                        "pass --config configs/gpt2-tiny.yaml or another file")
 
 
 def read_mapping(path: str, what: str, syntax: str, parse: Callable[[IO], Any], hint: str) -> dict:

@@ -145,10 +145,8 @@ class _Importer:
         must agree, unless `replace` (the later key wins in DeepSpeed too)."""
         if value == "auto":
             return
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)  # JSON configs write sizes as 5e8
         section, key = name.split(".")
-        value = check_value(name, value, f"DeepSpeed {source} (megazero {name})")
+        value = check_value(name, _whole(value), f"DeepSpeed {source} (megazero {name})")
         previous = self.result.sections.setdefault(section, {}).get(key, value)
         if previous != value and not replace:
             raise ConfigError(f"DeepSpeed {source} ({value!r}) disagrees with another key mapped onto {name} "
@@ -167,8 +165,8 @@ class _Importer:
         self.set("train.precision", "fp16" if key == "fp16" else "bf16", f"{key}.enabled")
         for name, value in section.items():
             if name == "initial_scale_power" and value != "auto":
-                check_value("zero.hysteresis", value, f"DeepSpeed {key}.{name}")
-                self.set("zero.initial_loss_scale", 2.0 ** value, f"{key}.{name}")
+                power = check_value("zero.hysteresis", _whole(value), f"DeepSpeed {key}.{name}")  # an integer
+                self.set("zero.initial_loss_scale", 2.0 ** power, f"{key}.{name}")
             elif name != "enabled":
                 self.walk(f"{key}.{name}", value)
 
@@ -248,7 +246,8 @@ class _Importer:
         accumulation = ds.get("gradient_accumulation_steps", "auto")
         if accumulation == "auto":
             return
-        accumulation = check_value("train.micro_batch_size", accumulation, "DeepSpeed gradient_accumulation_steps")
+        accumulation = check_value("train.micro_batch_size", _whole(accumulation),
+                                   "DeepSpeed gradient_accumulation_steps")
         micro = sections.get("micro_batch_size", self.base.train.micro_batch_size)
         if "global_batch_size" not in sections:
             self.set("train.global_batch_size", micro * accumulation * self.dp, "gradient_accumulation_steps")
@@ -267,3 +266,8 @@ class _Importer:
 
 def _enabled(section: Any) -> bool:
     return isinstance(section, dict) and section.get("enabled", False) is True
+
+
+def _whole(value: Any) -> Any:
+    """JSON configs write sizes as 5e8 (a float): an integral float becomes an int."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value

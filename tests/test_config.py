@@ -313,7 +313,7 @@ def test_bad_deepspeed_config_is_one_clear_line(tmp_path, change, message):
 
 def test_deepspeed_fp16_scheduler_defaults_and_auto(tmp_path, capsys):
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "train_batch_size": "auto",
-          "fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 4,
+          "fp16": {"enabled": True, "initial_scale_power": 12.0, "loss_scale_window": 500, "hysteresis": 4,
                    "min_loss_scale": 2, "consecutive_hysteresis": True},
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "eps": "auto"}},
           "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 50, "warmup_max_lr": 2e-3}}}
