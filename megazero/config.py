@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import os
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -90,6 +91,17 @@ class ZeroConfig:
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Data-parallel gradient communication dtype. Gradients always accumulate in fp32 over
     micro-batches (Megatron's main_grad); bf16 halves the bytes reduced over DP."""
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    """Where the fp32 master weights and Adam moments live (stages 1-3): none (the device),
+    cpu (host memory, stepped on the CPU: ZeRO-Offload) or nvme (swap files under
+    zero.nvme_path, streamed one sub-group at a time: ZeRO-Infinity)."""
+    nvme_path: str = ""
+    """offload_optimizer nvme: an existing, writable directory on a fast local disk."""
+    pin_memory: bool = True
+    """Page-lock offloaded host buffers when a GPU is present (faster device<->host copies)."""
+    buffer_count: int = 4
+    """offload_optimizer nvme: sub-group buffers in host memory (>= 2: one is read while the
+    previous one is written back); the step holds buffer_count x sub_group_size x 12 bytes."""
 
 
 @dataclass
@@ -533,12 +545,34 @@ def _validate_zero(cfg: Config) -> None:
     if z.initial_loss_scale != 2.0 ** round(math.log2(z.initial_loss_scale)):
         raise ConfigError(f"zero.initial_loss_scale ({z.initial_loss_scale:g}) must be a power of two, "
                           f"e.g. {2.0 ** round(math.log2(z.initial_loss_scale)):g}, so scaling is exact")
+    _validate_offload(z)
     defaults = ZeroConfig()
     changed = [k for k in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
                if getattr(z, k) != getattr(defaults, k)]
     if changed and precision != "fp16":
         raise ConfigError(f"zero.{changed[0]} configures the fp16 loss scaler, but train.precision is {precision}; "
                           f"drop it or use --train.precision fp16")
+
+
+def _validate_offload(z: ZeroConfig) -> None:
+    if z.offload_optimizer == "none":
+        return
+    if z.stage == 0:
+        raise ConfigError(f"zero.offload_optimizer {z.offload_optimizer} offloads the sharded optimizer state, "
+                          f"which needs zero.stage 1, 2 or 3 (got 0); set --zero.stage 1")
+    if z.offload_optimizer != "nvme":
+        return
+    if z.buffer_count < 2:
+        raise ConfigError(f"zero.buffer_count ({z.buffer_count}) must be at least 2 with offload_optimizer nvme "
+                          f"(one sub-group is read while the previous one is written back)")
+    if not z.nvme_path:
+        raise ConfigError("zero.offload_optimizer nvme needs zero.nvme_path: a directory on a local disk, "
+                          "e.g. --zero.nvme_path /local_nvme")
+    if not os.path.isdir(z.nvme_path):
+        raise ConfigError(f"zero.nvme_path {z.nvme_path} is not an existing directory; create it or point "
+                          f"--zero.nvme_path at one")
+    if not os.access(z.nvme_path, os.W_OK | os.X_OK):
+        raise ConfigError(f"zero.nvme_path {z.nvme_path} is not writable by this user; choose another directory")
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:

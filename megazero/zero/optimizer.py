@@ -14,7 +14,8 @@ fp16 loss scaling and AdamW on fp32 master weights, at stages 0 to 3.
 The work is divided by responsibility; this class wires the pieces together and steps:
     grads.py    GradientSync: fp32 gradient buffers, hooks, no_sync, bucketed DP reduction
     params.py   ParamStore: the model's parameters in flat buckets (stage 3: shards)
-    state.py    DeviceStore: master weights and Adam moments (offload swaps this store)
+    state.py    where master weights and Adam moments live: the device, host memory
+                (zero.offload_optimizer cpu) or NVMe swap files (nvme), one interface
     clip.py     global grad norm and inf/NaN agreement; adamw.py: the update rule
     stage3.py   ParamGatherer: gather/release of stage-3 parameters around each module
 
@@ -45,6 +46,7 @@ import torch
 from torch import nn
 
 from megazero.config import Config
+from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostStaging
@@ -56,7 +58,7 @@ from megazero.zero.params import ParamStore
 from megazero.zero.partition import Bucket, Layout, Slot, build_layout, sub_groups
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
 from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
-from megazero.zero.state import DeviceStore
+from megazero.zero.state import MemoryStore, NvmeStore
 
 
 @dataclass
@@ -144,9 +146,10 @@ class ZeroOptimizer:
         self.step_count = 0
 
         # In fp32 the model's own values are the master weights; a copy would be waste.
-        self.state = DeviceStore(self.layout.shard_numel, grid.device, separate_master=self.dtype != torch.float32)
+        self.state = self._state_store()
         self.params = ParamStore(self.layout, sharded=self.stage == 3, dtype=self.dtype, device=grid.device,
-                                 initial=self._initial, write_master=self.state.write_master)
+                                 initial=self._initial, write_master=self._write_master)
+        self.state.flush()
         self.gatherer = (ParamGatherer(self.layout, self.params.shard, units, grid.dp_group, z.prefetch)
                          if self.stage == 3 else None)
         if self.gatherer is not None:
@@ -164,6 +167,29 @@ class ZeroOptimizer:
         if self.sharded_init:
             return self.chunks[b.chunk].initial_value(s.name, self.cfg.train.seed).reshape(-1)
         return s.param.detach().reshape(-1)
+
+    def _state_store(self) -> MemoryStore | NvmeStore:
+        """Master weights and moments where zero.offload_optimizer puts them. Every rank
+        learns whether every store could be built (a full disk on one node must not leave
+        the others waiting in the first collective)."""
+        z, n = self.cfg.zero, self.layout.shard_numel
+        store, error = None, ""
+        try:
+            if z.offload_optimizer == "none":  # in fp32 the parameters are the master weights
+                store = MemoryStore(n, self.grid.device, separate_master=self.dtype != torch.float32)
+            elif z.offload_optimizer == "cpu":
+                store = MemoryStore(n, torch.device("cpu"), separate_master=True, pin=z.pin_memory)
+            else:
+                store = NvmeStore(n, self.groups, z.nvme_path, z.buffer_count, z.pin_memory)
+        except UserError as e:
+            error = f"rank {self.grid.rank}: {e}"
+        errors = [e for e in comm.all_gather_object(error, self.grid["world"]) if e]
+        if errors:
+            raise UserError(errors[0])
+        return store
+
+    def _write_master(self, offset: int, values: torch.Tensor) -> None:
+        self.state.write("master", offset, values)
 
     # ------------------------------------------------------------------ gradients
 
@@ -209,18 +235,24 @@ class ZeroOptimizer:
         o = self.cfg.optim
         coef = (1.0 / scale if scale is not None else 1.0) * clip_coefficient(norm, o.clip_grad)
         self.step_count += 1
-        for group in self.groups:
+        for group, st in self.state.iterate(self.groups):
             grads = [self.grads.view(r) for r in group]  # fp32; scaled in place (zeroed before the next use)
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
             params = [self.params.view(r) for r in group]
-            with self.state.open(group) as st:
-                masters = st.master if st.master is not None else params
-                adamw_(masters, grads, st.exp_avg, st.exp_avg_sq, [m for m, r in zip(masters, group) if r.decay],
-                       lr=lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                       step=self.step_count)
-                if st.master is not None:
-                    torch._foreach_copy_(params, masters)
+            if st.device != self.grid.device:  # offloaded: the step runs where the state lives
+                grads = [g.to(st.device) for g in grads]
+            masters = st.master if st.master is not None else params
+            adamw_(masters, grads, st.exp_avg, st.exp_avg_sq, [m for m, r in zip(masters, group) if r.decay],
+                   lr=lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                   step=self.step_count)
+            if st.master is None:
+                continue
+            if st.device == self.grid.device:
+                torch._foreach_copy_(params, masters)
+            else:
+                for p, m in zip(params, masters):
+                    p.copy_(m)
         if self.stage in (1, 2):  # stage 0 stepped everything, stage 3 keeps shards
             self.params.all_gather(self.grid.dp_group)
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
@@ -237,18 +269,17 @@ class ZeroOptimizer:
 
     def _shard_values(self) -> list[torch.Tensor]:
         """This rank's fp32 master shard (padding included), as pieces laid end to end."""
-        return [self.state.master] if self.state.master is not None else self.params.own_slices()
+        return [self.state.read("master")] if self.state.separate_master else self.params.own_slices()
 
     def state_dict(self) -> dict:
         """Only this rank's shard (fp32 master, Adam moments, step, loss scaler) and the
         partition map that says where each element belongs, in host memory: copied out one
         tensor at a time through a pinned buffer, never cloned on the device."""
         host = HostStaging()
-        moments = self.state.moments()
         return {"stage": self.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
                 "precision": self.cfg.train.precision, "step": self.step_count,
-                "master": host.concat(self._shard_values()), "exp_avg": host.concat([moments["exp_avg"]]),
-                "exp_avg_sq": host.concat([moments["exp_avg_sq"]]),
+                "master": host.concat(self._shard_values()), "exp_avg": host.concat([self.state.read("exp_avg")]),
+                "exp_avg_sq": host.concat([self.state.read("exp_avg_sq")]),
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "partition": self.layout.param_map()}
 
@@ -262,14 +293,16 @@ class ZeroOptimizer:
                              f"{state['partition']['shards']} shards) than this run (stage {self.stage}, "
                              f"{mine['shards']} shards); reshard it first")
         self.step_count = int(state["step"])
-        self.state.load_moments(state["exp_avg"], state["exp_avg_sq"])
+        for kind in ("exp_avg", "exp_avg_sq"):
+            self.state.write(kind, 0, state[kind])
         if self.scaler is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
         master = state["master"]
         for b in self.layout.buckets:
             values = master[b.shard_offset: b.shard_offset + b.shard_numel]
-            self.state.write_master(b.shard_offset, values)
+            self._write_master(b.shard_offset, values)
             self.params.own_slice(b).copy_(values)
+        self.state.flush()
         if self.stage in (1, 2):
             self.params.all_gather(self.grid.dp_group)
 
@@ -292,7 +325,8 @@ class ZeroOptimizer:
             for name, piece in self.params.pieces():
                 piece.copy_(state[name])
         for b in self.layout.buckets:
-            self.state.write_master(b.shard_offset, self.params.own_slice(b))
+            self._write_master(b.shard_offset, self.params.own_slice(b))
+        self.state.flush()
 
     # ------------------------------------------------------------------ stage 3: full parameters on request
 
@@ -347,11 +381,16 @@ class ZeroOptimizer:
         return self.gatherer.peak_materialized_numel if self.gatherer else 0
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of model state this rank holds persistently: parameters, gradients and
-        optimizer states (master weights when separate, Adam moments)."""
+        """Bytes of model state this rank holds persistently on its compute device:
+        parameters, gradients and optimizer states (master weights when separate, Adam
+        moments); offloaded optimizer state is counted apart, by where it lives
+        (`offloaded_host`: host memory, `offloaded_nvme`: swap files)."""
         def nbytes(ts) -> int:
             return sum(t.numel() * t.element_size() for t in ts)
         params = nbytes(self.params.tensors())
         grads = nbytes(self.grads.tensors())
-        optim = nbytes(self.state.tensors())
-        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+        where = self.state.nbytes()
+        offloaded = self.cfg.zero.offload_optimizer != "none"
+        optim = 0 if offloaded else sum(where.values())
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim,
+                "offloaded_host": where.get("cpu", 0) if offloaded else 0, "offloaded_nvme": where.get("nvme", 0)}
