@@ -35,6 +35,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megazero.atomic import write_text  # noqa: E402
 from megazero.config import Config, build_config, load_yaml, validate  # noqa: E402
 from megazero.train.metrics import device_peak_flops, model_flops_per_token  # noqa: E402
 
@@ -162,8 +163,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(table(rows[-1:]).splitlines()[-1], flush=True)  # progress, one line per model
     print("\n" + table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": name, "peak_flops": peak, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        write_text(args.json, json.dumps({"device": name, "peak_flops": peak, "rows": [asdict(r) for r in rows]},
+                                         indent=1))
     torch.distributed.destroy_process_group()  # NCCL warns about communicators left to teardown
     failed = [r.model for r in rows if r.error or not math.isfinite(r.last_loss)]
     if failed:

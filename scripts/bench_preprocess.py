@@ -29,6 +29,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megazero.atomic import atomic_write  # noqa: E402
 from megazero.data.corpus import default_corpus_documents  # noqa: E402
 from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe  # noqa: E402
 
@@ -47,7 +48,7 @@ def write_generated_corpus(path: Path, megabytes: float, seed: int = 0) -> Path:
     paragraphs = [p for doc in default_corpus_documents() for p in doc.split("\n\n") if p.strip()]
     rng = np.random.default_rng(seed)
     target, written = megabytes * 1e6, 0
-    with open(path, "w", encoding="utf-8") as f:
+    with atomic_write(str(path), "w", encoding="utf-8") as f:
         while written < target:
             picks = rng.integers(0, len(paragraphs), size=int(rng.integers(1, 13)))
             line = json.dumps({"text": "\n\n".join(paragraphs[i] for i in picks)}, ensure_ascii=False) + "\n"

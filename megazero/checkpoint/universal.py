@@ -9,7 +9,7 @@ parameter beyond its own shards.
 The universal format (`python -m megazero.convert --to universal`) is parallelism-agnostic:
 
     DIR/universal.json                      format version, iteration, data position, optimizer step,
-                                            loss scaler, config, sha256 of every file
+                                            loss scaler, LR schedule, config, sha256 of every file
     DIR/{master,exp_avg,exp_avg_sq}.safetensors   full fp32 tensors by parameter name (no padding)
 """
 
@@ -77,7 +77,8 @@ class UniversalReader:
         return self.files[kind].get_tensor(name)
 
     def trainer_state(self) -> dict:
-        return {k: self.meta[k] for k in ("iteration", "consumed_samples", "skipped_iters", "step", "loss_scaler")}
+        state = {k: self.meta[k] for k in ("iteration", "consumed_samples", "skipped_iters", "step", "loss_scaler")}
+        return {**state, "lr_schedule": self.meta.get("lr_schedule")}
 
 
 def _remake(path: str, source: str | None = None) -> str:
