@@ -28,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megazero.config import build_config, validate  # noqa: E402
+from megazero.plan.formulas import STATE_BYTES, model_state_bytes  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -193,15 +194,6 @@ def launch(fn, args: argparse.Namespace, *fn_args) -> list[dict]:
 # ---------------------------------------------------------------------------- tables
 
 
-def formula(stage: int, psi: float, n: int, mixed: bool) -> float:
-    """ZeRO model-state bytes per rank (Rajbhandari et al., 2020; K = 12 for Adam), with
-    fp32 gradient buffers in mixed precision (Megatron's main_grad: 2 more bytes per element
-    where the gradient is kept)."""
-    if mixed:
-        return [18 * psi, 6 * psi + 12 * psi / n, 2 * psi + 16 * psi / n, 18 * psi / n][stage]
-    return [16 * psi, 8 * psi + 8 * psi / n, 4 * psi + 12 * psi / n, 16 * psi / n][stage]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dp", type=int, default=2)
@@ -270,7 +262,7 @@ def main() -> None:
         out = results[f"ZeRO-{stage}"][0]
         for precision in ("fp32", "bf16"):
             mem = out["memory"][precision]
-            f = formula(stage, out["padded_numel"], n, precision == "bf16")
+            f = model_state_bytes(out["padded_numel"], n, stage, STATE_BYTES[precision])["total"]
             label = {("fp32", 0): "16Ψ", ("fp32", 1): "8Ψ+8Ψ/N", ("fp32", 2): "4Ψ+12Ψ/N", ("fp32", 3): "16Ψ/N",
                      ("bf16", 0): "18Ψ", ("bf16", 1): "6Ψ+12Ψ/N", ("bf16", 2): "2Ψ+16Ψ/N",
                      ("bf16", 3): "18Ψ/N"}[(precision, stage)]

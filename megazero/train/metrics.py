@@ -9,21 +9,8 @@ from typing import Optional
 
 import torch
 
-from megazero.config import Config, ModelConfig
-
-# Dense bf16/fp16 tensor-core peak per device, FLOP/s. Unknown devices get no MFU.
-PEAK_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L40S": 362e12,
-    "L4": 121e12, "V100": 125e12, "MI300X": 1307e12, "MI250X": 383e12,
-}
-
-
-def model_flops_per_token(m: ModelConfig) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters, incl. the head) plus attention
-    scores and weighted values (forward 4 s h per layer, x3 with backward)."""
-    h, L, s = m.hidden_size, m.num_layers, m.seq_length
-    matmul_params = L * (4 * h * h + 2 * h * m.ffn_size) + m.vocab_size * h
-    return 6 * matmul_params + 12 * L * h * s
+from megazero.config import Config
+from megazero.plan.formulas import PEAK_FLOPS
 
 
 def device_peak_flops() -> tuple[str, Optional[float]]:

@@ -28,8 +28,8 @@ from megazero.parallel.random import get_rng_states, seed_everything, set_rng_st
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining
 from megazero.train.lr import learning_rate
 from megazero.train.parallelize import parallelize
-from megazero.train.metrics import (MetricsWriter, device_peak_flops, format_line, model_flops_per_token,
-                                    peak_memory_gib)
+from megazero.plan.formulas import model_flops_per_token
+from megazero.train.metrics import MetricsWriter, device_peak_flops, format_line, peak_memory_gib
 
 
 class TrainingError(UserError, RuntimeError):
