@@ -116,7 +116,11 @@ class ActivationShape:
     act_bytes: int = 2
     """Bytes per activation element: 2 in bf16/fp16, 4 in fp32."""
     dropout: bool = True
-    """Dropout masks (1 byte per element) are kept only when dropout > 0."""
+    """Dropout masks are kept only when dropout > 0."""
+    mask_bytes: int = 1
+    """Bytes per dropout-mask element: 1 on CUDA (bool); torch's CPU kernel keeps the input dtype."""
+    stats_bytes: int = 4
+    """Bytes of each LayerNorm mean / rstd element: fp32 on CUDA, the input dtype on CPU."""
     attention: str = "flash"
     """flash: fused attention keeps only its log-sum-exp beyond q, k, v and its output; math:
     the s x s scores, their dropout mask and the dropped-out scores (Korthikanti et al.'s
@@ -127,7 +131,7 @@ def layer_activation_bytes(x: ActivationShape) -> int:
     """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Sec. 4):
 
       replicated over TP  both LayerNorm inputs and outputs 4 sbh x bytes, two dropout masks
-                          2 sbh, LayerNorm mean and rstd in fp32 16 bs
+                          2 sbh (1 byte each), LayerNorm mean and rstd 4 bs (fp32: 16 bs bytes)
       split over TP       q, k, v 3 sbh, attention output 1 sbh, MLP input of GeLU and of the
                           second linear 2 sbf (x bytes), over t
       attention core      flash: its fp32 log-sum-exp 4 abs (its output, laid out [b, s, a, d],
@@ -143,15 +147,15 @@ def layer_activation_bytes(x: ActivationShape) -> int:
     seq_split = t if x.sequence_parallel else 1
     if x.recompute == "full":
         return e * sbh // seq_split
-    mask = 1 if x.dropout else 0
-    replicated = e * 4 * sbh + mask * 2 * sbh + 16 * b * s
+    mask = x.mask_bytes if x.dropout else 0
+    replicated = e * 4 * sbh + mask * 2 * sbh + 4 * b * s * x.stats_bytes
     split = e * (4 * sbh + 2 * s * b * x.ffn)
     core = 0
     if x.recompute == "none":
         if x.attention == "flash":
             core = 4 * x.heads * s * b
         else:
-            core = (2 * e + mask if x.dropout else e) * x.heads * s * s * b
+            core = (2 * e + 1 if x.dropout else e) * x.heads * s * s * b
     return replicated // seq_split + (split + core) // t
 
 
@@ -160,7 +164,7 @@ def embedding_activation_bytes(x: ActivationShape) -> int:
     mask), position ids, and the embedding dropout mask."""
     b, s = x.micro_batch, x.seq
     ids = 8 * b * s + (b * s if x.tp > 1 else 0)
-    mask = b * s * x.hidden // (x.tp if x.sequence_parallel else 1) if x.dropout else 0
+    mask = x.mask_bytes * b * s * x.hidden // (x.tp if x.sequence_parallel else 1) if x.dropout else 0
     return ids + 8 * s + mask
 
 
@@ -169,7 +173,7 @@ def head_activation_bytes(x: ActivationShape) -> int:
     vocab-parallel cross entropy's fp32 softmax over this rank's V/t logits with its targets."""
     b, s, h = x.micro_batch, x.seq, x.hidden
     seq_split = x.tp if x.sequence_parallel else 1
-    norm = (x.act_bytes * s * b * h + 8 * b * s) // seq_split
+    norm = (x.act_bytes * s * b * h + 2 * b * s * x.stats_bytes) // seq_split
     return norm + x.act_bytes * s * b * h + 4 * b * s * x.vocab // x.tp + 9 * b * s
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable, Union
+
 import torch
 
 
@@ -10,14 +12,16 @@ class ActivationMeter:
     `torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)`. A storage saved by
     several operations counts once; it is released when the last of them lets go."""
 
-    def __init__(self, exclude: set[int]):
-        self.exclude = exclude  # storages of the parameters (weights are not activations)
+    def __init__(self, exclude: Union[set[int], Callable[[], set[int]]]):
+        # Storages of the parameters (weights are not activations); a callable when they move
+        # (ZeRO-3 gathers weights into buffers that are freed and reallocated).
+        self.exclude = exclude
         self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
         self.current = self.peak = 0
 
     def pack(self, t: torch.Tensor):
         key = t.untyped_storage().data_ptr()
-        if key in self.exclude:
+        if key in (self.exclude() if callable(self.exclude) else self.exclude):
             return t
         if key in self.live:
             self.live[key][1] += 1

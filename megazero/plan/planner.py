@@ -125,13 +125,17 @@ class Prediction:
 # ---------------------------------------------------------------------------- one layout
 
 
-def activation_shape(cfg: Config, layout: Layout, attention: str = "flash") -> F.ActivationShape:
+def activation_shape(cfg: Config, layout: Layout, attention: str = "flash", device: str = "cuda") -> \
+        F.ActivationShape:
+    """The formulas' view of one micro-batch; `device` "cpu" for torch's CPU kernels, which keep
+    dropout masks and LayerNorm statistics in the activation dtype."""
     m = cfg.model
+    act = 4 if cfg.train.precision == "fp32" else 2
     return F.ActivationShape(micro_batch=layout.micro_batch, seq=m.seq_length, hidden=m.hidden_size,
                              heads=m.num_heads, ffn=m.ffn_size, vocab=padded_vocab_size(m.vocab_size, layout.tp),
                              tp=layout.tp, sequence_parallel=layout.sequence_parallel and layout.tp > 1,
-                             recompute=layout.recompute, act_bytes=4 if cfg.train.precision == "fp32" else 2,
-                             dropout=m.dropout > 0, attention=attention)
+                             recompute=layout.recompute, act_bytes=act, dropout=m.dropout > 0, attention=attention,
+                             mask_bytes=act if device == "cpu" else 1, stats_bytes=act if device == "cpu" else 4)
 
 
 def schedule_of(cfg: Config, layout: Layout) -> str:
@@ -146,14 +150,15 @@ def distinct_ranks(pp: int) -> list[int]:
 
 
 def predict(cfg: Config, layout: Layout, cluster: Cluster, attention: str = "flash",
-            pp_layers: Optional[list[int]] = None, ranks: Optional[list[int]] = None) -> Prediction:
+            pp_layers: Optional[list[int]] = None, ranks: Optional[list[int]] = None,
+            device: str = "cuda") -> Prediction:
     """Memory, bytes moved and time of pipeline ranks `ranks` of `layout` (default: the
     first, the last, and rank 1, which keeps the most micro-batches of the middle ones)."""
     if ranks is None:
         ranks = list(range(layout.pp)) if pp_layers else distinct_ranks(layout.pp)
     t, z = cfg.train, cfg.zero
     m = t.global_batch_size // (layout.micro_batch * layout.dp)
-    shape = activation_shape(cfg, layout, attention)
+    shape = activation_shape(cfg, layout, attention, device)
     schedule = schedule_of(cfg, layout)
     out = Prediction(layout, schedule, m, F.pipeline_bubble(layout.pp, layout.vpp, m),
                      [rank_prediction(cfg, layout, r, m, shape, schedule, pp_layers) for r in ranks],
@@ -264,7 +269,8 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[Layout]:
                 for vpp in vpps:
                     if layout_problem(cfg, gpus, tp, pp, vpp, mb):
                         continue
-                    for stage in [fixed["zero_stage"]] if "zero_stage" in fixed else range(4):
+                    # With one DP rank every ZeRO stage holds the same: keep stage 0.
+                    for stage in [fixed["zero_stage"]] if "zero_stage" in fixed else range(4 if dp > 1 else 1):
                         for rc in [fixed["recompute"]] if "recompute" in fixed else RECOMPUTE:
                             out.append(Layout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False)
                                               and tp > 1, fixed.get("offload_optimizer", False)))
