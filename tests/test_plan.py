@@ -75,7 +75,7 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
                        device="cpu").rank(tr.grid.pp_rank)
         out.append({"case": " ".join(overrides), "rank": dist.get_rank(),
                     "states": (tr.optimizer.model_state_bytes(), pred.states),
-                    "bytes": ({k: sum(v for op, v in moved[k].items() if not op.endswith("_calls"))
+                    "bytes": ({k: sum(v for op, v in moved.get(k, {}).items() if not op.endswith("_calls"))
                                for k in ("dp", "tp", "pp", "embed")}, pred.bytes),
                     "activations": (meter.peak, pred.activations)})
     return out
