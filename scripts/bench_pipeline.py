@@ -17,7 +17,7 @@ beside the bubble of the very orders the executor runs, replayed in simulated ti
 chunk's backward takes twice its forward; transfers are free; formulas.simulated_bubble). Peak activation memory per
 stage is the largest number of bytes held at once by tensors that autograd saved for
 backward (counted with torch.autograd.graph.saved_tensors_hooks, each storage once,
-parameters excluded).
+parameters excluded), beside the layout planner's prediction (megazero.plan).
 
 Measured times are only comparable with theory when every rank has a core of its own and
 the machine is otherwise quiet: with more stages than cores, a rank also waits while the
@@ -51,6 +51,7 @@ from megazero.parallel.random import seed_everything  # noqa: E402
 from megazero.pipeline.schedules import forward_backward_pipelining  # noqa: E402
 from megazero.plan.formulas import pipeline_bubble, simulated_bubble  # noqa: E402
 from megazero.plan.measure import ActivationMeter  # noqa: E402
+from megazero.plan.planner import Cluster, Layout, predict  # noqa: E402
 from megazero.train.parallelize import parallelize  # noqa: E402
 
 
@@ -90,7 +91,10 @@ def run_case(args, grid: ProcessGrid, schedule: str, m: int) -> dict:
             busy += wall - stats["wait_s"]
             idle += stats["wait_s"]
         peak = max(peak, meter.peak)
-    return {"busy": busy / args.iters, "idle": idle / args.iters, "peak_bytes": peak}
+    layout = Layout(1, grid.pp, 1, len(chunks), 0, args.micro_batch, "none")
+    planned = predict(cfg, layout, Cluster(grid.pp, grid.pp, 1.0, None), ranks=[grid.pp_rank], device="cpu")
+    return {"busy": busy / args.iters, "idle": idle / args.iters, "peak_bytes": peak,
+            "planned_bytes": planned.rank(grid.pp_rank).activations}
 
 
 def worker(rank: int, pp: int, port: int, args, queue) -> None:
@@ -129,7 +133,7 @@ def main(argv: Optional[list[str]] = None) -> None:
           f"gloo; GPT-2 {args.layers} layers, h {args.hidden}, s {args.seq}, micro-batch {args.micro_batch}, "
           f"fp32; interleaved: vpp 2; {args.iters} timed iterations")
     print("| schedule | pp | m | bubble theory | simulated | measured | busy ms / rank | idle ms / rank "
-          "| peak activations MiB / stage |")
+          "| peak activations MiB / stage (planner) |")
     print("|---|---|---|---|---|---|---|---|---|")
     ctx = mp.get_context("spawn")
     for pp in args.pp:
@@ -155,7 +159,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 print(f"| {schedule} | {pp} | {m} | {pipeline_bubble(pp, vpp, m):.3f} | "
                       f"{simulated_bubble(pp, vpp, m, schedule):.3f} | {measured:.3f} | "
                       f"{per_rank(ranks, 'busy', 1e3, '.0f')} | {per_rank(ranks, 'idle', 1e3, '.0f')} | "
-                      f"{per_rank(ranks, 'peak_bytes', 2.0 ** -20, '.1f')} |", flush=True)
+                      f"{per_rank(ranks, 'peak_bytes', 2.0 ** -20, '.1f')} "
+                      f"({per_rank(ranks, 'planned_bytes', 2.0 ** -20, '.1f')}) |", flush=True)
         for p in procs:
             p.join()
             if p.exitcode:

@@ -5,8 +5,9 @@
 Every configuration runs in fresh processes (gloo on CPU, NCCL on GPUs) so peak RSS is
 its own. Printed tables:
   1. throughput (tokens/s over all ranks) and peak RSS per rank, side by side;
-  2. DP bytes one rank sent in one iteration (one micro-batch) against ZeRO theory:
-     2Ψ at stages 0-2, 3Ψ at stage 3, times the ring factor (n-1)/n;
+  2. DP bytes one rank sent in one iteration (one micro-batch) beside the layout planner's
+     prediction (exact) and ZeRO theory: 2Ψ at stages 0-2, 3Ψ at stage 3, times the ring
+     factor (n-1)/n;
   3. model-state bytes per rank (parameters + gradients + optimizer states actually
      allocated) against the ZeRO formulas, in fp32 and in bf16 mixed precision.
 This is a measurement, not a test: no assertion depends on timings.
@@ -29,6 +30,7 @@ sys.path.insert(0, ROOT)
 
 from megazero.config import build_config, validate  # noqa: E402
 from megazero.plan.formulas import STATE_BYTES, model_state_bytes  # noqa: E402
+from megazero.plan.planner import Cluster, Layout, predict  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -65,6 +67,8 @@ def run_megazero(args: argparse.Namespace, stage: int) -> dict:
     tr.grid.reset_counters()
     tr.train_step()
     moved = tr.grid.bytes_moved()["dp"]
+    planned = predict(tr.cfg, Layout(1, 1, args.dp, 1, stage, args.micro, "none"), Cluster(args.dp, args.dp, 1.0, None),
+                      device="cpu").rank(0)
     tic = time.perf_counter()
     for _ in range(args.iters - 1):
         tr.train_step()
@@ -72,7 +76,7 @@ def run_megazero(args: argparse.Namespace, stage: int) -> dict:
     opt = tr.optimizer
     out = {"tokens_per_sec": tr.cfg.train.global_batch_size * args.seq / elapsed, "rss_mib": peak_rss_mib(),
            "dp_bytes": sum(v for k, v in moved.items() if not k.endswith("_calls")),
-           "dp_ops": {k: v for k, v in moved.items() if not k.endswith("_calls")},
+           "dp_ops": {k: v for k, v in moved.items() if not k.endswith("_calls")}, "planned_dp": planned.bytes["dp"],
            "padded_numel": opt.layout.numel, "param_numel": opt.layout.param_numel,
            "tied_numel": sum(opt.layout.buckets[b].numel for b in opt.tied_buckets),
            "micro": tr.num_microbatches, "memory": {"fp32": opt.model_state_bytes()},
@@ -238,8 +242,8 @@ def main() -> None:
     ring = (n - 1) / n
     print(f"\nDP bytes sent per rank in one iteration (fp32, Ψ = {z0['padded_numel']:,} elements incl. alignment "
           f"padding = {4 * z0['padded_numel'] / MiB:.2f} MiB; ring factor (n-1)/n = {ring:.2f}):\n")
-    print("| stage | measured (MiB) | theory (MiB) | measured / theory | by operation (MiB) |")
-    print("|---|---:|---:|---:|---|")
+    print("| stage | measured (MiB) | planner (MiB) | theory (MiB) | measured / theory | by operation (MiB) |")
+    print("|---|---:|---:|---:|---:|---|")
     for stage in range(4):
         out = results[f"ZeRO-{stage}"][0]
         psi = 4 * out["padded_numel"]
@@ -248,7 +252,7 @@ def main() -> None:
         theory = mult * psi * ring
         ops = ", ".join(f"{k} {v / MiB:.2f}" for k, v in out["dp_ops"].items())
         label = {0: "2Ψ", 1: "2Ψ", 2: f"{mult}Ψ", 3: f"{mult}Ψ"}[stage]
-        print(f"| {stage} ({label}) | {out['dp_bytes'] / MiB:.3f} | {theory / MiB:.3f} | "
+        print(f"| {stage} ({label}) | {out['dp_bytes'] / MiB:.3f} | {out['planned_dp'] / MiB:.3f} | {theory / MiB:.3f} | "
               f"{out['dp_bytes'] / theory:.3f} | {ops} |")
     tied = results["ZeRO-3"][0]["tied_numel"] * 4 * ring * results["ZeRO-3"][0]["micro"]
     print(f"\n(stage 3 extra: the tied embedding is gathered a second time for the head on a single "
