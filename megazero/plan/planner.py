@@ -10,6 +10,7 @@ micro-batches) and the layout is judged by its worst rank.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -256,24 +257,22 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[Layout]:
     """Every layout the model, batch and cluster allow, within the `fixed` choices (Layout
     field -> value). TP stays inside a node unless tp is fixed."""
     gpus, gbs = cluster.gpus, cfg.train.global_batch_size
+
+    def options(key: str, default) -> list:
+        return [fixed[key]] if key in fixed else list(default)
     out = []
-    for tp in [fixed["tp"]] if "tp" in fixed else [d for d in divisors(gpus) if d <= cluster.gpus_per_node]:
-        for pp in [fixed["pp"]] if "pp" in fixed else divisors(gpus // tp):
+    for tp in options("tp", [d for d in divisors(gpus) if d <= cluster.gpus_per_node]):
+        for pp in options("pp", divisors(gpus // tp) if gpus % tp == 0 else []):
             dp = gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0
             if not dp or fixed.get("dp", dp) != dp:
                 continue
-            micro = [fixed["micro_batch"]] if "micro_batch" in fixed else [b for b in (1, 2, 4, 8, 16, 32) if
-                                                                             b * dp <= gbs]
-            for mb in micro:
-                vpps = [fixed["vpp"]] if "vpp" in fixed else ([1] if pp == 1 else [1, 2, 4])
-                for vpp in vpps:
-                    if layout_problem(cfg, gpus, tp, pp, vpp, mb):
-                        continue
-                    # With one DP rank every ZeRO stage holds the same: keep stage 0.
-                    for stage in [fixed["zero_stage"]] if "zero_stage" in fixed else range(4 if dp > 1 else 1):
-                        for rc in [fixed["recompute"]] if "recompute" in fixed else RECOMPUTE:
-                            out.append(Layout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False)
-                                              and tp > 1, fixed.get("offload_optimizer", False)))
+            # With one DP rank every ZeRO stage holds the same: keep stage 0.
+            rest = itertools.product(options("micro_batch", [b for b in (1, 2, 4, 8, 16, 32) if b * dp <= gbs]),
+                                     options("vpp", [1] if pp == 1 else [1, 2, 4]),
+                                     options("zero_stage", range(4 if dp > 1 else 1)), options("recompute", RECOMPUTE))
+            out += [Layout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False) and tp > 1,
+                           fixed.get("offload_optimizer", False))
+                    for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb)]
     return out
 
 
