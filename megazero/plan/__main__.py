@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Optional
 
-from megazero.config import ConfigError, build_config, load_yaml
+from megazero.config import ConfigError, build_config, load_yaml, resolve_vocab_size
 from megazero.errors import report_errors
 from megazero.plan import formulas as F
 from megazero.plan.planner import RECOMPUTE, Cluster, PlanError, Prediction, explain, nothing_fits, plan
@@ -143,6 +143,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args, overrides = parse_args(argv)
     with report_errors(ConfigError):
         cfg = build_config(load_yaml(args.config), overrides)
+        cfg.model.vocab_size = resolve_vocab_size(cfg)
         cluster = cluster_from(args)
         fixed = fixed_from(args)
         preds = plan(cfg, cluster, fixed, args.attention)
