@@ -198,6 +198,10 @@ class LoggingConfig:
     """Log to Weights & Biases (offline when there is no network)."""
     wandb_project: str = "megazero"
     """Weights & Biases project name."""
+    timers: bool = False
+    """Per-phase times (forward, backward, optimizer, waiting on communication) and bytes sent
+    per iteration over DP/TP/PP on the log line and in the JSONL (on GPUs each phase boundary
+    synchronizes the device, a small cost)."""
 
 
 @dataclass
