@@ -128,8 +128,8 @@ def test_torch_and_hf_export_from_gpu_checkpoint(tmp_path, gpu_checkpoint):
 
 
 def test_generation_on_gpu(tmp_path, gpu_checkpoint):
-    from megazero.data.tokenizer import train_gpt2bpe
     from megazero.checkpoint.load import open_checkpoint
+    from megazero.data.tokenizer import train_gpt2bpe
     from megazero.generate import build_model, generate
     from megazero.model.gpt import KVCache
 

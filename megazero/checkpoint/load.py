@@ -157,7 +157,9 @@ def _open_file(path: str) -> Checkpoint:
             info = json.load(f)
         m = ModelConfig(**info["model"])
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"torch export config '{sidecar}' is unreadable ({e}); re-run convert --to torch")
+        why = "no 'model' section" if isinstance(e, KeyError) else str(e)
+        raise CheckpointError(f"torch export config '{sidecar}' is unreadable ({why}); "
+                              f"re-run convert --to torch") from None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
@@ -168,11 +170,21 @@ def _open_file(path: str) -> Checkpoint:
                       lambda kind: iter(state.items()))
 
 
+def _safetensors_metadata(path: str) -> dict[str, str]:
+    """The header's metadata; a file that is no safetensors file is refused here, before use."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return f.metadata() or {}
+    except SafetensorError as e:
+        raise not_a_checkpoint(path, f"unreadable as safetensors: {e}") from None
+
+
 def _model_16bit(path: str) -> Checkpoint:
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as f:
-        info = (f.metadata() or {}).get("megazero_model")
+    info = _safetensors_metadata(path).get("megazero_model")
     if not info:
         raise not_a_checkpoint(path, f"a safetensors file without megazero's model config; {MODEL_16BIT} "
                                      "has one, an HF model is passed as its directory")
@@ -193,6 +205,7 @@ def _hf(path: str) -> Checkpoint:
         m, _ = read_hf(path)
     except (FileNotFoundError, ValueError) as e:
         raise CheckpointError(f"Hugging Face directory '{path}' cannot be read: {e}") from None
+    _safetensors_metadata(os.path.join(path, "model.safetensors"))
 
     def stream(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
         return ((n, from_hf(n, t)) for n, t in read_hf(path)[1])
