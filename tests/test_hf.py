@@ -63,13 +63,13 @@ TOKENIZERS = {  # name: (texts, output folder) -> spec
 }
 
 
-def _foreign_sentencepiece(texts: list[str], out) -> str:
+def _foreign_sentencepiece(texts: list[str], out, **options) -> str:
     """A model with SentencePiece's own defaults (NFKC map, extra whitespace removed), as
     tokenizers trained outside megazero (e.g. Llama's) have."""
     import sentencepiece as spm
     out.mkdir()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(out / "m"), vocab_size=400,
-                                   byte_fallback=True, hard_vocab_limit=False, minloglevel=2)
+                                   byte_fallback=True, hard_vocab_limit=False, minloglevel=2, **options)
     return f"sentencepiece:{out / 'm.model'}"
 
 
@@ -90,3 +90,11 @@ def test_exported_tokenizer_encodes_like_megazero_in_transformers(tmp_path, name
         assert theirs.decode(ids) == ours.decode(ids), text
     assert theirs.eos_token_id == ours.eod
     assert build_tokenizer(hf_tokenizer_spec(str(export))).identity() == ours.identity()  # megazero reads it back
+
+
+def test_tokenizer_without_exact_equivalent_is_refused(tmp_path):
+    from megazero.data import DataError
+    from megazero.data.hf_tokenizer import hf_tokenizer_files
+    spec = _foreign_sentencepiece(make_texts(100), tmp_path / "tok", user_defined_symbols=["[SEP]"])
+    with pytest.raises(DataError, match=r"user-defined pieces \(\[SEP\]\)"):
+        hf_tokenizer_files(build_tokenizer(spec), 64)

@@ -12,8 +12,8 @@ megazero's tokenizer does:
                  file is a protobuf; the few fields needed are read from its wire format,
                  so protobuf itself is not needed.
 
-What cannot be expressed that way (SentencePiece's word/char models, whitespace as a
-suffix) raises DataError naming the setting.
+What cannot be expressed exactly that way (SentencePiece's word/char models, whitespace as
+a suffix, user-defined pieces) raises DataError naming the setting.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from megazero.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer, SentencePieceTo
 
 SPACE = "\u2581"  # SentencePiece's visible space
 SPM_UNIGRAM, SPM_BPE = 1, 2
+SPM_USER_DEFINED = 4  # a piece type: matched in the text as a whole, before the model runs
 
 
 def hf_tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, str]:
@@ -50,7 +51,7 @@ def _gpt2bpe_pipeline(tok: GPT2BPETokenizer) -> Any:
     from tokenizers import Tokenizer as Pipeline
     from tokenizers import processors
 
-    pipeline = Pipeline.from_str(tok._tok.to_str())  # a copy: megazero's own keeps EOD as plain text
+    pipeline = Pipeline.from_str(tok.pipeline_json())  # a copy: megazero's own keeps EOD as plain text
     pipeline.post_processor = processors.ByteLevel(trim_offsets=False)
     _special(pipeline, [EOD_TOKEN])
     return pipeline
@@ -95,27 +96,35 @@ def _field(fields: dict[int, list[Any]], number: int, default: Any) -> Any:
     return fields[number][-1] if number in fields else default
 
 
-def _spm_specs(tok: SentencePieceTokenizer) -> tuple[dict, dict]:
-    """(trainer_spec, normalizer_spec) field maps of the model (ModelProto fields 2 and 3)."""
-    model = _proto_fields(tok._sp.serialized_model_proto())
-    return _proto_fields(_field(model, 2, b"")), _proto_fields(_field(model, 3, b""))
+def _spm_specs(model_file: str) -> tuple[dict, dict, list[str]]:
+    """(trainer_spec, normalizer_spec) field maps of a .model file (ModelProto fields 2 and
+    3) and its user-defined pieces (fields 1: SentencePiece messages, piece 1, type 3)."""
+    with open(model_file, "rb") as f:
+        model = _proto_fields(f.read())
+    pieces = [_proto_fields(p) for p in model.get(1, [])]
+    user_defined = [_field(p, 1, b"").decode() for p in pieces if _field(p, 3, 1) == SPM_USER_DEFINED]
+    return _proto_fields(_field(model, 2, b"")), _proto_fields(_field(model, 3, b"")), user_defined
 
 
 def _sentencepiece_pipeline(tok: SentencePieceTokenizer) -> tuple[Any, dict[str, str]]:
+    import sentencepiece as spm
     from tokenizers import Tokenizer as Pipeline
     from tokenizers import decoders
 
-    trainer, normalizer = _spm_specs(tok)
+    trainer, normalizer, user_defined = _spm_specs(tok.files[0])
     model_type, byte_fallback = _field(trainer, 3, SPM_UNIGRAM), bool(_field(trainer, 35, 0))
     if _field(trainer, 24, 0):
         raise DataError(f"tokenizer {tok.spec!r}: treat_whitespace_as_suffix has no tokenizer.json equivalent")
-    sp = tok._sp
+    if user_defined:  # transformers would match them before normalizing, SentencePiece after
+        raise DataError(f"tokenizer {tok.spec!r}: user-defined pieces ({', '.join(user_defined[:3])}) have no "
+                        f"exact tokenizer.json equivalent")
+    sp = spm.SentencePieceProcessor(model_file=tok.files[0])
     pieces = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
     if model_type == SPM_UNIGRAM:
         from tokenizers.models import Unigram
         model = Unigram(pieces, unk_id=sp.unk_id(), byte_fallback=byte_fallback)
     elif model_type == SPM_BPE:
-        model = _spm_bpe_model(tok, pieces, byte_fallback)
+        model = _spm_bpe_model(sp, pieces, byte_fallback)
     else:
         raise DataError(f"tokenizer {tok.spec!r}: SentencePiece model type {model_type} (word/char) "
                         "has no tokenizer.json equivalent; train it with --model-type bpe or unigram")
@@ -151,13 +160,12 @@ def _spm_normalizer(spec: dict[int, list[Any]], add_dummy_prefix: bool) -> Any:
     return normalizers.Sequence(steps)
 
 
-def _spm_bpe_model(tok: SentencePieceTokenizer, pieces: list[tuple[str, float]], byte_fallback: bool) -> Any:
+def _spm_bpe_model(sp: Any, pieces: list[tuple[str, float]], byte_fallback: bool) -> Any:
     """SentencePiece BPE merges the adjacent pair whose merged piece scores highest; as a
     ranked merge list that is every split of every normal piece into two pieces, ordered by
     the merged piece's score (ties: the left part's id, then the right part's)."""
     from tokenizers.models import BPE
 
-    sp = tok._sp
     vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
     merges = []
     for i, (piece, score) in enumerate(pieces):

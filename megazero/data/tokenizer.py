@@ -97,6 +97,10 @@ class GPT2BPETokenizer:
     def identity(self) -> dict[str, Any]:
         return _identity(self)
 
+    def pipeline_json(self) -> str:
+        """The `tokenizers` pipeline in tokenizer.json form (data/hf_tokenizer.py builds on it)."""
+        return self._tok.to_str()
+
 
 class SentencePieceTokenizer:
     """A SentencePiece model; the end-of-document id is the model's </s> (eos) piece."""
