@@ -31,9 +31,9 @@ from megazero.parallel.comm import Group, gather_from_tp
 
 def build_model(ckpt: Checkpoint, tp: Group, device: torch.device | str = "cpu") -> GPT:
     """The checkpoint's model as a plain (pp = 1) GPT-2 split over `tp` on `device`, each
-    rank keeping its shard of every tensor. The model is built on the meta device and split over TP there, then only the
-    shards are allocated on the device and filled one at a time, so the full model never
-    sits in host or device memory."""
+    rank keeping its shard of every tensor. The model is built on the meta device and split
+    over TP there, then only the shards are allocated on the device and filled one at a
+    time, so the full model never sits in host or device memory."""
     from megazero.checkpoint.export import fit_vocab
     from megazero.train.parallelize import apply_tensor_parallel
     from megazero.zero.materialize import replace_meta_parameters

@@ -83,7 +83,8 @@ def test_exported_tokenizer_encodes_like_megazero_in_transformers(tmp_path, name
     export = tmp_path / "export"
     write_hf_tokenizer(ours, str(export), 1 << 16)
     theirs = transformers.AutoTokenizer.from_pretrained(str(export))
-    probe = make_texts(20, seed=9) + SAMPLES + ["  leading and   trailing  ", "unseen: zqxj 😀 ☃ ＡＢＣ ①", "x" * 40]
+    probe = make_texts(20, seed=9) + SAMPLES + ["  leading and   trailing  ", "unseen: zqxj 😀 ☃ ＡＢＣ ①",
+                                                "x" * 40]
     for text in probe:
         ids = ours.encode(text)
         assert theirs.encode(text) == ids, text

@@ -57,7 +57,8 @@ def test_convert_reads_every_kind(kinds, kind, tmp_path, capsys):
     assert exported.identity() == build_tokenizer(open_checkpoint(kinds["save"]).tokenizer).identity()
 
     convert_main(["--load", source, "--to", "hf", "--output", str(out / "hf")])
-    _same_tensors(load_file(str(out / "hf" / "model.safetensors")), load_file(os.path.join(kinds["hf"], "model.safetensors")))
+    _same_tensors(load_file(str(out / "hf" / "model.safetensors")),
+                  load_file(os.path.join(kinds["hf"], "model.safetensors")))
     assert {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"} <= set(os.listdir(out / "hf"))
 
     universal = str(out / "uni")
