@@ -85,7 +85,9 @@ def test_gathered_16bit_save_at_zero3_with_pipeline(tmp_path):
     assert all(t.abs().sum() > 0 for n, t in gathered.items() if n.endswith("weight"))  # no empty placeholders
     from megazero.checkpoint.load import open_checkpoint
     from megazero.generate import build_model
-    build_model(open_checkpoint(os.path.join(save, "iter_0000002", "model_16bit.safetensors")), SOLO)
+    ckpt = open_checkpoint(os.path.join(save, "iter_0000002", "model_16bit.safetensors"))
+    assert ckpt.iteration == 2  # read from the metadata.json beside it
+    build_model(ckpt, SOLO)
 
 
 def _losses(tmp_path, name: str, nproc: int, extra: list[str]) -> list[float]:

@@ -109,3 +109,12 @@ def test_not_a_checkpoint_has_one_wording(tmp_path, capsys, tool):
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1, err
         assert err.startswith(f"error: '{path}' is not a checkpoint (") and err.strip().endswith(ACCEPTED)
+
+
+def test_iteration_picks_a_checkpoint_of_a_save_directory(kinds):
+    from megazero.checkpoint.sharded import CheckpointError
+    assert open_checkpoint(kinds["save"], 3).ckpt == kinds["iter"]
+    with pytest.raises(CheckpointError, match=r"has no iter_0000005 \(complete checkpoints: iter_0000003\)"):
+        open_checkpoint(kinds["save"], 5)
+    with pytest.raises(CheckpointError, match="holds none; pass the checkpoint itself without --iteration"):
+        open_checkpoint(kinds["universal"], 3)

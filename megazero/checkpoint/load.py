@@ -195,7 +195,12 @@ def _model_16bit(path: str) -> Checkpoint:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
-    return Checkpoint(path, "16-bit model", m, None, None, plain_shapes(m), stream)
+    tokenizer, iteration = None, None
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), "metadata.json")
+    if os.path.isfile(beside):  # written into an iter_ directory: its metadata names the rest
+        meta = sharded.read_metadata(os.path.dirname(beside))
+        tokenizer, iteration = meta["config"]["data"].get("tokenizer"), meta["iteration"]
+    return Checkpoint(path, "16-bit model", m, tokenizer, iteration, plain_shapes(m), stream)
 
 
 def _hf(path: str) -> Checkpoint:
