@@ -42,7 +42,6 @@ if [[ ! -f $DATA_PREFIX.idx ]]; then
   python data_tools/preprocess_data.py --tokenizer "$TOKENIZER" --json-keys text --append-eod --workers 2 \
     --output-prefix "${DATA_PREFIX%_text_document}" ${INPUT:+--input "$INPUT"}
 fi
-model_vocab=$(python -c "from megazero.data.tokenizer import build_tokenizer; print(build_tokenizer('$TOKENIZER').vocab_size)")
 
 # 3. Train (resumes when $RUN_DIR/checkpoints holds a checkpoint).
 echo "== training: $NPROC processes, tp $TP x pp $PP x dp $((NPROC / (TP * PP))), ZeRO-$ZERO_STAGE; outputs in $RUN_DIR"
@@ -50,7 +49,7 @@ torchrun --nproc_per_node "$NPROC" --nnodes "${NNODES:-1}" --node_rank "${NODE_R
   --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \
   -m megazero.train --config "$CONFIG" \
   --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE" \
-  --data.mock false --data.prefix "$DATA_PREFIX" --data.tokenizer "$TOKENIZER" --model.vocab_size "$model_vocab" \
+  --data.mock false --data.prefix "$DATA_PREFIX" --data.tokenizer "$TOKENIZER" --model.vocab_size auto \
   --checkpoint.save "$RUN_DIR/checkpoints" --checkpoint.load "$RUN_DIR/checkpoints" \
   --logging.jsonl "$RUN_DIR/metrics.jsonl" ${ITERS:+--train.iters "$ITERS"} "$@"
 

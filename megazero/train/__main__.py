@@ -1,4 +1,7 @@
-"""`python -m megazero.train --config FILE [--section.key value ...]` (under torchrun for N processes)."""
+"""`python -m megazero.train --config FILE [--section.key value ...]` (under torchrun for N processes).
+
+Precedence: defaults < the YAML --config < a DeepSpeed config (--deepspeed-config FILE, or a
+.json --config) < command-line overrides."""
 
 from __future__ import annotations
 
@@ -8,19 +11,26 @@ import os
 import sys
 from typing import Optional
 
-from megazero.config import ConfigError, build_config, load_yaml, validate
+from megazero.config import Config, ConfigError, build_config, load_yaml, reference, validate
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="megazero-train", description=__doc__,
-                                     epilog="Any config key can be overridden: --model.num_layers 4 --zero.stage=2")
-    parser.add_argument("--config", help="YAML config file (configs/gpt2-tiny.yaml, ...)")
+    parser = argparse.ArgumentParser(
+        prog="megazero-train", description=__doc__, allow_abbrev=False, formatter_class=argparse.RawTextHelpFormatter,
+        epilog="config keys: override any as --section.key value or --section.key=value;\n"
+               "a list key takes every value up to the next --flag (--data.prefix 0.3 A 0.7 B)\n" + reference())
+    parser.add_argument("--config", help="YAML config file (configs/gpt2-tiny.yaml, ...); a .json file is read as "
+                                         "a DeepSpeed config")
+    parser.add_argument("--deepspeed-config", "--deepspeed_config", metavar="FILE",
+                        help="DeepSpeed JSON config (ds_config.json) to import on top of --config")
+    parser.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
     args, overrides = parser.parse_known_args(argv)
+    if args.help_config:
+        print(reference())
+        return
     rank = int(os.environ.get("RANK", "0"))
     try:
-        cfg = build_config(load_yaml(args.config) if args.config else {}, overrides)
-        # Validate before any process group exists: a bad layout fails fast on every rank.
-        validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        cfg = load_config(args.config, args.deepspeed_config, overrides, rank)
         if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
             raise ConfigError("logging.wandb is true but wandb is not installed; "
                               "pip install -e '.[wandb]' or pass --logging.wandb false")
@@ -53,6 +63,27 @@ def main(argv: Optional[list[str]] = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[str], rank: int = 0) -> Config:
+    """The validated run config from the files and overrides; validation runs before any
+    process group exists, so a bad value fails fast, once, on rank 0's stderr."""
+    if path and path.endswith(".json"):
+        if deepspeed:
+            raise ConfigError(f"two DeepSpeed configs: --config {path} and --deepspeed-config {deepspeed}; pass one")
+        path, deepspeed = None, path
+    file_data = load_yaml(path) if path else {}
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = build_config(file_data, overrides)
+    if deepspeed:
+        from megazero.deepspeed_config import load_deepspeed_config
+        imported = load_deepspeed_config(deepspeed, cfg, world_size)
+        merged = {s: {**file_data.get(s, {}), **imported.sections.get(s, {})} for s in {*file_data, *imported.sections}}
+        cfg = build_config(merged, overrides)
+        if rank == 0 and imported.warning(deepspeed):
+            print(imported.warning(deepspeed), file=sys.stderr, flush=True)
+    validate(cfg, world_size)
+    return cfg
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining
-from megazero.train.lr import learning_rate
+from megazero.train.lr import LRSchedule
 from megazero.train.parallelize import parallelize
 from megazero.train.metrics import (MetricsWriter, device_peak_flops, format_line, model_flops_per_token,
                                     peak_memory_gib)
@@ -48,6 +48,7 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_iters = 0
         self.skipped_in_a_row = 0
+        self.schedule = LRSchedule.from_config(cfg.optim, t.iters)
         # The rank that holds the loss and speaks for the run: last stage, first TP/DP rank.
         self.is_logger = grid.rank == grid.rank_of(0, 0, grid.pp - 1)
         self.metrics = MetricsWriter(cfg, self.is_logger)
@@ -82,7 +83,7 @@ class Trainer:
         return {"optimizer": self.optimizer.state_dict() if owns_optimizer else None,
                 "rng": sharded.encode_rng(get_rng_states(self.tracker)),
                 "iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                "skipped_iters": self.skipped_iters}
+                "skipped_iters": self.skipped_iters, "lr_schedule": self.schedule.state_dict()}
 
     def save_checkpoint(self) -> None:
         if not self.optimizer.all_finite():  # every rank agrees: none writes, all stop
@@ -122,6 +123,9 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
         self.skipped_iters = state["skipped_iters"]
+        # A checkpoint from before the schedule was saved advanced it on every iteration.
+        saved_schedule = state.get("lr_schedule") or {**self.schedule.state_dict(), "steps": self.iteration}
+        schedule_change = self.schedule.resume(saved_schedule, self.cfg.optim.override_schedule)
         if "rng" in state:
             set_rng_states(sharded.decode_rng(state["rng"]), self.tracker)
         else:  # RNG streams do not map across layouts: reseed them from (seed, iteration)
@@ -130,6 +134,8 @@ class Trainer:
         if self.grid.rank == 0:
             how = "" if "rng" in state else " (resharded to this layout)"
             print(f"resumed from {ckpt} at iteration {self.iteration}{how}", flush=True)
+            if schedule_change:
+                print(schedule_change, flush=True)
 
     def _read_resume_state(self, ckpt: str, universal: bool) -> dict:
         if not universal:
@@ -181,7 +187,7 @@ class Trainer:
         return float(local)
 
     def train_step(self) -> dict:
-        lr = learning_rate(self.iteration, self.cfg.optim, self.cfg.train.iters)
+        lr = self.schedule.current()
         for c in self.chunks:
             c.train()
         self.optimizer.zero_grad()
@@ -189,6 +195,8 @@ class Trainer:
         loss = self.run_schedule(batches, forward_only=False)
         self.optimizer.finish_grad_sync()
         result = self.optimizer.step(lr, loss)
+        if not result.skipped:  # a skipped step leaves the schedule where it was (Megatron)
+            self.schedule.step()
         self.iteration += 1
         self.consumed_samples += self.cfg.train.global_batch_size
         out = {"loss": self.global_loss(loss), "lr": lr, "grad_norm": result.grad_norm,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from megazero.config import ZERO_ALIGN as ALIGN  # elements: 256 B in fp32; validated against at start-up
@@ -172,3 +173,30 @@ def sub_groups(ranges: list[Range], max_numel: int) -> list[list[Range]]:
         groups[-1].append(r)
         size += r.length
     return [g for g in groups if g]
+
+
+class FlatBuffers:
+    """Per-element storage (gradients, parameters) in the layout's flat space: either every
+    bucket whole (`full`, one tensor per bucket) or only this rank's shard (`shard`)."""
+
+    def __init__(self, layout: Layout, *, sharded: bool, dtype: torch.dtype, device: torch.device) -> None:
+        self.layout, self.sharded = layout, sharded
+        self.shard = torch.zeros(layout.shard_numel if sharded else 0, dtype=dtype, device=device)
+        self.full: list[torch.Tensor] = [] if sharded else [torch.zeros(b.numel, dtype=dtype, device=device)
+                                                            for b in layout.buckets]
+
+    def view(self, r: Range) -> torch.Tensor:
+        """The elements of one range of this rank's shard."""
+        if self.sharded:
+            return self.shard[r.shard_offset: r.shard_offset + r.length]
+        return self.full[r.bucket][r.start: r.start + r.length]
+
+    def own_slice(self, b: Bucket) -> torch.Tensor:
+        """This rank's slice of bucket b."""
+        if self.sharded:
+            return self.shard[b.shard_offset: b.shard_offset + b.shard_numel]
+        lo, hi = b.slice_of(self.layout.rank)
+        return self.full[b.index][lo:hi]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.shard] if self.sharded else self.full
