@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
 from megazero.config import ModelConfig
+
+if TYPE_CHECKING:
+    from megazero.data.tokenizer import Tokenizer
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 TIED_HEAD = "lm_head.weight"
@@ -106,3 +109,19 @@ def read_hf(hf_dir: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]
                 yield name, f.get_tensor(key)
 
     return m, tensors()
+
+
+def write_hf_tokenizer(tokenizer: "Tokenizer", output_dir: str, model_max_length: int) -> None:
+    """A megazero tokenizer, into an HF directory: megazero's own files (so megazero
+    reads the directory back with the same tokenizer) and tokenizer.json +
+    tokenizer_config.json (so `AutoTokenizer.from_pretrained` encodes the same ids)."""
+    from megazero.atomic import write_bytes, write_text
+    from megazero.data.hf_tokenizer import hf_tokenizer_files
+    from megazero.data.tokenizer import SPM_MODEL_NAME
+
+    names = ("vocab.json", "merges.txt") if tokenizer.kind == "gpt2bpe" else (SPM_MODEL_NAME,)
+    for source, name in zip(tokenizer.files, names):
+        with open(source, "rb") as f:
+            write_bytes(os.path.join(output_dir, name), f.read())
+    for name, text in hf_tokenizer_files(tokenizer, model_max_length).items():
+        write_text(os.path.join(output_dir, name), text)
