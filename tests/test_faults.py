@@ -158,8 +158,9 @@ def _resume_errors(root: str) -> dict:
 
 
 def test_damaged_files_are_refused_on_every_load_path(tmp_path, capsys):
+    from megazero.checkpoint.load import open_checkpoint
     from megazero.convert import main as convert_main
-    from megazero.generate import build_model, load_weights
+    from megazero.generate import build_model
     from megazero.parallel.comm import Group
 
     root = str(tmp_path)
@@ -174,15 +175,14 @@ def test_damaged_files_are_refused_on_every_load_path(tmp_path, capsys):
         assert exit_info.value.code == 2 and not os.path.exists(os.path.join(root, f"{how}.pt"))
         errors["convert", how] = capsys.readouterr().err.strip().removeprefix("error: ")
         with pytest.raises(sharded.CheckpointError) as e:
-            m, _, tensors = load_weights(ckpt)
-            build_model(m, tensors, Group("solo", None, [0], 0))
+            build_model(open_checkpoint(ckpt), Group("solo", None, [0], 0))
         errors["generate", how] = str(e.value)
         # A torch export records its digest beside it; generate checks it.
         export = os.path.join(root, f"good_{how}.pt")
         convert_main(["--load", ckpt, "--iteration", "1", "--to", "torch", "--output", export])
         _damage(export, how)
         with pytest.raises(sharded.CheckpointError) as e:
-            load_weights(export)
+            open_checkpoint(export)
         errors["torch_export", how] = str(e.value)
     what = {"flip": "fails its sha256 check", "truncate": "is truncated or overwritten"}
     for (path, how), message in errors.items():

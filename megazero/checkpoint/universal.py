@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -26,6 +26,9 @@ from megazero.checkpoint import digest, sharded
 from megazero.checkpoint.export import KINDS, ShardedReader, fit_vocab, save_safetensors_streaming
 from megazero.config import ModelConfig, build_config
 from megazero.model.layers import shard_of
+
+if TYPE_CHECKING:
+    from megazero.checkpoint.load import Checkpoint
 
 UNIVERSAL_VERSION = 2  # 2: universal.json records the files' sha256
 
@@ -118,8 +121,10 @@ def reshard_optimizer_state(reader: FullTensorReader, template: dict, tp_rank: i
     return {**template, **flats, "step": state["step"], "loss_scaler": state["loss_scaler"]}
 
 
-def write_universal(reader: ShardedReader, output: str) -> None:
-    """Convert a sharded checkpoint into the universal format (streamed, tensor by tensor)."""
+def write_universal(reader: "Checkpoint", output: str) -> None:
+    """Convert a checkpoint with optimizer state (load.Checkpoint) into the universal format
+    (streamed, tensor by tensor)."""
+    state = reader.trainer_state()  # first: a weights-only source fails before anything is written
     m = reader.model_config
     os.makedirs(output, exist_ok=True)
     shapes = {}
@@ -134,7 +139,6 @@ def write_universal(reader: ShardedReader, output: str) -> None:
         save_safetensors_streaming(path, shapes, torch.float32,
                                    ((n, fit_vocab(n, t, shapes[n])) for n, t in reader.tensors(kind)))
         files[os.path.basename(path)] = digest.file_entry(path)  # written by offset: hashed once complete
-    state = reader.trainer_state()
     meta = {"format_version": UNIVERSAL_VERSION, **state, "config": reader.meta["config"],
             "source": os.path.abspath(reader.ckpt), "files": files}
     write_text(os.path.join(output, "universal.json"), json.dumps(meta, indent=1))
