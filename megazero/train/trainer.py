@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import time
 from typing import Optional
 
@@ -26,6 +25,7 @@ from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining
+from megazero.train.lifecycle import StopRequest
 from megazero.train.lr import learning_rate
 from megazero.train.parallelize import parallelize
 from megazero.train.metrics import (MetricsWriter, device_peak_flops, format_line, model_flops_per_token,
@@ -58,21 +58,18 @@ class Trainer:
                   f"({grid.backend}); {self.num_microbatches} micro-batches/iter\n--- config ---\n"
                   f"{describe(cfg)}--------------", flush=True)
             save_resolved_config(cfg)
-        self.stop_requested = False
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.stop = StopRequest(t.exit_duration_minutes)
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load, cfg.checkpoint.iteration)
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self.stop_requested = True  # acted on between iterations, by every rank together
-
-    def stop_agreed(self) -> bool:
-        """Did any rank get SIGTERM? All ranks must stop (and save) at the same iteration."""
-        flag = torch.tensor([int(self.stop_requested)], device=self.grid.device)
-        comm.all_reduce(flag, self.grid["world"], op=torch.distributed.ReduceOp.MAX)
-        return bool(flag)
+    def stop_agreed(self) -> int:
+        """Does any rank want to stop (a signal, train.exit_duration_minutes)? Every rank must stop
+        (and save) at the same iteration: the largest StopRequest code over all ranks, 0 for none."""
+        code = torch.tensor([self.stop.code()], device=self.grid.device)
+        comm.all_reduce(code, self.grid["world"], op=torch.distributed.ReduceOp.MAX)
+        return int(code)
 
     def rank_state(self) -> dict:
         """What this rank owns: its optimizer shard (master weights, moments, partition map,
@@ -225,7 +222,7 @@ class Trainer:
         return total / n if self.is_logger else None
 
     def run(self) -> list[dict]:
-        """Train until train.iters (or SIGTERM), logging, evaluating and saving on schedule."""
+        """Train until train.iters (or an agreed early stop), logging, evaluating and saving on schedule."""
         t, c = self.cfg.train, self.cfg.checkpoint
         tokens_per_iter = t.global_batch_size * self.cfg.model.seq_length
         records, step_seconds, steps = [], 0.0, 0  # throughput counts training steps only
@@ -241,7 +238,8 @@ class Trainer:
                 self.save_checkpoint()
             if stop:
                 if self.is_logger:
-                    print(f"SIGTERM: saved and stopped cleanly at iteration {self.iteration}", flush=True)
+                    print(f"{self.stop.reason(stop)}: {'saved and ' if c.save else ''}stopped cleanly at iteration "
+                          f"{self.iteration}", flush=True)
                 break
         self.metrics.close()
         return records
