@@ -24,12 +24,13 @@ import sys
 import threading
 import time
 import traceback
-from typing import Optional
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Optional
 
 from megazero.config import Config
 from megazero.errors import UserError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 # Megatron's --exit-duration-in-mins counts from the start of the process, not of training.
 PROCESS_START = time.monotonic()
@@ -62,6 +63,8 @@ def attempt_store(timeout_s: float) -> Optional[dist.Store]:
     gloo addresses ("Gloo connectFullMesh failed ... Connection refused"). None on a first start."""
     if not restart_count():
         return None
+    import torch.distributed as dist  # here, not at the top: --validate-only needs no torch
+
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
                           is_master=not agent_hosts_store and os.environ.get("RANK") == "0",
