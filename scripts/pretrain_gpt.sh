@@ -6,12 +6,19 @@
 # dataset, then trains a small GPT-2 on CPU with tp 2 x pp 2 x dp 2 and ZeRO-1, evaluating
 # and checkpointing as it goes. Running it again resumes from the last checkpoint.
 #
+# The config is checked for the world size before anything is prepared or launched. When a
+# worker dies, torchrun restarts every worker (up to RESTARTS times) and they resume from the
+# latest complete checkpoint; NNODES may be a range MIN:MAX (elastic: the job goes on, or is
+# restarted, at any node count in the range; the checkpoint is resharded to the new layout).
+#
 # Environment (defaults in brackets):
 #   CONFIG [configs/gpt2-cpu-demo.yaml]   NPROC [8]  TP [2]  PP [2]  ZERO_STAGE [1]
 #   ITERS [from the config]   RUN_DIR [runs/gpt2-cpu-demo]   DATA_DIR [data]
 #   DATA_PREFIX [$DATA_DIR/corpus_text_document, built if absent]   TOKENIZER [gpt2bpe:$DATA_DIR/tokenizer]
 #   VOCAB_SIZE [8192, for a tokenizer trained here]   INPUT [the embedded corpus]
-#   NNODES [1]  NODE_RANK [0]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29500]  (passed to torchrun)
+#   PREPARE_ONLY [unset; 1: build the tokenizer and dataset, then stop (Slurm does this once)]
+#   NNODES [1, or MIN:MAX]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29500]  RDZV_ID [megazero]
+#   RESTARTS [3]  (passed to torchrun: c10d rendezvous at MASTER_ADDR:MASTER_PORT, --max-restarts)
 # Arguments are passed on to megazero.train as overrides, e.g. --train.precision bf16.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +33,17 @@ DATA_DIR=${DATA_DIR:-data}
 VOCAB_SIZE=${VOCAB_SIZE:-8192}
 TOKENIZER=${TOKENIZER:-gpt2bpe:$DATA_DIR/tokenizer}
 DATA_PREFIX=${DATA_PREFIX:-$DATA_DIR/corpus_text_document}
+NNODES=${NNODES:-1}
+RESTARTS=${RESTARTS:-3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE"
+  --data.mock false --data.prefix "$DATA_PREFIX" --data.tokenizer "$TOKENIZER"
+  --checkpoint.save "$RUN_DIR/checkpoints" --checkpoint.load "$RUN_DIR/checkpoints"
+  --logging.jsonl "$RUN_DIR/metrics.jsonl" ${ITERS:+--train.iters "$ITERS"})
+
+# 0. Check the config for the largest world size before preparing data or starting any process.
+python -m megazero.train --validate-only --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" \
+  --model.vocab_size "$VOCAB_SIZE" "$@"
 
 # 1. Tokenizer: train one on the corpus when none is there (nothing can be downloaded).
 tok_dir=${TOKENIZER#gpt2bpe:}
@@ -43,16 +60,16 @@ if [[ ! -f $DATA_PREFIX.idx ]]; then
     --output-prefix "${DATA_PREFIX%_text_document}" ${INPUT:+--input "$INPUT"}
 fi
 model_vocab=$(python -c "from megazero.data.tokenizer import build_tokenizer; print(build_tokenizer('$TOKENIZER').vocab_size)")
+if [[ -n ${PREPARE_ONLY:-} ]]; then
+  echo "== prepared: tokenizer $TOKENIZER (vocab $model_vocab), dataset $DATA_PREFIX"
+  exit 0
+fi
 
 # 3. Train (resumes when $RUN_DIR/checkpoints holds a checkpoint).
-echo "== training: $NPROC processes, tp $TP x pp $PP x dp $((NPROC / (TP * PP))), ZeRO-$ZERO_STAGE; outputs in $RUN_DIR"
-torchrun --nproc_per_node "$NPROC" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
-  --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \
-  -m megazero.train --config "$CONFIG" \
-  --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE" \
-  --data.mock false --data.prefix "$DATA_PREFIX" --data.tokenizer "$TOKENIZER" --model.vocab_size "$model_vocab" \
-  --checkpoint.save "$RUN_DIR/checkpoints" --checkpoint.load "$RUN_DIR/checkpoints" \
-  --logging.jsonl "$RUN_DIR/metrics.jsonl" ${ITERS:+--train.iters "$ITERS"} "$@"
+echo "== training: $NPROC processes per node, tp $TP x pp $PP, ZeRO-$ZERO_STAGE; outputs in $RUN_DIR"
+torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-restarts "$RESTARTS" \
+  --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-megazero}" \
+  -m megazero.train "${train_args[@]}" --model.vocab_size "$model_vocab" "$@"
 
 echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: $(cat "$RUN_DIR/checkpoints/latest"))"
 echo "   resolved config: $RUN_DIR/checkpoints/config.yaml; run again to resume, or raise ITERS"

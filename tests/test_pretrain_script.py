@@ -34,3 +34,13 @@ def test_main_job_trains_evaluates_saves_and_resumes(tmp_path):
     assert "resumed from" in proc.stdout
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["iteration"] for r in records][-1] == 10
+
+
+def test_bad_layout_is_refused_before_anything_is_prepared_or_launched(tmp_path):
+    env = {**os.environ, "DATA_DIR": str(tmp_path / "data"), "RUN_DIR": str(tmp_path / "run"), "NPROC": "3",
+           "TP": "3", "PP": "1"}
+    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == "error: model.num_heads (4) must be divisible by parallel.tp (3)\n"
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
