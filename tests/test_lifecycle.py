@@ -187,3 +187,28 @@ def test_startup_error_under_torchrun_is_printed_exactly_once(trial):
     proc = torchrun(3, [*BASE, "--parallel.tp", "3"], cwd=ROOT)
     assert proc.returncode != 0
     assert proc.stderr.count("error: model.num_heads (4) must be divisible by parallel.tp (3)") == 1, proc.stderr
+
+
+@pytest.mark.slow
+def test_lost_node_restarts_at_the_smaller_world_size(tmp_path):
+    """Two torchrun agents ("nodes", one worker each) under --nnodes 1:2; SIGKILL the second
+    agent: the first restarts alone, resumes the dp 2 checkpoint resharded to dp 1, finishes."""
+    save, jsonl, port = str(tmp_path / "ck"), str(tmp_path / "m.jsonl"), free_port()
+    args = ["--train.iters", "16", "--zero.stage", "1", "--checkpoint.interval", "4"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=1:2", "--max-restarts=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
+           "--rdzv-conf=join_timeout=60,last_call_timeout=8", "-m", "megazero.train", *BASE, *args,
+           "--checkpoint.save", save, "--logging.jsonl", jsonl]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    host = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # the first agent hosts the rendezvous store, so it must be the one that survives
+    other = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(lambda: _latest(save) == "iter_0000004", host)
+    other.kill()
+    other.wait()
+    out, err = host.communicate(timeout=300)
+    assert host.returncode == 0, err[-3000:]
+    assert "world 2 = tp 1 x pp 1 x dp 2" in out and "(resharded to this layout)" in out
+    final = read_jsonl(jsonl)[-1]
+    assert final["iteration"] == 16
+    assert abs(final["loss"] - _final_loss_uninterrupted(tmp_path, 1, args)) <= 1e-4
