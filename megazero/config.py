@@ -3,15 +3,22 @@
 Precedence is CLI > file > defaults. Every key is typed; unknown keys, wrong types and
 inconsistent values raise `ConfigError` with one line that names the key, the values and
 the fix. `validate(cfg, world_size)` runs before any process group is built.
+
+The docstring under each field is its documentation: `--help-config` and README's key table
+are generated from it (`reference()`, `markdown_table()`), so they cannot drift.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
+import os
+import textwrap
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import IO, Any, Callable, Literal, Optional, Union
 
 import yaml
 
@@ -32,8 +39,9 @@ class ModelConfig:
     """Attention heads; must divide hidden_size and be divisible by parallel.tp."""
     seq_length: int = 64
     """Tokens per sample (context length); also the number of learned positions."""
-    vocab_size: int = 512
-    """Real vocabulary size; padded internally to a multiple of 128 x tp (loss unchanged)."""
+    vocab_size: Union[int, Literal["auto"]] = "auto"
+    """Real vocabulary size, or auto: the size of data.tokenizer (512 for mock data without a tokenizer).
+    Padded internally to a multiple of 128 x tp (loss unchanged)."""
     dropout: float = 0.0
     """Dropout on embeddings, attention probabilities and residual branches."""
     ffn_hidden_size: int = 0
@@ -83,6 +91,17 @@ class ZeroConfig:
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Data-parallel gradient communication dtype. Gradients always accumulate in fp32 over
     micro-batches (Megatron's main_grad); bf16 halves the bytes reduced over DP."""
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    """Where the fp32 master weights and Adam moments live (stages 1-3): none (the device),
+    cpu (host memory, stepped on the CPU: ZeRO-Offload) or nvme (swap files under
+    zero.nvme_path, streamed one sub-group at a time: ZeRO-Infinity)."""
+    nvme_path: str = ""
+    """offload_optimizer nvme: an existing, writable directory on a fast local disk."""
+    pin_memory: bool = True
+    """Page-lock offloaded host buffers when a GPU is present (faster device<->host copies)."""
+    buffer_count: int = 4
+    """offload_optimizer nvme: sub-group buffers in host memory (>= 2: one is read while the
+    previous one is written back); the step holds buffer_count x sub_group_size x 12 bytes."""
 
 
 @dataclass
@@ -133,8 +152,14 @@ class OptimConfig:
     decay_iters: int = 0
     """Iterations over which LR decays to min_lr; 0 means train.iters."""
     beta1: float = 0.9
+    """AdamW first-moment decay."""
     beta2: float = 0.95
+    """AdamW second-moment decay."""
     eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    override_schedule: bool = False
+    """On resume, use this config's LR schedule (lr, min_lr, warmup_iters, decay_iters, decay_style)
+    instead of the checkpoint's (Megatron's --override-opt_param-scheduler)."""
 
 
 @dataclass
@@ -142,7 +167,8 @@ class DataConfig:
     mock: bool = False
     """Synthetic deterministic token stream (tests, benchmarks)."""
     prefix: Optional[list] = None
-    """Indexed-dataset prefixes, optionally weighted: [P1, P2] or [0.3, P1, 0.7, P2]."""
+    """Indexed-dataset prefixes, optionally weighted: [P1, P2] or [0.3, P1, 0.7, P2]; on the command line
+    --data.prefix 0.3 P1 0.7 P2."""
     split: str = "969,30,1"
     """Train/valid/test proportions."""
     tokenizer: Optional[str] = None
@@ -174,6 +200,11 @@ class LoggingConfig:
     wandb: bool = False
     """Log to Weights & Biases (offline when there is no network)."""
     wandb_project: str = "megazero"
+    """Weights & Biases project name."""
+    timers: bool = False
+    """Per-phase times (forward, backward, optimizer, waiting on communication) and bytes sent
+    per iteration over DP/TP/PP on the log line and in the JSONL (on GPUs each phase boundary
+    synchronizes the device, a small cost)."""
 
 
 @dataclass
@@ -200,11 +231,19 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check `value` against a field annotation (given as a string or a type)."""
     origin = typing.get_origin(annotation)
-    if origin is typing.Union:  # Optional[X]
-        if value is None:
+    if origin is typing.Union:  # Optional[X], or int | Literal["auto"]
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None and len(options) < len(typing.get_args(annotation)):
             return None
-        (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _coerce(key, value, inner)
+        if len(options) == 1:
+            return _coerce(key, value, options[0])
+        for option in options:
+            try:
+                return _coerce(key, value, option)
+            except ConfigError:
+                pass
+        kinds = " or ".join(_TYPE_WORDS.get(o) or type_name(o) for o in options)
+        raise ConfigError(f"{key} ({value!r}) must be {kinds}")
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value not in choices:
@@ -240,9 +279,35 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     raise TypeError(f"unsupported annotation {annotation} for {key}")
 
 
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+
+
+def type_name(annotation: Any) -> str:
+    """A field's type as --help-config shows it: int, float, bool, str, list, fp32|bf16, int|auto."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return "|".join(map(str, typing.get_args(annotation)))
+    if origin is typing.Union:
+        return "|".join(type_name(a) for a in typing.get_args(annotation) if a is not type(None))
+    return annotation.__name__
+
+
 def _section_fields(section: str) -> dict[str, Any]:
     """Field name -> resolved type annotation of one section."""
     return typing.get_type_hints(SECTIONS[section])
+
+
+def has_key(name: str) -> bool:
+    """Is `section.key` a config key (of this version: issues add keys as they land)?"""
+    section, _, key = name.partition(".")
+    return section in SECTIONS and key in _section_fields(section)
+
+
+def check_value(name: str, value: Any, label: str) -> Any:
+    """`value` typed for config key `name`; a ConfigError names it as `label` (e.g. the
+    DeepSpeed key it came from)."""
+    section, _, key = name.partition(".")
+    return _coerce(label, value, _section_fields(section)[key])
 
 
 def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
@@ -255,15 +320,21 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
 
 
 def load_yaml(path: str) -> dict:
+    return read_mapping(path, "config file", "YAML", yaml.safe_load,
+                        "pass --config configs/gpt2-tiny.yaml or another file")
+
+
+def read_mapping(path: str, what: str, syntax: str, parse: Callable[[IO], Any], hint: str) -> dict:
+    """The mapping a YAML/JSON file holds; a missing, unparsable or non-mapping file is a ConfigError."""
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = parse(f) or {}
     except FileNotFoundError:
-        raise ConfigError(f"config file '{path}' does not exist; pass --config configs/gpt2-tiny.yaml or another file")
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}")
+        raise ConfigError(f"{what} '{path}' does not exist; {hint}")
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: json.JSONDecodeError
+        raise ConfigError(f"{what} '{path}' is not valid {syntax}: {str(e).splitlines()[0]}")
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}' must hold a mapping of sections")
+        raise ConfigError(f"{what} '{path}' must hold a mapping of keys")
     return data
 
 
@@ -281,7 +352,10 @@ def build_config(file_data: Optional[dict] = None, overrides: Optional[list[str]
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
-    """Turn ['--a.b', '1', '--c.d=x'] into [('a', 'b', 1), ('c', 'd', 'x')] (values parsed as YAML)."""
+    """Turn ['--a.b', '1', '--c.d=x'] into [('a', 'b', 1), ('c', 'd', 'x')] (values parsed as YAML).
+
+    A list-typed key takes every value up to the next --flag, like Megatron's nargs='*'
+    flags: `--data.prefix 0.3 A 0.7 B` is [0.3, 'A', 0.7, 'B'] (a quoted YAML list works too)."""
     out, i = [], 0
     while i < len(args):
         arg = args[i]
@@ -289,27 +363,96 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
             raise ConfigError(f"unexpected argument '{arg}'; overrides look like --section.key value")
         if "=" in arg:
             name, raw = arg[2:].split("=", 1)
-            i += 1
+            raws, i = [raw], i + 1
         else:
-            if i + 1 >= len(args):
+            name, end = arg[2:], i + 1
+            while end < len(args) and not args[end].startswith("--"):
+                end += 1
+            if end == i + 1:
                 raise ConfigError(f"override '{arg}' has no value; write {arg} VALUE")
-            name, raw = arg[2:], args[i + 1]
-            i += 2
+            if not _is_list_key(name):
+                end = i + 2  # one value; a stray second one is reported as an unexpected argument
+            raws, i = args[i + 1:end], end
         section, key = name.split(".", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        out.append((section, key, value))
+        values = [_parse_value(raw) for raw in raws]
+        out.append((section, key, values[0] if len(values) == 1 else values))
     return out
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def _is_list_key(name: str) -> bool:
+    section, _, key = name.partition(".")
+    annotation = _section_fields(section).get(key) if section in SECTIONS else None
+    return annotation is list or list in typing.get_args(annotation)
+
+
+# ---------------------------------------------------------------------------- reference
+
+
+def field_docs(section: str) -> dict[str, str]:
+    """Field name -> the docstring written under it in the section's class body."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(SECTIONS[section])))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def show_value(value: Any) -> str:
+    """A default as it is written in YAML or on the command line."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def config_keys() -> list[tuple[str, str, str, str]]:
+    """(section.key, type, default, doc) for every config key, in declaration order."""
+    rows = []
+    for section, cls in SECTIONS.items():
+        docs, types, defaults = field_docs(section), _section_fields(section), cls()
+        for f in dataclasses.fields(cls):
+            rows.append((f"{section}.{f.name}", type_name(types[f.name]), show_value(getattr(defaults, f.name)),
+                         docs.get(f.name, "")))
+    return rows
+
+
+def reference() -> str:
+    """Every key with its type, default and docstring (`megazero-train --help-config`)."""
+    lines = []
+    for key, kind, default, doc in config_keys():
+        lines.append(f"  --{key} {default}  ({kind})")
+        lines.extend(textwrap.wrap(doc, 96, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    return "\n".join(lines)
+
+
+def markdown_table() -> str:
+    """README's config-key table (tests/test_config.py checks README against it)."""
+    lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for row in config_keys():
+        key, kind, default, doc = (cell.replace("|", "\\|") for cell in row)
+        lines.append(f"| `{key}` | {kind} | `{default}` | {doc} |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- validation
 
 
 def validate(cfg: Config, world_size: int) -> int:
-    """Check every value and their consistency; return the inferred data-parallel degree."""
+    """Check every value and their consistency; return the inferred data-parallel degree.
+    Resolves model.vocab_size auto (reading data.tokenizer) in place."""
     m, p, t, o, z = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.zero
+    if not cfg.data.mock and not cfg.data.prefix:
+        raise ConfigError("no training data: set data.prefix (indexed dataset prefixes) or data.mock true")
+    m.vocab_size = resolve_vocab_size(cfg)
     for key, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
                        ("model.num_heads", m.num_heads), ("model.seq_length", m.seq_length),
                        ("model.vocab_size", m.vocab_size), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
@@ -352,9 +495,40 @@ def validate(cfg: Config, world_size: int) -> int:
     if z.bucket_size < ZERO_ALIGN * dp:
         raise ConfigError(f"zero.bucket_size ({z.bucket_size}) must hold one aligned slice per DP rank: at least "
                           f"{ZERO_ALIGN} x dp ({ZERO_ALIGN} x {dp} = {ZERO_ALIGN * dp})")
-    if not cfg.data.mock and not cfg.data.prefix:
-        raise ConfigError("no training data: set data.prefix (indexed dataset prefixes) or data.mock true")
     return dp
+
+
+MOCK_VOCAB_SIZE = 512
+"""model.vocab_size auto for mock data without a tokenizer."""
+
+
+def resolve_vocab_size(cfg: Config) -> int:
+    """model.vocab_size as a number: auto becomes the tokenizer's size; an explicit size must
+    hold every token of the tokenizer. (Padding to 128 x tp happens in the model.)"""
+    m, d = cfg.model, cfg.data
+    tokens = _tokenizer_size(d.tokenizer) if d.tokenizer else None
+    if m.vocab_size == "auto":
+        if tokens is not None:
+            return tokens
+        if d.mock:
+            return MOCK_VOCAB_SIZE
+        raise ConfigError("model.vocab_size auto needs data.tokenizer to read the size from; set data.tokenizer "
+                          "(e.g. gpt2bpe:DIR) or a number, e.g. --model.vocab_size 50257")
+    if tokens is not None and m.vocab_size < tokens:
+        raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than data.tokenizer {d.tokenizer!r} "
+                          f"({tokens} tokens); set --model.vocab_size auto (or at least {tokens})")
+    return m.vocab_size
+
+
+def _tokenizer_size(spec: str) -> int:
+    # Imported here: only reading a tokenizer's size needs the data package, and validation
+    # must see it before any process group exists (a mismatch stops every rank at once).
+    from megazero.data import DataError
+    from megazero.data.tokenizer import build_tokenizer
+    try:
+        return build_tokenizer(spec).vocab_size
+    except DataError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
 
 
 ZERO_ALIGN = 64
@@ -379,12 +553,34 @@ def _validate_zero(cfg: Config) -> None:
     if z.initial_loss_scale != 2.0 ** round(math.log2(z.initial_loss_scale)):
         raise ConfigError(f"zero.initial_loss_scale ({z.initial_loss_scale:g}) must be a power of two, "
                           f"e.g. {2.0 ** round(math.log2(z.initial_loss_scale)):g}, so scaling is exact")
+    _validate_offload(z)
     defaults = ZeroConfig()
     changed = [k for k in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
                if getattr(z, k) != getattr(defaults, k)]
     if changed and precision != "fp16":
         raise ConfigError(f"zero.{changed[0]} configures the fp16 loss scaler, but train.precision is {precision}; "
                           f"drop it or use --train.precision fp16")
+
+
+def _validate_offload(z: ZeroConfig) -> None:
+    if z.offload_optimizer == "none":
+        return
+    if z.stage == 0:
+        raise ConfigError(f"zero.offload_optimizer {z.offload_optimizer} offloads the sharded optimizer state, "
+                          f"which needs zero.stage 1, 2 or 3 (got 0); set --zero.stage 1")
+    if z.offload_optimizer != "nvme":
+        return
+    if z.buffer_count < 2:
+        raise ConfigError(f"zero.buffer_count ({z.buffer_count}) must be at least 2 with offload_optimizer nvme "
+                          f"(one sub-group is read while the previous one is written back)")
+    if not z.nvme_path:
+        raise ConfigError("zero.offload_optimizer nvme needs zero.nvme_path: a directory on a local disk, "
+                          "e.g. --zero.nvme_path /local_nvme")
+    if not os.path.isdir(z.nvme_path):
+        raise ConfigError(f"zero.nvme_path {z.nvme_path} is not an existing directory; create it or point "
+                          f"--zero.nvme_path at one")
+    if not os.access(z.nvme_path, os.W_OK | os.X_OK):
+        raise ConfigError(f"zero.nvme_path {z.nvme_path} is not writable by this user; choose another directory")
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:

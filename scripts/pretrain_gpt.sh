@@ -37,16 +37,18 @@ NNODES=${NNODES:-1}
 RESTARTS=${RESTARTS:-3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE"
-  --data.mock false --data.prefix "$DATA_PREFIX" --data.tokenizer "$TOKENIZER"
+  --data.mock false --data.prefix "$DATA_PREFIX"
   --checkpoint.save "$RUN_DIR/checkpoints" --checkpoint.load "$RUN_DIR/checkpoints"
   --logging.jsonl "$RUN_DIR/metrics.jsonl" ${ITERS:+--train.iters "$ITERS"})
 
-# 0. Check the config for the largest world size before preparing data or starting any process.
-python -m megazero.train --validate-only --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" \
-  --model.vocab_size "$VOCAB_SIZE" "$@"
+# 0. Check the config for the largest world size before preparing data or starting any process
+#    (the vocabulary is the tokenizer's once it exists, else the size it is about to be trained with).
+tok_dir=${TOKENIZER#gpt2bpe:}
+if [[ $TOKENIZER == gpt2bpe:* && ! -f $tok_dir/vocab.json ]]; then vocab=(--model.vocab_size "$VOCAB_SIZE")
+else vocab=(--data.tokenizer "$TOKENIZER" --model.vocab_size auto); fi
+python -m megazero.train --validate-only --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" "${vocab[@]}" "$@"
 
 # 1. Tokenizer: train one on the corpus when none is there (nothing can be downloaded).
-tok_dir=${TOKENIZER#gpt2bpe:}
 if [[ $TOKENIZER == gpt2bpe:* && ! -f $tok_dir/vocab.json ]]; then
   echo "== training a byte-level BPE tokenizer (vocab $VOCAB_SIZE) into $tok_dir"
   python data_tools/train_tokenizer.py --type gpt2bpe --vocab-size "$VOCAB_SIZE" --output "$tok_dir" \
@@ -59,9 +61,8 @@ if [[ ! -f $DATA_PREFIX.idx ]]; then
   python data_tools/preprocess_data.py --tokenizer "$TOKENIZER" --json-keys text --append-eod --workers 2 \
     --output-prefix "${DATA_PREFIX%_text_document}" ${INPUT:+--input "$INPUT"}
 fi
-model_vocab=$(python -c "from megazero.data.tokenizer import build_tokenizer; print(build_tokenizer('$TOKENIZER').vocab_size)")
 if [[ -n ${PREPARE_ONLY:-} ]]; then
-  echo "== prepared: tokenizer $TOKENIZER (vocab $model_vocab), dataset $DATA_PREFIX"
+  echo "== prepared: tokenizer $TOKENIZER, dataset $DATA_PREFIX"
   exit 0
 fi
 
@@ -69,7 +70,7 @@ fi
 echo "== training: $NPROC processes per node, tp $TP x pp $PP, ZeRO-$ZERO_STAGE; outputs in $RUN_DIR"
 torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-restarts "$RESTARTS" \
   --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-megazero}" \
-  -m megazero.train "${train_args[@]}" --model.vocab_size "$model_vocab" "$@"
+  -m megazero.train "${train_args[@]}" --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@"
 
 echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: $(cat "$RUN_DIR/checkpoints/latest"))"
 echo "   resolved config: $RUN_DIR/checkpoints/config.yaml; run again to resume, or raise ITERS"

@@ -62,7 +62,9 @@ def test_resume_is_bitwise_identical(tmp_path, layout):
     proc, full = _train(tmp_path, nproc, "straight", extra + ["--train.iters", "6", "--checkpoint.save", straight])
     assert proc.returncode == 0, proc.stderr[-2000:]
     resumed = str(tmp_path / "resumed")
-    proc, first = _train(tmp_path, nproc, "first", extra + ["--train.iters", "3", "--checkpoint.save", resumed])
+    # Planned for 6 iterations, stopped at 3: a resume keeps the checkpoint's LR schedule.
+    proc, first = _train(tmp_path, nproc, "first", extra + ["--train.iters", "3", "--optim.decay_iters", "6",
+                                                            "--checkpoint.save", resumed])
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc, second = _train(tmp_path, nproc, "second", extra + ["--train.iters", "6", "--checkpoint.save", resumed,
                                                               "--checkpoint.load", resumed])

@@ -39,7 +39,7 @@ def _iteration_grads(tr) -> dict[str, torch.Tensor]:
     opt.zero_grad()
     tr.run_schedule(tr.microbatches(tr.train_ds, 0), forward_only=False)
     opt.finish_grad_sync()
-    return {s.name: opt._bucket_view(b, s).clone() for b, s in opt.layout.slots()}
+    return {s.name: opt.grads.bucket_view(b, s).clone() for b, s in opt.layout.slots()}
 
 
 def _bf16_accumulated_grads(tr) -> dict[str, torch.Tensor]:
@@ -102,7 +102,7 @@ def test_reduce_dtype_bf16_communicates_in_bf16():
 
 
 def _snapshot(opt) -> dict:
-    return {"params": opt.full_state_dict(), "exp_avg": opt.exp_avg.clone(), "exp_avg_sq": opt.exp_avg_sq.clone(),
+    return {"params": opt.full_state_dict(), "exp_avg": opt.state.exp_avg.clone(), "exp_avg_sq": opt.state.exp_avg_sq.clone(),
             "step": opt.step_count}
 
 
@@ -122,7 +122,7 @@ def _nan_gradient(stage: int, precision: str) -> dict:
     tr.run_schedule(tr.microbatches(tr.train_ds, 0), forward_only=False)
     opt.finish_grad_sync()
     if dist.get_rank() == 1:  # one rank alone sees the NaN
-        opt._grad_slice(opt.layout.buckets[-1])[0] = float("nan")
+        opt.grads.own_slice(opt.layout.buckets[-1])[0] = float("nan")
     result = opt.step(1e-3)
     return {"skipped": result.skipped, "unchanged": _same(before, _snapshot(opt))}
 

@@ -193,7 +193,7 @@ def _overflow(stage: int) -> dict:
     tr.run_schedule(tr.microbatches(tr.train_ds, 0), forward_only=False)
     opt.finish_grad_sync()
     if dist.get_rank() == 1:  # one rank alone sees the overflow
-        opt._grad_slice(opt.layout.buckets[0])[3] = float("inf")
+        opt.grads.own_slice(opt.layout.buckets[0])[3] = float("inf")
     result = opt.step(1e-3)
     after = opt.full_state_dict()
     unchanged = all(torch.equal(before[k], after[k]) for k in before)
@@ -392,7 +392,7 @@ def test_sharded_init_equals_the_whole_model_init_bitwise():
 def test_fused_adamw_used_on_gpus_matches_the_reference_update():
     """The GPU path (PyTorch's fused AdamW kernel, run here on the CPU) makes the same update as
     the foreach one, decayed and undecayed tensors alike, up to rounding."""
-    from megazero.zero.optimizer import _fused_adamw_, adamw_
+    from megazero.zero.adamw import _fused_adamw_, adamw_
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(300, generator=g) for _ in range(2)]
     states = [[torch.randn(300, generator=g), torch.randn(300, generator=g) * 0.1,

@@ -75,7 +75,8 @@ class ShardedReader:
                            weights_only=True, mmap=True)
         opt = rank0["optimizer"]
         return {"iteration": rank0["iteration"], "consumed_samples": rank0["consumed_samples"],
-                "skipped_iters": rank0["skipped_iters"], "step": int(opt["step"]), "loss_scaler": opt["loss_scaler"]}
+                "skipped_iters": rank0["skipped_iters"], "step": int(opt["step"]), "loss_scaler": opt["loss_scaler"],
+                "lr_schedule": rank0.get("lr_schedule")}
 
     def names(self) -> list[str]:
         """Parameter names of the non-parallel model, in its order (no tied head copy)."""

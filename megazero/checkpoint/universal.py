@@ -9,7 +9,7 @@ parameter beyond its own shards.
 The universal format (`python -m megazero.convert --to universal`) is parallelism-agnostic:
 
     DIR/universal.json                      format version, iteration, data position, optimizer step,
-                                            loss scaler, config
+                                            loss scaler, LR schedule, config
     DIR/{master,exp_avg,exp_avg_sq}.safetensors   full fp32 tensors by parameter name (no padding)
 """
 
@@ -60,7 +60,8 @@ class UniversalReader:
         return self.files[kind].get_tensor(name)
 
     def trainer_state(self) -> dict:
-        return {k: self.meta[k] for k in ("iteration", "consumed_samples", "skipped_iters", "step", "loss_scaler")}
+        state = {k: self.meta[k] for k in ("iteration", "consumed_samples", "skipped_iters", "step", "loss_scaler")}
+        return {**state, "lr_schedule": self.meta.get("lr_schedule")}
 
 
 def open_reader(path: str):

@@ -1,4 +1,7 @@
-"""`python -m megazero.train --config FILE [--section.key value ...]` (under torchrun for N processes)."""
+"""`python -m megazero.train --config FILE [--section.key value ...]` (under torchrun for N processes).
+
+Precedence: defaults < the YAML --config < a DeepSpeed config (--deepspeed-config FILE, or a
+.json --config) < command-line overrides."""
 
 from __future__ import annotations
 
@@ -8,22 +11,35 @@ import os
 import sys
 from typing import Optional
 
-from megazero.config import Config, ConfigError, build_config, load_yaml, validate
+from megazero.config import Config, ConfigError, build_config, load_yaml, reference, validate
 from megazero.errors import report_errors
 from megazero.train import lifecycle
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="megazero-train", description=__doc__,
-                                     epilog="Any config key can be overridden: --model.num_layers 4 --zero.stage=2")
-    parser.add_argument("--config", help="YAML config file (configs/gpt2-tiny.yaml, ...)")
+    parser = argparse.ArgumentParser(
+        prog="megazero-train", description=__doc__, allow_abbrev=False, formatter_class=argparse.RawTextHelpFormatter,
+        epilog="config keys: override any as --section.key value or --section.key=value;\n"
+               "a list key takes every value up to the next --flag (--data.prefix 0.3 A 0.7 B)\n" + reference())
+    parser.add_argument("--config", help="YAML config file (configs/gpt2-tiny.yaml, ...); a .json file is read as "
+                                         "a DeepSpeed config")
+    parser.add_argument("--deepspeed-config", "--deepspeed_config", metavar="FILE",
+                        help="DeepSpeed JSON config (ds_config.json) to import on top of --config")
+    parser.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
     parser.add_argument("--validate-only", action="store_true",
                         help="check the config for --world-size processes and exit (before launching any)")
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
                         help="processes the config is validated for (default: $WORLD_SIZE, else 1)")
     args, overrides = parser.parse_known_args(argv)
+    if args.help_config:
+        print(reference())
+        return
     with report_errors():
-        cfg = load_config(args.config, overrides, args.world_size)
+        cfg = load_config(args.config, args.deepspeed_config, overrides, int(os.environ.get("RANK", "0")),
+                          args.world_size)
+        if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("logging.wandb is true but wandb is not installed; "
+                              "pip install -e '.[wandb]' or pass --logging.wandb false")
     if args.validate_only:
         print(f"config OK for {args.world_size} process(es)")
         return
@@ -32,16 +48,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     if restarted and int(os.environ.get("RANK", "0")) == 0:
         print(restarted, flush=True)
     train(cfg)
-
-
-def load_config(path: Optional[str], overrides: list[str], world_size: int) -> Config:
-    """Build and validate the config before any process group exists: a bad layout fails fast on every rank."""
-    cfg = build_config(load_yaml(path) if path else {}, overrides)
-    validate(cfg, world_size)
-    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("logging.wandb is true but wandb is not installed; "
-                          "pip install -e '.[wandb]' or pass --logging.wandb false")
-    return cfg
 
 
 def train(cfg: Config) -> None:
@@ -71,6 +77,28 @@ def train(cfg: Config) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[str], rank: int = 0,
+                world_size: Optional[int] = None) -> Config:
+    """The validated run config from the files and overrides, for `world_size` processes (default
+    $WORLD_SIZE); validation runs before any process group exists, so a bad value fails fast."""
+    if path and path.endswith(".json"):
+        if deepspeed:
+            raise ConfigError(f"two DeepSpeed configs: --config {path} and --deepspeed-config {deepspeed}; pass one")
+        path, deepspeed = None, path
+    file_data = load_yaml(path) if path else {}
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = build_config(file_data, overrides)
+    if deepspeed:
+        from megazero.deepspeed_config import load_deepspeed_config
+        imported = load_deepspeed_config(deepspeed, cfg, world_size)
+        merged = {s: {**file_data.get(s, {}), **imported.sections.get(s, {})} for s in {*file_data, *imported.sections}}
+        cfg = build_config(merged, overrides)
+        if rank == 0 and imported.warning(deepspeed):
+            print(imported.warning(deepspeed), file=sys.stderr, flush=True)
+    validate(cfg, world_size)
+    return cfg
 
 
 if __name__ == "__main__":

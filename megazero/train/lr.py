@@ -1,23 +1,77 @@
-"""Learning-rate schedule: linear warmup, then cosine / linear / constant decay to min_lr."""
+"""Learning-rate schedule: linear warmup, then cosine / linear / constant decay to min_lr.
+
+As in Megatron's OptimizerParamScheduler, the schedule is part of the checkpoint and counts
+applied steps only: a step skipped for an fp16 overflow or a non-finite gradient does not
+advance it, and a resumed run keeps the checkpoint's schedule (a raised train.iters extends
+training at min_lr instead of re-deriving the curve) unless optim.override_schedule is true.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 from megazero.config import OptimConfig
 
+SHAPE = ("lr", "min_lr", "warmup_iters", "decay_iters", "decay_style")
+"""What defines the curve; a change of any of them on resume is reported."""
+
+
+@dataclass
+class LRSchedule:
+    lr: float
+    min_lr: float
+    warmup_iters: int
+    decay_iters: int
+    decay_style: str
+    steps: int = 0
+    """Applied optimizer steps so far (skipped steps excluded)."""
+
+    @classmethod
+    def from_config(cls, optim: OptimConfig, train_iters: int) -> "LRSchedule":
+        return cls(optim.lr, optim.min_lr, optim.warmup_iters, optim.decay_iters or train_iters, optim.decay_style)
+
+    def at(self, step: int) -> float:
+        """LR of 0-based step `step` (the step that produces applied step step + 1)."""
+        if self.warmup_iters and step < self.warmup_iters:
+            return self.lr * (step + 1) / self.warmup_iters
+        if self.decay_style == "constant":
+            return self.lr
+        span = max(1, self.decay_iters - self.warmup_iters)
+        progress = min(1.0, (step - self.warmup_iters) / span)
+        if self.decay_style == "linear":
+            coeff = 1.0 - progress
+        else:
+            coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr + coeff * (self.lr - self.min_lr)
+
+    def current(self) -> float:
+        return self.at(self.steps)
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def resume(self, saved: dict, override: bool) -> Optional[str]:
+        """Continue from a checkpoint's schedule: its step count always; its shape unless
+        `override`. Returns one line describing a shape change (None when nothing changed)."""
+        self.steps = int(saved["steps"])
+        changed = [k for k in SHAPE if saved[k] != getattr(self, k)]
+        if not changed:
+            return None
+        diff = ", ".join(f"{k} {saved[k]} -> {getattr(self, k)}" for k in changed)
+        if override:
+            return f"lr schedule: optim.override_schedule is true, using the config's ({diff})"
+        for k in changed:
+            setattr(self, k, saved[k])
+        return (f"lr schedule: keeping the checkpoint's; the config's change ({diff}) is ignored; "
+                f"pass --optim.override_schedule true to apply it")
+
 
 def learning_rate(it: int, optim: OptimConfig, total_iters: int) -> float:
-    """LR for iteration `it` (0-based: the step that produces iteration it + 1)."""
-    if optim.warmup_iters and it < optim.warmup_iters:
-        return optim.lr * (it + 1) / optim.warmup_iters
-    if optim.decay_style == "constant":
-        return optim.lr
-    decay_iters = optim.decay_iters or total_iters
-    span = max(1, decay_iters - optim.warmup_iters)
-    progress = min(1.0, (it - optim.warmup_iters) / span)
-    if optim.decay_style == "linear":
-        coeff = 1.0 - progress
-    else:
-        coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return optim.min_lr + coeff * (optim.lr - optim.min_lr)
+    """LR for iteration `it` (0-based) of a schedule built from the config, no step skipped."""
+    return LRSchedule.from_config(optim, total_iters).at(it)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from megazero.config import ZERO_ALIGN as ALIGN  # elements: 256 B in fp32; validated against at start-up
@@ -146,6 +147,15 @@ class Layout:
         return out
 
 
+def bucket_numel(numels: list[int], shards: int) -> int:
+    """Padded size of a bucket holding parameters of `numels` elements, in order: each starts
+    at a multiple of ALIGN, the bucket is a multiple of ALIGN x shards (the planner's Ψ too)."""
+    offset = 0
+    for n in numels:
+        offset = _round_up(offset + n, ALIGN)
+    return _round_up(max(offset, 1), ALIGN * shards)
+
+
 def build_layout(groups: list[tuple[int, list[tuple[str, nn.Parameter]]]], shards: int, rank: int) -> Layout:
     """One bucket per (chunk index, [(name, param), ...]) group, partitioned over `shards` ranks."""
     buckets, shard_offset = [], 0
@@ -154,7 +164,8 @@ def build_layout(groups: list[tuple[int, list[tuple[str, nn.Parameter]]]], shard
         for name, p in named:
             slots.append(Slot(name, p, offset, p.numel(), tuple(p.shape)))
             offset = _round_up(offset + p.numel(), ALIGN)
-        bucket = Bucket(index, chunk, slots, _round_up(max(offset, 1), ALIGN * shards), shards, shard_offset)
+        bucket = Bucket(index, chunk, slots, bucket_numel([p.numel() for _, p in named], shards), shards,
+                        shard_offset)
         shard_offset += bucket.shard_numel
         buckets.append(bucket)
     return Layout(buckets, shards, rank)
@@ -172,3 +183,30 @@ def sub_groups(ranges: list[Range], max_numel: int) -> list[list[Range]]:
         groups[-1].append(r)
         size += r.length
     return [g for g in groups if g]
+
+
+class FlatBuffers:
+    """Per-element storage (gradients, parameters) in the layout's flat space: either every
+    bucket whole (`full`, one tensor per bucket) or only this rank's shard (`shard`)."""
+
+    def __init__(self, layout: Layout, *, sharded: bool, dtype: torch.dtype, device: torch.device) -> None:
+        self.layout, self.sharded = layout, sharded
+        self.shard = torch.zeros(layout.shard_numel if sharded else 0, dtype=dtype, device=device)
+        self.full: list[torch.Tensor] = [] if sharded else [torch.zeros(b.numel, dtype=dtype, device=device)
+                                                            for b in layout.buckets]
+
+    def view(self, r: Range) -> torch.Tensor:
+        """The elements of one range of this rank's shard."""
+        if self.sharded:
+            return self.shard[r.shard_offset: r.shard_offset + r.length]
+        return self.full[r.bucket][r.start: r.start + r.length]
+
+    def own_slice(self, b: Bucket) -> torch.Tensor:
+        """This rank's slice of bucket b."""
+        if self.sharded:
+            return self.shard[b.shard_offset: b.shard_offset + b.shard_numel]
+        lo, hi = b.slice_of(self.layout.rank)
+        return self.full[b.index][lo:hi]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.shard] if self.sharded else self.full

@@ -1,0 +1,273 @@
+"""Import a DeepSpeed JSON config (ds_config.json) onto megazero's config sections.
+
+`megazero-train --config ds_config.json` (or `--deepspeed-config FILE` beside a YAML
+`--config`) reads it. Every DeepSpeed key is either mapped onto a megazero key (converting
+units where they differ), accepted because megazero always behaves that way (e.g.
+`overlap_comm: true`), or listed by name in one warning line as unsupported: nothing is
+dropped silently. A key whose megazero counterpart does not exist in this version (e.g.
+`zero.offload_optimizer` before offload lands) is reported, never invented. The value
+"auto" (Hugging Face's placeholder) leaves megazero's value in place. Contradictions
+(bf16 and fp16 both on, batch sizes that do not multiply out, another optimizer) are a
+`ConfigError`.
+
+README's "DeepSpeed config" table lists the mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megazero.config import Config, ConfigError, check_value, has_key, read_mapping, show_value
+
+# DeepSpeed key -> megazero key, value unchanged.
+SIMPLE = {
+    "train_batch_size": "train.global_batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_clipping": "optim.clip_grad",
+    "steps_per_print": "train.log_interval",
+    "wall_clock_breakdown": "logging.timers",
+    "communication_data_type": "zero.reduce_dtype",
+    "zero_optimization.stage": "zero.stage",
+    "zero_optimization.sub_group_size": "zero.sub_group_size",
+    "zero_optimization.reduce_bucket_size": "zero.bucket_size",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "checkpoint.save_model_16bit",
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "checkpoint.save_model_16bit",
+    "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
+    "zero_optimization.offload_optimizer.nvme_path": "zero.nvme_path",
+    "zero_optimization.offload_optimizer.pin_memory": "zero.pin_memory",
+    "zero_optimization.offload_optimizer.buffer_count": "zero.buffer_count",
+    "zero_optimization.offload_param.device": "zero.offload_param",
+    "zero_optimization.offload_param.nvme_path": "zero.nvme_path",
+    "zero_optimization.offload_param.pin_memory": "zero.pin_memory",
+    "zero_optimization.offload_param.buffer_count": "zero.buffer_count",
+    "fp16.loss_scale_window": "zero.loss_scale_window",
+    "fp16.hysteresis": "zero.hysteresis",
+    "fp16.min_loss_scale": "zero.min_loss_scale",
+    "optimizer.params.lr": "optim.lr",
+    "optimizer.params.eps": "optim.eps",
+    "optimizer.params.weight_decay": "optim.weight_decay",
+    "wandb.enabled": "logging.wandb",
+    "wandb.project": "logging.wandb_project",
+}
+
+# DeepSpeed key -> the value that describes what megazero always does (accepted silently).
+FIXED = {
+    "zero_optimization.overlap_comm": True,  # buckets are reduced as backward produces them
+    "zero_optimization.contiguous_gradients": True,  # gradients live in flat per-bucket buffers
+    "zero_optimization.reduce_scatter": True,  # stage 2/3 reduce-scatter
+    "zero_optimization.allgather_partitions": True,
+    "fp16.loss_scale": 0,  # 0: dynamic loss scaling
+    "fp16.consecutive_hysteresis": False,  # hysteresis refills only when the scale grows
+    "data_types.grad_accum_dtype": "fp32",  # Megatron's main_grad
+    "optimizer.params.adam_w_mode": True,
+    "optimizer.params.bias_correction": True,
+    "optimizer.params.amsgrad": False,
+    "optimizer.params.torch_adam": None,  # implementation choices: any value
+    "optimizer.params.fused": None,
+    "wall_clock_breakdown": False,
+    "zero_allow_untested_optimizer": None,
+}
+
+ADAM_TYPES = ("adam", "adamw", "fusedadam", "cpuadam")
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+# DeepSpeed's defaults for the scheduler parameters a config leaves out.
+SCHEDULER_DEFAULTS = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log",
+                      "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0001}
+
+
+@dataclass
+class DeepSpeedImport:
+    """megazero config sections ({section: {key: value}}, a config file's shape) and the
+    DeepSpeed keys with no equivalent, as 'key (value)'."""
+
+    sections: dict = field(default_factory=dict)
+    unsupported: list = field(default_factory=list)
+
+    def warning(self, path: str) -> Optional[str]:
+        if not self.unsupported:
+            return None
+        return (f"warning: {path}: {len(self.unsupported)} DeepSpeed key(s) have no megazero equivalent and are "
+                f"ignored: {', '.join(self.unsupported)}")
+
+
+def load_deepspeed_config(path: str, base: Config, world_size: int) -> DeepSpeedImport:
+    """Read a ds_config.json; `base` (the config without it) supplies the layout and model
+    that unit conversions need."""
+    data = read_mapping(path, "DeepSpeed config", "JSON", json.load, "pass the path of your ds_config.json")
+    return import_deepspeed(data, base, world_size)
+
+
+def import_deepspeed(ds: dict, base: Config, world_size: int) -> DeepSpeedImport:
+    out = _Importer(base, world_size)
+    precision = [k for k in ("bf16", "bfloat16", "fp16") if _enabled(ds.get(k))]
+    if len(precision) > 1:
+        raise ConfigError(f"DeepSpeed config enables both {precision[0]} and {precision[1]}; enable one")
+    sections = {"optimizer": out.optimizer, "scheduler": out.scheduler, "zero_optimization": out.zero_optimization,
+                "bf16": out.precision, "bfloat16": out.precision, "fp16": out.precision}
+    for key, value in sorted(ds.items(), key=lambda item: item[0] == "scheduler"):  # it reads optim.lr
+        if key in sections and isinstance(value, dict):
+            sections[key](value, key)
+        elif key != "gradient_accumulation_steps":
+            out.walk(key, value)
+    out.batch(ds)
+    return out.result
+
+
+class _Importer:
+    def __init__(self, base: Config, world_size: int) -> None:
+        self.base, self.result = base, DeepSpeedImport()
+        self.dp = max(1, world_size // (base.parallel.tp * base.parallel.pp))
+
+    # -- generic keys
+
+    def walk(self, path: str, value: Any) -> None:
+        """Map `path` (a dotted DeepSpeed key) or report it; sections are walked key by key,
+        a disabled section ("enabled": false) is off in DeepSpeed too."""
+        if value == "auto":
+            return
+        if path in SIMPLE and has_key(SIMPLE[path]):
+            self.set(SIMPLE[path], value, path)
+        elif path in FIXED and FIXED[path] in (None, value):
+            return
+        elif isinstance(value, dict) and path not in SIMPLE:
+            if value.get("enabled", True) is False:
+                return
+            for key, inner in value.items():
+                self.walk(f"{path}.{key}", inner)
+        else:
+            self.unsupported(path, value)
+
+    def set(self, name: str, value: Any, source: str, replace: bool = False) -> None:
+        """Map `value` onto megazero key `name`; two DeepSpeed keys mapped onto one megazero key
+        must agree, unless `replace` (the later key wins in DeepSpeed too)."""
+        if value == "auto":
+            return
+        section, key = name.split(".")
+        value = check_value(name, _whole(value), f"DeepSpeed {source} (megazero {name})")
+        previous = self.result.sections.setdefault(section, {}).get(key, value)
+        if previous != value and not replace:
+            raise ConfigError(f"DeepSpeed {source} ({value!r}) disagrees with another key mapped onto {name} "
+                              f"({previous!r}); give both the same value")
+        self.result.sections[section][key] = value
+
+    def unsupported(self, path: str, value: Any) -> None:
+        shown = "{...}" if isinstance(value, dict) else show_value(value)
+        self.result.unsupported.append(f"{path} ({shown})")
+
+    # -- sections with conversions
+
+    def precision(self, section: dict, key: str) -> None:
+        if not _enabled(section):
+            return
+        self.set("train.precision", "fp16" if key == "fp16" else "bf16", f"{key}.enabled")
+        for name, value in section.items():
+            if name == "initial_scale_power" and value != "auto":
+                power = check_value("zero.hysteresis", _whole(value), f"DeepSpeed {key}.{name}")  # an integer
+                self.set("zero.initial_loss_scale", 2.0 ** power, f"{key}.{name}")
+            elif name != "enabled":
+                self.walk(f"{key}.{name}", value)
+
+    def zero_optimization(self, section: dict, _: str) -> None:
+        reduce_bucket = section.get("reduce_bucket_size")
+        for name, value in section.items():
+            path = f"zero_optimization.{name}"
+            if name in ("offload_optimizer", "offload_param") and isinstance(value, dict) \
+                    and value.get("device", "none") == "none":
+                continue  # no offload: its other keys do not apply
+            if name == "allgather_bucket_size" and value != "auto":
+                # megazero all-gathers the same buckets it reduces (one zero.bucket_size).
+                if reduce_bucket in (None, "auto", value):
+                    self.set("zero.bucket_size", value, path)
+                else:
+                    self.unsupported(path, value)
+            elif name == "stage3_prefetch_bucket_size" and value != "auto":
+                self.set("zero.prefetch", self._prefetch_modules(value), path)
+            else:
+                self.walk(path, value)
+
+    def _prefetch_modules(self, elements: int) -> int:
+        """DeepSpeed prefetches by elements, megazero by modules (transformer blocks)."""
+        m = self.base.model
+        block = 4 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * m.ffn_size
+        return math.ceil(int(elements) / block)
+
+    def optimizer(self, section: dict, _: str) -> None:
+        kind = str(section.get("type", "AdamW"))
+        if kind.lower() not in ADAM_TYPES:
+            raise ConfigError(f"DeepSpeed optimizer.type ({kind}) is not supported: megazero trains with AdamW; "
+                              f"use \"type\": \"AdamW\"")
+        for name, value in section.items():
+            if name == "params" and isinstance(value, dict):
+                for param, inner in value.items():
+                    if param == "betas" and inner != "auto":
+                        self.set("optim.beta1", inner[0], "optimizer.params.betas[0]")
+                        self.set("optim.beta2", inner[1], "optimizer.params.betas[1]")
+                    else:
+                        self.walk(f"optimizer.params.{param}", inner)
+            elif name != "type":
+                self.walk(f"optimizer.{name}", value)
+
+    def scheduler(self, section: dict, _: str) -> None:
+        kind = section.get("type")
+        if kind not in SCHEDULERS:
+            raise ConfigError(f"DeepSpeed scheduler.type ({kind}) is not supported; use one of "
+                              f"{', '.join(SCHEDULERS)} or leave the scheduler to optim.* keys")
+        params = {**SCHEDULER_DEFAULTS, **section.get("params", {})}
+        known = {"warmup_num_steps", "warmup_type", "total_num_steps", "last_batch_iteration"}
+        self.set("optim.warmup_iters", params["warmup_num_steps"], "scheduler.params.warmup_num_steps")
+        if params["warmup_type"] != "linear":
+            self.unsupported("scheduler.params.warmup_type", params["warmup_type"])  # megazero warms up linearly
+        if kind == "WarmupCosineLR":
+            known |= {"warmup_min_ratio", "cos_min_ratio"}
+            lr = self.result.sections.get("optim", {}).get("lr", self.base.optim.lr)
+            self.set("optim.min_lr", lr * params["cos_min_ratio"], "scheduler.params.cos_min_ratio")
+            if params["warmup_min_ratio"]:
+                self.unsupported("scheduler.params.warmup_min_ratio", params["warmup_min_ratio"])
+        else:
+            known |= {"warmup_min_lr", "warmup_max_lr"}
+            # DeepSpeed's scheduler sets the LR, whatever optimizer.params.lr says.
+            self.set("optim.lr", params["warmup_max_lr"], "scheduler.params.warmup_max_lr", replace=True)
+            self.set("optim.min_lr", params["warmup_min_lr"], "scheduler.params.warmup_min_lr")
+        style = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}[kind]
+        self.set("optim.decay_style", style, "scheduler.type")
+        if kind != "WarmupLR":
+            if "total_num_steps" not in params:
+                raise ConfigError(f"DeepSpeed scheduler {kind} needs params.total_num_steps (the decay length)")
+            self.set("optim.decay_iters", params["total_num_steps"], "scheduler.params.total_num_steps")
+        for name in sorted(set(params) - known - set(SCHEDULER_DEFAULTS)):
+            self.unsupported(f"scheduler.params.{name}", params[name])
+
+    def batch(self, ds: dict) -> None:
+        """train_batch_size = micro x accumulation x dp, as in DeepSpeed: any two give the third."""
+        sections = self.result.sections.get("train", {})
+        accumulation = ds.get("gradient_accumulation_steps", "auto")
+        if accumulation == "auto":
+            return
+        accumulation = check_value("train.micro_batch_size", _whole(accumulation),
+                                   "DeepSpeed gradient_accumulation_steps")
+        micro = sections.get("micro_batch_size", self.base.train.micro_batch_size)
+        if "global_batch_size" not in sections:
+            self.set("train.global_batch_size", micro * accumulation * self.dp, "gradient_accumulation_steps")
+            return
+        total = sections["global_batch_size"]
+        if "micro_batch_size" not in sections:
+            if total % (accumulation * self.dp):
+                raise ConfigError(f"DeepSpeed train_batch_size ({total}) must be divisible by "
+                                  f"gradient_accumulation_steps x dp ({accumulation} x {self.dp}); fix one of them")
+            self.set("train.micro_batch_size", total // (accumulation * self.dp), "gradient_accumulation_steps")
+        elif total != micro * accumulation * self.dp:
+            raise ConfigError(f"DeepSpeed train_batch_size ({total}) must equal train_micro_batch_size_per_gpu x "
+                              f"gradient_accumulation_steps x dp ({micro} x {accumulation} x {self.dp} = "
+                              f"{micro * accumulation * self.dp}); fix one of them")
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and section.get("enabled", False) is True
+
+
+def _whole(value: Any) -> Any:
+    """JSON configs write sizes as 5e8 (a float): an integral float becomes an int."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value

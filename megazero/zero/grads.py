@@ -1,0 +1,163 @@
+"""Gradient synchronisation over data parallelism: fp32 gradient buffers, the hooks that
+fill them, and their reduction as buckets complete.
+
+    full buffers (stages 0/1)   autograd accumulates into fp32 buckets over micro-batches;
+                                in the last backward (outside no_sync) each bucket is
+                                all-reduced asynchronously (stage 0) or reduce-scattered
+                                into its own slice (stage 1) the moment it is complete
+    sharded (stages 2/3)        every backward fills a temporary fp32 bucket and
+                                reduce-scatters it into this rank's shard at once, so a rank
+                                only ever keeps (and accumulates) its shard
+
+Gradients accumulate in fp32 whatever the compute dtype (Megatron's main_grad: summing 16
+bf16 micro-batch gradients in bf16 would lose ~4 bits); `reduce_dtype` is only the dtype
+they travel in. The tied embedding's gradient is summed over the embedding group last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megazero.parallel import comm
+from megazero.zero.partition import Bucket, FlatBuffers, Layout, Range, Slot
+
+
+class GradientSync:
+    """fp32 gradients of one model-parallel rank's buckets and their DP reduction."""
+
+    def __init__(self, layout: Layout, *, stage: int, model_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 dp: comm.Group, embed: Optional[comm.Group], tied_buckets: list[int], device: torch.device,
+                 on_reduced: Optional[Callable[[int], None]] = None):
+        self.layout, self.stage, self.dp, self.embed = layout, stage, dp, embed
+        self.model_dtype, self.reduce_dtype, self.device = model_dtype, reduce_dtype, device
+        self.sharded = stage >= 2
+        self.tied_buckets = tied_buckets  # summed over `embed` (None on stages without the embedding)
+        self.on_reduced = on_reduced  # stage 3 releases a bucket's gathered parameters here
+        self.buffers = FlatBuffers(layout, sharded=self.sharded, dtype=torch.float32, device=device)
+        self._sync = True
+        self._ready: dict[int, set[str]] = {}
+        self._reduced: set[int] = set()
+        # In-flight stage-0 all-reduces: (work, tensor on the wire, fp32 bucket it lands in).
+        self._works: list[tuple[Optional[dist.Work], torch.Tensor, torch.Tensor]] = []
+        self._pending: dict[int, torch.Tensor] = {}  # sharded: bucket -> full fp32 gradient being filled
+        for b, s in layout.slots():
+            s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
+
+    # ------------------------------------------------------------------ views
+
+    def view(self, r: Range) -> torch.Tensor:
+        """This rank's fp32 gradient of one range of its shard."""
+        return self.buffers.view(r)
+
+    def own_slice(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced gradient of bucket b."""
+        return self.buffers.own_slice(b)
+
+    def bucket_view(self, b: Bucket, s: Slot) -> torch.Tensor:
+        """Full buffers: parameter s's place in the fp32 gradient bucket b."""
+        return self.buffers.full[b.index][s.offset: s.offset + s.numel].view(s.shape)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.buffers.tensors()
+
+    # ------------------------------------------------------------------ accumulation
+
+    def zero_grad(self) -> None:
+        self._ready.clear()
+        self._reduced.clear()
+        for g in self.tensors():
+            g.zero_()
+        # fp32 model with full buffers: gradients are views into the buckets, so autograd
+        # accumulates in place and a bucket is ready to send without a copy. Otherwise the
+        # hook adds each backward's gradient into fp32 storage and drops it.
+        in_place = not self.sharded and self.model_dtype == torch.float32
+        for b, s in self.layout.slots():
+            s.param.grad = self.bucket_view(b, s) if in_place else None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without communication.
+        Sharded gradients are reduced every micro-batch anyway, so for them it changes nothing."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _grad_ready(self, b: Bucket, s: Slot, p: nn.Parameter) -> None:
+        """Called by autograd once p's gradient of this backward pass is accumulated."""
+        if self.sharded:
+            buf = self._pending.get(b.index)
+            if buf is None:
+                buf = self._pending[b.index] = torch.zeros(b.numel, device=self.device)
+            buf[s.offset: s.offset + s.numel].view(s.shape).add_(p.grad)
+            p.grad = None  # the full gradient lives on only in the bucket until it is reduced
+        else:
+            if p.grad is not None and p.grad.dtype != torch.float32:
+                self.bucket_view(b, s).add_(p.grad)  # fp32 accumulation of a 16-bit gradient
+                p.grad = None
+            if not self._sync:
+                return
+            if b.index in self._reduced:
+                raise RuntimeError(f"zero stage {self.stage} reduces gradients once per iteration, but bucket "
+                                   f"{b.index} ({s.name}) got a second synchronised backward; wrap every backward "
+                                   f"but the last of each model chunk in optimizer.no_sync()")
+        ready = self._ready.setdefault(b.index, set())
+        ready.add(s.name)
+        if len(ready) == len(b.slots):
+            self._reduce(b)
+
+    # ------------------------------------------------------------------ reduction
+
+    def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """An fp32 gradient as it is communicated (zero.reduce_dtype)."""
+        return t if self.reduce_dtype == torch.float32 else t.to(self.reduce_dtype)
+
+    def _reduce(self, b: Bucket) -> None:
+        self._ready.pop(b.index, None)
+        if self.sharded:
+            self._reduce_scatter(b, self._pending.pop(b.index), add=True)
+            if self.on_reduced is not None:
+                self.on_reduced(b.index)
+        elif self.layout.shards == 1:  # stage 0: every rank keeps the whole reduced bucket
+            full = self.buffers.full[b.index]
+            wire = self._on_wire(full)
+            self._works.append((comm.all_reduce(wire, self.dp, async_op=True), wire, full))
+        else:
+            self._reduce_scatter(b, self.buffers.full[b.index], add=False)
+        self._reduced.add(b.index)
+
+    def _reduce_scatter(self, b: Bucket, full: torch.Tensor, add: bool) -> None:
+        """Sum fp32 bucket `full` over DP in the reduce dtype; write (stage 1) or add (stages
+        2/3, once per micro-batch) this rank's slice into its fp32 gradient slice."""
+        into, wire = self.own_slice(b), self._on_wire(full)
+        if wire is full and not add:  # stage 1 in fp32: reduced in place, into full's own slice
+            comm.reduce_scatter_into(into, full, self.dp)
+            return
+        out = torch.empty(b.shard_numel, dtype=wire.dtype, device=wire.device)
+        comm.reduce_scatter_into(out, wire, self.dp)
+        into.add_(out) if add else into.copy_(out)
+
+    def finish(self) -> None:
+        """Complete the DP reduction (buckets some parameter of which got no gradient are sent
+        now, in bucket order on every rank), then sum the tied embedding over its group."""
+        if self.sharded:
+            for index in sorted(self._pending):
+                self._reduce(self.layout.buckets[index])
+        else:
+            for b in self.layout.buckets:
+                if b.index not in self._reduced:
+                    self._reduce(b)
+        for work, wire, full in self._works:
+            if work is not None:
+                work.wait()
+            if wire is not full:
+                full.copy_(wire)
+        self._works.clear()
+        for index in self.tied_buckets:
+            comm.all_reduce(self.own_slice(self.layout.buckets[index]), self.embed)
