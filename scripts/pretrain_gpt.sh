@@ -44,7 +44,7 @@ train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.st
 # 0. Check the config for the largest world size before preparing data or starting any process
 #    (the vocabulary is the tokenizer's once it exists, else the size it is about to be trained with).
 tok_dir=${TOKENIZER#gpt2bpe:}
-if [[ $TOKENIZER == gpt2bpe:* && ! -f $tok_dir/vocab.json ]]; then vocab=(--model.vocab_size "$VOCAB_SIZE")
+if [[ $TOKENIZER == gpt2bpe:* && ! -f $tok_dir/vocab.json ]]; then vocab=(--data.tokenizer null --model.vocab_size "$VOCAB_SIZE")
 else vocab=(--data.tokenizer "$TOKENIZER" --model.vocab_size auto); fi
 python -m megazero.train --validate-only --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" "${vocab[@]}" "$@"
 
