@@ -36,6 +36,8 @@ DATA_PREFIX=${DATA_PREFIX:-$DATA_DIR/corpus_text_document}
 NNODES=${NNODES:-1}
 RESTARTS=${RESTARTS:-3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Each rendezvous round gets a fresh store hosted by rank 0 (none of a failed attempt's keys).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE"
   --data.mock false --data.prefix "$DATA_PREFIX"
   --checkpoint.save "$RUN_DIR/checkpoints" --checkpoint.load "$RUN_DIR/checkpoints"

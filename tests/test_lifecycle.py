@@ -127,6 +127,18 @@ def test_a_killed_worker_ends_the_job_with_a_line_naming_rank_and_operation(tmp_
     assert all("(parallel/comm.py:" in line for line in lines)  # the operation that lost its peer
 
 
+@pytest.mark.slow
+def test_a_stuck_worker_ends_the_job_after_the_timeout(tmp_path):
+    """SIGSTOP one worker: its peers time out after train.timeout_minutes (3 s here) with the
+    line naming the operation; torchrun SIGKILLs the stopped one 30 s later."""
+    proc = _launch(2, ["--train.iters", "100000", "--train.timeout_minutes", "0.05"])
+    _wait_for(lambda: len(_children(proc.pid)) == 2 and proc.stdout.readline().startswith("iter 2/"), proc)
+    os.kill(_children(proc.pid)[1], signal.SIGSTOP)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "failed: a peer process died or stopped responding (Timed out waiting 3000ms" in err, err[-3000:]
+
+
 def _snapshot(directory: str) -> dict:
     return {os.path.join(d, n): os.stat(os.path.join(d, n)).st_mtime_ns
             for d, _, names in os.walk(directory) for n in names}
@@ -199,7 +211,7 @@ def test_lost_node_restarts_at_the_smaller_world_size(tmp_path):
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
            "--rdzv-conf=join_timeout=60,last_call_timeout=8", "-m", "megazero.train", *BASE, *args,
            "--checkpoint.save", save, "--logging.jsonl", jsonl]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     host = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     time.sleep(1.0)  # the first agent hosts the rendezvous store, so it must be the one that survives
     other = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -58,17 +58,18 @@ def resume_on_restart(cfg: Config) -> Optional[str]:
 
 
 def attempt_store(timeout_s: float) -> Optional[dist.Store]:
-    """On a torchrun restart, the rendezvous store under a prefix of this attempt's own. torchrun
-    keeps its store across restarts, so without one the new workers read the previous attempt's
-    gloo addresses ("Gloo connectFullMesh failed ... Connection refused"). None on a first start."""
-    if not restart_count():
+    """On a torchrun restart with the launcher's own store (static rendezvous, or c10d's shared
+    store), that store under a prefix of this attempt's own: it outlives the previous attempt,
+    whose gloo addresses the new workers would read otherwise ("Gloo connectFullMesh failed ...
+    Connection refused"). None when there is nothing stale: a first start, or a store that rank 0
+    hosts afresh each round (c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which multi-node
+    jobs want: node agents may count restarts differently)."""
+    if not restart_count() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     import torch.distributed as dist  # here, not at the top: --validate-only needs no torch
 
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=not agent_hosts_store and os.environ.get("RANK") == "0",
-                          timeout=datetime.timedelta(seconds=timeout_s), multi_tenant=True)
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.PrefixStore(f"megazero/attempt_{restart_count()}", store)
 
 
