@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e.strerror or e}: {e.filename}" if e.filename else f"error: {e}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start
+    if tokenizer.vocab_size < args.vocab_size:
+        print(f"warning: the corpus yields only {tokenizer.vocab_size:,} tokens of the {args.vocab_size:,} "
+              f"--vocab-size asked for; use a larger corpus (--input) or a smaller --vocab-size", file=sys.stderr)
     print(f"trained {spec} in {seconds:.1f} s: vocab {tokenizer.vocab_size}, end of document id {tokenizer.eod}")
     print(f"use it with: --tokenizer {spec} (preprocess_data.py), data.tokenizer: {spec} (training)")
     return 0

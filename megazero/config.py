@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import math
 import os
 import textwrap
@@ -188,6 +189,11 @@ class CheckpointConfig:
     """Resume from iter_{iteration} instead of `latest` (0: latest)."""
     save_model_16bit: bool = False
     """With each checkpoint also write model_16bit.safetensors: the whole model gathered in 16 bits, by rank 0."""
+    init_from_hf: Optional[str] = None
+    """Start from a Hugging Face GPT-2 directory (config.json + model.safetensors or
+    pytorch_model.bin) at any layout; each rank reads only its slices. The model section must
+    match its config.json (model.vocab_size auto takes its vocabulary). A resume from
+    checkpoint.load replaces these values."""
 
 
 @dataclass
@@ -198,6 +204,10 @@ class LoggingConfig:
     """Log to Weights & Biases (offline when there is no network)."""
     wandb_project: str = "megazero"
     """Weights & Biases project name."""
+    timers: bool = False
+    """Per-phase times (forward, backward, optimizer, waiting on communication) and bytes sent
+    per iteration over DP/TP/PP on the log line and in the JSONL (on GPUs each phase boundary
+    synchronizes the device, a small cost)."""
 
 
 @dataclass
@@ -445,6 +455,8 @@ def validate(cfg: Config, world_size: int) -> int:
     m, p, t, o, z = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.zero
     if not cfg.data.mock and not cfg.data.prefix:
         raise ConfigError("no training data: set data.prefix (indexed dataset prefixes) or data.mock true")
+    if cfg.checkpoint.init_from_hf:
+        _check_init_from_hf(cfg)
     m.vocab_size = resolve_vocab_size(cfg)
     for key, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
                        ("model.num_heads", m.num_heads), ("model.seq_length", m.seq_length),
@@ -492,6 +504,48 @@ def validate(cfg: Config, world_size: int) -> int:
 
 MOCK_VOCAB_SIZE = 512
 """model.vocab_size auto for mock data without a tokenizer."""
+
+
+def _check_init_from_hf(cfg: Config) -> None:
+    """checkpoint.init_from_hf names a GPT-2 directory whose config.json the model section
+    matches (model.vocab_size auto becomes its vocabulary size)."""
+    d, m = cfg.checkpoint.init_from_hf, cfg.model
+    path = os.path.join(d, "config.json")
+    if not os.path.isfile(path) or not any(os.path.isfile(os.path.join(d, n))
+                                           for n in ("model.safetensors", "pytorch_model.bin")):
+        raise ConfigError(f"checkpoint.init_from_hf {d} is not a Hugging Face model directory (config.json with "
+                          f"model.safetensors or pytorch_model.bin); save one with save_pretrained() or "
+                          f"python -m megazero.convert --to hf")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint.init_from_hf: cannot read {path} ({e})") from e
+    if hf.get("model_type") != "gpt2":
+        raise ConfigError(f"checkpoint.init_from_hf {d} holds a '{hf.get('model_type')}' model; only GPT-2 "
+                          f"(model_type gpt2) weights can start a megazero run")
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(f"checkpoint.init_from_hf {d} uses activation {hf['activation_function']}; megazero's "
+                          f"GPT-2 uses the tanh GELU (gelu_new)")
+    if cfg.data.tokenizer and _tokenizer_size(cfg.data.tokenizer) > hf["vocab_size"]:
+        raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r} has {_tokenizer_size(cfg.data.tokenizer)} tokens but "
+                          f"the GPT-2 in {d} only {hf['vocab_size']}; use the tokenizer that model was trained with")
+    if m.vocab_size == "auto":
+        m.vocab_size = hf["vocab_size"]
+    expected = [("num_layers", "n_layer", hf["n_layer"]), ("hidden_size", "n_embd", hf["n_embd"]),
+                ("num_heads", "n_head", hf["n_head"]), ("vocab_size", "vocab_size", hf["vocab_size"]),
+                ("layernorm_eps", "layer_norm_epsilon", hf.get("layer_norm_epsilon", 1e-5))]
+    for key, hf_key, value in expected:
+        if getattr(m, key) != value:
+            raise ConfigError(f"model.{key} ({getattr(m, key)}) differs from {hf_key} ({value}) in {path}; "
+                              f"set --model.{key} {value}")
+    inner = hf.get("n_inner") or 4 * hf["n_embd"]
+    if m.ffn_size != inner:
+        raise ConfigError(f"the MLP width ({m.ffn_size}) differs from n_inner ({inner}) in {path}; "
+                          f"set --model.ffn_hidden_size {inner}")
+    if m.seq_length > hf["n_positions"]:
+        raise ConfigError(f"model.seq_length ({m.seq_length}) exceeds n_positions ({hf['n_positions']}) in {path}; "
+                          f"set --model.seq_length {hf['n_positions']} or less")
 
 
 def resolve_vocab_size(cfg: Config) -> int:

@@ -1,22 +1,29 @@
 """`python -m megazero.convert --load CKPT --to torch|hf|universal --output OUT [--dtype ...]`
 
   torch      one plain state_dict of the non-parallel GPT-2 (+ OUT.config.json), streamed
-  hf         a Hugging Face GPT-2 directory: config.json, model.safetensors, tokenizer files
-  universal  a parallelism-agnostic checkpoint that resumes at any layout
+  hf         a Hugging Face GPT-2 directory: config.json, model.safetensors and, when the
+             checkpoint names a tokenizer, tokenizer.json + tokenizer_config.json (for
+             transformers' AutoTokenizer) beside megazero's own tokenizer files
+  universal  a parallelism-agnostic checkpoint that resumes at any layout (needs the
+             optimizer state: from a save, iter_ or universal checkpoint)
 
-CKPT is a save directory (its `latest`), or one iter_NNNNNNN directory in it.
-Every output is written under a temporary name and renamed when complete.
+CKPT is any checkpoint kind: a save directory (its `latest`, or --iteration N), an
+iter_NNNNNNN directory, a universal checkpoint, a torch export (FILE + FILE.config.json, or
+model_16bit.safetensors) or a Hugging Face GPT-2 directory.
+Every output is written under a temporary name and renamed when complete; missing parent
+folders are created.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from megazero.checkpoint.load import Checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -24,61 +31,51 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="megazero-convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--load", required=True, help="checkpoint save directory or iter_ directory")
+    parser.add_argument("--load", required=True, help="any checkpoint kind (see above)")
     parser.add_argument("--to", required=True, choices=["torch", "hf", "universal"])
     parser.add_argument("--output", required=True, help="output file (torch) or directory (hf, universal)")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weights dtype (torch, hf)")
-    parser.add_argument("--iteration", type=int, default=0, help="convert iter_N instead of latest")
+    parser.add_argument("--iteration", type=int, default=0, help="convert SAVE/iter_N instead of latest")
     args = parser.parse_args(argv)
 
-    from megazero.checkpoint import sharded
-    from megazero.checkpoint.export import ShardedReader, write_torch
+    from megazero.atomic import atomic_dir
+    from megazero.checkpoint.export import write_torch
+    from megazero.checkpoint.load import open_checkpoint
     from megazero.checkpoint.universal import write_universal
+    from megazero.errors import report_errors
 
-    try:
-        ckpt = args.load
-        if args.iteration or not os.path.isfile(os.path.join(ckpt, "metadata.json")):
-            ckpt = sharded.resolve(args.load, args.iteration)
-        reader = ShardedReader(ckpt)
+    with report_errors(OSError):
+        ckpt = open_checkpoint(args.load, args.iteration)
         if args.to == "torch":
-            write_torch(reader, args.output, DTYPES[args.dtype])
+            write_torch(ckpt, args.output, DTYPES[args.dtype])
         elif args.to == "universal":
-            _into_fresh_dir(args.output, lambda tmp: write_universal(reader, tmp))
+            ckpt.trainer_state()  # a weights-only source is refused before any folder is made
+            atomic_dir(args.output, lambda tmp: write_universal(ckpt, tmp))
         else:
-            _into_fresh_dir(args.output, lambda tmp: write_hf_export(reader, tmp, DTYPES[args.dtype]))
-    except (sharded.CheckpointError, OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(f"wrote {args.to} export of {ckpt} (iteration {reader.iteration}) to {args.output}")
+            atomic_dir(args.output, lambda tmp: write_hf_export(ckpt, tmp, DTYPES[args.dtype]))
+    at = "" if ckpt.iteration is None else f" (iteration {ckpt.iteration})"
+    print(f"wrote {args.to} export of {ckpt.kind} {ckpt.ckpt}{at} to {args.output}")
 
 
-def _into_fresh_dir(output: str, write) -> None:
-    """Write a directory under OUTPUT.tmp and rename it into place when complete."""
-    tmp = output.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    if os.path.exists(output):
-        shutil.rmtree(output)
-    os.replace(tmp, output)
+def write_hf_export(ckpt: "Checkpoint", output: str, dtype: torch.dtype) -> None:
+    """HF GPT-2 directory: weights, config and the tokenizer the checkpoint names."""
+    from megazero.checkpoint.hf import write_hf, write_hf_tokenizer
+    from megazero.data import DataError
 
+    from megazero.data.tokenizer import build_tokenizer
 
-def write_hf_export(reader, output: str, dtype: torch.dtype) -> None:
-    """HF GPT-2 directory; a GPT-2 BPE tokenizer's files are copied beside the weights."""
-    from megazero.checkpoint.hf import write_hf
-
-    spec = reader.meta["config"]["data"].get("tokenizer")
     eos = None
-    if spec:
-        from megazero.data.tokenizer import build_tokenizer
-        tokenizer = build_tokenizer(spec)
-        eos = tokenizer.eod
-        kind, _, path = spec.partition(":")
-        if kind == "gpt2bpe" and os.path.isdir(path):
-            os.makedirs(output, exist_ok=True)
-            for name in ("vocab.json", "merges.txt"):
-                shutil.copy(os.path.join(path, name), os.path.join(output, name))
-    shapes = {n: reader.full_shape(n) for n in reader.names()}
-    write_hf(output, reader.tensors("master"), shapes, reader.model_config, dtype, eos_token_id=eos)
+    if ckpt.tokenizer:
+        try:
+            tokenizer = build_tokenizer(ckpt.tokenizer)
+            eos = tokenizer.eod
+            write_hf_tokenizer(tokenizer, output, ckpt.model_config.seq_length)
+        except DataError as e:  # the weights are still worth having; say what is missing
+            print(f"warning: {e}; exported without a tokenizer for transformers", file=sys.stderr)
+    else:
+        print(f"warning: {ckpt.kind} '{ckpt.ckpt}' names no tokenizer (data.tokenizer); the export has none",
+              file=sys.stderr)
+    write_hf(output, ckpt.tensors("master"), ckpt.shapes, ckpt.model_config, dtype, eos_token_id=eos)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""`python -m megazero.generate --load CKPT_OR_EXPORT --prompt TEXT [--max-new-tokens N
+"""`python -m megazero.generate --load CKPT --prompt TEXT [--max-new-tokens N
 --temperature T --top-k K --top-p P --seed S]`: sample text with a KV cache.
 
-CKPT_OR_EXPORT is a megazero save directory / iter_ directory, a `--to torch` export
-(FILE with FILE.config.json beside it), a model_16bit.safetensors written during training,
-or a Hugging Face GPT-2 directory. Under torchrun
+CKPT is any checkpoint kind: a save directory (its `latest`), an iter_NNNNNNN directory, a
+universal checkpoint, a torch export (FILE + FILE.config.json, or model_16bit.safetensors)
+or a Hugging Face GPT-2 directory. At most model.seq_length tokens fit, prompt included:
+a longer request is cut there with a warning. Under torchrun
 with N processes the model is split tp = N ways; every rank samples the same tokens
 (same seed, same gathered logits). Temperature 0 is greedy decoding.
 
@@ -14,65 +15,35 @@ the process's GPU when CUDA is available (one per rank under torchrun), else the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
-from megazero.config import ModelConfig
+from megazero.checkpoint.load import Checkpoint
+from megazero.checkpoint.sharded import CheckpointError
+from megazero.errors import UserError, report_errors
 from megazero.model.gpt import GPT, KVCache
 from megazero.model.layers import shard_of
 from megazero.parallel.comm import Group, gather_from_tp
 
 
-def load_weights(path: str) -> tuple[ModelConfig, Optional[str], Iterator[tuple[str, torch.Tensor]]]:
-    """(model config, tokenizer spec, full tensors by megazero name) from any supported source."""
-    from safetensors.torch import load_file
-
-    from megazero.checkpoint.hf import from_hf, read_hf
-    if os.path.isfile(os.path.join(path, "config.json")):  # Hugging Face directory
-        m, tensors = read_hf(path)
-        spec = f"gpt2bpe:{path}" if os.path.isfile(os.path.join(path, "vocab.json")) else None
-        return m, spec, ((n, from_hf(n, t)) for n, t in tensors)
-    if path.endswith(".safetensors"):  # checkpoint.save_model_16bit's gathered model
-        from safetensors import safe_open
-        with safe_open(path, framework="pt") as f:
-            info = json.loads((f.metadata() or {}).get("megazero_model", "null") or "null")
-        if info is None:
-            raise ValueError(f"'{path}' carries no megazero model config; for an HF model pass its directory")
-        state = load_file(path)
-        return ModelConfig(**info), None, iter(state.items())
-    if os.path.isfile(path):  # torch export
-        sidecar = path + ".config.json"
-        if not os.path.isfile(sidecar):
-            raise FileNotFoundError(f"'{sidecar}' not found: a torch export needs its config beside it")
-        with open(sidecar) as f:
-            info = json.load(f)
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return ModelConfig(**info["model"]), info.get("tokenizer"), iter(state.items())
-    from megazero.checkpoint.universal import open_reader
-    reader = open_reader(path)
-    return reader.model_config, reader.config.data.tokenizer, reader.tensors("master")
-
-
-def build_model(m: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]], tp: Group,
-                device: torch.device | str = "cpu") -> GPT:
-    """Plain (pp = 1) GPT-2 split over `tp` on `device`, each rank keeping its shard of every
-    tensor. The model is built on the meta device and split over TP there, then only the
-    shards are allocated on the device and filled one at a time, so the full model never
-    sits in host or device memory."""
+def build_model(ckpt: Checkpoint, tp: Group, device: torch.device | str = "cpu") -> GPT:
+    """The checkpoint's model as a plain (pp = 1) GPT-2 split over `tp` on `device`, each
+    rank keeping its shard of every tensor. The model is built on the meta device and split
+    over TP there, then only the shards are allocated on the device and filled one at a
+    time, so the full model never sits in host or device memory."""
     from megazero.checkpoint.export import fit_vocab
     from megazero.train.parallelize import apply_tensor_parallel
     from megazero.zero.materialize import replace_meta_parameters
     with torch.device("meta"):
-        model = apply_tensor_parallel(GPT(m), tp)
+        model = apply_tensor_parallel(GPT(ckpt.model_config), tp)
     replace_meta_parameters([model], torch.device(device))
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():
-        for name, full in tensors:
+        for name, full in ckpt.tensors():
             if name not in params:
                 continue
             p = params[name]
@@ -81,7 +52,7 @@ def build_model(m: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]], tp:
             seen.add(name)
     missing = set(params) - seen
     if missing:
-        raise ValueError(f"the weights lack {len(missing)} parameters, e.g. {sorted(missing)[0]}")
+        raise CheckpointError(f"the weights lack {len(missing)} parameters, e.g. {sorted(missing)[0]}")
     return model.eval()
 
 
@@ -89,10 +60,7 @@ def build_model(m: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]], tp:
 def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eod: Optional[int] = None) -> list[int]:
     """Prompt + up to max_new_tokens sampled ids (stops early at `eod`)."""
-    room = model.cfg.seq_length - len(prompt)
-    if room <= 0:
-        raise ValueError(f"the prompt has {len(prompt)} tokens; model.seq_length is {model.cfg.seq_length}")
-    max_new_tokens = min(max_new_tokens, room)
+    max_new_tokens = min(max_new_tokens, room_for_new_tokens(len(prompt), model.cfg.seq_length))
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)  # multinomial needs a generator on its device
     cache = KVCache(model, 1, len(prompt) + max_new_tokens)  # allocated beside the model's parameters
@@ -106,6 +74,15 @@ def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: fl
             break
         x = torch.tensor([[nxt]], device=device)
     return ids
+
+
+def room_for_new_tokens(prompt_tokens: int, seq_length: int) -> int:
+    """How many tokens fit after the prompt (positions are learned up to seq_length)."""
+    room = seq_length - prompt_tokens
+    if room <= 0:
+        raise UserError(f"the prompt has {prompt_tokens} tokens but model.seq_length is {seq_length}; "
+                        f"shorten it to at most {seq_length - 1} tokens")
+    return room
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g: torch.Generator) -> int:
@@ -138,32 +115,35 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     import torch.distributed as dist
 
-    from megazero.checkpoint.sharded import CheckpointError
-    from megazero.data import DataError
+    from megazero.checkpoint.load import open_checkpoint
     from megazero.data.tokenizer import build_tokenizer
     from megazero.parallel.grid import ProcessGrid
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    try:
-        m, spec, tensors = load_weights(args.load)
-        spec = args.tokenizer or spec
+    with report_errors(OSError):
+        ckpt = open_checkpoint(args.load)
+        m = ckpt.model_config
+        spec = args.tokenizer or ckpt.tokenizer
         if not spec:
-            raise ValueError(f"'{args.load}' names no tokenizer; pass --tokenizer gpt2bpe:DIR or sentencepiece:FILE")
+            raise UserError(f"{ckpt.kind} '{args.load}' names no tokenizer; pass --tokenizer gpt2bpe:DIR "
+                            f"or sentencepiece:FILE")
         tokenizer = build_tokenizer(spec)
         if tokenizer.vocab_size > m.vocab_size:
-            raise ValueError(f"tokenizer {spec} has {tokenizer.vocab_size} tokens but the model only "
-                             f"{m.vocab_size}; pass the tokenizer the model was trained with")
+            raise UserError(f"tokenizer {spec} has {tokenizer.vocab_size} tokens but the model only "
+                            f"{m.vocab_size}; pass the tokenizer the model was trained with")
         if m.num_heads % world:
-            raise ValueError(f"model.num_heads ({m.num_heads}) must be divisible by the process count ({world})")
+            raise UserError(f"model.num_heads ({m.num_heads}) must be divisible by the process count ({world})")
+        prompt = tokenizer.encode(args.prompt)
+        room = room_for_new_tokens(len(prompt), m.seq_length)
+        if args.max_new_tokens > room and rank == 0:
+            print(f"warning: --max-new-tokens {args.max_new_tokens} does not fit: the prompt has {len(prompt)} "
+                  f"tokens and model.seq_length is {m.seq_length}, so at most {room} new tokens are generated",
+                  file=sys.stderr, flush=True)
         grid = ProcessGrid.create(tp=world, pp=1)  # sets this rank's CUDA device when there is one
-        model = build_model(m, tensors, grid.tp_group, grid.device)
-        ids = generate(model, tokenizer.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k,
-                       args.top_p, args.seed, tokenizer.eod)
-    except (CheckpointError, DataError, OSError, ValueError) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        model = build_model(ckpt, grid.tp_group, grid.device)
+        ids = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                       tokenizer.eod)
     if rank == 0:
         print(tokenizer.decode(ids))
     # NCCL warns (and may hang at exit) when its communicators are left for interpreter teardown.

@@ -36,7 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megazero.config import Config, build_config, load_yaml, validate  # noqa: E402
-from megazero.train.metrics import device_peak_flops, model_flops_per_token  # noqa: E402
+from megazero.plan.formulas import model_flops_per_token  # noqa: E402
+from megazero.train.metrics import device_peak_flops  # noqa: E402
 
 # Micro-batch x accumulation per model: 64 sequences (65k tokens) per iteration for both,
 # micro-batches large enough that the matmuls fill an H100/H200 (activations stay far below 80 GiB).

@@ -12,12 +12,12 @@ timed ones (forward + backward of every micro-batch; no optimizer step). Per ran
     idle   seconds blocked on a neighbour's activation or gradient (p2p.wait_seconds)
 
 The measured bubble, idle / (busy + idle) averaged over ranks, is printed beside the theory
-for equal stages, (p - 1) / (m + p - 1), divided by v for the interleaved schedule, and
+for equal stages, (p - 1) / (v m + p - 1) (megazero.plan.formulas.pipeline_bubble), and
 beside the bubble of the very orders the executor runs, replayed in simulated time (a
-chunk's backward takes twice its forward; transfers are free). Peak activation memory per
+chunk's backward takes twice its forward; transfers are free; formulas.simulated_bubble). Peak activation memory per
 stage is the largest number of bytes held at once by tensors that autograd saved for
 backward (counted with torch.autograd.graph.saved_tensors_hooks, each storage once,
-parameters excluded).
+parameters excluded), beside the layout planner's prediction (megazero.plan).
 
 Measured times are only comparable with theory when every rank has a core of its own and
 the machine is otherwise quiet: with more stages than cores, a rank also waits while the
@@ -48,51 +48,11 @@ from megazero.config import build_config, validate  # noqa: E402
 from megazero.parallel import comm  # noqa: E402
 from megazero.parallel.grid import ProcessGrid  # noqa: E402
 from megazero.parallel.random import seed_everything  # noqa: E402
-from megazero.pipeline.schedules import ORDERS, Action, forward_backward_pipelining, message_target  # noqa: E402
+from megazero.pipeline.schedules import forward_backward_pipelining  # noqa: E402
+from megazero.plan.formulas import pipeline_bubble, simulated_bubble  # noqa: E402
+from megazero.plan.measure import ActivationMeter  # noqa: E402
+from megazero.plan.planner import Cluster, Layout, predict  # noqa: E402
 from megazero.train.parallelize import parallelize  # noqa: E402
-
-
-class ActivationMeter:
-    """Bytes of tensors autograd keeps for backward, live and at peak. A storage saved by
-    several operations counts once; it is released when the last of them lets go."""
-
-    def __init__(self, exclude: set[int]):
-        self.exclude = exclude  # storages of the parameters (weights are not activations)
-        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
-        self.current = self.peak = 0
-
-    def pack(self, t: torch.Tensor):
-        key = t.untyped_storage().data_ptr()
-        if key in self.exclude:
-            return t
-        if key in self.live:
-            self.live[key][1] += 1
-        else:
-            self.live[key] = [t.untyped_storage().nbytes(), 1]
-            self.current += self.live[key][0]
-            self.peak = max(self.peak, self.current)
-        return _Saved(self, key, t)
-
-    @staticmethod
-    def unpack(saved) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-    def release(self, key: int) -> None:
-        entry = self.live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.current -= entry[0]
-            del self.live[key]
-
-
-class _Saved:
-    """A saved tensor; autograd drops it after the backward that used it (or with the graph)."""
-
-    def __init__(self, meter: ActivationMeter, key: int, tensor: torch.Tensor):
-        self.meter, self.key, self.tensor = meter, key, tensor
-
-    def __del__(self):
-        self.meter.release(self.key)
 
 
 def bench_config(args, pp: int, schedule: str, m: int):
@@ -131,7 +91,10 @@ def run_case(args, grid: ProcessGrid, schedule: str, m: int) -> dict:
             busy += wall - stats["wait_s"]
             idle += stats["wait_s"]
         peak = max(peak, meter.peak)
-    return {"busy": busy / args.iters, "idle": idle / args.iters, "peak_bytes": peak}
+    layout = Layout(1, grid.pp, 1, len(chunks), 0, args.micro_batch, "none")
+    planned = predict(cfg, layout, Cluster(grid.pp, grid.pp, 1.0, None), ranks=[grid.pp_rank], device="cpu")
+    return {"busy": busy / args.iters, "idle": idle / args.iters, "peak_bytes": peak,
+            "planned_bytes": planned.rank(grid.pp_rank).activations}
 
 
 def worker(rank: int, pp: int, port: int, args, queue) -> None:
@@ -150,33 +113,8 @@ def worker(rank: int, pp: int, port: int, args, queue) -> None:
         dist.destroy_process_group()
 
 
-def simulated_bubble(pp: int, vpp: int, m: int, schedule: str) -> float:
-    """Idle fraction when every rank runs its order as soon as its inputs exist, with a
-    chunk's forward taking 1 / vpp and its backward 2 / vpp time units."""
-    orders = {r: ORDERS[schedule](pp, vpp, r, m) for r in range(pp)}
-    finished: dict[tuple[int, Action], float] = {}
-    feeder_of = {message_target(a, pp, vpp, r): (r, a) for r in range(pp) for a in orders[r]}
-    clock, position = [0.0] * pp, [0] * pp
-    while any(position[r] < len(orders[r]) for r in range(pp)):
-        for r in range(pp):
-            while position[r] < len(orders[r]):
-                a = orders[r][position[r]]
-                feeder = feeder_of.get((r, a))
-                if feeder is not None and feeder not in finished:
-                    break  # wait for the neighbour's tensor
-                start = max(clock[r], finished.get(feeder, 0.0))
-                clock[r] = finished[(r, a)] = start + (1 if a.forward else 2) / vpp
-                position[r] += 1
-    return 1 - 3 * m / max(clock)
-
-
 def per_rank(ranks: list[dict], key: str, scale: float, fmt: str) -> str:
     return " / ".join(format(r[key] * scale, fmt) for r in ranks)
-
-
-def theory(pp: int, m: int, schedule: str) -> float:
-    bubble = (pp - 1) / (m + pp - 1)
-    return bubble / 2 if schedule == "interleaved" else bubble
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -195,7 +133,7 @@ def main(argv: Optional[list[str]] = None) -> None:
           f"gloo; GPT-2 {args.layers} layers, h {args.hidden}, s {args.seq}, micro-batch {args.micro_batch}, "
           f"fp32; interleaved: vpp 2; {args.iters} timed iterations")
     print("| schedule | pp | m | bubble theory | simulated | measured | busy ms / rank | idle ms / rank "
-          "| peak activations MiB / stage |")
+          "| peak activations MiB / stage (planner) |")
     print("|---|---|---|---|---|---|---|---|---|")
     ctx = mp.get_context("spawn")
     for pp in args.pp:
@@ -218,10 +156,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                 ranks = [results[(schedule, m)][r] for r in range(pp)]
                 measured = sum(r["idle"] / (r["busy"] + r["idle"]) for r in ranks) / pp
                 vpp = 2 if schedule == "interleaved" else 1
-                print(f"| {schedule} | {pp} | {m} | {theory(pp, m, schedule):.3f} | "
+                print(f"| {schedule} | {pp} | {m} | {pipeline_bubble(pp, vpp, m):.3f} | "
                       f"{simulated_bubble(pp, vpp, m, schedule):.3f} | {measured:.3f} | "
                       f"{per_rank(ranks, 'busy', 1e3, '.0f')} | {per_rank(ranks, 'idle', 1e3, '.0f')} | "
-                      f"{per_rank(ranks, 'peak_bytes', 2.0 ** -20, '.1f')} |", flush=True)
+                      f"{per_rank(ranks, 'peak_bytes', 2.0 ** -20, '.1f')} "
+                      f"({per_rank(ranks, 'planned_bytes', 2.0 ** -20, '.1f')}) |", flush=True)
         for p in procs:
             p.join()
             if p.exitcode:

@@ -5,8 +5,9 @@
 Every configuration runs in fresh processes (gloo on CPU, NCCL on GPUs) so peak RSS is
 its own. Printed tables:
   1. throughput (tokens/s over all ranks) and peak RSS per rank, side by side;
-  2. DP bytes one rank sent in one iteration (one micro-batch) against ZeRO theory:
-     2Ψ at stages 0-2, 3Ψ at stage 3, times the ring factor (n-1)/n;
+  2. DP bytes one rank sent in one iteration (one micro-batch) beside the layout planner's
+     prediction (exact) and ZeRO theory: 2Ψ at stages 0-2, 3Ψ at stage 3, times the ring
+     factor (n-1)/n;
   3. model-state bytes per rank (parameters + gradients + optimizer states actually
      allocated) against the ZeRO formulas, in fp32 and in bf16 mixed precision.
 This is a measurement, not a test: no assertion depends on timings.
@@ -28,6 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megazero.config import build_config, validate  # noqa: E402
+from megazero.plan.formulas import STATE_BYTES, model_state_bytes  # noqa: E402
+from megazero.plan.planner import Cluster, Layout, predict  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -64,6 +67,8 @@ def run_megazero(args: argparse.Namespace, stage: int) -> dict:
     tr.grid.reset_counters()
     tr.train_step()
     moved = tr.grid.bytes_moved()["dp"]
+    planned = predict(tr.cfg, Layout(1, 1, args.dp, 1, stage, args.micro, "none"), Cluster(args.dp, args.dp, 1.0, None),
+                      device="cpu").rank(0)
     tic = time.perf_counter()
     for _ in range(args.iters - 1):
         tr.train_step()
@@ -71,7 +76,7 @@ def run_megazero(args: argparse.Namespace, stage: int) -> dict:
     opt = tr.optimizer
     out = {"tokens_per_sec": tr.cfg.train.global_batch_size * args.seq / elapsed, "rss_mib": peak_rss_mib(),
            "dp_bytes": sum(v for k, v in moved.items() if not k.endswith("_calls")),
-           "dp_ops": {k: v for k, v in moved.items() if not k.endswith("_calls")},
+           "dp_ops": {k: v for k, v in moved.items() if not k.endswith("_calls")}, "planned_dp": planned.bytes["dp"],
            "padded_numel": opt.layout.numel, "param_numel": opt.layout.param_numel,
            "tied_numel": sum(opt.layout.buckets[b].numel for b in opt.tied_buckets),
            "micro": tr.num_microbatches, "memory": {"fp32": opt.model_state_bytes()},
@@ -193,15 +198,6 @@ def launch(fn, args: argparse.Namespace, *fn_args) -> list[dict]:
 # ---------------------------------------------------------------------------- tables
 
 
-def formula(stage: int, psi: float, n: int, mixed: bool) -> float:
-    """ZeRO model-state bytes per rank (Rajbhandari et al., 2020; K = 12 for Adam), with
-    fp32 gradient buffers in mixed precision (Megatron's main_grad: 2 more bytes per element
-    where the gradient is kept)."""
-    if mixed:
-        return [18 * psi, 6 * psi + 12 * psi / n, 2 * psi + 16 * psi / n, 18 * psi / n][stage]
-    return [16 * psi, 8 * psi + 8 * psi / n, 4 * psi + 12 * psi / n, 16 * psi / n][stage]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dp", type=int, default=2)
@@ -246,8 +242,8 @@ def main() -> None:
     ring = (n - 1) / n
     print(f"\nDP bytes sent per rank in one iteration (fp32, Ψ = {z0['padded_numel']:,} elements incl. alignment "
           f"padding = {4 * z0['padded_numel'] / MiB:.2f} MiB; ring factor (n-1)/n = {ring:.2f}):\n")
-    print("| stage | measured (MiB) | theory (MiB) | measured / theory | by operation (MiB) |")
-    print("|---|---:|---:|---:|---|")
+    print("| stage | measured (MiB) | planner (MiB) | theory (MiB) | measured / theory | by operation (MiB) |")
+    print("|---|---:|---:|---:|---:|---|")
     for stage in range(4):
         out = results[f"ZeRO-{stage}"][0]
         psi = 4 * out["padded_numel"]
@@ -256,7 +252,7 @@ def main() -> None:
         theory = mult * psi * ring
         ops = ", ".join(f"{k} {v / MiB:.2f}" for k, v in out["dp_ops"].items())
         label = {0: "2Ψ", 1: "2Ψ", 2: f"{mult}Ψ", 3: f"{mult}Ψ"}[stage]
-        print(f"| {stage} ({label}) | {out['dp_bytes'] / MiB:.3f} | {theory / MiB:.3f} | "
+        print(f"| {stage} ({label}) | {out['dp_bytes'] / MiB:.3f} | {out['planned_dp'] / MiB:.3f} | {theory / MiB:.3f} | "
               f"{out['dp_bytes'] / theory:.3f} | {ops} |")
     tied = results["ZeRO-3"][0]["tied_numel"] * 4 * ring * results["ZeRO-3"][0]["micro"]
     print(f"\n(stage 3 extra: the tied embedding is gathered a second time for the head on a single "
@@ -270,7 +266,7 @@ def main() -> None:
         out = results[f"ZeRO-{stage}"][0]
         for precision in ("fp32", "bf16"):
             mem = out["memory"][precision]
-            f = formula(stage, out["padded_numel"], n, precision == "bf16")
+            f = model_state_bytes(out["padded_numel"], n, stage, STATE_BYTES[precision])["total"]
             label = {("fp32", 0): "16Ψ", ("fp32", 1): "8Ψ+8Ψ/N", ("fp32", 2): "4Ψ+12Ψ/N", ("fp32", 3): "16Ψ/N",
                      ("bf16", 0): "18Ψ", ("bf16", 1): "6Ψ+12Ψ/N", ("bf16", 2): "2Ψ+16Ψ/N",
                      ("bf16", 3): "18Ψ/N"}[(precision, stage)]

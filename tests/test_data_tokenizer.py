@@ -172,3 +172,17 @@ def test_train_tokenizer_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no text" in err and err.count("\n") == 1
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("kind", ["gpt2bpe", "sentencepiece"])
+def test_train_tokenizer_says_when_the_corpus_yields_fewer_tokens(kind: str, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_texts(100))
+    cli = load_script("train_tokenizer")
+    out = tmp_path / "tok"
+    assert cli.main(["--type", kind, "--input", str(corpus), "--vocab-size", "50000", "--output", str(out)]) == 0
+    captured = capsys.readouterr()
+    got = build_tokenizer(captured.out.split()[1]).vocab_size
+    assert got < 50000
+    assert captured.err == (f"warning: the corpus yields only {got:,} tokens of the 50,000 --vocab-size asked for; "
+                            f"use a larger corpus (--input) or a smaller --vocab-size\n")

@@ -83,9 +83,11 @@ def test_gathered_16bit_save_at_zero3_with_pipeline(tmp_path):
     for name, t in gathered.items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, consolidated[name]), name
     assert all(t.abs().sum() > 0 for n, t in gathered.items() if n.endswith("weight"))  # no empty placeholders
-    from megazero.generate import build_model, load_weights
-    m, _, tensors = load_weights(os.path.join(save, "iter_0000002", "model_16bit.safetensors"))
-    build_model(m, tensors, SOLO)
+    from megazero.checkpoint.load import open_checkpoint
+    from megazero.generate import build_model
+    ckpt = open_checkpoint(os.path.join(save, "iter_0000002", "model_16bit.safetensors"))
+    assert ckpt.iteration == 2  # read from the metadata.json beside it
+    build_model(ckpt, SOLO)
 
 
 def _losses(tmp_path, name: str, nproc: int, extra: list[str]) -> list[float]:
@@ -144,11 +146,11 @@ def test_reshard_to_impossible_layout_is_refused(tmp_path, source_checkpoint):
 
 
 def _greedy(path: str) -> list[int]:
-    from megazero.generate import build_model, generate, load_weights
+    from megazero.checkpoint.load import open_checkpoint
+    from megazero.generate import build_model, generate
     from megazero.parallel.grid import ProcessGrid
     grid = ProcessGrid.create(tp=int(os.environ["WORLD_SIZE"]), pp=1)
-    m, _, tensors = load_weights(path)
-    model = build_model(m, tensors, grid.tp_group)
+    model = build_model(open_checkpoint(path), grid.tp_group)
     return generate(model, [5, 17, 33, 2], max_new_tokens=12, temperature=0.0)
 
 
@@ -164,10 +166,10 @@ def test_greedy_generation_equal_across_layouts(tmp_path, source_checkpoint):
 
 
 def test_sampling_is_deterministic_for_a_seed(tmp_path, source_checkpoint):
-    from megazero.generate import build_model, generate, load_weights
+    from megazero.checkpoint.load import open_checkpoint
+    from megazero.generate import build_model, generate
     save, _ = source_checkpoint
-    m, _, tensors = load_weights(save)
-    model = build_model(m, tensors, SOLO)
+    model = build_model(open_checkpoint(save), SOLO)
     runs = [generate(model, [1, 2, 3], 20, temperature=1.0, top_k=50, top_p=0.9, seed=s) for s in (7, 7, 8)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
 

@@ -106,12 +106,12 @@ def test_16bit_save_on_gpu(tmp_path, gpu_checkpoint):
 
 
 def _logits(path: str, device: str) -> torch.Tensor:
-    from megazero.generate import build_model, load_weights
-    m, _, tensors = load_weights(path)
-    model = build_model(m, tensors, SOLO, device)
+    from megazero.checkpoint.load import open_checkpoint
+    from megazero.generate import build_model
+    model = build_model(open_checkpoint(path), SOLO, device)
     assert next(model.parameters()).device.type == torch.device(device).type
     with torch.no_grad():
-        return model(TOKENS.to(device))[..., :m.vocab_size].float().cpu()
+        return model(TOKENS.to(device))[..., :model.cfg.vocab_size].float().cpu()
 
 
 def test_torch_and_hf_export_from_gpu_checkpoint(tmp_path, gpu_checkpoint):
@@ -128,14 +128,12 @@ def test_torch_and_hf_export_from_gpu_checkpoint(tmp_path, gpu_checkpoint):
 
 
 def test_generation_on_gpu(tmp_path, gpu_checkpoint):
+    from megazero.checkpoint.load import open_checkpoint
     from megazero.data.tokenizer import train_gpt2bpe
-    from megazero.generate import build_model, generate, load_weights
+    from megazero.generate import build_model, generate
     from megazero.model.gpt import KVCache
 
-    models = {}
-    for device in ("cpu", "cuda"):
-        m, _, tensors = load_weights(gpu_checkpoint)
-        models[device] = build_model(m, tensors, SOLO, device)
+    models = {device: build_model(open_checkpoint(gpu_checkpoint), SOLO, device) for device in ("cpu", "cuda")}
     cache = KVCache(models["cuda"], 1, 8)
     assert all(kv.k.is_cuda and kv.v.is_cuda for kv in cache.layers.values())
     greedy = {d: generate(model, PROMPT_IDS, max_new_tokens=12, temperature=0.0) for d, model in models.items()}

@@ -8,7 +8,9 @@ import torch
 from megazero.checkpoint.export import fit_vocab
 from megazero.checkpoint.hf import from_hf, read_hf, write_hf
 from megazero.config import ModelConfig
+from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe, train_sentencepiece
 from megazero.model.gpt import GPT
+from test_data_tokenizer import SAMPLES, make_texts
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
 
@@ -51,3 +53,49 @@ def test_import_roundtrip(tmp_path):
     fresh.load_state_dict(loaded, strict=True)
     for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+TOKENIZERS = {  # name: (texts, output folder) -> spec
+    "gpt2bpe": lambda texts, out: train_gpt2bpe(texts, 400, out),
+    "sentencepiece_bpe": lambda texts, out: train_sentencepiece(texts, 320, out),
+    "sentencepiece_unigram": lambda texts, out: train_sentencepiece(texts, 320, out, "unigram"),
+    "sentencepiece_defaults": lambda texts, out: _foreign_sentencepiece(texts, out),
+}
+
+
+def _foreign_sentencepiece(texts: list[str], out, **options) -> str:
+    """A model with SentencePiece's own defaults (NFKC map, extra whitespace removed), as
+    tokenizers trained outside megazero (e.g. Llama's) have."""
+    import sentencepiece as spm
+    out.mkdir()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(out / "m"), vocab_size=400,
+                                   byte_fallback=True, hard_vocab_limit=False, minloglevel=2, **options)
+    return f"sentencepiece:{out / 'm.model'}"
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_exported_tokenizer_encodes_like_megazero_in_transformers(tmp_path, name):
+    """AutoTokenizer.from_pretrained(export) gives megazero's ids and text back."""
+    from megazero.checkpoint.hf import write_hf_tokenizer
+    from megazero.checkpoint.load import hf_tokenizer_spec
+    transformers = pytest.importorskip("transformers")
+    ours = build_tokenizer(TOKENIZERS[name](make_texts(300) + SAMPLES, tmp_path / "tok"))
+    export = tmp_path / "export"
+    write_hf_tokenizer(ours, str(export), 1 << 16)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(export))
+    probe = make_texts(20, seed=9) + SAMPLES + ["  leading and   trailing  ", "unseen: zqxj 😀 ☃ ＡＢＣ ①",
+                                                "x" * 40]
+    for text in probe:
+        ids = ours.encode(text)
+        assert theirs.encode(text) == ids, text
+        assert theirs.decode(ids) == ours.decode(ids), text
+    assert theirs.eos_token_id == ours.eod
+    assert build_tokenizer(hf_tokenizer_spec(str(export))).identity() == ours.identity()  # megazero reads it back
+
+
+def test_tokenizer_without_exact_equivalent_is_refused(tmp_path):
+    from megazero.data import DataError
+    from megazero.data.hf_tokenizer import hf_tokenizer_files
+    spec = _foreign_sentencepiece(make_texts(100), tmp_path / "tok", user_defined_symbols=["[SEP]"])
+    with pytest.raises(DataError, match=r"user-defined pieces \(\[SEP\]\)"):
+        hf_tokenizer_files(build_tokenizer(spec), 64)

@@ -264,7 +264,8 @@ def _resume(stage: int, precision: str) -> bool:
     tr = _trainer(args)
     for _ in range(2):
         tr.train_step()
-    saved = {"optim": tr.optimizer.state_dict(), "model": tr.optimizer.model_state_dict()}
+    saved = {"optim": tr.optimizer.state_dict(), "model": tr.optimizer.model_state_dict(),
+             "schedule": tr.schedule.state_dict()}  # fp16 may have skipped steps: the LR did not advance
     import io
     buf = io.BytesIO()
     torch.save(saved, buf)
@@ -277,6 +278,7 @@ def _resume(stage: int, precision: str) -> bool:
     loaded = torch.load(buf, weights_only=True)
     fresh.optimizer.load_model_state_dict(loaded["model"])
     fresh.optimizer.load_state_dict(loaded["optim"])
+    fresh.schedule.resume(loaded["schedule"], override=False)
     fresh.iteration, fresh.consumed_samples = 2, 2 * fresh.cfg.train.global_batch_size
     for _ in range(2):
         fresh.train_step()

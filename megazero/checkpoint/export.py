@@ -11,11 +11,12 @@ are brought into memory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
 import zipfile
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
@@ -23,6 +24,9 @@ from megazero.checkpoint import sharded
 from megazero.parallel.host import HostStaging
 from megazero.config import ModelConfig, build_config
 from megazero.model.layers import unshard
+
+if TYPE_CHECKING:
+    from megazero.checkpoint.load import Checkpoint
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -189,7 +193,7 @@ def _record_offsets(path: str) -> dict[str, int]:
     return out
 
 
-def write_torch(reader: ShardedReader, output: str, dtype: torch.dtype) -> None:
+def write_torch(reader: "Checkpoint", output: str, dtype: torch.dtype) -> None:
     """One plain state_dict for megazero's non-parallel GPT-2 (load with strict=True), and
     OUTPUT.config.json with the model config and tokenizer needed to use it."""
     from megazero.config import padded_vocab_size
@@ -201,6 +205,7 @@ def write_torch(reader: ShardedReader, output: str, dtype: torch.dtype) -> None:
         if name == "transformer.wte.weight":  # re-pad for tp = 1
             shape[0] = padded_vocab_size(m.vocab_size, 1)
         shapes[name] = tuple(shape)
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     save_streaming(output, shapes, dtype,
                    ((n, fit_vocab(n, t, shapes[n])) for n, t in reader.tensors("master")))
     write_sidecar(output + ".config.json", reader)
@@ -215,10 +220,9 @@ def fit_vocab(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
     return t
 
 
-def write_sidecar(path: str, reader: ShardedReader) -> None:
-    info = {"model": reader.meta["config"]["model"], "tokenizer": reader.meta["config"]["data"]["tokenizer"],
+def write_sidecar(path: str, reader: "Checkpoint") -> None:
+    from megazero.atomic import write_text
+
+    info = {"model": dataclasses.asdict(reader.model_config), "tokenizer": reader.tokenizer,
             "iteration": reader.iteration, "source": os.path.abspath(reader.ckpt)}
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(info, f, indent=1)
-    os.replace(tmp, path)
+    write_text(path, json.dumps(info, indent=1))

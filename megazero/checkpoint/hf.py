@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
+from megazero.checkpoint.sharded import CheckpointError
 from megazero.config import ModelConfig
+
+if TYPE_CHECKING:
+    from megazero.data.tokenizer import Tokenizer
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 TIED_HEAD = "lm_head.weight"
@@ -106,3 +110,105 @@ def read_hf(hf_dir: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]
                 yield name, f.get_tensor(key)
 
     return m, tensors()
+
+
+def write_hf_tokenizer(tokenizer: "Tokenizer", output_dir: str, model_max_length: int) -> None:
+    """A megazero tokenizer, into an HF directory: megazero's own files (so megazero
+    reads the directory back with the same tokenizer) and tokenizer.json +
+    tokenizer_config.json (so `AutoTokenizer.from_pretrained` encodes the same ids)."""
+    from megazero.atomic import write_bytes, write_text
+    from megazero.data.hf_tokenizer import hf_tokenizer_files
+    from megazero.data.tokenizer import SPM_MODEL_NAME
+
+    names = ("vocab.json", "merges.txt") if tokenizer.kind == "gpt2bpe" else (SPM_MODEL_NAME,)
+    for source, name in zip(tokenizer.files, names):
+        with open(source, "rb") as f:
+            write_bytes(os.path.join(output_dir, name), f.read())
+    for name, text in hf_tokenizer_files(tokenizer, model_max_length).items():
+        write_text(os.path.join(output_dir, name), text)
+
+
+# ----------------------------------------------------------------------------- init_from_hf
+
+def hf_weights_file(hf_dir: str) -> str:
+    """model.safetensors, else pytorch_model.bin, of an HF directory."""
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path):
+            return path
+    raise CheckpointError(f"checkpoint.init_from_hf {hf_dir} has neither model.safetensors nor pytorch_model.bin")
+
+
+class HFInitialValues:
+    """A run's starting parameters read from an HF GPT-2 directory, one parameter's TP shard
+    at a time: safetensors slices (or a memory-mapped weights_only pytorch_model.bin) read
+    only the rows or columns this rank keeps, never the whole model.
+
+    `value(name, param, tp_rank, tp_size)` returns the shard in megazero's layout (Linear
+    [out, in] weights, the vocabulary padded with zero rows), fp32, on the CPU."""
+
+    def __init__(self, hf_dir: str, m: ModelConfig) -> None:
+        self.path, self.m = hf_weights_file(hf_dir), m
+        if self.path.endswith(".safetensors"):
+            from safetensors import safe_open
+            self._file = safe_open(self.path, framework="pt")
+            keys = list(self._file.keys())
+        else:
+            self._file = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            keys = list(self._file)
+        # GPT2LMHeadModel names; a bare GPT2Model's keys lack the 'transformer.' prefix
+        self.keys = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: k for k in keys}
+
+    def _slice(self, key: str):
+        return self._file.get_slice(key) if self.path.endswith(".safetensors") else self._file[key]
+
+    def _shape(self, key: str) -> tuple[int, ...]:
+        s = self._slice(key)
+        return tuple(s.get_shape() if hasattr(s, "get_shape") else s.shape)
+
+    def value(self, name: str, p: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
+        hf_name = "transformer.wte.weight" if name == TIED_HEAD else name
+        if hf_name not in self.keys:
+            raise CheckpointError(f"{self.path} has no tensor '{hf_name}': not a GPT-2 checkpoint of this model's shape")
+        key, conv = self.keys[hf_name], hf_name.endswith(CONV1D_SUFFIXES)
+        full = tuple(p.full_shape)
+        expected = tuple(reversed(full)) if conv else full
+        rows = None
+        if hf_name == "transformer.wte.weight":
+            expected = (self.m.vocab_size, full[1])  # megazero's padding rows are not stored
+        elif hf_name == "transformer.wpe.weight":
+            rows = full[0]  # the first seq_length of the checkpoint's n_positions
+        got = self._shape(key)
+        if got != expected and not (rows and got[1:] == expected[1:] and got[0] >= rows):
+            raise CheckpointError(f"{self.path}: '{key}' has shape {list(got)}, but the model config needs "
+                             f"{list(expected)}; the model section does not match this checkpoint")
+        dim, stride = (p.tp_dim, p.tp_stride) if tp_size > 1 else (None, 1)
+        if hf_name == "transformer.wte.weight":
+            dim = 0  # read by rows at any tp, so the padding rows come out as zeros
+        if dim is None:
+            t = self._slice(key)[:rows] if rows else self._slice(key)[:]
+            return (t.t() if conv else t).float().contiguous()
+        pieces = [self._read(key, conv, dim, lo, hi, full) for lo, hi in _shard_ranges(full[dim], stride, tp_rank,
+                                                                                         tp_size)]
+        return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+
+    def _read(self, key: str, conv: bool, dim: int, lo: int, hi: int, full: tuple[int, ...]) -> torch.Tensor:
+        """Elements [lo, hi) along megazero dimension `dim`, in megazero's layout, fp32;
+        indices past what the file stores (vocabulary padding) are zeros."""
+        hf_dim = 1 - dim if conv else dim
+        real_hi = min(hi, self._shape(key)[hf_dim])
+        shape = list(full)
+        shape[dim] = hi - lo
+        out = torch.zeros(shape)
+        if lo < real_hi:
+            s = self._slice(key)
+            t = s[lo:real_hi] if hf_dim == 0 else s[:, lo:real_hi]
+            out.narrow(dim, 0, real_hi - lo).copy_(t.t() if conv else t)
+        return out
+
+
+def _shard_ranges(size: int, stride: int, rank: int, tp: int) -> list[tuple[int, int]]:
+    """[lo, hi) along the split dimension of the blocks this TP rank keeps (see layers.shard_of)."""
+    block = size // stride
+    chunk = block // tp
+    return [(j * block + rank * chunk, j * block + (rank + 1) * chunk) for j in range(stride)]

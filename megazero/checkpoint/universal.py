@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -25,6 +25,9 @@ from megazero.checkpoint import sharded
 from megazero.checkpoint.export import KINDS, ShardedReader, fit_vocab, save_safetensors_streaming
 from megazero.config import ModelConfig, build_config
 from megazero.model.layers import shard_of
+
+if TYPE_CHECKING:
+    from megazero.checkpoint.load import Checkpoint
 
 UNIVERSAL_VERSION = 1
 
@@ -96,8 +99,10 @@ def reshard_optimizer_state(reader: FullTensorReader, template: dict, tp_rank: i
     return {**template, **flats, "step": state["step"], "loss_scaler": state["loss_scaler"]}
 
 
-def write_universal(reader: ShardedReader, output: str) -> None:
-    """Convert a sharded checkpoint into the universal format (streamed, tensor by tensor)."""
+def write_universal(reader: "Checkpoint", output: str) -> None:
+    """Convert a checkpoint with optimizer state (load.Checkpoint) into the universal format
+    (streamed, tensor by tensor)."""
+    state = reader.trainer_state()  # first: a weights-only source fails before anything is written
     m = reader.model_config
     os.makedirs(output, exist_ok=True)
     shapes = {}
@@ -109,7 +114,6 @@ def write_universal(reader: ShardedReader, output: str) -> None:
     for kind in KINDS:
         save_safetensors_streaming(os.path.join(output, f"{kind}.safetensors"), shapes, torch.float32,
                                    ((n, fit_vocab(n, t, shapes[n])) for n, t in reader.tensors(kind)))
-    state = reader.trainer_state()
     meta = {"format_version": UNIVERSAL_VERSION, **state, "config": reader.meta["config"],
             "source": os.path.abspath(reader.ckpt)}
     tmp = os.path.join(output, "universal.json.tmp")

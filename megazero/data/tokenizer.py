@@ -97,6 +97,10 @@ class GPT2BPETokenizer:
     def identity(self) -> dict[str, Any]:
         return _identity(self)
 
+    def pipeline_json(self) -> str:
+        """The `tokenizers` pipeline in tokenizer.json form (data/hf_tokenizer.py builds on it)."""
+        return self._tok.to_str()
+
 
 class SentencePieceTokenizer:
     """A SentencePiece model; the end-of-document id is the model's </s> (eos) piece."""
@@ -213,7 +217,9 @@ def train_gpt2bpe(texts: Iterable[str], vocab_size: int, output_dir: str | os.Pa
 def train_sentencepiece(
     texts: Iterable[str], vocab_size: int, output_dir: str | os.PathLike, model_type: str = "bpe"
 ) -> str:
-    """Train a SentencePiece model (byte fallback, so no text is unknown); write OUTPUT_DIR/tokenizer.model."""
+    """Train a SentencePiece model (byte fallback, so no text is unknown); write OUTPUT_DIR/tokenizer.model.
+
+    The vocabulary holds at most vocab_size pieces (fewer if the corpus has no more to give)."""
     import sentencepiece as spm
 
     counter = _Counter(_paragraphs(texts))
@@ -224,6 +230,9 @@ def train_sentencepiece(
                 sentence_iterator=iter(counter),
                 model_prefix=prefix,
                 vocab_size=vocab_size,
+                # a corpus too small for vocab_size yields fewer pieces (train_tokenizer.py
+                # says so) instead of failing, as byte-level BPE does
+                hard_vocab_limit=False,
                 model_type=model_type,
                 byte_fallback=True,
                 character_coverage=0.9995,
@@ -238,7 +247,7 @@ def train_sentencepiece(
                 max_sentence_length=1 << 16,
                 minloglevel=2,
             )
-        except RuntimeError as e:  # e.g. vocab_size larger than the corpus allows
+        except RuntimeError as e:  # e.g. vocab_size smaller than the byte and special pieces
             counter.require_some()
             raise DataError(f"sentencepiece training failed: {str(e).strip().splitlines()[-1]}") from None
         _move_into(output_dir, [prefix + ".model"], rename={prefix + ".model": SPM_MODEL_NAME})

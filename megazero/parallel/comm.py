@@ -58,6 +58,26 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# ----------------------------------------------------------------------------- wire volume
+# Bytes one rank puts on the wire per call under a ring algorithm: what the counters add and
+# what the layout planner (megazero.plan) predicts, from these same functions.
+
+
+def all_reduce_volume(nbytes: int, n: int) -> int:
+    """All-reduce of an `nbytes` tensor over n ranks: reduce-scatter + all-gather, 2 (n-1)/n."""
+    return int(2 * (n - 1) / n * nbytes)
+
+
+def all_gather_volume(shard_nbytes: int, n: int) -> int:
+    """All-gather of n shards of `shard_nbytes`: every rank forwards n - 1 of them."""
+    return (n - 1) * shard_nbytes
+
+
+def reduce_scatter_volume(shard_nbytes: int, n: int) -> int:
+    """Reduce-scatter into shards of `shard_nbytes`: n - 1 partial shards pass each rank."""
+    return (n - 1) * shard_nbytes
+
+
 # ----------------------------------------------------------------------------- collectives
 
 
@@ -66,7 +86,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.
     """In-place all-reduce. Ring traffic per rank: 2 (n-1)/n of the tensor."""
     if group.size == 1:
         return None
-    group.count("all_reduce", 2 * (group.size - 1) / group.size * _nbytes(t))
+    group.count("all_reduce", all_reduce_volume(_nbytes(t), group.size))
     return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
 
 
@@ -76,7 +96,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group,
     if group.size == 1:
         out.copy_(shard)
         return None
-    group.count("all_gather", (group.size - 1) * _nbytes(shard))
+    group.count("all_gather", all_gather_volume(_nbytes(shard), group.size))
     return _ALL_GATHER(out, shard.contiguous(), group=group.pg, async_op=async_op)
 
 
@@ -91,7 +111,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group) -> 
     if n == 1:
         out.copy_(full)
         return
-    group.count("reduce_scatter", (n - 1) * _nbytes(out))
+    group.count("reduce_scatter", reduce_scatter_volume(_nbytes(out), n))
     if dist.get_backend(group.pg) != "gloo":
         _REDUCE_SCATTER(out, full.contiguous(), group=group.pg)
         return

@@ -49,19 +49,27 @@ class GradSync(Protocol):
         """Backwards inside accumulate gradients without reducing them over DP."""
 
 
+Timers = Callable[[str], ContextManager[None]]
+"""timers("forward") / timers("backward"): a context that times one phase (see train/metrics.py)."""
+
+
+def untimed(phase: str) -> ContextManager[None]:
+    return contextlib.nullcontext()
+
+
 def forward_backward_no_pipelining(chunk: GPT, microbatches: Sequence[Microbatch], num_tokens: int,
-                                   optimizer: Optional[GradSync] = None,
-                                   forward_only: bool = False) -> Optional[torch.Tensor]:
+                                   optimizer: Optional[GradSync] = None, forward_only: bool = False,
+                                   timers: Timers = untimed) -> Optional[torch.Tensor]:
     """pp = 1: a plain loop of forward + backward per micro-batch (gradients accumulate)."""
     # On the tokens' device: a CPU accumulator plus a CUDA loss fails only on the GPU.
     total = torch.zeros((), dtype=torch.float32, device=microbatches[0][0].device)
     for i, (tokens, labels) in enumerate(microbatches):
-        with torch.set_grad_enabled(not forward_only):
+        with torch.set_grad_enabled(not forward_only), timers("forward"):
             loss = chunk.loss(chunk(tokens), labels).sum() / num_tokens
         if not forward_only:
             # Gradients accumulate locally; only the last backward reduces them over DP.
             last = i == len(microbatches) - 1
-            with contextlib.nullcontext() if last else optimizer.no_sync():
+            with contextlib.nullcontext() if last else optimizer.no_sync(), timers("backward"):
                 optimizer.scale_loss(loss).backward()
         total += loss.detach().float()
     return total
@@ -244,11 +252,12 @@ def _input_arrived(action: Action, pp_rank: int, arrived: set[tuple[int, Action]
 def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Microbatch], num_tokens: int,
                                 grid: ProcessGrid, schedule: str, dtype: torch.dtype,
                                 optimizer: Optional[GradSync] = None, forward_only: bool = False,
-                                stats: Optional[dict] = None) -> Optional[torch.Tensor]:
+                                stats: Optional[dict] = None, timers: Timers = untimed) -> Optional[torch.Tensor]:
     """Run one iteration's micro-batches through this rank's model chunks in the order of
     `schedule` (gpipe | 1f1b | interleaved; forward_only: forwards alone), exchanging
     activations [micro_batch_size, seq_length, hidden] in `dtype` with the neighbours.
-    `stats`, when given, receives "wait_s": the seconds this rank waited on neighbours."""
+    `stats`, when given, receives "wait_s": the seconds this rank waited on neighbours;
+    `timers` times the forward and backward phases."""
     pp, vpp, rank, m = grid.pp, len(chunks), grid.pp_rank, len(microbatches)
     order_of = forward_only_order if forward_only else ORDERS[schedule]
     order = order_of(pp, vpp, rank, m)
@@ -268,7 +277,7 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
         if action.forward:
             tokens, labels = microbatches[action.microbatch]
             x = tokens if chunk.pre_process else received.requires_grad_(not forward_only)
-            with torch.set_grad_enabled(not forward_only):
+            with torch.set_grad_enabled(not forward_only), timers("forward"):
                 y = chunk(x)
                 if chunk.post_process:
                     y = chunk.loss(y, labels).sum() / num_tokens
@@ -277,7 +286,8 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
                 saved[key] = (x, y)
             return None if chunk.post_process else y
         x, y = saved.pop(key)
-        with contextlib.nullcontext() if action == last_backward[action.chunk] else optimizer.no_sync():
+        with contextlib.nullcontext() if action == last_backward[action.chunk] else optimizer.no_sync(), \
+                timers("backward"):
             if chunk.post_process:
                 optimizer.scale_loss(y).backward()
             else:

@@ -3,27 +3,16 @@ logged iteration, the same numbers as JSONL, and optionally Weights & Biases."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Optional
+import time
+from typing import Iterator, Optional
 
 import torch
 
-from megazero.config import Config, ModelConfig
-
-# Dense bf16/fp16 tensor-core peak per device, FLOP/s. Unknown devices get no MFU.
-PEAK_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L40S": 362e12,
-    "L4": 121e12, "V100": 125e12, "MI300X": 1307e12, "MI250X": 383e12,
-}
-
-
-def model_flops_per_token(m: ModelConfig) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters, incl. the head) plus attention
-    scores and weighted values (forward 4 s h per layer, x3 with backward)."""
-    h, L, s = m.hidden_size, m.num_layers, m.seq_length
-    matmul_params = L * (4 * h * h + 2 * h * m.ffn_size) + m.vocab_size * h
-    return 6 * matmul_params + 12 * L * h * s
+from megazero.config import Config
+from megazero.plan.formulas import PEAK_FLOPS
 
 
 def device_peak_flops() -> tuple[str, Optional[float]]:
@@ -41,7 +30,7 @@ def format_line(rec: dict, total_iters: int) -> str:
     """`iter 120/2000 | loss 3.412 | lr 2.4e-04 | grad 0.91 | 12.3k tok/s | ...`."""
     parts = [f"iter {rec['iteration']}/{total_iters}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}",
              f"grad {rec['grad_norm']:.3f}", f"{rec['tokens_per_sec'] / 1e3:.1f}k tok/s",
-             f"{rec['tflops_per_device']:.2f} TFLOP/s"]
+             f"{rec['tflops_per_device']:.3g} TFLOP/s"]  # 3 significant digits: non-zero on tiny models
     if rec.get("mfu") is not None:
         parts.append(f"MFU {100 * rec['mfu']:.1f}%")
     parts.append(f"mem {rec['peak_mem_gib']:.2f} GiB")
@@ -49,9 +38,58 @@ def format_line(rec: dict, total_iters: int) -> str:
         parts.append(f"scale {rec['loss_scale']:.0f}")
     if rec.get("skipped_iters"):
         parts.append(f"skipped {rec['skipped_iters']}")
+    if "time_forward_s" in rec:
+        parts.append(" ".join(f"{label} {1e3 * rec['time_' + key + '_s']:.1f} ms" for key, label in PHASES.items()))
+        parts.append("sent " + " ".join(f"{g} {rec['bytes_' + g] / 2**20:.2f} MiB" for g in MOVED))
     if "val_loss" in rec:
         parts.append(f"val {rec['val_loss']:.4f} (ppl {rec['val_ppl']:.1f})")
     return " | ".join(parts)
+
+
+PHASES = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "comm_wait": "wait"}
+MOVED = ("dp", "tp", "pp")
+
+
+class PhaseTimers:
+    """Seconds per training phase (logging.timers), summed until `take`. On CUDA every phase
+    boundary synchronizes the device, so a phase is charged for its own kernels."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        self._sync()
+        tic = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[phase] += time.perf_counter() - tic
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+    def take(self, steps: int) -> dict[str, float]:
+        """JSONL fields time_<phase>_s: seconds per iteration over the last `steps`; then reset."""
+        out = {f"time_{k}_s": v / max(1, steps) for k, v in self.seconds.items()}
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        return out
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def bytes_per_iteration(moved: dict[str, dict[str, int]], steps: int) -> dict[str, float]:
+    """JSONL fields bytes_dp/tp/pp: bytes this rank sent per iteration over each group (the
+    tied embedding's sum counts with pp), from the comm counters."""
+    def total(group: str) -> int:
+        return sum(v for op, v in moved.get(group, {}).items() if not op.endswith("_calls"))
+    out = {f"bytes_{g}": total(g) / max(1, steps) for g in MOVED}
+    out["bytes_pp"] += total("embed") / max(1, steps)
+    return out
 
 
 def peak_memory_gib() -> float:

@@ -47,7 +47,16 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
         if cfg.train.compile:
             apply_compile(chunk, cfg.train.recompute)
         apply_recompute(chunk, cfg.train.recompute, tracker)
-    return chunks, ZeroOptimizer(chunks, cfg, grid)
+    initial = hf_initial_values(cfg, grid) if cfg.checkpoint.init_from_hf else None
+    return chunks, ZeroOptimizer(chunks, cfg, grid, initial)
+
+
+def hf_initial_values(cfg: Config, grid: ProcessGrid) -> Callable[[int, str, torch.nn.Parameter], torch.Tensor]:
+    """checkpoint.init_from_hf: starting values read from HF GPT-2 weights, each rank
+    reading only its TP shard of one parameter at a time."""
+    from megazero.checkpoint.hf import HFInitialValues
+    hf = HFInitialValues(cfg.checkpoint.init_from_hf, cfg.model)
+    return lambda chunk, name, p: hf.value(name, p, grid.tp_rank, grid.tp)
 
 
 def apply_tensor_parallel(model: GPT, tp: Group) -> GPT:

@@ -25,11 +25,14 @@ from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
-from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining
+from megazero.pipeline.schedules import (Microbatch, forward_backward_no_pipelining, forward_backward_pipelining,
+                                         untimed)
 from megazero.train.lr import LRSchedule
 from megazero.train.parallelize import parallelize
-from megazero.train.metrics import (MetricsWriter, device_peak_flops, format_line, model_flops_per_token,
+from megazero.plan.formulas import model_flops_per_token
+from megazero.train.metrics import (MetricsWriter, PhaseTimers, bytes_per_iteration, device_peak_flops, format_line,
                                     peak_memory_gib)
+from megazero.train.summary import plan_check, run_prediction, startup_summary
 
 
 class TrainingError(UserError, RuntimeError):
@@ -54,15 +57,26 @@ class Trainer:
         self.metrics = MetricsWriter(cfg, self.is_logger)
         self.flops_per_token = model_flops_per_token(cfg.model)
         self.device_name, self.peak_flops = device_peak_flops()
-        if grid.rank == 0:
-            print(f"megazero: world {grid.world_size} = tp {grid.tp} x pp {grid.pp} x dp {grid.dp} "
-                  f"({grid.backend}); {self.num_microbatches} micro-batches/iter\n--- config ---\n"
-                  f"{describe(cfg)}--------------", flush=True)
-            save_resolved_config(cfg)
+        self.timers = PhaseTimers(grid.device) if cfg.logging.timers else None
+        self.plan = self._announce()
         self.stop_requested = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load, cfg.checkpoint.iteration)
+
+    def _announce(self):
+        """Rank 0: the start-up summary (with the planner's prediction), then the full config.
+        Returns the prediction on the ranks that print it (rank 0 and the logging rank)."""
+        grid = self.grid
+        if grid.rank != 0 and not self.is_logger:
+            return None
+        plan = run_prediction(self.cfg, grid, self.peak_flops)
+        if grid.rank == 0:
+            summary = startup_summary(self.cfg, grid, self.optimizer.layout.param_numel,
+                                      (self.train_ds, self.valid_ds), plan, self.device_name)
+            print(f"{summary}\n--- config ---\n{describe(self.cfg)}--------------", flush=True)
+            save_resolved_config(self.cfg)
+        return plan
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -172,11 +186,17 @@ class Trainer:
         """Forward (and backward) of this DP rank's micro-batches; this rank's loss share on
         the last pipeline stage, None elsewhere."""
         num_tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
+        timers = self.timers if self.timers is not None and not forward_only else untimed
         if self.grid.pp == 1:
-            return forward_backward_no_pipelining(self.chunks[0], batches, num_tokens, self.optimizer, forward_only)
+            return forward_backward_no_pipelining(self.chunks[0], batches, num_tokens, self.optimizer, forward_only,
+                                                  timers)
         dtype = next(self.chunks[0].parameters()).dtype  # the compute dtype the optimizer cast the model to
-        return forward_backward_pipelining(self.chunks, batches, num_tokens, self.grid, self.cfg.parallel.schedule,
-                                           dtype, self.optimizer, forward_only)
+        stats: dict = {}
+        loss = forward_backward_pipelining(self.chunks, batches, num_tokens, self.grid, self.cfg.parallel.schedule,
+                                           dtype, self.optimizer, forward_only, stats, timers)
+        if timers is not untimed:
+            self.timers.add("comm_wait", stats["wait_s"])  # blocked on pipeline neighbours
+        return loss
 
     def global_loss(self, local: Optional[torch.Tensor]) -> Optional[float]:
         """Sum the per-rank shares over DP (on the last stage, where the loss exists)."""
@@ -193,8 +213,10 @@ class Trainer:
         self.optimizer.zero_grad()
         batches = self.microbatches(self.train_ds, self.consumed_samples)
         loss = self.run_schedule(batches, forward_only=False)
-        self.optimizer.finish_grad_sync()
-        result = self.optimizer.step(lr, loss)
+        with self._phase("comm_wait"):  # the DP reductions still in flight after the last backward
+            self.optimizer.finish_grad_sync()
+        with self._phase("optimizer"):
+            result = self.optimizer.step(lr, loss)
         if not result.skipped:  # a skipped step leaves the schedule where it was (Megatron)
             self.schedule.step()
         self.iteration += 1
@@ -203,6 +225,9 @@ class Trainer:
                "loss_scale": result.loss_scale}
         self._count_skip(result.skipped, out)
         return out
+
+    def _phase(self, name: str):
+        return self.timers(name) if self.timers is not None else untimed(name)
 
     def _count_skip(self, skipped: bool, out: dict) -> None:
         """Report a skipped step; stop after train.max_skipped_steps in a row (every rank skipped
@@ -242,7 +267,7 @@ class Trainer:
             out = self.train_step()
             step_seconds, steps = step_seconds + time.perf_counter() - tic, steps + 1
             if self.iteration % t.log_interval == 0 or self.iteration == t.iters or self.eval_due():
-                records.append(self.log(out, tokens_per_iter * steps / step_seconds))
+                records.append(self.log(out, tokens_per_iter * steps / step_seconds, steps))
                 step_seconds, steps = 0.0, 0
             stop = self.stop_agreed()
             if c.save and (stop or self.iteration == t.iters or (c.interval and self.iteration % c.interval == 0)):
@@ -261,9 +286,10 @@ class Trainer:
         return bool(t.eval_interval) and self.valid_ds is not None and (
             self.iteration % t.eval_interval == 0 or self.iteration == t.iters)
 
-    def log(self, out: dict, tokens_per_sec: float) -> dict:
-        """Record one logged iteration (with validation when due) and print/write it."""
-        rec = self.record(out, tokens_per_sec)
+    def log(self, out: dict, tokens_per_sec: float, steps: int = 1) -> dict:
+        """Record one logged iteration (with validation when due) and print/write it; `steps`
+        training steps since the last record."""
+        rec = self.record(out, tokens_per_sec, steps)
         t = self.cfg.train
         if self.eval_due():
             val = self.evaluate()
@@ -271,10 +297,19 @@ class Trainer:
                 rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 50.0))
         if self.is_logger:
             print(format_line(rec, t.iters), flush=True)
+            self._check_plan_once(rec)
             self.metrics.write(rec)
+        self.grid.reset_counters()  # bytes per iteration count training steps only (logging.timers)
         return rec
 
-    def record(self, out: dict, tokens_per_sec: float) -> dict:
+    def _check_plan_once(self, rec: dict) -> None:
+        """At the first log line: the planner's prediction beside the measured figures."""
+        if self.plan is not None:
+            print(plan_check(self.plan, self.grid.pp_rank, rec["peak_mem_gib"], rec["tokens_per_sec"],
+                             self.grid.device.type == "cuda"), flush=True)
+            self.plan = None
+
+    def record(self, out: dict, tokens_per_sec: float, steps: int = 1) -> dict:
         tflops = self.flops_per_token * tokens_per_sec / self.grid.world_size / 1e12
         rec = {"iteration": self.iteration, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                "tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
@@ -283,6 +318,9 @@ class Trainer:
                "skipped_iters": self.skipped_iters}
         if out.get("loss_scale") is not None:
             rec["loss_scale"] = out["loss_scale"]
+        if self.timers is not None:
+            rec.update(self.timers.take(steps))
+            rec.update(bytes_per_iteration(self.grid.bytes_moved(), steps))
         return rec
 
 

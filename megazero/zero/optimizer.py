@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
@@ -114,8 +114,11 @@ def bucket_groups(chunks: list[nn.Module], bucket_size: int) -> list[tuple[int, 
 class ZeroOptimizer:
     """ZeRO stages 0-3 over one model-parallel rank's model chunks (see the module docstring)."""
 
-    def __init__(self, chunks: list[ShardableModel], cfg: Config, grid: ProcessGrid):
-        self.cfg, self.grid, self.chunks = cfg, grid, chunks
+    def __init__(self, chunks: list[ShardableModel], cfg: Config, grid: ProcessGrid,
+                 initial: Optional[Callable[[int, str, nn.Parameter], torch.Tensor]] = None):
+        """`initial(chunk index, name, parameter)`, when given, supplies starting values
+        (this TP rank's shard, e.g. read from pretrained weights) instead of the model's init."""
+        self.cfg, self.grid, self.chunks, self.initial = cfg, grid, chunks, initial
         # A model built on the meta device gets its values from its init, drawn here: each
         # rank writes only the elements it owns.
         self.sharded_init = replace_meta_parameters(chunks, grid.device, hollow=True)
@@ -164,6 +167,8 @@ class ZeroOptimizer:
     def _initial(self, b: Bucket, s: Slot) -> torch.Tensor:
         """Parameter s's starting value, flat: drawn from its chunk's init when the model was
         built on the meta device, else the values it holds."""
+        if self.initial is not None:
+            return self.initial(b.chunk, s.name, s.param).reshape(-1)
         if self.sharded_init:
             return self.chunks[b.chunk].initial_value(s.name, self.cfg.train.seed).reshape(-1)
         return s.param.detach().reshape(-1)

@@ -147,6 +147,15 @@ class Layout:
         return out
 
 
+def bucket_numel(numels: list[int], shards: int) -> int:
+    """Padded size of a bucket holding parameters of `numels` elements, in order: each starts
+    at a multiple of ALIGN, the bucket is a multiple of ALIGN x shards (the planner's Ψ too)."""
+    offset = 0
+    for n in numels:
+        offset = _round_up(offset + n, ALIGN)
+    return _round_up(max(offset, 1), ALIGN * shards)
+
+
 def build_layout(groups: list[tuple[int, list[tuple[str, nn.Parameter]]]], shards: int, rank: int) -> Layout:
     """One bucket per (chunk index, [(name, param), ...]) group, partitioned over `shards` ranks."""
     buckets, shard_offset = [], 0
@@ -155,7 +164,8 @@ def build_layout(groups: list[tuple[int, list[tuple[str, nn.Parameter]]]], shard
         for name, p in named:
             slots.append(Slot(name, p, offset, p.numel(), tuple(p.shape)))
             offset = _round_up(offset + p.numel(), ALIGN)
-        bucket = Bucket(index, chunk, slots, _round_up(max(offset, 1), ALIGN * shards), shards, shard_offset)
+        bucket = Bucket(index, chunk, slots, bucket_numel([p.numel() for _, p in named], shards), shards,
+                        shard_offset)
         shard_offset += bucket.shard_numel
         buckets.append(bucket)
     return Layout(buckets, shards, rank)

@@ -1,0 +1,163 @@
+"""`python -m megazero.plan --config C --gpus N [--gpus-per-node G] [--gpu h100 | --gpu-memory GiB ...]`
+
+Predicts, per GPU, model states (ZeRO), saved activations (recompute, sequence parallelism,
+in-flight micro-batches), peak memory, bytes moved per step by TP, PP and DP, the pipeline
+bubble, step time, tokens/s and MFU, for every layout the model and cluster allow (or the
+one you fix with --tp/--pp/--dp/--zero-stage/...), and ranks those that fit. Config keys can
+be overridden as in training (--train.global_batch_size 1024).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from megazero.config import ConfigError, build_config, load_yaml, resolve_vocab_size
+from megazero.errors import report_errors
+from megazero.plan import formulas as F
+from megazero.plan.planner import RECOMPUTE, Cluster, PlanError, Prediction, explain, nothing_fits, plan
+
+
+def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
+    ap = argparse.ArgumentParser(prog="python -m megazero.plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="training config (YAML): model, batch, precision, ZeRO options")
+    ap.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpu", choices=sorted(F.GPUS), default="h100",
+                    help="preset for memory, peak and bandwidths (default h100); the flags below override it")
+    ap.add_argument("--gpu-memory", type=float, help="GiB per GPU")
+    ap.add_argument("--tflops", type=float, help="dense 16-bit peak TFLOP/s per GPU")
+    ap.add_argument("--intra-bw", type=float, help="GB/s per GPU inside a node (NVLink, one direction)")
+    ap.add_argument("--inter-bw", type=float, help="GB/s per GPU between nodes")
+    ap.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak the matmuls reach (0.5)")
+    ap.add_argument("--dp-overlap", type=float, default=0.5, help="fraction of DP communication hidden (0.5)")
+    ap.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free (0.1)")
+    ap.add_argument("--attention", choices=["flash", "math"], default="flash",
+                    help="fused attention (no s x s scores kept) or the unfused math kernel")
+    for name in ("tp", "pp", "dp", "vpp", "zero-stage", "micro-batch"):
+        ap.add_argument(f"--{name}", type=int, help=f"fix {name.replace('-', ' ')}")
+    ap.add_argument("--recompute", choices=RECOMPUTE, help="fix the recompute policy")
+    ap.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism where tp > 1")
+    ap.add_argument("--offload-optimizer", action="store_true", help="optimizer states in host memory")
+    ap.add_argument("--top", type=int, default=10, help="layouts to show (0: every valid one, fitting or not)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return ap.parse_known_args(argv)
+
+
+def cluster_from(args: argparse.Namespace) -> Cluster:
+    gpu = F.GPUS[args.gpu]
+    for key in ("gpus", "gpus_per_node"):
+        if getattr(args, key) < 1:
+            raise PlanError(f"--{key.replace('_', '-')} ({getattr(args, key)}) must be at least 1")
+    memory = args.gpu_memory if args.gpu_memory is not None else gpu.memory_gib
+    if memory <= 0:
+        raise PlanError(f"--gpu-memory ({memory:g}) must be positive, e.g. 80")
+    custom = any(v is not None for v in (args.gpu_memory, args.tflops, args.intra_bw, args.inter_bw))
+    return Cluster(args.gpus, min(args.gpus_per_node, args.gpus), memory,
+                   args.tflops * 1e12 if args.tflops else gpu.peak_flops,
+                   args.intra_bw or gpu.intra_gbps, args.inter_bw or gpu.inter_gbps, args.efficiency,
+                   args.dp_overlap, args.headroom, gpu.name + (" (overridden)" if custom else ""))
+
+
+def fixed_from(args: argparse.Namespace) -> dict:
+    names = {"tp": "tp", "pp": "pp", "dp": "dp", "vpp": "vpp", "zero_stage": "zero_stage",
+             "micro_batch": "micro_batch", "recompute": "recompute"}
+    fixed = {field: getattr(args, attr) for field, attr in names.items() if getattr(args, attr) is not None}
+    if "zero_stage" in fixed and fixed["zero_stage"] not in (0, 1, 2, 3):
+        raise PlanError(f"--zero-stage ({fixed['zero_stage']}) must be 0, 1, 2 or 3")
+    for key in ("tp", "pp", "dp", "vpp", "micro_batch"):
+        if key in fixed and fixed[key] < 1:
+            raise PlanError(f"--{key.replace('_', '-')} ({fixed[key]}) must be at least 1")
+    if args.sequence_parallel:
+        fixed["sequence_parallel"] = True
+    if args.offload_optimizer:
+        fixed["offload_optimizer"] = True
+    return fixed
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def gib(n: float) -> str:
+    return f"{n / F.GiB:.1f}"
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+HEADER = ("| # | layout | params/GPU | states GiB | act GiB | peak GiB | fits | TP GB | PP GB | DP GB | bubble "
+          "| step s | tokens/s | MFU |")
+
+
+def row(i: int, p: Prediction) -> str:
+    w = p.worst
+    moved = {k: max(r.bytes[k] + (r.bytes["embed"] if k == "pp" else 0) for r in p.ranks) for k in ("tp", "pp", "dp")}
+    time = (f"{p.step_seconds:.2f} | {p.tokens_per_sec / 1e3:,.1f}k | {100 * p.mfu:.1f}%" if p.step_seconds
+            else "- | - | -")
+    return (f"| {i} | {p.layout.label()} | {w.params / 1e6:,.1f}M | {gib(w.states['total'])} | {gib(w.activations)} "
+            f"| {gib(w.peak)} | {'yes' if p.fits else 'no'} | {gb(moved['tp'])} | {gb(moved['pp'])} "
+            f"| {gb(moved['dp'])} | {100 * p.bubble:.1f}% | {time} |")
+
+
+def detail(p: Prediction) -> list[str]:
+    """Per distinct pipeline rank: the memory breakdown, bytes and time."""
+    lines = [f"layout {p.layout.label()}: schedule {p.schedule}, {p.microbatches} micro-batches/iteration, "
+             f"bubble {100 * p.bubble:.1f}%"]
+    for r in p.ranks:
+        s = r.states
+        lines.append(f"  pp rank {r.pp_rank}: {r.params / 1e6:,.1f}M params | params {gib(s['params'])} + grads "
+                     f"{gib(s['grads'])} + optimizer {gib(s['optimizer'])} + activations {gib(r.activations)} + "
+                     f"buffers {gib(r.buffers)} = {gib(r.peak)} GiB" + (f" (+{gib(r.host)} GiB host)" if r.host else "")
+                     + f" | sends TP {gb(r.bytes['tp'])} PP {gb(r.bytes['pp'] + r.bytes['embed'])} "
+                     f"DP {gb(r.bytes['dp'])} GB")
+        if r.times:
+            lines.append("    step " + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in r.times.items()))
+    return lines + [f"  note: {n}" for n in p.notes]
+
+
+def print_table(cfg, cluster: Cluster, preds: list[Prediction], top: int) -> None:
+    m = cfg.model
+    print(f"GPT-2 {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, seq {m.seq_length}, "
+          f"vocab {m.vocab_size}; global batch {cfg.train.global_batch_size}, {cfg.train.precision}; "
+          f"{cluster.gpus} x {cluster.name}: {cluster.memory_gib:g} GiB ({100 * cluster.headroom:.0f}% kept free), "
+          + (f"{cluster.peak_flops / 1e12:g} TFLOP/s at {100 * cluster.efficiency:.0f}%, " if cluster.peak_flops
+             else "") + f"{cluster.gpus_per_node}/node, NVLink {cluster.intra_gbps:g} GB/s, network "
+          f"{cluster.inter_gbps:g} GB/s, DP overlap {100 * cluster.dp_overlap:.0f}%")
+    shown = preds if top == 0 else [p for p in preds if p.fits][:top]
+    fitting = sum(p.fits for p in preds)
+    print(f"{len(preds)} valid layouts, {fitting} fit; " + ("all shown" if top == 0 else f"the {len(shown)} fastest"))
+    print(HEADER)
+    print("|" + "---|" * 14)
+    for i, p in enumerate(shown, 1):
+        print(row(i, p))
+    if len(shown) == 1 or len(preds) == 1:
+        print("\n".join(detail(shown[0])))
+    print(explain(preds))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args, overrides = parse_args(argv)
+    with report_errors(ConfigError):
+        cfg = build_config(load_yaml(args.config), overrides)
+        cfg.model.vocab_size = resolve_vocab_size(cfg)
+        cluster = cluster_from(args)
+        fixed = fixed_from(args)
+        preds = plan(cfg, cluster, fixed, args.attention)
+        if not any(p.fits for p in preds):
+            raise nothing_fits(cfg, cluster, preds, fixed, args.attention)
+        if args.json:
+            shown = preds if args.top == 0 else [p for p in preds if p.fits][:args.top]
+            json.dump({"cluster": cluster.__dict__, "explanation": explain(preds), "valid": len(preds),
+                       "fit": sum(p.fits for p in preds), "layouts": [p.to_dict() for p in shown]}, sys.stdout,
+                      indent=1)
+            print()
+        else:
+            print_table(cfg, cluster, preds, args.top)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""The one set of formulas behind the layout planner, the benchmarks and the trainer's metrics.
+
+Everything here is arithmetic on shapes and degrees; tests/test_plan.py checks each formula
+against what megazero allocates and sends (model-state bytes and DP/TP/PP bytes exactly,
+saved activations within 10%, the bubble against the executor's simulated orders) and against
+the published anchors (ZeRO paper, Korthikanti et al. 2022).
+
+Units: bytes, elements, seconds, FLOP. Symbols: b micro-batch size, s sequence length,
+h hidden size, a heads, f MLP width, V padded vocabulary, t tensor-parallel degree,
+m micro-batches per iteration, p pipeline degree, v model chunks per pipeline rank,
+N data-parallel degree, Ψ padded parameter elements of one rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from megazero.config import ModelConfig
+from megazero.parallel.comm import all_gather_volume, all_reduce_volume, reduce_scatter_volume
+
+GiB = 2 ** 30
+
+# ---------------------------------------------------------------------------- devices
+
+# Dense bf16/fp16 tensor-core peak per device, FLOP/s. Unknown devices get no MFU.
+PEAK_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L40S": 362e12,
+    "L4": 121e12, "V100": 125e12, "MI300X": 1307e12, "MI250X": 383e12,
+}
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A planner preset: memory, peak (PEAK_FLOPS) and per-GPU bandwidth inside a node
+    (NVLink, one direction) and between nodes (the GPU's network share)."""
+
+    name: str
+    memory_gib: float
+    peak_flops: float
+    intra_gbps: float
+    inter_gbps: float
+
+
+GPUS = {
+    "h100": GPU("H100 SXM 80GB", 80, PEAK_FLOPS["H100"], 450, 50),
+    "h200": GPU("H200 SXM 141GB", 140, PEAK_FLOPS["H200"], 450, 50),
+    "a100": GPU("A100 SXM 80GB", 80, PEAK_FLOPS["A100"], 300, 25),
+    "v100": GPU("V100 SXM2 32GB", 32, PEAK_FLOPS["V100"], 150, 12.5),
+}
+
+# ---------------------------------------------------------------------------- FLOPs
+
+
+def model_flops_per_token(m: ModelConfig) -> float:
+    """Training FLOPs per token: 6 x (matmul parameters, incl. the head) plus attention
+    scores and weighted values (forward 4 s h per layer, x3 with backward)."""
+    h, L, s = m.hidden_size, m.num_layers, m.seq_length
+    return 6 * matmul_parameters(m) + 12 * L * h * s
+
+
+def matmul_parameters(m: ModelConfig) -> int:
+    h = m.hidden_size
+    return m.num_layers * (4 * h * h + 2 * h * m.ffn_size) + m.vocab_size * h
+
+
+def executed_flops_per_token(m: ModelConfig, recompute: str) -> float:
+    """What the hardware runs: the model FLOPs plus the recomputed forward (full: every block,
+    2 x matmul parameters of the blocks + attention; selective: the attention core alone)."""
+    h, L, s = m.hidden_size, m.num_layers, m.seq_length
+    extra = {"none": 0.0, "selective": 4 * L * h * s,
+             "full": 2 * L * (4 * h * h + 2 * h * m.ffn_size) + 4 * L * h * s}[recompute]
+    return model_flops_per_token(m) + extra
+
+
+# ---------------------------------------------------------------------------- model states
+
+# Bytes per parameter element held as (parameters, gradients, optimizer states). megazero keeps
+# fp32 gradient buffers at every precision (Megatron's main_grad) and fp32 master weights in
+# 16-bit runs; the ZeRO paper's mixed precision keeps 16-bit gradients (K = 12).
+STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 4, 12)}
+ZERO_PAPER_BYTES = (2, 2, 12)
+
+
+def model_state_bytes(psi: int, dp: int, stage: int, element_bytes: tuple[int, int, int]) -> dict[str, int]:
+    """Model-state bytes of one rank holding Ψ (padded) parameter elements over N = dp ranks:
+    stage 1 shards the optimizer states, 2 also the gradients, 3 also the parameters.
+    With megazero's bf16 bytes: 18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N; with the paper's:
+    16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N."""
+    pb, gb, ob = element_bytes
+    shard = psi // dp if stage else psi
+
+    def held(sharded: bool) -> int:
+        return shard if sharded else psi
+    params, grads, optim = pb * held(stage >= 3), gb * held(stage >= 2), ob * held(stage >= 1)
+    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+
+# ---------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """One micro-batch through one rank's share of a layer."""
+
+    micro_batch: int
+    seq: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    """Padded vocabulary (all TP ranks together)."""
+    tp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    act_bytes: int = 2
+    """Bytes per activation element: 2 in bf16/fp16, 4 in fp32."""
+    dropout: bool = True
+    """Dropout masks are kept only when dropout > 0."""
+    mask_bytes: int = 1
+    """Bytes per dropout-mask element: 1 on CUDA (bool); torch's CPU kernel keeps the input dtype."""
+    stats_bytes: int = 4
+    """Bytes of each LayerNorm mean / rstd element: fp32 on CUDA, the input dtype on CPU."""
+    attention: str = "flash"
+    """flash: fused attention keeps only its log-sum-exp beyond q, k, v and its output; math:
+    the s x s scores, their dropout mask and the dropped-out scores (Korthikanti et al.'s
+    5 a s^2 b)."""
+
+
+def layer_activation_bytes(x: ActivationShape) -> int:
+    """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Sec. 4):
+
+      replicated over TP  both LayerNorm inputs and outputs 4 sbh x bytes, two dropout masks
+                          2 sbh (1 byte each), LayerNorm mean and rstd 4 bs (fp32: 16 bs bytes)
+      split over TP       q, k, v 3 sbh, attention output 1 sbh, MLP input of GeLU and of the
+                          second linear 2 sbf (x bytes), over t
+      attention core      flash: its fp32 log-sum-exp 4 abs (its output, laid out [b, s, a, d],
+                          is the output projection's input); math: (2 x bytes + 1) a s^2 b
+                          with dropout, a s^2 b x bytes without; over t (heads are split)
+
+    16-bit with dropout, math attention: sbh (34 + 5 as/h) + 16 bs (the paper omits the
+    LayerNorm statistics); with TP: sbh (10 + 24/t + 5 as/(ht)). Sequence parallelism also
+    divides the replicated part by t; selective recomputation drops the attention core;
+    full recomputation keeps only the layer input (sbh x bytes, over t with SP)."""
+    b, s, h, t, e = x.micro_batch, x.seq, x.hidden, x.tp, x.act_bytes
+    sbh = s * b * h
+    seq_split = t if x.sequence_parallel else 1
+    if x.recompute == "full":
+        return e * sbh // seq_split
+    mask = x.mask_bytes if x.dropout else 0
+    replicated = e * 4 * sbh + mask * 2 * sbh + 4 * b * s * x.stats_bytes
+    split = e * (4 * sbh + 2 * s * b * x.ffn)
+    core = 0
+    if x.recompute == "none":
+        if x.attention == "flash":
+            core = 4 * x.heads * s * b
+        else:
+            core = (2 * e + 1 if x.dropout else e) * x.heads * s * s * b
+    return replicated // seq_split + (split + core) // t
+
+
+def embedding_activation_bytes(x: ActivationShape) -> int:
+    """The first stage: token ids (int64; with TP the rank-local ids and the out-of-range
+    mask), position ids, and the embedding dropout mask."""
+    b, s = x.micro_batch, x.seq
+    ids = 8 * b * s + (b * s if x.tp > 1 else 0)
+    mask = x.mask_bytes * b * s * x.hidden // (x.tp if x.sequence_parallel else 1) if x.dropout else 0
+    return ids + 8 * s + mask
+
+
+def head_activation_bytes(x: ActivationShape) -> int:
+    """The last stage: final LayerNorm input and statistics, the head's input, and the
+    vocab-parallel cross entropy's fp32 softmax over this rank's V/t logits with its targets."""
+    b, s, h = x.micro_batch, x.seq, x.hidden
+    seq_split = x.tp if x.sequence_parallel else 1
+    norm = (x.act_bytes * s * b * h + 2 * b * s * x.stats_bytes) // seq_split
+    return norm + x.act_bytes * s * b * h + 4 * b * s * x.vocab // x.tp + 9 * b * s
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A model chunk as the formulas see it: its layers and whether it holds the embedding
+    (pre) or the final norm and head (post)."""
+
+    layers: int
+    pre: bool
+    post: bool
+
+
+def chunk_activation_bytes(chunk: Chunk, x: ActivationShape) -> int:
+    return (chunk.layers * layer_activation_bytes(x) + (embedding_activation_bytes(x) if chunk.pre else 0)
+            + (head_activation_bytes(x) if chunk.post else 0))
+
+
+def peak_in_flight_bytes(order: Iterable[tuple[bool, int]], sizes: list[int]) -> int:
+    """Peak of saved activations along one rank's order of (forward?, chunk) actions: a
+    forward adds its chunk's activations, the matching backward frees them (1F1B's bound of
+    p - r micro-batches on rank r, GPipe's m, the interleaved warm-up)."""
+    alive = peak = 0
+    for forward, chunk in order:
+        alive += sizes[chunk] if forward else -sizes[chunk]
+        peak = max(peak, alive)
+    return peak
+
+
+# ---------------------------------------------------------------------------- communication
+
+
+def dp_bytes(stage: int, buckets: list[int], gathers: list[int], dp: int, m: int, wire_bytes: int,
+             param_bytes: int, last_stage: bool) -> int:
+    """Bytes one rank sends over its DP group in one iteration, bucket by bucket as the
+    optimizer communicates (`buckets`: padded elements; `gathers`: stage-3 gathers of each
+    bucket per micro-batch): stage 0 all-reduces each gradient bucket once (2Ψ (N-1)/N),
+    stage 1 reduce-scatters once and all-gathers the updated parameters (2Ψ (N-1)/N), stage 2
+    reduce-scatters every micro-batch (m + 1), stage 3 also gathers parameters per use
+    (~3 m); plus the fp32 loss all-reduce on the last stage."""
+    loss = all_reduce_volume(4, dp) if last_stage else 0
+    if stage == 0:
+        return sum(all_reduce_volume(n * wire_bytes, dp) for n in buckets) + loss
+    reduce = sum(reduce_scatter_volume(n // dp * wire_bytes, dp) for n in buckets)
+    if stage == 1:
+        return reduce + sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets) + loss
+    if stage == 2:
+        return m * reduce + sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets) + loss
+    return m * (reduce + sum(g * all_gather_volume(n // dp * param_bytes, dp) for n, g in zip(buckets, gathers))) + loss
+
+
+def tp_bytes(chunks: list[Chunk], x: ActivationShape, m: int) -> int:
+    """Bytes one rank sends over its TP group in one iteration. Per layer and micro-batch
+    four all-reduces of sbh activations (two forward after the row-parallel linears, two
+    backward before the column-parallel ones; with SP an all-gather and a reduce-scatter
+    each, the same volume); the
+    embedding's forward and the head's backward one each; the cross entropy three fp32 [b, s].
+    Full recomputation replays one more: the attention's (the replay stops early, once the
+    MLP's last saved input exists, before the MLP's own all-reduce)."""
+    t = x.tp
+    per_call = all_reduce_volume(x.micro_batch * x.seq * x.hidden * x.act_bytes, t)
+    calls = sum(c.layers * (5 if x.recompute == "full" else 4) + c.pre + c.post for c in chunks)
+    loss = sum(3 * all_reduce_volume(4 * x.micro_batch * x.seq, t) for c in chunks if c.post)
+    return m * (calls * per_call + loss)
+
+
+def pp_bytes(pp: int, vpp: int, pp_rank: int, m: int, x: ActivationShape) -> int:
+    """Bytes one pipeline rank sends in one iteration: each micro-batch's activation [b, s, h]
+    forward out of every chunk but the last virtual stage, its gradient back out of every
+    chunk but the first."""
+    stages = [c * pp + pp_rank for c in range(vpp)]
+    sends = sum(st < pp * vpp - 1 for st in stages) + sum(st > 0 for st in stages)
+    seq_split = x.tp if x.sequence_parallel else 1
+    return m * sends * x.micro_batch * x.seq * x.hidden * x.act_bytes // seq_split
+
+
+def embed_bytes(tied_numel: int, pp: int) -> int:
+    """The tied embedding's fp32 gradient (this rank's part of it) summed over the first and
+    last pipeline stage."""
+    return all_reduce_volume(4 * tied_numel, 2) if pp > 1 else 0
+
+
+# ---------------------------------------------------------------------------- time
+
+
+def pipeline_bubble(pp: int, vpp: int, m: int) -> float:
+    """Idle fraction of a pipeline rank: (p - 1) / (v m + p - 1) for GPipe, 1F1B (v = 1) and
+    the interleaved schedule (backward = 2 x forward; equals the executor's simulated orders)."""
+    return (pp - 1) / (vpp * m + pp - 1) if pp > 1 else 0.0
+
+
+def simulated_bubble(pp: int, vpp: int, m: int, schedule: str) -> float:
+    """The idle fraction of the executor's own orders, replayed in simulated time: every rank
+    runs its next action as soon as its input exists, a chunk's forward taking 1 / v and its
+    backward 2 / v time units, transfers free (the check on `pipeline_bubble`)."""
+    from megazero.pipeline.schedules import ORDERS, message_target
+    orders = {r: ORDERS[schedule](pp, vpp, r, m) for r in range(pp)}
+    feeder_of = {message_target(a, pp, vpp, r): (r, a) for r in range(pp) for a in orders[r]}
+    finished: dict = {}
+    clock, position = [0.0] * pp, [0] * pp
+    while any(position[r] < len(orders[r]) for r in range(pp)):
+        for r in range(pp):
+            while position[r] < len(orders[r]):
+                a = orders[r][position[r]]
+                feeder = feeder_of.get((r, a))
+                if feeder is not None and feeder not in finished:
+                    break  # wait for the neighbour's tensor
+                start = max(clock[r], finished.get(feeder, 0.0))
+                clock[r] = finished[(r, a)] = start + (1 if a.forward else 2) / vpp
+                position[r] += 1
+    return 1 - 3 * m / max(clock)
+
+
+def step_seconds(flops: float, peak_flops: float, efficiency: float, bubble: float, tp_s: float, pp_s: float,
+                 dp_s: float, dp_overlap: float) -> dict[str, float]:
+    """One iteration of one rank: compute at `efficiency` x peak stretched by the bubble, TP
+    and PP transfers on the critical path, DP communication hidden behind backward except
+    (1 - dp_overlap) of it."""
+    compute = flops / (peak_flops * efficiency)
+    parts = {"compute": compute, "bubble": compute * bubble / (1 - bubble), "tp": tp_s, "pp": pp_s,
+             "dp": dp_s * (1 - dp_overlap)}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, gpus: int, peak_flops: float) -> float:
+    """Model FLOPs utilization: model FLOPs per second over all GPUs' peak."""
+    return tokens_per_sec * flops_per_token / (gpus * peak_flops)

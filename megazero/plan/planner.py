@@ -1,0 +1,372 @@
+"""Predict one layout on one cluster, enumerate the layouts a model and cluster allow, rank
+the ones that fit, and say why the winner wins.
+
+A layout is tp x pp x dp (x vpp chunks), a ZeRO stage, a micro-batch size, a recompute
+policy and sequence parallelism; the global batch comes from the config. Predictions are
+per pipeline rank (first, middle and last ranks differ: embedding, head, in-flight
+micro-batches) and the layout is judged by its worst rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megazero.config import Config, padded_vocab_size
+from megazero.errors import UserError
+from megazero.pipeline.schedules import ORDERS
+from megazero.plan import formulas as F
+from megazero.plan.ranks import rank_params
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+class PlanError(UserError, ValueError):
+    """A layout that cannot be formed, or a model that fits nowhere (one line, with the fix)."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    memory_gib: float
+    peak_flops: Optional[float]
+    """Dense 16-bit peak per GPU (None: no time estimate)."""
+    intra_gbps: float = 450.0
+    inter_gbps: float = 50.0
+    efficiency: float = 0.5
+    """Fraction of peak the matmuls reach."""
+    dp_overlap: float = 0.5
+    """Fraction of DP communication hidden behind backward."""
+    headroom: float = 0.1
+    """Fraction of GPU memory left for the CUDA context, allocator slack and fragmentation."""
+    name: str = "GPU"
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    vpp: int = 1
+    zero_stage: int = 0
+    micro_batch: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    offload_optimizer: bool = False
+
+    def label(self) -> str:
+        chunks = f" v{self.vpp}" if self.vpp > 1 else ""
+        sp = " sp" if self.sequence_parallel else ""
+        off = " offload" if self.offload_optimizer else ""
+        return (f"tp{self.tp} pp{self.pp}{chunks} dp{self.dp} z{self.zero_stage} mb{self.micro_batch} "
+                f"{self.recompute}{sp}{off}")
+
+
+@dataclass
+class RankPrediction:
+    pp_rank: int
+    params: int
+    """This rank's parameter elements (unpadded)."""
+    states: dict[str, int]
+    """Model-state bytes on the device: params, grads, optimizer, total."""
+    host: int
+    """Bytes offloaded to host memory."""
+    activations: int
+    buffers: int
+    """Communication and loss workspace: stage-2/3 gradient bucket, stage-3 gathered units, logits."""
+    bytes: dict[str, int]
+    """Bytes this rank sends per iteration over its dp, tp, pp and embedding groups."""
+    times: Optional[dict[str, float]] = None
+
+    @property
+    def peak(self) -> int:
+        return self.states["total"] + self.activations + self.buffers
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    schedule: str
+    microbatches: int
+    bubble: float
+    ranks: list[RankPrediction]
+    memory_limit: int
+    step_seconds: Optional[float] = None
+    tokens_per_sec: Optional[float] = None
+    mfu: Optional[float] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> RankPrediction:
+        return max(self.ranks, key=lambda r: r.peak)
+
+    @property
+    def slowest(self) -> RankPrediction:
+        return max(self.ranks, key=lambda r: r.times["total"] if r.times else 0.0)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.peak <= self.memory_limit
+
+    def rank(self, pp_rank: int) -> RankPrediction:
+        return next(r for r in self.ranks if r.pp_rank == pp_rank)
+
+    def to_dict(self) -> dict:
+        return {"layout": dataclasses.asdict(self.layout), "label": self.layout.label(), "schedule": self.schedule,
+                "microbatches": self.microbatches, "bubble": self.bubble, "fits": self.fits,
+                "peak_bytes": self.worst.peak, "memory_limit_bytes": self.memory_limit,
+                "step_seconds": self.step_seconds, "tokens_per_sec": self.tokens_per_sec, "mfu": self.mfu,
+                "ranks": [{**dataclasses.asdict(r), "peak": r.peak} for r in self.ranks], "notes": self.notes}
+
+
+# ---------------------------------------------------------------------------- one layout
+
+
+def activation_shape(cfg: Config, layout: Layout, attention: str = "flash", device: str = "cuda") -> \
+        F.ActivationShape:
+    """The formulas' view of one micro-batch; `device` "cpu" for torch's CPU kernels, which keep
+    dropout masks and LayerNorm statistics in the activation dtype."""
+    m = cfg.model
+    act = 4 if cfg.train.precision == "fp32" else 2
+    return F.ActivationShape(micro_batch=layout.micro_batch, seq=m.seq_length, hidden=m.hidden_size,
+                             heads=m.num_heads, ffn=m.ffn_size, vocab=padded_vocab_size(m.vocab_size, layout.tp),
+                             tp=layout.tp, sequence_parallel=layout.sequence_parallel and layout.tp > 1,
+                             recompute=layout.recompute, act_bytes=act, dropout=m.dropout > 0, attention=attention,
+                             mask_bytes=act if device == "cpu" else 1, stats_bytes=act if device == "cpu" else 4)
+
+
+def schedule_of(cfg: Config, layout: Layout) -> str:
+    if layout.pp == 1:
+        return "none"
+    return "interleaved" if layout.vpp > 1 else cfg.parallel.schedule
+
+
+def distinct_ranks(pp: int) -> list[int]:
+    """The first, one middle and the last pipeline rank: the others repeat the middle one."""
+    return sorted({0, min(1, pp - 1), pp - 1})
+
+
+def predict(cfg: Config, layout: Layout, cluster: Cluster, attention: str = "flash",
+            pp_layers: Optional[list[int]] = None, ranks: Optional[list[int]] = None,
+            device: str = "cuda") -> Prediction:
+    """Memory, bytes moved and time of pipeline ranks `ranks` of `layout` (default: the
+    first, the last, and rank 1, which keeps the most micro-batches of the middle ones)."""
+    if ranks is None:
+        ranks = list(range(layout.pp)) if pp_layers else distinct_ranks(layout.pp)
+    t, z = cfg.train, cfg.zero
+    m = t.global_batch_size // (layout.micro_batch * layout.dp)
+    shape = activation_shape(cfg, layout, attention, device)
+    schedule = schedule_of(cfg, layout)
+    out = Prediction(layout, schedule, m, F.pipeline_bubble(layout.pp, layout.vpp, m),
+                     [rank_prediction(cfg, layout, r, m, shape, schedule, pp_layers) for r in ranks],
+                     int(cluster.memory_gib * F.GiB * (1 - cluster.headroom)))
+    if cluster.peak_flops:
+        add_times(out, cfg, cluster)
+    if layout.offload_optimizer:
+        out.notes.append("optimizer states in host memory (stepped there)")
+    if z.stage == 3 and layout.pp > 1:
+        out.notes.append("ZeRO-3 with pp > 1 gathers every stage's parameters per micro-batch")
+    return out
+
+
+def rank_prediction(cfg: Config, layout: Layout, r: int, m: int, shape: F.ActivationShape, schedule: str,
+                    pp_layers: Optional[list[int]]) -> RankPrediction:
+    stage, dp, pp, vpp = layout.zero_stage, layout.dp, layout.pp, layout.vpp
+    elem = F.STATE_BYTES[cfg.train.precision]
+    rp = rank_params(cfg.model, layout.tp, pp, vpp, r, stage == 3, cfg.zero.bucket_size, pp_layers)
+    shards = dp if stage else 1
+    padded = rp.padded(shards)
+    states = F.model_state_bytes(sum(padded), dp, stage, elem)
+    host = states["optimizer"] if layout.offload_optimizer else 0
+    states = {**states, "total": states["total"] - host}
+    sizes = [F.chunk_activation_bytes(c, shape) for c in rp.chunks]
+    order = [(a.forward, a.chunk) for a in ORDERS[schedule](pp, vpp, r, m)] if pp > 1 else [(True, 0), (False, 0)]
+    wire = 2 if cfg.zero.reduce_dtype == "bf16" else 4
+    moved = {"dp": F.dp_bytes(stage, padded, list(rp.gathers), dp, m, wire, elem[0], r == pp - 1),
+             "tp": F.tp_bytes(list(rp.chunks), shape, m), "pp": F.pp_bytes(pp, vpp, r, m, shape),
+             "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
+    return RankPrediction(r, rp.param_numel, states, host, F.peak_in_flight_bytes(order, sizes),
+                          buffer_bytes(padded, stage, elem[0], cfg.zero.prefetch, rp.chunks[-1].post, shape), moved)
+
+
+def buffer_bytes(padded: list[int], stage: int, param_bytes: int, prefetch: int, last: bool,
+                 shape: F.ActivationShape) -> int:
+    """Transient buffers beside the model states and saved activations (an estimate): at
+    stages 2/3 the fp32 gradient of the bucket being filled; at stage 3 the gathered unit
+    and the prefetched ones; on the last stage the fp32 logits and their exponentials."""
+    largest = max(padded)
+    out = 4 * largest if stage >= 2 else 0
+    if stage == 3:
+        out += (1 + prefetch) * largest * param_bytes
+    if last:
+        out += 2 * 4 * shape.micro_batch * shape.seq * shape.vocab // shape.tp
+    return out
+
+
+def link_gbps(cluster: Cluster, span: int) -> float:
+    """Bandwidth of a group whose ranks lie within `span` consecutive ranks: NVLink when they
+    share a node, the network otherwise (ranks: TP innermost, then DP, PP outermost)."""
+    return cluster.intra_gbps if span <= cluster.gpus_per_node else cluster.inter_gbps
+
+
+def add_times(out: Prediction, cfg: Config, cluster: Cluster) -> None:
+    lay = out.layout
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    flops = F.executed_flops_per_token(cfg.model, lay.recompute) * tokens / cluster.gpus
+    spans = {"tp": lay.tp, "dp": lay.tp * lay.dp, "pp": lay.tp * lay.dp * lay.pp}
+    for r in out.ranks:
+        secs = {k: (r.bytes[k] + (r.bytes["embed"] if k == "pp" else 0)) / (link_gbps(cluster, spans[k]) * 1e9)
+                for k in spans}
+        r.times = F.step_seconds(flops, cluster.peak_flops, cluster.efficiency, out.bubble, secs["tp"], secs["pp"],
+                                 secs["dp"], cluster.dp_overlap)
+    out.step_seconds = out.slowest.times["total"]
+    out.tokens_per_sec = tokens / out.step_seconds
+    out.mfu = F.mfu(out.tokens_per_sec, F.model_flops_per_token(cfg.model), cluster.gpus, cluster.peak_flops)
+
+
+# ---------------------------------------------------------------------------- every layout
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_problem(cfg: Config, gpus: int, tp: int, pp: int, vpp: int = 1, micro_batch: Optional[int] = None) -> \
+        Optional[str]:
+    """Why tp x pp (x vpp, micro-batch) cannot be formed for this model on `gpus` GPUs, or None."""
+    m, gbs = cfg.model, cfg.train.global_batch_size
+    if m.num_heads % tp or m.ffn_size % tp:
+        return f"tp {tp} must divide model.num_heads ({m.num_heads}) and the MLP width ({m.ffn_size})"
+    if gpus % (tp * pp):
+        return f"tp x pp ({tp} x {pp} = {tp * pp}) must divide the GPU count ({gpus})"
+    if m.num_layers % (pp * vpp):
+        return f"pp x vpp ({pp} x {vpp}) must divide model.num_layers ({m.num_layers})"
+    dp = gpus // (tp * pp)
+    if micro_batch is not None and gbs % (micro_batch * dp):
+        return (f"micro-batch x dp ({micro_batch} x {dp}) must divide train.global_batch_size ({gbs})")
+    if vpp > 1 and (pp == 1 or micro_batch is not None and (gbs // (micro_batch * dp)) % pp):
+        return f"vpp {vpp} needs pp > 1 and micro-batches per iteration a multiple of pp ({pp})"
+    return None
+
+
+def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[Layout]:
+    """Every layout the model, batch and cluster allow, within the `fixed` choices (Layout
+    field -> value). TP stays inside a node unless tp is fixed."""
+    gpus, gbs = cluster.gpus, cfg.train.global_batch_size
+
+    def options(key: str, default) -> list:
+        return [fixed[key]] if key in fixed else list(default)
+    out = []
+    for tp in options("tp", [d for d in divisors(gpus) if d <= cluster.gpus_per_node]):
+        for pp in options("pp", divisors(gpus // tp) if gpus % tp == 0 else []):
+            dp = gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0
+            if not dp or fixed.get("dp", dp) != dp:
+                continue
+            # With one DP rank every ZeRO stage holds the same: keep stage 0.
+            rest = itertools.product(options("micro_batch", [b for b in (1, 2, 4, 8, 16, 32) if b * dp <= gbs]),
+                                     options("vpp", [1] if pp == 1 else [1, 2, 4]),
+                                     options("zero_stage", range(4 if dp > 1 else 1)), options("recompute", RECOMPUTE))
+            out += [Layout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False) and tp > 1,
+                           fixed.get("offload_optimizer", False))
+                    for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb)]
+    return out
+
+
+def check_fixed(cfg: Config, cluster: Cluster, fixed: dict) -> None:
+    """Refuse fixed choices that cannot be formed, naming the closest that can."""
+    gpus, m = cluster.gpus, cfg.model
+    tp, pp, vpp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("vpp", 1)
+    if "tp" in fixed and (m.num_heads % tp or m.ffn_size % tp or gpus % tp):
+        ok = [d for d in divisors(gpus) if m.num_heads % d == 0 and m.ffn_size % d == 0]
+        raise PlanError(f"--tp {tp} must divide model.num_heads ({m.num_heads}), the MLP width ({m.ffn_size}) and "
+                        f"--gpus ({gpus}); closest that fits: tp {closest(ok, tp)}")
+    if "pp" in fixed and (m.num_layers % (pp * vpp) or gpus % (tp * pp)):
+        ok = [d for d in divisors(gpus // tp) if m.num_layers % (d * vpp) == 0] if gpus % tp == 0 else [1]
+        raise PlanError(f"--pp {pp} (x vpp {vpp}) must divide model.num_layers ({m.num_layers}) and tp x pp must "
+                        f"divide --gpus ({gpus}); closest that fits: pp {closest(ok, pp)}")
+    if "dp" in fixed and "tp" in fixed and "pp" in fixed and fixed["dp"] * tp * pp != gpus:
+        raise PlanError(f"tp x pp x dp ({tp} x {pp} x {fixed['dp']} = {tp * pp * fixed['dp']}) must equal --gpus "
+                        f"({gpus}); closest that fits: dp {gpus // (tp * pp)}")
+    if "micro_batch" in fixed or "vpp" in fixed:
+        dp = fixed.get("dp", gpus // (tp * pp))
+        problem = layout_problem(cfg, gpus, tp, pp, vpp, fixed.get("micro_batch", cfg.train.micro_batch_size))
+        if problem:
+            gbs = cfg.train.global_batch_size
+            ok = [b for b in divisors(gbs // dp) if gbs % (b * dp) == 0] if gbs % dp == 0 else [1]
+            raise PlanError(f"{problem}; closest that fits: micro-batch {closest(ok, fixed.get('micro_batch', 1))}"
+                            + (", vpp 1" if vpp > 1 else ""))
+
+
+def closest(options: list[int], want: int) -> int:
+    return min(options, key=lambda o: (abs(o - want), o)) if options else 1
+
+
+def plan(cfg: Config, cluster: Cluster, fixed: dict, attention: str = "flash") -> list[Prediction]:
+    """Every candidate layout, predicted; those that fit first, fastest first."""
+    check_fixed(cfg, cluster, fixed)
+    layouts = candidates(cfg, cluster, fixed)
+    if not layouts:
+        raise PlanError(f"no layout of {cfg.model.num_layers} layers x {cfg.model.num_heads} heads with global batch "
+                        f"{cfg.train.global_batch_size} can be formed on {cluster.gpus} GPUs within "
+                        f"{describe_fixed(fixed) or 'the options'}; drop a fixed choice or change --gpus")
+    preds = [predict(cfg, lay, cluster, attention) for lay in layouts]
+    return sorted(preds, key=order_key)
+
+
+def order_key(p: Prediction) -> tuple:
+    """Fitting first, then fastest; on equal time (to 0.1%) the larger micro-batch (fewer,
+    larger kernels, which the constant-efficiency model does not reward), then less memory."""
+    step = round(p.step_seconds, 3 - int(math.floor(math.log10(p.step_seconds)))) if p.step_seconds else 0.0
+    return not p.fits, step, -p.layout.micro_batch, p.worst.peak
+
+
+def describe_fixed(fixed: dict) -> str:
+    return ", ".join(f"{k.replace('_', '-')} {v}" for k, v in fixed.items())
+
+
+def nothing_fits(cfg: Config, cluster: Cluster, preds: list[Prediction], fixed: dict, attention: str) -> PlanError:
+    """The error when no layout fits: the smallest one, and how many GPUs (doubling) would fit it."""
+    best = min(preds, key=lambda p: p.worst.peak)
+    more = cluster.gpus * 2
+    while more <= 4096:
+        bigger = dataclasses.replace(cluster, gpus=more)
+        try:
+            if any(p.fits for p in plan(cfg, bigger, fixed, attention)):
+                break
+        except PlanError:
+            pass
+        more *= 2
+    hint = f"or {more} GPUs" if more <= 4096 else "or a smaller model"
+    return PlanError(f"no layout fits {cluster.gpus} x {cluster.memory_gib:g} GiB: the smallest, "
+                     f"{best.layout.label()}, needs {best.worst.peak / F.GiB:.1f} GiB per GPU of "
+                     f"{best.memory_limit / F.GiB:.1f} usable; use GPUs with at least "
+                     f"{best.worst.peak / F.GiB / (1 - cluster.headroom):.0f} GiB {hint}")
+
+
+def explain(preds: list[Prediction]) -> str:
+    """One line: why the first (fitting, fastest) layout wins over the runner-up."""
+    win = preds[0]
+    head = (f"winner {win.layout.label()}: fits in {win.worst.peak / F.GiB:.1f} of "
+            f"{win.memory_limit / F.GiB:.1f} GiB usable")
+    if win.step_seconds is None:
+        return head + " (no time estimate: give --tflops or --gpu)"
+    head += f", {win.tokens_per_sec / 1e3:,.1f}k tokens/s, MFU {100 * win.mfu:.1f}%"
+    rivals = [p for p in preds[1:] if p.fits]
+    if not rivals:
+        return head + "; the only layout that fits"
+    second = rivals[0]
+    if order_key(second)[1] == order_key(win)[1]:
+        why = ("its larger micro-batch" if second.layout.micro_batch < win.layout.micro_batch
+               else "its smaller memory")
+        return f"{head}; as fast as {second.layout.label()} by this model, chosen for {why}"
+    a, b = win.slowest.times, second.slowest.times
+    part = max(("compute", "bubble", "tp", "pp", "dp"), key=lambda k: b[k] - a[k])
+    words = {"compute": "computes more (recomputation)", "bubble": "idles longer in the pipeline bubble",
+             "tp": "waits longer on TP all-reduces", "pp": "waits longer on pipeline transfers",
+             "dp": "waits longer on DP communication"}[part]
+    return (f"{head}; {100 * (second.step_seconds / win.step_seconds - 1):.1f}% faster than "
+            f"{second.layout.label()}, which {words} (+{1e3 * (b[part] - a[part]):.0f} ms/step)")

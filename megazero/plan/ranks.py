@@ -1,0 +1,76 @@
+"""What one rank of a layout holds, read off the real model rather than re-derived.
+
+The rank's model chunks are built on the meta device exactly as training builds them
+(pipeline split, then the TP split), and grouped into buckets by the ZeRO optimizer's own
+grouping (`bucket_groups` at stages 0-2, stage 3's fetch units); so the planner's Ψ is the
+optimizer's to the element, alignment padding included, with no second description of
+GPT-2's parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megazero.config import ModelConfig
+from megazero.model.gpt import GPT
+from megazero.parallel.comm import Group
+from megazero.pipeline.stages import stage_layers
+from megazero.plan.formulas import Chunk
+from megazero.train.parallelize import apply_tensor_parallel
+from megazero.zero.optimizer import bucket_groups
+from megazero.zero.partition import bucket_numel
+from megazero.zero.stage3 import fetch_units
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """One pipeline rank's parameters as the optimizer lays them out (any TP rank alike)."""
+
+    chunks: tuple[Chunk, ...]
+    buckets: tuple[tuple[int, ...], ...]
+    """Per bucket, the element counts of its parameters in layout order."""
+    tied: tuple[int, ...]
+    """Buckets that hold the tied embedding (summed over the embedding group)."""
+    gathers: tuple[int, ...]
+    """Stage 3: how often each bucket is gathered per micro-batch (forward and backward;
+    the tied bucket of a chunk holding embedding and head three times)."""
+    param_numel: int
+
+    def padded(self, shards: int) -> list[int]:
+        """Each bucket's padded size when partitioned over `shards` ranks."""
+        return [bucket_numel(list(b), shards) for b in self.buckets]
+
+
+def rank_params(m: ModelConfig, tp: int, pp: int, vpp: int, pp_rank: int, stage3: bool, bucket_size: int,
+                pp_layers: Optional[list[int]] = None) -> RankParams:
+    """The parameters of pipeline rank `pp_rank` of a tp x pp (x vpp) layout (cached)."""
+    return _rank_params(tuple(dataclasses.astuple(m)), tp, pp, vpp, pp_rank, stage3, bucket_size,
+                        tuple(pp_layers) if pp_layers else None)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3: bool, bucket_size: int,
+                 pp_layers: Optional[tuple[int, ...]]) -> RankParams:
+    cfg = ModelConfig(*model)
+    layer_sets = stage_layers(cfg.num_layers, pp, vpp, pp_rank, list(pp_layers) if pp_layers else None)
+    group = Group("tp", None, list(range(tp)), 0)  # shapes only: no collective runs on meta tensors
+    with torch.device("meta"):
+        chunks = [GPT(cfg, None, layers=layers, pre_process=pp_rank == 0 and v == 0,
+                      post_process=pp_rank == pp - 1 and v == len(layer_sets) - 1)
+                  for v, layers in enumerate(layer_sets)]
+    for chunk in chunks:
+        apply_tensor_parallel(chunk, group)
+    groups = fetch_units(chunks)[1] if stage3 else bucket_groups(chunks, bucket_size)
+    tied_params = {id(c.tied_weight()): c for c in chunks if c.tied_weight() is not None}
+    tied = tuple(i for i, (_, named) in enumerate(groups) if any(id(p) in tied_params for _, p in named))
+    gathers = tuple(3 if i in tied and chunks[ci].pre_process and chunks[ci].post_process else 2
+                    for i, (ci, _) in enumerate(groups))
+    return RankParams(chunks=tuple(Chunk(len(c.layers), c.pre_process, c.post_process) for c in chunks),
+                      buckets=tuple(tuple(p.numel() for _, p in named) for _, named in groups),
+                      tied=tied, gathers=gathers,
+                      param_numel=sum(p.numel() for c in chunks for p in c.parameters()))

@@ -1,0 +1,123 @@
+"""What a run says about itself before it starts, and the planner's check at the first log.
+
+Rank 0 prints a few lines before the full config dump: parameters (total and on this rank),
+the layout, the batch, per split and per blend entry the documents, tokens and epochs the
+run will see (with a warning when evaluation needs an empty split), and the layout
+planner's prediction of memory per GPU and tokens/s. At the first log line the logging rank
+prints that prediction beside what it measured, so drift is visible in every run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+
+from megazero.config import Config
+from megazero.parallel.grid import ProcessGrid
+from megazero.plan import formulas as F
+from megazero.plan.planner import Cluster, Layout, Prediction, predict
+from megazero.plan.ranks import rank_params
+
+
+def run_prediction(cfg: Config, grid: ProcessGrid, peak_flops: Optional[float]) -> Prediction:
+    """The planner's prediction for this run's own layout on this machine (every pipeline rank)."""
+    p, z, t = cfg.parallel, cfg.zero, cfg.train
+    layout = Layout(p.tp, p.pp, grid.dp, p.vpp, z.stage, t.micro_batch_size, t.recompute,
+                    bool(getattr(p, "sequence_parallel", False)),
+                    getattr(z, "offload_optimizer", "none") not in ("none", False))
+    memory = torch.cuda.get_device_properties(grid.device).total_memory / F.GiB if grid.device.type == "cuda" else 0.0
+    # Bandwidths of the preset with this peak (H100's when none matches).
+    gpu = next((g for g in F.GPUS.values() if peak_flops and g.peak_flops == peak_flops), F.GPUS["h100"])
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size))
+    cluster = Cluster(grid.world_size, per_node, memory, peak_flops, gpu.intra_gbps, gpu.inter_gbps)
+    return predict(cfg, layout, cluster, pp_layers=p.pp_layers, ranks=list(range(p.pp)), device=grid.device.type)
+
+
+def startup_summary(cfg: Config, grid: ProcessGrid, rank_params_numel: int, datasets: tuple,
+                    plan: Prediction, device_name: str) -> str:
+    """The lines rank 0 prints before the config dump."""
+    m, p, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
+    total = rank_params(m, 1, 1, 1, 0, False, z.bucket_size).param_numel
+    accumulation = t.global_batch_size // (t.micro_batch_size * grid.dp)
+    chunks = f" x vpp {p.vpp}" if p.vpp > 1 else ""
+    lines = [f"megazero: GPT-2 {total / 1e6:,.1f}M parameters ({rank_params_numel / 1e6:,.1f}M on rank 0); "
+             f"world {grid.world_size} = tp {grid.tp} x pp {grid.pp}{chunks} x dp {grid.dp} ({grid.backend}), "
+             f"ZeRO-{z.stage}, {t.precision}, recompute {t.recompute}" +
+             (f", schedule {p.schedule}" if grid.pp > 1 else ""),
+             f"batch: global {t.global_batch_size} = micro-batch {t.micro_batch_size} x accumulation {accumulation} "
+             f"x dp {grid.dp}; {t.global_batch_size * m.seq_length:,} tokens/iteration, {t.iters:,} iterations = "
+             f"{t.iters * t.global_batch_size * m.seq_length:,} tokens"]
+    lines += data_lines(cfg, *datasets)
+    lines.append(plan_line(plan, device_name))
+    return "\n".join(lines)
+
+
+def data_lines(cfg: Config, train, valid) -> list[str]:
+    """Per split and blend entry: documents and tokens in the split, and the samples, tokens and
+    epochs the run draws from it; a warning when evaluation needs an empty split."""
+    t, seq = cfg.train, cfg.model.seq_length
+    if cfg.data.mock:
+        return [f"data: mock, {t.iters * t.global_batch_size:,} training samples"]
+    evaluated = t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    lines = []
+    for name, ds, samples in (("train", train, t.iters * t.global_batch_size), ("valid", valid, evaluated)):
+        if ds is None:
+            if samples:
+                lines.append(f"warning: data.split {cfg.data.split!r} leaves the {name} split without documents, "
+                             f"but train.eval_interval is {t.eval_interval}: validation will be skipped; give it a "
+                             f"share, e.g. --data.split 98,2,0")
+            continue
+        for prefix, docs, tokens, n in blend_entries(ds, samples):
+            lines.append(f"data {name}: {prefix}: {docs:,} documents, {tokens:,} tokens; the run reads {n:,} "
+                         f"samples = {n * seq:,} tokens = {n * seq / tokens:.2f} epochs"
+                         + (" (each evaluation)" if name == "valid" else ""))
+    return lines
+
+
+def blend_entries(ds, samples: int) -> list[tuple[str, int, int, int]]:
+    """(prefix, documents, tokens per epoch, samples drawn of the first `samples`) per dataset."""
+    if hasattr(ds, "dataset_index"):  # a blend: count what the schedule draws from each
+        counts = np.bincount(np.asarray(ds.dataset_index[:samples]), minlength=len(ds.datasets))
+        return [e for sub, n in zip(ds.datasets, counts) if sub is not None for e in blend_entries(sub, int(n))]
+    return [(ds.indexed.prefix, len(ds.doc_lengths), ds.tokens_per_epoch, min(samples, len(ds)))]
+
+
+def size(n: float) -> str:
+    """Bytes in the largest binary unit that keeps them >= 1 (tiny test models show KiB)."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def plan_line(plan: Prediction, device_name: str) -> str:
+    worst = plan.worst
+    s = worst.states
+    line = (f"plan: peak memory per GPU {size(worst.peak)} on pp rank {worst.pp_rank} (model states "
+            f"{size(s['total'])} = params {size(s['params'])} + grads {size(s['grads'])} + optimizer "
+            f"{size(s['optimizer'])}; activations {size(worst.activations)}; buffers {size(worst.buffers)})")
+    if plan.tokens_per_sec:
+        line += f"; {plan.tokens_per_sec / 1e3:,.1f}k tokens/s on {device_name} (MFU {100 * plan.mfu:.0f}%)"
+    else:
+        line += f"; no tokens/s estimate on {device_name} (peak unknown)"
+    return line + " [python -m megazero.plan]"
+
+
+def plan_check(plan: Prediction, pp_rank: int, measured_gib: float, tokens_per_sec: float, cuda: bool) -> str:
+    """Predicted beside measured for the logging rank, printed with the first log line."""
+    predicted = plan.rank(pp_rank).peak
+    measured = measured_gib * F.GiB
+    line = f"plan check, pp rank {pp_rank}: memory predicted {size(predicted)}, measured {size(measured)} "
+    line += (f"peak allocated ({_ratio(measured, predicted)})" if cuda
+             else "peak RSS (on CPU it includes the Python and torch runtime: not comparable)")
+    if plan.tokens_per_sec:
+        line += (f"; tokens/s predicted {plan.tokens_per_sec / 1e3:,.1f}k, measured {tokens_per_sec / 1e3:,.1f}k "
+                 f"({_ratio(tokens_per_sec, plan.tokens_per_sec)})")
+    return line
+
+
+def _ratio(measured: float, predicted: float) -> str:
+    return f"{100 * (measured / predicted - 1):+.0f}%" if predicted else "n/a"
