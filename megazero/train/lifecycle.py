@@ -135,5 +135,5 @@ def describe_comm_failure(error: BaseException, rank: int) -> Optional[str]:
     # gloo: "[file.cc:553] Connection closed by peer [addr]:port. This is typically ..." -> the middle
     detail = re.sub(r"^\[[^\]]*\] ", "", text.strip().splitlines()[0]).split(". ")[0] if text.strip() else ""
     return (f"rank {rank}: {where or 'a collective'} failed: a peer process died or stopped responding "
-            f"({detail or type(error).__name__}); the job stops; run it again (or let torchrun --max-restarts) to resume from "
-            f"the latest checkpoint")
+            f"({detail or type(error).__name__}); the job stops; run it again (or let torchrun --max-restarts) "
+            f"to resume from the latest checkpoint")
