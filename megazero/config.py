@@ -131,6 +131,9 @@ class TrainConfig:
     """Stop the run after this many consecutive steps skipped for a non-finite gradient norm or loss."""
     timeout_minutes: float = 10.0
     """Process-group timeout: a collective or p2p op waiting longer on a missing peer fails with an error."""
+    exit_duration_minutes: float = 0.0
+    """Save and exit cleanly once this many minutes have passed since start-up (0: never), like
+    Megatron's --exit-duration-in-mins: set it a little under a job's time limit."""
 
 
 @dataclass
@@ -475,7 +478,8 @@ def validate(cfg: Config, world_size: int) -> int:
                        ("optim.lr", o.lr), ("optim.min_lr", o.min_lr), ("optim.clip_grad", o.clip_grad),
                        ("optim.weight_decay", o.weight_decay), ("model.ffn_hidden_size", m.ffn_hidden_size),
                        ("checkpoint.interval", cfg.checkpoint.interval),
-                       ("checkpoint.keep_last", cfg.checkpoint.keep_last)]:
+                       ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+                       ("train.exit_duration_minutes", t.exit_duration_minutes)]:
         if value < 0:
             raise ConfigError(f"{key} ({value}) must not be negative")
     if t.timeout_minutes <= 0:

@@ -2,16 +2,19 @@
 
 Every bad input (config, data, checkpoint, command line) raises a `UserError` subclass whose
 message is one line naming the value and the fix. Entry points wrap their body in
-`report_errors()`: the message is printed once as ``error: <message>`` (by rank 0 when the
-error is the same on every rank, by the failing rank otherwise) and the process exits 2.
+`report_errors()`: the message is printed once as ``error: <message>`` (once per node when the
+error is the same on every rank, by each failing rank otherwise) and the process exits 2.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import sys
-from typing import Iterator
+import tempfile
+import time
+from typing import Iterator, Optional
 
 EXIT_USER_ERROR = 2
 
@@ -24,11 +27,60 @@ class UserError(Exception):
 def report_errors(*extra: type[BaseException], every_rank: bool = False) -> Iterator[None]:
     """Turn a `UserError` (and the `extra` types, e.g. OSError) into ``error: ...`` + exit 2.
 
-    every_rank=False prints on rank 0 only: use it where every rank meets the same error
+    every_rank=False prints once per node: use it where every rank meets the same error
     (config validation, a collective that agreed on a failure)."""
     try:
         yield
     except (UserError, *extra) as e:
-        if every_rank or int(os.environ.get("RANK", "0")) == 0:
+        if every_rank:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            print_once_per_node(f"error: {e}")
         sys.exit(EXIT_USER_ERROR)
+
+
+def print_once_per_node(line: str, wait_s: float = 10.0) -> None:
+    """Print `line` (met by every rank) on stderr once per node: by the first local rank to get
+    here, whichever it is. Rank 0 alone is not enough: torchrun SIGTERMs the other workers as
+    soon as one exits, so rank 0 could be killed before printing. The first rank claims a marker
+    file; the others wait until it has printed before they exit."""
+    marker = _job_marker()
+    if marker is None:  # not under torchrun: rank 0 speaks for the job
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(line, file=sys.stderr, flush=True)
+        return
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and os.path.getsize(marker) == 0:
+            time.sleep(0.05)
+        return
+    _remove_stale_markers()
+    print(line, file=sys.stderr, flush=True)
+    os.write(fd, b"printed")
+    os.close(fd)
+
+
+def _job_marker() -> Optional[str]:
+    """A path unique to this node's workers of this torchrun attempt: the launcher's pid and
+    start time (pids are reused) and the restart count. None when not under torchrun on Linux."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    launcher = os.getppid()
+    try:
+        with open(f"/proc/{launcher}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks
+    except (OSError, IndexError):
+        return None
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return os.path.join(tempfile.gettempdir(), f"megazero-error-{launcher}-{started}-{restart}")
+
+
+def _remove_stale_markers() -> None:
+    """Markers of launchers that have exited (one small file per failed start otherwise stays)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "megazero-error-*")):
+        pid = os.path.basename(path).split("-")[2]
+        if not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.remove(path)

@@ -6,12 +6,19 @@
 # dataset, then trains a small GPT-2 on CPU with tp 2 x pp 2 x dp 2 and ZeRO-1, evaluating
 # and checkpointing as it goes. Running it again resumes from the last checkpoint.
 #
+# The config is checked for the world size before anything is prepared or launched. When a
+# worker dies, torchrun restarts every worker (up to RESTARTS times) and they resume from the
+# latest complete checkpoint; NNODES may be a range MIN:MAX (elastic: the job goes on, or is
+# restarted, at any node count in the range; the checkpoint is resharded to the new layout).
+#
 # Environment (defaults in brackets):
 #   CONFIG [configs/gpt2-cpu-demo.yaml]   NPROC [8]  TP [2]  PP [2]  ZERO_STAGE [1]
 #   ITERS [from the config]   RUN_DIR [runs/gpt2-cpu-demo]   DATA_DIR [data]
 #   DATA_PREFIX [$DATA_DIR/corpus_text_document, built if absent]   TOKENIZER [gpt2bpe:$DATA_DIR/tokenizer]
 #   VOCAB_SIZE [8192, for a tokenizer trained here]   INPUT [the embedded corpus]
-#   NNODES [1]  NODE_RANK [0]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29500]  (passed to torchrun)
+#   PREPARE_ONLY [unset; 1: build the tokenizer and dataset, then stop (Slurm does this once)]
+#   NNODES [1, or MIN:MAX]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29500]  RDZV_ID [megazero]
+#   RESTARTS [3]  (passed to torchrun: c10d rendezvous at MASTER_ADDR:MASTER_PORT, --max-restarts)
 # Arguments are passed on to megazero.train as overrides, e.g. --train.precision bf16.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,10 +33,24 @@ DATA_DIR=${DATA_DIR:-data}
 VOCAB_SIZE=${VOCAB_SIZE:-8192}
 TOKENIZER=${TOKENIZER:-gpt2bpe:$DATA_DIR/tokenizer}
 DATA_PREFIX=${DATA_PREFIX:-$DATA_DIR/corpus_text_document}
+NNODES=${NNODES:-1}
+RESTARTS=${RESTARTS:-3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Each rendezvous round gets a fresh store hosted by rank 0 (none of a failed attempt's keys).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE"
+  --data.mock false --data.prefix "$DATA_PREFIX"
+  --checkpoint.save "$RUN_DIR/checkpoints" --checkpoint.load "$RUN_DIR/checkpoints"
+  --logging.jsonl "$RUN_DIR/metrics.jsonl" ${ITERS:+--train.iters "$ITERS"})
+
+# 0. Check the config for the largest world size before preparing data or starting any process
+#    (the vocabulary is the tokenizer's once it exists, else the size it is about to be trained with).
+tok_dir=${TOKENIZER#gpt2bpe:}
+if [[ $TOKENIZER == gpt2bpe:* && ! -f $tok_dir/vocab.json ]]; then vocab=(--data.tokenizer null --model.vocab_size "$VOCAB_SIZE")
+else vocab=(--data.tokenizer "$TOKENIZER" --model.vocab_size auto); fi
+python -m megazero.train --validate-only --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" "${vocab[@]}" "$@"
 
 # 1. Tokenizer: train one on the corpus when none is there (nothing can be downloaded).
-tok_dir=${TOKENIZER#gpt2bpe:}
 if [[ $TOKENIZER == gpt2bpe:* && ! -f $tok_dir/vocab.json ]]; then
   echo "== training a byte-level BPE tokenizer (vocab $VOCAB_SIZE) into $tok_dir"
   python data_tools/train_tokenizer.py --type gpt2bpe --vocab-size "$VOCAB_SIZE" --output "$tok_dir" \
@@ -42,16 +63,16 @@ if [[ ! -f $DATA_PREFIX.idx ]]; then
   python data_tools/preprocess_data.py --tokenizer "$TOKENIZER" --json-keys text --append-eod --workers 2 \
     --output-prefix "${DATA_PREFIX%_text_document}" ${INPUT:+--input "$INPUT"}
 fi
+if [[ -n ${PREPARE_ONLY:-} ]]; then
+  echo "== prepared: tokenizer $TOKENIZER, dataset $DATA_PREFIX"
+  exit 0
+fi
 
 # 3. Train (resumes when $RUN_DIR/checkpoints holds a checkpoint).
-echo "== training: $NPROC processes, tp $TP x pp $PP x dp $((NPROC / (TP * PP))), ZeRO-$ZERO_STAGE; outputs in $RUN_DIR"
-torchrun --nproc_per_node "$NPROC" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
-  --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \
-  -m megazero.train --config "$CONFIG" \
-  --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE" \
-  --data.mock false --data.prefix "$DATA_PREFIX" --data.tokenizer "$TOKENIZER" --model.vocab_size auto \
-  --checkpoint.save "$RUN_DIR/checkpoints" --checkpoint.load "$RUN_DIR/checkpoints" \
-  --logging.jsonl "$RUN_DIR/metrics.jsonl" ${ITERS:+--train.iters "$ITERS"} "$@"
+echo "== training: $NPROC processes per node, tp $TP x pp $PP, ZeRO-$ZERO_STAGE; outputs in $RUN_DIR"
+torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-restarts "$RESTARTS" \
+  --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-megazero}" \
+  -m megazero.train "${train_args[@]}" --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@"
 
 echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: $(cat "$RUN_DIR/checkpoints/latest"))"
 echo "   resolved config: $RUN_DIR/checkpoints/config.yaml; run again to resume, or raise ITERS"

@@ -137,12 +137,11 @@ def test_resume_from_universal_export(tmp_path, source_checkpoint):
     assert max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-4
 
 
-@pytest.mark.slow  # torchrun may kill rank 0 before it prints when a peer exits first
 def test_reshard_to_impossible_layout_is_refused(tmp_path, source_checkpoint):
     save, _ = source_checkpoint
     proc = torchrun(3, ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--model.num_layers", "8",
                         "--parallel.tp", "3", "--checkpoint.load", save], cwd=ROOT)
-    assert proc.returncode != 0 and "model.num_heads (4) must be divisible by parallel.tp (3)" in proc.stderr
+    assert proc.returncode != 0 and proc.stderr.count("model.num_heads (4) must be divisible by parallel.tp (3)") == 1
 
 
 def _greedy(path: str) -> list[int]:

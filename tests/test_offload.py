@@ -118,3 +118,17 @@ def test_nvme_store_refuses_a_disk_without_room(tmp_path, monkeypatch):
 def test_bad_offload_settings_are_refused(args, message):
     with pytest.raises(ConfigError, match=message):
         validate(_cfg(args), 1)
+
+
+def _offload_3d_world(nvme: str) -> dict:
+    base = ["--zero.stage", "3", "--parallel.tp", "2", "--parallel.pp", "2"]
+    ref = _run(base, 3)
+    got = _run(base + ["--zero.offload_optimizer", "nvme", "--zero.nvme_path", nvme, "--zero.buffer_count", "2"], 3)
+    return {"dloss": max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])),
+            "params_equal": all(torch.equal(got["params"][n], p) for n, p in ref["params"].items())}
+
+
+@pytest.mark.slow
+def test_nvme_offload_equals_in_memory_at_tp2_pp2_dp2(tmp_path):
+    for out in run_distributed(_offload_3d_world, 8, str(tmp_path)):
+        assert out["dloss"] <= 1e-6 and out["params_equal"], out

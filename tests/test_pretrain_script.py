@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,3 +35,31 @@ def test_main_job_trains_evaluates_saves_and_resumes(tmp_path):
     assert "resumed from" in proc.stdout
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["iteration"] for r in records][-1] == 10
+
+
+def test_bad_layout_is_refused_before_anything_is_prepared_or_launched(tmp_path):
+    env = {**os.environ, "DATA_DIR": str(tmp_path / "data"), "RUN_DIR": str(tmp_path / "run"), "NPROC": "3",
+           "TP": "3", "PP": "1"}
+    proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == "error: model.num_heads (4) must be divisible by parallel.tp (3)\n"
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
+def test_slurm_example_creates_its_log_folder_and_submits_itself(tmp_path):
+    """Outside a job, `bash scripts/pretrain_gpt.slurm ARGS` makes runs/ (Slurm opens
+    runs/%x-%j.out before the script runs) and hands itself to sbatch (a stand-in here)."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(os.path.join(ROOT, "scripts", "pretrain_gpt.slurm"), tmp_path / "scripts")
+    (tmp_path / "bin").mkdir()
+    sbatch = tmp_path / "bin" / "sbatch"
+    sbatch.write_text('#!/usr/bin/env bash\necho "sbatch in $PWD: $*"\n')
+    sbatch.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
+    proc = subprocess.run(["bash", str(tmp_path / "scripts" / "pretrain_gpt.slurm"), "--train.iters", "5"],
+                          cwd=str(tmp_path / "scripts"), env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"sbatch in {tmp_path}: scripts/pretrain_gpt.slurm --train.iters 5\n"
+    assert (tmp_path / "runs").is_dir()

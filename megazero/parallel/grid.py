@@ -141,9 +141,10 @@ class ProcessGrid:
         self.groups["world"] = Group("world", _new_group(world, self.world_size), world, self.rank)
 
     @classmethod
-    def create(cls, tp: int, pp: int, timeout_s: int = 600) -> "ProcessGrid":
+    def create(cls, tp: int, pp: int, timeout_s: int = 600, store: Optional[dist.Store] = None) -> "ProcessGrid":
         """Join torch.distributed from torchrun's environment (or as a lone process) and
-        build the grid; dp is inferred from the world size."""
+        build the grid; dp is inferred from the world size. `store`: rendezvous through it
+        instead of torchrun's (a restart's own namespace, see train/lifecycle.py)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         if world_size % (tp * pp):
@@ -151,7 +152,9 @@ class ProcessGrid:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
             timeout = datetime.timedelta(seconds=timeout_s)
-            if "MASTER_ADDR" in os.environ:
+            if store is not None:
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+            elif "MASTER_ADDR" in os.environ:
                 dist.init_process_group(backend, timeout=timeout)
             else:  # plain `python -m megazero.train`: a world of one
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,

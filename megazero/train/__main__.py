@@ -12,6 +12,8 @@ import sys
 from typing import Optional
 
 from megazero.config import Config, ConfigError, build_config, load_yaml, reference, validate
+from megazero.errors import report_errors
+from megazero.train import lifecycle
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -24,35 +26,47 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--deepspeed-config", "--deepspeed_config", metavar="FILE",
                         help="DeepSpeed JSON config (ds_config.json) to import on top of --config")
     parser.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
+    parser.add_argument("--validate-only", action="store_true",
+                        help="check the config for --world-size processes and exit (before launching any)")
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                        help="processes the config is validated for (default: $WORLD_SIZE, else 1)")
     args, overrides = parser.parse_known_args(argv)
     if args.help_config:
         print(reference())
         return
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        cfg = load_config(args.config, args.deepspeed_config, overrides, rank)
+    with report_errors():
+        cfg = load_config(args.config, args.deepspeed_config, overrides, int(os.environ.get("RANK", "0")),
+                          args.world_size)
         if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
             raise ConfigError("logging.wandb is true but wandb is not installed; "
                               "pip install -e '.[wandb]' or pass --logging.wandb false")
-    except ConfigError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    if args.validate_only:
+        print(f"config OK for {args.world_size} process(es)")
+        return
+    lifecycle.die_with_launcher()
+    restarted = lifecycle.resume_on_restart(cfg)
+    if restarted and int(os.environ.get("RANK", "0")) == 0:
+        print(restarted, flush=True)
+    train(cfg)
 
+
+def train(cfg: Config) -> None:
     import torch.distributed as dist
 
-    from megazero.checkpoint.sharded import CheckpointError
-    from megazero.data import DataError
     from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer, TrainingError
+    from megazero.train.trainer import Trainer
 
-    grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, timeout_s=round(cfg.train.timeout_minutes * 60))
-    try:
-        Trainer(cfg, grid).run()
-    except (CheckpointError, DataError, TrainingError) as e:  # the same message on every rank: print it once
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    timeout_s = round(cfg.train.timeout_minutes * 60)
+    grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, timeout_s, lifecycle.attempt_store(timeout_s))
+    with report_errors():  # a checkpoint, data or training error: the same on every rank
+        try:
+            Trainer(cfg, grid).run()
+        except RuntimeError as e:  # a lost peer: one line per surviving rank, not a traceback
+            line = lifecycle.describe_comm_failure(e, grid.rank)
+            if line is None:
+                raise
+            print(f"error: {line}", file=sys.stderr, flush=True)
+            os._exit(1)  # leave without gloo's teardown, which would wait on the lost peer
     dist.barrier()  # no rank tears its communicators down while a peer still uses them
     if grid.backend == "nccl":
         dist.destroy_process_group()
@@ -65,15 +79,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     os._exit(0)
 
 
-def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[str], rank: int = 0) -> Config:
-    """The validated run config from the files and overrides; validation runs before any
-    process group exists, so a bad value fails fast, once, on rank 0's stderr."""
+def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[str], rank: int = 0,
+                world_size: Optional[int] = None) -> Config:
+    """The validated run config from the files and overrides, for `world_size` processes (default
+    $WORLD_SIZE); validation runs before any process group exists, so a bad value fails fast."""
     if path and path.endswith(".json"):
         if deepspeed:
             raise ConfigError(f"two DeepSpeed configs: --config {path} and --deepspeed-config {deepspeed}; pass one")
         path, deepspeed = None, path
     file_data = load_yaml(path) if path else {}
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     cfg = build_config(file_data, overrides)
     if deepspeed:
         from megazero.deepspeed_config import load_deepspeed_config

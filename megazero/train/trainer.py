@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import time
 from typing import Optional
@@ -29,6 +28,7 @@ from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining, untimed
 from megazero.plan.formulas import model_flops_per_token
+from megazero.train.lifecycle import StopRequest
 from megazero.train.lr import LRSchedule
 from megazero.train.metrics import (
     MetricsWriter,
@@ -66,8 +66,7 @@ class Trainer:
         self.device_name, self.peak_flops = device_peak_flops()
         self.timers = PhaseTimers(grid.device) if cfg.logging.timers else None
         self.plan = self._announce()
-        self.stop_requested = False
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.stop = StopRequest(t.exit_duration_minutes)
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load, cfg.checkpoint.iteration)
 
@@ -87,14 +86,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self.stop_requested = True  # acted on between iterations, by every rank together
-
-    def stop_agreed(self) -> bool:
-        """Did any rank get SIGTERM? All ranks must stop (and save) at the same iteration."""
-        flag = torch.tensor([int(self.stop_requested)], device=self.grid.device)
-        comm.all_reduce(flag, self.grid["world"], op=torch.distributed.ReduceOp.MAX)
-        return bool(flag)
+    def stop_agreed(self) -> int:
+        """Does any rank want to stop (a signal, train.exit_duration_minutes)? Every rank must stop
+        (and save) at the same iteration: the largest StopRequest code over all ranks, 0 for none."""
+        code = torch.tensor([self.stop.code()], device=self.grid.device)
+        comm.all_reduce(code, self.grid["world"], op=torch.distributed.ReduceOp.MAX)
+        return int(code)
 
     def rank_state(self) -> dict:
         """What this rank owns: its optimizer shard (master weights, moments, partition map,
@@ -274,7 +271,7 @@ class Trainer:
         return total / n if self.is_logger else None
 
     def run(self) -> list[dict]:
-        """Train until train.iters (or SIGTERM), logging, evaluating and saving on schedule."""
+        """Train until train.iters (or an agreed early stop), logging, evaluating and saving on schedule."""
         t, c = self.cfg.train, self.cfg.checkpoint
         tokens_per_iter = t.global_batch_size * self.cfg.model.seq_length
         records, step_seconds, steps = [], 0.0, 0  # throughput counts training steps only
@@ -287,10 +284,11 @@ class Trainer:
                 step_seconds, steps = 0.0, 0
             stop = self.stop_agreed()
             if c.save and (stop or self.iteration == t.iters or (c.interval and self.iteration % c.interval == 0)):
-                self.save_checkpoint(last=stop or self.iteration == t.iters)
+                self.save_checkpoint(last=bool(stop) or self.iteration == t.iters)
             if stop:
                 if self.is_logger:
-                    print(f"SIGTERM: saved and stopped cleanly at iteration {self.iteration}", flush=True)
+                    print(f"{self.stop.reason(stop)}: {'saved and ' if c.save else ''}stopped cleanly at iteration "
+                          f"{self.iteration}", flush=True)
                 break
         self.metrics.close()
         return records

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -120,6 +121,8 @@ class NvmeStore:
         self.reader, self.writer = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
         self.staged: Optional[int] = None  # the sub-group buffer 0 holds for write()/read()
         self.bytes_read = self.bytes_written = 0
+        self.read_s = self.write_s = 0.0  # seconds the I/O threads spent reading / writing
+        self.io_wait_s = 0.0  # seconds the step waited for I/O (what the overlap did not hide)
 
     # ------------------------------------------------------------------ files
 
@@ -158,6 +161,7 @@ class NvmeStore:
         return raw[start: start + nbytes].view(torch.float32)
 
     def _io(self, g: int, buffer: dict[str, torch.Tensor], write: bool) -> None:
+        tic = time.perf_counter()
         nbytes = self._padded((self.spans[g][1] - self.spans[g][0]) * 4)
         for kind in KINDS:
             view = memoryview(buffer[kind].numpy()).cast("B")[:nbytes]
@@ -169,8 +173,10 @@ class NvmeStore:
                                   f"({done} of {len(piece)} bytes)")
         if write:
             self.bytes_written += 3 * nbytes
+            self.write_s += time.perf_counter() - tic
         else:
             self.bytes_read += 3 * nbytes
+            self.read_s += time.perf_counter() - tic
 
     # ------------------------------------------------------------------ the step
 
@@ -186,7 +192,7 @@ class NvmeStore:
 
         def read_ahead(k: int) -> None:
             if k - count in writes:  # the buffer is free once its previous sub-group is written back
-                writes.pop(k - count).result()
+                self._wait(writes.pop(k - count))
             reads[k] = self.reader.submit(self._io, k, self.buffers[k % count], False)
 
         try:
@@ -195,13 +201,18 @@ class NvmeStore:
             for k, group in enumerate(groups):
                 if k + 1 < len(groups):
                     read_ahead(k + 1)
-                reads.pop(k).result()
+                self._wait(reads.pop(k))
                 buf, base = self.buffers[k % count], self.spans[k][0]
                 yield group, GroupState(*(_views(buf[kind], group, base) for kind in KINDS), self.device)
                 writes[k] = self.writer.submit(self._io, k, buf, True)
         finally:
             for f in [*reads.values(), *writes.values()]:
                 f.result()
+
+    def _wait(self, future: Future) -> None:
+        tic = time.perf_counter()
+        future.result()
+        self.io_wait_s += time.perf_counter() - tic
 
     # ------------------------------------------------------------------ whole kinds
 

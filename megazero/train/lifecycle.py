@@ -1,0 +1,139 @@
+"""A training worker's life under torchrun: how it starts again, stops early, and dies.
+
+- Restart: torchrun's `--max-restarts` starts every worker again after one fails
+  (TORCHELASTIC_RESTART_COUNT > 0); `resume_on_restart` points the run at its own save
+  directory so that every restart resumes from the latest complete checkpoint.
+- Orphans: torchrun starts each worker in a session of its own, so a SIGKILLed launcher
+  leaves its workers training on and writing checkpoints. `die_with_launcher` ends a worker
+  the moment its launcher goes (the kernel's parent-death signal, and a parent-pid watchdog
+  where that is missing); SIGKILL runs no handler, so the checkpoint directory is not touched.
+- Early stop: SIGTERM (torchrun's and Slurm's), SIGUSR1 (Slurm's `--signal` before the
+  time limit) and `train.exit_duration_minutes` become a save and a clean exit (`StopRequest`).
+- Lost peers: a collective whose peer died or stopped responding becomes one line naming
+  this rank and the operation (`describe_comm_failure`) instead of a traceback per rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Optional
+
+from megazero.config import Config
+from megazero.errors import UserError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+# Megatron's --exit-duration-in-mins counts from the start of the process, not of training.
+PROCESS_START = time.monotonic()
+_PR_SET_PDEATHSIG = 1
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def resume_on_restart(cfg: Config) -> Optional[str]:
+    """On a torchrun restart, resume from the latest checkpoint this run saved (whatever
+    checkpoint.load was: it named where the first attempt started). Returns a line to print."""
+    c = cfg.checkpoint
+    if not restart_count() or not c.save or not os.path.isfile(os.path.join(c.save, "latest")):
+        return None
+    c.load, c.iteration = c.save, 0
+    limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    return f"torchrun restart {restart_count()} of {limit}: resuming from the latest checkpoint in {c.save}"
+
+
+def attempt_store(timeout_s: float) -> Optional[dist.Store]:
+    """On a torchrun restart with the launcher's own store (static rendezvous, or c10d's shared
+    store), that store under a prefix of this attempt's own: it outlives the previous attempt,
+    whose gloo addresses the new workers would read otherwise ("Gloo connectFullMesh failed ...
+    Connection refused"). None when there is nothing stale: a first start, or a store that rank 0
+    hosts afresh each round (c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which multi-node
+    jobs want: node agents may count restarts differently)."""
+    if not restart_count() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist  # here, not at the top: --validate-only needs no torch
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"megazero/attempt_{restart_count()}", store)
+
+
+def die_with_launcher(poll_s: float = 0.5) -> None:
+    """Under torchrun, SIGKILL this worker as soon as its launcher is gone."""
+    if not under_torchrun():
+        return
+    launcher = os.getppid()
+    if sys.platform.startswith("linux"):
+        # The parent-death signal follows the thread that forked us: torchrun forks from its
+        # main thread, and the watchdog below covers any case where that does not hold.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    threading.Thread(target=_watch_parent, args=(launcher, poll_s), name="megazero-launcher-watch",
+                     daemon=True).start()
+
+
+def _watch_parent(launcher: int, poll_s: float) -> None:
+    while os.getppid() == launcher:  # an orphan is re-parented to init or a subreaper
+        time.sleep(poll_s)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StopRequest:
+    """Why this rank wants to stop before train.iters; the trainer takes the maximum code over
+    all ranks, so every rank saves and stops at the same iteration."""
+
+    NONE, DEADLINE, SIGUSR1, SIGTERM = range(4)
+
+    def __init__(self, exit_duration_minutes: float):
+        self.exit_duration_minutes = exit_duration_minutes
+        self.deadline = PROCESS_START + exit_duration_minutes * 60 if exit_duration_minutes else None
+        self.signalled = self.NONE
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.signalled = max(self.signalled, self.SIGTERM if signum == signal.SIGTERM else self.SIGUSR1)
+
+    def code(self) -> int:
+        """This rank's reason to stop now (NONE to go on)."""
+        if self.signalled:
+            return self.signalled
+        return self.DEADLINE if self.deadline is not None and time.monotonic() >= self.deadline else self.NONE
+
+    def reason(self, code: int) -> str:
+        if code == self.DEADLINE:
+            return f"train.exit_duration_minutes ({self.exit_duration_minutes:g}) reached"
+        return "SIGTERM" if code == self.SIGTERM else "SIGUSR1"
+
+
+def describe_comm_failure(error: BaseException, rank: int) -> Optional[str]:
+    """One line for an error raised by a collective or p2p op (a peer died, or timed out after
+    train.timeout_minutes); None for any other error."""
+    if isinstance(error, UserError):
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    text = str(error)
+    if not (any("torch/distributed" in f.filename for f in frames) or "gloo" in text or "NCCL" in text):
+        return None
+    ours = [f for f in frames if f.filename.startswith(_PACKAGE_DIR)]
+    where = " <- ".join(f"{f.name} ({os.path.relpath(f.filename, _PACKAGE_DIR)}:{f.lineno})"
+                        for f in reversed(ours[-2:]))
+    # gloo: "[file.cc:553] Connection closed by peer [addr]:port. This is typically ..." -> the middle
+    detail = re.sub(r"^\[[^\]]*\] ", "", text.strip().splitlines()[0]).split(". ")[0] if text.strip() else ""
+    return (f"rank {rank}: {where or 'a collective'} failed: a peer process died or stopped responding "
+            f"({detail or type(error).__name__}); the job stops; run it again (or let torchrun --max-restarts) "
+            f"to resume from the latest checkpoint")

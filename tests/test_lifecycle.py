@@ -1,0 +1,226 @@
+"""Faults under torchrun: a killed worker is restarted and the run ends as if nothing happened,
+a dead peer ends the job, workers die with their launcher, stop requests save and exit 0,
+start-up errors reach the terminal exactly once."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distributed import free_port, read_jsonl, torchrun
+from megazero.train.__main__ import main as train_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true"]
+
+
+def _launch(nproc: int, args: list[str], restarts: int = 0) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}",
+           f"--master_port={free_port()}", "-m", "megazero.train", *BASE, *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of `pid` (torchrun's workers), from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == str(pid) and fields[0] != "Z":
+                out.append(int(entry))
+    return sorted(out)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, "the job ended before the fault could be injected:\n" + proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "timed out waiting for the job to get there"
+        time.sleep(0.05)
+
+
+def _latest(save: str) -> str:
+    try:
+        with open(os.path.join(save, "latest")) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _kill_worker_and_finish(tmp_path, nproc: int, args: list[str], kill_when, name: str) -> tuple[str, list[dict]]:
+    """Run under torchrun --max-restarts 1, SIGKILL one worker once kill_when(save) holds, and
+    return the job's stdout and JSONL records (it must finish successfully)."""
+    save, jsonl = str(tmp_path / name), str(tmp_path / f"{name}.jsonl")
+    proc = _launch(nproc, [*args, "--checkpoint.save", save, "--logging.jsonl", jsonl], restarts=1)
+    _wait_for(lambda: kill_when(save), proc)
+    os.kill(_children(proc.pid)[-1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return out, read_jsonl(jsonl)
+
+
+def _final_loss_uninterrupted(tmp_path, nproc: int, args: list[str]) -> float:
+    jsonl = str(tmp_path / "reference.jsonl")
+    proc = torchrun(nproc, [*BASE, *args, "--logging.jsonl", jsonl], cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_jsonl(jsonl)[-1]["loss"]
+
+
+RESTART_ARGS = ["--train.iters", "12", "--zero.stage", "1", "--checkpoint.interval", "4"]
+
+
+def test_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
+    out, records = _kill_worker_and_finish(tmp_path, 2, RESTART_ARGS, lambda s: _latest(s) == "iter_0000004", "ck")
+    restart = out.index("torchrun restart 1 of 1: resuming from the latest checkpoint in")
+    assert "resumed from" in out[restart:]
+    assert records[-1]["iteration"] == 12
+    # Same-layout resume is bitwise: the final loss equals the uninterrupted run's exactly.
+    assert records[-1]["loss"] == _final_loss_uninterrupted(tmp_path, 2, RESTART_ARGS)
+
+
+@pytest.mark.slow
+def test_worker_killed_at_random_moments_never_changes_the_result(tmp_path):
+    """tp 2 x dp 2, ZeRO-2, a save every iteration: kills land before, during and after saves."""
+    args = ["--train.iters", "16", "--parallel.tp", "2", "--zero.stage", "2", "--checkpoint.interval", "1"]
+    reference = _final_loss_uninterrupted(tmp_path, 4, args)
+    rng = random.Random(0)
+    for trial in range(3):
+        first_save, delay = rng.randint(1, 8), rng.uniform(0.0, 0.5)
+
+        def kill_when(save, first_save=first_save, delay=delay):
+            if not _latest(save) >= f"iter_{first_save:07d}":
+                return False
+            time.sleep(delay)
+            return True
+
+        _, records = _kill_worker_and_finish(tmp_path, 4, args, kill_when, f"trial{trial}")
+        assert records[-1]["iteration"] == 16 and records[-1]["loss"] == reference, (trial, first_save, delay)
+
+
+def test_a_killed_worker_ends_the_job_with_a_line_naming_rank_and_operation(tmp_path):
+    proc = _launch(4, ["--train.iters", "100000", "--zero.stage", "1"])
+    _wait_for(lambda: len(_children(proc.pid)) == 4 and proc.stdout.readline().startswith("iter 2/"), proc)
+    os.kill(_children(proc.pid)[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)  # a dead peer ends the job well within 2 minutes
+    assert proc.returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("error: rank ")]
+    assert lines and all("failed: a peer process died or stopped responding" in line for line in lines), err[-3000:]
+    assert all("(parallel/comm.py:" in line for line in lines)  # the operation that lost its peer
+
+
+@pytest.mark.slow
+def test_a_stuck_worker_ends_the_job_after_the_timeout(tmp_path):
+    """SIGSTOP one worker: its peers time out after train.timeout_minutes (3 s here) with the
+    line naming the operation; torchrun SIGKILLs the stopped one 30 s later."""
+    proc = _launch(2, ["--train.iters", "100000", "--train.timeout_minutes", "0.05"])
+    _wait_for(lambda: len(_children(proc.pid)) == 2 and proc.stdout.readline().startswith("iter 2/"), proc)
+    os.kill(_children(proc.pid)[1], signal.SIGSTOP)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "failed: a peer process died or stopped responding (Timed out waiting 3000ms" in err, err[-3000:]
+
+
+def _snapshot(directory: str) -> dict:
+    return {os.path.join(d, n): os.stat(os.path.join(d, n)).st_mtime_ns
+            for d, _, names in os.walk(directory) for n in names}
+
+
+def test_workers_die_with_their_launcher_and_leave_the_checkpoints_alone(tmp_path):
+    save = str(tmp_path / "ck")
+    proc = _launch(2, ["--train.iters", "100000", "--checkpoint.save", save, "--checkpoint.interval", "1"])
+    _wait_for(lambda: _latest(save) >= "iter_0000002", proc)
+    workers = _children(proc.pid)
+    proc.kill()  # SIGKILL: torchrun gets no chance to stop its workers
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(w) for w in workers):
+        assert time.monotonic() < deadline, "workers outlived their launcher by 10 s"
+        time.sleep(0.05)
+    before = _snapshot(save)
+    time.sleep(1.0)
+    assert _snapshot(save) == before  # no orphan writes on
+    assert os.path.isfile(os.path.join(save, _latest(save), "metadata.json"))  # latest is complete
+
+
+def test_sigusr1_on_one_worker_saves_and_every_worker_exits_0(tmp_path):
+    """Slurm's --signal reaches some processes first: every rank agrees, saves once, exits 0."""
+    save = str(tmp_path / "ck")
+    proc = _launch(2, ["--train.iters", "100000", "--checkpoint.save", save, "--zero.stage", "1"])
+    _wait_for(lambda: len(_children(proc.pid)) == 2 and proc.stdout.readline().startswith("iter 3/"), proc)
+    os.kill(_children(proc.pid)[1], signal.SIGUSR1)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]  # torchrun exits 0 only when every worker did
+    assert "SIGUSR1: saved and stopped cleanly at iteration" in out
+    assert "Warning" not in err  # e.g. no per-rank FutureWarning from ZeRO's collectives
+    assert _latest(save) >= "iter_0000003"
+
+
+def test_exit_duration_saves_and_exits_cleanly(tmp_path):
+    save = str(tmp_path / "ck")
+    proc = subprocess.run([sys.executable, "-m", "megazero.train", *BASE, "--train.iters", "1000",
+                           "--train.exit_duration_minutes", "1e-6", "--checkpoint.save", save],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train.exit_duration_minutes (1e-06) reached: saved and stopped cleanly at iteration 1" in proc.stdout
+    assert _latest(save) == "iter_0000001"
+
+
+def test_validate_only_checks_the_layout_for_a_world_size(capsys):
+    train_main([*BASE, "--validate-only", "--world-size", "4", "--parallel.tp", "2"])
+    assert capsys.readouterr().out == "config OK for 4 process(es)\n"
+    with pytest.raises(SystemExit) as exit_:
+        train_main([*BASE, "--validate-only", "--world-size", "3", "--parallel.tp", "3"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "error: model.num_heads (4) must be divisible by parallel.tp (3)\n"
+
+
+@pytest.mark.parametrize("trial", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+def test_startup_error_under_torchrun_is_printed_exactly_once(trial):
+    """Every rank meets the error; torchrun SIGTERMs the rest when the first exits."""
+    proc = torchrun(3, [*BASE, "--parallel.tp", "3"], cwd=ROOT)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: model.num_heads (4) must be divisible by parallel.tp (3)") == 1, proc.stderr
+
+
+@pytest.mark.slow
+def test_lost_node_restarts_at_the_smaller_world_size(tmp_path):
+    """Two torchrun agents ("nodes", one worker each) under --nnodes 1:2; SIGKILL the second
+    agent: the first restarts alone, resumes the dp 2 checkpoint resharded to dp 1, finishes."""
+    save, jsonl, port = str(tmp_path / "ck"), str(tmp_path / "m.jsonl"), free_port()
+    args = ["--train.iters", "16", "--zero.stage", "1", "--checkpoint.interval", "4"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--nnodes=1:2", "--max-restarts=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
+           "--rdzv-conf=join_timeout=60,last_call_timeout=8", "-m", "megazero.train", *BASE, *args,
+           "--checkpoint.save", save, "--logging.jsonl", jsonl]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    host = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # the first agent hosts the rendezvous store, so it must be the one that survives
+    other = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(lambda: _latest(save) == "iter_0000004", host)
+    other.kill()
+    other.wait()
+    out, err = host.communicate(timeout=300)
+    assert host.returncode == 0, err[-3000:]
+    assert "world 2 = tp 1 x pp 1 x dp 2" in out and "(resharded to this layout)" in out
+    final = read_jsonl(jsonl)[-1]
+    assert final["iteration"] == 16
+    assert abs(final["loss"] - _final_loss_uninterrupted(tmp_path, 1, args)) <= 1e-4
