@@ -184,18 +184,17 @@ class Bench:
     # ------------------------------------------------------------------ the faults
 
     def worker_sigkill(self, run: str) -> tuple[bool, Optional[float], str]:
-        job = Job(self.a.nproc, self.job_args(run, 2), restarts=self.a.restarts)
-        self.wait_saved(job)
-        os.kill(self.rng.choice(job.workers()), signal.SIGKILL)
-        t0 = time.monotonic()
-        return self._restarted(job, run, t0)
+        return self._signal_a_worker(run, signal.SIGKILL)
 
     def stuck_rank(self, run: str) -> tuple[bool, Optional[float], str]:
+        return self._signal_a_worker(run, signal.SIGSTOP)
+
+    def _signal_a_worker(self, run: str, sig: int) -> tuple[bool, Optional[float], str]:
+        """Once the job has saved, send `sig` to a random worker; time until training resumes."""
         job = Job(self.a.nproc, self.job_args(run, 2), restarts=self.a.restarts)
         self.wait_saved(job)
-        os.kill(self.rng.choice(job.workers()), signal.SIGSTOP)
-        t0 = time.monotonic()
-        return self._restarted(job, run, t0)
+        os.kill(self.rng.choice(job.workers()), sig)
+        return self._restarted(job, run, time.monotonic())
 
     def _restarted(self, job: Job, run: str, t0: float) -> tuple[bool, Optional[float], str]:
         """`job` resumes training after the fault at t0 and finishes with nothing lost."""

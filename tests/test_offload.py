@@ -95,7 +95,6 @@ def test_nvme_store_streams_sub_groups_and_keeps_what_the_step_wrote(tmp_path):
     assert torch.equal(master[~covered], torch.zeros(int((~covered).sum())))  # padding is not stored
     assert exp_avg[1600:1607].eq(3).all() and exp_avg[512:1512].eq(2).all()
     assert store.bytes_read > 0 and store.bytes_written > 0
-    store.close()
 
 
 def test_nvme_store_refuses_a_disk_without_room(tmp_path, monkeypatch):

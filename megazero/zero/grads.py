@@ -124,7 +124,7 @@ class GradientSync:
             self._reduce_scatter(b, self._pending.pop(b.index), add=True)
             if self.on_reduced is not None:
                 self.on_reduced(b.index)
-        elif self.layout.shards == 1:  # stage 0: every rank keeps the whole reduced bucket
+        elif self.stage == 0:  # every rank keeps the whole reduced bucket
             full = self.buffers.full[b.index]
             wire = self._on_wire(full)
             self._works.append((comm.all_reduce(wire, self.dp, async_op=True), wire, full))

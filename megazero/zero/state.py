@@ -20,7 +20,6 @@ checkpoints.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import time
@@ -252,10 +251,3 @@ class NvmeStore:
 
     def nbytes(self) -> dict[str, int]:
         return {"cpu": sum(t.numel() * 4 for b in self.buffers for t in b.values()), "nvme": 3 * self.file_bytes}
-
-    def close(self) -> None:
-        self.reader.shutdown()
-        self.writer.shutdown()
-        for fd in self.fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
