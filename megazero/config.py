@@ -198,8 +198,8 @@ class CheckpointConfig:
     init_from_hf: Optional[str] = None
     """Start from a Hugging Face GPT-2 directory (config.json + model.safetensors or
     pytorch_model.bin) at any layout; each rank reads only its slices. The model section must
-    match its config.json (model.vocab_size auto takes its vocabulary). A resume from
-    checkpoint.load replaces these values."""
+    match its config.json (model.vocab_size auto takes its vocabulary). Not read when the run
+    resumes from checkpoint.load (or restarts): the checkpoint's values win."""
 
 
 @dataclass

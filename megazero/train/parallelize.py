@@ -47,7 +47,9 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
         if cfg.train.compile:
             apply_compile(chunk, cfg.train.recompute)
         apply_recompute(chunk, cfg.train.recompute, tracker)
-    initial = hf_initial_values(cfg, grid) if cfg.checkpoint.init_from_hf else None
+    # A resume (checkpoint.load, also set on a torchrun restart) replaces every value: no HF read then.
+    start_from_hf = cfg.checkpoint.init_from_hf and not cfg.checkpoint.load
+    initial = hf_initial_values(cfg, grid) if start_from_hf else None
     return chunks, ZeroOptimizer(chunks, cfg, grid, initial)
 
 
