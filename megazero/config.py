@@ -96,8 +96,13 @@ class ZeroConfig:
     """Where the fp32 master weights and Adam moments live (stages 1-3): none (the device),
     cpu (host memory, stepped on the CPU: ZeRO-Offload) or nvme (swap files under
     zero.nvme_path, streamed one sub-group at a time: ZeRO-Infinity)."""
+    offload_param: Literal["none", "cpu", "nvme"] = "none"
+    """Stage 3: where each rank's 16-bit parameter shard lives between uses: none (the
+    device), cpu (host memory) or nvme (a swap file under zero.nvme_path). A unit's slice
+    is loaded ahead of use, in the prefetch order, all-gathered and dropped after."""
     nvme_path: str = ""
-    """offload_optimizer nvme: an existing, writable directory on a fast local disk."""
+    """offload_optimizer / offload_param nvme: an existing, writable directory on a fast
+    local disk."""
     pin_memory: bool = True
     """Page-lock offloaded host buffers when a GPU is present (faster device<->host copies)."""
     buffer_count: int = 4
@@ -616,18 +621,21 @@ def _validate_zero(cfg: Config) -> None:
 
 
 def _validate_offload(z: ZeroConfig) -> None:
-    if z.offload_optimizer == "none":
-        return
-    if z.stage == 0:
+    if z.offload_param != "none" and z.stage != 3:
+        raise ConfigError(f"zero.offload_param {z.offload_param} offloads stage 3's parameter shards, which needs "
+                          f"zero.stage 3 (got {z.stage}); set --zero.stage 3 or --zero.offload_param none")
+    if z.offload_optimizer != "none" and z.stage == 0:
         raise ConfigError(f"zero.offload_optimizer {z.offload_optimizer} offloads the sharded optimizer state, "
                           f"which needs zero.stage 1, 2 or 3 (got 0); set --zero.stage 1")
-    if z.offload_optimizer != "nvme":
+    nvme = [f"{key} nvme" for key, value in (("zero.offload_optimizer", z.offload_optimizer),
+                                              ("zero.offload_param", z.offload_param)) if value == "nvme"]
+    if not nvme:
         return
-    if z.buffer_count < 2:
+    if z.offload_optimizer == "nvme" and z.buffer_count < 2:
         raise ConfigError(f"zero.buffer_count ({z.buffer_count}) must be at least 2 with offload_optimizer nvme "
                           f"(one sub-group is read while the previous one is written back)")
     if not z.nvme_path:
-        raise ConfigError("zero.offload_optimizer nvme needs zero.nvme_path: a directory on a local disk, "
+        raise ConfigError(f"{nvme[0]} needs zero.nvme_path: a directory on a local disk, "
                           "e.g. --zero.nvme_path /local_nvme")
     if not os.path.isdir(z.nvme_path):
         raise ConfigError(f"zero.nvme_path {z.nvme_path} is not an existing directory; create it or point "

@@ -1,5 +1,5 @@
-"""Optimizer offload (zero.offload_optimizer cpu | nvme): the same losses and parameters as
-in-memory at stages 1-3, state that checkpoints like any other, the NVMe store's streaming,
+"""Optimizer and parameter offload (zero.offload_optimizer cpu | nvme, and at stage 3
+zero.offload_param cpu | nvme): the same losses and parameters as in-memory at stages 1-3, state that checkpoints like any other, the NVMe store's streaming,
 and clear errors for bad settings."""
 
 from __future__ import annotations
@@ -38,30 +38,42 @@ def _run(args: list[str], iters: int) -> dict:
             "bytes": tr.optimizer.model_state_bytes(), "optimizer": tr.optimizer}
 
 
+OPTIMIZER = {"cpu": ["--zero.offload_optimizer", "cpu"], "nvme": ["--zero.offload_optimizer", "nvme"]}
+PARAMS = {"param cpu": ["--zero.offload_param", "cpu"],  # stage 3: parameters offloaded too
+          "param nvme + nvme": ["--zero.offload_param", "nvme", "--zero.offload_optimizer", "nvme"],
+          "param nvme + cpu": ["--zero.offload_param", "nvme", "--zero.offload_optimizer", "cpu"]}
+
+
 def _offload_world(nvme: str) -> list:
     """Every stage x offload mode (and bf16 through NVMe) against its in-memory run, in one
     spawned world. NVMe runs stream 2-3 sub-groups through 2 buffers (the smallest ring)."""
     out = []
-    cases = [(stage, "fp32") for stage in (1, 2, 3)] + [(2, "bf16")]
-    for stage, precision in cases:
+    cases = [(1, "fp32", OPTIMIZER), (2, "fp32", OPTIMIZER), (3, "fp32", {**OPTIMIZER, **PARAMS}),
+             (2, "bf16", OPTIMIZER), (3, "bf16", {k: PARAMS[k] for k in ("param cpu", "param nvme + cpu")})]
+    for stage, precision, modes in cases:
         base = ["--zero.stage", str(stage), "--train.precision", precision]
         ref = _run(base, 3)
-        for mode in ("cpu", "nvme"):
-            extra = ["--zero.offload_optimizer", mode, "--zero.nvme_path", nvme, "--zero.buffer_count", "2"]
+        for mode, args in modes.items():
+            extra = args + ["--zero.nvme_path", nvme, "--zero.buffer_count", "2"]
             got = _run(base + extra, 3)
             equal_state = all(torch.equal(got["state"][k], ref["state"][k]) for k in ("master", "exp_avg", "exp_avg_sq"))
-            # Resume: a fresh offloaded optimizer loads the state and hands back the same.
+            # Resume: a fresh offloaded optimizer loads the state (and the model's shards) and
+            # hands back the same.
             again = _run(base + extra, 0)["optimizer"]
+            again.load_model_state_dict(got["optimizer"].model_state_dict())
             again.load_state_dict(got["state"])
             reloaded = again.state_dict()
+            bytes_ = got["bytes"]
             out.append({"case": (stage, precision, mode),
                         "dloss": max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])),
                         "params_equal": all(torch.equal(got["params"][n], p) for n, p in ref["params"].items()),
                         "state_equal": equal_state,
                         "reload_equal": all(torch.equal(reloaded[k], got["state"][k])
                                             for k in ("master", "exp_avg", "exp_avg_sq")),
-                        "device_optimizer_bytes": got["bytes"]["optimizer"],
-                        "offloaded": got["bytes"]["offloaded_host" if mode == "cpu" else "offloaded_nvme"],
+                        "model_reload_equal": all(torch.equal(again.full_state_dict()[n], p)
+                                                  for n, p in got["params"].items()),
+                        "on_device": {k: bytes_[k] for k in ("optimizer", "params")},
+                        "offloaded": bytes_["offloaded_host"] + bytes_["offloaded_nvme"],
                         "files_left": [f for f in os.listdir(nvme) if f.startswith(".megazero-swap")]})
     return out
 
@@ -70,7 +82,11 @@ def test_offload_equals_in_memory_at_every_stage(tmp_path):
     for rank_out in run_distributed(_offload_world, 2, str(tmp_path)):
         for r in rank_out:
             assert r["dloss"] <= 1e-6 and r["params_equal"] and r["state_equal"] and r["reload_equal"], r
-            assert r["device_optimizer_bytes"] == 0 and r["offloaded"] > 0, r
+            assert r["model_reload_equal"], r
+            mode = r["case"][2]
+            assert r["offloaded"] > 0, r
+            assert (r["on_device"]["optimizer"] == 0) == (mode != "param cpu"), r
+            assert (r["on_device"]["params"] == 0) == mode.startswith("param"), r
             assert r["files_left"] == [], r  # swap files are unlinked as soon as they are open
 
 
@@ -108,6 +124,8 @@ def test_nvme_store_refuses_a_disk_without_room(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("args, message", [
     (["--zero.offload_optimizer", "cpu"], r"needs zero.stage 1, 2 or 3 \(got 0\)"),
+    (["--zero.stage", "2", "--zero.offload_param", "cpu"], r"offload_param cpu .* needs zero.stage 3 \(got 2\)"),
+    (["--zero.stage", "3", "--zero.offload_param", "nvme"], r"zero.offload_param nvme needs zero.nvme_path"),
     (["--zero.stage", "1", "--zero.offload_optimizer", "nvme"], r"needs zero.nvme_path"),
     (["--zero.stage", "1", "--zero.offload_optimizer", "nvme", "--zero.nvme_path", "/no/such/dir"],
      r"/no/such/dir is not an existing directory"),

@@ -57,6 +57,7 @@ from megazero.zero.materialize import replace_meta_parameters
 from megazero.zero.params import ParamStore
 from megazero.zero.partition import Bucket, Layout, Slot, build_layout, sub_groups
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
+from megazero.zero.shard_home import MemoryShard, NvmeShard, ShardHome
 from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
 from megazero.zero.state import MemoryStore, NvmeStore
 
@@ -150,10 +151,11 @@ class ZeroOptimizer:
 
         # In fp32 the model's own values are the master weights; a copy would be waste.
         self.state = self._state_store()
-        self.params = ParamStore(self.layout, sharded=self.stage == 3, dtype=self.dtype, device=grid.device,
-                                 initial=self._initial, write_master=self._write_master)
+        self.params = ParamStore(self.layout, home=self._shard_home() if self.stage == 3 else None, dtype=self.dtype,
+                                 device=grid.device, initial=self._initial, write_master=self._write_master)
         self.state.flush()
-        self.gatherer = (ParamGatherer(self.layout, self.params.shard, units, grid.dp_group, z.prefetch)
+        self.gatherer = (ParamGatherer(self.layout, self.params.home, units, grid.dp_group, z.prefetch,
+                                       self.dtype, grid.device)
                          if self.stage == 3 else None)
         if self.gatherer is not None:
             for c in chunks:
@@ -173,25 +175,44 @@ class ZeroOptimizer:
             return self.chunks[b.chunk].initial_value(s.name, self.cfg.train.seed).reshape(-1)
         return s.param.detach().reshape(-1)
 
-    def _state_store(self) -> MemoryStore | NvmeStore:
-        """Master weights and moments where zero.offload_optimizer puts them. Every rank
-        learns whether every store could be built (a full disk on one node must not leave
-        the others waiting in the first collective)."""
-        z, n = self.cfg.zero, self.layout.shard_numel
-        store, error = None, ""
+    def _agreed(self, build: Callable[[], object]) -> object:
+        """`build()` on every rank, each learning whether every rank could (a full disk on one
+        node must not leave the others waiting in the first collective)."""
+        result, error = None, ""
         try:
-            if z.offload_optimizer == "none":  # in fp32 the parameters are the master weights
-                store = MemoryStore(n, self.grid.device, separate_master=self.dtype != torch.float32)
-            elif z.offload_optimizer == "cpu":
-                store = MemoryStore(n, torch.device("cpu"), separate_master=True, pin=z.pin_memory)
-            else:
-                store = NvmeStore(n, self.groups, z.nvme_path, z.buffer_count, z.pin_memory)
+            result = build()
         except UserError as e:
             error = f"rank {self.grid.rank}: {e}"
         errors = [e for e in comm.all_gather_object(error, self.grid["world"]) if e]
         if errors:
             raise UserError(errors[0])
-        return store
+        return result
+
+    def _state_store(self) -> MemoryStore | NvmeStore:
+        """Master weights and moments where zero.offload_optimizer puts them."""
+        z, n = self.cfg.zero, self.layout.shard_numel
+        # In fp32 with the parameters in device memory, the parameters are the master weights.
+        separate = self.dtype != torch.float32 or z.offload_param != "none"
+
+        def build() -> MemoryStore | NvmeStore:
+            if z.offload_optimizer == "none":
+                return MemoryStore(n, self.grid.device, separate_master=separate)
+            if z.offload_optimizer == "cpu":
+                return MemoryStore(n, torch.device("cpu"), separate_master=True, pin=z.pin_memory)
+            return NvmeStore(n, self.groups, z.nvme_path, z.buffer_count, z.pin_memory)
+        return self._agreed(build)
+
+    def _shard_home(self) -> ShardHome:
+        """Where the stage-3 parameter shard lives: zero.offload_param."""
+        z, n = self.cfg.zero, self.layout.shard_numel
+
+        def build() -> ShardHome:
+            if z.offload_param == "none":
+                return MemoryShard(n, self.dtype, self.grid.device)
+            if z.offload_param == "cpu":
+                return MemoryShard(n, self.dtype, torch.device("cpu"), pin=z.pin_memory)
+            return NvmeShard(self.layout, self.dtype, z.nvme_path, z.pin_memory)
+        return self._agreed(build)
 
     def _write_master(self, offset: int, values: torch.Tensor) -> None:
         self.state.write("master", offset, values)
@@ -244,20 +265,15 @@ class ZeroOptimizer:
             grads = [self.grads.view(r) for r in group]  # fp32; scaled in place (zeroed before the next use)
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
-            params = [self.params.view(r) for r in group]
             if st.device != self.grid.device:  # offloaded: the step runs where the state lives
                 grads = [g.to(st.device) for g in grads]
-            masters = st.master if st.master is not None else params
+            masters = st.master if st.master is not None else [self.params.view(r) for r in group]
             adamw_(masters, grads, st.exp_avg, st.exp_avg_sq, [m for m, r in zip(masters, group) if r.decay],
                    lr=lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                    step=self.step_count)
-            if st.master is None:
-                continue
-            if st.device == self.grid.device:
-                torch._foreach_copy_(params, masters)
-            else:
-                for p, m in zip(params, masters):
-                    p.copy_(m)
+            if st.master is not None:
+                self.params.set_ranges(group, masters)
+        self.params.flush()
         if self.stage in (1, 2):  # stage 0 stepped everything, stage 3 keeps shards
             self.params.all_gather(self.grid.dp_group)
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
@@ -306,8 +322,9 @@ class ZeroOptimizer:
         for b in self.layout.buckets:
             values = master[b.shard_offset: b.shard_offset + b.shard_numel]
             self._write_master(b.shard_offset, values)
-            self.params.own_slice(b).copy_(values)
+            self.params.set_own_slice(b, values)
         self.state.flush()
+        self.params.flush()
         if self.stage in (1, 2):
             self.params.all_gather(self.grid.dp_group)
 
@@ -318,7 +335,7 @@ class ZeroOptimizer:
         host = HostStaging()  # one pinned buffer for every tensor
         if self.stage < 3:
             return {s.name: host.copy(s.param.detach()) for _, s in self.layout.slots()}
-        return {name: host.copy(piece) for name, piece in self.params.pieces()}
+        return {name: host.copy(self.params.home.read(offset, length)) for name, offset, length in self.params.pieces()}
 
     @torch.no_grad()
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -327,8 +344,10 @@ class ZeroOptimizer:
             for _, s in self.layout.slots():
                 s.param.copy_(state[s.name])
         else:
-            for name, piece in self.params.pieces():
-                piece.copy_(state[name])
+            for name, offset, length in self.params.pieces():
+                if length:
+                    self.params.home.write(offset, state[name])
+        self.params.flush()
         for b in self.layout.buckets:
             self._write_master(b.shard_offset, self.params.own_slice(b))
         self.state.flush()
@@ -388,14 +407,18 @@ class ZeroOptimizer:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds persistently on its compute device:
         parameters, gradients and optimizer states (master weights when separate, Adam
-        moments); offloaded optimizer state is counted apart, by where it lives
-        (`offloaded_host`: host memory, `offloaded_nvme`: swap files)."""
-        def nbytes(ts) -> int:
-            return sum(t.numel() * t.element_size() for t in ts)
-        params = nbytes(self.params.tensors())
-        grads = nbytes(self.grads.tensors())
-        where = self.state.nbytes()
-        offloaded = self.cfg.zero.offload_optimizer != "none"
-        optim = 0 if offloaded else sum(where.values())
-        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim,
-                "offloaded_host": where.get("cpu", 0) if offloaded else 0, "offloaded_nvme": where.get("nvme", 0)}
+        moments); what zero.offload_param / offload_optimizer moved off the device is
+        counted apart, by where it lives (`offloaded_host`: host memory, `offloaded_nvme`:
+        swap files)."""
+        z = self.cfg.zero
+        grads = sum(t.numel() * t.element_size() for t in self.grads.tensors())
+        kept = {"params": (self.params.nbytes(), z.offload_param != "none"),
+                "optimizer": (self.state.nbytes(), z.offload_optimizer != "none")}
+        out = {"grads": grads, "offloaded_host": 0, "offloaded_nvme": 0}
+        for what, (where, offloaded) in kept.items():
+            out[what] = 0 if offloaded else sum(where.values())
+            if offloaded:
+                out["offloaded_host"] += where.get("cpu", 0)
+                out["offloaded_nvme"] += where.get("nvme", 0)
+        out["total"] = out["params"] + grads + out["optimizer"]
+        return out

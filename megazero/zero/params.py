@@ -2,8 +2,10 @@
 
     stages 0-2  every bucket whole on every rank (`full`); each parameter is a view into its
                 bucket, so an all-gather of the updated slices refreshes the model in place
-    stage 3     only this rank's slice of every bucket (`shard`); stage3.ParamGatherer points
-                the parameters at gathered buffers while a module runs
+    stage 3     only this rank's slice of every bucket, kept by a shard home (shard_home.py:
+                on the device, or offloaded to host memory or NVMe by zero.offload_param);
+                stage3.ParamGatherer points the parameters at gathered buffers while a
+                module runs
 
 Initial values are written element by element from `initial(bucket, slot)`: at stage 3 a
 rank writes only the elements it owns, so a model built on the meta device is never whole.
@@ -11,33 +13,39 @@ rank writes only the elements it owns, so a model built on the meta device is ne
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from megazero.parallel import comm
-from megazero.zero.partition import Bucket, FlatBuffers, Layout, Slot
+from megazero.zero.partition import Bucket, FlatBuffers, Layout, Range, Slot
+from megazero.zero.shard_home import ShardHome
 
 Initial = Callable[[Bucket, Slot], torch.Tensor]
 
 
-class ParamStore(FlatBuffers):
-    def __init__(self, layout: Layout, *, sharded: bool, dtype: torch.dtype, device: torch.device,
+class ParamStore:
+    def __init__(self, layout: Layout, *, home: Optional[ShardHome], dtype: torch.dtype, device: torch.device,
                  initial: Initial, write_master: Callable[[int, torch.Tensor], None]) -> None:
-        super().__init__(layout, sharded=sharded, dtype=dtype, device=device)
+        """`home` keeps the shard at stage 3; None at stages 0-2 (every bucket whole on `device`)."""
+        self.layout, self.home, self.device = layout, home, device
+        self.sharded = home is not None
+        self.buckets = None if self.sharded else FlatBuffers(layout, sharded=False, dtype=dtype, device=device)
         for b in layout.buckets:
-            if sharded:
+            if self.sharded:
                 self._fill_shard(b, initial, write_master)
             else:
                 self._fill_bucket(b, initial, write_master)
+        if self.sharded:
+            self.home.flush()
 
     def _fill_bucket(self, b: Bucket, initial: Initial, write_master: Callable) -> None:
-        flat = torch.zeros(b.numel, device=self.shard.device)  # fp32: the master slice comes from it
+        flat = torch.zeros(b.numel, device=self.device)  # fp32: the master slice comes from it
         for s in b.slots:
             flat[s.offset: s.offset + s.numel].copy_(initial(b, s))
         lo, hi = b.slice_of(self.layout.rank)
         write_master(b.shard_offset, flat[lo:hi])
-        bucket = self.full[b.index]
+        bucket = self.buckets.full[b.index]
         bucket.copy_(flat)
         for s in b.slots:
             s.param.data = bucket[s.offset: s.offset + s.numel].view(s.shape)
@@ -52,27 +60,69 @@ class ParamStore(FlatBuffers):
                 continue
             piece = initial(b, s)[start - s.offset: end - s.offset]
             offset = b.shard_offset + start - lo
-            self.shard[offset: offset + end - start].copy_(piece)
+            self.home.write(offset, piece)
             write_master(offset, piece)
+
+    def view(self, r: Range) -> torch.Tensor:
+        """The elements of one range of this rank's shard, in place (the shard in memory)."""
+        if self.sharded:
+            return self.home.read(r.shard_offset, r.length)
+        return self.buckets.view(r)
+
+    def set_ranges(self, ranges: list[Range], values: list[torch.Tensor]) -> None:
+        """Write updated values of this rank's ranges (after a step; then `flush`)."""
+        if self.sharded:
+            for r, v in zip(ranges, values):
+                self.home.write(r.shard_offset, v)
+            return
+        params = [self.buckets.view(r) for r in ranges]
+        if values and values[0].device == params[0].device:
+            torch._foreach_copy_(params, values)
+        else:
+            for p, v in zip(params, values):
+                p.copy_(v)
+
+    def flush(self) -> None:
+        if self.sharded:
+            self.home.flush()
+
+    def own_slice(self, b: Bucket) -> torch.Tensor:
+        """This rank's slice of bucket b (in place where the shard is in memory)."""
+        if self.sharded:
+            return self.home.read(b.shard_offset, b.shard_numel)
+        return self.buckets.own_slice(b)
 
     def own_slices(self) -> list[torch.Tensor]:
         """This rank's shard (padding included) as pieces laid end to end."""
-        return [self.shard] if self.sharded else [self.own_slice(b) for b in self.layout.buckets]
+        return [self.own_slice(b) for b in self.layout.buckets]
 
-    def pieces(self) -> list[tuple[str, torch.Tensor]]:
-        """Stage 3: (name, the view of the shard holding this rank's piece of it) per
-        parameter; a piece is empty when the parameter lies wholly in other ranks' slices."""
+    def set_own_slice(self, b: Bucket, values: torch.Tensor) -> None:
+        """Set this rank's slice of bucket b (then `flush`)."""
+        if self.sharded:
+            self.home.write(b.shard_offset, values)
+        else:
+            self.buckets.own_slice(b).copy_(values)
+
+    def pieces(self) -> list[tuple[str, int, int]]:
+        """Stage 3: (name, shard offset, length) of this rank's piece of each parameter; a
+        piece is empty when the parameter lies wholly in other ranks' slices."""
         out = []
         for b, s in self.layout.slots():
             lo, hi = b.slice_of(self.layout.rank)
             start = max(lo, s.offset)
             length = max(0, min(hi, s.offset + s.numel) - start)
-            base = b.shard_offset + min(start, hi) - lo
-            out.append((s.name, self.shard[base: base + length]))
+            out.append((s.name, b.shard_offset + min(start, hi) - lo, length))
         return out
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, by where they live (the device type, "cpu" or "nvme")."""
+        if self.sharded:
+            return self.home.nbytes()
+        return {self.device.type: sum(t.numel() * t.element_size() for t in self.buckets.tensors())}
 
     def all_gather(self, dp: comm.Group) -> None:
         """Stages 1/2: every rank updated its slices; put the full buckets everywhere."""
         for b in self.layout.buckets:
             lo, hi = b.slice_of(self.layout.rank)
-            comm.all_gather_into(self.full[b.index], self.full[b.index][lo:hi], dp)
+            full = self.buckets.full[b.index]
+            comm.all_gather_into(full, full[lo:hi], dp)

@@ -23,6 +23,7 @@ those saved views see the right values again.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,6 +33,7 @@ from torch import nn
 
 from megazero.parallel import comm
 from megazero.zero.partition import Layout
+from megazero.zero.shard_home import ShardHome
 
 Named = list[tuple[str, nn.Parameter]]
 
@@ -75,14 +77,21 @@ def in_backward() -> bool:
 
 
 class ParamGatherer:
-    """Gathers and frees the full parameters of stage-3 buckets; counts what is materialized."""
+    """Gathers and frees the full parameters of stage-3 buckets; counts what is materialized.
 
-    def __init__(self, layout: Layout, param_shard: torch.Tensor, units: list[Unit], dp: comm.Group,
-                 prefetch: int) -> None:
-        self.layout, self.param_shard, self.units, self.dp = layout, param_shard, units, dp
-        self.prefetch = prefetch
-        self.placeholder = param_shard.new_empty(0)
-        self.full = [param_shard.new_empty(b.numel) for b in layout.buckets]
+    A fetch first loads this rank's slice from its shard home (at once from memory; from
+    NVMe on a reader thread, so a prefetched unit's read overlaps the current unit's
+    compute), then all-gathers it. All-gathers are issued strictly in the order fetches
+    were requested, whatever order the reads finish in: every rank then issues the same
+    collectives in the same order."""
+
+    def __init__(self, layout: Layout, home: ShardHome, units: list[Unit], dp: comm.Group, prefetch: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.layout, self.home, self.units, self.dp = layout, home, units, dp
+        self.prefetch, self.device = prefetch, device
+        self.placeholder = torch.empty(0, dtype=dtype, device=device)
+        self.full = [torch.empty(b.numel, dtype=dtype, device=device) for b in layout.buckets]
+        self.loading: dict[int, Future] = {}  # bucket -> its slice being loaded, in request order
         self.pending: dict[int, Optional[dist.Work]] = {}  # bucket -> in-flight gather
         self.gathered: set[int] = set()
         self.materialized_numel = 0
@@ -102,16 +111,29 @@ class ParamGatherer:
             slot.param.data = self.placeholder
         self.full[b].untyped_storage().resize_(0)
 
+    def _launch(self, until: Optional[int] = None) -> None:
+        """Start the all-gathers of loaded slices in request order: up to and including
+        bucket `until` (waiting for its load and those before it), else only those whose
+        load is done."""
+        while self.loading:
+            b, source = next(iter(self.loading.items()))
+            if until is None and not source.done():
+                return
+            del self.loading[b]
+            mine = source.result().to(self.device, non_blocking=True)
+            self.pending[b] = comm.all_gather_into(self.full[b], mine, self.dp, async_op=True)
+            if b == until:
+                return
+
     def fetch(self, b: int, wait: bool = True) -> None:
         """Start gathering bucket `b` if it is not there yet; with `wait`, make it usable."""
-        if b not in self.gathered and b not in self.pending:
-            bucket = self.layout.buckets[b]
+        if b not in self.gathered and b not in self.pending and b not in self.loading:
             full = self.full[b]
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            self.materialized_numel += bucket.numel
+            self.materialized_numel += self.layout.buckets[b].numel
             self.peak_materialized_numel = max(self.peak_materialized_numel, self.materialized_numel)
-            mine = self.param_shard[bucket.shard_offset: bucket.shard_offset + bucket.shard_numel]
-            self.pending[b] = comm.all_gather_into(full, mine, self.dp, async_op=True)
+            self.loading[b] = self.home.load(self.layout.buckets[b])
+        self._launch(until=b if wait and b in self.loading else None)
         if wait and b in self.pending:
             work = self.pending.pop(b)
             if work is not None:
@@ -122,7 +144,7 @@ class ParamGatherer:
             self.gathered.add(b)
 
     def release(self, b: int) -> None:
-        if b in self.pending:
+        if b in self.pending or b in self.loading:
             self.fetch(b)  # never free a buffer a collective is still writing into
         if b in self.gathered:
             self.gathered.discard(b)

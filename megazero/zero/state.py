@@ -20,8 +20,6 @@ checkpoints.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,8 +27,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from megazero.errors import UserError
 from megazero.zero.partition import Range
+from megazero.zero.swap import SwapFile, aligned_buffer, check_space, padded
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -90,17 +88,9 @@ class MemoryStore:
 
 
 class NvmeStore:
-    """The shard's state in three swap files (master, exp_avg, exp_avg_sq) under `path`.
-
-    Each sub-group owns a region of every file starting at a 4 KiB boundary, so whole
-    sub-groups move with large aligned reads and writes (O_DIRECT where the filesystem
-    takes it: the page cache would hold a second copy of what is being streamed). The files
-    are unlinked right after they are created and space is reserved with fallocate: they
-    vanish with the process however it ends, and a full disk shows at start-up, not mid-run.
-    """
-
-    BLOCK = 4096  # bytes: O_DIRECT's alignment of offsets, lengths and buffer addresses
-    CHUNK = 1 << 28  # bytes per system call (Linux moves at most ~2 GiB in one)
+    """The shard's state in three swap files (master, exp_avg, exp_avg_sq; see swap.py)
+    under `path`. Each sub-group owns a region of every file starting at a block boundary,
+    so whole sub-groups move with large aligned reads and writes."""
 
     def __init__(self, numel: int, groups: list[list[Range]], path: str, buffer_count: int, pin: bool) -> None:
         self.numel, self.groups = numel, groups
@@ -111,71 +101,37 @@ class NvmeStore:
         self.where, end = [], 0
         for lo, hi in self.spans:
             self.where.append(end)
-            end += self._padded((hi - lo) * 4)
+            end += padded((hi - lo) * 4)
         self.file_bytes = end
-        self._check_space(path, 3 * end)
-        self.fds = {k: self._open_swap(path, k) for k in KINDS}
+        check_space(path, 3 * end, "optimizer")
+        self.files = {k: SwapFile(path, k, end) for k in KINDS}
         window = max((hi - lo for lo, hi in self.spans), default=0)
-        self.buffers = [{k: self._aligned(window, pin) for k in KINDS} for _ in range(buffer_count)]
+        self.buffers = [{k: aligned_buffer(window * 4, pin).view(torch.float32) for k in KINDS}
+                        for _ in range(buffer_count)]
         self.reader, self.writer = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
         self.staged: Optional[int] = None  # the sub-group buffer 0 holds for write()/read()
-        self.bytes_read = self.bytes_written = 0
-        self.read_s = self.write_s = 0.0  # seconds the I/O threads spent reading / writing
         self.io_wait_s = 0.0  # seconds the step waited for I/O (what the overlap did not hide)
 
-    # ------------------------------------------------------------------ files
+    @property
+    def bytes_read(self) -> int:
+        return sum(f.bytes_read for f in self.files.values())
 
-    def _padded(self, nbytes: int) -> int:
-        return -(-nbytes // self.BLOCK) * self.BLOCK
+    @property
+    def bytes_written(self) -> int:
+        return sum(f.bytes_written for f in self.files.values())
 
-    def _check_space(self, path: str, need: int) -> None:
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        free = shutil.disk_usage(path).free
-        if free < need * ranks_here:
-            raise UserError(f"zero.nvme_path {path} has {free / 2**30:.1f} GiB free but the optimizer swap files "
-                            f"need {need * ranks_here / 2**30:.1f} GiB ({need / 2**30:.2f} GiB x {ranks_here} ranks "
-                            f"on this node); free space, point --zero.nvme_path at a larger disk, or use more ranks")
+    @property
+    def read_s(self) -> float:
+        return sum(f.read_s for f in self.files.values())
 
-    def _open_swap(self, path: str, kind: str) -> int:
-        name = os.path.join(path, f".megazero-swap-{os.getpid()}-{kind}")
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
-        try:
-            fd = os.open(name, flags | getattr(os, "O_DIRECT", 0))
-        except OSError:  # tmpfs and some others refuse O_DIRECT
-            fd = os.open(name, flags)
-        os.unlink(name)
-        try:
-            os.posix_fallocate(fd, 0, max(self.file_bytes, self.BLOCK))
-        except OSError as e:
-            os.close(fd)
-            raise UserError(f"zero.nvme_path {path}: cannot reserve {self.file_bytes / 2**30:.2f} GiB for the "
-                            f"optimizer swap file ({e.strerror}); free space or choose another directory") from e
-        return fd
-
-    def _aligned(self, numel: int, pin: bool) -> torch.Tensor:
-        """A host buffer of `numel` fp32 whose address and padded size are BLOCK-aligned."""
-        nbytes = self._padded(numel * 4)
-        raw = torch.empty(nbytes + self.BLOCK, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
-        start = -raw.data_ptr() % self.BLOCK
-        return raw[start: start + nbytes].view(torch.float32)
+    @property
+    def write_s(self) -> float:
+        return sum(f.write_s for f in self.files.values())
 
     def _io(self, g: int, buffer: dict[str, torch.Tensor], write: bool) -> None:
-        tic = time.perf_counter()
-        nbytes = self._padded((self.spans[g][1] - self.spans[g][0]) * 4)
+        nbytes = padded((self.spans[g][1] - self.spans[g][0]) * 4)
         for kind in KINDS:
-            view = memoryview(buffer[kind].numpy()).cast("B")[:nbytes]
-            for off in range(0, nbytes, self.CHUNK):
-                piece, at = view[off: off + self.CHUNK], self.where[g] + off
-                done = os.pwritev(self.fds[kind], [piece], at) if write else os.preadv(self.fds[kind], [piece], at)
-                if done != len(piece):
-                    raise OSError(f"short {'write' if write else 'read'} on the optimizer swap file "
-                                  f"({done} of {len(piece)} bytes)")
-        if write:
-            self.bytes_written += 3 * nbytes
-            self.write_s += time.perf_counter() - tic
-        else:
-            self.bytes_read += 3 * nbytes
-            self.read_s += time.perf_counter() - tic
+            self.files[kind].io(buffer[kind].view(torch.uint8)[:nbytes], self.where[g], write)
 
     # ------------------------------------------------------------------ the step
 

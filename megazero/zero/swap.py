@@ -1,0 +1,85 @@
+"""Swap files on a local disk (ZeRO-Infinity's NVMe tier): what the optimizer-state store and
+the stage-3 parameter store share.
+
+A swap file is unlinked right after it is created and its space is reserved with
+fallocate: it vanishes with the process however that ends, and a full disk shows at
+start-up, not mid-run. Data moves in large reads and writes at BLOCK-aligned offsets,
+lengths and buffer addresses, which O_DIRECT needs (taken where the filesystem allows
+it: the page cache would otherwise hold a second copy of everything streamed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import torch
+
+from megazero.errors import UserError
+
+BLOCK = 4096  # bytes: O_DIRECT's alignment of offsets, lengths and buffer addresses
+CHUNK = 1 << 28  # bytes per system call (Linux moves at most ~2 GiB in one)
+
+
+def padded(nbytes: int) -> int:
+    """`nbytes` rounded up to a whole number of blocks."""
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+def aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """An uninitialised host byte buffer of padded(nbytes) whose address is BLOCK-aligned,
+    page-locked when asked and a GPU exists (pinning needs CUDA)."""
+    size = padded(nbytes)
+    raw = torch.empty(size + BLOCK, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    start = -raw.data_ptr() % BLOCK
+    return raw[start: start + size]
+
+
+def check_space(path: str, need: int, what: str) -> None:
+    """Refuse to start when the disk under `path` cannot hold `need` bytes for every rank of
+    this node (they all swap to the same directory)."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    free = shutil.disk_usage(path).free
+    if free < need * ranks_here:
+        raise UserError(f"zero.nvme_path {path} has {free / 2**30:.1f} GiB free but the {what} swap files "
+                        f"need {need * ranks_here / 2**30:.1f} GiB ({need / 2**30:.2f} GiB x {ranks_here} ranks "
+                        f"on this node); free space, point --zero.nvme_path at a larger disk, or use more ranks")
+
+
+class SwapFile:
+    """One unlinked, preallocated file of `nbytes` under `path`, with I/O counters."""
+
+    def __init__(self, path: str, tag: str, nbytes: int) -> None:
+        name = os.path.join(path, f".megazero-swap-{os.getpid()}-{tag}")
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        try:
+            self.fd = os.open(name, flags | getattr(os, "O_DIRECT", 0))
+        except OSError:  # tmpfs and some others refuse O_DIRECT
+            self.fd = os.open(name, flags)
+        os.unlink(name)
+        try:
+            os.posix_fallocate(self.fd, 0, max(padded(nbytes), BLOCK))
+        except OSError as e:
+            os.close(self.fd)
+            raise UserError(f"zero.nvme_path {path}: cannot reserve {nbytes / 2**30:.2f} GiB for the {tag} swap "
+                            f"file ({e.strerror}); free space or choose another directory") from e
+        self.bytes_read = self.bytes_written = 0
+        self.read_s = self.write_s = 0.0  # seconds spent in reads / writes (on whichever thread)
+
+    def io(self, buffer: torch.Tensor, offset: int, write: bool) -> None:
+        """Write `buffer` (an aligned host buffer, BLOCK-multiple in bytes) at `offset`, or
+        fill it from there."""
+        tic = time.perf_counter()
+        view = memoryview(buffer.view(torch.uint8).numpy()).cast("B")
+        for off in range(0, len(view), CHUNK):
+            piece, at = view[off: off + CHUNK], offset + off
+            done = os.pwritev(self.fd, [piece], at) if write else os.preadv(self.fd, [piece], at)
+            if done != len(piece):
+                raise OSError(f"short {'write' if write else 'read'} on a swap file ({done} of {len(piece)} bytes)")
+        if write:
+            self.bytes_written += len(view)
+            self.write_s += time.perf_counter() - tic
+        else:
+            self.bytes_read += len(view)
+            self.read_s += time.perf_counter() - tic
