@@ -1,11 +1,13 @@
 """ZeRO-Inference (generate --offload nvme) against in-memory generation: peak RSS, tokens/s.
 
-    python scripts/bench_inference.py [--config configs/gpt2-1.5b.yaml] [--dir DIR]
+    python scripts/bench_inference.py [--config configs/gpt2-1.5b.yaml] [--dir DIR] [--init-std 0.2]
         [--prompt-tokens 16] [--new-tokens 8] [--batch 1] [--modes memory,nvme,nvme-noprefetch]
 
-The first run writes a randomly initialised model (GPT-2's own init, megazero's
-layout-independent `initial_value`) to DIR/model_16bit.safetensors in bf16, one tensor at a
-time: the model is never whole in memory. Each mode then runs in a child process that
+The first run writes a randomly initialised model (GPT-2's init, megazero's
+layout-independent `initial_value`, with model.init_std --init-std: at GPT-2's 0.02 a random
+model repeats one token, which would make the equality check weak) to
+DIR/<config>-init<std>.safetensors in bf16, one tensor at a time: the model is never whole
+in memory. Each mode then runs in a child process that
 loads it and generates greedily, in fp32, from the same random prompts:
 
     memory            the whole model on the device (build_model)
@@ -25,6 +27,7 @@ a test.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -38,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megazero.checkpoint.export import save_safetensors_streaming  # noqa: E402
-from megazero.checkpoint.gathered import FILE_NAME, plain_shapes  # noqa: E402
+from megazero.checkpoint.gathered import plain_shapes  # noqa: E402
 from megazero.config import ModelConfig, build_config, load_yaml  # noqa: E402
 from megazero.model.gpt import GPT  # noqa: E402
 
@@ -63,7 +66,7 @@ def child(args: argparse.Namespace) -> dict:
     from megazero.parallel.comm import solo_group
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ckpt = open_checkpoint(os.path.join(args.dir, FILE_NAME))
+    ckpt = open_checkpoint(args.checkpoint)
     tic = time.perf_counter()
     streamer = None
     if args.child == "memory":
@@ -91,7 +94,8 @@ def child(args: argparse.Namespace) -> dict:
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", args.dir, "--batch", str(args.batch),
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", args.dir, "--checkpoint", args.checkpoint,
+           "--batch", str(args.batch),
            "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -107,14 +111,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--modes", default="memory,nvme,nvme-noprefetch")
+    parser.add_argument("--init-std", type=float, default=0.2)
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args)))
         return
 
-    m = build_config(load_yaml(args.config)).model
-    path = os.path.join(args.dir, FILE_NAME)
+    m = dataclasses.replace(build_config(load_yaml(args.config)).model, init_std=args.init_std)
+    stem = os.path.splitext(os.path.basename(args.config))[0]
+    args.checkpoint = path = os.path.join(args.dir, f"{stem}-init{args.init_std}.safetensors")
     os.makedirs(args.dir, exist_ok=True)
     if not os.path.isfile(path):
         tic = time.perf_counter()
@@ -132,6 +139,7 @@ def main() -> None:
               f"{r['tokens_per_s']:>9.3f} {wait:>7} {streamed:>9}")
     same = all(r["continuations"] == results[0]["continuations"] for r in results)
     print(f"outputs token for token equal across modes: {same} ({results[0]['continuations'][0]})")
+    print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()} on {os.cpu_count()} CPUs")
     print(json.dumps({"results": results, "equal": same}))
 
 
