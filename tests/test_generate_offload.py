@@ -129,3 +129,17 @@ def test_bad_offload_input_is_one_clear_line(hf_dir, tmp_path, capsys, monkeypat
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     assert f'--prompts-file {bad} line 2 has no "prompt" string' in _error(
         capsys, ["--load", hf_dir, "--prompts-file", str(bad)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_offloaded_generation_on_cuda_equals_in_memory_on_cuda(hf_dir, tmp_path, offload):
+    """The CUDA path: pinned host buffers, copies on a side stream, events between streams."""
+    cuda = torch.device("cuda")
+    reference = generate_batch(build_model(open_checkpoint(hf_dir), SOLO, cuda), PROMPTS, NEW_TOKENS, temperature=0.0)
+    model, streamer = build_offloaded_model(open_checkpoint(hf_dir), cuda, offload, str(tmp_path))
+    try:
+        assert generate_batch(model, PROMPTS, NEW_TOKENS, temperature=0.0) == reference
+    finally:
+        streamer.close()

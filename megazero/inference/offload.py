@@ -47,7 +47,11 @@ def build_offloaded_model(ckpt: Checkpoint, device: torch.device, offload: str, 
     store = HostStore(layout, len(blocks)) if offload == "cpu" else NvmeStore(layout, len(blocks), nvme_path)
     resident = [m for name, m in model.transformer.named_children() if name != "h"]
     replace_meta_parameters(resident, device)
-    _fill(ckpt, model, store, layout)
+    try:
+        _fill(ckpt, model, store, layout)
+    except BaseException:
+        store.close()
+        raise
     return model.eval(), BlockStreamer(blocks, store, layout, device, prefetch)
 
 
@@ -161,8 +165,10 @@ class BlockStreamer:
             setattr(module, attr, placeholder)  # a block run outside the streamer fails on meta, loudly
 
     def close(self) -> None:
-        """Wait for fetches in flight (a prefetch of the first block is, after a step) and stop."""
+        """Wait for fetches in flight (a prefetch of the first block is, after a step), stop
+        the thread and free the store."""
         for _, future in self.pending.values():
             future.result()
         self.pending.clear()
         self.pool.shutdown()
+        self.store.close()

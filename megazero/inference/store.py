@@ -82,6 +82,9 @@ class HostStore:
         """Block `block`'s flat tensor (its own storage: `buffer` is not needed)."""
         return self.blocks[block]
 
+    def close(self) -> None:
+        self.blocks.clear()
+
     def nbytes(self) -> dict[str, int]:
         return {"host": len(self.blocks) * self.layout.nbytes}
 
@@ -107,6 +110,7 @@ class NvmeStore:
         try:
             os.posix_fallocate(self.fill_fd, 0, max(num_blocks * self.stride, BLOCK))
         except OSError as e:
+            self.close()
             raise UserError(f"--nvme-path {path}: cannot reserve {_size(num_blocks * self.stride)} for "
                             f"the offloaded weights ({e.strerror}); free space or choose another directory") from e
         self.num_blocks = num_blocks
@@ -128,6 +132,14 @@ class NvmeStore:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fill_fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(self.fill_fd)
+        self.fill_fd = -1
+
+    def close(self) -> None:
+        """Close the file: its space is freed (it has no name left)."""
+        for fd in (self.fill_fd, self.read_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fill_fd = self.read_fd = -1
 
     def buffer(self, pin: bool) -> torch.Tensor:
         """A reusable, aligned host buffer that `fetch` can read one block into."""
