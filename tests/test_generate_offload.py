@@ -4,9 +4,9 @@ of different lengths, each equal to the prompt generated alone."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -117,7 +117,8 @@ def test_bad_offload_input_is_one_clear_line(hf_dir, tmp_path, capsys, monkeypat
     missing = str(tmp_path / "nope")
     assert f"--nvme-path {missing} is not an existing directory" in _error(
         capsys, base + ["--offload", "nvme", "--nvme-path", missing])
-    monkeypatch.setattr("shutil.disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1 << 10))
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda path: usage(1 << 30, 1 << 30, 1 << 10))  # 1 KiB free
     err = _error(capsys, base + ["--offload", "nvme", "--nvme-path", str(tmp_path)])
     assert f"--nvme-path {tmp_path} has 0.0 MiB free but the offloaded weights need 0.2 MiB" in err
     monkeypatch.undo()
