@@ -8,6 +8,13 @@ a longer request is cut there with a warning. Under torchrun
 with N processes the model is split tp = N ways; every rank samples the same tokens
 (same seed, same gathered logits). Temperature 0 is greedy decoding.
 
+`--prompts-file F` (one JSON object with a "prompt" per line) decodes --batch-size prompts
+together and writes one JSON line per prompt with its "completion" (stdout or --output).
+
+`--offload cpu|nvme` (ZeRO-Inference, one process) keeps the transformer blocks in host
+memory or in a file under --nvme-path and streams them through the device one block at a
+time, the next one fetched while the current one computes (megazero/inference/).
+
 The model, its KV cache, the logits and the sampling generator live on the run's device:
 the process's GPU when CUDA is available (one per rank under torchrun), else the CPU.
 """
@@ -17,7 +24,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional
+import tempfile
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -27,6 +35,10 @@ from megazero.errors import UserError, report_errors
 from megazero.model.gpt import GPT, KVCache
 from megazero.model.layers import shard_of
 from megazero.parallel.comm import Group, gather_from_tp
+
+if TYPE_CHECKING:
+    from megazero.data.tokenizer import Tokenizer
+    from megazero.parallel.grid import ProcessGrid
 
 
 def build_model(ckpt: Checkpoint, tp: Group, device: torch.device | str = "cpu") -> GPT:
@@ -56,23 +68,38 @@ def build_model(ckpt: Checkpoint, tp: Group, device: torch.device | str = "cpu")
     return model.eval()
 
 
-@torch.no_grad()
 def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eod: Optional[int] = None) -> list[int]:
     """Prompt + up to max_new_tokens sampled ids (stops early at `eod`)."""
-    max_new_tokens = min(max_new_tokens, room_for_new_tokens(len(prompt), model.cfg.seq_length))
+    return generate_batch(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, eod)[0]
+
+
+@torch.no_grad()
+def generate_batch(model: GPT, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                   top_k: int = 0, top_p: float = 1.0, seed: int = 0, eod: Optional[int] = None) -> list[list[int]]:
+    """Each prompt + up to max_new_tokens sampled ids, decoded together (a row stops at
+    `eod`). Shorter prompts are left-padded (see KVCache), so greedy rows equal each prompt
+    generated alone; sampled rows draw from one generator, row after row."""
+    longest = max(map(len, prompts))
+    max_new_tokens = min(max_new_tokens, room_for_new_tokens(longest, model.cfg.seq_length))
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)  # multinomial needs a generator on its device
-    cache = KVCache(model, 1, len(prompt) + max_new_tokens)  # allocated beside the model's parameters
-    ids = list(prompt)
-    x = torch.tensor([prompt], device=device)
+    pad = [longest - len(p) for p in prompts]
+    cache = KVCache(model, len(prompts), longest + max_new_tokens,  # allocated beside the model's parameters
+                    torch.tensor(pad) if any(pad) else None)
+    ids = [list(p) for p in prompts]
+    running = [True] * len(prompts)
+    x = torch.tensor([[0] * n + p for n, p in zip(pad, prompts)], device=device)
     for _ in range(max_new_tokens):
-        logits = gather_from_tp(model(x, cache)[:, -1], model.tp)[0, : model.cfg.vocab_size].float()
-        nxt = sample(logits, temperature, top_k, top_p, g)
-        ids.append(nxt)
-        if nxt == eod:
+        logits = gather_from_tp(model(x, cache)[:, -1], model.tp)[:, : model.cfg.vocab_size].float()
+        nxt = [sample(row, temperature, top_k, top_p, g) for row in logits]
+        for row, token in enumerate(nxt):
+            if running[row]:
+                ids[row].append(token)
+                running[row] = token != eod
+        if not any(running):
             break
-        x = torch.tensor([[nxt]], device=device)
+        x = torch.tensor(nxt, device=device).view(-1, 1)
     return ids
 
 
@@ -101,27 +128,19 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="megazero-generate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--load", required=True)
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--tokenizer", help="tokenizer spec when the checkpoint names none (gpt2bpe:DIR, ...)")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
 
     import torch.distributed as dist
 
     from megazero.checkpoint.load import open_checkpoint
     from megazero.data.tokenizer import build_tokenizer
+    from megazero.inference.prompts import read_prompts, write_completions
     from megazero.parallel.grid import ProcessGrid
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     with report_errors(OSError):
+        _check_args(args, world)
         ckpt = open_checkpoint(args.load)
         m = ckpt.model_config
         spec = args.tokenizer or ckpt.tokenizer
@@ -134,20 +153,90 @@ def main(argv: Optional[list[str]] = None) -> None:
                             f"{m.vocab_size}; pass the tokenizer the model was trained with")
         if m.num_heads % world:
             raise UserError(f"model.num_heads ({m.num_heads}) must be divisible by the process count ({world})")
-        prompt = tokenizer.encode(args.prompt)
-        room = room_for_new_tokens(len(prompt), m.seq_length)
+        records = read_prompts(args.prompts_file) if args.prompts_file else [{"prompt": args.prompt}]
+        prompts = [_encode(tokenizer, r["prompt"], n) for n, r in enumerate(records, 1)]
+        longest = max(map(len, prompts))
+        room = room_for_new_tokens(longest, m.seq_length)
         if args.max_new_tokens > room and rank == 0:
-            print(f"warning: --max-new-tokens {args.max_new_tokens} does not fit: the prompt has {len(prompt)} "
+            print(f"warning: --max-new-tokens {args.max_new_tokens} does not fit: the longest prompt has {longest} "
                   f"tokens and model.seq_length is {m.seq_length}, so at most {room} new tokens are generated",
                   file=sys.stderr, flush=True)
         grid = ProcessGrid.create(tp=world, pp=1)  # sets this rank's CUDA device when there is one
-        model = build_model(ckpt, grid.tp_group, grid.device)
-        ids = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                       tokenizer.eod)
-    if rank == 0:
-        print(tokenizer.decode(ids))
+        outputs = _run(args, ckpt, grid, prompts, tokenizer.eod)
+    if rank == 0 and args.prompts_file:
+        write_completions(records, [tokenizer.decode(ids[len(p):]) for p, ids in zip(prompts, outputs)], args.output)
+    elif rank == 0:
+        print(tokenizer.decode(outputs[0]))
     # NCCL warns (and may hang at exit) when its communicators are left for interpreter teardown.
     dist.destroy_process_group()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megazero-generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load", required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt")
+    source.add_argument("--prompts-file", help='JSONL, one {"prompt": ...} per line (other fields are kept)')
+    parser.add_argument("--output", help="where --prompts-file's completions go (JSONL; default stdout)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--tokenizer", help="tokenizer spec when the checkpoint names none (gpt2bpe:DIR, ...)")
+    parser.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
+                        help="keep the transformer blocks in host memory or on NVMe and stream them (ZeRO-Inference)")
+    parser.add_argument("--nvme-path", help="directory for --offload nvme's weights file (default: beside the "
+                                            "checkpoint, else the temp directory)")
+    parser.add_argument("--no-prefetch", action="store_true", help="with --offload: fetch each block only when it runs")
+    return parser
+
+
+def _check_args(args: argparse.Namespace, world: int) -> None:
+    if args.output and not args.prompts_file:
+        raise UserError("--output writes the completions of --prompts-file; with --prompt the text is printed")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size} must be at least 1")
+    if args.offload != "none" and world > 1:
+        raise UserError(f"--offload streams the whole model through one process, but {world} were started; "
+                        f"run python -m megazero.generate without torchrun")
+    if args.nvme_path and args.offload != "nvme":
+        raise UserError("--nvme-path is where --offload nvme keeps the weights; add --offload nvme or drop it")
+
+
+def _encode(tokenizer: "Tokenizer", text: str, n: int) -> list[int]:
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise UserError(f"prompt {n} is empty; give every prompt some text")
+    return ids
+
+
+def _run(args: argparse.Namespace, ckpt: Checkpoint, grid: "ProcessGrid", prompts: list[list[int]],
+         eod: Optional[int]) -> list[list[int]]:
+    """Every prompt's ids and continuation, --batch-size prompts at a time."""
+    streamer = None
+    if args.offload == "none":
+        model = build_model(ckpt, grid.tp_group, grid.device)
+    else:
+        from megazero.inference.offload import build_offloaded_model
+        nvme_path = args.nvme_path or default_nvme_path(ckpt.ckpt)
+        model, streamer = build_offloaded_model(ckpt, grid.device, args.offload, nvme_path, not args.no_prefetch)
+    try:
+        return [ids for i in range(0, len(prompts), args.batch_size)
+                for ids in generate_batch(model, prompts[i: i + args.batch_size], args.max_new_tokens,
+                                          args.temperature, args.top_k, args.top_p, args.seed, eod)]
+    finally:
+        if streamer is not None:
+            streamer.close()
+
+
+def default_nvme_path(ckpt: str) -> str:
+    """Beside the checkpoint when that directory is writable, else the temp directory (the
+    weights file is unlinked as soon as it is open, so nothing is left behind either way)."""
+    beside = os.path.dirname(os.path.abspath(ckpt))
+    return beside if os.access(beside, os.W_OK | os.X_OK) else tempfile.gettempdir()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 import torch
 
 from megazero.atomic import write_text
+from megazero.checkpoint.safetensors_stream import stream_safetensors
 from megazero.checkpoint.sharded import CheckpointError
 from megazero.config import ModelConfig
 
@@ -90,8 +91,6 @@ def hf_shape(name: str, shape: tuple[int, ...], m: ModelConfig) -> tuple[int, ..
 def read_hf(hf_dir: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     """The model config of an HF GPT-2 directory and a lazy iterator over its tensors,
     with names normalised to GPT2LMHeadModel's (a bare GPT2Model has no 'transformer.')."""
-    from safetensors import safe_open
-
     cfg_path, st_path = os.path.join(hf_dir, "config.json"), os.path.join(hf_dir, "model.safetensors")
     for path in (cfg_path, st_path):
         if not os.path.isfile(path):
@@ -100,12 +99,11 @@ def read_hf(hf_dir: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]
         m = model_config_from_hf(json.load(f))
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        with safe_open(st_path, framework="pt") as f:
-            for key in f.keys():
-                name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
-                if name.endswith(".attn.bias") or name.endswith(".attn.masked_bias"):
-                    continue  # old HF files store the causal mask as a buffer
-                yield name, f.get_tensor(key)
+        for key, t in stream_safetensors(st_path):
+            name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
+            if name.endswith(".attn.bias") or name.endswith(".attn.masked_bias"):
+                continue  # old HF files store the causal mask as a buffer
+            yield name, t
 
     return m, tensors()
 

@@ -27,6 +27,7 @@ from megazero.checkpoint import digest, sharded
 from megazero.checkpoint.export import ShardedReader, fit_vocab
 from megazero.checkpoint.gathered import FILE_NAME as MODEL_16BIT
 from megazero.checkpoint.gathered import plain_shapes
+from megazero.checkpoint.safetensors_stream import stream_safetensors
 from megazero.checkpoint.sharded import CheckpointError
 from megazero.checkpoint.universal import UniversalReader
 from megazero.config import ModelConfig
@@ -193,8 +194,6 @@ def _safetensors_metadata(path: str) -> dict[str, str]:
 
 
 def _model_16bit(path: str) -> Checkpoint:
-    from safetensors import safe_open
-
     tokenizer, iteration = None, None
     beside = os.path.join(os.path.dirname(os.path.abspath(path)), "metadata.json")
     if os.path.isfile(beside):  # written into an iter_ directory: its metadata has its digest and the rest
@@ -207,12 +206,8 @@ def _model_16bit(path: str) -> Checkpoint:
                                      "has one, an HF model is passed as its directory")
     m = ModelConfig(**json.loads(info))
 
-    def stream(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-    return Checkpoint(path, "16-bit model", m, tokenizer, iteration, plain_shapes(m), stream)
+    return Checkpoint(path, "16-bit model", m, tokenizer, iteration, plain_shapes(m),
+                      lambda kind: stream_safetensors(path))
 
 
 def _hf(path: str) -> Checkpoint:

@@ -68,15 +68,19 @@ class CausalSelfAttention(nn.Module):
         """The attention core: q, k, v -> weighted values (selective recompute wraps this)."""
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        mask = None
         if kv is not None:  # incremental decoding: attend to every cached position as well
             k, v = kv.append(k, v, pos)
+            mask = kv.mask
         p = self.dropout if self.training else 0.0
         # Attention probabilities of this rank's heads are distinct per TP rank: use the
         # per-rank stream so masks are independent (and reproducible).
         region = self.tracker.fork("tp") if (self.tracker is not None and p > 0) else contextlib.nullcontext()
         with region:
-            # A prompt (pos 0) is causal within itself; a single new token sees all the past.
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=pos == 0)
+            # A prompt (pos 0) is causal within itself; a single new token sees all the past;
+            # left-padded prompts (a batch of several lengths) say so in their cache's mask.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                               is_causal=pos == 0 and mask is None)
         return y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
@@ -160,8 +164,10 @@ class GPT(nn.Module):
         hidden states, or this rank's vocab slice of the logits [b, s, V_pad/tp] on the last.
         With a `cache` (generation) the tokens continue the cached ones."""
         start = cache.length if cache is not None else 0
+        pos = torch.arange(start, start + x.shape[1], device=x.device)
+        if cache is not None:
+            pos = cache.begin(start, pos)  # per-row positions and masks when the prompts are left-padded
         if self.pre_process:
-            pos = torch.arange(start, start + x.shape[1], device=x.device)
             x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
         for i, block in self.transformer.h.items():
             x = block(x, cache.layers[int(i)], start) if cache is not None else block(x)
@@ -259,12 +265,14 @@ def _named(module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
 
 
 class LayerKV:
-    """One layer's cached keys and values, [b, heads/tp, max_len, head_dim]."""
+    """One layer's cached keys and values, [b, heads/tp, max_len, head_dim], and the
+    attention mask of the current step (None: plain causal attention)."""
 
     def __init__(self, batch: int, heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device):
         self.k = torch.zeros(batch, heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
+        self.mask: Optional[torch.Tensor] = None
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         if pos > 0 and k.shape[2] != 1:
@@ -275,9 +283,13 @@ class LayerKV:
 
 
 class KVCache:
-    """Keys and values of the positions generated so far, for every layer of a model."""
+    """Keys and values of the positions generated so far, for every layer of a model.
 
-    def __init__(self, model: GPT, batch: int, max_len: int):
+    Prompts of different lengths share a batch left-padded: `pad[b]` tokens of padding
+    precede row b's prompt. Its positions then start at 0 after the padding, and no real
+    token attends to padding, so each row computes what it would alone."""
+
+    def __init__(self, model: GPT, batch: int, max_len: int, pad: Optional[torch.Tensor] = None):
         if max_len > model.cfg.seq_length:
             raise ValueError(f"cannot cache {max_len} positions: model.seq_length is {model.cfg.seq_length}")
         p = next(model.parameters())
@@ -285,3 +297,18 @@ class KVCache:
         head_dim = model.cfg.hidden_size // model.cfg.num_heads
         self.layers = {i: LayerKV(batch, heads, max_len, head_dim, p.dtype, p.device) for i in model.layers}
         self.length = 0
+        self.pad = None if pad is None else pad.to(p.device).view(batch, 1)
+
+    def begin(self, start: int, pos: torch.Tensor) -> torch.Tensor:
+        """Start a step over cache slots `pos` = start, start + 1, ...: set each layer's mask
+        and return the position ids ([s], or [b, s] under padding)."""
+        if self.pad is None:
+            return pos
+        keys = torch.arange(start + pos.numel(), device=pos.device)
+        q, k = pos.view(1, -1, 1), keys.view(1, 1, -1)
+        real = k >= self.pad.view(-1, 1, 1)
+        # A padding query sees only itself: a row with every key masked would give NaN.
+        mask = (k <= q) & (real | (k == q))
+        for layer in self.layers.values():
+            layer.mask = mask.unsqueeze(1)  # [b, 1, s, keys]: broadcast over the heads
+        return (pos.view(1, -1) - self.pad).clamp(min=0)
