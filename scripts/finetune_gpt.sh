@@ -59,12 +59,16 @@ if [[ ! -f $FT_PREFIX.idx ]]; then
     --workers "${WORKERS:-2}" --output-prefix "${FT_PREFIX%_prompt_completion_document}" ${FT_INPUT:+--input "$FT_INPUT"}
 fi
 
-# 4. Fine-tune from the export (resumes when $RUN_DIR/checkpoints holds a checkpoint).
+# 4. Fine-tune from the export, or resume when $RUN_DIR/checkpoints holds a checkpoint. checkpoint.load
+#    is set only then (null otherwise, whatever the config says): a run with checkpoint.load set
+#    never reads checkpoint.init_from_hf (a torchrun restart resumes from checkpoint.save by itself).
 # shellcheck disable=SC2206  # FINETUNE_ARGS is a list of words
 extra=(${LORA_RANK:+--finetune.lora_rank "$LORA_RANK"} ${FINETUNE_ARGS:-})
+resume=(--checkpoint.load null)
+if [[ -f $RUN_DIR/checkpoints/latest ]]; then resume=(--checkpoint.load "$RUN_DIR/checkpoints"); fi
 train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE"
   --data.mock false --data.prefix "$FT_PREFIX" --data.tokenizer "$TOKENIZER" --model.vocab_size auto
-  --checkpoint.init_from_hf "$HF_DIR" --checkpoint.save "$RUN_DIR/checkpoints" --checkpoint.load "$RUN_DIR/checkpoints"
+  --checkpoint.init_from_hf "$HF_DIR" --checkpoint.save "$RUN_DIR/checkpoints" "${resume[@]}"
   --logging.jsonl "$RUN_DIR/metrics.jsonl" --train.iters "$ITERS" --optim.lr "${LR:-3e-4}"
   --optim.min_lr "${MIN_LR:-3e-5}" --optim.warmup_iters "${WARMUP:-10}" "${extra[@]}" "$@")
 python -m megazero.train --validate-only --world-size "$NPROC" "${train_args[@]}"
