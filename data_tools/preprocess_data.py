@@ -66,6 +66,7 @@ from megazero.data.indexed import (  # noqa: E402
     IndexedDataset,
     IndexedDatasetWriter,
     best_dtype,
+    index_path,
     loss_mask_prefix,
     read_metadata,
 )
@@ -351,6 +352,7 @@ def merge(args: argparse.Namespace) -> dict[str, Any]:
     identities = {str(m["tokenizer"]) for m in metas if m and "tokenizer" in m}
     if len(identities) > 1:
         raise DataError(f"--merge inputs were made with different tokenizers ({len(identities)} distinct); merge only like with like")
+    _merge_loss_masks(args.merge, args.output_prefix)
     with IndexedDatasetWriter(args.output_prefix, datasets[0].dtype) as writer:
         for prefix in args.merge:
             writer.add_index(prefix)
@@ -363,6 +365,22 @@ def merge(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = sum(os.path.getsize(f"{p}.bin") for p in args.merge)
     return {**summary, "empty": 0, "skipped": 0, "skipped_examples": [], "bytes": nbytes,
             "seconds": time.perf_counter() - start, "outputs": [args.output_prefix], "dtype": str(datasets[0].dtype)}
+
+
+def _merge_loss_masks(prefixes: list[str], output_prefix: str) -> None:
+    """Fine-tuning datasets merge with their loss masks; a mix with plain datasets is refused
+    (the plain ones have no mask to merge, and dropping the others' would count their prompts)."""
+    has_mask = [os.path.exists(index_path(loss_mask_prefix(p))) for p in prefixes]
+    if not any(has_mask):
+        return
+    if not all(has_mask):
+        plain, masked = prefixes[has_mask.index(False)], prefixes[has_mask.index(True)]
+        raise DataError(f"--merge: {masked!r} has a loss mask (fine-tuning examples) but {plain!r} has none; "
+                        f"merge fine-tuning datasets only with each other (training can blend the two kinds)")
+    with IndexedDatasetWriter(loss_mask_prefix(output_prefix), np.uint8) as writer:
+        for prefix in prefixes:
+            writer.add_index(loss_mask_prefix(prefix))
+        writer.finalize()
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -127,3 +127,19 @@ def test_mismatched_mask_is_refused(tmp_path: Path) -> None:
         (tmp_path / f"b_loss_mask{suffix}").replace(tmp_path / f"a_loss_mask{suffix}")
     with pytest.raises(DataError, match="loss mask .*a_loss_mask' .* does not match dataset"):
         GPTDataset(IndexedDataset(tmp_path / "a"), (0, 2), 4, 1, 2, str(tmp_path), True)
+
+
+def test_merge_keeps_the_loss_masks(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  # noqa: F811
+    for name, records in (("a", EXAMPLES[:2]), ("b", EXAMPLES[2:])):
+        run(cli, capsys, "--input", str(write_examples(tmp_path / f"{name}.jsonl", records)), "--prompt-key", "prompt",
+            "--tokenizer", bpe_spec, "--output-prefix", str(tmp_path / name))
+    parts = [str(tmp_path / f"{n}_prompt_completion_document") for n in "ab"]
+    assert run(cli, capsys, "--merge", *parts, "--output-prefix", str(tmp_path / "m"))[0] == 0
+    merged = IndexedDataset(loss_mask_prefix(tmp_path / "m"))
+    assert [merged[i].tolist() for i in range(3)] == [IndexedDataset(loss_mask_prefix(p))[i].tolist()
+                                                     for p in parts for i in range(len(IndexedDataset(p)))]
+    run(cli, capsys, "--input", str(write_examples(tmp_path / "t.jsonl", [{"text": "plain"}])), "--tokenizer", bpe_spec,
+        "--output-prefix", str(tmp_path / "t"))
+    code, _, err = run(cli, capsys, "--merge", parts[0], str(tmp_path / "t_text_document"), "--output-prefix",
+                       str(tmp_path / "x"))
+    assert code == 2 and "has a loss mask (fine-tuning examples) but" in err and not (tmp_path / "x.idx").exists()

@@ -61,9 +61,9 @@ def _single(prefix: str) -> dict:
     return {"hand": _hand_computed_first_loss(tr), "losses": _losses(tr)}
 
 
-def _layouts(prefix: str) -> dict[str, list[float]]:
+def _layouts(prefix: str, layouts: dict[str, list[str]] = LAYOUTS) -> dict[str, list[float]]:
     out = {}
-    for name, extra in LAYOUTS.items():  # one world, several layouts
+    for name, extra in layouts.items():  # one world, several layouts
         out[name] = _losses(_trainer(prefix, extra))
     return out
 
@@ -74,13 +74,30 @@ def prefix(tmp_path_factory) -> str:
     return str(write_masked(tmp_path_factory.mktemp("ft") / "ft", lengths))
 
 
-def test_masked_loss_single_process_equals_hand_computed_and_every_layout(prefix):
-    ref = run_distributed(_single, 1, prefix)[0]
-    assert len(ref["losses"]) == ITERS and ref["losses"][-1] < ref["losses"][0]
-    assert abs(ref["losses"][0] - ref["hand"]) <= 1e-5, ref
-    ranks = run_distributed(_layouts, 4, prefix)
-    for name in LAYOUTS:
+@pytest.fixture(scope="module")
+def reference(prefix) -> dict:
+    return run_distributed(_single, 1, prefix)[0]
+
+
+def _assert_layouts_equal_reference(prefix: str, reference: dict, world: int, layouts: dict[str, list[str]]) -> None:
+    ranks = run_distributed(_layouts, world, prefix, layouts)
+    for name in layouts:
         logged = [r[name] for r in ranks if r[name]]  # from the one logging rank of that layout
         assert len(logged) == 1 and len(logged[0]) == ITERS
-        diff = max(abs(a - b) for a, b in zip(logged[0], ref["losses"]))
-        assert diff <= 1e-5, (name, logged[0], ref["losses"])
+        diff = max(abs(a - b) for a, b in zip(logged[0], reference["losses"]))
+        assert diff <= 1e-5, (name, logged[0], reference["losses"])
+
+
+def test_masked_loss_single_process_equals_hand_computed_and_every_layout(prefix, reference):
+    assert len(reference["losses"]) == ITERS and reference["losses"][-1] < reference["losses"][0]
+    assert abs(reference["losses"][0] - reference["hand"]) <= 1e-5, reference
+    _assert_layouts_equal_reference(prefix, reference, 4, LAYOUTS)
+
+
+@pytest.mark.slow
+def test_masked_loss_at_tp2_pp2_dp2_every_stage_and_interleaved(prefix, reference):
+    layouts = {f"tp2-pp2-dp2-zero{stage}": ["--parallel.tp", "2", "--parallel.pp", "2", "--zero.stage", str(stage)]
+               for stage in range(4)}
+    layouts["pp2-vpp2-dp4-zero3"] = ["--parallel.pp", "2", "--parallel.vpp", "2", "--zero.stage", "3",
+                                     "--parallel.schedule", "interleaved", "--train.micro_batch_size", "1"]
+    _assert_layouts_equal_reference(prefix, reference, 8, layouts)
