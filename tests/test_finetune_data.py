@@ -90,6 +90,9 @@ def test_one_example_per_sample_padded_or_truncated(tmp_path: Path, capsys) -> N
         assert seen == set(range(6))
     inputs, labels = inputs_and_labels([ds[0], ds[1]])
     assert inputs.shape == labels.shape == (2, 8)
+    masked = next(ds[i] for i in range(12) if (ds[i].loss_mask[1:] == 0).any())
+    alone = inputs_and_labels([masked])  # one row: its label slice is contiguous, yet no view of the inputs
+    assert np.array_equal(alone[0][0], masked.tokens[:-1]) and (alone[1] == IGNORE_INDEX).any()
     for row, sample in enumerate([ds[0], ds[1]]):
         counted = sample.loss_mask[1:] == 1
         assert np.array_equal(labels[row][counted], sample.tokens[1:][counted])

@@ -166,7 +166,7 @@ def inputs_and_labels(samples: Sequence[Sample]) -> tuple[np.ndarray, np.ndarray
     """(inputs, labels), int64 [len(samples), seq_length]: labels are the inputs shifted by
     one, IGNORE_INDEX where an Example's mask is 0. Plain samples may mix with Examples."""
     rows = np.stack([s.tokens if isinstance(s, Example) else s for s in samples]).astype(np.int64)
-    labels = np.ascontiguousarray(rows[:, 1:])
+    labels = rows[:, 1:].copy()  # never a view of rows (one row's slice is contiguous): inputs stay intact
     for row, sample in enumerate(samples):
         if isinstance(sample, Example):
             labels[row, sample.loss_mask[1:] == 0] = IGNORE_INDEX
