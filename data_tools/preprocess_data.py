@@ -12,6 +12,19 @@ Hugging Face save_to_disk folder or hub name; without --input the embedded defau
 --tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M, or
 --tokenizer-type SentencePieceTokenizer --tokenizer-model FILE.
 
+Fine-tuning examples: JSONL records with a prompt and a completion,
+
+    python data_tools/preprocess_data.py --input qa.jsonl --prompt-key prompt --completion-key completion \\
+        --tokenizer gpt2bpe:data/tokenizer --output-prefix data/qa
+
+write one document per example (prompt tokens, completion tokens, EOD) to
+data/qa_prompt_completion_document.{bin,idx} and its loss mask, uint8 with the same document
+sizes, to data/qa_prompt_completion_document_loss_mask.{bin,idx}: 1 on completion tokens and
+the EOD (they count in the loss), 0 on prompt tokens. Training finds the mask beside the
+dataset. Without --input the examples are question/answer pairs built from the embedded
+corpus. A record with a missing key, an empty completion or a line that is not JSON stops
+the run with its line number (or is skipped with --skip-bad-lines).
+
 --merge P1 P2 ... --output-prefix OUT concatenates existing datasets into OUT.{bin,idx}.
 
 Bad input stops with one line `error: ...` and exit status 2; outputs are written under
@@ -47,13 +60,23 @@ from megazero.data.corpus import (  # noqa: E402
     read_chunks,
     resolve_inputs,
     write_default_corpus,
+    write_default_examples,
 )
-from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, read_metadata  # noqa: E402
+from megazero.data.indexed import (  # noqa: E402
+    IndexedDataset,
+    IndexedDatasetWriter,
+    best_dtype,
+    index_path,
+    loss_mask_prefix,
+    read_metadata,
+)
 from megazero.data.tokenizer import build_tokenizer, spec_from_megatron_args  # noqa: E402
 
 META_FORMAT = "megazero-indexed-meta/1"
 MAX_SKIPPED_SHOWN = 3
 DEFAULT_CORPUS_NAME = f"default corpus (Python {platform.python_version()} documentation and docstrings)"
+DEFAULT_EXAMPLES_NAME = f"default examples (questions on Python {platform.python_version()}'s standard library)"
+LOSS_MASK = "loss_mask"  # the output key of an example dataset's mask
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys (columns) to tokenize, one output each")
     g.add_argument("--split", default="train", help="split of a Hugging Face dataset")
     g.add_argument("--skip-bad-lines", action="store_true", help="count and skip unreadable records instead of stopping")
+    g.add_argument("--prompt-key", help="fine-tuning examples: the key of the prompt (no loss on it) [prompt]")
+    g.add_argument("--completion-key", help="fine-tuning examples: the key of the completion (counts in the loss) [completion]")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer", help="spec: gpt2bpe:DIR, gpt2bpe:VOCAB,MERGES or sentencepiece:FILE.model")
     g.add_argument("--tokenizer-type", help="Megatron name (GPT2BPETokenizer, SentencePieceTokenizer) or gpt2bpe/sentencepiece")
@@ -79,6 +104,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers {args.workers} must be at least 1")
+    args.examples = None  # (prompt key, completion key) in fine-tuning mode
+    if args.prompt_key or args.completion_key:
+        args.examples = (args.prompt_key or "prompt", args.completion_key or "completion")
+        if args.examples[0] == args.examples[1]:
+            p.error(f"--prompt-key and --completion-key are both {args.examples[0]!r}; name two different keys")
+        args.json_keys = list(args.examples)
+        args.append_eod = True  # the model learns where a completion ends
     return args
 
 
@@ -107,12 +139,22 @@ class Encoded(NamedTuple):
     nbytes: int
 
 
+def _flat(docs: list[list[int]], dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """(documents back to back, their lengths)."""
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+    return np.fromiter(chain.from_iterable(docs), dtype=dtype, count=int(lengths.sum())), lengths
+
+
 class Encoder:
-    def __init__(self, spec: str, keys: list[str], append_eod: bool, skip_bad: bool) -> None:
+    def __init__(
+        self, spec: str, keys: list[str], append_eod: bool, skip_bad: bool, examples: tuple[str, str] | None = None
+    ) -> None:
         self.tokenizer = build_tokenizer(spec)
-        self.keys, self.append_eod, self.skip_bad = keys, append_eod, skip_bad
+        self.keys, self.append_eod, self.skip_bad, self.examples = keys, append_eod, skip_bad, examples
 
     def encode(self, chunk: Chunk) -> Encoded:
+        if self.examples:
+            return self._encode_examples(chunk)
         records, skipped = parse_chunk(chunk, self.keys, self.skip_bad)
         tokens, lengths, empty = {}, {}, 0
         for key in self.keys:
@@ -121,17 +163,32 @@ class Encoder:
             empty += len(records) - len(ids)
             if self.append_eod:
                 ids = [[*d, self.tokenizer.eod] for d in ids]
-            lengths[key] = np.fromiter((len(d) for d in ids), dtype=np.int64, count=len(ids))
-            tokens[key] = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths[key].sum()))
+            tokens[key], lengths[key] = _flat(ids, np.int32)
         return Encoded(tokens, lengths, len(records), empty, skipped, chunk.nbytes)
+
+    def _encode_examples(self, chunk: Chunk) -> Encoded:
+        """One document per example, prompt + completion + EOD, and its loss mask (0 on the
+        prompt, 1 on the rest); prompt and completion are tokenized apart, so the mask
+        boundary falls exactly between them."""
+        prompt_key, completion_key = self.examples
+        flag = "--prompt-key/--completion-key"
+        records, skipped = parse_chunk(chunk, self.keys, self.skip_bad, nonempty=(completion_key,), key_flag=flag)
+        prompts = self.tokenizer.encode_batch([r[prompt_key] for r in records])
+        completions = self.tokenizer.encode_batch([r[completion_key] for r in records])
+        docs = [[*p, *c, self.tokenizer.eod] for p, c in zip(prompts, completions)]
+        masks = [[0] * len(p) + [1] * (len(c) + 1) for p, c in zip(prompts, completions)]
+        tokens, lengths = _flat(docs, np.int32)
+        mask, mask_lengths = _flat(masks, np.uint8)
+        return Encoded({"document": tokens, LOSS_MASK: mask}, {"document": lengths, LOSS_MASK: mask_lengths},
+                       len(records), 0, skipped, chunk.nbytes)
 
 
 _worker_encoder: Encoder | None = None  # one per worker process, set by the pool initializer
 
 
-def _init_worker(spec: str, keys: list[str], append_eod: bool, skip_bad: bool) -> None:
+def _init_worker(*encoder_args: Any) -> None:
     global _worker_encoder
-    _worker_encoder = Encoder(spec, keys, append_eod, skip_bad)
+    _worker_encoder = Encoder(*encoder_args)
 
 
 def _encode_in_worker(chunk: Chunk) -> Encoded:
@@ -213,24 +270,35 @@ def preprocess(args: argparse.Namespace) -> dict[str, Any]:
     spec = tokenizer_spec(args)
     tokenizer = build_tokenizer(spec)  # fail on a bad tokenizer before reading anything
     with tempfile.TemporaryDirectory() as tmp:
-        source = args.input or DEFAULT_CORPUS_NAME
-        sources = resolve_inputs(args.input or write_default_corpus(os.path.join(tmp, "default.jsonl")), args.split)
+        source = args.input or (DEFAULT_EXAMPLES_NAME if args.examples else DEFAULT_CORPUS_NAME)
+        write_default = write_default_examples if args.examples else write_default_corpus
+        sources = resolve_inputs(args.input or write_default(os.path.join(tmp, "default.jsonl")), args.split)
         # The bar shows a total (and ETA) when every input is a file of known size.
         total_bytes = None if any(s.kind == "hf" for s in sources) else sum(os.path.getsize(s.name) for s in sources)
         dtype = best_dtype(tokenizer.vocab_size)
-        prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
-        writers = {key: IndexedDatasetWriter(prefix, dtype) for key, prefix in prefixes.items()}
+        writers = _writers(args, dtype)
         try:
             summary = _tokenize_into(writers, sources, spec, args, total_bytes)
             if summary["documents"] == 0 or summary["tokens"] == 0:
                 raise DataError(f"--input {source!r} holds no text to tokenize ({_record_counts(summary)})")
             for key, writer in writers.items():
-                writer.finalize(_metadata(tokenizer, writer, source, key, args.append_eod))
+                name = "+".join(args.examples) if args.examples else key
+                meta = None if key == LOSS_MASK else _metadata(tokenizer, writer, source, name, args.append_eod)
+                writer.finalize(meta)
         finally:
             for writer in writers.values():
                 writer.abort()  # a no-op for finalized writers
-    summary.update(outputs=list(prefixes.values()), dtype=str(dtype))
+    summary.update(outputs=[w.prefix for w in writers.values()], dtype=str(dtype))
     return summary
+
+
+def _writers(args: argparse.Namespace, dtype: np.dtype) -> dict[str, IndexedDatasetWriter]:
+    """One writer per output: per --json-keys key, or an example dataset and its loss mask."""
+    if not args.examples:
+        return {key: IndexedDatasetWriter(f"{args.output_prefix}_{key}_document", dtype) for key in args.json_keys}
+    prefix = f"{args.output_prefix}_{args.examples[0]}_{args.examples[1]}_document"
+    return {"document": IndexedDatasetWriter(prefix, dtype),
+            LOSS_MASK: IndexedDatasetWriter(loss_mask_prefix(prefix), np.uint8)}
 
 
 def _tokenize_into(
@@ -242,11 +310,11 @@ def _tokenize_into(
     examples: list[str] = []  # of skipped lines, for the summary; not all of them
     try:
         chunks = read_chunks(sources, args.json_keys)
-        encoder_args = (spec, args.json_keys, args.append_eod, args.skip_bad_lines)
+        encoder_args = (spec, args.json_keys, args.append_eod, args.skip_bad_lines, args.examples)
         for encoded in _encoded_chunks(chunks, encoder_args, args.workers):
             for key, writer in writers.items():
                 writer.add_documents(encoded.tokens[key], encoded.lengths[key])
-                counts["tokens"] += len(encoded.tokens[key])
+                counts["tokens"] += len(encoded.tokens[key]) if key != LOSS_MASK else 0
             counts["documents"] += encoded.documents
             counts["empty"] += encoded.empty
             counts["bytes"] += encoded.nbytes
@@ -284,6 +352,7 @@ def merge(args: argparse.Namespace) -> dict[str, Any]:
     identities = {str(m["tokenizer"]) for m in metas if m and "tokenizer" in m}
     if len(identities) > 1:
         raise DataError(f"--merge inputs were made with different tokenizers ({len(identities)} distinct); merge only like with like")
+    _merge_loss_masks(args.merge, args.output_prefix)
     with IndexedDatasetWriter(args.output_prefix, datasets[0].dtype) as writer:
         for prefix in args.merge:
             writer.add_index(prefix)
@@ -296,6 +365,22 @@ def merge(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = sum(os.path.getsize(f"{p}.bin") for p in args.merge)
     return {**summary, "empty": 0, "skipped": 0, "skipped_examples": [], "bytes": nbytes,
             "seconds": time.perf_counter() - start, "outputs": [args.output_prefix], "dtype": str(datasets[0].dtype)}
+
+
+def _merge_loss_masks(prefixes: list[str], output_prefix: str) -> None:
+    """Fine-tuning datasets merge with their loss masks; a mix with plain datasets is refused
+    (the plain ones have no mask to merge, and dropping the others' would count their prompts)."""
+    has_mask = [os.path.exists(index_path(loss_mask_prefix(p))) for p in prefixes]
+    if not any(has_mask):
+        return
+    if not all(has_mask):
+        plain, masked = prefixes[has_mask.index(False)], prefixes[has_mask.index(True)]
+        raise DataError(f"--merge: {masked!r} has a loss mask (fine-tuning examples) but {plain!r} has none; "
+                        f"merge fine-tuning datasets only with each other (training can blend the two kinds)")
+    with IndexedDatasetWriter(loss_mask_prefix(output_prefix), np.uint8) as writer:
+        for prefix in prefixes:
+            writer.add_index(loss_mask_prefix(prefix))
+        writer.finalize()
 
 
 def format_summary(s: dict[str, Any]) -> str:

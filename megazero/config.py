@@ -181,6 +181,10 @@ class DataConfig:
     """Tokenizer spec, e.g. gpt2bpe:DIR or sentencepiece:FILE.model."""
     cache_dir: Optional[str] = None
     """Where sample indices are cached (default: beside the data)."""
+    pack_examples: bool = False
+    """Fine-tuning datasets (those with a loss mask, from preprocess_data.py --prompt-key/--completion-key):
+    false: each sample is one example, truncated or padded to seq_length (padding and prompts count nothing
+    in the loss); true: examples packed back to back across their boundaries. Other datasets are always packed."""
 
 
 @dataclass

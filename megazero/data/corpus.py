@@ -57,6 +57,55 @@ def write_default_corpus(path: str | os.PathLike) -> str:
     return path
 
 
+@functools.lru_cache(maxsize=1)
+def default_examples() -> tuple[tuple[str, str], ...]:
+    """Question/answer pairs for fine-tuning, from the same standard-library source as the
+    default corpus: for each documented public function or class, the prompt asks what it
+    does and the completion is the first sentence of its docstring. Fixed order, deduplicated."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    pairs = {}
+    for path in _stdlib_sources(stdlib):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        module = ".".join(path.relative_to(stdlib).with_suffix("").parts).removesuffix(".__init__")
+        for name, doc in _public_docstrings(tree.body, module):
+            answer = _first_sentence(doc)
+            if answer:
+                pairs.setdefault(f"Question: What does {name} do?\nAnswer:", " " + answer)
+    return tuple(pairs.items())
+
+
+def _public_docstrings(body: list[ast.stmt], prefix: str) -> Iterator[tuple[str, str]]:
+    """(dotted name, docstring) of the public functions and classes of a module or class body."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            name = f"{prefix}.{node.name}"
+            doc = ast.get_docstring(node)
+            if doc:
+                yield name, doc
+            if isinstance(node, ast.ClassDef):
+                yield from _public_docstrings(node.body, name)
+
+
+def _first_sentence(doc: str) -> str:
+    """The docstring's first paragraph up to its first full stop, on one line ("" if none)."""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    end = paragraph.find(". ")
+    sentence = paragraph if end < 0 else paragraph[: end + 1]
+    return sentence if sentence.endswith(".") and len(sentence.split()) >= 3 else ""
+
+
+def write_default_examples(path: str | os.PathLike) -> str:
+    """Write default_examples() as JSONL ({"prompt": ..., "completion": ...} per line), atomically."""
+    path = os.fspath(path)
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        for prompt, completion in default_examples():
+            f.write(json.dumps({"prompt": prompt, "completion": completion}, ensure_ascii=False) + "\n")
+    return path
+
+
 def _topic_documents() -> list[str]:
     try:
         from pydoc_data.topics import topics
@@ -292,10 +341,14 @@ class BadRecord(DataError):
     """A record that cannot be read; its message starts with file:line (or dataset[row])."""
 
 
-def parse_chunk(chunk: Chunk, keys: list[str], skip_bad: bool) -> tuple[list[dict[str, str]], list[str]]:
+def parse_chunk(
+    chunk: Chunk, keys: list[str], skip_bad: bool, nonempty: tuple[str, ...] = (), key_flag: str = "--json-keys"
+) -> tuple[list[dict[str, str]], list[str]]:
     """The texts of each good record (key -> text), and a message per skipped bad record.
 
     Blank JSONL lines are not records. Without skip_bad the first bad record raises BadRecord.
+    Keys in `nonempty` must hold more than whitespace; `key_flag` is the option a message
+    about a missing key names as the fix.
     """
     texts, skipped = [], []
     for i, payload in enumerate(chunk.payloads):
@@ -304,7 +357,8 @@ def parse_chunk(chunk: Chunk, keys: list[str], skip_bad: bool) -> tuple[list[dic
             "jsonl": f"{chunk.source}:{chunk.first + i}",
         }.get(chunk.kind, chunk.source)
         try:
-            record = _parse_record(chunk.kind, payload, keys, where, is_first=chunk.first + i == 1)
+            record = _parse_record(chunk.kind, payload, keys, where, chunk.first + i == 1, key_flag)
+            _require_nonempty(record, nonempty, where)
         except BadRecord as e:
             if not skip_bad:
                 raise
@@ -315,7 +369,16 @@ def parse_chunk(chunk: Chunk, keys: list[str], skip_bad: bool) -> tuple[list[dic
     return texts, skipped
 
 
-def _parse_record(kind: str, payload: Any, keys: list[str], where: str, is_first: bool) -> dict[str, str] | None:
+def _require_nonempty(record: dict[str, str] | None, keys: tuple[str, ...], where: str) -> None:
+    for key in keys:
+        if record is not None and not record[key].strip():
+            raise BadRecord(f"{where}: {key!r} is empty; give every example a non-empty {key}, drop the line, "
+                            f"or pass --skip-bad-lines")
+
+
+def _parse_record(
+    kind: str, payload: Any, keys: list[str], where: str, is_first: bool, key_flag: str = "--json-keys"
+) -> dict[str, str] | None:
     if kind == "text":
         return {keys[0]: _decode(payload, where, is_first=True)}
     if kind == "hf":
@@ -335,7 +398,7 @@ def _parse_record(kind: str, payload: Any, keys: list[str], where: str, is_first
     for key in keys:
         if key not in record:
             present = ", ".join(map(repr, record)) or "none"
-            raise BadRecord(f"{where}: no key {key!r} (keys: {present}); pick one with --json-keys")
+            raise BadRecord(f"{where}: no key {key!r} (keys: {present}); pick one with {key_flag}")
         if not isinstance(record[key], str):
             raise BadRecord(f"{where}: {key!r} is a {type(record[key]).__name__}, not a string")
         _require_encodable(record[key], key, where)

@@ -9,6 +9,13 @@ is a pure function of (document lengths, seed, i): a resumed or longer run sees 
 samples in the same order. Blending picks, for sample i, the dataset whose share is furthest
 behind its weight (a weighted round robin), again independent of the total.
 
+Fine-tuning datasets carry a loss mask beside the tokens (PREFIX_loss_mask, written by
+data_tools/preprocess_data.py --prompt-key/--completion-key): their samples are Examples,
+tokens with the mask, and a label whose mask is 0 (a prompt token, padding) counts nothing in
+the loss. By default each such sample is one example, from its first token: truncated to
+seq_length + 1 tokens (with a warning counting them) or padded (padding never counts), so
+examples never share a sample; with pack_examples they are packed like pretraining text.
+
 The three index arrays (document order, sample starts, shuffle) are built by one rank
 (is_builder=True) and cached as .npy files, keyed by a hash of what they depend on, beside
 the data or in cache_dir; the other ranks memory-map them.
@@ -20,13 +27,14 @@ import hashlib
 import json
 import math
 import os
-from typing import Any, Callable, Sequence
+import sys
+from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import numpy as np
 
 from megazero.atomic import atomic_write, write_text
 from megazero.data import DataError
-from megazero.data.indexed import IndexedDataset, read_metadata
+from megazero.data.indexed import IndexedDataset, index_path, loss_mask_prefix, read_metadata
 
 # Bump when the index algorithm changes, so stale caches are never reused.
 _INDEX_VERSION = 1
@@ -136,14 +144,60 @@ def _load_manifest(path: str) -> dict[str, Any] | None:
         return None
 
 
+# --- samples and labels ----------------------------------------------------------------------
+
+IGNORE_INDEX = -100
+"""The label of a position that counts nothing in the loss (the model ignores labels < 0)."""
+
+
+class Example(NamedTuple):
+    """A sample of a dataset with a loss mask: seq_length + 1 tokens (int64) and, per token,
+    whether it counts in the loss when it is a label (uint8, 1: yes)."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+
+
+Sample = Union[np.ndarray, Example]
+"""What a dataset returns: seq_length + 1 tokens that all count, or an Example."""
+
+
+def inputs_and_labels(samples: Sequence[Sample]) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, labels), int64 [len(samples), seq_length]: labels are the inputs shifted by
+    one, IGNORE_INDEX where an Example's mask is 0. Plain samples may mix with Examples."""
+    rows = np.stack([s.tokens if isinstance(s, Example) else s for s in samples]).astype(np.int64)
+    labels = rows[:, 1:].copy()  # never a view of rows (one row's slice is contiguous): inputs stay intact
+    for row, sample in enumerate(samples):
+        if isinstance(sample, Example):
+            labels[row, sample.loss_mask[1:] == 0] = IGNORE_INDEX
+    return np.ascontiguousarray(rows[:, :-1]), labels
+
+
+def open_loss_mask(indexed: IndexedDataset) -> IndexedDataset | None:
+    """The dataset's loss mask (PREFIX_loss_mask), or None when it has none; refuses a mask
+    whose layout is not the dataset's."""
+    prefix = loss_mask_prefix(indexed.prefix)
+    if not os.path.exists(index_path(prefix)):
+        return None
+    mask = IndexedDataset(prefix)
+    if mask.dtype != np.uint8 or not (np.array_equal(mask.sequence_lengths, indexed.sequence_lengths)
+                                      and np.array_equal(mask.document_indices, indexed.document_indices)):
+        raise DataError(
+            f"loss mask {prefix!r} ({mask.dtype}, {len(mask)} sequences) does not match dataset {indexed.prefix!r} "
+            f"({len(indexed)} sequences); make both again with data_tools/preprocess_data.py --prompt-key/--completion-key"
+        )
+    return mask
+
+
 # --- one dataset -----------------------------------------------------------------------------
 
 
 class GPTDataset:
     """Samples of seq_length + 1 tokens from documents [doc_lo, doc_hi) of one indexed dataset.
 
-    len() is num_samples; ds[i] is an int64 array. With vocab_size given, a token id outside
-    the vocabulary raises DataError instead of reaching the embedding.
+    len() is num_samples; ds[i] is an int64 array, or an Example when the dataset has a loss
+    mask (loss_masked). With vocab_size given, a token id outside the vocabulary raises
+    DataError instead of reaching the embedding.
     """
 
     def __init__(
@@ -156,11 +210,15 @@ class GPTDataset:
         cache_dir: str,
         is_builder: bool,
         vocab_size: int | None = None,
+        pack_examples: bool = False,
     ) -> None:
         self.indexed = indexed
         self.seq_length = seq_length
         self.num_samples = num_samples
         self.vocab_size = vocab_size
+        self.loss_mask = open_loss_mask(indexed)
+        self.loss_masked = self.loss_mask is not None
+        self.one_example_per_sample = self.loss_masked and not pack_examples
         starts, lengths = indexed.document_spans()
         self.doc_starts = starts[doc_range[0] : doc_range[1]]
         self.doc_lengths = lengths[doc_range[0] : doc_range[1]]
@@ -177,10 +235,31 @@ class GPTDataset:
             "lengths_sha256": hashlib.sha256(np.ascontiguousarray(self.doc_lengths).tobytes()).hexdigest(),
         }
         stem = os.path.basename(indexed.prefix) + "_indexmap"
-        arrays = _cached_arrays(cache_dir, stem, description, num_samples, is_builder, self._build_indices(seed))
+        build = self._build_indices(seed)
+        if self.one_example_per_sample:
+            description["samples"] = "one example each"
+            build = self._build_example_indices(seed)
+            if is_builder:
+                self._warn_truncated()
+        arrays = _cached_arrays(cache_dir, stem, description, num_samples, is_builder, build)
         self.doc_order = arrays["doc_order"]
-        self.sample_starts = arrays["sample_starts"]
-        self.shuffle = arrays["shuffle"]
+        self.sample_starts = arrays.get("sample_starts")
+        self.shuffle = arrays.get("shuffle")
+
+    def _build_example_indices(self, seed: int) -> Callable[[int], tuple[dict[str, np.ndarray], int]]:
+        """Sample k is example doc_order[k]: whole epochs of examples, each in its own seeded order."""
+        def build(needed: int) -> tuple[dict[str, np.ndarray], int]:
+            epochs = max(1, math.ceil(needed / len(self.doc_lengths)))
+            return {"doc_order": self._doc_order(seed, epochs)}, epochs * len(self.doc_lengths)
+
+        return build
+
+    def _warn_truncated(self) -> None:
+        longer = int((self.doc_lengths > self.seq_length + 1).sum())
+        if longer:
+            print(f"warning: dataset {self.indexed.prefix!r}: {longer} of {len(self.doc_lengths)} examples are longer "
+                  f"than seq_length + 1 ({self.seq_length + 1}) tokens and are truncated (their tail counts nothing); "
+                  f"raise model.seq_length to keep them whole", file=sys.stderr, flush=True)
 
     def _build_indices(self, seed: int) -> Callable[[int], tuple[dict[str, np.ndarray], int]]:
         def build(needed: int) -> tuple[dict[str, np.ndarray], int]:
@@ -222,19 +301,41 @@ class GPTDataset:
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def __getitem__(self, i: int) -> Sample:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range [0, {self.num_samples})")
+        if self.one_example_per_sample:
+            return self._example(int(self.doc_order[i]))
+        spans = self._packed_spans(i)
+        sample = self._checked(np.concatenate([self.indexed.tokens[a:b] for a, b in spans]).astype(np.int64))
+        if self.loss_mask is None:
+            return sample
+        return Example(sample, np.concatenate([self.loss_mask.tokens[a:b] for a, b in spans]))
+
+    def _packed_spans(self, i: int) -> list[tuple[int, int]]:
+        """[start, end) in the flat token array of each piece of packed sample i."""
         position, offset = (int(v) for v in self.sample_starts[self.shuffle[i]])
-        pieces, need = [], self.seq_length + 1
+        spans, need = [], self.seq_length + 1
         while need:
             doc = int(self.doc_order[position])
             take = min(need, int(self.doc_lengths[doc]) - offset)
             start = int(self.doc_starts[doc]) + offset
-            pieces.append(self.indexed.tokens[start : start + take])
+            spans.append((start, start + take))
             need -= take
             position, offset = position + 1, 0
-        sample = np.concatenate(pieces).astype(np.int64)
+        return spans
+
+    def _example(self, doc: int) -> Example:
+        """Example `doc` from its first token, truncated or padded (mask 0) to seq_length + 1.
+        The mask's tokens lie where the dataset's do: same lengths, written back to back."""
+        start, n = int(self.doc_starts[doc]), min(int(self.doc_lengths[doc]), self.seq_length + 1)
+        tokens = np.zeros(self.seq_length + 1, dtype=np.int64)
+        tokens[:n] = self.indexed.tokens[start : start + n]
+        mask = np.zeros(self.seq_length + 1, dtype=np.uint8)
+        mask[:n] = self.loss_mask.tokens[start : start + n]
+        return Example(self._checked(tokens), mask)
+
+    def _checked(self, sample: np.ndarray) -> np.ndarray:
         if self.vocab_size is not None and sample.max() >= self.vocab_size:
             raise DataError(
                 f"dataset {self.indexed.prefix!r} holds token id {int(sample.max())} >= model.vocab_size "
@@ -286,11 +387,12 @@ class BlendedDataset:
         self.dataset_index = dataset_index
         self.sample_index = sample_index
         self.num_samples = num_samples
+        self.loss_masked = any(d is not None and d.loss_masked for d in datasets)
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def __getitem__(self, i: int) -> Sample:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range [0, {self.num_samples})")
         return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
@@ -308,8 +410,10 @@ def build_train_valid_test_datasets(
     cache_dir: str | None,
     is_builder: bool,
     vocab_size: int | None = None,
+    pack_examples: bool = False,
 ) -> tuple[GPTDataset | BlendedDataset | None, ...]:
-    """(train, valid, test): each has len() and ds[i] -> int64 array of seq_length + 1 tokens.
+    """(train, valid, test): each has len() and ds[i] -> int64 array of seq_length + 1 tokens
+    (an Example for a dataset with a loss mask; pack_examples packs those across examples).
 
     A split is None when its fraction rounds to no documents or no samples are asked of it.
     Without weights, datasets are blended in proportion to their tokens in that split.
@@ -326,7 +430,8 @@ def build_train_valid_test_datasets(
             result.append(None)
             continue
         ranges = [split_document_ranges(ds.num_documents, fractions)[s] for ds in indexed]
-        result.append(_build_split(indexed, ranges, weights, seq_length, seed, num_samples[s], cache_dir, is_builder, vocab_size))
+        result.append(_build_split(indexed, ranges, weights, seq_length, seed, num_samples[s], cache_dir, is_builder,
+                                   vocab_size, pack_examples))
     return tuple(result)
 
 
@@ -340,6 +445,7 @@ def _build_split(
     cache_dir: str | None,
     is_builder: bool,
     vocab_size: int | None,
+    pack_examples: bool,
 ) -> GPTDataset | BlendedDataset | None:
     if weights is None:
         # Weight by tokens in the split, as if the datasets were concatenated.
@@ -349,7 +455,8 @@ def _build_split(
         return None
     if len(indexed) == 1:
         ds = indexed[0]
-        return GPTDataset(ds, ranges[0], seq_length, seed, num_samples, cache_dir or _beside(ds), is_builder, vocab_size)
+        return GPTDataset(ds, ranges[0], seq_length, seed, num_samples, cache_dir or _beside(ds), is_builder, vocab_size,
+                          pack_examples)
 
     def build(needed: int) -> tuple[dict[str, np.ndarray], int]:
         dataset_index, sample_index = blend_schedule(weights, needed)
@@ -363,7 +470,8 @@ def _build_split(
     dataset_index, sample_index = arrays["dataset_index"][:num_samples], arrays["sample_index"][:num_samples]
     counts = np.bincount(dataset_index, minlength=len(indexed))
     datasets = [
-        GPTDataset(ds, rng, seq_length, seed, int(n), cache_dir or _beside(ds), is_builder, vocab_size) if n else None
+        GPTDataset(ds, rng, seq_length, seed, int(n), cache_dir or _beside(ds), is_builder, vocab_size, pack_examples)
+        if n else None
         for ds, rng, n in zip(indexed, ranges, counts)
     ]
     return BlendedDataset(datasets, dataset_index, sample_index, num_samples)

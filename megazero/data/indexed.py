@@ -66,6 +66,12 @@ def meta_path(prefix: str | os.PathLike) -> str:
     return f"{os.fspath(prefix)}.meta.json"
 
 
+def loss_mask_prefix(prefix: str | os.PathLike) -> str:
+    """PREFIX_loss_mask: where a fine-tuning dataset keeps its loss mask, a uint8 MMIDIDX pair
+    with the same sequence lengths (1: the token counts in the loss as a label, 0: it does not)."""
+    return f"{os.fspath(prefix)}_loss_mask"
+
+
 def best_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits, else int32.
 

@@ -16,6 +16,8 @@ class MockGPTDataset:
     function of (seed, i): every rank and every parallel layout sees the same data.
     """
 
+    loss_masked = False  # every label counts
+
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int) -> None:
         if vocab_size < 2:
             raise ValueError(f"vocab_size ({vocab_size}) must be at least 2")

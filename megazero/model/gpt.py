@@ -179,8 +179,10 @@ class GPT(nn.Module):
         return F.linear(copy_to_tp(x, self.tp), self.head_weight())
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token cross-entropy [b, s] from vocab-parallel logits (padding masked out)."""
-        return vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size)
+        """Per-token cross-entropy [b, s] from vocab-parallel logits (padding masked out); 0, with
+        no gradient, where a label is negative (a prompt or padding token of fine-tuning data)."""
+        loss = vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size)
+        return loss.masked_fill(labels < 0, 0.0)
 
     # ------------------------------------------------------------------ init
 

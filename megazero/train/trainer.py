@@ -14,7 +14,6 @@ import sys
 import time
 from typing import Optional
 
-import numpy as np
 import torch
 
 from megazero.atomic import write_text
@@ -22,6 +21,7 @@ from megazero.checkpoint import sharded
 from megazero.checkpoint.gathered import save_model_16bit
 from megazero.checkpoint.universal import open_reader, reshard_optimizer_state
 from megazero.config import Config, describe
+from megazero.data.gpt_dataset import inputs_and_labels
 from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
@@ -54,6 +54,8 @@ class Trainer:
         self.chunks, self.optimizer = parallelize(cfg, grid, self.tracker)
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * grid.dp)
         self.train_ds, self.valid_ds = build_datasets(cfg, grid)
+        # Fine-tuning data: some labels count nothing, so the loss divides by a count of the rest.
+        self.loss_masked = self.train_ds.loss_masked
         self.iteration = 0
         self.consumed_samples = 0
         self.skipped_iters = 0
@@ -188,10 +190,19 @@ class Trainer:
         out = []
         for j in range(self.num_microbatches):
             base = first_sample + j * t.micro_batch_size * g.dp + g.dp_rank * t.micro_batch_size
-            rows = np.stack([dataset[(base + k) % len(dataset)] for k in range(t.micro_batch_size)])
-            x = torch.from_numpy(rows.astype(np.int64)).to(g.device)
-            out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+            inputs, labels = inputs_and_labels([dataset[(base + k) % len(dataset)] for k in range(t.micro_batch_size)])
+            out.append((torch.from_numpy(inputs).to(g.device), torch.from_numpy(labels).to(g.device)))
         return out
+
+    def counted_tokens(self, batches: list[Microbatch]) -> int:
+        """Labels that count in the loss in the whole global batch: all micro-batches of all DP
+        ranks (every pipeline stage holds the labels, so every stage can count). The loss is
+        normalised once, by this number, so every layout computes the same gradient."""
+        count = torch.zeros((), dtype=torch.int64, device=self.grid.device)
+        for _, labels in batches:
+            count += (labels >= 0).sum()
+        comm.all_reduce(count, self.grid.dp_group)
+        return max(int(count), 1)  # a batch of prompts alone: loss 0, not 0 / 0
 
     # ------------------------------------------------------------------ steps
 
@@ -199,6 +210,8 @@ class Trainer:
         """Forward (and backward) of this DP rank's micro-batches; this rank's loss share on
         the last pipeline stage, None elsewhere."""
         num_tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
+        if self.loss_masked:
+            num_tokens = self.counted_tokens(batches)
         timers = self.timers if self.timers is not None and not forward_only else untimed
         if self.grid.pp == 1:
             return forward_backward_no_pipelining(self.chunks[0], batches, num_tokens, self.optimizer, forward_only,
@@ -354,7 +367,8 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
     def build(is_builder: bool):
         return build_train_valid_test_datasets(
             [str(p) for p in cfg.data.prefix], cfg.data.split, m.seq_length, t.seed,
-            (needed, eval_needed, eval_needed), cfg.data.cache_dir, is_builder, vocab_size=m.vocab_size)
+            (needed, eval_needed, eval_needed), cfg.data.cache_dir, is_builder, vocab_size=m.vocab_size,
+            pack_examples=cfg.data.pack_examples)
 
     # One rank builds and caches the sample indices; the others load them. A failure on the
     # builder reaches every rank (instead of leaving them waiting at a barrier).

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Fine-tune the main job's GPT-2 on prompt/completion pairs, end to end.
+#
+# With no arguments, on a fresh machine: runs the main job (scripts/pretrain_gpt.sh) when it has
+# no checkpoint yet, exports its latest checkpoint to Hugging Face GPT-2 format, builds
+# question/answer pairs from the embedded corpus (prompt "Question: What does json.dumps
+# do?\nAnswer:", completion: the first sentence of its docstring), tokenizes them with the main
+# job's tokenizer into an indexed dataset with a loss mask (only completions count in the loss;
+# one example a sample, never packed unless --data.pack_examples true), and fine-tunes from the
+# export (checkpoint.init_from_hf) on the main job's layout. Running it again resumes.
+#
+# Environment (defaults in brackets):
+#   CONFIG [configs/gpt2-cpu-demo.yaml]   NPROC [8]  TP [2]  PP [2]  ZERO_STAGE [1]
+#   DATA_DIR [data]   TOKENIZER [gpt2bpe:$DATA_DIR/tokenizer]     (passed on to the main job too)
+#   PRETRAIN_RUN_DIR [runs/gpt2-cpu-demo]   the main job's outputs (its RUN_DIR)
+#   PRETRAIN_ITERS [the config's]   iterations of the main job, when this script runs it
+#   FT_INPUT [pairs from the embedded corpus]   JSONL with "prompt" and "completion" fields
+#   FT_PREFIX [$DATA_DIR/qa_prompt_completion_document, built if absent]   WORKERS [2] tokenizing processes
+#   RUN_DIR [runs/gpt2-cpu-demo-finetune]   ITERS [100]   LR [3e-4]   MIN_LR [3e-5]   WARMUP [10]
+#   HF_DIR [$RUN_DIR/init_hf_<main job's iteration>]   the Hugging Face GPT-2 directory fine-tuning
+#          starts from; when it exists already, the main job is neither run nor exported
+#   LORA_RANK [unset]   passed as --finetune.lora_rank (needs the finetune config section, LoRA)
+#   FINETUNE_ARGS [unset]   more overrides, word-split, e.g. "--finetune.lora_alpha 16"
+#   MASTER_PORT [29500]   RESTARTS [3]
+# Arguments are passed on to megazero.train as overrides, e.g. --train.global_batch_size 16.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export CONFIG=${CONFIG:-configs/gpt2-cpu-demo.yaml}
+export NPROC=${NPROC:-8} TP=${TP:-2} PP=${PP:-2} ZERO_STAGE=${ZERO_STAGE:-1}
+export DATA_DIR=${DATA_DIR:-data}
+export TOKENIZER=${TOKENIZER:-gpt2bpe:$DATA_DIR/tokenizer}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+PRETRAIN_RUN_DIR=${PRETRAIN_RUN_DIR:-runs/gpt2-cpu-demo}
+FT_PREFIX=${FT_PREFIX:-$DATA_DIR/qa_prompt_completion_document}
+RUN_DIR=${RUN_DIR:-runs/gpt2-cpu-demo-finetune}
+ITERS=${ITERS:-100}
+
+# 1-2. The starting point: HF_DIR when it names an existing Hugging Face GPT-2 directory (any
+# export, or a published GPT-2 with its tokenizer as TOKENIZER); else the main job's latest
+# checkpoint (the main job is run first when it has none), exported once per checkpoint.
+if [[ -z ${HF_DIR:-} || ! -f $HF_DIR/config.json ]]; then
+  pretrained=$PRETRAIN_RUN_DIR/checkpoints
+  if [[ ! -f $pretrained/latest ]]; then
+    echo "== no checkpoint in $pretrained: running the main job first (scripts/pretrain_gpt.sh)"
+    RUN_DIR=$PRETRAIN_RUN_DIR ITERS=${PRETRAIN_ITERS:-} bash scripts/pretrain_gpt.sh
+  fi
+  HF_DIR=${HF_DIR:-$RUN_DIR/init_hf_$(cat "$pretrained/latest")}
+  if [[ ! -f $HF_DIR/config.json ]]; then
+    echo "== exporting $pretrained (latest) to $HF_DIR"
+    python -m megazero.convert --load "$pretrained" --to hf --output "$HF_DIR"
+  fi
+fi
+
+# 3. Fine-tuning data: prompt/completion pairs tokenized once, with their loss mask.
+if [[ ! -f $FT_PREFIX.idx ]]; then
+  echo "== building the fine-tuning dataset $FT_PREFIX (+ _loss_mask)"
+  python data_tools/preprocess_data.py --prompt-key prompt --completion-key completion --tokenizer "$TOKENIZER" \
+    --workers "${WORKERS:-2}" --output-prefix "${FT_PREFIX%_prompt_completion_document}" ${FT_INPUT:+--input "$FT_INPUT"}
+fi
+
+# 4. Fine-tune from the export, or resume when $RUN_DIR/checkpoints holds a checkpoint. checkpoint.load
+#    is set only then (null otherwise, whatever the config says): a run with checkpoint.load set
+#    never reads checkpoint.init_from_hf (a torchrun restart resumes from checkpoint.save by itself).
+# shellcheck disable=SC2206  # FINETUNE_ARGS is a list of words
+extra=(${LORA_RANK:+--finetune.lora_rank "$LORA_RANK"} ${FINETUNE_ARGS:-})
+resume=(--checkpoint.load null)
+if [[ -f $RUN_DIR/checkpoints/latest ]]; then resume=(--checkpoint.load "$RUN_DIR/checkpoints"); fi
+train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE"
+  --data.mock false --data.prefix "$FT_PREFIX" --data.tokenizer "$TOKENIZER" --model.vocab_size auto
+  --checkpoint.init_from_hf "$HF_DIR" --checkpoint.save "$RUN_DIR/checkpoints" "${resume[@]}"
+  --logging.jsonl "$RUN_DIR/metrics.jsonl" --train.iters "$ITERS" --optim.lr "${LR:-3e-4}"
+  --optim.min_lr "${MIN_LR:-3e-5}" --optim.warmup_iters "${WARMUP:-10}" "${extra[@]}" "$@")
+python -m megazero.train --validate-only --world-size "$NPROC" "${train_args[@]}"
+echo "== fine-tuning: $NPROC processes, tp $TP x pp $PP, ZeRO-$ZERO_STAGE, from $HF_DIR; outputs in $RUN_DIR"
+torchrun --nproc_per_node "$NPROC" --max-restarts "${RESTARTS:-3}" --rdzv-backend c10d \
+  --rdzv-endpoint "127.0.0.1:${MASTER_PORT:-29500}" --rdzv-id megazero-finetune -m megazero.train "${train_args[@]}"
+
+echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: $(cat "$RUN_DIR/checkpoints/latest"))"

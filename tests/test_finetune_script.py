@@ -1,0 +1,64 @@
+"""scripts/finetune_gpt.sh end to end. Short form: fine-tune a given Hugging Face GPT-2 on a
+few prompt/completion pairs (preprocess with the mask, validate, train under torchrun). Long form
+(slow): from nothing, through the main job, its export, the embedded question/answer pairs,
+fine-tuning and a resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+from distributed import free_port
+from test_data_tokenizer import bpe_spec  # noqa: F401
+from test_finetune_data import EXAMPLES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(env: dict, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MASTER_PORT": str(free_port()), **env}
+    proc = subprocess.run(["bash", "scripts/finetune_gpt.sh", "--train.log_interval", "1", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_finetunes_a_given_hf_model_on_prompt_completion_pairs(tmp_path, bpe_spec: str) -> None:  # noqa: F811
+    from transformers import GPT2Config, GPT2LMHeadModel
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, vocab_size=400))
+    hf.transformer.wte.weight.data.zero_()  # (tied) all logits 0: its first loss is exactly ln 400
+    hf.save_pretrained(tmp_path / "hf")
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES * 40))
+    env = {"CONFIG": "configs/gpt2-tiny.yaml", "NPROC": "1", "TP": "1", "PP": "1", "WORKERS": "1",
+           "HF_DIR": str(tmp_path / "hf"), "TOKENIZER": bpe_spec, "FT_INPUT": str(tmp_path / "qa.jsonl"),
+           "FT_PREFIX": str(tmp_path / "data" / "qa_prompt_completion_document"), "RUN_DIR": str(tmp_path / "ft"),
+           "PRETRAIN_RUN_DIR": str(tmp_path / "absent"), "ITERS": "6", "LR": "3e-3", "WARMUP": "1"}
+    proc = _run(env, "--train.micro_batch_size", "2", "--train.global_batch_size", "8")
+    assert "running the main job" not in proc.stdout and not (tmp_path / "absent").exists()
+    assert (tmp_path / "data" / "qa_prompt_completion_document_loss_mask.bin").exists()
+    losses = [r["loss"] for r in _records(tmp_path / "ft")]
+    assert len(losses) == 6 and abs(losses[0] - math.log(400)) < 1e-5 and losses[-1] < losses[0] - 0.1
+
+
+@pytest.mark.slow
+def test_main_job_export_default_pairs_finetune_and_resume(tmp_path) -> None:
+    env = {"DATA_DIR": str(tmp_path / "data"), "PRETRAIN_RUN_DIR": str(tmp_path / "pre"),
+           "RUN_DIR": str(tmp_path / "ft"), "PRETRAIN_ITERS": "20", "ITERS": "10"}
+    proc = _run(env)
+    assert "running the main job first" in proc.stdout and "exporting" in proc.stdout
+    assert (tmp_path / "ft" / "init_hf_iter_0000020" / "model.safetensors").exists()
+    first = _records(tmp_path / "ft")
+    assert [r["iteration"] for r in first] == list(range(1, 11)) and first[-1]["loss"] < first[0]["loss"]
+    # Starting from the main job: the answers are already far likelier than under a random model.
+    assert first[0]["loss"] < math.log(8192) - 1
+    proc = _run({**env, "ITERS": "12"})
+    assert "resumed from" in proc.stdout and "running the main job" not in proc.stdout
+    assert _records(tmp_path / "ft")[-1]["iteration"] == 12
