@@ -17,7 +17,7 @@ from typing import Optional
 
 from megazero.config import Config, padded_vocab_size
 from megazero.errors import UserError
-from megazero.pipeline.schedules import ORDERS
+from megazero.pipeline.schedules import ORDERS, activation_events
 from megazero.plan import formulas as F
 from megazero.plan.ranks import rank_params
 
@@ -161,7 +161,7 @@ def predict(cfg: Config, layout: Layout, cluster: Cluster, attention: str = "fla
     m = t.global_batch_size // (layout.micro_batch * layout.dp)
     shape = activation_shape(cfg, layout, attention, device)
     schedule = schedule_of(cfg, layout)
-    out = Prediction(layout, schedule, m, F.pipeline_bubble(layout.pp, layout.vpp, m),
+    out = Prediction(layout, schedule, m, F.pipeline_bubble(layout.pp, layout.vpp, m, schedule),
                      [rank_prediction(cfg, layout, r, m, shape, schedule, pp_layers) for r in ranks],
                      int(cluster.memory_gib * F.GiB * (1 - cluster.headroom)))
     if cluster.peak_flops:
@@ -184,7 +184,7 @@ def rank_prediction(cfg: Config, layout: Layout, r: int, m: int, shape: F.Activa
     host = states["optimizer"] if layout.offload_optimizer else 0
     states = {**states, "total": states["total"] - host}
     sizes = [F.chunk_activation_bytes(c, shape) for c in rp.chunks]
-    order = [(a.forward, a.chunk) for a in ORDERS[schedule](pp, vpp, r, m)] if pp > 1 else [(True, 0), (False, 0)]
+    order = activation_events(ORDERS[schedule](pp, vpp, r, m)) if pp > 1 else [(True, 0), (False, 0)]
     wire = 2 if cfg.zero.reduce_dtype == "bf16" else 4
     moved = {"dp": F.dp_bytes(stage, padded, list(rp.gathers), dp, m, wire, elem[0], r == pp - 1),
              "tp": F.tp_bytes(list(rp.chunks), shape, m), "pp": F.pp_bytes(pp, vpp, r, m, shape),
