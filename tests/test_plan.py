@@ -161,12 +161,13 @@ def test_planner_equals_measured_on_more_layouts():
 
 
 def test_bubble_equals_simulated_orders():
-    for schedule, vpps in [("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3, 4])]:
+    for schedule, vpps in [("gpipe", [1]), ("1f1b", [1]), ("zbh1", [1]), ("interleaved", [2, 3, 4])]:
         for pp in (2, 3, 4, 8):
             for vpp in vpps:
                 for m in range(pp if vpp > 1 else 1, 4 * pp + 1, pp if vpp > 1 else 1):
-                    assert F.pipeline_bubble(pp, vpp, m) == pytest.approx(F.simulated_bubble(pp, vpp, m, schedule),
-                                                                          abs=1e-12), (schedule, pp, vpp, m)
+                    simulated = F.simulated_bubble(pp, vpp, m, schedule)
+                    assert F.pipeline_bubble(pp, vpp, m, schedule) == pytest.approx(simulated, abs=1e-12), \
+                        (schedule, pp, vpp, m)
 
 
 # ---------------------------------------------------------------------------- anchors

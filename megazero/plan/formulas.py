@@ -263,12 +263,14 @@ def pipeline_bubble(pp: int, vpp: int, m: int, schedule: str = "1f1b") -> float:
     """Idle fraction of a pipeline rank: (p - 1) / (v m + p - 1) for GPipe, 1F1B (v = 1) and
     the interleaved schedule (backward = 2 x forward; equals the executor's simulated orders).
     zbh1, with T_F = T_B = T_W: each rank idles (p - 1)(T_F + T_B - T_W) = p - 1 forward-times
-    of 3m + p - 1 (Qi et al., 2023): a third of 1F1B's idle time 3(p - 1), the same as the
-    executor's simulated orders."""
+    of 3m + p - 1 (Qi et al., 2023), a third of 1F1B's idle time 3(p - 1); with m < p there
+    are too few W passes to fill the cool-down and it idles p - m more (the executor's
+    simulated orders, exactly)."""
     if pp == 1:
         return 0.0
     if schedule == "zbh1":
-        return (pp - 1) / (3 * m + pp - 1)
+        idle = pp - 1 + max(0, pp - m)
+        return idle / (3 * m + idle)
     return (pp - 1) / (vpp * m + pp - 1)
 
 
