@@ -4,7 +4,7 @@ and peak activation memory per stage.
 
     python scripts/bench_pipeline.py [--pp 2 4] [--factors 1 2 4 8] [--iters 2] [--layers 8]
 
-For each pp, each schedule (gpipe, 1f1b, interleaved with vpp 2) and m = f x pp micro-batches
+For each pp, each schedule (gpipe, 1f1b, interleaved with vpp 2, zbh1) and m = f x pp micro-batches
 (f in --factors), one spawned gloo process per stage runs one untimed iteration, then --iters
 timed ones (forward + backward of every micro-batch; no optimizer step). Per rank:
 
@@ -12,9 +12,12 @@ timed ones (forward + backward of every micro-batch; no optimizer step). Per ran
     idle   seconds blocked on a neighbour's activation or gradient (p2p.wait_seconds)
 
 The measured bubble, idle / (busy + idle) averaged over ranks, is printed beside the theory
-for equal stages, (p - 1) / (v m + p - 1) (megazero.plan.formulas.pipeline_bubble), and
-beside the bubble of the very orders the executor runs, replayed in simulated time (a
-chunk's backward takes twice its forward; transfers are free; formulas.simulated_bubble). Peak activation memory per
+for equal stages, (p - 1) / (v m + p - 1) (megazero.plan.formulas.pipeline_bubble; zbh1 with
+T_F = T_B = T_W: (p - 1) / (3m + p - 1) for m >= p, whose idle time p - 1 is a third of
+1F1B's 3 (p - 1)), and beside the bubble of the very orders the executor runs, replayed in
+simulated time (a chunk's backward takes twice its forward, zbh1's B and W one each;
+transfers are free; formulas.simulated_bubble). After each pp, zbh1 against 1f1b: the ratio
+of bubble fractions and of idle seconds per rank (theory: 1/3 of the idle time). Peak activation memory per
 stage is the largest number of bytes held at once by tensors that autograd saved for
 backward (counted with torch.autograd.graph.saved_tensors_hooks, each storage once,
 parameters excluded), beside the layout planner's prediction (megazero.plan).
@@ -121,7 +124,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8], help="m = factor x pp")
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zbh1"])
     parser.add_argument("--iters", type=int, default=2, help="timed iterations per case")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)
@@ -156,7 +159,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 ranks = [results[(schedule, m)][r] for r in range(pp)]
                 measured = sum(r["idle"] / (r["busy"] + r["idle"]) for r in ranks) / pp
                 vpp = 2 if schedule == "interleaved" else 1
-                print(f"| {schedule} | {pp} | {m} | {pipeline_bubble(pp, vpp, m):.3f} | "
+                print(f"| {schedule} | {pp} | {m} | {pipeline_bubble(pp, vpp, m, schedule):.3f} | "
                       f"{simulated_bubble(pp, vpp, m, schedule):.3f} | {measured:.3f} | "
                       f"{per_rank(ranks, 'busy', 1e3, '.0f')} | {per_rank(ranks, 'idle', 1e3, '.0f')} | "
                       f"{per_rank(ranks, 'peak_bytes', 2.0 ** -20, '.1f')} "
@@ -165,6 +168,22 @@ def main(argv: Optional[list[str]] = None) -> None:
             p.join()
             if p.exitcode:
                 sys.exit(f"a pipeline rank failed (exit code {p.exitcode})")
+        if {"1f1b", "zbh1"} <= set(args.schedules):
+            print_zero_bubble_gain(pp, [f * pp for f in args.factors], results)
+
+
+def print_zero_bubble_gain(pp: int, ms: list[int], results: dict) -> None:
+    """zbh1 against 1f1b at each m: bubble fractions and idle seconds per rank, measured and
+    in theory (idle time p - 1 against 3 (p - 1) forward-times: a third, for m >= p)."""
+    for m in ms:
+        one, zb = ([results[(s, m)][r] for r in range(pp)] for s in ("1f1b", "zbh1"))
+        fraction = {k: sum(r["idle"] / (r["busy"] + r["idle"]) for r in v) / pp for k, v in (("1f1b", one), ("zbh1", zb))}
+        idle = {k: sum(r["idle"] for r in v) / pp for k, v in (("1f1b", one), ("zbh1", zb))}
+        theory = {s: pipeline_bubble(pp, 1, m, s) for s in ("1f1b", "zbh1")}
+        idle_theory = {s: b / (1 - b) for s, b in theory.items()}  # idle / busy; busy is 3m either way
+        print(f"# pp {pp} m {m}: zbh1 / 1f1b bubble fraction {fraction['zbh1'] / fraction['1f1b']:.2f} "
+              f"(theory {theory['zbh1'] / theory['1f1b']:.2f}), idle s / rank {idle['zbh1'] / idle['1f1b']:.2f} "
+              f"(theory {idle_theory['zbh1'] / idle_theory['1f1b']:.2f})", flush=True)
 
 
 if __name__ == "__main__":
