@@ -17,10 +17,12 @@ T_F = T_B = T_W: (p - 1) / (3m + p - 1) for m >= p, whose idle time p - 1 is a t
 1F1B's 3 (p - 1)), and beside the bubble of the very orders the executor runs, replayed in
 simulated time (a chunk's backward takes twice its forward, zbh1's B and W one each;
 transfers are free; formulas.simulated_bubble). After each pp, zbh1 against 1f1b: the ratio
-of bubble fractions and of idle seconds per rank (theory: 1/3 of the idle time). Peak activation memory per
-stage is the largest number of bytes held at once by tensors that autograd saved for
+of bubble fractions and of idle seconds per rank (theory: 1/3 of the idle time). Peak
+activation memory per stage is the largest number of bytes held at once by tensors that autograd saved for
 backward (counted with torch.autograd.graph.saved_tensors_hooks, each storage once,
-parameters excluded), beside the layout planner's prediction (megazero.plan).
+parameters excluded; with zbh1 plus what the pending W passes hold), beside the layout
+planner's prediction (megazero.plan; for zbh1 the bound that counts a micro-batch's whole
+activations until its W).
 
 Measured times are only comparable with theory when every rank has a core of its own and
 the machine is otherwise quiet: with more stages than cores, a rank also waits while the
@@ -82,7 +84,7 @@ def run_case(args, grid: ProcessGrid, schedule: str, m: int) -> dict:
     peak = 0
     for it in range(args.iters + 1):  # the first iteration warms up and is not timed
         optimizer.zero_grad()
-        meter, stats = ActivationMeter(params), {}
+        meter, stats = ActivationMeter(params, held=lambda: held_for_weight_grads(chunks)), {}
         comm.barrier(grid["world"])
         tic = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
@@ -98,6 +100,11 @@ def run_case(args, grid: ProcessGrid, schedule: str, m: int) -> dict:
     planned = predict(cfg, layout, Cluster(grid.pp, grid.pp, 1.0, None), ranks=[grid.pp_rank], device="cpu")
     return {"busy": busy / args.iters, "idle": idle / args.iters, "peak_bytes": peak,
             "planned_bytes": planned.rank(grid.pp_rank).activations}
+
+
+def held_for_weight_grads(chunks) -> int:
+    """Bytes zbh1's pending W passes hold (0 for the other schedules)."""
+    return sum(c.weight_grads.held_bytes() for c in chunks if c.weight_grads is not None)
 
 
 def worker(rank: int, pp: int, port: int, args, queue) -> None:

@@ -426,8 +426,10 @@ def _train_and_return_tied(layouts: list[list[str]], steps: int) -> list[dict]:
 
 def test_tied_embedding_copies_stay_identical():
     """The first stage's wte and the last stage's lm_head start equal and, with their
-    gradients summed over the embedding group, stay bitwise equal (pp 2, and vpp 2)."""
-    layouts = [["--parallel.pp", "2"], ["--parallel.pp", "2", "--parallel.vpp", "2"]]
+    gradients summed over the embedding group, stay bitwise equal (pp 2, vpp 2, and zbh1 in
+    bf16, whose head gradient lands in a deferred W pass)."""
+    layouts = [["--parallel.pp", "2"], ["--parallel.pp", "2", "--parallel.vpp", "2"],
+               ["--parallel.pp", "2", "--parallel.schedule", "zbh1", "--train.precision", "bf16"]]
     first, last = run_distributed(_train_and_return_tied, 2, layouts, 4)
     for f, l in zip(first, last):
         assert len(f["tied"]) == 1 and len(l["tied"]) == 1
@@ -435,3 +437,13 @@ def test_tied_embedding_copies_stay_identical():
         assert not torch.equal(f["tied"][0], f["initial"][0])  # it was trained
         assert torch.equal(f["tied"][0], l["tied"][0])
         assert f["losses"] == [None] * 4 and all(isinstance(x, float) for x in l["losses"])
+
+
+@pytest.mark.slow
+def test_zbh1_trains_like_1f1b_in_bf16():
+    """bf16 at ZeRO 0 and 2: the same losses as 1F1B (deferring a matmul changes no value)."""
+    layouts = [["--parallel.pp", "2", "--train.precision", "bf16", "--parallel.schedule", s, "--zero.stage", z]
+               for z in ("0", "2") for s in ("1f1b", "zbh1")]
+    last = run_distributed(_train_and_return_tied, 2, layouts, 3)[1]
+    for one_f, zb in zip(last[::2], last[1::2]):
+        assert zb["losses"] == pytest.approx(one_f["losses"], abs=1e-3)

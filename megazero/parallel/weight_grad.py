@@ -9,8 +9,8 @@ would otherwise be pipeline bubbles.
 How: layers built with a `WeightGradStore` (the `weight_grads` attribute of the column-
 and row-parallel linears and of the GPT head; None by default) run their matmul through
 one autograd Function. Its backward returns dx (and the cheap bias gradient) at once; while
-the store is `deferring`, it files a closure over the saved input x and the incoming dy
-instead of computing dW. `run_next` later computes one B pass's dW's and hands each to
+the store is `deferring`, it files the saved input x and the incoming dy instead of
+computing dW. `run_next` later computes one B pass's dW's and hands each to
 autograd as the gradient of the leaf parameter itself (`torch.autograd.backward(param,
 dW)`), which runs the parameter's AccumulateGrad: the gradient lands exactly where a plain
 backward would put it (accumulated in place into a bucket view, or stored), and the
@@ -24,15 +24,15 @@ the plain model) call F.linear, unchanged to the bit.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import deque
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-WeightGradWork = tuple[nn.Parameter, Callable[[], torch.Tensor]]
+WeightGradWork = tuple[nn.Parameter, torch.Tensor, torch.Tensor]
+"""(parameter, output gradient dy, input x): dW = dy^T x, to accumulate into the parameter."""
 
 
 class WeightGradStore:
@@ -55,21 +55,28 @@ class WeightGradStore:
             self._passes.append(self._filling)
             self._filling = []
 
-    def put(self, param: nn.Parameter, work: Callable[[], torch.Tensor]) -> None:
-        self._filling.append((param, work))
+    def put(self, param: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+        self._filling.append((param, grad_out, x))
 
     def pending(self) -> int:
         """W passes filed and not yet run."""
         return len(self._passes)
 
+    def held_bytes(self) -> int:
+        """Bytes the pending W passes keep alive (each storage once): activation memory that
+        the B passes no longer hold in autograd's graph."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for work in self._passes for _, grad_out, x in work for t in (grad_out, x)}
+        return sum(storages.values())
+
     def run_next(self) -> None:
         """The W pass of the oldest B pass still pending: each weight gradient is computed
         and accumulated into its parameter by autograd (hooks fire) one at a time, in the
         order backward produced them, so only one extra gradient is alive at once."""
-        work = self._passes.popleft()
+        work = deque(self._passes.popleft())
         while work:
-            param, compute = work.pop(0)
-            torch.autograd.backward(param, compute())
+            param, grad_out, x = work.popleft()
+            torch.autograd.backward(param, _weight_grad(grad_out, x))
 
 
 def attach_weight_grad_store(module: nn.Module) -> WeightGradStore:
@@ -119,7 +126,7 @@ class _DeferrableLinear(torch.autograd.Function):
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
         if ctx.param.requires_grad:
             if ctx.store.deferring:
-                ctx.store.put(ctx.param, functools.partial(_weight_grad, grad_out, x))
+                ctx.store.put(ctx.param, grad_out, x)
             else:  # accumulated as the parameter's own backward would, inside this one
                 torch.autograd.backward(ctx.param, _weight_grad(grad_out, x))
         return grad_x, None, grad_bias, None, None
