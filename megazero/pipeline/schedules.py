@@ -129,22 +129,22 @@ def one_f_one_b_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
 def zbh1_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
     """ZB-H1 (Qi et al., 2023): 1F1B with each backward split into B (input gradients, which
     the previous rank waits for) and W (weight gradients, which nobody waits for). Rank r
-    keeps up to r W passes pending after each B (the last rank p - 1, rank 0 none) and runs
-    them once no B is left: rank r's last B comes p - 1 - r B-times after the last rank's,
-    so the pending W's fill the cool-down bubble. Rank r starts a W before its next F
-    once r are pending, so at most pp micro-batches are in flight (forward done, W not yet)
-    on any rank: 1F1B's peak, that of its first rank."""
+    lets up to r W passes wait (the last rank p - 1, rank 0 none): after each B it runs the
+    oldest W only when more than r are pending, and the r left run after its last B, filling
+    the cool-down, where rank r waits p - 1 - r B-times for the last rank's final gradient.
+    In flight (forward done, W not yet) on any rank: at most pp micro-batches, 1F1B's peak."""
     _single_chunk("zbh1", vpp)
     warmup = min(pp - 1 - pp_rank, m)
     order = [Action(True, 0, j) for j in range(warmup)]
-    weights = deque(Action(False, 0, j, weight=True) for j in range(m))
+    weights_done = 0
     for j in range(m):
         if warmup + j < m:
             order.append(Action(True, 0, warmup + j))
         order.append(Action(False, 0, j))
-        if j + 1 - (m - len(weights)) > pp_rank:  # more than r W passes pending
-            order.append(weights.popleft())
-    return order + list(weights)
+        if j + 1 - weights_done > pp_rank:  # more than r W passes pending: run the oldest
+            order.append(Action(False, 0, weights_done, weight=True))
+            weights_done += 1
+    return order + [Action(False, 0, j, weight=True) for j in range(weights_done, m)]
 
 
 def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
