@@ -9,7 +9,9 @@ For each pp, each schedule (gpipe, 1f1b, interleaved with vpp 2, zbh1) and m = f
 timed ones (forward + backward of every micro-batch; no optimizer step). Per rank:
 
     busy   seconds computing (the iteration's wall time minus the time waiting on neighbours)
-    idle   seconds blocked on a neighbour's activation or gradient (p2p.wait_seconds)
+    idle   seconds blocked on a neighbour's activation or gradient (p2p.wait_seconds), plus
+           the wait at the end for the last rank to finish (as in theory, every rank's
+           bubble is counted against the iteration's span, first rank start to last finish)
 
 The measured bubble, idle / (busy + idle) averaged over ranks, is printed beside the theory
 for equal stages, (p - 1) / (v m + p - 1) (megazero.plan.formulas.pipeline_bubble; zbh1 with
@@ -91,10 +93,13 @@ def run_case(args, grid: ProcessGrid, schedule: str, m: int) -> dict:
             forward_backward_pipelining(chunks, batches, num_tokens, grid, schedule, torch.float32, optimizer,
                                         stats=stats)
         wall = time.perf_counter() - tic
+        # The iteration ends when its last rank does: a rank that finished early idles too.
+        comm.barrier(grid["world"])
+        tail = time.perf_counter() - tic - wall
         optimizer.finish_grad_sync()
         if it:
             busy += wall - stats["wait_s"]
-            idle += stats["wait_s"]
+            idle += stats["wait_s"] + tail
         peak = max(peak, meter.peak)
     layout = Layout(1, grid.pp, 1, len(chunks), 0, args.micro_batch, "none")
     planned = predict(cfg, layout, Cluster(grid.pp, grid.pp, 1.0, None), ranks=[grid.pp_rank], device="cpu")
