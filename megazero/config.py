@@ -65,8 +65,9 @@ class ParallelConfig:
     """Pipeline-parallel degree (stages of contiguous layers)."""
     vpp: int = 1
     """Model chunks per pipeline rank (interleaved schedule when > 1)."""
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    """Pipeline schedule, used when pp > 1."""
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zbh1"] = "1f1b"
+    """Pipeline schedule, used when pp > 1. zbh1: zero-bubble ZB-H1 (1F1B's memory, weight
+    gradients deferred into the cool-down; vpp 1, zero.stage 0-2, no train.compile)."""
     pp_layers: Optional[list] = None
     """Optional uneven split: layers per pipeline stage, e.g. [3, 5]; sums to num_layers."""
 
@@ -667,6 +668,8 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
         raise ConfigError(f"parallel.vpp ({p.vpp}) must divide num_layers / pp ({m.num_layers} / {p.pp} = "
                           f"{per_stage:g}); try vpp {' or '.join(map(str, hint))}")
     microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.schedule == "zbh1" and p.pp > 1:
+        _validate_zbh1(cfg)
     if p.vpp > 1:
         if p.pp == 1:
             raise ConfigError(f"parallel.vpp ({p.vpp}) needs parallel.pp > 1")
@@ -679,6 +682,19 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
         p.schedule = "interleaved"  # 1f1b over vpp chunks per rank is the interleaved schedule
     elif p.schedule == "interleaved":
         raise ConfigError("parallel.schedule interleaved needs parallel.vpp > 1")
+
+
+def _validate_zbh1(cfg: Config) -> None:
+    """What the zero-bubble schedule's deferred weight gradients cannot run with yet."""
+    if cfg.parallel.vpp > 1:
+        raise ConfigError(f"parallel.schedule zbh1 runs one model chunk per rank, but parallel.vpp is "
+                          f"{cfg.parallel.vpp}; use --parallel.vpp 1, or --parallel.schedule interleaved")
+    if cfg.zero.stage == 3:
+        raise ConfigError("parallel.schedule zbh1 does not support zero.stage 3 (ZeRO-3 frees the gathered weights "
+                          "before the deferred weight gradients land); use --zero.stage 2 or --parallel.schedule 1f1b")
+    if cfg.train.compile:
+        raise ConfigError("parallel.schedule zbh1 cannot defer weight gradients inside compiled blocks; "
+                          "use --train.compile false or --parallel.schedule 1f1b")
 
 
 def describe(cfg: Config) -> str:

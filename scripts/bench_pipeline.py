@@ -4,20 +4,27 @@ and peak activation memory per stage.
 
     python scripts/bench_pipeline.py [--pp 2 4] [--factors 1 2 4 8] [--iters 2] [--layers 8]
 
-For each pp, each schedule (gpipe, 1f1b, interleaved with vpp 2) and m = f x pp micro-batches
+For each pp, each schedule (gpipe, 1f1b, interleaved with vpp 2, zbh1) and m = f x pp micro-batches
 (f in --factors), one spawned gloo process per stage runs one untimed iteration, then --iters
 timed ones (forward + backward of every micro-batch; no optimizer step). Per rank:
 
     busy   seconds computing (the iteration's wall time minus the time waiting on neighbours)
-    idle   seconds blocked on a neighbour's activation or gradient (p2p.wait_seconds)
+    idle   seconds blocked on a neighbour's activation or gradient (p2p.wait_seconds), plus
+           the wait at the end for the last rank to finish (as in theory, every rank's
+           bubble is counted against the iteration's span, first rank start to last finish)
 
 The measured bubble, idle / (busy + idle) averaged over ranks, is printed beside the theory
-for equal stages, (p - 1) / (v m + p - 1) (megazero.plan.formulas.pipeline_bubble), and
-beside the bubble of the very orders the executor runs, replayed in simulated time (a
-chunk's backward takes twice its forward; transfers are free; formulas.simulated_bubble). Peak activation memory per
-stage is the largest number of bytes held at once by tensors that autograd saved for
+for equal stages, (p - 1) / (v m + p - 1) (megazero.plan.formulas.pipeline_bubble; zbh1 with
+T_F = T_B = T_W: (p - 1) / (3m + p - 1) for m >= p, whose idle time p - 1 is a third of
+1F1B's 3 (p - 1)), and beside the bubble of the very orders the executor runs, replayed in
+simulated time (a chunk's backward takes twice its forward, zbh1's B and W one each;
+transfers are free; formulas.simulated_bubble). After each pp, zbh1 against 1f1b: the ratio
+of bubble fractions and of idle seconds per rank (theory: 1/3 of the idle time). Peak
+activation memory per stage is the largest number of bytes held at once by tensors that autograd saved for
 backward (counted with torch.autograd.graph.saved_tensors_hooks, each storage once,
-parameters excluded), beside the layout planner's prediction (megazero.plan).
+parameters excluded; with zbh1 plus what the pending W passes hold), beside the layout
+planner's prediction (megazero.plan; for zbh1 the bound that counts a micro-batch's whole
+activations until its W).
 
 Measured times are only comparable with theory when every rank has a core of its own and
 the machine is otherwise quiet: with more stages than cores, a rank also waits while the
@@ -79,22 +86,30 @@ def run_case(args, grid: ProcessGrid, schedule: str, m: int) -> dict:
     peak = 0
     for it in range(args.iters + 1):  # the first iteration warms up and is not timed
         optimizer.zero_grad()
-        meter, stats = ActivationMeter(params), {}
+        meter, stats = ActivationMeter(params, held=lambda: held_for_weight_grads(chunks)), {}
         comm.barrier(grid["world"])
         tic = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             forward_backward_pipelining(chunks, batches, num_tokens, grid, schedule, torch.float32, optimizer,
                                         stats=stats)
         wall = time.perf_counter() - tic
+        # The iteration ends when its last rank does: a rank that finished early idles too.
+        comm.barrier(grid["world"])
+        tail = time.perf_counter() - tic - wall
         optimizer.finish_grad_sync()
         if it:
             busy += wall - stats["wait_s"]
-            idle += stats["wait_s"]
+            idle += stats["wait_s"] + tail
         peak = max(peak, meter.peak)
     layout = Layout(1, grid.pp, 1, len(chunks), 0, args.micro_batch, "none")
     planned = predict(cfg, layout, Cluster(grid.pp, grid.pp, 1.0, None), ranks=[grid.pp_rank], device="cpu")
     return {"busy": busy / args.iters, "idle": idle / args.iters, "peak_bytes": peak,
             "planned_bytes": planned.rank(grid.pp_rank).activations}
+
+
+def held_for_weight_grads(chunks) -> int:
+    """Bytes zbh1's pending W passes hold (0 for the other schedules)."""
+    return sum(c.weight_grads.held_bytes() for c in chunks if c.weight_grads is not None)
 
 
 def worker(rank: int, pp: int, port: int, args, queue) -> None:
@@ -121,7 +136,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8], help="m = factor x pp")
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zbh1"])
     parser.add_argument("--iters", type=int, default=2, help="timed iterations per case")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)
@@ -156,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 ranks = [results[(schedule, m)][r] for r in range(pp)]
                 measured = sum(r["idle"] / (r["busy"] + r["idle"]) for r in ranks) / pp
                 vpp = 2 if schedule == "interleaved" else 1
-                print(f"| {schedule} | {pp} | {m} | {pipeline_bubble(pp, vpp, m):.3f} | "
+                print(f"| {schedule} | {pp} | {m} | {pipeline_bubble(pp, vpp, m, schedule):.3f} | "
                       f"{simulated_bubble(pp, vpp, m, schedule):.3f} | {measured:.3f} | "
                       f"{per_rank(ranks, 'busy', 1e3, '.0f')} | {per_rank(ranks, 'idle', 1e3, '.0f')} | "
                       f"{per_rank(ranks, 'peak_bytes', 2.0 ** -20, '.1f')} "
@@ -165,6 +180,22 @@ def main(argv: Optional[list[str]] = None) -> None:
             p.join()
             if p.exitcode:
                 sys.exit(f"a pipeline rank failed (exit code {p.exitcode})")
+        if {"1f1b", "zbh1"} <= set(args.schedules):
+            print_zero_bubble_gain(pp, [f * pp for f in args.factors], results)
+
+
+def print_zero_bubble_gain(pp: int, ms: list[int], results: dict) -> None:
+    """zbh1 against 1f1b at each m: bubble fractions and idle seconds per rank, measured and
+    in theory (idle time p - 1 against 3 (p - 1) forward-times: a third, for m >= p)."""
+    for m in ms:
+        one, zb = ([results[(s, m)][r] for r in range(pp)] for s in ("1f1b", "zbh1"))
+        fraction = {k: sum(r["idle"] / (r["busy"] + r["idle"]) for r in v) / pp for k, v in (("1f1b", one), ("zbh1", zb))}
+        idle = {k: sum(r["idle"] for r in v) / pp for k, v in (("1f1b", one), ("zbh1", zb))}
+        theory = {s: pipeline_bubble(pp, 1, m, s) for s in ("1f1b", "zbh1")}
+        idle_theory = {s: b / (1 - b) for s, b in theory.items()}  # idle / busy; busy is 3m either way
+        print(f"# pp {pp} m {m}: zbh1 / 1f1b bubble fraction {fraction['zbh1'] / fraction['1f1b']:.2f} "
+              f"(theory {theory['zbh1'] / theory['1f1b']:.2f}), idle s / rank {idle['zbh1'] / idle['1f1b']:.2f} "
+              f"(theory {idle_theory['zbh1'] / idle_theory['1f1b']:.2f})", flush=True)
 
 
 if __name__ == "__main__":

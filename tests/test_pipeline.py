@@ -70,6 +70,8 @@ class Rendezvous:
         self.inbox: list[set[Action]] = [set() for _ in range(pp)]
         self.ran: list[set[Action]] = [set() for _ in range(pp)]
         self.alive, self.peak = [0] * pp, [0] * pp
+        # With W passes (zbh1) a micro-batch's activations are alive until its W, else its B.
+        self.split = [any(isinstance(s, Action) and s.weight for s in plan) for plan in plans]
 
     def run(self) -> int:
         """Run to the end (or fail on a deadlock); returns the number of rounds."""
@@ -117,8 +119,9 @@ class Rendezvous:
             assert a in self.inbox[r], f"{self.label}: rank {r} runs {a} before receiving its input"
             self.inbox[r].remove(a)
         assert a.forward or Action(True, a.chunk, a.microbatch) in self.ran[r], f"{self.label}: {a} before its forward"
+        assert not a.weight or Action(False, a.chunk, a.microbatch) in self.ran[r], f"{self.label}: {a} before its B"
         self.ran[r].add(a)
-        self.alive[r] += 1 if a.forward else -1
+        self.alive[r] += 1 if a.forward else -1 if a.weight or not self.split[r] else 0
         self.peak[r] = max(self.peak[r], self.alive[r])
         self.position[r] += 1
 
@@ -139,6 +142,8 @@ def simulate(plans: Sequence[Sequence[Step]], pp: int, vpp: int, m: int, label: 
     for r in range(pp):
         want = {Action(f, c, j) for f in ([True] if forward_only else [True, False])
                 for c in range(vpp) for j in range(m)}
+        if sim.split[r]:
+            want |= {Action(False, c, j, weight=True) for c in range(vpp) for j in range(m)}
         assert sim.ran[r] == want and len(want) == sum(isinstance(s, Action) for s in plans[r]), \
             f"{label}: rank {r} runs every action once"
         assert not sim.inbox[r], f"{label}: rank {r} never used {sorted(sim.inbox[r], key=repr)}"
@@ -181,7 +186,8 @@ def plan_cases() -> list[tuple[str, int, int, int]]:
     """(schedule, pp, vpp, m): every schedule at pp 2, 3, 4, 8, vpp 1, 2, 4 where it runs
     chunks, and m from pp (from 1 for one chunk) to 8 pp (multiples of pp with vpp chunks)."""
     cases = []
-    for schedule, vpps in [("gpipe", [1]), ("1f1b", [1]), ("interleaved", [1, 2, 4]), ("forward", [1, 2, 4])]:
+    for schedule, vpps in [("gpipe", [1]), ("1f1b", [1]), ("zbh1", [1]), ("interleaved", [1, 2, 4]),
+                           ("forward", [1, 2, 4])]:
         for pp, vpp in itertools.product([2, 3, 4, 8], vpps):
             grouped = schedule == "interleaved" or vpp > 1  # micro-batches go in groups of pp
             cases += [(schedule, pp, vpp, m) for m in range(pp if grouped else 1, 8 * pp + 1)
@@ -189,7 +195,7 @@ def plan_cases() -> list[tuple[str, int, int, int]]:
     return cases
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "forward"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zbh1", "interleaved", "forward"])
 def test_executor_plans_complete_under_rendezvous_sends(schedule):
     cases = [c for c in plan_cases() if c[0] == schedule]
     for case in cases:
@@ -232,6 +238,22 @@ def test_1f1b_bounds_activation_memory_and_gpipe_does_not(pp):
     assert simulate_plan("1f1b", pp, 1, m)["steps"] == simulate_plan("gpipe", pp, 1, m)["steps"] == 2 * (m + pp - 1)
 
 
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_zbh1_keeps_1f1b_memory_and_cuts_its_idle_time_to_a_third(pp):
+    from megazero.plan.formulas import pipeline_bubble, simulated_bubble
+    for m in (pp, 2 * pp, 8 * pp):
+        zb = simulate_plan("zbh1", pp, 1, m)
+        # At most pp micro-batches in flight (forward done, W not yet) on any rank: 1F1B's rank 0.
+        assert max(zb["peak_alive"].values()) == zb["peak_alive"][0] == pp, zb
+        # Unit-time F, B and W: 3m + p - 1 steps, so each rank idles p - 1, a third of 1F1B's
+        # 3 (p - 1) (its backward is B + W: 2 units; the simulator counts it as one step).
+        assert zb["steps"] == 3 * m + pp - 1
+        assert simulated_bubble(pp, 1, m, "zbh1") == pytest.approx(pipeline_bubble(pp, 1, m, "zbh1"), abs=1e-12)
+        idle = {s: simulated_bubble(pp, 1, m, s) * (3 * m) / (1 - simulated_bubble(pp, 1, m, s))
+                for s in ("1f1b", "zbh1")}
+        assert idle["zbh1"] == pytest.approx(idle["1f1b"] / 3) == pytest.approx(pp - 1)
+
+
 def test_interleaved_shrinks_the_bubble():
     # With chunks of 1/v the work, the interleaved pipeline fills and drains v times faster.
     pp, vpp, m = 4, 2, 8
@@ -258,6 +280,12 @@ def test_interleaved_shrinks_the_bubble():
     (["--parallel.pp", "2", "--parallel.pp_layers", "[1, 3]", "--parallel.vpp", "2"], 2,
      "parallel.pp_layers (uneven split) cannot be combined with parallel.vpp > 1"),
     (["--parallel.pp", "8"], 8, "model.num_layers (4) must be divisible by parallel.pp (8)"),
+    (["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.schedule", "zbh1"], 2,
+     "parallel.schedule zbh1 runs one model chunk per rank, but parallel.vpp is 2"),
+    (["--parallel.pp", "2", "--parallel.schedule", "zbh1", "--zero.stage", "3"], 2,
+     "parallel.schedule zbh1 does not support zero.stage 3"),
+    (["--parallel.pp", "2", "--parallel.schedule", "zbh1", "--train.compile", "true"], 2,
+     "parallel.schedule zbh1 cannot defer weight gradients inside compiled blocks"),
 ])
 def test_bad_pipeline_configs(overrides, world, message):
     with pytest.raises(ConfigError) as err:
@@ -361,6 +389,17 @@ def test_pp4_and_pipeline_with_tp_and_dp_match_single_process():
     run_distributed(_check_layouts, 4, 8, 16, cases)
 
 
+def test_zbh1_matches_single_process():
+    """ZB-H1's deferred weight gradients land where a plain backward puts them: pp 4 with full
+    recompute, and pp 2 x dp 2 (reduced over DP after the last W)."""
+    run_distributed(_check_layouts, 4, 8, 16, [(1, 4, 1, "zbh1", "full"), (1, 2, 1, "zbh1", "none")])
+
+
+@pytest.mark.slow
+def test_zbh1_with_tp_matches_single_process():
+    run_distributed(_check_layouts, 4, 8, 16, [(2, 2, 1, "zbh1", "selective"), (1, 4, 1, "zbh1", "none")])
+
+
 # ----------------------------------------------------------------------------- tied embedding
 
 
@@ -387,8 +426,10 @@ def _train_and_return_tied(layouts: list[list[str]], steps: int) -> list[dict]:
 
 def test_tied_embedding_copies_stay_identical():
     """The first stage's wte and the last stage's lm_head start equal and, with their
-    gradients summed over the embedding group, stay bitwise equal (pp 2, and vpp 2)."""
-    layouts = [["--parallel.pp", "2"], ["--parallel.pp", "2", "--parallel.vpp", "2"]]
+    gradients summed over the embedding group, stay bitwise equal (pp 2, vpp 2, and zbh1 in
+    bf16, whose head gradient lands in a deferred W pass)."""
+    layouts = [["--parallel.pp", "2"], ["--parallel.pp", "2", "--parallel.vpp", "2"],
+               ["--parallel.pp", "2", "--parallel.schedule", "zbh1", "--train.precision", "bf16"]]
     first, last = run_distributed(_train_and_return_tied, 2, layouts, 4)
     for f, l in zip(first, last):
         assert len(f["tied"]) == 1 and len(l["tied"]) == 1
@@ -396,3 +437,13 @@ def test_tied_embedding_copies_stay_identical():
         assert not torch.equal(f["tied"][0], f["initial"][0])  # it was trained
         assert torch.equal(f["tied"][0], l["tied"][0])
         assert f["losses"] == [None] * 4 and all(isinstance(x, float) for x in l["losses"])
+
+
+@pytest.mark.slow
+def test_zbh1_trains_like_1f1b_in_bf16():
+    """bf16 at ZeRO 0 and 2: the same losses as 1F1B (deferring a matmul changes no value)."""
+    layouts = [["--parallel.pp", "2", "--train.precision", "bf16", "--parallel.schedule", s, "--zero.stage", z]
+               for z in ("0", "2") for s in ("1f1b", "zbh1")]
+    last = run_distributed(_train_and_return_tied, 2, layouts, 3)[1]
+    for one_f, zb in zip(last[::2], last[1::2]):
+        assert zb["losses"] == pytest.approx(one_f["losses"], abs=1e-3)

@@ -33,7 +33,8 @@ def _max_diff(run: list[dict], ref: list[dict], key: str) -> float:
     (4, ["--parallel.pp", "4"]),
     (2, ["--parallel.pp", "2", "--parallel.vpp", "2"]),
     (8, ["--parallel.tp", "2", "--parallel.pp", "2"]),  # tp 2 x pp 2 x dp 2
-], ids=["pp2", "pp4", "pp2-vpp2", "tp2-pp2-dp2"])
+    (4, ["--parallel.pp", "2", "--parallel.schedule", "zbh1", "--zero.stage", "2"]),  # deferred W, sharded grads
+], ids=["pp2", "pp4", "pp2-vpp2", "tp2-pp2-dp2", "pp2-dp2-zbh1-zero2"])
 def test_pipeline_losses_equal_single_process(tmp_path, reference, nproc, layout):
     run = _run(tmp_path, nproc, layout, "run")
     assert [r["iteration"] for r in run] == list(range(1, 11))

@@ -161,12 +161,13 @@ def test_planner_equals_measured_on_more_layouts():
 
 
 def test_bubble_equals_simulated_orders():
-    for schedule, vpps in [("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3, 4])]:
+    for schedule, vpps in [("gpipe", [1]), ("1f1b", [1]), ("zbh1", [1]), ("interleaved", [2, 3, 4])]:
         for pp in (2, 3, 4, 8):
             for vpp in vpps:
                 for m in range(pp if vpp > 1 else 1, 4 * pp + 1, pp if vpp > 1 else 1):
-                    assert F.pipeline_bubble(pp, vpp, m) == pytest.approx(F.simulated_bubble(pp, vpp, m, schedule),
-                                                                          abs=1e-12), (schedule, pp, vpp, m)
+                    simulated = F.simulated_bubble(pp, vpp, m, schedule)
+                    assert F.pipeline_bubble(pp, vpp, m, schedule) == pytest.approx(simulated, abs=1e-12), \
+                        (schedule, pp, vpp, m)
 
 
 # ---------------------------------------------------------------------------- anchors
@@ -285,3 +286,28 @@ def test_log_line_keeps_tflops_digits_on_tiny_models():
            "time_optimizer_s": 0.001, "time_comm_wait_s": 0.0, "bytes_dp": 2 ** 20, "bytes_tp": 0, "bytes_pp": 0}
     line = format_line(rec, 10)
     assert "0.000138 TFLOP/s" in line and "fwd 12.3 ms" in line and "sent dp 1.00 MiB tp 0.00 MiB" in line
+
+
+def test_zbh1_plans_no_zero3_pipeline_and_its_own_bubble():
+    """Config validation refuses zbh1 with ZeRO-3, so the planner never offers it; its
+    pipelined layouts get ZB-H1's bubble, and memory counts each micro-batch until its W
+    (rank 0 as in 1F1B, the last rank up to pp micro-batches instead of one)."""
+    from megazero.config import build_config
+    from megazero.plan.planner import Cluster, candidates, predict
+    preds = {}
+    for schedule in ("1f1b", "zbh1"):
+        cfg = build_config({"model": {"num_layers": 8, "hidden_size": 64, "num_heads": 4, "seq_length": 32,
+                                      "vocab_size": 256}, "parallel": {"schedule": schedule},
+                            "train": {"global_batch_size": 32}, "data": {"mock": True}})
+        cluster = Cluster(8, 8, 80.0, None)
+        layouts = candidates(cfg, cluster, {})
+        assert any(lay.pp > 1 and lay.zero_stage == 2 for lay in layouts)
+        assert any(lay.pp > 1 and lay.vpp == 1 and lay.zero_stage == 3 for lay in layouts) == (schedule == "1f1b")
+        layout = next(lay for lay in layouts if lay.pp == 4 and lay.vpp == 1 and lay.micro_batch == 2)
+        preds[schedule] = predict(cfg, layout, cluster, ranks=[0, 3], device="cpu")
+    m = 32 // (2 * layout.dp)
+    zb, one_f = preds["zbh1"], preds["1f1b"]
+    assert zb.schedule == "zbh1" and zb.bubble == pytest.approx(F.pipeline_bubble(4, 1, m, "zbh1"))
+    assert zb.bubble < one_f.bubble
+    assert zb.rank(0).activations == one_f.rank(0).activations
+    assert zb.rank(3).activations > one_f.rank(3).activations

@@ -172,6 +172,19 @@ def test_stage_with_pp2_dp2_tied_embedding(reference, stage):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zbh1_stage_pp2_dp2(reference, stage):
+    """ZB-H1 defers weight gradients past the B passes: ZeRO's hooks still see each one land,
+    the DP reduction still runs once per gradient (stage 1: after the last W; stage 2: as each
+    bucket completes, the rest at finish)."""
+    outs = _unpack(run_distributed(_train, 4, ["--zero.stage", str(stage), "--parallel.pp", "2",
+                                               "--parallel.schedule", "zbh1", "--optim.clip_grad", "0.5"], 3))
+    for out in outs:
+        _assert_params_equal(out, reference)
+        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_stage_tp2_pp2_dp2_interleaved(reference, stage):
     outs = _unpack(run_distributed(_train, 8, ["--zero.stage", str(stage), "--parallel.tp", "2", "--parallel.pp",

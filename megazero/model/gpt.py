@@ -47,6 +47,7 @@ from megazero.model.layers import (
 )
 from megazero.parallel.comm import Group, copy_to_tp, solo_group
 from megazero.parallel.random import RNGTracker
+from megazero.parallel.weight_grad import WeightGradStore, linear
 
 
 class CausalSelfAttention(nn.Module):
@@ -124,6 +125,7 @@ class GPT(nn.Module):
         self.cfg, self.tp, self.tracker = cfg, solo_group(), tracker
         self.layers = list(range(cfg.num_layers) if layers is None else layers)
         self.pre_process, self.post_process = pre_process, post_process
+        self.weight_grads: Optional[WeightGradStore] = None  # set: the head's weight gradient may be deferred
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, 1)
 
         self.transformer = nn.Module()
@@ -176,7 +178,7 @@ class GPT(nn.Module):
         if not self.post_process:
             return x
         x = self.transformer.ln_f(x)
-        return F.linear(copy_to_tp(x, self.tp), self.head_weight())
+        return linear(copy_to_tp(x, self.tp), self.head_weight(), None, self.weight_grads)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy [b, s] from vocab-parallel logits (padding masked out); 0, with

@@ -22,6 +22,7 @@ from torch import nn
 
 from megazero.config import padded_vocab_size
 from megazero.parallel.comm import Group, all_reduce, copy_to_tp, reduce_from_tp, solo_group
+from megazero.parallel.weight_grad import WeightGradStore, linear
 
 
 def mark_tp(param: nn.Parameter, dim: Optional[int], stride: int, full_shape: tuple[int, ...]) -> nn.Parameter:
@@ -76,6 +77,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = mark_tp(nn.Parameter(torch.empty(out_features, in_features)), 0, stride,
                               (out_features, in_features))
         self.bias = mark_tp(nn.Parameter(torch.empty(out_features)), 0, stride, (out_features,)) if bias else None
+        self.weight_grads: Optional[WeightGradStore] = None  # set: the weight gradient may be deferred
 
     def apply_tp(self, tp: Group) -> None:
         out_features = self.weight.shape[0]
@@ -89,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The input is replicated; its gradient is the sum of every rank's partial gradient.
-        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        return linear(copy_to_tp(x, self.tp), self.weight, self.bias, self.weight_grads)
 
 
 class RowParallelLinear(nn.Module):
@@ -101,6 +103,7 @@ class RowParallelLinear(nn.Module):
         self.weight = mark_tp(nn.Parameter(torch.empty(out_features, in_features)), 1, 1,
                               (out_features, in_features))
         self.bias = mark_tp(nn.Parameter(torch.empty(out_features)), None, 1, (out_features,)) if bias else None
+        self.weight_grads: Optional[WeightGradStore] = None  # set: the weight gradient may be deferred
 
     def apply_tp(self, tp: Group) -> None:
         in_features = self.weight.shape[1]
@@ -110,7 +113,7 @@ class RowParallelLinear(nn.Module):
         split_parameter_(self, "weight", tp, 1)  # the bias is replicated: added once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        y = reduce_from_tp(linear(x, self.weight, None, self.weight_grads), self.tp)
         # The bias is added once, after the sum, not once per rank.
         return y + self.bias if self.bias is not None else y
 

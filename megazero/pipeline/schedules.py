@@ -16,10 +16,14 @@ its peer has not posted (see p2p.py):
                  then the remaining backwards: at most pp micro-batches alive on rank 0
     interleaved  vpp model chunks per rank (Megatron-LM's interleaved 1F1B): micro-batches
                  go through the chunks in groups of pp, which cuts the bubble by vpp
+    zbh1         zero-bubble ZB-H1: 1F1B whose backward computes input gradients only (B);
+                 the weight gradients (W, see megazero/parallel/weight_grad.py) are
+                 deferred to fill the cool-down bubble, with 1F1B's peak of pp in flight
 
 Gradient sync contract with the optimizer: every backward runs inside `optimizer.no_sync()`
-except the last backward of each model chunk, so gradients are reduced over DP once per
-iteration, overlapping that last backward.
+except the last backward of each model chunk (with zbh1: its last B and its last W, each
+after every other pass that adds to the gradients it completes), so gradients are reduced
+over DP once per iteration, overlapping that last backward.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 
 from megazero.model.gpt import GPT
 from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.weight_grad import WeightGradStore
 from megazero.pipeline.p2p import PipelineP2P
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [b, s], labels [b, s])
@@ -80,14 +85,17 @@ def forward_backward_no_pipelining(chunk: GPT, microbatches: Sequence[Microbatch
 
 @dataclass(frozen=True)
 class Action:
-    """Forward (or backward) of micro-batch `microbatch` through this rank's model chunk `chunk`."""
+    """Forward (or backward) of micro-batch `microbatch` through this rank's model chunk
+    `chunk`; with `weight`, the deferred weight-gradient pass (W) of that backward (zbh1,
+    whose backward computes input gradients only)."""
 
     forward: bool
     chunk: int
     microbatch: int
+    weight: bool = False
 
     def __repr__(self) -> str:
-        return f"{'F' if self.forward else 'B'}{self.chunk}.{self.microbatch}"
+        return f"{'F' if self.forward else 'W' if self.weight else 'B'}{self.chunk}.{self.microbatch}"
 
 
 Order = Callable[[int, int, int, int], list[Action]]
@@ -116,6 +124,27 @@ def one_f_one_b_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
     for j in range(m - warmup):
         order += [Action(True, 0, warmup + j), Action(False, 0, j)]
     return order + [Action(False, 0, j) for j in range(m - warmup, m)]
+
+
+def zbh1_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
+    """ZB-H1 (Qi et al., 2023): 1F1B with each backward split into B (input gradients, which
+    the previous rank waits for) and W (weight gradients, which nobody waits for). Rank r
+    lets up to r W passes wait (the last rank p - 1, rank 0 none): after each B it runs the
+    oldest W only when more than r are pending, and the r left run after its last B, filling
+    the cool-down, where rank r waits p - 1 - r B-times for the last rank's final gradient.
+    In flight (forward done, W not yet) on any rank: at most pp micro-batches, 1F1B's peak."""
+    _single_chunk("zbh1", vpp)
+    warmup = min(pp - 1 - pp_rank, m)
+    order = [Action(True, 0, j) for j in range(warmup)]
+    weights_done = 0
+    for j in range(m):
+        if warmup + j < m:
+            order.append(Action(True, 0, warmup + j))
+        order.append(Action(False, 0, j))
+        if j + 1 - weights_done > pp_rank:  # more than r W passes pending: run the oldest
+            order.append(Action(False, 0, weights_done, weight=True))
+            weights_done += 1
+    return order + [Action(False, 0, j, weight=True) for j in range(weights_done, m)]
 
 
 def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
@@ -149,7 +178,17 @@ def forward_only_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
     return [Action(True, *_virtual(k, pp, vpp, True)) for k in range(m * vpp)]
 
 
-ORDERS: dict[str, Order] = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "interleaved": interleaved_order}
+def activation_events(order: Sequence[Action]) -> list[tuple[bool, int]]:
+    """(forward?, chunk) of the actions of `order` that take (a forward) or free (the last
+    backward pass of a micro-batch: its W where backward is split, else its B) saved
+    activations. B frees most of a zbh1 micro-batch's activations, but W still holds its
+    matmul inputs and output gradients: counting it alive until W is the bound."""
+    split = any(a.weight for a in order)
+    return [(a.forward, a.chunk) for a in order if a.forward or a.weight or not split]
+
+
+ORDERS: dict[str, Order] = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "interleaved": interleaved_order,
+                            "zbh1": zbh1_order}
 
 
 # ----------------------------------------------------------------------------- messages
@@ -158,7 +197,10 @@ ORDERS: dict[str, Order] = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "in
 def message_target(action: Action, pp: int, vpp: int, pp_rank: int) -> Optional[tuple[int, Action]]:
     """Where the tensor an action produces goes: (pipeline rank, the action that consumes it
     there), or None. Virtual stage s = chunk x pp + rank; forwards feed stage s + 1,
-    backwards feed stage s - 1, and the first and last virtual stages talk to no one."""
+    backwards feed stage s - 1, and the first and last virtual stages talk to no one; a W
+    pass only accumulates weight gradients on its own rank."""
+    if action.weight:
+        return None
     stage = action.chunk * pp + pp_rank
     target = stage + 1 if action.forward else stage - 1
     if not 0 <= target < pp * vpp:
@@ -167,7 +209,10 @@ def message_target(action: Action, pp: int, vpp: int, pp_rank: int) -> Optional[
 
 
 def message_source(action: Action, pp: int, vpp: int, pp_rank: int) -> Optional[int]:
-    """The pipeline rank whose message this action needs (None: it needs none)."""
+    """The pipeline rank whose message this action needs (None: it needs none; a W pass
+    uses what its B pass saved)."""
+    if action.weight:
+        return None
     stage = action.chunk * pp + pp_rank
     source = stage - 1 if action.forward else stage + 1
     return source % pp if 0 <= source < pp * vpp else None
@@ -249,12 +294,20 @@ def _input_arrived(action: Action, pp_rank: int, arrived: set[tuple[int, Action]
 # ----------------------------------------------------------------------------- executor
 
 
+def weight_grad_stores(chunks: Sequence[GPT]) -> list[WeightGradStore]:
+    """Each chunk's store of deferred weight-gradient work (for orders with W passes)."""
+    if any(c.weight_grads is None for c in chunks):
+        raise ValueError("this schedule defers weight gradients, but the model chunks were built without a "
+                         "WeightGradStore; build them with megazero.pipeline.stages for parallel.schedule zbh1")
+    return [c.weight_grads for c in chunks]
+
+
 def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Microbatch], num_tokens: int,
                                 grid: ProcessGrid, schedule: str, dtype: torch.dtype,
                                 optimizer: Optional[GradSync] = None, forward_only: bool = False,
                                 stats: Optional[dict] = None, timers: Timers = untimed) -> Optional[torch.Tensor]:
     """Run one iteration's micro-batches through this rank's model chunks in the order of
-    `schedule` (gpipe | 1f1b | interleaved; forward_only: forwards alone), exchanging
+    `schedule` (gpipe | 1f1b | interleaved | zbh1; forward_only: forwards alone), exchanging
     activations [micro_batch_size, seq_length, hidden] in `dtype` with the neighbours.
     `stats`, when given, receives "wait_s": the seconds this rank waited on neighbours;
     `timers` times the forward and backward phases."""
@@ -264,8 +317,10 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
     tokens = microbatches[0][0]
     shape = (tokens.shape[0], tokens.shape[1], chunks[0].cfg.hidden_size)
     p2p = PipelineP2P(grid, shape, dtype)
-    # The last backward of each chunk reduces its gradients over DP; earlier ones only accumulate.
-    last_backward = {a.chunk: a for a in order if not a.forward}
+    # The last backward of each chunk (its last B and last W where they are split) reduces
+    # its gradients over DP; earlier ones only accumulate.
+    synced = set({(a.chunk, a.weight): a for a in order if not a.forward}.values())
+    stores = weight_grad_stores(chunks) if any(a.weight for a in order) else None
     saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     total = torch.zeros((), dtype=torch.float32, device=grid.device)
 
@@ -285,9 +340,13 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
             if not forward_only:
                 saved[key] = (x, y)
             return None if chunk.post_process else y
+        sync = contextlib.nullcontext() if action in synced else optimizer.no_sync()
+        if action.weight:
+            with sync, timers("backward"):
+                stores[action.chunk].run_next()
+            return None
         x, y = saved.pop(key)
-        with contextlib.nullcontext() if action == last_backward[action.chunk] else optimizer.no_sync(), \
-                timers("backward"):
+        with sync, stores[action.chunk].defer() if stores else contextlib.nullcontext(), timers("backward"):
             if chunk.post_process:
                 optimizer.scale_loss(y).backward()
             else:

@@ -15,6 +15,7 @@ from megazero.config import Config
 from megazero.model.gpt import GPT
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import RNGTracker
+from megazero.parallel.weight_grad import attach_weight_grad_store
 
 
 def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
@@ -38,7 +39,11 @@ def build_model_chunks(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> l
     p = cfg.parallel
     layer_sets = stage_layers(cfg.model.num_layers, grid.pp, p.vpp, grid.pp_rank, p.pp_layers)
     with torch.device("meta"):
-        return [GPT(cfg.model, tracker, layers=layers,
-                    pre_process=grid.is_first_stage and v == 0,
-                    post_process=grid.is_last_stage and v == len(layer_sets) - 1)
-                for v, layers in enumerate(layer_sets)]
+        chunks = [GPT(cfg.model, tracker, layers=layers,
+                      pre_process=grid.is_first_stage and v == 0,
+                      post_process=grid.is_last_stage and v == len(layer_sets) - 1)
+                  for v, layers in enumerate(layer_sets)]
+    if grid.pp > 1 and p.schedule == "zbh1":  # its backward defers the matmuls' weight gradients
+        for chunk in chunks:
+            attach_weight_grad_store(chunk)
+    return chunks

@@ -259,18 +259,29 @@ def embed_bytes(tied_numel: int, pp: int) -> int:
 # ---------------------------------------------------------------------------- time
 
 
-def pipeline_bubble(pp: int, vpp: int, m: int) -> float:
+def pipeline_bubble(pp: int, vpp: int, m: int, schedule: str = "1f1b") -> float:
     """Idle fraction of a pipeline rank: (p - 1) / (v m + p - 1) for GPipe, 1F1B (v = 1) and
-    the interleaved schedule (backward = 2 x forward; equals the executor's simulated orders)."""
-    return (pp - 1) / (vpp * m + pp - 1) if pp > 1 else 0.0
+    the interleaved schedule (backward = 2 x forward; equals the executor's simulated orders).
+    zbh1, with T_F = T_B = T_W: each rank idles (p - 1)(T_F + T_B - T_W) = p - 1 forward-times
+    of 3m + p - 1 (Qi et al., 2023), a third of 1F1B's idle time 3(p - 1); with m < p there
+    are too few W passes to fill the cool-down and it idles p - m more (the executor's
+    simulated orders, exactly)."""
+    if pp == 1:
+        return 0.0
+    if schedule == "zbh1":
+        idle = pp - 1 + max(0, pp - m)
+        return idle / (3 * m + idle)
+    return (pp - 1) / (vpp * m + pp - 1)
 
 
 def simulated_bubble(pp: int, vpp: int, m: int, schedule: str) -> float:
     """The idle fraction of the executor's own orders, replayed in simulated time: every rank
     runs its next action as soon as its input exists, a chunk's forward taking 1 / v and its
-    backward 2 / v time units, transfers free (the check on `pipeline_bubble`)."""
+    backward 2 / v time units (zbh1: B and W 1 each), transfers free (the check on
+    `pipeline_bubble`)."""
     from megazero.pipeline.schedules import ORDERS, message_target
     orders = {r: ORDERS[schedule](pp, vpp, r, m) for r in range(pp)}
+    split = any(a.weight for a in orders[0])
     feeder_of = {message_target(a, pp, vpp, r): (r, a) for r in range(pp) for a in orders[r]}
     finished: dict = {}
     clock, position = [0.0] * pp, [0] * pp
@@ -282,7 +293,7 @@ def simulated_bubble(pp: int, vpp: int, m: int, schedule: str) -> float:
                 if feeder is not None and feeder not in finished:
                     break  # wait for the neighbour's tensor
                 start = max(clock[r], finished.get(feeder, 0.0))
-                clock[r] = finished[(r, a)] = start + (1 if a.forward else 2) / vpp
+                clock[r] = finished[(r, a)] = start + (1 if a.forward or split else 2) / vpp
                 position[r] += 1
     return 1 - 3 * m / max(clock)
 

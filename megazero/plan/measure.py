@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -12,10 +12,13 @@ class ActivationMeter:
     `torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)`. A storage saved by
     several operations counts once; it is released when the last of them lets go."""
 
-    def __init__(self, exclude: Union[set[int], Callable[[], set[int]]]):
+    def __init__(self, exclude: Union[set[int], Callable[[], set[int]]], held: Optional[Callable[[], int]] = None):
         # Storages of the parameters (weights are not activations); a callable when they move
         # (ZeRO-3 gathers weights into buffers that are freed and reallocated).
         self.exclude = exclude
+        # Bytes kept for backward outside autograd's graph (zbh1's pending W passes hold the
+        # matmul inputs and output gradients after their B freed the graph); added at each save.
+        self.held = held
         self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
         self.current = self.peak = 0
 
@@ -28,7 +31,7 @@ class ActivationMeter:
         else:
             self.live[key] = [t.untyped_storage().nbytes(), 1]
             self.current += self.live[key][0]
-            self.peak = max(self.peak, self.current)
+            self.peak = max(self.peak, self.current + (self.held() if self.held else 0))
         return _Saved(self, key, t)
 
     @staticmethod

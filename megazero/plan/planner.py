@@ -17,7 +17,7 @@ from typing import Optional
 
 from megazero.config import Config, padded_vocab_size
 from megazero.errors import UserError
-from megazero.pipeline.schedules import ORDERS
+from megazero.pipeline.schedules import ORDERS, activation_events
 from megazero.plan import formulas as F
 from megazero.plan.ranks import rank_params
 
@@ -161,7 +161,7 @@ def predict(cfg: Config, layout: Layout, cluster: Cluster, attention: str = "fla
     m = t.global_batch_size // (layout.micro_batch * layout.dp)
     shape = activation_shape(cfg, layout, attention, device)
     schedule = schedule_of(cfg, layout)
-    out = Prediction(layout, schedule, m, F.pipeline_bubble(layout.pp, layout.vpp, m),
+    out = Prediction(layout, schedule, m, F.pipeline_bubble(layout.pp, layout.vpp, m, schedule),
                      [rank_prediction(cfg, layout, r, m, shape, schedule, pp_layers) for r in ranks],
                      int(cluster.memory_gib * F.GiB * (1 - cluster.headroom)))
     if cluster.peak_flops:
@@ -184,7 +184,7 @@ def rank_prediction(cfg: Config, layout: Layout, r: int, m: int, shape: F.Activa
     host = states["optimizer"] if layout.offload_optimizer else 0
     states = {**states, "total": states["total"] - host}
     sizes = [F.chunk_activation_bytes(c, shape) for c in rp.chunks]
-    order = [(a.forward, a.chunk) for a in ORDERS[schedule](pp, vpp, r, m)] if pp > 1 else [(True, 0), (False, 0)]
+    order = activation_events(ORDERS[schedule](pp, vpp, r, m)) if pp > 1 else [(True, 0), (False, 0)]
     wire = 2 if cfg.zero.reduce_dtype == "bf16" else 4
     moved = {"dp": F.dp_bytes(stage, padded, list(rp.gathers), dp, m, wire, elem[0], r == pp - 1),
              "tp": F.tp_bytes(list(rp.chunks), shape, m), "pp": F.pp_bytes(pp, vpp, r, m, shape),
@@ -257,6 +257,7 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[Layout]:
     """Every layout the model, batch and cluster allow, within the `fixed` choices (Layout
     field -> value). TP stays inside a node unless tp is fixed."""
     gpus, gbs = cluster.gpus, cfg.train.global_batch_size
+    zbh1 = cfg.parallel.schedule == "zbh1"  # config validation refuses it with ZeRO-3
 
     def options(key: str, default) -> list:
         return [fixed[key]] if key in fixed else list(default)
@@ -272,7 +273,8 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[Layout]:
                                      options("zero_stage", range(4 if dp > 1 else 1)), options("recompute", RECOMPUTE))
             out += [Layout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False) and tp > 1,
                            fixed.get("offload_optimizer", False))
-                    for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb)]
+                    for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb)
+                    and not (zbh1 and pp > 1 and vpp == 1 and stage == 3)]
     return out
 
 

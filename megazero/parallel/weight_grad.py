@@ -1,0 +1,132 @@
+"""Deferrable weight gradients: a linear layer's backward split into B and W.
+
+The backward of y = x W^T + b is two matmuls of equal cost: the input gradient
+dx = dy W, which the previous pipeline stage is waiting for (B), and the weight gradient
+dW = dy^T x, which nobody waits for until the optimizer step (W). Zero-bubble schedules
+(Qi et al., 2023, "Zero Bubble Pipeline Parallelism") run B at once and W later, in what
+would otherwise be pipeline bubbles.
+
+How: layers built with a `WeightGradStore` (the `weight_grads` attribute of the column-
+and row-parallel linears and of the GPT head; None by default) run their matmul through
+one autograd Function. Its backward returns dx (and the cheap bias gradient) at once; while
+the store is `deferring`, it files the saved input x and the incoming dy instead of
+computing dW. `run_next` later computes one B pass's dW's and hands each to
+autograd as the gradient of the leaf parameter itself (`torch.autograd.backward(param,
+dW)`), which runs the parameter's AccumulateGrad: the gradient lands exactly where a plain
+backward would put it (accumulated in place into a bucket view, or stored), and the
+post-accumulate-grad hooks that ZeRO's gradient sync hangs on the parameters fire as they
+would have. LayerNorm, bias and embedding gradients stay in B: they are cheap.
+
+Layers without a store (weight_grads None: every schedule but zbh1, generation, tests of
+the plain model) call F.linear, unchanged to the bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WeightGradWork = tuple[nn.Parameter, torch.Tensor, torch.Tensor]
+"""(parameter, output gradient dy, input x): dW = dy^T x, to accumulate into the parameter."""
+
+
+class WeightGradStore:
+    """One model chunk's deferred weight-gradient work, one entry per B pass, first in
+    first out (a schedule runs W passes in the order of their B passes)."""
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self._filling: list[WeightGradWork] = []
+        self._passes: deque[list[WeightGradWork]] = deque()
+
+    @contextlib.contextmanager
+    def defer(self) -> Iterator[None]:
+        """A B pass: backwards inside file their weight-gradient work as one W pass."""
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+            self._passes.append(self._filling)
+            self._filling = []
+
+    def put(self, param: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+        self._filling.append((param, grad_out, x))
+
+    def pending(self) -> int:
+        """W passes filed and not yet run."""
+        return len(self._passes)
+
+    def held_bytes(self) -> int:
+        """Bytes the pending W passes keep alive (each storage once): activation memory that
+        the B passes no longer hold in autograd's graph."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for work in self._passes for _, grad_out, x in work for t in (grad_out, x)}
+        return sum(storages.values())
+
+    def run_next(self) -> None:
+        """The W pass of the oldest B pass still pending: each weight gradient is computed
+        and accumulated into its parameter by autograd (hooks fire) one at a time, in the
+        order backward produced them, so only one extra gradient is alive at once."""
+        work = deque(self._passes.popleft())
+        while work:
+            param, grad_out, x = work.popleft()
+            torch.autograd.backward(param, _weight_grad(grad_out, x))
+
+
+def attach_weight_grad_store(module: nn.Module) -> WeightGradStore:
+    """Give every deferrable matmul of `module` (modules with a `weight_grads` attribute)
+    one shared store; returns it."""
+    store = WeightGradStore()
+    for m in module.modules():
+        if hasattr(m, "weight_grads"):
+            m.weight_grads = store
+    return store
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+           store: Optional[WeightGradStore]) -> torch.Tensor:
+    """F.linear whose weight gradient `store` may defer (plain F.linear without a store)."""
+    if store is None:
+        return F.linear(x, weight, bias)
+    # The weight goes in detached, its parameter boxed where autograd does not look: an
+    # autograd edge to it would run its AccumulateGrad in B even with no gradient (a
+    # Function returning None still fires the post-accumulate-grad hooks), and ZeRO would
+    # count that as the gradient having arrived.
+    return _DeferrableLinear.apply(x, weight.detach(), bias, store, (weight,))
+
+
+def _weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = dy^T x over every leading (batch, sequence) position."""
+    return grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """y = x W^T + b; backward returns dx and db, and accumulates dW now or files it (see above)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store, boxed_param):
+        # Saved through save_for_backward, so recomputation (checkpoint) and saved-tensor
+        # hooks see them.
+        ctx.save_for_backward(x, weight)
+        (ctx.param,), ctx.store, ctx.has_bias = boxed_param, store, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        if ctx.param.requires_grad:
+            if ctx.store.deferring:
+                ctx.store.put(ctx.param, grad_out, x)
+            else:  # accumulated as the parameter's own backward would, inside this one
+                torch.autograd.backward(ctx.param, _weight_grad(grad_out, x))
+        return grad_x, None, grad_bias, None, None
