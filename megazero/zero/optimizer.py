@@ -19,6 +19,10 @@ The work is divided by responsibility; this class wires the pieces together and 
     clip.py     global grad norm and inf/NaN agreement; adamw.py: the update rule
     stage3.py   ParamGatherer: gather/release of stage-3 parameters around each module
 
+Frozen parameters (requires_grad False: the base model under LoRA) sit in buckets of their
+own at the end of the shard: they are stored, sharded and gathered like the others, but
+have no gradient buffer, no DP gradient traffic and no optimizer state (partition.py).
+
 Gradients accumulate in fp32 buffers at every stage and precision (zero.reduce_dtype sets
 only the DP wire dtype). A step whose gradient norm or any rank's loss is inf/NaN is
 skipped on every rank, in every precision. A model built on the meta device is
@@ -55,7 +59,7 @@ from megazero.zero.clip import clip_coefficient, grad_norm_and_overflow
 from megazero.zero.grads import GradientSync
 from megazero.zero.materialize import replace_meta_parameters
 from megazero.zero.params import ParamStore
-from megazero.zero.partition import Bucket, Layout, Slot, build_layout, sub_groups
+from megazero.zero.partition import Bucket, Layout, Slot, build_layout, split_frozen, sub_groups
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
 from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
 from megazero.zero.state import MemoryStore, NvmeStore
@@ -131,11 +135,11 @@ class ZeroOptimizer:
         if self.stage == 3:
             units, groups = fetch_units(chunks)
         else:
-            groups = bucket_groups(chunks, z.bucket_size)
+            groups = split_frozen(bucket_groups(chunks, z.bucket_size))
         self.layout: Layout = build_layout(groups, shards, rank)
         slots = self.layout.slots()
         tied = {id(c.tied_weight()) for c in chunks if c.tied_weight() is not None}
-        self.tied_buckets = [b.index for b, s in slots if id(s.param) in tied]
+        self.tied_buckets = [b.index for b, s in slots if id(s.param) in tied and b.trainable]
         no_decay = [c.no_weight_decay() for c in chunks]
         decays = {s.name: s.name not in no_decay[b.chunk] for b, s in slots}
         # Each gradient element counted once: TP-replicated parameters on TP rank 0 only, and the
@@ -177,7 +181,7 @@ class ZeroOptimizer:
         """Master weights and moments where zero.offload_optimizer puts them. Every rank
         learns whether every store could be built (a full disk on one node must not leave
         the others waiting in the first collective)."""
-        z, n = self.cfg.zero, self.layout.shard_numel
+        z, n = self.cfg.zero, self.layout.trainable_numel
         store, error = None, ""
         try:
             if z.offload_optimizer == "none":  # in fp32 the parameters are the master weights
@@ -194,7 +198,8 @@ class ZeroOptimizer:
         return store
 
     def _write_master(self, offset: int, values: torch.Tensor) -> None:
-        self.state.write("master", offset, values)
+        if offset < self.layout.trainable_numel:  # frozen buckets have no master weights
+            self.state.write("master", offset, values)
 
     # ------------------------------------------------------------------ gradients
 
@@ -273,8 +278,11 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------ state
 
     def _shard_values(self) -> list[torch.Tensor]:
-        """This rank's fp32 master shard (padding included), as pieces laid end to end."""
-        return [self.state.read("master")] if self.state.separate_master else self.params.own_slices()
+        """This rank's fp32 master shard (padding included), as pieces laid end to end; the
+        frozen part, which has no master weights, from the parameters themselves."""
+        if not self.state.separate_master:
+            return self.params.own_slices()
+        return [self.state.read("master"), *self.params.own_slices(frozen_only=True)]
 
     def state_dict(self) -> dict:
         """Only this rank's shard (fp32 master, Adam moments, step, loss scaler) and the

@@ -55,9 +55,12 @@ class ParamStore(FlatBuffers):
             self.shard[offset: offset + end - start].copy_(piece)
             write_master(offset, piece)
 
-    def own_slices(self) -> list[torch.Tensor]:
-        """This rank's shard (padding included) as pieces laid end to end."""
-        return [self.shard] if self.sharded else [self.own_slice(b) for b in self.layout.buckets]
+    def own_slices(self, frozen_only: bool = False) -> list[torch.Tensor]:
+        """This rank's shard (padding included), or its frozen part, as pieces laid end to end."""
+        if self.sharded:
+            return [self.shard[self.layout.trainable_numel if frozen_only else 0:]]
+        in_shard_order = sorted(self.layout.buckets, key=lambda b: b.shard_offset)
+        return [self.own_slice(b) for b in in_shard_order if not (frozen_only and b.trainable)]
 
     def pieces(self) -> list[tuple[str, torch.Tensor]]:
         """Stage 3: (name, the view of the shard holding this rank's piece of it) per
@@ -72,7 +75,8 @@ class ParamStore(FlatBuffers):
         return out
 
     def all_gather(self, dp: comm.Group) -> None:
-        """Stages 1/2: every rank updated its slices; put the full buckets everywhere."""
-        for b in self.layout.buckets:
+        """Stages 1/2: every rank updated its slices; put the full buckets everywhere (frozen
+        ones never change)."""
+        for b in self.layout.trainable_buckets():
             lo, hi = b.slice_of(self.layout.rank)
             comm.all_gather_into(self.full[b.index], self.full[b.index][lo:hi], dp)
