@@ -30,6 +30,7 @@ from megazero.checkpoint.gathered import plain_shapes
 from megazero.checkpoint.sharded import CheckpointError
 from megazero.checkpoint.universal import UniversalReader
 from megazero.config import ModelConfig
+from megazero.model.lora import is_adapter
 
 ACCEPTED = ("a save directory (with a 'latest' file), an iter_NNNNNNN directory, a universal checkpoint "
             "(universal.json), a torch export (FILE with FILE.config.json beside it, or model_16bit.safetensors) "
@@ -141,7 +142,8 @@ def _universal(path: str) -> Checkpoint:
     reader = UniversalReader(path)
     master = reader.files["master"]
     stored = set(master.keys())
-    shapes = {n: tuple(master.get_slice(n).get_shape()) for n in plain_shapes(reader.model_config) if n in stored}
+    names = [n for n in plain_shapes(reader.model_config) if n in stored] + [n for n in master.keys() if is_adapter(n)]
+    shapes = {n: tuple(master.get_slice(n).get_shape()) for n in names}
     return Checkpoint(path, "universal checkpoint", reader.model_config, reader.config.data.tokenizer,
                       reader.meta["iteration"], shapes, lambda kind: ((n, reader.full(n, kind)) for n in shapes),
                       training=reader)

@@ -90,10 +90,10 @@ def decode_rng(states: dict) -> dict:
 
 
 def save(save_dir: str, iteration: int, rank_state: dict, cfg: Config, grid: ProcessGrid,
-         keep_last: int = 0, extra: Optional[Callable[[str], str]] = None) -> str:
+         keep_last: int = 0, extra: Optional[Callable[[str], list[str]]] = None) -> str:
     """Collective: every rank writes its state; rank 0 seals the checkpoint. Returns its path.
-    `extra(directory)`, when given, is a collective writing one more file (named by its
-    return value) into the checkpoint before it is sealed. Raises CheckpointSaveError on
+    `extra(directory)`, when given, is a collective writing more files (their paths relative
+    to the directory are its return value) into the checkpoint before it is sealed. Raises CheckpointSaveError on
     every rank when any rank's write failed (nothing of the new checkpoint is kept)."""
     final = os.path.join(save_dir, iter_dir_name(iteration))
     step = _SaveStep(final, iteration, grid)
@@ -104,11 +104,10 @@ def save(save_dir: str, iteration: int, rank_state: dict, cfg: Config, grid: Pro
     entries = step.run(lambda: _write_rank_file(os.path.join(tmp, name), rank_state))
     files = dict(zip(_names(grid), entries))
     if extra is not None:
-        def write_extra() -> tuple[str, Optional[dict]]:
-            written = extra(tmp)  # rank 0 writes it (by offsets: hashed once complete)
-            return written, digest.file_entry(os.path.join(tmp, written)) if grid.rank == 0 else None
-        extra_name, entry = step.run(write_extra)[0]
-        files[extra_name] = entry
+        def write_extra() -> dict[str, Optional[dict]]:
+            written = extra(tmp)  # rank 0 writes them (by offsets: hashed once complete)
+            return {n: digest.file_entry(os.path.join(tmp, n)) if grid.rank == 0 else None for n in written}
+        files.update(step.run(write_extra)[0])
     meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
             "layout": layout_of(cfg, grid), "config": cfg.to_dict(), "files": files}
     step.run(lambda: _seal(save_dir, final, meta, keep_last) if grid.rank == 0 else None)

@@ -357,11 +357,14 @@ class ZeroOptimizer:
             for b in newly:
                 self.gatherer.release(b)
 
-    def full_parameters(self) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
-        """(name, parameter, full value) for this model-parallel rank, one gather unit at a
-        time: at stage 3 a bucket is gathered, handed out and released before the next, so
-        at most one unit is materialized beyond the shards. Collective over DP at stage 3."""
+    def full_parameters(self, trainable_only: bool = False) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
+        """(name, parameter, full value) for this model-parallel rank (or its trainable
+        parameters only, e.g. LoRA's adapters), one gather unit at a time: at stage 3 a
+        bucket is gathered, handed out and released before the next, so at most one unit is
+        materialized beyond the shards. Collective over DP at stage 3."""
         for index, bucket in enumerate(self.layout.buckets):
+            if trainable_only and not bucket.trainable:
+                continue
             fetched = self.gatherer is not None and index not in self.gatherer.gathered
             if fetched:
                 self.gatherer.fetch(index)
