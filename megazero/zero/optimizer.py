@@ -317,7 +317,7 @@ class ZeroOptimizer:
             self.params.own_slice(b).copy_(values)
         self.state.flush()
         if self.stage in (1, 2):
-            self.params.all_gather(self.grid.dp_group)
+            self.params.all_gather(self.grid.dp_group, frozen_too=True)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's parameters as this rank holds them: full (per model-parallel rank) at

@@ -74,9 +74,9 @@ class ParamStore(FlatBuffers):
             out.append((s.name, self.shard[base: base + length]))
         return out
 
-    def all_gather(self, dp: comm.Group) -> None:
-        """Stages 1/2: every rank updated its slices; put the full buckets everywhere (frozen
-        ones never change)."""
-        for b in self.layout.trainable_buckets():
+    def all_gather(self, dp: comm.Group, frozen_too: bool = False) -> None:
+        """Stages 1/2: every rank updated its slices; put the full buckets everywhere (after a
+        step only the trainable ones: frozen ones never change)."""
+        for b in self.layout.buckets if frozen_too else self.layout.trainable_buckets():
             lo, hi = b.slice_of(self.layout.rank)
             comm.all_gather_into(self.full[b.index], self.full[b.index][lo:hi], dp)
