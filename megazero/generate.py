@@ -115,6 +115,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     import torch.distributed as dist
 
+    from megazero.checkpoint.adapter import adapters_folded
     from megazero.checkpoint.load import open_checkpoint
     from megazero.data.tokenizer import build_tokenizer
     from megazero.parallel.grid import ProcessGrid
@@ -122,7 +123,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     with report_errors(OSError):
-        ckpt = open_checkpoint(args.load)
+        ckpt = adapters_folded(open_checkpoint(args.load))  # a LoRA fine-tune generates with its adapters
         m = ckpt.model_config
         spec = args.tokenizer or ckpt.tokenizer
         if not spec:

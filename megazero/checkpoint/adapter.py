@@ -86,6 +86,11 @@ def base_only(ckpt: "Checkpoint") -> "Checkpoint":
     return dataclasses.replace(ckpt, shapes={n: s for n, s in ckpt.shapes.items() if not is_adapter(n)})
 
 
+def adapters_folded(ckpt: "Checkpoint") -> "Checkpoint":
+    """The model a checkpoint describes, LoRA adapters (if any) folded in: what to run."""
+    return merge_lora(ckpt) if has_adapters(ckpt) else ckpt
+
+
 def merge_lora(ckpt: "Checkpoint") -> "Checkpoint":
     """The checkpoint with every adapter folded into its base weight (W + alpha/r B A) and
     the adapters gone: a plain GPT-2."""
