@@ -91,7 +91,8 @@ def _traffic(stages: list[int]) -> list[dict]:
                     "trainable_numel": sum(b.numel for b in trainable),
                     "frozen_numel": opt.layout.numel - sum(b.numel for b in trainable),
                     "reduced_numel": opt.grads.reduced_numel, "frozen_grads": sum(g is not None for g in frozen_grads),
-                    "bytes": opt.model_state_bytes()})
+                    "bytes": opt.model_state_bytes(), "peak_gathered": opt.peak_materialized_numel,
+                    "model_numel": opt.layout.numel, "largest_unit": max(b.numel for b in opt.layout.buckets)})
     return out
 
 
@@ -100,7 +101,8 @@ def test_only_adapter_gradients_move_over_dp_at_every_stage():
     for r in per_rank[0]:
         print(f"zero {r['stage']}: DP gradient bytes {r['grad_bytes']} (trainable-only prediction "
               f"{r['predicted_grad_bytes']}), DP all-gather bytes {r['all_gather_bytes']}, trainable elements "
-              f"{r['trainable_numel']}, frozen {r['frozen_numel']}, state bytes {r['bytes']}")
+              f"{r['trainable_numel']}, frozen {r['frozen_numel']}, state bytes {r['bytes']}, peak gathered "
+              f"{r['peak_gathered']} of {r['model_numel']}")
         assert r["frozen_numel"] > 10 * r["trainable_numel"]
         # what the DP group carried beyond the adapters' gradients: the loss' own all-reduce (one scalar)
         assert 0 <= r["grad_bytes"] - r["predicted_grad_bytes"] <= 16 and r["predicted_grad_bytes"] > 0
@@ -109,8 +111,10 @@ def test_only_adapter_gradients_move_over_dp_at_every_stage():
         assert r["reduced_numel"] == r["trainable_numel"] * micro
         if r["stage"] in (1, 2):  # only the updated (trainable) buckets are re-gathered
             assert r["all_gather_bytes"] == r["predicted_step_gather"]
-        if r["stage"] == 3:  # the frozen base is still sharded and gathered for forward and backward
+        if r["stage"] == 3:  # the frozen base is still sharded and gathered for forward and backward ...
             assert r["all_gather_bytes"] >= 4 * r["frozen_numel"] // 2
+            # ... and released after its unit's backward, though no gradient of it is awaited
+            assert r["peak_gathered"] < r["model_numel"], (r["peak_gathered"], r["model_numel"])
         # no gradient buffer and no optimizer state for the frozen base
         assert r["bytes"]["grads"] <= 4 * r["trainable_numel"]
         assert r["bytes"]["optimizer"] <= 8 * r["trainable_numel"]
