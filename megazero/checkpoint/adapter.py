@@ -27,9 +27,8 @@ from torch import nn
 from megazero.atomic import write_text
 from megazero.checkpoint.gathered import save_gathered
 from megazero.checkpoint.sharded import CheckpointError
-from megazero.config import Config, FinetuneConfig, ModelConfig, build_config
-from megazero.model.gpt import GPT
-from megazero.model.lora import apply_lora, is_adapter, merged_weight
+from megazero.config import Config, build_config
+from megazero.model.lora import adapter_shapes, is_adapter, merged_weight
 from megazero.parallel.grid import ProcessGrid
 
 if TYPE_CHECKING:
@@ -39,14 +38,6 @@ ADAPTER_DIR = "adapter"
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-
-
-def adapter_shapes(m: ModelConfig, f: FinetuneConfig) -> dict[str, tuple[int, ...]]:
-    """Names and full shapes of every adapter of the non-parallel model, in its order."""
-    with torch.device("meta"):
-        model = GPT(m)
-    apply_lora(model, f)
-    return {n: tuple(p.shape) for n, p in model.named_parameters() if is_adapter(n)}
 
 
 def peft_config(cfg: Config) -> dict:

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config import LORA_MODULES, FinetuneConfig, lora_target_matches
+from megazero.config import LORA_MODULES, FinetuneConfig, ModelConfig, lora_target_matches
+from megazero.model.gpt import GPT
 from megazero.model.layers import ColumnParallelLinear, RowParallelLinear, mark_tp, shard_of
 from megazero.parallel.comm import copy_to_tp, reduce_from_tp
 from megazero.parallel.random import RNGTracker
@@ -101,6 +102,14 @@ def apply_lora(model: nn.Module, f: FinetuneConfig, tracker: Optional[RNGTracker
     for block in model.transformer.h.values():
         for name in adapted_modules(f.lora_targets):
             LoRA(block.get_submodule(name), f.lora_rank, f.lora_alpha, f.lora_dropout, tracker)
+
+
+def adapter_shapes(m: ModelConfig, f: FinetuneConfig) -> dict[str, tuple[int, ...]]:
+    """Names and full shapes of every adapter of the non-parallel model, in its order."""
+    with torch.device("meta"):
+        model = GPT(m)
+    apply_lora(model, f)
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if is_adapter(n)}
 
 
 def initial_adapter(name: str, p: nn.Parameter, seed: int, tp_rank: int, tp_size: int) -> torch.Tensor:
