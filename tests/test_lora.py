@@ -259,3 +259,32 @@ def test_peft_on_the_base_export(trained, tmp_path):
     convert(["--load", ckpt, "--to", "hf", "--output", base])
     _, got = _peft_logits(base, os.path.join(ckpt, "adapter"))
     assert (got - per_rank[0]["logits"]).abs().max() <= 1e-4
+
+
+def test_merge_lora_refusals_are_one_line(hf_dir, trained, capsys):
+    from megazero.convert import main as convert
+    save, _ = trained
+    for args, message in [(["--load", hf_dir, "--to", "hf", "--merge-lora"], "holds no LoRA adapters; drop --merge-lora"),
+                          (["--load", save, "--to", "universal", "--merge-lora"],
+                           "--merge-lora applies to --to torch or hf")]:
+        with pytest.raises(SystemExit):
+            convert(args + ["--output", os.path.join(save, "never")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+        assert not os.path.exists(os.path.join(save, "never"))
+
+
+def _resume_from(uni: str) -> list[float]:
+    t = _trainer(["--zero.stage", "2", "--train.iters", "6", "--checkpoint.load", uni])
+    return [t.train_step()["loss"] for _ in range(3)]
+
+
+@pytest.mark.slow
+def test_universal_conversion_resumes_at_another_layout(trained, tmp_path):
+    from megazero.convert import main as convert
+    save, per_rank = trained
+    uni = str(tmp_path / "uni")
+    convert(["--load", os.path.join(save, "iter_0000003"), "--to", "universal", "--output", uni])
+    straight = next(r["straight"] for r in per_rank if r["straight"][0] is not None)
+    for losses in _held(run_distributed(_resume_from, 2, uni)):
+        assert max(abs(a - b) for a, b in zip(losses, straight[3:])) <= 1e-5, (losses, straight)
