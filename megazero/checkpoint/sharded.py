@@ -20,6 +20,7 @@ loaded with `torch.load(weights_only=True)`: loading never runs code from a chec
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -234,6 +235,23 @@ def check_model(meta: dict, cfg: Config, ckpt: str) -> None:
         if saved_model.get(key) != getattr(cfg.model, key):
             raise CheckpointError(f"checkpoint '{ckpt}' holds a model with model.{key} = {saved_model.get(key)}, "
                                   f"but this run has {getattr(cfg.model, key)}; use the checkpoint's model config")
+    check_adapters(meta, cfg, ckpt)
+
+
+def check_adapters(meta: dict, cfg: Config, ckpt: str) -> None:
+    """A LoRA run resumes a checkpoint with the same adapters (their parameters and which
+    weights are frozen are part of the model)."""
+    def adapters(f: dict) -> dict:
+        return {"lora_rank": f["lora_rank"], "lora_targets": list(f["lora_targets"])} if f["lora_rank"] else \
+            {"lora_rank": 0}
+    theirs = adapters(meta["config"].get("finetune") or {"lora_rank": 0})
+    mine = adapters(dataclasses.asdict(cfg.finetune))
+    if mine != theirs:
+        fix = ("to fine-tune a pretrained checkpoint with LoRA, export it (convert --to hf) and start from it with "
+               "--checkpoint.init_from_hf" if not theirs["lora_rank"] else
+               "use the checkpoint's finetune settings, or fold its adapters in (convert --merge-lora --to hf) and "
+               "start a new run from that with --checkpoint.init_from_hf")
+        raise CheckpointError(f"checkpoint '{ckpt}' was saved with LoRA {theirs} but this run has {mine}; {fix}")
 
 
 def _checked(ckpt: str, meta: dict, name: str, check: Callable[[str, dict], Any]) -> Any:

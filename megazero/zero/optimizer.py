@@ -59,7 +59,15 @@ from megazero.zero.clip import clip_coefficient, grad_norm_and_overflow
 from megazero.zero.grads import GradientSync
 from megazero.zero.materialize import replace_meta_parameters
 from megazero.zero.params import ParamStore
-from megazero.zero.partition import Bucket, Layout, Slot, build_layout, split_frozen, sub_groups
+from megazero.zero.partition import (
+    Bucket,
+    Layout,
+    Slot,
+    build_layout,
+    split_frozen,
+    sub_groups,
+    with_trainable_flags,
+)
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
 from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
 from megazero.zero.state import MemoryStore, NvmeStore
@@ -301,7 +309,7 @@ class ZeroOptimizer:
         """Restore a state_dict of the same layout; the model's parameters are set from the
         master weights exactly as a step would have set them (bitwise resume)."""
         mine = self.layout.param_map()
-        if state["partition"] != mine or state["stage"] != self.stage:
+        if with_trainable_flags(state["partition"]) != mine or state["stage"] != self.stage:
             raise ValueError(f"optimizer state has a different layout (stage {state['stage']}, "
                              f"{state['partition']['shards']} shards) than this run (stage {self.stage}, "
                              f"{mine['shards']} shards); reshard it first")

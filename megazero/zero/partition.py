@@ -165,6 +165,15 @@ class Layout:
         return out
 
 
+def with_trainable_flags(param_map: dict) -> dict:
+    """A partition map saved before frozen parameters existed, with their flags added (every
+    parameter trainable), so that it compares equal to the same layout's map today."""
+    if "trainable_numel" in param_map:
+        return param_map
+    params = {n: {**e, "trainable": True} for n, e in param_map["params"].items()}
+    return {**param_map, "trainable_numel": param_map["shard_numel"], "params": params}
+
+
 def bucket_numel(numels: list[int], shards: int) -> int:
     """Padded size of a bucket holding parameters of `numels` elements, in order: each starts
     at a multiple of ALIGN, the bucket is a multiple of ALIGN x shards (the planner's Ψ too)."""
