@@ -19,6 +19,9 @@ ARGS = ["--model.num_layers", "2", "--model.seq_length", "32", "--model.dropout"
         "--optim.lr", "1e-2", "--optim.warmup_iters", "0", "--optim.decay_iters", "10", "--finetune.lora_rank", "4", "--finetune.lora_alpha", "8",
         "--finetune.lora_targets", "c_attn", "c_proj", "c_fc"]
 TP2_DP2_Z3 = ["--parallel.tp", "2", "--zero.stage", "3"]
+# Adapter dropout on column-parallel inputs only: replicated over TP, the same mask on every
+# TP rank, drawn from the default stream exactly as at tp 1.
+COLUMN_DROPOUT = ["--finetune.lora_dropout", "0.3", "--finetune.lora_targets", "c_attn", "c_fc"]
 
 
 def _cfg(args: list[str]):
@@ -96,9 +99,18 @@ def _traffic(stages: list[int]) -> list[dict]:
     return out
 
 
-def test_only_adapter_gradients_move_over_dp_at_every_stage():
-    per_rank = run_distributed(_traffic, 2, [0, 1, 2, 3])
-    for r in per_rank[0]:
+def _traffic_and_dropout(stages: list[int]) -> tuple[list[dict], list[float], list[float]]:
+    tp2 = ["--parallel.tp", "2", "--train.global_batch_size", "4"]
+    return _traffic(stages), _losses(tp2 + COLUMN_DROPOUT, 4), _losses(tp2 + COLUMN_DROPOUT[2:], 4)
+
+
+def test_only_adapter_gradients_move_over_dp_at_every_stage(reference):
+    per_rank = run_distributed(_traffic_and_dropout, 2, [0, 1, 2, 3])
+    traffic, dropped, undropped = per_rank[0]
+    # the adapters' dropout at tp 2 draws tp 1's masks (and matters)
+    assert max(abs(a - b) for a, b in zip(dropped, reference["dropout"])) <= 1e-5, (dropped, reference["dropout"])
+    assert abs(dropped[-1] - undropped[-1]) > 1e-4
+    for r in traffic:
         print(f"zero {r['stage']}: DP gradient bytes {r['grad_bytes']} (trainable-only prediction "
               f"{r['predicted_grad_bytes']}), DP all-gather bytes {r['all_gather_bytes']}, trainable elements "
               f"{r['trainable_numel']}, frozen {r['frozen_numel']}, state bytes {r['bytes']}, peak gathered "
@@ -136,10 +148,16 @@ def hf_dir(tmp_path_factory) -> str:
     return path
 
 
+def _reference_runs(hf_dir: str) -> dict:
+    return {"plain": _losses(["--checkpoint.init_from_hf", hf_dir], 10),
+            "dropout": _losses(COLUMN_DROPOUT + ["--train.global_batch_size", "4"], 4)}
+
+
 @pytest.fixture(scope="module")
-def reference(hf_dir) -> list[float]:
-    [losses] = run_distributed(_losses, 1, ["--checkpoint.init_from_hf", hf_dir], 10)
-    return losses
+def reference(hf_dir) -> dict:
+    """Single-process runs: from hf_dir (10 iterations), and with adapter dropout."""
+    [runs] = run_distributed(_reference_runs, 1, hf_dir)
+    return runs
 
 
 ROWS = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -185,17 +203,17 @@ def test_tp2_dp2_zero3_equals_single_process_and_resumes(reference, trained):
     for r in per_rank:
         if r["straight"][0] is None:
             continue
-        assert max(abs(a - b) for a, b in zip(r["straight"], reference)) <= 1e-5, (r["straight"], reference)
+        assert max(abs(a - b) for a, b in zip(r["straight"], reference["plain"])) <= 1e-5, (r["straight"], reference)
         assert r["resumed"] == r["straight"][3:]  # bitwise
     resharded = [r["resharded"] for r in per_rank if r["resharded"][0] is not None]
-    assert resharded and max(abs(a - b) for a, b in zip(resharded[0], reference[3:5])) <= 1e-5
+    assert resharded and max(abs(a - b) for a, b in zip(resharded[0], reference["plain"][3:5])) <= 1e-5
 
 
 @pytest.mark.slow
 def test_tp2_pp2_dp2_zero3_equals_single_process_over_10_iterations(hf_dir, reference):
     args = TP2_DP2_Z3 + ["--parallel.pp", "2", "--checkpoint.init_from_hf", hf_dir]
     for losses in _held(run_distributed(_losses, 8, args, 10)):
-        assert max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-5, (losses, reference)
+        assert max(abs(a - b) for a, b in zip(losses, reference["plain"])) <= 1e-5, (losses, reference)
 
 
 # ----------------------------------------------------------------------------- PEFT and --merge-lora
