@@ -328,3 +328,23 @@ def test_partition_maps_saved_before_frozen_parameters_still_match():
     old = {k: v for k, v in today.items() if k != "trainable_numel"}
     old["params"] = {n: {k: v for k, v in e.items() if k != "trainable"} for n, e in today["params"].items()}
     assert with_trainable_flags(old) == today
+
+
+def _train_and_save(args: list[str], save: str, iters: int) -> None:
+    t = _trainer(args + ["--train.iters", str(iters), "--checkpoint.save", save])
+    for _ in range(iters):
+        t.train_step()
+    t.save_checkpoint(last=False)
+
+
+@pytest.mark.slow
+def test_adapters_saved_over_pipeline_stages_are_whole(hf_dir, trained, tmp_path):
+    """tp 2 x pp 2 at ZeRO-3: each stage's adapters reach the one file, equal to the tp 2 x dp 2 run's."""
+    save, _ = trained
+    other = str(tmp_path / "save")
+    run_distributed(_train_and_save, 4, TP2_DP2_Z3 + ["--parallel.pp", "2", "--checkpoint.init_from_hf", hf_dir],
+                    other, 3)
+    mine, theirs = (_adapter_tensors(os.path.join(s, "iter_0000003")) for s in (other, save))
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        assert torch.allclose(mine[name], theirs[name], atol=1e-5, rtol=1e-4), name
