@@ -179,7 +179,7 @@ def _parallel_then_resume(hf_dir: str, save: str, iters: int, half: int) -> dict
     """tp 2 x dp 2 at ZeRO-3: train `iters` saving after `half` (with the logits of the saved
     model); resume that checkpoint in the same layout and in another (dp 4, ZeRO-1)."""
     t = _trainer(TP2_DP2_Z3 + ["--train.iters", str(iters), "--checkpoint.save", save,
-                               "--checkpoint.init_from_hf", hf_dir])
+                               "--checkpoint.init_from_hf", hf_dir, "--checkpoint.save_model_16bit", "true"])
     out = {"straight": []}
     for i in range(iters):
         out["straight"].append(t.train_step()["loss"])
@@ -348,3 +348,18 @@ def test_adapters_saved_over_pipeline_stages_are_whole(hf_dir, trained, tmp_path
     assert mine.keys() == theirs.keys()
     for name in mine:
         assert torch.allclose(mine[name], theirs[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_the_16bit_model_of_a_lora_run_folds_its_adapters_in(trained):
+    """model_16bit.safetensors carries the adapters; generate and convert fold them in."""
+    from megazero.checkpoint.adapter import adapters_folded
+    from megazero.checkpoint.load import open_checkpoint
+    save, _ = trained
+    ckpt = os.path.join(save, "iter_0000003")
+    whole, sixteen = (dict(adapters_folded(open_checkpoint(p)).tensors())
+                      for p in (ckpt, os.path.join(ckpt, "model_16bit.safetensors")))
+    assert whole.keys() == sixteen.keys() and not any(".lora_" in n for n in whole)
+    name = "transformer.h.1.mlp.c_fc.weight"
+    assert torch.allclose(sixteen[name].float(), whole[name], atol=2e-3)
+    base = dict(open_checkpoint(os.path.join(save, "iter_0000003")).tensors())[name]
+    assert (whole[name] - base).abs().max() > 1e-3  # folded: not the base weight

@@ -27,7 +27,7 @@ from torch import nn
 from megazero.atomic import write_text
 from megazero.checkpoint.gathered import save_gathered
 from megazero.checkpoint.sharded import CheckpointError
-from megazero.config import Config, build_config
+from megazero.config import Config
 from megazero.model.lora import adapter_shapes, is_adapter, merged_weight
 from megazero.parallel.grid import ProcessGrid
 
@@ -68,13 +68,14 @@ def save_adapter(directory: str, adapters: Iterator[tuple[str, nn.Parameter, tor
 
 
 def has_adapters(ckpt: "Checkpoint") -> bool:
-    return any(is_adapter(n) for n in ckpt.shapes)
+    return ckpt.adapters is not None
 
 
 def base_only(ckpt: "Checkpoint") -> "Checkpoint":
     """The checkpoint seen without its adapters: the frozen base model (what PEFT's adapter
     directory is applied to)."""
-    return dataclasses.replace(ckpt, shapes={n: s for n, s in ckpt.shapes.items() if not is_adapter(n)})
+    return dataclasses.replace(ckpt, shapes={n: s for n, s in ckpt.shapes.items() if not is_adapter(n)},
+                               adapters=None)
 
 
 def adapters_folded(ckpt: "Checkpoint") -> "Checkpoint":
@@ -85,16 +86,14 @@ def adapters_folded(ckpt: "Checkpoint") -> "Checkpoint":
 def merge_lora(ckpt: "Checkpoint") -> "Checkpoint":
     """The checkpoint with every adapter folded into its base weight (W + alpha/r B A) and
     the adapters gone: a plain GPT-2."""
-    if not has_adapters(ckpt):
+    if ckpt.adapters is None:
         raise CheckpointError(f"{ckpt.kind} '{ckpt.ckpt}' holds no LoRA adapters; drop --merge-lora")
-    f = build_config(ckpt.meta["config"]).finetune
-    scale, reader = f.lora_alpha / f.lora_rank, ckpt.training
+    scale, full = ckpt.adapters
 
     def stream(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in ckpt.stream(kind):
             module = name.removesuffix(".weight")
             if module + ".lora_A.weight" in ckpt.shapes:
-                t = merged_weight(t, reader.full(module + ".lora_A.weight"), reader.full(module + ".lora_B.weight"),
-                                  scale)
+                t = merged_weight(t, full(module + ".lora_A.weight"), full(module + ".lora_B.weight"), scale)
             yield name, t
     return dataclasses.replace(base_only(ckpt), stream=stream)

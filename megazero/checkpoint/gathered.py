@@ -15,6 +15,7 @@ host through its pinned buffer.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -27,6 +28,7 @@ from megazero.checkpoint.export import fit_vocab, save_safetensors_streaming
 from megazero.config import Config, ModelConfig
 from megazero.model.gpt import GPT
 from megazero.model.layers import unshard
+from megazero.model.lora import adapter_shapes
 from megazero.parallel import comm
 from megazero.parallel.comm import Group
 from megazero.parallel.grid import ProcessGrid
@@ -55,11 +57,15 @@ def save_model_16bit(directory: str, full_parameters: Iterator[tuple[str, nn.Par
     """Collective over the world: write DIRECTORY/model_16bit.safetensors from rank 0.
 
     `full_parameters` yields (name, parameter, value) for this rank's chunks with every
-    value full over DP (the optimizer gathers ZeRO-3 shards unit by unit). LoRA adapters
-    are not part of it (they are saved apart, in PEFT's format)."""
+    value full over DP (the optimizer gathers ZeRO-3 shards unit by unit). A LoRA run's
+    adapters are stored too, with its finetune section in the metadata, so that readers
+    fold them in (load.py)."""
     path = os.path.join(directory, FILE_NAME)
-    save_gathered(path, full_parameters, plain_shapes(cfg.model), grid, dtype,
-                  {"format": "pt", "megazero_model": json.dumps(cfg.model.__dict__)})
+    shapes, metadata = plain_shapes(cfg.model), {"format": "pt", "megazero_model": json.dumps(cfg.model.__dict__)}
+    if cfg.finetune.lora_rank:
+        shapes.update(adapter_shapes(cfg.model, cfg.finetune))
+        metadata["megazero_finetune"] = json.dumps(dataclasses.asdict(cfg.finetune))
+    save_gathered(path, full_parameters, shapes, grid, dtype, metadata)
     return path
 
 
