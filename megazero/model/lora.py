@@ -86,9 +86,11 @@ class LoRA:
 
     def _add_adapter(self, base: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
         x = self._dropped(args[0], base.training)
-        a = F.linear(x, base.lora_A.weight)
-        if self.row:
+        a = F.linear(x, base.lora_A.weight)  # [..., r]
+        if self.row:  # each rank's A slice saw its slice of the input: sum the partial products before B
             return y + F.linear(reduce_from_tp(a, base.tp), base.lora_B.weight) * self.scale
+        # a is the same on every rank, but each B slice sends back only part of its gradient:
+        # copy_to_tp sums those in backward, so A (replicated) gets the full gradient everywhere.
         return y + F.linear(copy_to_tp(a, base.tp), base.lora_B.weight) * self.scale
 
 
