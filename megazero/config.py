@@ -212,6 +212,30 @@ class CheckpointConfig:
     resumes from checkpoint.load (or restarts): the checkpoint's values win."""
 
 
+LORA_MODULES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+"""A block's projections LoRA can adapt, by their names inside the block (HF GPT-2's)."""
+
+
+def lora_target_matches(module: str, target: str) -> bool:
+    """PEFT's rule for target_modules: the module's name is the target or ends with "." + target
+    (so c_proj hits attn.c_proj and mlp.c_proj, mlp.c_proj only the MLP's)."""
+    return module == target or module.endswith("." + target)
+
+
+@dataclass
+class FinetuneConfig:
+    lora_rank: int = 0
+    """LoRA rank r (0: off, every weight trains). With r > 0 the base weights are frozen and
+    only the adapters of finetune.lora_targets train."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter's output is multiplied by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input (as PEFT's lora_dropout)."""
+    lora_targets: list = field(default_factory=lambda: ["c_attn"])
+    """HF GPT-2 module names adapted, matched as PEFT's target_modules: c_attn, c_proj (attention's and
+    the MLP's), c_fc, mlp.c_proj, attn.c_proj."""
+
+
 @dataclass
 class LoggingConfig:
     jsonl: Optional[str] = None
@@ -235,6 +259,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict:
@@ -499,6 +524,7 @@ def validate(cfg: Config, world_size: int) -> int:
     if o.min_lr > o.lr:
         raise ConfigError(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
     _validate_zero(cfg)
+    _validate_finetune(cfg.finetune)
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
     if m.num_heads % p.tp:
@@ -623,6 +649,24 @@ def _validate_zero(cfg: Config) -> None:
     if changed and precision != "fp16":
         raise ConfigError(f"zero.{changed[0]} configures the fp16 loss scaler, but train.precision is {precision}; "
                           f"drop it or use --train.precision fp16")
+
+
+def _validate_finetune(f: FinetuneConfig) -> None:
+    if f.lora_rank < 0:
+        raise ConfigError(f"finetune.lora_rank ({f.lora_rank}) must not be negative (0 turns LoRA off), e.g. 8")
+    if f.lora_rank == 0:
+        return
+    if f.lora_alpha <= 0:
+        raise ConfigError(f"finetune.lora_alpha ({f.lora_alpha:g}) must be positive, e.g. {2 * f.lora_rank}")
+    if not 0.0 <= f.lora_dropout < 1.0:
+        raise ConfigError(f"finetune.lora_dropout ({f.lora_dropout:g}) must be in [0, 1)")
+    if not f.lora_targets:
+        raise ConfigError("finetune.lora_targets is empty; name the modules to adapt, e.g. --finetune.lora_targets "
+                          "c_attn c_proj")
+    for t in f.lora_targets:
+        if not isinstance(t, str) or not any(lora_target_matches(m, t) for m in LORA_MODULES):
+            raise ConfigError(f"finetune.lora_targets names {t!r}, which matches no GPT-2 module; use c_attn, "
+                              f"c_proj, c_fc, mlp.c_proj or attn.c_proj")
 
 
 def _validate_offload(z: ZeroConfig) -> None:

@@ -7,6 +7,10 @@
   universal  a parallelism-agnostic checkpoint that resumes at any layout (needs the
              optimizer state: from a save, iter_ or universal checkpoint)
 
+A LoRA fine-tune (finetune.lora_rank > 0) exports to torch/hf as its base model alone, the
+model its PEFT adapter directory (SAVE/iter_N/adapter) applies to; --merge-lora folds the
+adapters in instead (W + alpha/r B A), giving a plain GPT-2.
+
 CKPT is any checkpoint kind: a save directory (its `latest`, or --iteration N), an
 iter_NNNNNNN directory, a universal checkpoint, a torch export (FILE + FILE.config.json, or
 model_16bit.safetensors) or a Hugging Face GPT-2 directory.
@@ -36,16 +40,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--output", required=True, help="output file (torch) or directory (hf, universal)")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weights dtype (torch, hf)")
     parser.add_argument("--iteration", type=int, default=0, help="convert SAVE/iter_N instead of latest")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="torch, hf: fold LoRA adapters into their base weights (default: base model only)")
     args = parser.parse_args(argv)
 
     from megazero.atomic import atomic_dir
     from megazero.checkpoint.export import write_torch
     from megazero.checkpoint.load import open_checkpoint
     from megazero.checkpoint.universal import write_universal
-    from megazero.errors import report_errors
+    from megazero.errors import UserError, report_errors
 
     with report_errors(OSError):
         ckpt = open_checkpoint(args.load, args.iteration)
+        if args.to != "universal":
+            ckpt = with_adapters_handled(ckpt, args.merge_lora)
+        elif args.merge_lora:
+            raise UserError("--merge-lora applies to --to torch or hf; a universal checkpoint keeps the adapters")
         if args.to == "torch":
             write_torch(ckpt, args.output, DTYPES[args.dtype])
         elif args.to == "universal":
@@ -55,6 +65,19 @@ def main(argv: Optional[list[str]] = None) -> None:
             atomic_dir(args.output, lambda tmp: write_hf_export(ckpt, tmp, DTYPES[args.dtype]))
     at = "" if ckpt.iteration is None else f" (iteration {ckpt.iteration})"
     print(f"wrote {args.to} export of {ckpt.kind} {ckpt.ckpt}{at} to {args.output}")
+
+
+def with_adapters_handled(ckpt: "Checkpoint", merge: bool) -> "Checkpoint":
+    """A LoRA checkpoint for a plain export: adapters folded in (`merge`) or left out."""
+    from megazero.checkpoint.adapter import base_only, has_adapters, merge_lora
+
+    if merge:
+        return merge_lora(ckpt)
+    if has_adapters(ckpt):
+        print(f"note: {ckpt.kind} '{ckpt.ckpt}' holds LoRA adapters; exporting the base model alone (the adapters are "
+              f"in its adapter/ directory, for PEFT); pass --merge-lora to fold them in", file=sys.stderr)
+        return base_only(ckpt)
+    return ckpt
 
 
 def write_hf_export(ckpt: "Checkpoint", output: str, dtype: torch.dtype) -> None:

@@ -132,6 +132,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     import torch.distributed as dist
 
+    from megazero.checkpoint.adapter import adapters_folded
     from megazero.checkpoint.load import open_checkpoint
     from megazero.data.tokenizer import build_tokenizer
     from megazero.inference.prompts import read_prompts, write_completions
@@ -141,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     with report_errors(OSError):
         _check_args(args, world)
-        ckpt = open_checkpoint(args.load)
+        ckpt = adapters_folded(open_checkpoint(args.load))  # a LoRA fine-tune generates with its adapters
         m = ckpt.model_config
         spec = args.tokenizer or ckpt.tokenizer
         if not spec:

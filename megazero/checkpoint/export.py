@@ -104,6 +104,8 @@ class ShardedReader:
 
     def _tp_shard(self, name: str, kind: str, tp: int, pp: int) -> torch.Tensor:
         entry = self.maps[(tp, pp)]["params"][name]
+        if kind != "master" and not entry.get("trainable", True):  # frozen (LoRA's base): no moments
+            return torch.zeros(entry["shape"])
         flat = torch.empty(entry["numel"], dtype=torch.float32)
         for piece in entry["shards"]:  # at ZeRO-0 one piece, on DP rank 0 (the state is replicated)
             values = self.optimizer_state(tp, pp, piece["rank"])[kind]

@@ -15,10 +15,11 @@ host through its pinned buffer.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from megazero.checkpoint.export import fit_vocab, save_safetensors_streaming
 from megazero.config import Config, ModelConfig
 from megazero.model.gpt import GPT
 from megazero.model.layers import unshard
+from megazero.model.lora import adapter_shapes
 from megazero.parallel import comm
 from megazero.parallel.comm import Group
 from megazero.parallel.grid import ProcessGrid
@@ -55,16 +57,29 @@ def save_model_16bit(directory: str, full_parameters: Iterator[tuple[str, nn.Par
     """Collective over the world: write DIRECTORY/model_16bit.safetensors from rank 0.
 
     `full_parameters` yields (name, parameter, value) for this rank's chunks with every
-    value full over DP (the optimizer gathers ZeRO-3 shards unit by unit)."""
-    shapes = plain_shapes(cfg.model)
-    own = _joined(full_parameters, shapes, grid, dtype)
+    value full over DP (the optimizer gathers ZeRO-3 shards unit by unit). A LoRA run's
+    adapters are stored too, with its finetune section in the metadata, so that readers
+    fold them in (load.py)."""
     path = os.path.join(directory, FILE_NAME)
+    shapes, metadata = plain_shapes(cfg.model), {"format": "pt", "megazero_model": json.dumps(cfg.model.__dict__)}
+    if cfg.finetune.lora_rank:
+        shapes.update(adapter_shapes(cfg.model, cfg.finetune))
+        metadata["megazero_finetune"] = json.dumps(dataclasses.asdict(cfg.finetune))
+    save_gathered(path, full_parameters, shapes, grid, dtype, metadata)
+    return path
+
+
+def save_gathered(path: str, full_parameters: Iterator[tuple[str, nn.Parameter, torch.Tensor]],
+                  shapes: dict[str, tuple[int, ...]], grid: ProcessGrid, dtype: torch.dtype,
+                  metadata: dict[str, str], key: Callable[[str], str] = str) -> None:
+    """Collective over the world: rank 0 writes the parameters named in `shapes` (full
+    shapes), each assembled whole, into one safetensors file stored under `key(name)`."""
+    own = _joined(full_parameters, shapes, grid, dtype)
     failure = None
     if grid.rank == 0:
-        tensors = itertools.chain(own, _other_stages(shapes, dtype, grid))
+        tensors = ((key(n), t) for n, t in itertools.chain(own, _other_stages(shapes, dtype, grid)))
         try:
-            save_safetensors_streaming(path, shapes, dtype, tensors,
-                                       metadata={"format": "pt", "megazero_model": json.dumps(cfg.model.__dict__)})
+            save_safetensors_streaming(path, {key(n): s for n, s in shapes.items()}, dtype, tensors, metadata)
         except OSError as e:  # disk full: still take every tensor the others send, or they would wait forever
             failure = e
             for _ in tensors:
@@ -80,14 +95,13 @@ def save_model_16bit(directory: str, full_parameters: Iterator[tuple[str, nn.Par
     comm.barrier(grid["world"])
     if failure is not None:
         raise failure
-    return path
 
 
 def _joined(full_parameters: Iterator, shapes: dict, grid: ProcessGrid, dtype: torch.dtype) -> Iterator:
     """(name, full tensor) on the DP-rank-0 row, one at a time; other rows only take part
     in the ZeRO-3 gathers that `full_parameters` runs."""
     for name, param, value in full_parameters:
-        if name == "lm_head.weight" or grid.dp_rank != 0:  # the head is wte's tied copy
+        if name == "lm_head.weight" or name not in shapes or grid.dp_rank != 0:  # the head is wte's tied copy
             continue
         yield name, fit_vocab(name, _tp_full(value.detach(), param, grid.tp_group), shapes[name]).to(dtype)
 

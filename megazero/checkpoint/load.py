@@ -19,7 +19,7 @@ import dataclasses
 import json
 import os
 import pickle
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -31,6 +31,7 @@ from megazero.checkpoint.safetensors_stream import stream_safetensors
 from megazero.checkpoint.sharded import CheckpointError
 from megazero.checkpoint.universal import UniversalReader
 from megazero.config import ModelConfig
+from megazero.model.lora import is_adapter
 
 ACCEPTED = ("a save directory (with a 'latest' file), an iter_NNNNNNN directory, a universal checkpoint "
             "(universal.json), a torch export (FILE with FILE.config.json beside it, or model_16bit.safetensors) "
@@ -40,6 +41,22 @@ ACCEPTED = ("a save directory (with a 'latest' file), an iter_NNNNNNN directory,
 def not_a_checkpoint(path: str, why: str) -> CheckpointError:
     """The one wording for a path that is none of the accepted kinds."""
     return CheckpointError(f"'{path}' is not a checkpoint ({why}); expected {ACCEPTED}")
+
+
+class Adapters(NamedTuple):
+    """How to fold a LoRA fine-tune's adapters into its base weights."""
+
+    scale: float
+    """lora_alpha / lora_rank."""
+    full: Callable[[str], torch.Tensor]
+    """An adapter's full tensor by name."""
+
+
+def lora_adapters(finetune: Optional[dict], full: Callable[[str], torch.Tensor]) -> Optional[Adapters]:
+    """The Adapters of a run whose finetune config section is `finetune` (None: no LoRA)."""
+    if not finetune or not finetune.get("lora_rank"):
+        return None
+    return Adapters(finetune["lora_alpha"] / finetune["lora_rank"], full)
 
 
 @dataclasses.dataclass
@@ -60,6 +77,8 @@ class Checkpoint:
     """kind ("master", "exp_avg", "exp_avg_sq") -> (name, full tensor) pairs."""
     training: Optional[Any] = None
     """The ShardedReader / UniversalReader holding the optimizer state; None: weights only."""
+    adapters: Optional[Adapters] = None
+    """A LoRA fine-tune's adapters (their names are in `shapes` too); None without LoRA."""
 
     def names(self) -> list[str]:
         return list(self.shapes)
@@ -135,17 +154,19 @@ def _sharded(ckpt: str, kind: str) -> Checkpoint:
     reader = ShardedReader(ckpt)
     shapes = {n: reader.full_shape(n) for n in reader.names()}
     return Checkpoint(ckpt, kind, reader.model_config, reader.config.data.tokenizer, reader.iteration, shapes,
-                      reader.tensors, training=reader)
+                      reader.tensors, training=reader, adapters=lora_adapters(reader.meta["config"].get("finetune"),
+                                                                              reader.full))
 
 
 def _universal(path: str) -> Checkpoint:
     reader = UniversalReader(path)
     master = reader.files["master"]
     stored = set(master.keys())
-    shapes = {n: tuple(master.get_slice(n).get_shape()) for n in plain_shapes(reader.model_config) if n in stored}
+    names = [n for n in plain_shapes(reader.model_config) if n in stored] + [n for n in master.keys() if is_adapter(n)]
+    shapes = {n: tuple(master.get_slice(n).get_shape()) for n in names}
     return Checkpoint(path, "universal checkpoint", reader.model_config, reader.config.data.tokenizer,
                       reader.meta["iteration"], shapes, lambda kind: ((n, reader.full(n, kind)) for n in shapes),
-                      training=reader)
+                      training=reader, adapters=lora_adapters(reader.meta["config"].get("finetune"), reader.full))
 
 
 def _open_file(path: str) -> Checkpoint:
@@ -200,14 +221,24 @@ def _model_16bit(path: str) -> Checkpoint:
         meta = sharded.read_metadata(os.path.dirname(beside))
         sharded.verify_file(os.path.dirname(beside), meta, os.path.basename(path))
         tokenizer, iteration = meta["config"]["data"].get("tokenizer"), meta["iteration"]
-    info = _safetensors_metadata(path).get("megazero_model")
+    metadata = _safetensors_metadata(path)
+    info = metadata.get("megazero_model")
     if not info:
         raise not_a_checkpoint(path, f"a safetensors file without megazero's model config; {MODEL_16BIT} "
                                      "has one, an HF model is passed as its directory")
     m = ModelConfig(**json.loads(info))
+    from safetensors import safe_open
 
-    return Checkpoint(path, "16-bit model", m, tokenizer, iteration, plain_shapes(m),
-                      lambda kind: stream_safetensors(path))
+    def full(name: str) -> torch.Tensor:
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(name)
+
+    with safe_open(path, framework="pt") as f:
+        shapes = {**plain_shapes(m), **{n: tuple(f.get_slice(n).get_shape()) for n in f.keys() if is_adapter(n)}}
+    finetune = json.loads(metadata.get("megazero_finetune", "null"))
+    return Checkpoint(path, "16-bit model", m, tokenizer, iteration, shapes,
+                      lambda kind: stream_safetensors(path),
+                      adapters=lora_adapters(finetune, full))
 
 
 def _hf(path: str) -> Checkpoint:

@@ -20,6 +20,7 @@ loaded with `torch.load(weights_only=True)`: loading never runs code from a chec
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -90,10 +91,10 @@ def decode_rng(states: dict) -> dict:
 
 
 def save(save_dir: str, iteration: int, rank_state: dict, cfg: Config, grid: ProcessGrid,
-         keep_last: int = 0, extra: Optional[Callable[[str], str]] = None) -> str:
+         keep_last: int = 0, extra: Optional[Callable[[str], list[str]]] = None) -> str:
     """Collective: every rank writes its state; rank 0 seals the checkpoint. Returns its path.
-    `extra(directory)`, when given, is a collective writing one more file (named by its
-    return value) into the checkpoint before it is sealed. Raises CheckpointSaveError on
+    `extra(directory)`, when given, is a collective writing more files (their paths relative
+    to the directory are its return value) into the checkpoint before it is sealed. Raises CheckpointSaveError on
     every rank when any rank's write failed (nothing of the new checkpoint is kept)."""
     final = os.path.join(save_dir, iter_dir_name(iteration))
     step = _SaveStep(final, iteration, grid)
@@ -104,11 +105,10 @@ def save(save_dir: str, iteration: int, rank_state: dict, cfg: Config, grid: Pro
     entries = step.run(lambda: _write_rank_file(os.path.join(tmp, name), rank_state))
     files = dict(zip(_names(grid), entries))
     if extra is not None:
-        def write_extra() -> tuple[str, Optional[dict]]:
-            written = extra(tmp)  # rank 0 writes it (by offsets: hashed once complete)
-            return written, digest.file_entry(os.path.join(tmp, written)) if grid.rank == 0 else None
-        extra_name, entry = step.run(write_extra)[0]
-        files[extra_name] = entry
+        def write_extra() -> dict[str, Optional[dict]]:
+            written = extra(tmp)  # rank 0 writes them (by offsets: hashed once complete)
+            return {n: digest.file_entry(os.path.join(tmp, n)) if grid.rank == 0 else None for n in written}
+        files.update(step.run(write_extra)[0])
     meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
             "layout": layout_of(cfg, grid), "config": cfg.to_dict(), "files": files}
     step.run(lambda: _seal(save_dir, final, meta, keep_last) if grid.rank == 0 else None)
@@ -235,6 +235,23 @@ def check_model(meta: dict, cfg: Config, ckpt: str) -> None:
         if saved_model.get(key) != getattr(cfg.model, key):
             raise CheckpointError(f"checkpoint '{ckpt}' holds a model with model.{key} = {saved_model.get(key)}, "
                                   f"but this run has {getattr(cfg.model, key)}; use the checkpoint's model config")
+    check_adapters(meta, cfg, ckpt)
+
+
+def check_adapters(meta: dict, cfg: Config, ckpt: str) -> None:
+    """A LoRA run resumes a checkpoint with the same adapters (their parameters and which
+    weights are frozen are part of the model)."""
+    def adapters(f: dict) -> dict:
+        return {"lora_rank": f["lora_rank"], "lora_targets": list(f["lora_targets"])} if f["lora_rank"] else \
+            {"lora_rank": 0}
+    theirs = adapters(meta["config"].get("finetune") or {"lora_rank": 0})
+    mine = adapters(dataclasses.asdict(cfg.finetune))
+    if mine != theirs:
+        fix = ("to fine-tune a pretrained checkpoint with LoRA, export it (convert --to hf) and start from it with "
+               "--checkpoint.init_from_hf" if not theirs["lora_rank"] else
+               "use the checkpoint's finetune settings, or fold its adapters in (convert --merge-lora --to hf) and "
+               "start a new run from that with --checkpoint.init_from_hf")
+        raise CheckpointError(f"checkpoint '{ckpt}' was saved with LoRA {theirs} but this run has {mine}; {fix}")
 
 
 def _checked(ckpt: str, meta: dict, name: str, check: Callable[[str, dict], Any]) -> Any:

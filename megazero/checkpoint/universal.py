@@ -105,12 +105,14 @@ def reshard_optimizer_state(reader: FullTensorReader, template: dict, tp_rank: i
     to the device once, so resharding needs no device memory beyond the optimizer's own."""
     partition = template["partition"]
     dp_rank = template["dp_rank"]
-    flats = {k: torch.zeros(partition["shard_numel"], dtype=torch.float32) for k in KINDS}
+    # Frozen parameters (LoRA's base) sit after the trainable prefix and have master values only.
+    flats = {k: torch.zeros(partition["shard_numel" if k == "master" else "trainable_numel"], dtype=torch.float32)
+             for k in KINDS}
     for name, entry in partition["params"].items():
         mine = [p for p in entry["shards"] if p["rank"] == dp_rank]
         if not mine:
             continue
-        for kind in KINDS:
+        for kind in KINDS if entry["trainable"] else ("master",):
             full = fit_vocab(name, reader.full(name, kind), tuple(entry["full_shape"]))
             local = shard_of(full, entry["tp_dim"], entry["tp_stride"], tp_rank, tp_size).reshape(-1)
             for p in mine:

@@ -9,14 +9,17 @@ this rank's trainable share of the model:
 2. Tensor parallelism: every module that can be split over the TP group (column/row-
    parallel linears, the vocab-parallel embedding, attention's head count, the model's
    head and loss) keeps this rank's shard; on the meta device only shapes change.
-3. Compilation (`train.compile`): torch.compile each block's forward (with selective
+3. LoRA (`finetune.lora_rank` > 0): every parameter is frozen and the targeted projections
+   get trainable adapters, sharded like their base layers (megazero.model.lora); ZeRO then
+   keeps gradients and optimizer state for the adapters alone.
+4. Compilation (`train.compile`): torch.compile each block's forward (with selective
    recompute, each MLP's: torch.compile cannot trace a checkpoint that replays RNG
    streams, so the recomputed attention core stays eager).
-4. Activation recomputation (`train.recompute`): wraps each (compiled) block forward
+5. Activation recomputation (`train.recompute`): wraps each (compiled) block forward
    (full) or each attention core (selective) in torch.utils.checkpoint, inside the module
    call: ZeRO-3's hooks on a block still bracket its forward, and its backward hook
    gathers the parameters before the recomputation needs them. Names never change.
-5. ZeRO (`zero.stage`): the optimizer lays the parameters out in flat buckets on the
+6. ZeRO (`zero.stage`): the optimizer lays the parameters out in flat buckets on the
    grid's device and materializes only this rank's elements from the model's init (its DP
    partition at stage 3, whose gather/release hooks it installs), in the compute dtype
    with fp32 master weights.
@@ -32,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megazero.config import Config
 from megazero.model.gpt import GPT
+from megazero.model.lora import apply_lora, initial_adapter, is_adapter
 from megazero.parallel.comm import Group
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import RNGTracker, recompute_rng_context
@@ -44,16 +48,32 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
     chunks = build_model_chunks(cfg, grid, tracker)
     for chunk in chunks:
         apply_tensor_parallel(chunk, grid.tp_group)
+        apply_lora(chunk, cfg.finetune, tracker)
         if cfg.train.compile:
             apply_compile(chunk, cfg.train.recompute)
         apply_recompute(chunk, cfg.train.recompute, tracker)
     # A resume (checkpoint.load, also set on a torchrun restart) replaces every value: no HF read then.
     start_from_hf = cfg.checkpoint.init_from_hf and not cfg.checkpoint.load
     initial = hf_initial_values(cfg, grid) if start_from_hf else None
+    if cfg.finetune.lora_rank:
+        initial = with_adapter_init(initial, chunks, cfg.train.seed, grid)
     return chunks, ZeroOptimizer(chunks, cfg, grid, initial)
 
 
-def hf_initial_values(cfg: Config, grid: ProcessGrid) -> Callable[[int, str, torch.nn.Parameter], torch.Tensor]:
+Initial = Callable[[int, str, torch.nn.Parameter], torch.Tensor]
+
+
+def with_adapter_init(base: Optional[Initial], chunks: list[GPT], seed: int, grid: ProcessGrid) -> Initial:
+    """Starting values with LoRA: adapters from their own init, every other parameter from
+    `base` (e.g. HF weights) or the model's init."""
+    def value(chunk: int, name: str, p: torch.nn.Parameter) -> torch.Tensor:
+        if is_adapter(name):
+            return initial_adapter(name, p, seed, grid.tp_rank, grid.tp)
+        return base(chunk, name, p) if base is not None else chunks[chunk].initial_value(name, seed)
+    return value
+
+
+def hf_initial_values(cfg: Config, grid: ProcessGrid) -> Initial:
     """checkpoint.init_from_hf: starting values read from HF GPT-2 weights, each rank
     reading only its TP shard of one parameter at a time."""
     from megazero.checkpoint.hf import HFInitialValues

@@ -9,6 +9,7 @@ prints that prediction beside what it measured, so drift is visible in every run
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from megazero.config import Config
+from megazero.model.lora import adapter_shapes
 from megazero.parallel.grid import ProcessGrid
 from megazero.plan import formulas as F
 from megazero.plan.planner import Cluster, Layout, Prediction, predict
@@ -50,6 +52,12 @@ def startup_summary(cfg: Config, grid: ProcessGrid, rank_params_numel: int, data
              f"batch: global {t.global_batch_size} = micro-batch {t.micro_batch_size} x accumulation {accumulation} "
              f"x dp {grid.dp}; {t.global_batch_size * m.seq_length:,} tokens/iteration, {t.iters:,} iterations = "
              f"{t.iters * t.global_batch_size * m.seq_length:,} tokens"]
+    f = cfg.finetune
+    if f.lora_rank:
+        trainable = sum(math.prod(s) for s in adapter_shapes(m, f).values())
+        lines.append(f"LoRA: rank {f.lora_rank}, alpha {f.lora_alpha:g} on {', '.join(f.lora_targets)}: "
+                     f"{trainable:,} trainable parameters ({100 * trainable / total:.2f}% of the model; the rest "
+                     f"frozen; the memory plan below assumes every weight trains)")
     lines += data_lines(cfg, *datasets)
     lines.append(plan_line(plan, device_name))
     return "\n".join(lines)

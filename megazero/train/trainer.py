@@ -18,6 +18,7 @@ import torch
 
 from megazero.atomic import write_text
 from megazero.checkpoint import sharded
+from megazero.checkpoint.adapter import save_adapter
 from megazero.checkpoint.gathered import save_model_16bit
 from megazero.checkpoint.universal import open_reader, reshard_optimizer_state
 from megazero.config import Config, describe
@@ -114,12 +115,19 @@ class Trainer:
         c = self.cfg.checkpoint
         dtype = torch.float16 if self.cfg.train.precision == "fp16" else torch.bfloat16
 
-        def model_16bit(directory: str) -> str:
-            params = self.optimizer.full_parameters()
-            return os.path.basename(save_model_16bit(directory, params, self.cfg, self.grid, dtype))
-        extra = model_16bit if c.save_model_16bit else None
+        def extra(directory: str) -> list[str]:
+            written = []
+            if c.save_model_16bit:
+                params = self.optimizer.full_parameters()
+                written.append(os.path.basename(save_model_16bit(directory, params, self.cfg, self.grid, dtype)))
+            if self.cfg.finetune.lora_rank:  # the adapters alone, whole, as PEFT loads them
+                adapters = self.optimizer.full_parameters(trainable_only=True)
+                written += save_adapter(directory, adapters, self.cfg, self.grid)
+            return written
+        wanted = c.save_model_16bit or self.cfg.finetune.lora_rank
         try:
-            path = sharded.save(c.save, self.iteration, self.rank_state(), self.cfg, self.grid, c.keep_last, extra)
+            path = sharded.save(c.save, self.iteration, self.rank_state(), self.cfg, self.grid, c.keep_last,
+                                extra if wanted else None)
         except sharded.CheckpointSaveError as e:  # every rank gets it: all stop, or all go on
             if c.on_save_error == "stop" or last:
                 raise

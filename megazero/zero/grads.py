@@ -12,6 +12,11 @@ fill them, and their reduction as buckets complete.
 Gradients accumulate in fp32 whatever the compute dtype (Megatron's main_grad: summing 16
 bf16 micro-batch gradients in bf16 would lose ~4 bits); `reduce_dtype` is only the dtype
 they travel in. The tied embedding's gradient is summed over the embedding group last.
+
+Only trainable buckets take part: frozen parameters (the base model under LoRA) have no
+gradient buffer, no hook and no DP traffic. `reduced_numel` counts the gradient elements
+this rank has put into DP reductions (trainable buckets only, by construction), beside the
+DP group's byte counter.
 """
 
 from __future__ import annotations
@@ -38,15 +43,20 @@ class GradientSync:
         self.sharded = stage >= 2
         self.tied_buckets = tied_buckets  # summed over `embed` (None on stages without the embedding)
         self.on_reduced = on_reduced  # stage 3 releases a bucket's gathered parameters here
-        self.buffers = FlatBuffers(layout, sharded=self.sharded, dtype=torch.float32, device=device)
+        self.buffers = FlatBuffers(layout, sharded=self.sharded, dtype=torch.float32, device=device,
+                                   trainable_only=True)
+        self.reduced_numel = 0
         self._sync = True
         self._ready: dict[int, set[str]] = {}
         self._reduced: set[int] = set()
         # In-flight stage-0 all-reduces: (work, tensor on the wire, fp32 bucket it lands in).
         self._works: list[tuple[Optional[dist.Work], torch.Tensor, torch.Tensor]] = []
         self._pending: dict[int, torch.Tensor] = {}  # sharded: bucket -> full fp32 gradient being filled
-        for b, s in layout.slots():
+        for b, s in self._trainable_slots():
             s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
+
+    def _trainable_slots(self) -> list[tuple[Bucket, Slot]]:
+        return [(b, s) for b in self.layout.trainable_buckets() for s in b.slots]
 
     # ------------------------------------------------------------------ views
 
@@ -76,7 +86,7 @@ class GradientSync:
         # accumulates in place and a bucket is ready to send without a copy. Otherwise the
         # hook adds each backward's gradient into fp32 storage and drops it.
         in_place = not self.sharded and self.model_dtype == torch.float32
-        for b, s in self.layout.slots():
+        for b, s in self._trainable_slots():
             s.param.grad = self.bucket_view(b, s) if in_place else None
 
     @contextlib.contextmanager
@@ -120,6 +130,7 @@ class GradientSync:
 
     def _reduce(self, b: Bucket) -> None:
         self._ready.pop(b.index, None)
+        self.reduced_numel += b.numel
         if self.sharded:
             self._reduce_scatter(b, self._pending.pop(b.index), add=True)
             if self.on_reduced is not None:
@@ -150,7 +161,7 @@ class GradientSync:
             for index in sorted(self._pending):
                 self._reduce(self.layout.buckets[index])
         else:
-            for b in self.layout.buckets:
+            for b in self.layout.trainable_buckets():
                 if b.index not in self._reduced:
                     self._reduce(b)
         for work, wire, full in self._works:

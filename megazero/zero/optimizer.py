@@ -19,6 +19,10 @@ The work is divided by responsibility; this class wires the pieces together and 
     clip.py     global grad norm and inf/NaN agreement; adamw.py: the update rule
     stage3.py   ParamGatherer: gather/release of stage-3 parameters around each module
 
+Frozen parameters (requires_grad False: the base model under LoRA) sit in buckets of their
+own at the end of the shard: they are stored, sharded and gathered like the others, but
+have no gradient buffer, no DP gradient traffic and no optimizer state (partition.py).
+
 Gradients accumulate in fp32 buffers at every stage and precision (zero.reduce_dtype sets
 only the DP wire dtype). A step whose gradient norm or any rank's loss is inf/NaN is
 skipped on every rank, in every precision. A model built on the meta device is
@@ -55,7 +59,15 @@ from megazero.zero.clip import clip_coefficient, grad_norm_and_overflow
 from megazero.zero.grads import GradientSync
 from megazero.zero.materialize import replace_meta_parameters
 from megazero.zero.params import ParamStore
-from megazero.zero.partition import Bucket, Layout, Slot, build_layout, sub_groups
+from megazero.zero.partition import (
+    Bucket,
+    Layout,
+    Slot,
+    build_layout,
+    split_frozen,
+    sub_groups,
+    with_trainable_flags,
+)
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
 from megazero.zero.shard_home import MemoryShard, NvmeShard, ShardHome
 from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
@@ -132,11 +144,11 @@ class ZeroOptimizer:
         if self.stage == 3:
             units, groups = fetch_units(chunks)
         else:
-            groups = bucket_groups(chunks, z.bucket_size)
+            groups = split_frozen(bucket_groups(chunks, z.bucket_size))
         self.layout: Layout = build_layout(groups, shards, rank)
         slots = self.layout.slots()
         tied = {id(c.tied_weight()) for c in chunks if c.tied_weight() is not None}
-        self.tied_buckets = [b.index for b, s in slots if id(s.param) in tied]
+        self.tied_buckets = [b.index for b, s in slots if id(s.param) in tied and b.trainable]
         no_decay = [c.no_weight_decay() for c in chunks]
         decays = {s.name: s.name not in no_decay[b.chunk] for b, s in slots}
         # Each gradient element counted once: TP-replicated parameters on TP rank 0 only, and the
@@ -189,8 +201,8 @@ class ZeroOptimizer:
         return result
 
     def _state_store(self) -> MemoryStore | NvmeStore:
-        """Master weights and moments where zero.offload_optimizer puts them."""
-        z, n = self.cfg.zero, self.layout.shard_numel
+        """Master weights and moments (of the trainable buckets) where zero.offload_optimizer puts them."""
+        z, n = self.cfg.zero, self.layout.trainable_numel
         # In fp32 with the parameters in device memory, the parameters are the master weights.
         separate = self.dtype != torch.float32 or z.offload_param != "none"
 
@@ -215,7 +227,8 @@ class ZeroOptimizer:
         return self._agreed(build)
 
     def _write_master(self, offset: int, values: torch.Tensor) -> None:
-        self.state.write("master", offset, values)
+        if offset < self.layout.trainable_numel:  # frozen buckets have no master weights
+            self.state.write("master", offset, values)
 
     # ------------------------------------------------------------------ gradients
 
@@ -289,8 +302,11 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------ state
 
     def _shard_values(self) -> list[torch.Tensor]:
-        """This rank's fp32 master shard (padding included), as pieces laid end to end."""
-        return [self.state.read("master")] if self.state.separate_master else self.params.own_slices()
+        """This rank's fp32 master shard (padding included), as pieces laid end to end; the
+        frozen part, which has no master weights, from the parameters themselves."""
+        if not self.state.separate_master:
+            return self.params.own_slices()
+        return [self.state.read("master"), *self.params.own_slices(frozen_only=True)]
 
     def state_dict(self) -> dict:
         """Only this rank's shard (fp32 master, Adam moments, step, loss scaler) and the
@@ -309,7 +325,7 @@ class ZeroOptimizer:
         """Restore a state_dict of the same layout; the model's parameters are set from the
         master weights exactly as a step would have set them (bitwise resume)."""
         mine = self.layout.param_map()
-        if state["partition"] != mine or state["stage"] != self.stage:
+        if with_trainable_flags(state["partition"]) != mine or state["stage"] != self.stage:
             raise ValueError(f"optimizer state has a different layout (stage {state['stage']}, "
                              f"{state['partition']['shards']} shards) than this run (stage {self.stage}, "
                              f"{mine['shards']} shards); reshard it first")
@@ -326,7 +342,7 @@ class ZeroOptimizer:
         self.state.flush()
         self.params.flush()
         if self.stage in (1, 2):
-            self.params.all_gather(self.grid.dp_group)
+            self.params.all_gather(self.grid.dp_group, frozen_too=True)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's parameters as this rank holds them: full (per model-parallel rank) at
@@ -368,11 +384,14 @@ class ZeroOptimizer:
             for b in newly:
                 self.gatherer.release(b)
 
-    def full_parameters(self) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
-        """(name, parameter, full value) for this model-parallel rank, one gather unit at a
-        time: at stage 3 a bucket is gathered, handed out and released before the next, so
-        at most one unit is materialized beyond the shards. Collective over DP at stage 3."""
+    def full_parameters(self, trainable_only: bool = False) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
+        """(name, parameter, full value) for this model-parallel rank (or its trainable
+        parameters only, e.g. LoRA's adapters), one gather unit at a time: at stage 3 a
+        bucket is gathered, handed out and released before the next, so at most one unit is
+        materialized beyond the shards. Collective over DP at stage 3."""
         for index, bucket in enumerate(self.layout.buckets):
+            if trainable_only and not bucket.trainable:
+                continue
             fetched = self.gatherer is not None and index not in self.gatherer.gathered
             if fetched:
                 self.gatherer.fetch(index)

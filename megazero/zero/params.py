@@ -92,9 +92,13 @@ class ParamStore:
             return self.home.read(b.shard_offset, b.shard_numel)
         return self.buckets.own_slice(b)
 
-    def own_slices(self) -> list[torch.Tensor]:
-        """This rank's shard (padding included) as pieces laid end to end."""
-        return [self.own_slice(b) for b in self.layout.buckets]
+    def own_slices(self, frozen_only: bool = False) -> list[torch.Tensor]:
+        """This rank's shard (padding included), or its frozen part, as pieces laid end to end."""
+        if self.sharded:
+            start = self.layout.trainable_numel if frozen_only else 0
+            return [self.home.read(start, self.layout.shard_numel - start)]
+        in_shard_order = sorted(self.layout.buckets, key=lambda b: b.shard_offset)
+        return [self.own_slice(b) for b in in_shard_order if not (frozen_only and b.trainable)]
 
     def set_own_slice(self, b: Bucket, values: torch.Tensor) -> None:
         """Set this rank's slice of bucket b (then `flush`)."""
@@ -120,9 +124,10 @@ class ParamStore:
             return self.home.nbytes()
         return {self.device.type: sum(t.numel() * t.element_size() for t in self.buckets.tensors())}
 
-    def all_gather(self, dp: comm.Group) -> None:
-        """Stages 1/2: every rank updated its slices; put the full buckets everywhere."""
-        for b in self.layout.buckets:
+    def all_gather(self, dp: comm.Group, frozen_too: bool = False) -> None:
+        """Stages 1/2: every rank updated its slices; put the full buckets everywhere (after a
+        step only the trainable ones: frozen ones never change)."""
+        for b in self.layout.buckets if frozen_too else self.layout.trainable_buckets():
             lo, hi = b.slice_of(self.layout.rank)
             full = self.buckets.full[b.index]
             comm.all_gather_into(full, full[lo:hi], dp)

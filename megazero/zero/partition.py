@@ -10,6 +10,11 @@ A rank's *shard* is the concatenation of its slices of all buckets, in bucket or
 optimizer state (fp32 master, Adam moments) and, at stage 2/3, its gradients are flat
 tensors in that shard space. `Layout.param_map()` records where every element of every
 parameter lives, for checkpoints and resharding.
+
+Frozen parameters (requires_grad False, e.g. the base model under LoRA) get buckets of
+their own, placed after every trainable bucket in the shard: the trainable buckets form a
+prefix of `trainable_numel` elements, and gradients and optimizer state cover that prefix
+only. Frozen buckets are still sharded (stage 3) and gathered like the others.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 from torch import nn
 
 from megazero.config import ZERO_ALIGN as ALIGN  # elements: 256 B in fp32; validated against at start-up
+
+Named = list[tuple[str, nn.Parameter]]
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -47,6 +54,8 @@ class Bucket:
     shards: int
     shard_offset: int
     """Where each rank's slice of this bucket starts in that rank's flat shard (the same on every rank)."""
+    trainable: bool = True
+    """False for a bucket of frozen parameters: no gradient, no optimizer state."""
 
     @property
     def shard_numel(self) -> int:
@@ -90,6 +99,14 @@ class Layout:
         return sum(b.numel for b in self.buckets)
 
     @property
+    def trainable_numel(self) -> int:
+        """Length of the shard's trainable prefix (what gradients and optimizer state cover)."""
+        return sum(b.shard_numel for b in self.buckets if b.trainable)
+
+    def trainable_buckets(self) -> list[Bucket]:
+        return [b for b in self.buckets if b.trainable]
+
+    @property
     def param_numel(self) -> int:
         return sum(s.numel for b in self.buckets for s in b.slots)
 
@@ -113,11 +130,12 @@ class Layout:
                                    "param_offset": start - s.offset})
             params[s.name] = {"shape": list(s.shape), "tp_dim": s.param.tp_dim, "tp_stride": s.param.tp_stride,
                               "full_shape": list(s.param.full_shape), "bucket": b.index,
-                              "bucket_offset": s.offset, "numel": s.numel, "shards": pieces}
+                              "bucket_offset": s.offset, "numel": s.numel, "shards": pieces,
+                              "trainable": b.trainable}
         buckets = [{"numel": b.numel, "padding": b.padding, "shard_numel": b.shard_numel,
                     "shard_offset": b.shard_offset, "chunk": b.chunk} for b in self.buckets]
         return {"align": ALIGN, "shards": self.shards, "shard_numel": self.shard_numel,
-                "buckets": buckets, "params": params}
+                "trainable_numel": self.trainable_numel, "buckets": buckets, "params": params}
 
     def ranges(self, decays: dict[str, bool], counted: dict[str, bool], max_len: int) -> list[Range]:
         """This rank's shard as runs of equal treatment, each at most `max_len` long.
@@ -126,7 +144,7 @@ class Layout:
         zero in parameters, gradients and moments alike, so updating it changes nothing.
         """
         runs: list[Range] = []
-        for b in self.buckets:
+        for b in self.trainable_buckets():
             lo, hi = b.slice_of(self.rank)
             for s in b.slots:
                 start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
@@ -147,6 +165,15 @@ class Layout:
         return out
 
 
+def with_trainable_flags(param_map: dict) -> dict:
+    """A partition map saved before frozen parameters existed, with their flags added (every
+    parameter trainable), so that it compares equal to the same layout's map today."""
+    if "trainable_numel" in param_map:
+        return param_map
+    params = {n: {**e, "trainable": True} for n, e in param_map["params"].items()}
+    return {**param_map, "trainable_numel": param_map["shard_numel"], "params": params}
+
+
 def bucket_numel(numels: list[int], shards: int) -> int:
     """Padded size of a bucket holding parameters of `numels` elements, in order: each starts
     at a multiple of ALIGN, the bucket is a multiple of ALIGN x shards (the planner's Ψ too)."""
@@ -156,18 +183,42 @@ def bucket_numel(numels: list[int], shards: int) -> int:
     return _round_up(max(offset, 1), ALIGN * shards)
 
 
-def build_layout(groups: list[tuple[int, list[tuple[str, nn.Parameter]]]], shards: int, rank: int) -> Layout:
-    """One bucket per (chunk index, [(name, param), ...]) group, partitioned over `shards` ranks."""
-    buckets, shard_offset = [], 0
+def split_frozen(groups: list[tuple[int, Named]]) -> list[tuple[int, Named]]:
+    """Each group cut into its trainable and its frozen parameters (a bucket holds one kind)."""
+    out = []
+    for chunk, named in groups:
+        for part in (trainable_part(named), frozen_part(named)):
+            if part:
+                out.append((chunk, part))
+    return out
+
+
+def trainable_part(named: Named) -> Named:
+    return [(n, p) for n, p in named if p.requires_grad]
+
+
+def frozen_part(named: Named) -> Named:
+    return [(n, p) for n, p in named if not p.requires_grad]
+
+
+def build_layout(groups: list[tuple[int, Named]], shards: int, rank: int) -> Layout:
+    """One bucket per (chunk index, [(name, param), ...]) group, partitioned over `shards`
+    ranks; the shard holds the trainable buckets first, then the frozen ones."""
+    buckets = []
     for index, (chunk, named) in enumerate(groups):
+        trainable = {p.requires_grad for _, p in named}
+        if len(trainable) != 1:
+            raise ValueError(f"bucket {index} mixes trainable and frozen parameters; split_frozen first")
         slots, offset = [], 0
         for name, p in named:
             slots.append(Slot(name, p, offset, p.numel(), tuple(p.shape)))
             offset = _round_up(offset + p.numel(), ALIGN)
-        bucket = Bucket(index, chunk, slots, bucket_numel([p.numel() for _, p in named], shards), shards,
-                        shard_offset)
-        shard_offset += bucket.shard_numel
-        buckets.append(bucket)
+        buckets.append(Bucket(index, chunk, slots, bucket_numel([p.numel() for _, p in named], shards), shards,
+                              0, trainable.pop()))
+    shard_offset = 0
+    for b in sorted(buckets, key=lambda b: not b.trainable):  # stable: trainable first, each in bucket order
+        b.shard_offset = shard_offset
+        shard_offset += b.shard_numel
     return Layout(buckets, shards, rank)
 
 
@@ -187,13 +238,18 @@ def sub_groups(ranges: list[Range], max_numel: int) -> list[list[Range]]:
 
 class FlatBuffers:
     """Per-element storage (gradients, parameters) in the layout's flat space: either every
-    bucket whole (`full`, one tensor per bucket) or only this rank's shard (`shard`)."""
+    bucket whole (`full`, one tensor per bucket) or only this rank's shard (`shard`). With
+    `trainable_only` (gradients) frozen buckets get no storage: the shard is the trainable
+    prefix and their `full` tensors are empty."""
 
-    def __init__(self, layout: Layout, *, sharded: bool, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, layout: Layout, *, sharded: bool, dtype: torch.dtype, device: torch.device,
+                 trainable_only: bool = False) -> None:
         self.layout, self.sharded = layout, sharded
-        self.shard = torch.zeros(layout.shard_numel if sharded else 0, dtype=dtype, device=device)
-        self.full: list[torch.Tensor] = [] if sharded else [torch.zeros(b.numel, dtype=dtype, device=device)
-                                                            for b in layout.buckets]
+        numel = layout.trainable_numel if trainable_only else layout.shard_numel
+        self.shard = torch.zeros(numel if sharded else 0, dtype=dtype, device=device)
+        self.full: list[torch.Tensor] = [] if sharded else [
+            torch.zeros(b.numel if b.trainable or not trainable_only else 0, dtype=dtype, device=device)
+            for b in layout.buckets]
 
     def view(self, r: Range) -> torch.Tensor:
         """The elements of one range of this rank's shard."""
@@ -209,4 +265,4 @@ class FlatBuffers:
         return self.full[b.index][lo:hi]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.shard] if self.sharded else self.full
+        return [self.shard] if self.sharded else [t for t in self.full if t.numel()]

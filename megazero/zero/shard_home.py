@@ -84,7 +84,8 @@ class NvmeShard:
     def __init__(self, layout: Layout, dtype: torch.dtype, path: str, pin: bool) -> None:
         self.layout, self.dtype, self.pin = layout, dtype, pin
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
-        self.starts = [b.shard_offset for b in layout.buckets]
+        self.in_shard_order = sorted(layout.buckets, key=lambda b: b.shard_offset)
+        self.starts = [b.shard_offset for b in self.in_shard_order]
         self.where, end = [], 0
         for b in layout.buckets:
             self.where.append(end)
@@ -113,15 +114,21 @@ class NvmeShard:
     def _stage(self, offset: int) -> tuple[torch.Tensor, int]:
         """The staging buffer holding the bucket that contains shard element `offset`, and
         that bucket's first shard element."""
-        b = bisect.bisect_right(self.starts, offset) - 1
-        if self.staged != b:
+        bucket = self.in_shard_order[bisect.bisect_right(self.starts, offset) - 1]
+        if self.staged != bucket.index:
             self.flush()
-            self.stage_buffer, self.staged = self._region(b), b
-        return self.stage_buffer, self.starts[b]
+            self.stage_buffer, self.staged = self._region(bucket.index), bucket.index
+        return self.stage_buffer, bucket.shard_offset
 
     def read(self, offset: int, numel: int) -> torch.Tensor:
-        buffer, base = self._stage(offset)
-        return buffer[offset - base: offset - base + numel].clone()
+        out, at = [], offset
+        while at < offset + numel:  # bucket by bucket
+            buffer, base = self._stage(at)
+            b = self.staged
+            end = min(offset + numel, base + self.layout.buckets[b].shard_numel)
+            out.append(buffer[at - base: end - base].clone())
+            at = end
+        return out[0] if len(out) == 1 else torch.cat(out) if out else torch.empty(0, dtype=self.dtype)
 
     def write(self, offset: int, values: torch.Tensor) -> None:
         buffer, base = self._stage(offset)

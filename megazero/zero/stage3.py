@@ -32,10 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megazero.parallel import comm
-from megazero.zero.partition import Layout
+from megazero.zero.partition import Layout, Named, split_frozen
 from megazero.zero.shard_home import ShardHome
-
-Named = list[tuple[str, nn.Parameter]]
 
 
 @dataclass
@@ -51,7 +49,8 @@ class Unit:
 
 def fetch_units(chunks: list[nn.Module]) -> tuple[list[Unit], list[tuple[int, Named]]]:
     """The fetch units of each model chunk in execution order (the chunk's own `units()`),
-    and the layout's bucket groups: one per unit, plus one per tied weight."""
+    and the layout's bucket groups: one per unit (two when it holds trainable and frozen
+    parameters), plus one per tied weight."""
     units: list[Unit] = []
     groups: list[tuple[int, Named]] = []
     for ci, chunk in enumerate(chunks):
@@ -62,10 +61,9 @@ def fetch_units(chunks: list[nn.Module]) -> tuple[list[Unit], list[tuple[int, Na
             tied_bucket = len(groups)
             groups.append((ci, [(name, tied)]))
         for part in chunk.units():
-            own = ()
-            if part.named:
-                own = (len(groups),)
-                groups.append((ci, part.named))
+            kinds = split_frozen([(ci, part.named)])
+            own = tuple(range(len(groups), len(groups) + len(kinds)))
+            groups += kinds
             units.append(Unit(ci, part.start, part.end, part.outputs,
                               own + ((tied_bucket,) if part.uses_tied else ())))
     return units, groups
@@ -164,6 +162,18 @@ class ParamGatherer:
         for b in range(len(self.full)):
             self.release(b)
 
+    def _release_frozen_after(self, i: int) -> None:
+        """Unit i's backward begins, so the backward of the later units of its chunk is over.
+        Their trainable buckets are released once their gradients are reduced; frozen ones
+        get no gradient to wait for and are released here."""
+        keep = set(self.units[i].buckets)
+        j = i + 1
+        while j < len(self.units) and self.units[j].chunk == self.units[i].chunk:
+            for b in self.units[j].buckets:
+                if b not in keep and not self.layout.buckets[b].trainable:
+                    self.release(b)
+            j += 1
+
     # ------------------------------------------------------------------ hooks
 
     def _neighbours(self, i: int, step: int) -> list[Unit]:
@@ -193,6 +203,7 @@ class ParamGatherer:
             output.register_hook(lambda grad: self._before_backward(i))
 
     def _before_backward(self, i: int) -> None:
+        self._release_frozen_after(i)
         for b in self.units[i].buckets:
             self.fetch(b)
         for unit in self._neighbours(i, -1):

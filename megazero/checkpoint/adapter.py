@@ -1,0 +1,99 @@
+"""LoRA adapters saved as PEFT saves them, so `peft.PeftModel.from_pretrained(GPT2LMHeadModel
+.from_pretrained(EXPORT), SAVE/iter_N/adapter)` loads a megazero fine-tune.
+
+    SAVE/iter_NNNNNNN/adapter/adapter_config.json        peft_type LORA, r, lora_alpha, ...
+    SAVE/iter_NNNNNNN/adapter/adapter_model.safetensors  fp32, whole adapters
+
+Each adapter is assembled whole, like model_16bit.safetensors: from its ZeRO-3 shards over
+DP (only the trainable buckets are gathered, never the frozen base), its TP shards and its
+pipeline stage, and written by global rank 0. PEFT's names are megazero's behind
+`base_model.model.`; its shapes for GPT-2's Conv1D with fan_in_fan_out are lora_A [r, in]
+and lora_B [out, r], megazero's own.
+
+`convert --to torch|hf` exports the base model alone (`base_only`: the model the adapter
+directory applies to), or with `--merge-lora` the adapters folded into it (`merge_lora`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+from torch import nn
+
+from megazero.atomic import write_text
+from megazero.checkpoint.gathered import save_gathered
+from megazero.checkpoint.sharded import CheckpointError
+from megazero.config import Config
+from megazero.model.lora import adapter_shapes, is_adapter, merged_weight
+from megazero.parallel.grid import ProcessGrid
+
+if TYPE_CHECKING:
+    from megazero.checkpoint.load import Checkpoint
+
+ADAPTER_DIR = "adapter"
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_config(cfg: Config) -> dict:
+    """adapter_config.json: what PEFT needs to rebuild the adapted GPT-2."""
+    f = cfg.finetune
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": f.lora_rank, "lora_alpha": f.lora_alpha,
+            "lora_dropout": f.lora_dropout, "target_modules": list(f.lora_targets),
+            "fan_in_fan_out": True,  # GPT-2's projections are Conv1D ([in, out] weights)
+            "bias": "none", "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+            "base_model_name_or_path": cfg.checkpoint.init_from_hf}
+
+
+def save_adapter(directory: str, adapters: Iterator[tuple[str, nn.Parameter, torch.Tensor]], cfg: Config,
+                 grid: ProcessGrid) -> list[str]:
+    """Collective over the world: DIRECTORY/adapter/ in PEFT's format, written by rank 0.
+    `adapters` yields (name, parameter, value full over DP) for this rank's trainable
+    parameters. Returns the files written, relative to DIRECTORY."""
+    out = os.path.join(directory, ADAPTER_DIR)
+    if grid.rank == 0:
+        os.makedirs(out, exist_ok=True)
+        write_text(os.path.join(out, CONFIG_NAME), json.dumps(peft_config(cfg), indent=1))
+    save_gathered(os.path.join(out, WEIGHTS_NAME), adapters, adapter_shapes(cfg.model, cfg.finetune), grid,
+                  torch.float32, {"format": "pt"}, key=lambda name: PEFT_PREFIX + name)
+    return [os.path.join(ADAPTER_DIR, CONFIG_NAME), os.path.join(ADAPTER_DIR, WEIGHTS_NAME)]
+
+
+# ----------------------------------------------------------------------------- exports
+
+
+def has_adapters(ckpt: "Checkpoint") -> bool:
+    return ckpt.adapters is not None
+
+
+def base_only(ckpt: "Checkpoint") -> "Checkpoint":
+    """The checkpoint seen without its adapters: the frozen base model (what PEFT's adapter
+    directory is applied to)."""
+    return dataclasses.replace(ckpt, shapes={n: s for n, s in ckpt.shapes.items() if not is_adapter(n)},
+                               adapters=None)
+
+
+def adapters_folded(ckpt: "Checkpoint") -> "Checkpoint":
+    """The model a checkpoint describes, LoRA adapters (if any) folded in: what to run."""
+    return merge_lora(ckpt) if has_adapters(ckpt) else ckpt
+
+
+def merge_lora(ckpt: "Checkpoint") -> "Checkpoint":
+    """The checkpoint with every adapter folded into its base weight (W + alpha/r B A) and
+    the adapters gone: a plain GPT-2."""
+    if ckpt.adapters is None:
+        raise CheckpointError(f"{ckpt.kind} '{ckpt.ckpt}' holds no LoRA adapters; drop --merge-lora")
+    scale, full = ckpt.adapters
+
+    def stream(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in ckpt.stream(kind):
+            module = name.removesuffix(".weight")
+            if module + ".lora_A.weight" in ckpt.shapes:
+                t = merged_weight(t, full(module + ".lora_A.weight"), full(module + ".lora_B.weight"), scale)
+            yield name, t
+    return dataclasses.replace(base_only(ckpt), stream=stream)

@@ -1,0 +1,131 @@
+"""LoRA (Hu et al., 2021): low-rank adapters beside frozen GPT-2 projections.
+
+An adapted projection computes y = base(x) + B(A(dropout(x))) * alpha / r. The adapter is
+a separate path whose output is added to the base layer's by a forward hook, so the base
+layer's own forward (and whatever a pipeline schedule does inside it) is untouched. Its
+two weights hang under the base module as `lora_A.weight` [r, in] and `lora_B.weight`
+[out, r], so their names are PEFT's for GPT-2 (`transformer.h.0.attn.c_attn.lora_A.weight`)
+and ZeRO-3 gathers them with their block like any other parameter.
+
+Adapters follow the base layer's tensor-parallel sharding (torchtitan's rule):
+
+    column-parallel base (c_attn, c_fc)  input replicated: A replicated; B split on its
+        output rows with the base's stride (c_attn: q | k | v each split), so a rank's
+        adapter output lines up with its slice of the base output. The r-wide
+        intermediate enters the TP region through copy_to_tp: its gradient, partial per
+        rank, is summed before it reaches A.
+    row-parallel base (attn/mlp c_proj)  input split over TP: A split on its input columns,
+        B replicated; the partial r-wide products are summed (reduce_from_tp) before B.
+
+Dropout on a replicated input uses the default stream (the same mask on every TP rank);
+on a row-parallel input each rank holds distinct features and uses the tracker's
+per-rank stream, as attention dropout does.
+
+Initial values are layout-independent (seeded by name, like GPT._full_init): A as PEFT's
+default (kaiming-uniform, a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), B zeros, so training
+starts from the base model exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.config import LORA_MODULES, FinetuneConfig, ModelConfig, lora_target_matches
+from megazero.model.gpt import GPT
+from megazero.model.layers import ColumnParallelLinear, RowParallelLinear, mark_tp, shard_of
+from megazero.parallel.comm import copy_to_tp, reduce_from_tp
+from megazero.parallel.random import RNGTracker
+
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter `name` is a LoRA adapter weight."""
+    return name.endswith(ADAPTER_SUFFIXES)
+
+
+def adapted_modules(targets: list[str]) -> list[str]:
+    """Names inside a block (attn.c_attn, ...) of the projections `targets` select."""
+    return [m for m in LORA_MODULES if any(lora_target_matches(m, t) for t in targets)]
+
+
+class LoRA:
+    """The adapter path of one base projection; its forward hook adds the adapter's output."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float, tracker: Optional[RNGTracker]):
+        self.row = isinstance(base, RowParallelLinear)
+        if not (self.row or isinstance(base, ColumnParallelLinear)):
+            raise TypeError(f"LoRA adapts column/row-parallel linears, not {type(base).__name__}")
+        self.scale, self.dropout, self.tracker = alpha / rank, dropout, tracker
+        out_full, in_full = base.weight.full_shape
+        tp = base.tp.size
+        make = dict(dtype=base.weight.dtype, device=base.weight.device)
+        base.lora_A, base.lora_B = nn.Module(), nn.Module()
+        if self.row:  # A split on the input like the base weight, B replicated
+            base.lora_A.weight = mark_tp(nn.Parameter(torch.empty(rank, in_full // tp, **make)), 1, 1, (rank, in_full))
+            base.lora_B.weight = mark_tp(nn.Parameter(torch.empty(out_full, rank, **make)), None, 1, (out_full, rank))
+        else:  # A replicated, B split on the output rows with the base's stride
+            base.lora_A.weight = mark_tp(nn.Parameter(torch.empty(rank, in_full, **make)), None, 1, (rank, in_full))
+            base.lora_B.weight = mark_tp(nn.Parameter(torch.empty(out_full // tp, rank, **make)), 0, base.stride,
+                                         (out_full, rank))
+        base.register_forward_hook(self._add_adapter)
+
+    def _dropped(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+        if not training or self.dropout == 0:
+            return x
+        per_rank = self.row and self.tracker is not None
+        with self.tracker.fork("tp") if per_rank else contextlib.nullcontext():
+            return F.dropout(x, self.dropout, training=True)
+
+    def _add_adapter(self, base: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
+        x = self._dropped(args[0], base.training)
+        a = F.linear(x, base.lora_A.weight)  # [..., r]
+        if self.row:  # each rank's A slice saw its slice of the input: sum the partial products before B
+            return y + F.linear(reduce_from_tp(a, base.tp), base.lora_B.weight) * self.scale
+        # a is the same on every rank, but each B slice sends back only part of its gradient:
+        # copy_to_tp sums those in backward, so A (replicated) gets the full gradient everywhere.
+        return y + F.linear(copy_to_tp(a, base.tp), base.lora_B.weight) * self.scale
+
+
+def apply_lora(model: nn.Module, f: FinetuneConfig, tracker: Optional[RNGTracker] = None) -> None:
+    """Freeze every parameter of `model` (a GPT chunk, after tensor parallelism) and give the
+    projections finetune.lora_targets selects trainable adapters. A no-op at lora_rank 0."""
+    if f.lora_rank == 0:
+        return
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for block in model.transformer.h.values():
+        for name in adapted_modules(f.lora_targets):
+            LoRA(block.get_submodule(name), f.lora_rank, f.lora_alpha, f.lora_dropout, tracker)
+
+
+def adapter_shapes(m: ModelConfig, f: FinetuneConfig) -> dict[str, tuple[int, ...]]:
+    """Names and full shapes of every adapter of the non-parallel model, in its order."""
+    with torch.device("meta"):
+        model = GPT(m)
+    apply_lora(model, f)
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if is_adapter(n)}
+
+
+def initial_adapter(name: str, p: nn.Parameter, seed: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """An adapter's starting value on this TP rank, the same whatever the layout: A drawn
+    whole from a generator seeded by (seed, name), B zeros."""
+    if name.endswith(".lora_B.weight"):
+        full = torch.zeros(p.full_shape, device="cpu")
+    else:
+        bound = 1.0 / math.sqrt(p.full_shape[1])
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = torch.empty(p.full_shape, device="cpu").uniform_(-bound, bound, generator=g)
+    return shard_of(full, p.tp_dim, p.tp_stride, tp_rank, tp_size)
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """A base weight [out, in] with its adapter folded in: W + scale * B A (full tensors)."""
+    return weight + scale * (lora_b.double() @ lora_a.double()).to(weight.dtype)
