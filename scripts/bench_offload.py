@@ -1,16 +1,16 @@
-"""Optimizer offload (zero.offload_optimizer none | cpu | nvme): what it costs and what it buys.
+"""Offload (zero.offload_optimizer none | cpu | nvme, zero.offload_param): what it costs and buys.
 
     python scripts/bench_offload.py adamw                 # CPU AdamW elements/s vs this machine's memory bound
     python scripts/bench_offload.py modes [--dp 2]        # GPT-2 124M: tokens/s, peak RSS per mode and stage
-    python scripts/bench_offload.py big [--nvme DIR]      # GPT-2 1.5B, ZeRO-3, optimizer state on NVMe
+    python scripts/bench_offload.py big [--nvme DIR]      # GPT-2 1.5B, ZeRO-3, parameters + optimizer on NVMe
 
 `adamw` times megazero's AdamW (zero/adamw.py, the update the offloaded step runs on the
 CPU) against the memory-bandwidth bound: the step reads parameter, gradient and both moments
 and writes back three (28 bytes per element in fp32), and the bandwidth is measured here by
 a large tensor copy. `modes` trains the 124M model (seq 128, micro-batch 1, mock data) at
 dp ranks for each stage and mode. `big` trains configs/gpt2-1.5b.yaml (seq 128, micro 1) for
-3 iterations in one process at ZeRO-3 with master weights and Adam moments in NVMe swap
-files and reports peak RSS, seconds per iteration, the share of the step spent waiting on
+3 iterations on dp ranks at ZeRO-3 with the 16-bit parameter shards, master weights and Adam
+moments in NVMe swap files and reports peak RSS, seconds per iteration, the share of the step spent waiting on
 I/O and the swap bandwidth against the disk's raw sequential bandwidth measured in the same
 run; beside it, the model state the same run needs without offload. A measurement, not a
 test.
@@ -102,6 +102,9 @@ def train(cfg, iters: int) -> dict:
     elapsed = (time.perf_counter() - tic) / iters
     out = {"s_per_iter": elapsed, "tokens_per_sec": cfg.train.global_batch_size * cfg.model.seq_length / elapsed,
            "rss_gib": peak_rss_gib(), "loss": steps[-1]["loss"], "state_bytes": tr.optimizer.model_state_bytes()}
+    home = getattr(tr.optimizer.params, "home", None)
+    if hasattr(home, "file"):  # zero.offload_param nvme
+        out.update(param_read_gib=home.file.bytes_read / GiB, param_written_gib=home.file.bytes_written / GiB)
     if hasattr(store, "io_wait_s"):
         out.update(io_wait_share=(store.io_wait_s - wait0) / (elapsed * iters),
                    read_gbs=store.bytes_read / max(store.read_s, 1e-9) / 1e9,
@@ -159,30 +162,35 @@ def disk_bandwidth(path: str, nbytes: int = GiB) -> tuple[float, float]:
     return write, read
 
 
-def bench_big(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    write, read = disk_bandwidth(args.nvme)
-    cfg = config("configs/gpt2-1.5b.yaml", 3, "nvme", args.nvme, 1, args.iters,
+def _big_rank(args: argparse.Namespace) -> dict:
+    cfg = config("configs/gpt2-1.5b.yaml", 3, "nvme", args.nvme, args.dp, args.iters,
                  {"--zero.sub_group_size": args.sub_group, "--zero.buffer_count": 4,
-                  "--train.precision": args.precision})
-    out = train(cfg, args.iters)
-    sb = out["state_bytes"]
-    without = sb["total"] + sb["offloaded_nvme"]  # the same state, all of it in memory
+                  "--zero.offload_param": "nvme", "--train.precision": args.precision})
+    return train(cfg, args.iters)
+
+
+def bench_big(args: argparse.Namespace) -> None:
+    write, read = disk_bandwidth(args.nvme)
+    out = launch(_big_rank, args)
+    sb = out[0]["state_bytes"]
+    without = sb["total"] + sb["offloaded_nvme"]  # the same state per rank, all of it in memory
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    print(f"GPT-2 1.5B, seq 128, micro-batch 1, {args.precision}, ZeRO-3, dp 1, optimizer state on NVMe "
-          f"({args.nvme}), sub_group_size {args.sub_group:,}, buffer_count 4; {args.iters} timed iterations")
-    print(f"  peak RSS                 {out['rss_gib']:.2f} GiB (goal <= 8 GiB)")
-    print(f"  seconds per iteration    {out['s_per_iter']:.1f}")
-    print(f"  waiting on swap I/O      {out['io_wait_share']:.0%} of the step")
-    print(f"  swap read / write        {out['read_gbs']:.2f} / {out['write_gbs']:.2f} GB/s "
+    worst = max(out, key=lambda o: o["rss_gib"])
+    print(f"GPT-2 1.5B, seq 128, micro-batch 1, {args.precision}, ZeRO-3, dp {args.dp}, parameters and optimizer "
+          f"state on NVMe ({args.nvme}), sub_group_size {args.sub_group:,}, buffer_count 4; "
+          f"{args.iters} timed iterations")
+    rss = ", ".join(f"{o['rss_gib']:.2f}" for o in out)
+    print(f"  peak RSS per rank        {rss} GiB (goal <= 8 GiB)")
+    print(f"  seconds per iteration    {worst['s_per_iter']:.1f}")
+    print(f"  waiting on swap I/O      {max(o['io_wait_share'] for o in out):.0%} of the step (optimizer step)")
+    print(f"  swap read / write        {worst['read_gbs']:.2f} / {worst['write_gbs']:.2f} GB/s per rank "
           f"(disk raw sequential: read {read:.2f}, write {write:.2f} GB/s)")
-    print(f"  loss after the last step {out['loss']:.4f}")
-    print(f"  model state on device {sb['total'] / GiB:.1f} GiB + swap files {sb['offloaded_nvme'] / GiB:.1f} GiB; "
-          f"without offload it needs {without / GiB:.1f} GiB of model state alone, this machine has "
-          f"{memory / GiB:.1f} GiB")
+    print(f"  parameter swap           {worst['param_read_gib']:.1f} GiB read, {worst['param_written_gib']:.1f} GiB "
+          f"written per rank over the run")
+    print(f"  loss after the last step {out[0]['loss']:.4f}")
+    print(f"  model state per rank on device {sb['total'] / GiB:.1f} GiB + swap files {sb['offloaded_nvme'] / GiB:.1f} "
+          f"GiB; without offload the {args.dp} ranks need {args.dp * without / GiB:.1f} GiB of model state alone, "
+          f"this machine has {memory / GiB:.1f} GiB")
 
 
 def main() -> None:
