@@ -67,7 +67,11 @@ def _first_losses(hf_dir: str, layouts: list[list[str]]) -> list[float]:
 
 def test_first_loss_equals_transformers_at_tp2_pp2_zero3(hf_dir):
     expected = _transformers_loss(hf_dir)
-    layouts = [["--parallel.tp", "2", "--parallel.pp", "2", "--zero.stage", "3"]]  # dp 2 as well: the slow test
+    layout = ["--parallel.tp", "2", "--parallel.pp", "2", "--zero.stage", "3"]  # dp 2 as well: the slow test
+    empty = os.path.join(hf_dir, "empty-save-dir")
+    os.makedirs(empty, exist_ok=True)
+    # A checkpoint.load without a checkpoint in it yet is a fresh start: from the HF weights.
+    layouts = [layout, layout + ["--checkpoint.load", empty]]
     per_layout = list(zip(*run_distributed(_first_losses, 4, hf_dir, layouts)))
     for losses in per_layout:  # None on ranks that do not hold the loss (earlier pipeline stages)
         held = [loss for loss in losses if loss is not None]

@@ -199,6 +199,13 @@ def prune(save_dir: str, keep_last: int) -> None:
 # ----------------------------------------------------------------------------- load
 
 
+def holds_checkpoint(load_dir: str, iteration: int = 0) -> bool:
+    """Whether checkpoint.load names something to resume from (a save directory with a
+    `latest`, a universal checkpoint, or an explicit iteration); else a run starts fresh."""
+    return bool(iteration or os.path.isfile(os.path.join(load_dir, "universal.json"))
+                or os.path.isfile(os.path.join(load_dir, LATEST)))
+
+
 def resolve(load_dir: str, iteration: int = 0) -> str:
     """The checkpoint directory to resume from: `latest`, or iter_{iteration} when given."""
     if iteration:

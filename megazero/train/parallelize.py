@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megazero.checkpoint.sharded import holds_checkpoint
 from megazero.config import Config
 from megazero.model.gpt import GPT
 from megazero.model.lora import apply_lora, initial_adapter, is_adapter
@@ -52,8 +53,10 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
         if cfg.train.compile:
             apply_compile(chunk, cfg.train.recompute)
         apply_recompute(chunk, cfg.train.recompute, tracker)
-    # A resume (checkpoint.load, also set on a torchrun restart) replaces every value: no HF read then.
-    start_from_hf = cfg.checkpoint.init_from_hf and not cfg.checkpoint.load
+    # A resume (checkpoint.load holding a checkpoint, also on a torchrun restart) replaces every
+    # value: no HF read then. An empty save directory is a fresh start, from the HF weights.
+    c = cfg.checkpoint
+    start_from_hf = c.init_from_hf and not (c.load and holds_checkpoint(c.load, c.iteration))
     initial = hf_initial_values(cfg, grid) if start_from_hf else None
     if cfg.finetune.lora_rank:
         initial = with_adapter_init(initial, chunks, cfg.train.seed, grid)

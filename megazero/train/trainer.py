@@ -144,7 +144,7 @@ class Trainer:
         resharded on the fly. A save directory without a checkpoint yet is a fresh start.
         Every rank fails together, with the same one-line message, on a bad checkpoint."""
         universal = os.path.isfile(os.path.join(load_dir, "universal.json"))
-        if not (iteration or universal or os.path.isfile(os.path.join(load_dir, sharded.LATEST))):
+        if not sharded.holds_checkpoint(load_dir, iteration):
             if self.grid.rank == 0:
                 print(f"no checkpoint in {load_dir} yet: starting from scratch", flush=True)
             return
