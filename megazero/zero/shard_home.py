@@ -56,10 +56,6 @@ class MemoryShard:
         self.flat = torch.zeros(numel, dtype=dtype, device=device,
                                 pin_memory=pin and device.type == "cpu" and torch.cuda.is_available())
 
-    @property
-    def tensor(self) -> torch.Tensor:
-        return self.flat
-
     def load(self, b: Bucket) -> Future:
         return _done(self.flat[b.shard_offset: b.shard_offset + b.shard_numel])
 
