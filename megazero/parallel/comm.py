@@ -4,6 +4,13 @@
 rank puts on the wire under a ring algorithm, so benchmarks can compare the traffic of a
 ZeRO stage or a TP layout with theory. A group of one skips communication entirely.
 
+Asynchronous collectives return a handle whose `wait()` completes them (a `Work` on NCCL,
+where the current stream then waits on the collective's stream, no host sync). Gloo's
+reduce-scatter is our own ring of point-to-point exchanges, so its asynchronous form runs on
+the group's one communication thread, in submission order (every rank submits the same
+collectives in the same order), over `side_pg`: a duplicate of the group's process group,
+so the thread's messages never interleave with collectives the main thread issues meanwhile.
+
 The f/g pairs (Megatron's names in brackets) are one autograd Function per collective:
 
     copy_to_tp        identity  / all-reduce       [f: enter a TP region]
@@ -15,8 +22,9 @@ The f/g pairs (Megatron's names in brackets) are one autograd Function per colle
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,10 +39,22 @@ class Group:
     ranks: list[int]
     rank: int
     counter: Counter = field(default_factory=Counter)
+    side_pg: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # gloo: the comm thread's duplicate
+    _thread: Optional[ThreadPoolExecutor] = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    def submit(self, fn, *args) -> "Handle":
+        """Run fn(*args, pg=side_pg) on this group's communication thread, after everything
+        submitted before it (one thread: first in, first out)."""
+        if self.side_pg is None:
+            raise RuntimeError(f"group {self.name} has no duplicate process group for asynchronous gloo "
+                               f"collectives (ProcessGrid.build_groups creates it)")
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"megazero-{self.name}-comm")
+        return _Threaded(self._thread.submit(fn, *args, pg=self.side_pg))
 
     def count(self, op: str, nbytes: float) -> None:
         self.counter[op] += int(nbytes)
@@ -45,6 +65,37 @@ class Group:
 # old names; older torch (>= 2.4, setup.cfg's floor) has only the old ones.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Handle(Protocol):
+    """An asynchronous collective: `wait()` returns once its result may be used."""
+
+    def wait(self) -> Any: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class _Done:
+    """A collective that completed when it was issued (a group of one)."""
+
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@dataclass
+class _Threaded:
+    """A collective running on a group's communication thread; its errors surface in wait()."""
+
+    future: Future
+
+    def wait(self) -> None:
+        self.future.result()
+
+    def is_completed(self) -> bool:
+        return self.future.done()
 
 
 def solo_group() -> Group:
@@ -98,8 +149,10 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group,
     return _ALL_GATHER(out, shard.contiguous(), group=group.pg, async_op=async_op)
 
 
-def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group) -> None:
-    """Sum `full` over the group and keep this rank's 1/n slice of dim 0 in `out`.
+def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group,
+                        async_op: bool = False) -> Optional[Handle]:
+    """Sum `full` over the group and keep this rank's 1/n slice of dim 0 in `out`. With
+    `async_op` it returns a handle: `out` is final, and `full` free to change, after wait().
 
     NCCL has a true reduce-scatter. Gloo's reduce_scatter_tensor is an all-reduce
     underneath (2x the traffic), so on gloo we run a ring of point-to-point exchanges that
@@ -108,19 +161,27 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group) -> 
     n = group.size
     if n == 1:
         out.copy_(full)
-        return
+        return _Done() if async_op else None
     group.count("reduce_scatter", reduce_scatter_volume(_nbytes(out), n))
     if dist.get_backend(group.pg) != "gloo":
-        _REDUCE_SCATTER(out, full.contiguous(), group=group.pg)
-        return
+        return _REDUCE_SCATTER(out, full.contiguous(), group=group.pg, async_op=async_op)
+    if async_op:
+        return group.submit(_ring_reduce_scatter, out, full, group)
+    _ring_reduce_scatter(out, full, group, pg=group.pg)
+    return None
+
+
+def _ring_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, pg: dist.ProcessGroup) -> None:
+    """Gloo's reduce-scatter over `pg` (the group's own, or its duplicate on the comm thread)."""
+    n = group.size
     chunks = list(full.reshape(n, -1).clone().unbind(0))
     nxt, prv = group.ranks[(group.rank + 1) % n], group.ranks[(group.rank - 1) % n]
     incoming = torch.empty_like(chunks[0])
     for step in range(n - 1):
         send_idx = (group.rank - 1 - step) % n
         recv_idx = (group.rank - 2 - step) % n
-        ops = [dist.P2POp(dist.isend, chunks[send_idx], nxt, group.pg),
-               dist.P2POp(dist.irecv, incoming, prv, group.pg)]
+        ops = [dist.P2POp(dist.isend, chunks[send_idx], nxt, pg),
+               dist.P2POp(dist.irecv, incoming, prv, pg)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         chunks[recv_idx] += incoming
@@ -194,8 +255,10 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return out.movedim(0, dim).contiguous() if dim else out
 
 
-def _all_reduced(x: torch.Tensor, group: Group) -> torch.Tensor:
-    x = x.clone()
+def _summed_in_place(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """x summed over the group, in x's own memory (a copy only when x is not contiguous:
+    collectives need dense memory, and an expanded gradient shares its storage)."""
+    x = x.contiguous()
     all_reduce(x, group)
     return x
 
@@ -211,14 +274,24 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # Each TP rank computed a partial input-gradient from its weight shard: sum them.
-        return _all_reduced(grad, ctx.group), None
+        # Each TP rank computed a partial input-gradient from its weight shard: sum them, in
+        # place (as Megatron does). Safe because copy_to_tp's output only ever feeds a matmul
+        # (column-parallel linear, LM head, LoRA B): `grad` is then that matmul's fresh input
+        # gradient, handed to this node alone (autograd sums several consumers' gradients
+        # into a new buffer), never a tensor also passed elsewhere, as a residual's is.
+        return _summed_in_place(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduced(x, group)
+        # Summed in place: x is a matmul's (or the embedding's) fresh partial output, which
+        # no backward saves. mark_dirty tells autograd, so any use of x saved for backward
+        # would fail loudly (version check) rather than see the sum.
+        out = _summed_in_place(x, group)
+        if out is x:
+            ctx.mark_dirty(x)
+        return out
 
     @staticmethod
     def backward(ctx, grad):

@@ -131,7 +131,8 @@ class ProcessGrid:
 
     def build_groups(self) -> None:
         """Create every process group once. All ranks call new_group for all groups in the
-        same order (a torch.distributed requirement), keeping only their own."""
+        same order (a torch.distributed requirement), keeping only their own. On gloo the DP
+        group also gets a duplicate for its asynchronous reduce-scatters."""
         for kind in ("tp", "dp", "pp", "mp", "embed"):
             for ranks in self.group_ranks(kind):
                 pg = _new_group(ranks, self.world_size)
@@ -139,6 +140,11 @@ class ProcessGrid:
                     self.groups[kind] = Group(kind, pg, ranks, ranks.index(self.rank))
         world = list(range(self.world_size))
         self.groups["world"] = Group("world", _new_group(world, self.world_size), world, self.rank)
+        if self.backend == "gloo":  # the DP group's comm thread gets a communicator of its own (see comm.py)
+            for ranks in self.group_ranks("dp"):
+                side = dist.new_group(ranks) if len(ranks) > 1 else None
+                if self.rank in ranks:
+                    self.groups["dp"].side_pg = side
 
     @classmethod
     def create(cls, tp: int, pp: int, timeout_s: int = 600, store: Optional[dist.Store] = None) -> "ProcessGrid":

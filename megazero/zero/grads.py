@@ -9,6 +9,14 @@ fill them, and their reduction as buckets complete.
                                 reduce-scatters it into this rank's shard at once, so a rank
                                 only ever keeps (and accumulates) its shard
 
+Every reduction is asynchronous: launched when its bucket is complete (so it overlaps the
+rest of backward) and waited, in launch order, before the step (`finish`), before the
+buffers are zeroed, or early, to bound memory: at stages 2/3 a launched reduction keeps its
+temporary full bucket until waited, so at most `TEMPORARIES_IN_FLIGHT` of them are (a
+bucket reduced again in the next micro-batch simply queues behind its previous reduction,
+whose result is added to the shard first). The scale of the gradient values never depends
+on when a reduction is waited: the fp32 additions into a shard happen in launch order.
+
 Gradients accumulate in fp32 whatever the compute dtype (Megatron's main_grad: summing 16
 bf16 micro-batch gradients in bf16 would lose ~4 bits); `reduce_dtype` is only the dtype
 they travel in. The tied embedding's gradient is summed over the embedding group last.
@@ -22,14 +30,30 @@ DP group's byte counter.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megazero.parallel import comm
 from megazero.zero.partition import Bucket, FlatBuffers, Layout, Range, Slot
+
+# Stages 2/3: reductions in flight that each hold a temporary full fp32 bucket (double
+# buffering: one on the wire while the next fills; more would only queue on the same link).
+TEMPORARIES_IN_FLIGHT = 2
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A launched reduction: its handle, what completes it once waited (copy or add into the
+    fp32 slice), and the tensor on the wire, kept alive until then."""
+
+    handle: Optional[comm.Handle]
+    then: Optional[Callable[[], object]]
+    wire: torch.Tensor
+    temporary: bool  # holds a temporary full bucket (stages 2/3)
 
 
 class GradientSync:
@@ -49,8 +73,7 @@ class GradientSync:
         self._sync = True
         self._ready: dict[int, set[str]] = {}
         self._reduced: set[int] = set()
-        # In-flight stage-0 all-reduces: (work, tensor on the wire, fp32 bucket it lands in).
-        self._works: list[tuple[Optional[dist.Work], torch.Tensor, torch.Tensor]] = []
+        self._in_flight: deque[_InFlight] = deque()  # launched, not yet waited, in launch order
         self._pending: dict[int, torch.Tensor] = {}  # sharded: bucket -> full fp32 gradient being filled
         for b, s in self._trainable_slots():
             s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
@@ -78,6 +101,7 @@ class GradientSync:
     # ------------------------------------------------------------------ accumulation
 
     def zero_grad(self) -> None:
+        self.wait()  # nothing may still write into the buffers zeroed here
         self._ready.clear()
         self._reduced.clear()
         for g in self.tensors():
@@ -138,21 +162,52 @@ class GradientSync:
         elif self.stage == 0:  # every rank keeps the whole reduced bucket
             full = self.buffers.full[b.index]
             wire = self._on_wire(full)
-            self._works.append((comm.all_reduce(wire, self.dp, async_op=True), wire, full))
+            self._launched(comm.all_reduce(wire, self.dp, async_op=True), None if wire is full else
+                           lambda: full.copy_(wire), wire)
         else:
             self._reduce_scatter(b, self.buffers.full[b.index], add=False)
         self._reduced.add(b.index)
 
     def _reduce_scatter(self, b: Bucket, full: torch.Tensor, add: bool) -> None:
-        """Sum fp32 bucket `full` over DP in the reduce dtype; write (stage 1) or add (stages
-        2/3, once per micro-batch) this rank's slice into its fp32 gradient slice."""
+        """Launch the sum of fp32 bucket `full` over DP in the reduce dtype; once waited, it
+        writes (stage 1) or adds (stages 2/3, once per micro-batch) this rank's slice into
+        its fp32 gradient slice."""
         into, wire = self.own_slice(b), self._on_wire(full)
         if wire is full and not add:  # stage 1 in fp32: reduced in place, into full's own slice
-            comm.reduce_scatter_into(into, full, self.dp)
+            self._launched(comm.reduce_scatter_into(into, full, self.dp, async_op=True), None, full)
             return
         out = torch.empty(b.shard_numel, dtype=wire.dtype, device=wire.device)
-        comm.reduce_scatter_into(out, wire, self.dp)
-        into.add_(out) if add else into.copy_(out)
+        handle = comm.reduce_scatter_into(out, wire, self.dp, async_op=True)
+        self._launched(handle, (lambda: into.add_(out)) if add else (lambda: into.copy_(out)), wire)
+
+    def _launched(self, handle: Optional[comm.Handle], then: Optional[Callable[[], object]],
+                  wire: torch.Tensor) -> None:
+        """Record a launched reduction; complete the oldest ones that are done already, and
+        wait for the oldest while too many temporary buckets are in flight."""
+        self._in_flight.append(_InFlight(handle, then, wire, self.sharded))
+        while self._in_flight:
+            head = self._in_flight[0]
+            temporaries = sum(f.temporary for f in self._in_flight)
+            if temporaries <= TEMPORARIES_IN_FLIGHT and head.handle is not None and not head.handle.is_completed():
+                break
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        f = self._in_flight.popleft()
+        if f.handle is not None:
+            f.handle.wait()
+        if f.then is not None:
+            f.then()
+
+    @property
+    def in_flight(self) -> int:
+        """Reductions launched and not yet waited."""
+        return len(self._in_flight)
+
+    def wait(self) -> None:
+        """Complete every launched reduction, in launch order."""
+        while self._in_flight:
+            self._complete_oldest()
 
     def finish(self) -> None:
         """Complete the DP reduction (buckets some parameter of which got no gradient are sent
@@ -164,11 +219,6 @@ class GradientSync:
             for b in self.layout.trainable_buckets():
                 if b.index not in self._reduced:
                     self._reduce(b)
-        for work, wire, full in self._works:
-            if work is not None:
-                work.wait()
-            if wire is not full:
-                full.copy_(wire)
-        self._works.clear()
+        self.wait()
         for index in self.tied_buckets:
             comm.all_reduce(self.own_slice(self.layout.buckets[index]), self.embed)

@@ -4,8 +4,9 @@ fp16 loss scaling and AdamW on fp32 master weights, at stages 0 to 3.
     stage 0  every rank keeps everything; gradient buckets are all-reduced (async) as they
              become ready during the last backward of the iteration
     stage 1  optimizer state (fp32 master, Adam moments) partitioned over DP: buckets are
-             reduce-scattered in that last backward, each rank steps its shard, updated
-             parameters are all-gathered
+             reduce-scattered (async) in that last backward, each rank steps its shard,
+             updated parameters are all-gathered per bucket (async), each waited by a
+             forward pre-hook of the first unit using it, so the next forward overlaps them
     stage 2  gradients partitioned as well: every backward reduce-scatters each bucket as it
              fills and a rank accumulates only its shard across micro-batches
     stage 3  parameters partitioned as well (see stage3.py): gathered per module on demand,
@@ -38,6 +39,8 @@ Interface used by the trainer and the pipeline schedules:
     state_dict() / load_state_dict()           this rank's shard plus the partition map
     model_state_dict() / load_model_state_dict()  the model's parameters (shards at stage 3)
     gathered_parameters() / full_state_dict()  full parameters on request at stage 3
+    wait_params()         stages 1-2: complete the post-step all-gathers (every method here
+                          that reads parameters calls it; forward waits bucket by bucket)
 """
 
 from __future__ import annotations
@@ -176,7 +179,27 @@ class ZeroOptimizer:
                                   reduce_dtype=COMPUTE_DTYPE[z.reduce_dtype], dp=grid.dp_group,
                                   embed=grid.embed_group if self.tied_buckets else None, tied_buckets=self.tied_buckets, device=grid.device,
                                   on_reduced=self.gatherer.release if self.gatherer is not None else None)
+        if self.stage in (1, 2):
+            self._wait_in_forward(chunks)
         self.zero_grad()
+
+    def _wait_in_forward(self, chunks: list[ShardableModel]) -> None:
+        """Stages 1-2: the post-step all-gather of a bucket is waited by the forward pre-hook
+        of the first unit using it (a hook on every unit: later ones find it done), so the
+        next forward starts while later buckets are in flight. Anything reading parameters
+        outside forward calls wait_params(); module.state_dict() does through a hook."""
+        bucket_of = {id(s.param): b.index for b, s in self.layout.slots()}
+        for c in chunks:
+            tied = c.tied_weight()
+            for unit in c.units():
+                used = [p for _, p in unit.named] + ([tied] if unit.uses_tied and tied is not None else [])
+                buckets = tuple(sorted({bucket_of[id(p)] for p in used}))
+                unit.start.register_forward_pre_hook(lambda m, a, bs=buckets: self.params.wait(bs))
+            c.register_state_dict_pre_hook(lambda *_: self.wait_params())
+
+    def wait_params(self) -> None:
+        """Complete the post-step all-gathers (stages 1-2): every parameter holds its value after."""
+        self.params.wait_all()
 
     def _initial(self, b: Bucket, s: Slot) -> torch.Tensor:
         """Parameter s's starting value, flat: drawn from its chunk's init when the model was
@@ -265,6 +288,7 @@ class ZeroOptimizer:
         """One AdamW step of this rank's shard, or none anywhere when a gradient (or a rank's
         `loss` share) is inf/NaN: in every precision such a step would poison the master
         weights and Adam moments, so it is skipped whole (fp16 also backs off its loss scale)."""
+        self.wait_params()  # the step writes the slices the last gathers read
         norm, overflow = self.grad_norm_and_overflow(loss)
         scale = self.scaler.scale if self.scaler is not None else None
         if self.scaler is not None:
@@ -288,11 +312,13 @@ class ZeroOptimizer:
                 self.params.set_ranges(group, masters)
         self.params.flush()
         if self.stage in (1, 2):  # stage 0 stepped everything, stage 3 keeps shards
-            self.params.all_gather(self.grid.dp_group)
+            # In forward order (buckets are laid out in reverse), so the first unit's arrive first.
+            self.params.all_gather(self.grid.dp_group, reversed(self.layout.trainable_buckets()))
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
 
     def all_finite(self) -> bool:
         """Whether every rank's master weights are finite (collective over the world)."""
+        self.wait_params()
         bad = torch.zeros(1, device=self.grid.device)
         for values in self._shard_values():
             bad += (~torch.isfinite(values)).sum()
@@ -312,6 +338,7 @@ class ZeroOptimizer:
         """Only this rank's shard (fp32 master, Adam moments, step, loss scaler) and the
         partition map that says where each element belongs, in host memory: copied out one
         tensor at a time through a pinned buffer, never cloned on the device."""
+        self.wait_params()
         host = HostStaging()
         return {"stage": self.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
                 "precision": self.cfg.train.precision, "step": self.step_count,
@@ -324,6 +351,7 @@ class ZeroOptimizer:
     def load_state_dict(self, state: dict) -> None:
         """Restore a state_dict of the same layout; the model's parameters are set from the
         master weights exactly as a step would have set them (bitwise resume)."""
+        self.wait_params()
         mine = self.layout.param_map()
         if with_trainable_flags(state["partition"]) != mine or state["stage"] != self.stage:
             raise ValueError(f"optimizer state has a different layout (stage {state['stage']}, "
@@ -342,12 +370,14 @@ class ZeroOptimizer:
         self.state.flush()
         self.params.flush()
         if self.stage in (1, 2):
-            self.params.all_gather(self.grid.dp_group, frozen_too=True)
+            self.params.all_gather(self.grid.dp_group, self.layout.buckets)
+            self.wait_params()
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's parameters as this rank holds them: full (per model-parallel rank) at
         stages 0-2; at stage 3 each parameter's piece of this rank's shard, flattened (the
         partition map in state_dict() says where each piece goes)."""
+        self.wait_params()
         host = HostStaging()  # one pinned buffer for every tensor
         if self.stage < 3:
             return {s.name: host.copy(s.param.detach()) for _, s in self.layout.slots()}
@@ -356,6 +386,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Inverse of model_state_dict(); the master weights follow the loaded values."""
+        self.wait_params()
         if self.stage < 3:
             for _, s in self.layout.slots():
                 s.param.copy_(state[s.name])
@@ -373,8 +404,9 @@ class ZeroOptimizer:
     @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[None]:
         """Inside, every parameter holds its full value (read-only: changes are not kept).
-        At stages 0-2 parameters are always full, so this does nothing."""
+        At stages 0-2 parameters are always full (once the post-step gathers are waited)."""
         if self.gatherer is None:
+            self.wait_params()
             yield
             return
         newly = self.gatherer.fetch_all()
@@ -389,6 +421,7 @@ class ZeroOptimizer:
         parameters only, e.g. LoRA's adapters), one gather unit at a time: at stage 3 a
         bucket is gathered, handed out and released before the next, so at most one unit is
         materialized beyond the shards. Collective over DP at stage 3."""
+        self.wait_params()
         for index, bucket in enumerate(self.layout.buckets):
             if trainable_only and not bucket.trainable:
                 continue

@@ -1,7 +1,9 @@
 """The model's parameters in the compute dtype, laid out in the optimizer's flat buckets.
 
     stages 0-2  every bucket whole on every rank (`full`); each parameter is a view into its
-                bucket, so an all-gather of the updated slices refreshes the model in place
+                bucket, so an all-gather of the updated slices refreshes the model in place.
+                Stages 1-2 launch those all-gathers asynchronously, one per bucket, and
+                `wait` completes them (a forward pre-hook, or `wait_all` before reading)
     stage 3     only this rank's slice of every bucket, kept by a shard home (shard_home.py:
                 on the device, or offloaded to host memory or NVMe by zero.offload_param);
                 stage3.ParamGatherer points the parameters at gathered buffers while a
@@ -13,7 +15,7 @@ rank writes only the elements it owns, so a model built on the meta device is ne
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -31,6 +33,7 @@ class ParamStore:
         self.layout, self.home, self.device = layout, home, device
         self.sharded = home is not None
         self.buckets = None if self.sharded else FlatBuffers(layout, sharded=False, dtype=dtype, device=device)
+        self.gathering: dict[int, comm.Handle] = {}  # bucket -> its all-gather in flight
         for b in layout.buckets:
             if self.sharded:
                 self._fill_shard(b, initial, write_master)
@@ -124,10 +127,22 @@ class ParamStore:
             return self.home.nbytes()
         return {self.device.type: sum(t.numel() * t.element_size() for t in self.buckets.tensors())}
 
-    def all_gather(self, dp: comm.Group, frozen_too: bool = False) -> None:
-        """Stages 1/2: every rank updated its slices; put the full buckets everywhere (after a
-        step only the trainable ones: frozen ones never change)."""
-        for b in self.layout.buckets if frozen_too else self.layout.trainable_buckets():
+    def all_gather(self, dp: comm.Group, buckets: Iterable[Bucket]) -> None:
+        """Stages 1/2: every rank updated its slices of `buckets`; launch the all-gathers that
+        put them whole everywhere, in the given order (the same on every rank)."""
+        for b in buckets:
             lo, hi = b.slice_of(self.layout.rank)
             full = self.buckets.full[b.index]
-            comm.all_gather_into(full, full[lo:hi], dp)
+            work = comm.all_gather_into(full, full[lo:hi], dp, async_op=True)
+            if work is not None:
+                self.gathering[b.index] = work
+
+    def wait(self, indices: Iterable[int]) -> None:
+        """Complete the all-gathers of these buckets (their parameters may be read after)."""
+        for index in indices:
+            work = self.gathering.pop(index, None)
+            if work is not None:
+                work.wait()
+
+    def wait_all(self) -> None:
+        self.wait(list(self.gathering))
