@@ -111,6 +111,53 @@ def test_nvme_store_streams_sub_groups_and_keeps_what_the_step_wrote(tmp_path):
     assert torch.equal(master[~covered], torch.zeros(int((~covered).sum())))  # padding is not stored
     assert exp_avg[1600:1607].eq(3).all() and exp_avg[512:1512].eq(2).all()
     assert store.bytes_read > 0 and store.bytes_written > 0
+    # A checkpoint's copy of swapped state is file-backed under nvme_path (never wholly in
+    # memory) and the scratch file is gone from the directory already.
+    assert master.untyped_storage().filename.startswith(str(tmp_path))
+    assert not [n for n in os.listdir(tmp_path) if "scratch" in n]
+
+
+def test_nvme_shard_writes_back_behind_and_reads_ahead(tmp_path):
+    """Stage-3 parameters on NVMe: a bucket's write-back runs on the writer thread while the
+    next bucket (read ahead) is updated; a load or read after it sees the written values."""
+    from megazero.zero.partition import build_layout
+    from megazero.zero.shard_home import NvmeShard
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (700, 300, 1000)]
+    layout = build_layout([(0, [(f"p{i}", p)]) for i, p in enumerate(params)], shards=2, rank=1)
+    home = NvmeShard(layout, torch.float32, str(tmp_path), pin=False)
+    for step in range(3):
+        for b in sorted(layout.buckets, key=lambda b: b.shard_offset):
+            home.write(b.shard_offset, torch.full((b.shard_numel,), float(10 * step + b.index)))
+            assert home.ahead is None or home.ahead[0] != b.index
+        home.flush()
+        assert home.writing  # the last bucket's write-back is still behind us
+        for b in layout.buckets:
+            assert home.load(b).result().eq(10 * step + b.index).all()
+    assert home.read(0, layout.shard_numel).numel() == layout.shard_numel
+    assert home.file.bytes_written >= 3 * sum(home._nbytes(b.index) for b in layout.buckets)
+
+
+def test_large_rank_files_load_memory_mapped_after_their_digest_checks_out(tmp_path, monkeypatch):
+    from megazero.checkpoint import digest
+    path = str(tmp_path / "rank.pt")
+    state = {"exp_avg": torch.arange(1000, dtype=torch.float32)}
+    with open(path, "wb") as f:
+        writer = digest.HashingWriter(f)
+        torch.save(state, writer)
+    entry = writer.entry()
+    monkeypatch.setattr(digest, "IN_MEMORY_BYTES", 0)
+    calls, load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda f, **kw: calls.append((f, kw)) or load(f, **kw))
+    loaded = digest.load_torch(path, entry)
+    assert torch.equal(loaded["exp_avg"], state["exp_avg"])
+    assert calls == [(path, {"map_location": "cpu", "weights_only": True, "mmap": True})]
+    with open(path, "r+b") as f:  # a flipped byte is caught before anything is mapped
+        f.seek(-200, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-200, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(digest.DigestError, match="sha256"):
+        digest.load_torch(path, entry)
 
 
 def test_nvme_store_refuses_a_disk_without_room(tmp_path, monkeypatch):

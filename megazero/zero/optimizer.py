@@ -311,12 +311,17 @@ class ZeroOptimizer:
     def state_dict(self) -> dict:
         """Only this rank's shard (fp32 master, Adam moments, step, loss scaler) and the
         partition map that says where each element belongs, in host memory: copied out one
-        tensor at a time through a pinned buffer, never cloned on the device."""
+        tensor at a time through a pinned buffer, never cloned on the device (state swapped
+        to NVMe comes back in scratch-file-backed host tensors, never wholly in memory)."""
         host = HostStaging()
+
+        def on_host(pieces: list[torch.Tensor]) -> torch.Tensor:
+            # An NVMe store's reads are already private host copies (file-backed): no second one.
+            return pieces[0] if len(pieces) == 1 and self.state.reads_are_copies else host.concat(pieces)
         return {"stage": self.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
                 "precision": self.cfg.train.precision, "step": self.step_count,
-                "master": host.concat(self._shard_values()), "exp_avg": host.concat([self.state.read("exp_avg")]),
-                "exp_avg_sq": host.concat([self.state.read("exp_avg_sq")]),
+                "master": on_host(self._shard_values()), "exp_avg": on_host([self.state.read("exp_avg")]),
+                "exp_avg_sq": on_host([self.state.read("exp_avg_sq")]),
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "partition": self.layout.param_map()}
 
