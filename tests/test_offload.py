@@ -78,6 +78,54 @@ def _offload_world(nvme: str) -> list:
     return out
 
 
+def _checkpoint_through_files(root: str, nvme: str) -> dict:
+    """Stage 3 with parameters and optimizer on NVMe, through real checkpoint files: a save
+    that cannot get scratch space on rank 1 fails on every rank and keeps the last
+    checkpoint; a resume from that checkpoint continues bitwise."""
+    import errno
+
+    import torch.distributed as dist
+
+    from megazero.checkpoint.sharded import CheckpointSaveError
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer
+
+    def trainer(extra: list[str]) -> Trainer:
+        cfg = _cfg(["--zero.stage", "3", "--zero.nvme_path", nvme, "--zero.buffer_count", "2",
+                    "--checkpoint.save", root, "--train.iters", "1", *PARAMS["param nvme + nvme"], *extra])
+        validate(cfg, dist.get_world_size())
+        return Trainer(cfg, ProcessGrid.create(1, 1))
+
+    first = trainer([])
+    first.run()  # iteration 1 saved
+    reference = [first.train_step()["loss"] for _ in range(2)]
+    fallocate = os.posix_fallocate
+    if dist.get_rank() == 1:
+        def no_room(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.posix_fallocate = no_room
+    try:
+        first.save_checkpoint()
+        failure = None
+    except CheckpointSaveError as e:
+        failure = str(e)
+    finally:
+        os.posix_fallocate = fallocate
+    resumed = trainer(["--checkpoint.load", root])
+    return {"failure": failure, "latest": open(os.path.join(root, "latest")).read(),
+            "reference": reference, "resumed": [resumed.train_step()["loss"] for _ in range(2)]}
+
+
+def test_offloaded_checkpoints_save_resume_and_fail_cleanly(tmp_path):
+    root, nvme = tmp_path / "ckpt", tmp_path / "nvme"
+    nvme.mkdir()
+    for out in run_distributed(_checkpoint_through_files, 2, str(root), str(nvme)):
+        assert out["failure"].startswith(f"saving iteration 3 to {root} failed on rank 1: "), out
+        assert f"zero.nvme_path {nvme}: cannot reserve" in out["failure"], out
+        assert out["latest"] == "iter_0000001", out
+        assert out["resumed"] == out["reference"], out  # bitwise
+
+
 def test_offload_equals_in_memory_at_every_stage(tmp_path):
     for rank_out in run_distributed(_offload_world, 2, str(tmp_path)):
         for r in rank_out:

@@ -43,6 +43,7 @@ Interface used by the trainer and the pipeline schedules:
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol
 
@@ -294,8 +295,13 @@ class ZeroOptimizer:
     def all_finite(self) -> bool:
         """Whether every rank's master weights are finite (collective over the world)."""
         bad = torch.zeros(1, device=self.grid.device)
-        for values in self._shard_values():
-            bad += (~torch.isfinite(values)).sum()
+        if self.state.separate_master:  # piece by piece: swapped state never whole in memory
+            masters = (values for _, values in self.state.pieces("master"))
+            values = itertools.chain(masters, self.params.own_slices(frozen_only=True))
+        else:
+            values = self.params.own_slices()
+        for piece in values:
+            bad += (~torch.isfinite(piece)).sum().to(bad.device)
         comm.all_reduce(bad, self.grid["world"])
         return not bool(bad)
 

@@ -81,6 +81,10 @@ class MemoryStore:
         """The whole shard of one kind (checkpoints); a view, not a copy."""
         return self.flat[kind]
 
+    def pieces(self, kind: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """(shard offset, values) pieces of one kind: here, the whole shard at once."""
+        yield 0, self.flat[kind]
+
     def flush(self) -> None:
         """Writes are immediate in memory."""
 
@@ -193,12 +197,18 @@ class NvmeStore:
             base = self.spans[g][0]
             self._stage(g)[kind][start - base: end - base].copy_(values[start - offset: end - offset])
 
+    def pieces(self, kind: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """(shard offset, values) of each sub-group's part of one kind, one at a time (each
+        valid until the next is asked for)."""
+        for g, (lo, hi) in enumerate(self.spans):
+            yield lo, self._stage(g)[kind][: hi - lo]
+
     def read(self, kind: str) -> torch.Tensor:
         """The whole shard of one kind (checkpoints; padding is zero) as a private host
         tensor backed by a scratch file under nvme_path (see swap.scratch_tensor)."""
         out = scratch_tensor(self.path, self.numel)
-        for g, (lo, hi) in enumerate(self.spans):
-            out[lo:hi].copy_(self._stage(g)[kind][: hi - lo])
+        for lo, values in self.pieces(kind):
+            out[lo: lo + values.numel()].copy_(values)
         return out
 
     def nbytes(self) -> dict[str, int]:

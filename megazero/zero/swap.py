@@ -98,10 +98,9 @@ def scratch_tensor(path: str, numel: int) -> torch.Tensor:
     try:
         try:
             os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            raise UserError(f"zero.nvme_path {path}: cannot reserve {nbytes / 2**30:.2f} GiB to assemble a "
-                            f"checkpoint of swapped state ({e.strerror}); free space or choose another "
-                            f"directory") from e
+        except OSError as e:  # an OSError: a checkpoint save turns it into an agreed, clean failure
+            raise OSError(e.errno, f"zero.nvme_path {path}: cannot reserve {nbytes / 2**30:.2f} GiB to assemble a "
+                          f"checkpoint of swapped state ({e.strerror}); free space there") from e
         return torch.from_file(name, shared=True, size=numel, dtype=torch.float32)
     finally:
         os.close(fd)
