@@ -35,7 +35,7 @@ def _run(args: list[str], iters: int) -> dict:
     tr = Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
     losses = [tr.train_step()["loss"] for _ in range(iters)]
     return {"losses": losses, "params": tr.optimizer.full_state_dict(), "state": tr.optimizer.state_dict(),
-            "bytes": tr.optimizer.model_state_bytes(), "optimizer": tr.optimizer}
+            "bytes": tr.optimizer.model_state_bytes(), "optimizer": tr.optimizer, "trainer": tr}
 
 
 OPTIMIZER = {"cpu": ["--zero.offload_optimizer", "cpu"], "nvme": ["--zero.offload_optimizer", "nvme"]}
@@ -78,6 +78,26 @@ def _offload_world(nvme: str) -> list:
     return out
 
 
+def _gradients_leave_during_backward() -> list:
+    """ZeRO-Offload's device-to-host gradient path, forced on (this host has no device to
+    copy from): each bucket's slice is copied once final, before the backward ends."""
+    from megazero.zero.optimizer import ZeroOptimizer
+    out = []
+    ZeroOptimizer._offloads_gradients = lambda self: True
+    for stage in (1, 2, 3):
+        base = ["--zero.stage", str(stage)]
+        ref = _run(base, 2)
+        trainer = _run(base + OPTIMIZER["cpu"], 0)["trainer"]
+        opt = trainer.optimizer
+        before_finish, finish = [], opt.grads.finish
+        opt.grads.finish = lambda seen=before_finish, o=opt, f=finish: seen.append(o.host_grads.copied_numel) or f()
+        losses = [trainer.train_step()["loss"] for _ in range(2)]
+        out.append({"stage": stage, "dloss": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
+                    "before_finish": before_finish, "copied": opt.host_grads.copied_numel,
+                    "numel": opt.layout.trainable_numel})
+    return out
+
+
 def _checkpoint_through_files(root: str, nvme: str) -> dict:
     """Stage 3 with parameters and optimizer on NVMe, through real checkpoint files: a save
     that cannot get scratch space on rank 1 fails on every rank and keeps the last
@@ -114,6 +134,14 @@ def _checkpoint_through_files(root: str, nvme: str) -> dict:
     resumed = trainer(["--checkpoint.load", root])
     return {"failure": failure, "latest": open(os.path.join(root, "latest")).read(),
             "reference": reference, "resumed": [resumed.train_step()["loss"] for _ in range(2)]}
+
+
+def test_gradients_are_copied_to_the_host_as_their_buckets_finish():
+    for rank_out in run_distributed(_gradients_leave_during_backward, 2):
+        for r in rank_out:
+            assert r["dloss"] <= 1e-6, r
+            assert r["copied"] == r["numel"], r  # every gradient element once per iteration
+            assert all(0 < n < r["numel"] for n in r["before_finish"]), r  # most during backward
 
 
 def test_offloaded_checkpoints_save_resume_and_fail_cleanly(tmp_path):
