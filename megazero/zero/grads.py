@@ -54,6 +54,7 @@ class _InFlight:
     then: Optional[Callable[[], object]]
     wire: torch.Tensor
     temporary: bool  # holds a temporary full bucket (stages 2/3)
+    final: Optional[Bucket]  # its gradient slice is final for the iteration once completed (on_final)
 
 
 class GradientSync:
@@ -61,12 +62,16 @@ class GradientSync:
 
     def __init__(self, layout: Layout, *, stage: int, model_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  dp: comm.Group, embed: Optional[comm.Group], tied_buckets: list[int], device: torch.device,
-                 on_reduced: Optional[Callable[[int], None]] = None):
+                 on_reduced: Optional[Callable[[int], None]] = None,
+                 on_final: Optional[Callable[[Bucket, torch.Tensor], None]] = None):
         self.layout, self.stage, self.dp, self.embed = layout, stage, dp, embed
         self.model_dtype, self.reduce_dtype, self.device = model_dtype, reduce_dtype, device
         self.sharded = stage >= 2
         self.tied_buckets = tied_buckets  # summed over `embed` (None on stages without the embedding)
         self.on_reduced = on_reduced  # stage 3 releases a bucket's gathered parameters here
+        # ZeRO-Offload copies a bucket's gradient slice to host memory here, once it is final
+        # for the iteration (reduced in the last backward; tied ones after their embedding sum).
+        self.on_final = on_final
         self.buffers = FlatBuffers(layout, sharded=self.sharded, dtype=torch.float32, device=device,
                                    trainable_only=True)
         self.reduced_numel = 0
@@ -156,38 +161,38 @@ class GradientSync:
         self._ready.pop(b.index, None)
         self.reduced_numel += b.numel
         if self.sharded:
-            self._reduce_scatter(b, self._pending.pop(b.index), add=True)
+            handle, then, wire = self._reduce_scatter(b, self._pending.pop(b.index), add=True)
             if self.on_reduced is not None:
                 self.on_reduced(b.index)
         elif self.stage == 0:  # every rank keeps the whole reduced bucket
             full = self.buffers.full[b.index]
             wire = self._on_wire(full)
-            self._launched(comm.all_reduce(wire, self.dp, async_op=True), None if wire is full else
-                           lambda: full.copy_(wire), wire)
+            handle = comm.all_reduce(wire, self.dp, async_op=True)
+            then = None if wire is full else (lambda: full.copy_(wire))
         else:
-            self._reduce_scatter(b, self.buffers.full[b.index], add=False)
+            handle, then, wire = self._reduce_scatter(b, self.buffers.full[b.index], add=False)
         self._reduced.add(b.index)
+        final = self.on_final is not None and self._sync and b.index not in self.tied_buckets
+        self._launched(_InFlight(handle, then, wire, self.sharded, b if final else None))
 
-    def _reduce_scatter(self, b: Bucket, full: torch.Tensor, add: bool) -> None:
-        """Launch the sum of fp32 bucket `full` over DP in the reduce dtype; once waited, it
-        writes (stage 1) or adds (stages 2/3, once per micro-batch) this rank's slice into
-        its fp32 gradient slice."""
+    def _reduce_scatter(self, b: Bucket, full: torch.Tensor, add: bool) -> tuple:
+        """Launch the sum of fp32 bucket `full` over DP in the reduce dtype: (handle, what
+        completes it, tensor on the wire). Once waited, it writes (stage 1) or adds (stages
+        2/3, once per micro-batch) this rank's slice into its fp32 gradient slice."""
         into, wire = self.own_slice(b), self._on_wire(full)
         if wire is full and not add:  # stage 1 in fp32: reduced in place, into full's own slice
-            self._launched(comm.reduce_scatter_into(into, full, self.dp, async_op=True), None, full)
-            return
+            return comm.reduce_scatter_into(into, full, self.dp, async_op=True), None, full
         out = torch.empty(b.shard_numel, dtype=wire.dtype, device=wire.device)
         handle = comm.reduce_scatter_into(out, wire, self.dp, async_op=True)
-        self._launched(handle, (lambda: into.add_(out)) if add else (lambda: into.copy_(out)), wire)
+        return handle, (lambda: into.add_(out)) if add else (lambda: into.copy_(out)), wire
 
-    def _launched(self, handle: Optional[comm.Handle], then: Optional[Callable[[], object]],
-                  wire: torch.Tensor) -> None:
+    def _launched(self, f: _InFlight) -> None:
         """Record a launched reduction; complete the oldest ones that are done already, and
         wait for the oldest while too many temporary buckets are in flight."""
-        self._in_flight.append(_InFlight(handle, then, wire, self.sharded))
+        self._in_flight.append(f)
         while self._in_flight:
             head = self._in_flight[0]
-            temporaries = sum(f.temporary for f in self._in_flight)
+            temporaries = sum(x.temporary for x in self._in_flight)
             if temporaries <= TEMPORARIES_IN_FLIGHT and head.handle is not None and not head.handle.is_completed():
                 break
             self._complete_oldest()
@@ -198,6 +203,8 @@ class GradientSync:
             f.handle.wait()
         if f.then is not None:
             f.then()
+        if f.final is not None:  # the slice holds the iteration's reduced gradient now
+            self.on_final(f.final, self.own_slice(f.final))
 
     @property
     def in_flight(self) -> int:
@@ -221,4 +228,7 @@ class GradientSync:
                     self._reduce(b)
         self.wait()
         for index in self.tied_buckets:
-            comm.all_reduce(self.own_slice(self.layout.buckets[index]), self.embed)
+            b = self.layout.buckets[index]
+            comm.all_reduce(self.own_slice(b), self.embed)
+            if self.on_final is not None:
+                self.on_final(b, self.own_slice(b))
