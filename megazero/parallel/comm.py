@@ -72,17 +72,12 @@ class Handle(Protocol):
 
     def wait(self) -> Any: ...
 
-    def is_completed(self) -> bool: ...
-
 
 class _Done:
     """A collective that completed when it was issued (a group of one)."""
 
     def wait(self) -> None:
         return None
-
-    def is_completed(self) -> bool:
-        return True
 
 
 @dataclass
@@ -93,9 +88,6 @@ class _Threaded:
 
     def wait(self) -> None:
         self.future.result()
-
-    def is_completed(self) -> bool:
-        return self.future.done()
 
 
 def solo_group() -> Group:

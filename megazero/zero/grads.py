@@ -187,14 +187,11 @@ class GradientSync:
         return handle, (lambda: into.add_(out)) if add else (lambda: into.copy_(out)), wire
 
     def _launched(self, f: _InFlight) -> None:
-        """Record a launched reduction; complete the oldest ones that are done already, and
-        wait for the oldest while too many temporary buckets are in flight."""
+        """Record a launched reduction; while too many temporary buckets are in flight, wait
+        for the oldest. Nothing else is waited before finish(): the persistent buffers of
+        stages 0/1 need no early completion."""
         self._in_flight.append(f)
-        while self._in_flight:
-            head = self._in_flight[0]
-            temporaries = sum(x.temporary for x in self._in_flight)
-            if temporaries <= TEMPORARIES_IN_FLIGHT and head.handle is not None and not head.handle.is_completed():
-                break
+        while sum(x.temporary for x in self._in_flight) > TEMPORARIES_IN_FLIGHT:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
