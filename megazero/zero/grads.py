@@ -12,10 +12,12 @@ fill them, and their reduction as buckets complete.
 Every reduction is asynchronous: launched when its bucket is complete (so it overlaps the
 rest of backward) and waited, in launch order, before the step (`finish`), before the
 buffers are zeroed, or early, to bound memory: at stages 2/3 a launched reduction keeps its
-temporary full bucket until waited, so at most `TEMPORARIES_IN_FLIGHT` of them are (a
+temporary full bucket until waited, so at most `BOUNDED_IN_FLIGHT` of them are (a
 bucket reduced again in the next micro-batch simply queues behind its previous reduction,
-whose result is added to the shard first). The scale of the gradient values never depends
-on when a reduction is waited: the fp32 additions into a shard happen in launch order.
+whose result is added to the shard first); with ZeRO-Offload the last backward's
+reductions are bounded alike, so `on_final` hands slices to the host during backward. The
+gradient values never depend on when a reduction is waited: the fp32 additions into a
+shard happen in launch order.
 
 Gradients accumulate in fp32 whatever the compute dtype (Megatron's main_grad: summing 16
 bf16 micro-batch gradients in bf16 would lose ~4 bits); `reduce_dtype` is only the dtype
@@ -40,9 +42,9 @@ from torch import nn
 from megazero.parallel import comm
 from megazero.zero.partition import Bucket, FlatBuffers, Layout, Range, Slot
 
-# Stages 2/3: reductions in flight that each hold a temporary full fp32 bucket (double
-# buffering: one on the wire while the next fills; more would only queue on the same link).
-TEMPORARIES_IN_FLIGHT = 2
+# Bounded reductions in flight (see _InFlight.bounded): double buffering, one on the wire
+# while the next fills; more would only queue on the same link.
+BOUNDED_IN_FLIGHT = 2
 
 
 @dataclass(eq=False)
@@ -53,7 +55,9 @@ class _InFlight:
     handle: Optional[comm.Handle]
     then: Optional[Callable[[], object]]
     wire: torch.Tensor
-    temporary: bool  # holds a temporary full bucket (stages 2/3)
+    # Waited early, once BOUNDED_IN_FLIGHT newer ones are launched: it holds a temporary full
+    # bucket (stages 2/3), or its final slice is awaited by on_final (ZeRO-Offload's host copy).
+    bounded: bool
     final: Optional[Bucket]  # its gradient slice is final for the iteration once completed (on_final)
 
 
@@ -173,7 +177,7 @@ class GradientSync:
             handle, then, wire = self._reduce_scatter(b, self.buffers.full[b.index], add=False)
         self._reduced.add(b.index)
         final = self.on_final is not None and self._sync and b.index not in self.tied_buckets
-        self._launched(_InFlight(handle, then, wire, self.sharded, b if final else None))
+        self._launched(_InFlight(handle, then, wire, self.sharded or final, b if final else None))
 
     def _reduce_scatter(self, b: Bucket, full: torch.Tensor, add: bool) -> tuple:
         """Launch the sum of fp32 bucket `full` over DP in the reduce dtype: (handle, what
@@ -187,11 +191,11 @@ class GradientSync:
         return handle, (lambda: into.add_(out)) if add else (lambda: into.copy_(out)), wire
 
     def _launched(self, f: _InFlight) -> None:
-        """Record a launched reduction; while too many temporary buckets are in flight, wait
-        for the oldest. Nothing else is waited before finish(): the persistent buffers of
-        stages 0/1 need no early completion."""
+        """Record a launched reduction; while too many bounded ones are in flight, wait for
+        the oldest. Nothing else is waited before finish(): the persistent buffers of stages
+        0/1 need no early completion."""
         self._in_flight.append(f)
-        while sum(x.temporary for x in self._in_flight) > TEMPORARIES_IN_FLIGHT:
+        while sum(x.bounded for x in self._in_flight) > BOUNDED_IN_FLIGHT:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
