@@ -3,16 +3,25 @@
 The model is cut into *fetch units* along its execution order (per model chunk: the token
 embedding, the position embedding, each transformer block, the final norm with the head).
 Each unit's parameters form one bucket of the flat layout; the tied embedding weight has a
-bucket of its own because two units use it on a single-stage model, which therefore
-gathers it twice per forward (embedding, head) and keeps it from the head's backward to
-the embedding's, when its gradient is complete.
+bucket of its own because two units use it on a single-stage model (embedding, head).
 
     forward:  pre-hook of a unit's first module  -> gather its buckets (wait), prefetch the
-              next units' buckets (async); hook after its last module -> free them
+              next `zero.prefetch` units' buckets (async); hook after its last module ->
+              free the buckets no later unit of its chunk uses
     backward: a hook on the unit's outputs fires when their gradient arrives, i.e. just
-              before the unit's backward -> gather again, prefetch the previous units;
-              the optimizer frees a bucket once every parameter of it has its gradient
-              (and has reduce-scattered it)
+              before the unit's backward -> gather again, prefetch the previous
+              `zero.prefetch` units; the optimizer frees a bucket once every parameter of
+              it has its gradient (and has reduce-scattered it)
+
+So every bucket is all-gathered once per forward and once per backward, and each rank
+sends 3Ψ (N-1)/N bytes per micro-batch (two all-gathers, one reduce-scatter). The tied
+weight is the one bucket two units share: gathered for the embedding, it stays gathered
+through the whole forward until the head has used it, and from the head's backward until
+the embedding's backward completes its gradient. That holds the largest single tensor
+(V x h / tp) for the whole forward and backward, the price DeepSpeed and FSDP pay for a
+tied weight too, instead of a second all-gather of it per forward (+V h / Ψ of the bytes,
+~10% at GPT-2 124M). With pp > 1 the embedding and the head are on different stages, each
+with its own copy in a unit of its own, and nothing is held.
 
 A parameter's `.data` is a view into its bucket's full buffer while gathered and a shared
 empty placeholder while released. Freeing also shrinks the buffer's storage to zero bytes,
@@ -94,6 +103,7 @@ class ParamGatherer:
         self.gathered: set[int] = set()
         self.materialized_numel = 0
         self.peak_materialized_numel = 0
+        self.done_after_forward = [self._last_use(i) for i in range(len(units))]
         for b in range(len(layout.buckets)):
             self._free_storage(b)
         for i, unit in enumerate(units):
@@ -162,6 +172,12 @@ class ParamGatherer:
         for b in range(len(self.full)):
             self.release(b)
 
+    def _last_use(self, i: int) -> tuple[int, ...]:
+        """Unit i's buckets that no later unit of its chunk uses in forward (all but the tied
+        one, when the head comes later): freed after unit i's forward."""
+        later = {b for u in self.units[i + 1:] if u.chunk == self.units[i].chunk for b in u.buckets}
+        return tuple(b for b in self.units[i].buckets if b not in later)
+
     def _release_frozen_after(self, i: int) -> None:
         """Unit i's backward begins, so the backward of the later units of its chunk is over.
         Their trainable buckets are released once their gradients are reduced; frozen ones
@@ -195,7 +211,7 @@ class ParamGatherer:
     def _after_forward(self, i: int) -> None:
         if in_backward():  # recomputed forward: backward needs these parameters next
             return
-        for b in self.units[i].buckets:
+        for b in self.done_after_forward[i]:
             self.release(b)
 
     def _watch_output(self, i: int, output) -> None:
