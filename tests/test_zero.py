@@ -209,17 +209,24 @@ def test_stage_with_pp2_dp2_tied_embedding(reference, stage):
     assert {"lm_head.weight", "transformer.wte.weight"} <= {n for o in outs for n in o["params"]}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.slow  # the default suite checks zbh1 at ZeRO-3 in test_pipeline.py
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zbh1_stage_pp2_dp2(reference, stage):
     """ZB-H1 defers weight gradients past the B passes: ZeRO's hooks still see each one land,
     the DP reduction still runs once per gradient (stage 1: after the last W; stage 2: as each
-    bucket completes, the rest at finish)."""
+    bucket completes, the rest at finish). Stage 3 releases a unit's weights after its B (W
+    needs none) and still gathers each bucket once per forward and once per backward."""
     outs = _unpack(run_distributed(_train, 4, ["--zero.stage", str(stage), "--parallel.pp", "2",
                                                "--parallel.schedule", "zbh1", "--optim.clip_grad", "0.5"], 3))
     for out in outs:
         _assert_params_equal(out, reference)
         assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+        if out["losses"][0] is not None:  # the last pipeline stage's
+            assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"])) < 1e-5
+        if stage == 3:
+            ops = out["bytes"]["dp"]
+            gathers = _comm_theory(3, 4 * out["numel"], 2, out["micro"]) * 2 / 3
+            assert ops["all_gather"] == gathers and out["materialized"] == 0, ops
 
 
 @pytest.mark.slow

@@ -257,7 +257,6 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[Layout]:
     """Every layout the model, batch and cluster allow, within the `fixed` choices (Layout
     field -> value). TP stays inside a node unless tp is fixed."""
     gpus, gbs = cluster.gpus, cfg.train.global_batch_size
-    zbh1 = cfg.parallel.schedule == "zbh1"  # config validation refuses it with ZeRO-3
 
     def options(key: str, default) -> list:
         return [fixed[key]] if key in fixed else list(default)
@@ -273,8 +272,7 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[Layout]:
                                      options("zero_stage", range(4 if dp > 1 else 1)), options("recompute", RECOMPUTE))
             out += [Layout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False) and tp > 1,
                            fixed.get("offload_optimizer", False))
-                    for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb)
-                    and not (zbh1 and pp > 1 and vpp == 1 and stage == 3)]
+                    for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb)]
     return out
 
 

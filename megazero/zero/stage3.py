@@ -23,6 +23,13 @@ tied weight too, instead of a second all-gather of it per forward (+V h / Ψ of 
 ~10% at GPT-2 124M). With pp > 1 the embedding and the head are on different stages, each
 with its own copy in a unit of its own, and nothing is held.
 
+ZB-H1 (parallel.schedule zbh1) splits backward into B and a deferred W that needs only the
+saved inputs and output gradients, not the weights (see parallel/weight_grad.py). While a
+chunk's B pass defers its weight gradients, a unit's buckets are released as soon as the
+backward of the unit is over (when the previous unit's begins; the chunk's first unit at
+the end of the pass), not when their gradients are reduced, which now happens in W: the
+same two gathers per micro-batch, and no more gathered at once than in 1F1B.
+
 A parameter's `.data` is a view into its bucket's full buffer while gathered and a shared
 empty placeholder while released. Freeing also shrinks the buffer's storage to zero bytes,
 because autograd keeps views of weights (e.g. the transpose inside F.linear) that would
@@ -34,13 +41,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megazero.parallel import comm
+from megazero.parallel.weight_grad import WeightGradStore
 from megazero.zero.partition import Layout, Named, split_frozen
 from megazero.zero.shard_home import ShardHome
 
@@ -93,8 +101,11 @@ class ParamGatherer:
     collectives in the same order."""
 
     def __init__(self, layout: Layout, home: ShardHome, units: list[Unit], dp: comm.Group, prefetch: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 weight_grads: Sequence[Optional[WeightGradStore]] = ()) -> None:
+        """`weight_grads`: each model chunk's store of deferred weight gradients (zbh1), if any."""
         self.layout, self.home, self.units, self.dp = layout, home, units, dp
+        self.weight_grads = list(weight_grads)
         self.prefetch, self.device = prefetch, device
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
         self.full = [torch.empty(b.numel, dtype=dtype, device=device) for b in layout.buckets]
@@ -104,6 +115,9 @@ class ParamGatherer:
         self.materialized_numel = 0
         self.peak_materialized_numel = 0
         self.done_after_forward = [self._last_use(i) for i in range(len(units))]
+        # per unit, the first and last units of its chunk
+        self.chunk_span = [(min(j for j, v in enumerate(units) if v.chunk == u.chunk),
+                            max(j for j, v in enumerate(units) if v.chunk == u.chunk)) for u in units]
         for b in range(len(layout.buckets)):
             self._free_storage(b)
         for i, unit in enumerate(units):
@@ -178,17 +192,26 @@ class ParamGatherer:
         later = {b for u in self.units[i + 1:] if u.chunk == self.units[i].chunk for b in u.buckets}
         return tuple(b for b in self.units[i].buckets if b not in later)
 
-    def _release_frozen_after(self, i: int) -> None:
-        """Unit i's backward begins, so the backward of the later units of its chunk is over.
-        Their trainable buckets are released once their gradients are reduced; frozen ones
-        get no gradient to wait for and are released here."""
-        keep = set(self.units[i].buckets)
-        j = i + 1
-        while j < len(self.units) and self.units[j].chunk == self.units[i].chunk:
-            for b in self.units[j].buckets:
-                if b not in keep and not self.layout.buckets[b].trainable:
+    def deferring(self, chunk: int) -> bool:
+        """Whether a B pass of `chunk` is deferring its weight gradients (zbh1) right now."""
+        store = self.weight_grads[chunk] if chunk < len(self.weight_grads) else None
+        return store is not None and store.deferring
+
+    def reduced(self, b: int) -> None:
+        """Bucket b's gradient is complete and reduced: release it, unless a B pass of its
+        chunk is running (its units release their buckets themselves, when done with them)."""
+        if not self.deferring(self.layout.buckets[b].chunk):
+            self.release(b)
+
+    def _release_after_backward(self, units: range, keep: tuple[int, ...] = ()) -> None:
+        """The backward of `units` is over. Their trainable buckets are released once their
+        gradients are reduced; frozen ones get no gradient to wait for, nor, in a deferring B
+        pass, do the weights (their W needs none): those are released here, but for `keep`."""
+        for unit in (self.units[j] for j in units):
+            deferring = self.deferring(unit.chunk)
+            for b in unit.buckets:
+                if b not in keep and (deferring or not self.layout.buckets[b].trainable):
                     self.release(b)
-            j += 1
 
     # ------------------------------------------------------------------ hooks
 
@@ -219,7 +242,12 @@ class ParamGatherer:
             output.register_hook(lambda grad: self._before_backward(i))
 
     def _before_backward(self, i: int) -> None:
-        self._release_frozen_after(i)
+        first, last = self.chunk_span[i]
+        self._release_after_backward(range(i + 1, last + 1), keep=self.units[i].buckets)
+        if i == first and self.deferring(self.units[i].chunk):
+            # the chunk's first unit: its backward is over when the B pass is
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._release_after_backward(range(i, i + 1)))
         for b in self.units[i].buckets:
             self.fetch(b)
         for unit in self._neighbours(i, -1):
