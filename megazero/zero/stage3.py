@@ -115,6 +115,7 @@ class ParamGatherer:
         self.materialized_numel = 0
         self.peak_materialized_numel = 0
         self.done_after_forward = [self._last_use(i) for i in range(len(units))]
+        self.pass_end_queued = False  # a deferring B pass's end is to release its chunk's first units
         # per unit, the first and last units of its chunk
         self.chunk_span = [(min(j for j, v in enumerate(units) if v.chunk == u.chunk),
                             max(j for j, v in enumerate(units) if v.chunk == u.chunk)) for u in units]
@@ -203,6 +204,10 @@ class ParamGatherer:
         if not self.deferring(self.layout.buckets[b].chunk):
             self.release(b)
 
+    def _end_pass(self, first: int, last: int) -> None:
+        self.pass_end_queued = False
+        self._release_after_backward(range(first, last + 1))
+
     def _release_after_backward(self, units: range, keep: tuple[int, ...] = ()) -> None:
         """The backward of `units` is over. Their trainable buckets are released once their
         gradients are reduced; frozen ones get no gradient to wait for, nor, in a deferring B
@@ -244,10 +249,10 @@ class ParamGatherer:
     def _before_backward(self, i: int) -> None:
         first, last = self.chunk_span[i]
         self._release_after_backward(range(i + 1, last + 1), keep=self.units[i].buckets)
-        if i == first and self.deferring(self.units[i].chunk):
-            # the chunk's first unit: its backward is over when the B pass is
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._release_after_backward(range(i, i + 1)))
+        if self.deferring(self.units[i].chunk) and not self.pass_end_queued:
+            # the backward of the chunk's first unit is over when the B pass is
+            self.pass_end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_pass(first, last))
         for b in self.units[i].buckets:
             self.fetch(b)
         for unit in self._neighbours(i, -1):
