@@ -190,18 +190,22 @@ def rank_prediction(cfg: Config, layout: Layout, r: int, m: int, shape: F.Activa
              "tp": F.tp_bytes(list(rp.chunks), shape, m), "pp": F.pp_bytes(pp, vpp, r, m, shape),
              "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
     return RankPrediction(r, rp.param_numel, states, host, F.peak_in_flight_bytes(order, sizes),
-                          buffer_bytes(padded, stage, elem[0], cfg.zero.prefetch, rp.chunks[-1].post, shape), moved)
+                          buffer_bytes(padded, rp.tied, stage, elem[0], cfg.zero.prefetch, rp.chunks[-1].post, shape),
+                          moved)
 
 
-def buffer_bytes(padded: list[int], stage: int, param_bytes: int, prefetch: int, last: bool,
+def buffer_bytes(padded: list[int], tied: tuple[int, ...], stage: int, param_bytes: int, prefetch: int, last: bool,
                  shape: F.ActivationShape) -> int:
     """Transient buffers beside the model states and saved activations (an estimate): at
     stages 2/3 the fp32 gradient of the bucket being filled; at stage 3 the gathered unit
-    and the prefetched ones; on the last stage the fp32 logits and their exponentials."""
+    and the prefetched ones, beside the tied embedding (held from the embedding's forward to
+    the head's on a single stage; a bound elsewhere); on the last stage the fp32 logits and
+    their exponentials."""
     largest = max(padded)
     out = 4 * largest if stage >= 2 else 0
     if stage == 3:
-        out += (1 + prefetch) * largest * param_bytes
+        unit = max((n for i, n in enumerate(padded) if i not in tied), default=0)
+        out += (sum(padded[i] for i in tied) + (1 + prefetch) * unit) * param_bytes
     if last:
         out += 2 * 4 * shape.micro_batch * shape.seq * shape.vocab // shape.tp
     return out
