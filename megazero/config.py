@@ -67,7 +67,7 @@ class ParallelConfig:
     """Model chunks per pipeline rank (interleaved schedule when > 1)."""
     schedule: Literal["gpipe", "1f1b", "interleaved", "zbh1"] = "1f1b"
     """Pipeline schedule, used when pp > 1. zbh1: zero-bubble ZB-H1 (1F1B's memory, weight
-    gradients deferred into the cool-down; vpp 1, zero.stage 0-2, no train.compile)."""
+    gradients deferred into the cool-down; vpp 1, no train.compile)."""
     pp_layers: Optional[list] = None
     """Optional uneven split: layers per pipeline stage, e.g. [3, 5]; sums to num_layers."""
 
@@ -733,9 +733,6 @@ def _validate_zbh1(cfg: Config) -> None:
     if cfg.parallel.vpp > 1:
         raise ConfigError(f"parallel.schedule zbh1 runs one model chunk per rank, but parallel.vpp is "
                           f"{cfg.parallel.vpp}; use --parallel.vpp 1, or --parallel.schedule interleaved")
-    if cfg.zero.stage == 3:
-        raise ConfigError("parallel.schedule zbh1 does not support zero.stage 3 (ZeRO-3 frees the gathered weights "
-                          "before the deferred weight gradients land); use --zero.stage 2 or --parallel.schedule 1f1b")
     if cfg.train.compile:
         raise ConfigError("parallel.schedule zbh1 cannot defer weight gradients inside compiled blocks; "
                           "use --train.compile false or --parallel.schedule 1f1b")

@@ -288,10 +288,10 @@ def test_log_line_keeps_tflops_digits_on_tiny_models():
     assert "0.000138 TFLOP/s" in line and "fwd 12.3 ms" in line and "sent dp 1.00 MiB tp 0.00 MiB" in line
 
 
-def test_zbh1_plans_no_zero3_pipeline_and_its_own_bubble():
-    """Config validation refuses zbh1 with ZeRO-3, so the planner never offers it; its
-    pipelined layouts get ZB-H1's bubble, and memory counts each micro-batch until its W
-    (rank 0 as in 1F1B, the last rank up to pp micro-batches instead of one)."""
+def test_zbh1_plans_its_own_bubble():
+    """zbh1's pipelined layouts (ZeRO-3 included) get ZB-H1's bubble, and memory counts each
+    micro-batch until its W (rank 0 as in 1F1B, the last rank up to pp micro-batches instead
+    of one)."""
     from megazero.config import build_config
     from megazero.plan.planner import Cluster, candidates, predict
     preds = {}
@@ -302,7 +302,7 @@ def test_zbh1_plans_no_zero3_pipeline_and_its_own_bubble():
         cluster = Cluster(8, 8, 80.0, None)
         layouts = candidates(cfg, cluster, {})
         assert any(lay.pp > 1 and lay.zero_stage == 2 for lay in layouts)
-        assert any(lay.pp > 1 and lay.vpp == 1 and lay.zero_stage == 3 for lay in layouts) == (schedule == "1f1b")
+        assert any(lay.pp > 1 and lay.vpp == 1 and lay.zero_stage == 3 for lay in layouts)
         layout = next(lay for lay in layouts if lay.pp == 4 and lay.vpp == 1 and lay.micro_batch == 2)
         preds[schedule] = predict(cfg, layout, cluster, ranks=[0, 3], device="cpu")
     m = 32 // (2 * layout.dp)

@@ -46,21 +46,27 @@ def _unpack(results: list[bytes]) -> list:
     return [torch.load(io.BytesIO(r), weights_only=False) for r in results]
 
 
-def _train(args: list[str], iters: int) -> bytes:
-    """Run `iters` optimizer steps; return this rank's full parameters and what was measured."""
+def _run(args: list[str], iters: int) -> dict:
+    """Run `iters` optimizer steps; this rank's full parameters and what was measured."""
     tr = _trainer(args)
     opt, grid = tr.optimizer, tr.grid
-    norms = []
+    norms, losses = [], []
     for _ in range(iters):
         grid.reset_counters()
-        norms.append(tr.train_step()["grad_norm"])
+        out = tr.train_step()
+        norms.append(out["grad_norm"])
+        losses.append(out["loss"])
     # measured before full_state_dict() gathers everything on purpose
     measured = {"bytes": grid.bytes_moved(), "materialized": opt.materialized_numel,
                 "peak": opt.peak_materialized_numel}
-    return _pack({"params": opt.full_state_dict(), "norms": norms, "tp_rank": grid.tp_rank, "tp": grid.tp,
-            **measured, "numel": opt.layout.numel,
+    return {"params": opt.full_state_dict(), "norms": norms, "losses": losses, "tp_rank": grid.tp_rank,
+            "tp": grid.tp, **measured, "numel": opt.layout.numel,
             "bucket_numels": [b.numel for b in opt.layout.buckets], "tied": opt.tied_buckets,
-            "micro": tr.num_microbatches})
+            "micro": tr.num_microbatches}
+
+
+def _train(args: list[str], iters: int) -> bytes:
+    return _pack(_run(args, iters))
 
 
 @pytest.fixture(scope="module")
@@ -131,24 +137,54 @@ def _comm_theory(stage: int, psi_bytes: float, n: int, micro: int) -> float:
     return psi * (n - 1) / n
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2])  # stage 3: test_stage3_prefetch_depths_...
 def test_stage_matches_single_process_dp2(reference, stage):
     outs = _unpack(run_distributed(_train, 2, ["--zero.stage", str(stage), "--optim.clip_grad", "0.5"], 3))
     for out in outs:
         _assert_params_equal(out, reference)
         assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
-        moved = out["bytes"]["dp"]
-        sent = sum(v for k, v in moved.items() if not k.endswith("_calls"))
-        # Exactly the theory, plus the 4-byte (fp32) all-reduce of the iteration's loss and, at stage 3
-        # on one pipeline stage, a second forward gather of the tied embedding (used by the head).
-        tied = out["bucket_numels"][out["tied"][0]] * 4 * out["micro"] / 2 if stage == 3 else 0
-        assert sent - 4 - tied == _comm_theory(stage, 4 * out["numel"], 2, out["micro"]), moved
-    if stage == 3:
-        out = outs[0]
-        assert out["materialized"] == 0  # nothing stays gathered after the step
-        # never more than a unit in flight, the prefetched next one and the tied embedding
-        biggest = sorted(out["bucket_numels"], reverse=True)
-        assert out["peak"] <= sum(biggest[:3]) < out["numel"]
+        # Exactly the theory, plus the 4-byte (fp32) all-reduce of the iteration's loss.
+        assert _dp_sent(out) - 4 == _comm_theory(stage, 4 * out["numel"], 2, out["micro"]), out["bytes"]["dp"]
+
+
+def _dp_sent(out: dict) -> int:
+    return sum(v for k, v in out["bytes"]["dp"].items() if not k.endswith("_calls"))
+
+
+def _stage3_prefetches(prefetches: list[int]) -> bytes:
+    """ZeRO-3 at each `zero.prefetch`: what _run measures, and the planner's DP bytes."""
+    import torch.distributed as dist
+
+    from megazero.plan.planner import Cluster, Layout, predict
+    out = {}
+    for k in prefetches:
+        args = ["--zero.stage", "3", "--zero.prefetch", str(k), "--optim.clip_grad", "0.5"]
+        out[k] = _run(args, 3)
+        cfg = _cfg(args)
+        layout = Layout(1, 1, dist.get_world_size(), 1, 3, cfg.train.micro_batch_size, "none")
+        out[k]["planned"] = predict(cfg, layout, Cluster(2, 8, 1.0, None), ranks=[0], device="cpu").rank(0).bytes["dp"]
+    return _pack(out)
+
+
+def test_stage3_prefetch_depths_match_single_process_and_send_3psi(reference):
+    """Prefetching 0, 1 or 2 units ahead changes only what is gathered early: the same
+    parameters and losses as one process, the same bytes, and each unit more of depth holds
+    one transformer block more at the peak. Every bucket, the tied embedding/head weight
+    included, is all-gathered once per forward and once per backward: 3Ψ (N-1)/N per
+    micro-batch (+ the 4-byte loss all-reduce), what the layout planner predicts."""
+    for rank_out in _unpack(run_distributed(_stage3_prefetches, 2, [0, 1, 2])):
+        for k, out in rank_out.items():
+            _assert_params_equal(out, reference)
+            assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"])) < 1e-5, k
+            theory = _comm_theory(3, 4 * out["numel"], 2, out["micro"])
+            assert abs(_dp_sent(out) - theory) <= 0.02 * theory and _dp_sent(out) - 4 == theory, out["bytes"]["dp"]
+            assert _dp_sent(out) == out["planned"]
+            assert out["materialized"] == 0  # nothing stays gathered after the step
+        # prefetch 1: never more than a unit in use, the prefetched next one and the tied embedding
+        biggest = sorted(rank_out[1]["bucket_numels"], reverse=True)
+        assert rank_out[1]["peak"] <= sum(biggest[:3]) < rank_out[1]["numel"]
+        block = biggest[0]
+        assert rank_out[1]["peak"] - rank_out[0]["peak"] == rank_out[2]["peak"] - rank_out[1]["peak"] == block
 
 
 @pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
@@ -168,20 +204,29 @@ def test_stage_with_pp2_dp2_tied_embedding(reference, stage):
     for out in outs:
         _assert_params_equal(out, reference)
         assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+        if stage == 3:  # each stage's copy of the tied weight gathered once per forward and backward
+            assert _dp_sent(out) - _comm_theory(3, 4 * out["numel"], 2, out["micro"]) in (0, 4)
     assert {"lm_head.weight", "transformer.wte.weight"} <= {n for o in outs for n in o["params"]}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.slow  # the default suite checks zbh1 at ZeRO-3 in test_pipeline.py
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zbh1_stage_pp2_dp2(reference, stage):
     """ZB-H1 defers weight gradients past the B passes: ZeRO's hooks still see each one land,
     the DP reduction still runs once per gradient (stage 1: after the last W; stage 2: as each
-    bucket completes, the rest at finish)."""
+    bucket completes, the rest at finish). Stage 3 releases a unit's weights after its B (W
+    needs none) and still gathers each bucket once per forward and once per backward."""
     outs = _unpack(run_distributed(_train, 4, ["--zero.stage", str(stage), "--parallel.pp", "2",
                                                "--parallel.schedule", "zbh1", "--optim.clip_grad", "0.5"], 3))
     for out in outs:
         _assert_params_equal(out, reference)
         assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+        if out["losses"][0] is not None:  # the last pipeline stage's
+            assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"])) < 1e-5
+        if stage == 3:
+            ops = out["bytes"]["dp"]
+            gathers = _comm_theory(3, 4 * out["numel"], 2, out["micro"]) * 2 / 3
+            assert ops["all_gather"] == gathers and out["materialized"] == 0, ops
 
 
 @pytest.mark.slow
@@ -191,6 +236,8 @@ def test_stage_tp2_pp2_dp2_interleaved(reference, stage):
                                                "2", "--parallel.vpp", "2", "--optim.clip_grad", "0.5"], 3))
     for out in outs:
         _assert_params_equal(out, reference)
+        if stage == 3:
+            assert _dp_sent(out) - _comm_theory(3, 4 * out["numel"], 2, out["micro"]) in (0, 4)
 
 
 # ---------------------------------------------------------------------------- fp16 overflow

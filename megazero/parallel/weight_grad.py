@@ -16,6 +16,9 @@ dW)`), which runs the parameter's AccumulateGrad: the gradient lands exactly whe
 backward would put it (accumulated in place into a bucket view, or stored), and the
 post-accumulate-grad hooks that ZeRO's gradient sync hangs on the parameters fire as they
 would have. LayerNorm, bias and embedding gradients stay in B: they are cheap.
+Under ZeRO-3 the parameter is released (an empty placeholder) by the time W runs, which
+needs only x and dy, not the weight; the optimizer then sets the store's `sink`, which
+takes each dW straight into the gradient sync instead of through autograd.
 
 Layers without a store (weight_grads None: every schedule but zbh1, generation, tests of
 the plain model) call F.linear, unchanged to the bit.
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +44,8 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self.deferring = False
+        self.sink: Optional[Callable[[nn.Parameter, torch.Tensor], None]] = None
+        """Where W hands each (parameter, dW) when set (ZeRO-3); else autograd accumulates it."""
         self._filling: list[WeightGradWork] = []
         self._passes: deque[list[WeightGradWork]] = deque()
 
@@ -76,7 +81,11 @@ class WeightGradStore:
         work = deque(self._passes.popleft())
         while work:
             param, grad_out, x = work.popleft()
-            torch.autograd.backward(param, _weight_grad(grad_out, x))
+            if self.sink is not None:
+                with torch.no_grad():  # x is part of the graph: dW must not be
+                    self.sink(param, _weight_grad(grad_out, x))
+            else:
+                torch.autograd.backward(param, _weight_grad(grad_out, x))
 
 
 def attach_weight_grad_store(module: nn.Module) -> WeightGradStore:

@@ -186,22 +186,26 @@ def rank_prediction(cfg: Config, layout: Layout, r: int, m: int, shape: F.Activa
     sizes = [F.chunk_activation_bytes(c, shape) for c in rp.chunks]
     order = activation_events(ORDERS[schedule](pp, vpp, r, m)) if pp > 1 else [(True, 0), (False, 0)]
     wire = 2 if cfg.zero.reduce_dtype == "bf16" else 4
-    moved = {"dp": F.dp_bytes(stage, padded, list(rp.gathers), dp, m, wire, elem[0], r == pp - 1),
+    moved = {"dp": F.dp_bytes(stage, padded, dp, m, wire, elem[0], r == pp - 1),
              "tp": F.tp_bytes(list(rp.chunks), shape, m), "pp": F.pp_bytes(pp, vpp, r, m, shape),
              "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
     return RankPrediction(r, rp.param_numel, states, host, F.peak_in_flight_bytes(order, sizes),
-                          buffer_bytes(padded, stage, elem[0], cfg.zero.prefetch, rp.chunks[-1].post, shape), moved)
+                          buffer_bytes(padded, rp.tied, stage, elem[0], cfg.zero.prefetch, rp.chunks[-1].post, shape),
+                          moved)
 
 
-def buffer_bytes(padded: list[int], stage: int, param_bytes: int, prefetch: int, last: bool,
+def buffer_bytes(padded: list[int], tied: tuple[int, ...], stage: int, param_bytes: int, prefetch: int, last: bool,
                  shape: F.ActivationShape) -> int:
     """Transient buffers beside the model states and saved activations (an estimate): at
     stages 2/3 the fp32 gradient of the bucket being filled; at stage 3 the gathered unit
-    and the prefetched ones; on the last stage the fp32 logits and their exponentials."""
+    and the prefetched ones, beside the tied embedding (held from the embedding's forward to
+    the head's on a single stage; a bound elsewhere); on the last stage the fp32 logits and
+    their exponentials."""
     largest = max(padded)
     out = 4 * largest if stage >= 2 else 0
     if stage == 3:
-        out += (1 + prefetch) * largest * param_bytes
+        unit = max((n for i, n in enumerate(padded) if i not in tied), default=0)
+        out += (sum(padded[i] for i in tied) + (1 + prefetch) * unit) * param_bytes
     if last:
         out += 2 * 4 * shape.micro_batch * shape.seq * shape.vocab // shape.tp
     return out
@@ -257,7 +261,6 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[Layout]:
     """Every layout the model, batch and cluster allow, within the `fixed` choices (Layout
     field -> value). TP stays inside a node unless tp is fixed."""
     gpus, gbs = cluster.gpus, cfg.train.global_batch_size
-    zbh1 = cfg.parallel.schedule == "zbh1"  # config validation refuses it with ZeRO-3
 
     def options(key: str, default) -> list:
         return [fixed[key]] if key in fixed else list(default)
@@ -273,8 +276,7 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[Layout]:
                                      options("zero_stage", range(4 if dp > 1 else 1)), options("recompute", RECOMPUTE))
             out += [Layout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False) and tp > 1,
                            fixed.get("offload_optimizer", False))
-                    for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb)
-                    and not (zbh1 and pp > 1 and vpp == 1 and stage == 3)]
+                    for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb)]
     return out
 
 

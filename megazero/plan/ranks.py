@@ -36,9 +36,6 @@ class RankParams:
     """Per bucket, the element counts of its parameters in layout order."""
     tied: tuple[int, ...]
     """Buckets that hold the tied embedding (summed over the embedding group)."""
-    gathers: tuple[int, ...]
-    """Stage 3: how often each bucket is gathered per micro-batch (forward and backward;
-    the tied bucket of a chunk holding embedding and head three times)."""
     param_numel: int
 
     def padded(self, shards: int) -> list[int]:
@@ -68,9 +65,7 @@ def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3:
     groups = fetch_units(chunks)[1] if stage3 else bucket_groups(chunks, bucket_size)
     tied_params = {id(c.tied_weight()): c for c in chunks if c.tied_weight() is not None}
     tied = tuple(i for i, (_, named) in enumerate(groups) if any(id(p) in tied_params for _, p in named))
-    gathers = tuple(3 if i in tied and chunks[ci].pre_process and chunks[ci].post_process else 2
-                    for i, (ci, _) in enumerate(groups))
     return RankParams(chunks=tuple(Chunk(len(c.layers), c.pre_process, c.post_process) for c in chunks),
                       buckets=tuple(tuple(p.numel() for _, p in named) for _, named in groups),
-                      tied=tied, gathers=gathers,
+                      tied=tied,
                       param_numel=sum(p.numel() for c in chunks for p in c.parameters()))

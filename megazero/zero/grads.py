@@ -84,6 +84,7 @@ class GradientSync:
         self._reduced: set[int] = set()
         self._in_flight: deque[_InFlight] = deque()  # launched, not yet waited, in launch order
         self._pending: dict[int, torch.Tensor] = {}  # sharded: bucket -> full fp32 gradient being filled
+        self._slot_of = {id(s.param): (b, s) for b, s in self._trainable_slots()}
         for b, s in self._trainable_slots():
             s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
 
@@ -132,13 +133,23 @@ class GradientSync:
         finally:
             self._sync = previous
 
+    def add_grad(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Sharded stages: take p's gradient `grad` as its hook takes p.grad, without p holding
+        it (ZB-H1's deferred weight gradients at ZeRO-3, when p is released)."""
+        b, s = self._slot_of[id(p)]
+        self._add_sharded(b, s, grad)
+        self._mark_ready(b, s)
+
+    def _add_sharded(self, b: Bucket, s: Slot, grad: torch.Tensor) -> None:
+        buf = self._pending.get(b.index)
+        if buf is None:
+            buf = self._pending[b.index] = torch.zeros(b.numel, device=self.device)
+        buf[s.offset: s.offset + s.numel].view(s.shape).add_(grad)
+
     def _grad_ready(self, b: Bucket, s: Slot, p: nn.Parameter) -> None:
         """Called by autograd once p's gradient of this backward pass is accumulated."""
         if self.sharded:
-            buf = self._pending.get(b.index)
-            if buf is None:
-                buf = self._pending[b.index] = torch.zeros(b.numel, device=self.device)
-            buf[s.offset: s.offset + s.numel].view(s.shape).add_(p.grad)
+            self._add_sharded(b, s, p.grad)
             p.grad = None  # the full gradient lives on only in the bucket until it is reduced
         else:
             if p.grad is not None and p.grad.dtype != torch.float32:
@@ -150,6 +161,9 @@ class GradientSync:
                 raise RuntimeError(f"zero stage {self.stage} reduces gradients once per iteration, but bucket "
                                    f"{b.index} ({s.name}) got a second synchronised backward; wrap every backward "
                                    f"but the last of each model chunk in optimizer.no_sync()")
+        self._mark_ready(b, s)
+
+    def _mark_ready(self, b: Bucket, s: Slot) -> None:
         ready = self._ready.setdefault(b.index, set())
         ready.add(s.name)
         if len(ready) == len(b.slots):

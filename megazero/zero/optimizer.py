@@ -173,8 +173,9 @@ class ZeroOptimizer:
         self.params = ParamStore(self.layout, home=self._shard_home() if self.stage == 3 else None, dtype=self.dtype,
                                  device=grid.device, initial=self._initial, write_master=self._write_master)
         self.state.flush()
+        stores = [getattr(c, "weight_grads", None) for c in chunks]  # zbh1's deferred weight gradients
         self.gatherer = (ParamGatherer(self.layout, self.params.home, units, grid.dp_group, z.prefetch,
-                                       self.dtype, grid.device)
+                                       self.dtype, grid.device, stores)
                          if self.stage == 3 else None)
         if self.gatherer is not None:
             for c in chunks:
@@ -185,10 +186,13 @@ class ZeroOptimizer:
         self.grads = GradientSync(self.layout, stage=self.stage, model_dtype=self.dtype,
                                   reduce_dtype=COMPUTE_DTYPE[z.reduce_dtype], dp=grid.dp_group,
                                   embed=grid.embed_group if self.tied_buckets else None, tied_buckets=self.tied_buckets, device=grid.device,
-                                  on_reduced=self.gatherer.release if self.gatherer is not None else None,
+                                  on_reduced=self.gatherer.reduced if self.gatherer is not None else None,
                                   on_final=self.host_grads.copy if self.host_grads is not None else None)
         if self.stage in (1, 2):
             self._wait_in_forward(chunks)
+        if self.gatherer is not None:  # W lands its weight gradients with the parameters released
+            for store in filter(None, stores):
+                store.sink = self.grads.add_grad
         self.zero_grad()
 
     def _wait_in_forward(self, chunks: list[ShardableModel]) -> None:

@@ -3,16 +3,32 @@
 The model is cut into *fetch units* along its execution order (per model chunk: the token
 embedding, the position embedding, each transformer block, the final norm with the head).
 Each unit's parameters form one bucket of the flat layout; the tied embedding weight has a
-bucket of its own because two units use it on a single-stage model, which therefore
-gathers it twice per forward (embedding, head) and keeps it from the head's backward to
-the embedding's, when its gradient is complete.
+bucket of its own because two units use it on a single-stage model (embedding, head).
 
     forward:  pre-hook of a unit's first module  -> gather its buckets (wait), prefetch the
-              next units' buckets (async); hook after its last module -> free them
+              next `zero.prefetch` units' buckets (async); hook after its last module ->
+              free the buckets no later unit of its chunk uses
     backward: a hook on the unit's outputs fires when their gradient arrives, i.e. just
-              before the unit's backward -> gather again, prefetch the previous units;
-              the optimizer frees a bucket once every parameter of it has its gradient
-              (and has reduce-scattered it)
+              before the unit's backward -> gather again, prefetch the previous
+              `zero.prefetch` units; the optimizer frees a bucket once every parameter of
+              it has its gradient (and has reduce-scattered it)
+
+So every bucket is all-gathered once per forward and once per backward, and each rank
+sends 3Ψ (N-1)/N bytes per micro-batch (two all-gathers, one reduce-scatter). The tied
+weight is the one bucket two units share: gathered for the embedding, it stays gathered
+through the whole forward until the head has used it, and from the head's backward until
+the embedding's backward completes its gradient. That holds the largest single tensor
+(V x h / tp) for the whole forward and backward, the price DeepSpeed and FSDP pay for a
+tied weight too, instead of a second all-gather of it per forward (+V h / Ψ of the bytes,
+~10% at GPT-2 124M). With pp > 1 the embedding and the head are on different stages, each
+with its own copy in a unit of its own, and nothing is held.
+
+ZB-H1 (parallel.schedule zbh1) splits backward into B and a deferred W that needs only the
+saved inputs and output gradients, not the weights (see parallel/weight_grad.py). While a
+chunk's B pass defers its weight gradients, a unit's buckets are released as soon as the
+backward of the unit is over (when the previous unit's begins; the chunk's first unit at
+the end of the pass), not when their gradients are reduced, which now happens in W: the
+same two gathers per micro-batch, and no more gathered at once than in 1F1B.
 
 A parameter's `.data` is a view into its bucket's full buffer while gathered and a shared
 empty placeholder while released. Freeing also shrinks the buffer's storage to zero bytes,
@@ -25,13 +41,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megazero.parallel import comm
+from megazero.parallel.weight_grad import WeightGradStore
 from megazero.zero.partition import Layout, Named, split_frozen
 from megazero.zero.shard_home import ShardHome
 
@@ -84,8 +101,11 @@ class ParamGatherer:
     collectives in the same order."""
 
     def __init__(self, layout: Layout, home: ShardHome, units: list[Unit], dp: comm.Group, prefetch: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 weight_grads: Sequence[Optional[WeightGradStore]] = ()) -> None:
+        """`weight_grads`: each model chunk's store of deferred weight gradients (zbh1), if any."""
         self.layout, self.home, self.units, self.dp = layout, home, units, dp
+        self.weight_grads = list(weight_grads)
         self.prefetch, self.device = prefetch, device
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
         self.full = [torch.empty(b.numel, dtype=dtype, device=device) for b in layout.buckets]
@@ -94,6 +114,11 @@ class ParamGatherer:
         self.gathered: set[int] = set()
         self.materialized_numel = 0
         self.peak_materialized_numel = 0
+        self.done_after_forward = [self._last_use(i) for i in range(len(units))]
+        self.pass_end_queued = False  # a deferring B pass's end is to release its chunk's first units
+        # per unit, the first and last units of its chunk
+        self.chunk_span = [(min(j for j, v in enumerate(units) if v.chunk == u.chunk),
+                            max(j for j, v in enumerate(units) if v.chunk == u.chunk)) for u in units]
         for b in range(len(layout.buckets)):
             self._free_storage(b)
         for i, unit in enumerate(units):
@@ -162,17 +187,36 @@ class ParamGatherer:
         for b in range(len(self.full)):
             self.release(b)
 
-    def _release_frozen_after(self, i: int) -> None:
-        """Unit i's backward begins, so the backward of the later units of its chunk is over.
-        Their trainable buckets are released once their gradients are reduced; frozen ones
-        get no gradient to wait for and are released here."""
-        keep = set(self.units[i].buckets)
-        j = i + 1
-        while j < len(self.units) and self.units[j].chunk == self.units[i].chunk:
-            for b in self.units[j].buckets:
-                if b not in keep and not self.layout.buckets[b].trainable:
+    def _last_use(self, i: int) -> tuple[int, ...]:
+        """Unit i's buckets that no later unit of its chunk uses in forward (all but the tied
+        one, when the head comes later): freed after unit i's forward."""
+        later = {b for u in self.units[i + 1:] if u.chunk == self.units[i].chunk for b in u.buckets}
+        return tuple(b for b in self.units[i].buckets if b not in later)
+
+    def deferring(self, chunk: int) -> bool:
+        """Whether a B pass of `chunk` is deferring its weight gradients (zbh1) right now."""
+        store = self.weight_grads[chunk] if chunk < len(self.weight_grads) else None
+        return store is not None and store.deferring
+
+    def reduced(self, b: int) -> None:
+        """Bucket b's gradient is complete and reduced: release it, unless a B pass of its
+        chunk is running (its units release their buckets themselves, when done with them)."""
+        if not self.deferring(self.layout.buckets[b].chunk):
+            self.release(b)
+
+    def _end_pass(self, first: int, last: int) -> None:
+        self.pass_end_queued = False
+        self._release_after_backward(range(first, last + 1))
+
+    def _release_after_backward(self, units: range, keep: tuple[int, ...] = ()) -> None:
+        """The backward of `units` is over. Their trainable buckets are released once their
+        gradients are reduced; frozen ones get no gradient to wait for, nor, in a deferring B
+        pass, do the weights (their W needs none): those are released here, but for `keep`."""
+        for unit in (self.units[j] for j in units):
+            deferring = self.deferring(unit.chunk)
+            for b in unit.buckets:
+                if b not in keep and (deferring or not self.layout.buckets[b].trainable):
                     self.release(b)
-            j += 1
 
     # ------------------------------------------------------------------ hooks
 
@@ -195,7 +239,7 @@ class ParamGatherer:
     def _after_forward(self, i: int) -> None:
         if in_backward():  # recomputed forward: backward needs these parameters next
             return
-        for b in self.units[i].buckets:
+        for b in self.done_after_forward[i]:
             self.release(b)
 
     def _watch_output(self, i: int, output) -> None:
@@ -203,7 +247,12 @@ class ParamGatherer:
             output.register_hook(lambda grad: self._before_backward(i))
 
     def _before_backward(self, i: int) -> None:
-        self._release_frozen_after(i)
+        first, last = self.chunk_span[i]
+        self._release_after_backward(range(i + 1, last + 1), keep=self.units[i].buckets)
+        if self.deferring(self.units[i].chunk) and not self.pass_end_queued:
+            # the backward of the chunk's first unit is over when the B pass is
+            self.pass_end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_pass(first, last))
         for b in self.units[i].buckets:
             self.fetch(b)
         for unit in self._neighbours(i, -1):
