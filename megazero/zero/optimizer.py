@@ -33,6 +33,7 @@ Interface used by the trainer and the pipeline schedules:
     scale_loss(loss)      loss multiplier before backward (fp16 loss scaling)
     no_sync()             context for every backward but the last of each model chunk
     finish_grad_sync()    after the last backward: complete DP reduction, sum tied embeddings
+                          and the partial gradients of sequence parallelism over TP
     step(lr, loss) -> StepResult                 skipped everywhere on inf/NaN
     all_finite()          whether every rank's master weights are finite (before saving)
     state_dict() / load_state_dict()           this rank's shard plus the partition map
@@ -69,6 +70,7 @@ from megazero.zero.partition import (
     with_trainable_flags,
 )
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
+from megazero.zero.sequence_parallel import SequenceParallelGrads
 from megazero.zero.shard_home import MemoryShard, NvmeShard, ShardHome
 from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
 from megazero.zero.state import MemoryStore, NvmeStore
@@ -176,6 +178,8 @@ class ZeroOptimizer:
                                   reduce_dtype=COMPUTE_DTYPE[z.reduce_dtype], dp=grid.dp_group,
                                   embed=grid.embed_group if self.tied_buckets else None, tied_buckets=self.tied_buckets, device=grid.device,
                                   on_reduced=self.gatherer.release if self.gatherer is not None else None)
+        partial_over_tp = any(getattr(s.param, "sequence_parallel", False) for _, s in slots)
+        self.sp_grads = SequenceParallelGrads(self.layout, self.grads, grid.tp_group) if partial_over_tp else None
         self.zero_grad()
 
     def _initial(self, b: Bucket, s: Slot) -> torch.Tensor:
@@ -243,8 +247,11 @@ class ZeroOptimizer:
         return self.grads.no_sync()
 
     def finish_grad_sync(self) -> None:
-        """Complete the DP reduction and sum the tied embedding over its group (see GradientSync.finish)."""
+        """Complete the DP reduction and sum the tied embedding over its group (see GradientSync.finish),
+        then complete the gradients sequence parallelism leaves partial over TP."""
         self.grads.finish()
+        if self.sp_grads is not None:
+            self.sp_grads.all_reduce()
         if self.gatherer is not None:
             self.gatherer.release_all()
 
