@@ -67,7 +67,33 @@ def _check_collectives(tp: int) -> bool:
     scattered.backward(_shard(upstream, g))
     reduced.backward(torch.cat([u.chunk(g.size, dim=1)[r] for r, u in enumerate(upstreams)], dim=1))
     torch.testing.assert_close(partial.grad, partial_ref.grad, rtol=0, atol=0)
+    _check_gathered_linear(x, g)
     return True
+
+
+def _check_gathered_linear(x: torch.Tensor, g) -> None:
+    """The fused column-parallel matmul (keeps the shard, gathers it again in backward), plain
+    and with its weight gradient deferred (zbh1), against all-gather pair + F.linear."""
+    import torch.nn.functional as F
+
+    from megazero.parallel.comm import gather_from_sequence
+    from megazero.parallel.weight_grad import WeightGradStore, gathered_linear
+    upstream = torch.randn(3, 8, 6, generator=torch.Generator().manual_seed(20 + g.rank))
+    weight, bias = torch.randn(6, 5), torch.randn(6)
+    ref_w, ref_b, ref_x = (t.clone().requires_grad_() for t in (weight, bias, _shard(x, g)))
+    ref = F.linear(gather_from_sequence(ref_x, g), ref_w, ref_b)
+    ref.backward(upstream)
+    for store in (None, WeightGradStore()):
+        w, b, xs = (t.clone().requires_grad_() for t in (weight, bias, _shard(x, g)))
+        y = gathered_linear(xs, w, b, store, g)
+        torch.testing.assert_close(y, ref, rtol=0, atol=0)
+        with store.defer() if store is not None else contextlib.nullcontext():
+            y.backward(upstream)
+        if store is not None:
+            assert w.grad is None
+            store.run_next()
+        for mine, want in [(xs.grad, ref_x.grad), (w.grad, ref_w.grad), (b.grad, ref_b.grad)]:
+            torch.testing.assert_close(mine, want, rtol=1e-6, atol=1e-6)
 
 
 def _check_layers(tp: int) -> bool:

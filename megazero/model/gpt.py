@@ -41,14 +41,15 @@ from megazero.model.layers import (
     Dropout,
     RowParallelLinear,
     VocabParallelEmbedding,
+    column_parallel_linear,
     mark_tp,
     shard_of,
     split_parameter_,
     vocab_parallel_cross_entropy,
 )
-from megazero.parallel.comm import Group, enter_tp, solo_group
+from megazero.parallel.comm import Group, solo_group
 from megazero.parallel.random import RNGTracker
-from megazero.parallel.weight_grad import WeightGradStore, linear
+from megazero.parallel.weight_grad import WeightGradStore
 
 
 class CausalSelfAttention(nn.Module):
@@ -207,7 +208,7 @@ class GPT(nn.Module):
         if not self.post_process:
             return x
         x = self.transformer.ln_f(x)
-        return linear(enter_tp(x, self.tp, self.sequence_parallel), self.head_weight(), None, self.weight_grads)
+        return column_parallel_linear(x, self.head_weight(), None, self.weight_grads, self.tp, self.sequence_parallel)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy [b, s] from vocab-parallel logits (padding masked out); 0, with

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import padded_vocab_size
-from megazero.parallel.comm import Group, all_reduce, enter_tp, leave_tp, solo_group
+from megazero.parallel.comm import Group, all_reduce, copy_to_tp, leave_tp, solo_group
 from megazero.parallel.random import RNGTracker
-from megazero.parallel.weight_grad import WeightGradStore, linear
+from megazero.parallel.weight_grad import WeightGradStore, gathered_linear, linear
 
 
 def mark_tp(param: nn.Parameter, dim: Optional[int], stride: int, full_shape: tuple[int, ...]) -> nn.Parameter:
@@ -74,6 +74,16 @@ def unshard(shards: list[torch.Tensor], dim: Optional[int], stride: int) -> torc
     return torch.cat([torch.cat([p[b] for p in per_rank], dim=dim) for b in range(stride)], dim=dim)
 
 
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                           store: Optional[WeightGradStore], tp: Group, sequence_parallel: bool) -> torch.Tensor:
+    """x times this rank's output rows. x is replicated, and its gradient the sum of every
+    rank's partial one; or, under sequence parallelism, split along the sequence: gathered
+    for the matmul, its gradient reduce-scattered back."""
+    if sequence_parallel:
+        return gathered_linear(x, weight, bias, store, tp)
+    return linear(copy_to_tp(x, tp), weight, bias, store)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by output rows; the output stays split over TP ranks."""
 
@@ -97,8 +107,7 @@ class ColumnParallelLinear(nn.Module):
             split_parameter_(self, "bias", tp, 0, self.stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The input is replicated (or gathered); its gradient is the sum of every rank's partial gradient.
-        return linear(enter_tp(x, self.tp, self.sequence_parallel), self.weight, self.bias, self.weight_grads)
+        return column_parallel_linear(x, self.weight, self.bias, self.weight_grads, self.tp, self.sequence_parallel)
 
 
 class RowParallelLinear(nn.Module):

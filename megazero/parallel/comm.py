@@ -15,7 +15,8 @@ and those of sequence parallelism (Korthikanti et al., 2022), which replace copy
 reduce_from_tp where the activations outside TP regions are split along the sequence:
 
     gather_from_sequence      all-gather seq / reduce-scatter seq
-                              [g: gather_from_sequence_parallel_region]
+                              [g: gather_from_sequence_parallel_region; the column-
+                              parallel matmul fuses it: weight_grad.gathered_linear]
     reduce_scatter_to_sequence  reduce-scatter seq / all-gather seq
                               [g-bar: reduce_scatter_to_sequence_parallel_region]
 """
@@ -323,11 +324,6 @@ def gather_from_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Leave a TP region into the sequence-split stream: partial [b, s, h] -> summed [b, s/n, h]."""
     return x if group.size == 1 else _SequencePair.apply(x, group, reduce_scatter_sequence, gather_sequence)
-
-
-def enter_tp(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
-    """A TP region's input: replicated (f) or gathered along the sequence (sequence parallelism)."""
-    return gather_from_sequence(x, group) if sequence_parallel else copy_to_tp(x, group)
 
 
 def leave_tp(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
