@@ -31,7 +31,6 @@ import argparse
 import os
 import socket
 import sys
-import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -96,6 +95,7 @@ def planner(args, t: int, sequence_parallel: bool) -> int:
 
 
 def worker(rank: int, tp: int, port: int, args, queue) -> None:
+    """One TP rank: both figures of this tp (rank 0 reports them; every rank holds the same)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=tp)
@@ -103,9 +103,9 @@ def worker(rank: int, tp: int, port: int, args, queue) -> None:
     grid.build_groups()
     try:
         for sp in ([False, True] if tp > 1 else [False]):
-            queue.put((sp, rank, layer_bytes(args, grid, sp)))
-    except BaseException:  # tell the parent instead of leaving it waiting
-        queue.put((None, rank, traceback.format_exc()))
+            per_layer = layer_bytes(args, grid, sp)
+            if rank == 0:
+                queue.put((sp, per_layer))
     finally:
         dist.destroy_process_group()
 
@@ -124,33 +124,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     print("| tp | sequence parallel | measured MiB | Korthikanti 16-bit MiB | Korthikanti at e=4, m=4 MiB "
           "| measured / Korthikanti (e=4, m=4) | planner MiB | measured / planner |")
     print("|---|---|---|---|---|---|---|---|")
-    ctx = mp.get_context("spawn")
     mib = 2.0 ** -20
     for tp in args.tp:
-        queue = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [ctx.Process(target=worker, args=(r, tp, port, args, queue)) for r in range(tp)]
-        for p in procs:
-            p.start()
-        measured: dict[bool, dict[int, float]] = {}
-        for _ in range(tp * (2 if tp > 1 else 1)):
-            sp, rank, value = queue.get(timeout=1800)
-            if sp is None:
-                for p in procs:
-                    p.kill()
-                sys.exit(f"rank {rank} failed:\n{value}")
-            measured.setdefault(sp, {})[rank] = value
-        for p in procs:
-            p.join()
-        for sp, ranks in sorted(measured.items()):
-            got = ranks[0]
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(worker, args=(tp, port, args, queue), nprocs=tp)  # raises with the traceback of a failed rank
+        while not queue.empty():
+            sp, got = queue.get()
             at_run = korthikanti(args, tp, sp, ACT_BYTES, MASK_BYTES)
             plan = planner(args, tp, sp)
             print(f"| {tp} | {'yes' if sp else 'no'} | {got * mib:.2f} | {korthikanti(args, tp, sp) * mib:.2f} | "
                   f"{at_run * mib:.2f} | {got / at_run:.3f} | {plan * mib:.2f} | {got / plan:.3f} |", flush=True)
-
 
 if __name__ == "__main__":
     main()

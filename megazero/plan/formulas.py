@@ -169,12 +169,13 @@ def embedding_activation_bytes(x: ActivationShape) -> int:
 
 
 def head_activation_bytes(x: ActivationShape) -> int:
-    """The last stage: final LayerNorm input and statistics, the head's input, and the
-    vocab-parallel cross entropy's fp32 softmax over this rank's V/t logits with its targets."""
+    """The last stage: final LayerNorm input and statistics, the head's input (its sequence
+    shard under sequence parallelism), and the vocab-parallel cross entropy's fp32 softmax
+    over this rank's V/t logits with its targets."""
     b, s, h = x.micro_batch, x.seq, x.hidden
     seq_split = x.tp if x.sequence_parallel else 1
     norm = (x.act_bytes * s * b * h + 2 * b * s * x.stats_bytes) // seq_split
-    return norm + x.act_bytes * s * b * h + 4 * b * s * x.vocab // x.tp + 9 * b * s
+    return norm + x.act_bytes * s * b * h // seq_split + 4 * b * s * x.vocab // x.tp + 9 * b * s
 
 
 @dataclass(frozen=True)
