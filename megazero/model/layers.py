@@ -13,7 +13,7 @@ initialization, checkpoint resharding and export never special-case a layer.
 Sequence parallelism (`sequence_parallel` set on a layer, see GPT.apply_sequence_parallel):
 the activations between TP regions are split along the sequence instead of replicated, so
 a TP region is entered by an all-gather and left by a reduce-scatter along the sequence
-(comm.enter_tp / leave_tp) instead of an identity and an all-reduce.
+(column_parallel_linear, comm.leave_tp) instead of an identity and an all-reduce.
 """
 
 from __future__ import annotations

@@ -277,8 +277,8 @@ def gather_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
 # [b, s/n, h] goes on the wire as it is (contiguous, no copy) and the flat collectives
 # stack the shards rank-major, [n, b, s/n, h]; one permutation to [b, s, h] follows. At
 # micro-batch 1 (the usual case where memory is tight) that permutation is a view, so the
-# collectives run on the activations' own memory; above it costs one copy, much less than
-# transposing the whole model to sequence-first.
+# collectives run on the activations' own memory; above it costs one copy, where Megatron
+# instead keeps the whole model sequence-first ([s, b, h]).
 
 
 def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
