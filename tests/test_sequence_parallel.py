@@ -242,3 +242,17 @@ def test_sequence_parallel_4_ranks(reference):
 @pytest.mark.slow
 def test_sequence_parallel_matches_single_process_8_ranks(reference):
     _assert_parity(run_distributed(_layouts, 8, LAYOUTS_8)[0], reference)
+
+
+DROPOUT = ["--parallel.tp", "2", "--parallel.pp", "2", "--model.dropout", "0.1", *SP]
+
+
+@pytest.mark.slow
+def test_sequence_parallel_dropout_replayed_by_recompute():
+    """With dropout, per-TP-rank masks in the sequence-split stream: full and selective
+    recomputation replay them exactly (losses and gradient norms equal to no recomputation)."""
+    runs = run_distributed(_layouts, 4, {mode: DROPOUT + ["--train.recompute", mode]
+                                         for mode in ("none", "full", "selective")})[0]
+    for mode in ("full", "selective"):
+        for got, want in zip(runs[mode], runs["none"]):
+            assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (mode, runs)

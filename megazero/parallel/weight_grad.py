@@ -103,6 +103,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     return _DeferrableLinear.apply(x, weight.detach(), bias, store, (weight,))
 
 
+# Dynamo cannot trace the collectives inside: a compiled block (train.compile) calls it
+# eagerly between its graphs, instead of recompiling its frame for every parameter.
+@torch.compiler.disable
 def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     store: Optional[WeightGradStore], group: Group) -> torch.Tensor:
     """linear(x all-gathered along the sequence over `group`, ...), the column-parallel matmul
