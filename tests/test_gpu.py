@@ -1,7 +1,8 @@
 """GPU checks (`pytest -m gpu`, or scripts/gpu_check.sh): megazero on CUDA through NCCL.
 
 Every test is skipped where torch sees no CUDA device. On one GPU: bf16 training at each
-ZeRO stage, fp32 parity with the same run on CPU, the gathered 16-bit save, torch/HF
+ZeRO stage, fp32 parity with the same run on CPU and of offloaded runs (optimizer on the
+host or NVMe, parameters on NVMe) with in-memory ones, the gathered 16-bit save, torch/HF
 export and generation; with two GPUs also the 16-bit save across a pipeline and a TP
 group (the paths where tensors cross ranks by NCCL p2p and all-gather).
 """
@@ -73,6 +74,19 @@ def test_fp32_gpu_run_matches_cpu_run(tmp_path, monkeypatch):
     cpu = _train(tmp_path, "cpu", args, backend="gloo")
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(gpu, cpu)]
     assert len(diffs) == 10 and max(diffs) <= 1e-3, diffs
+
+
+@pytest.mark.parametrize("stage, offload", [
+    (2, ["--zero.offload_optimizer", "cpu"]),  # gradients leave for pinned host memory during backward
+    (3, ["--zero.offload_optimizer", "nvme", "--zero.offload_param", "nvme"])])
+def test_offloaded_gpu_run_matches_in_memory(tmp_path, stage, offload):
+    """ZeRO-Offload / ZeRO-Infinity on a GPU: the step on the CPU (side-stream gradient
+    copies, pinned buffers, NVMe swap) gives the in-memory run's fp32 losses."""
+    args = TINY + ["--train.iters", "10", "--zero.stage", str(stage)]
+    ref = _train(tmp_path, "in_memory", args)
+    got = _train(tmp_path, "offloaded", args + offload + ["--zero.nvme_path", str(tmp_path)])
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(ref, got)]
+    assert len(diffs) == 10 and max(diffs) <= 1e-4, diffs
 
 
 # ----------------------------------------------------------------------------- save, export, generate

@@ -35,7 +35,7 @@ def _run(args: list[str], iters: int) -> dict:
     tr = Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
     losses = [tr.train_step()["loss"] for _ in range(iters)]
     return {"losses": losses, "params": tr.optimizer.full_state_dict(), "state": tr.optimizer.state_dict(),
-            "bytes": tr.optimizer.model_state_bytes(), "optimizer": tr.optimizer}
+            "bytes": tr.optimizer.model_state_bytes(), "optimizer": tr.optimizer, "trainer": tr}
 
 
 OPTIMIZER = {"cpu": ["--zero.offload_optimizer", "cpu"], "nvme": ["--zero.offload_optimizer", "nvme"]}
@@ -78,6 +78,82 @@ def _offload_world(nvme: str) -> list:
     return out
 
 
+def _gradients_leave_during_backward() -> list:
+    """ZeRO-Offload's device-to-host gradient path, forced on (this host has no device to
+    copy from): each bucket's slice is copied once final, before the backward ends."""
+    from megazero.zero.optimizer import ZeroOptimizer
+    out = []
+    ZeroOptimizer._offloads_gradients = lambda self: True
+    for stage in (1, 2, 3):
+        base = ["--zero.stage", str(stage)]
+        ref = _run(base, 2)
+        trainer = _run(base + OPTIMIZER["cpu"], 0)["trainer"]
+        opt = trainer.optimizer
+        before_finish, finish = [], opt.grads.finish
+        opt.grads.finish = lambda seen=before_finish, o=opt, f=finish: seen.append(o.host_grads.copied_numel) or f()
+        losses = [trainer.train_step()["loss"] for _ in range(2)]
+        out.append({"stage": stage, "dloss": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
+                    "before_finish": before_finish, "copied": opt.host_grads.copied_numel,
+                    "numel": opt.layout.trainable_numel})
+    return out
+
+
+def _checkpoint_through_files(root: str, nvme: str) -> dict:
+    """Stage 3 with parameters and optimizer on NVMe, through real checkpoint files: a save
+    that cannot get scratch space on rank 1 fails on every rank and keeps the last
+    checkpoint; a resume from that checkpoint continues bitwise."""
+    import errno
+
+    import torch.distributed as dist
+
+    from megazero.checkpoint.sharded import CheckpointSaveError
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer
+
+    def trainer(extra: list[str]) -> Trainer:
+        cfg = _cfg(["--zero.stage", "3", "--zero.nvme_path", nvme, "--zero.buffer_count", "2",
+                    "--checkpoint.save", root, "--train.iters", "1", *PARAMS["param nvme + nvme"], *extra])
+        validate(cfg, dist.get_world_size())
+        return Trainer(cfg, ProcessGrid.create(1, 1))
+
+    first = trainer([])
+    first.run()  # iteration 1 saved
+    reference = [first.train_step()["loss"] for _ in range(2)]
+    fallocate = os.posix_fallocate
+    if dist.get_rank() == 1:
+        def no_room(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.posix_fallocate = no_room
+    try:
+        first.save_checkpoint()
+        failure = None
+    except CheckpointSaveError as e:
+        failure = str(e)
+    finally:
+        os.posix_fallocate = fallocate
+    resumed = trainer(["--checkpoint.load", root])
+    return {"failure": failure, "latest": open(os.path.join(root, "latest")).read(),
+            "reference": reference, "resumed": [resumed.train_step()["loss"] for _ in range(2)]}
+
+
+def test_gradients_are_copied_to_the_host_as_their_buckets_finish():
+    for rank_out in run_distributed(_gradients_leave_during_backward, 2):
+        for r in rank_out:
+            assert r["dloss"] <= 1e-6, r
+            assert r["copied"] == r["numel"], r  # every gradient element once per iteration
+            assert all(0 < n < r["numel"] for n in r["before_finish"]), r  # most during backward
+
+
+def test_offloaded_checkpoints_save_resume_and_fail_cleanly(tmp_path):
+    root, nvme = tmp_path / "ckpt", tmp_path / "nvme"
+    nvme.mkdir()
+    for out in run_distributed(_checkpoint_through_files, 2, str(root), str(nvme)):
+        assert out["failure"].startswith(f"saving iteration 3 to {root} failed on rank 1: "), out
+        assert f"zero.nvme_path {nvme}: cannot reserve" in out["failure"], out
+        assert out["latest"] == "iter_0000001", out
+        assert out["resumed"] == out["reference"], out  # bitwise
+
+
 def test_offload_equals_in_memory_at_every_stage(tmp_path):
     for rank_out in run_distributed(_offload_world, 2, str(tmp_path)):
         for r in rank_out:
@@ -111,6 +187,53 @@ def test_nvme_store_streams_sub_groups_and_keeps_what_the_step_wrote(tmp_path):
     assert torch.equal(master[~covered], torch.zeros(int((~covered).sum())))  # padding is not stored
     assert exp_avg[1600:1607].eq(3).all() and exp_avg[512:1512].eq(2).all()
     assert store.bytes_read > 0 and store.bytes_written > 0
+    # A checkpoint's copy of swapped state is file-backed under nvme_path (never wholly in
+    # memory) and the scratch file is gone from the directory already.
+    assert master.untyped_storage().filename.startswith(str(tmp_path))
+    assert not [n for n in os.listdir(tmp_path) if "scratch" in n]
+
+
+def test_nvme_shard_writes_back_behind_and_reads_ahead(tmp_path):
+    """Stage-3 parameters on NVMe: a bucket's write-back runs on the writer thread while the
+    next bucket (read ahead) is updated; a load or read after it sees the written values."""
+    from megazero.zero.partition import build_layout
+    from megazero.zero.shard_home import NvmeShard
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (700, 300, 1000)]
+    layout = build_layout([(0, [(f"p{i}", p)]) for i, p in enumerate(params)], shards=2, rank=1)
+    home = NvmeShard(layout, torch.float32, str(tmp_path), pin=False)
+    for step in range(3):
+        for b in sorted(layout.buckets, key=lambda b: b.shard_offset):
+            home.write(b.shard_offset, torch.full((b.shard_numel,), float(10 * step + b.index)))
+            assert home.ahead is None or home.ahead[0] != b.index
+        home.flush()
+        assert home.writing  # the last bucket's write-back is still behind us
+        for b in layout.buckets:
+            assert home.load(b).result().eq(10 * step + b.index).all()
+    assert home.read(0, layout.shard_numel).numel() == layout.shard_numel
+    assert home.file.bytes_written >= 3 * sum(home._nbytes(b.index) for b in layout.buckets)
+
+
+def test_large_rank_files_load_memory_mapped_after_their_digest_checks_out(tmp_path, monkeypatch):
+    from megazero.checkpoint import digest
+    path = str(tmp_path / "rank.pt")
+    state = {"exp_avg": torch.arange(1000, dtype=torch.float32)}
+    with open(path, "wb") as f:
+        writer = digest.HashingWriter(f)
+        torch.save(state, writer)
+    entry = writer.entry()
+    monkeypatch.setattr(digest, "IN_MEMORY_BYTES", 0)
+    calls, load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda f, **kw: calls.append((f, kw)) or load(f, **kw))
+    loaded = digest.load_torch(path, entry)
+    assert torch.equal(loaded["exp_avg"], state["exp_avg"])
+    assert calls == [(path, {"map_location": "cpu", "weights_only": True, "mmap": True})]
+    with open(path, "r+b") as f:  # a flipped byte is caught before anything is mapped
+        f.seek(-200, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-200, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(digest.DigestError, match="sha256"):
+        digest.load_torch(path, entry)
 
 
 def test_nvme_store_refuses_a_disk_without_room(tmp_path, monkeypatch):

@@ -2,8 +2,10 @@
 is read, before any value in it is used.
 
 A digest entry is ``{"sha256": hex, "bytes": n}``. Files loaded whole are read once, hashed
-as the bytes arrive, and deserialized from those very bytes (`load_torch`). Files that are
-memory-mapped and read piece by piece (resharding, export, universal checkpoints) are
+as the bytes arrive, and deserialized from those very bytes (`load_torch`); beyond
+IN_MEMORY_BYTES (a rank file of an offloaded run can exceed the host's free memory) they are
+verified first and then memory-mapped, so their tensors are file-backed pages the kernel
+can drop, not a second in-memory copy. Files that are memory-mapped and read piece by piece (resharding, export, universal checkpoints) are
 hashed in one sequential read when first opened (`verify`), before the mapping is used.
 """
 
@@ -17,6 +19,7 @@ from typing import IO, Any, Optional
 import torch
 
 BLOCK = 1 << 22
+IN_MEMORY_BYTES = 1 << 30
 
 
 class DigestError(ValueError):
@@ -91,5 +94,9 @@ def read_verified(path: str, expected: dict) -> io.BytesIO:
 
 
 def load_torch(path: str, expected: dict) -> Any:
-    """torch.load(weights_only=True) from the bytes read while hashing, once they checked out."""
-    return torch.load(read_verified(path, expected), map_location="cpu", weights_only=True)
+    """torch.load(weights_only=True) from the bytes read while hashing, once they checked
+    out; a file over IN_MEMORY_BYTES is verified, then loaded memory-mapped."""
+    if os.path.getsize(path) <= IN_MEMORY_BYTES:
+        return torch.load(read_verified(path, expected), map_location="cpu", weights_only=True)
+    verify(path, expected)
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -90,7 +90,7 @@ def decode_rng(states: dict) -> dict:
 # ----------------------------------------------------------------------------- save
 
 
-def save(save_dir: str, iteration: int, rank_state: dict, cfg: Config, grid: ProcessGrid,
+def save(save_dir: str, iteration: int, rank_state: dict | Callable[[], dict], cfg: Config, grid: ProcessGrid,
          keep_last: int = 0, extra: Optional[Callable[[str], list[str]]] = None) -> str:
     """Collective: every rank writes its state; rank 0 seals the checkpoint. Returns its path.
     `extra(directory)`, when given, is a collective writing more files (their paths relative
@@ -102,7 +102,10 @@ def save(save_dir: str, iteration: int, rank_state: dict, cfg: Config, grid: Pro
     tmp = final + TMP_SUFFIX
     c = grid.coords()
     name = rank_file_name(c.tp, c.pp, c.dp)
-    entries = step.run(lambda: _write_rank_file(os.path.join(tmp, name), rank_state))
+    # Built inside the step when given as a callable: assembling state can fail on one rank
+    # (scratch space for NVMe-swapped state) and must stop every rank alike.
+    entries = step.run(lambda: _write_rank_file(os.path.join(tmp, name),
+                                                rank_state() if callable(rank_state) else rank_state))
     files = dict(zip(_names(grid), entries))
     if extra is not None:
         def write_extra() -> dict[str, Optional[dict]]:

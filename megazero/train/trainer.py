@@ -126,7 +126,7 @@ class Trainer:
             return written
         wanted = c.save_model_16bit or self.cfg.finetune.lora_rank
         try:
-            path = sharded.save(c.save, self.iteration, self.rank_state(), self.cfg, self.grid, c.keep_last,
+            path = sharded.save(c.save, self.iteration, self.rank_state, self.cfg, self.grid, c.keep_last,
                                 extra if wanted else None)
         except sharded.CheckpointSaveError as e:  # every rank gets it: all stop, or all go on
             if c.on_save_error == "stop" or last:

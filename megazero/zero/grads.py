@@ -37,12 +37,16 @@ class GradientSync:
 
     def __init__(self, layout: Layout, *, stage: int, model_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  dp: comm.Group, embed: Optional[comm.Group], tied_buckets: list[int], device: torch.device,
-                 on_reduced: Optional[Callable[[int], None]] = None):
+                 on_reduced: Optional[Callable[[int], None]] = None,
+                 on_final: Optional[Callable[[Bucket, torch.Tensor], None]] = None):
         self.layout, self.stage, self.dp, self.embed = layout, stage, dp, embed
         self.model_dtype, self.reduce_dtype, self.device = model_dtype, reduce_dtype, device
         self.sharded = stage >= 2
         self.tied_buckets = tied_buckets  # summed over `embed` (None on stages without the embedding)
         self.on_reduced = on_reduced  # stage 3 releases a bucket's gathered parameters here
+        # ZeRO-Offload copies a bucket's gradient slice to host memory here, once it is final
+        # for the iteration (reduced in the last backward; tied ones after their embedding sum).
+        self.on_final = on_final
         self.buffers = FlatBuffers(layout, sharded=self.sharded, dtype=torch.float32, device=device,
                                    trainable_only=True)
         self.reduced_numel = 0
@@ -142,6 +146,8 @@ class GradientSync:
         else:
             self._reduce_scatter(b, self.buffers.full[b.index], add=False)
         self._reduced.add(b.index)
+        if self.on_final is not None and self._sync and b.index not in self.tied_buckets:
+            self.on_final(b, self.own_slice(b))
 
     def _reduce_scatter(self, b: Bucket, full: torch.Tensor, add: bool) -> None:
         """Sum fp32 bucket `full` over DP in the reduce dtype; write (stage 1) or add (stages
@@ -171,4 +177,7 @@ class GradientSync:
                 full.copy_(wire)
         self._works.clear()
         for index in self.tied_buckets:
-            comm.all_reduce(self.own_slice(self.layout.buckets[index]), self.embed)
+            b = self.layout.buckets[index]
+            comm.all_reduce(self.own_slice(b), self.embed)
+            if self.on_final is not None:
+                self.on_final(b, self.own_slice(b))

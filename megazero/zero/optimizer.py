@@ -18,6 +18,8 @@ The work is divided by responsibility; this class wires the pieces together and 
                 (zero.offload_optimizer cpu) or NVMe swap files (nvme), one interface
     clip.py     global grad norm and inf/NaN agreement; adamw.py: the update rule
     stage3.py   ParamGatherer: gather/release of stage-3 parameters around each module
+    host_grads.py  ZeRO-Offload on an accelerator: gradient slices copied to the host
+                during backward, as their buckets are reduced
 
 Frozen parameters (requires_grad False: the base model under LoRA) sit in buckets of their
 own at the end of the shard: they are stored, sharded and gathered like the others, but
@@ -44,6 +46,7 @@ Interface used by the trainer and the pipeline schedules:
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol
 
@@ -58,6 +61,7 @@ from megazero.parallel.host import HostStaging
 from megazero.zero.adamw import adamw_
 from megazero.zero.clip import clip_coefficient, grad_norm_and_overflow
 from megazero.zero.grads import GradientSync
+from megazero.zero.host_grads import HostGradients
 from megazero.zero.materialize import replace_meta_parameters
 from megazero.zero.params import ParamStore
 from megazero.zero.partition import (
@@ -174,13 +178,21 @@ class ZeroOptimizer:
         if self.gatherer is not None:
             for c in chunks:
                 c.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
+        # ZeRO-Offload on an accelerator: gradient slices leave for the host during backward.
+        self.host_grads = (HostGradients(self.layout.trainable_numel, grid.device, z.pin_memory)
+                           if self._offloads_gradients() else None)
         self.grads = GradientSync(self.layout, stage=self.stage, model_dtype=self.dtype,
                                   reduce_dtype=COMPUTE_DTYPE[z.reduce_dtype], dp=grid.dp_group,
                                   embed=grid.embed_group if self.tied_buckets else None, tied_buckets=self.tied_buckets, device=grid.device,
-                                  on_reduced=self.gatherer.release if self.gatherer is not None else None)
+                                  on_reduced=self.gatherer.release if self.gatherer is not None else None,
+                                  on_final=self.host_grads.copy if self.host_grads is not None else None)
         partial_over_tp = any(getattr(s.param, "sequence_parallel", False) for _, s in slots)
         self.sp_grads = SequenceParallelGrads(self.layout, self.grads, grid.tp_group) if partial_over_tp else None
         self.zero_grad()
+
+    def _offloads_gradients(self) -> bool:
+        """Whether the step runs in host memory apart from the device's gradients."""
+        return self.cfg.zero.offload_optimizer != "none" and self.grid.device.type != "cpu"
 
     def _initial(self, b: Bucket, s: Slot) -> torch.Tensor:
         """Parameter s's starting value, flat: drawn from its chunk's init when the model was
@@ -238,6 +250,8 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         self.grads.zero_grad()
+        if self.host_grads is not None:
+            self.host_grads.reset()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scaler.scale if self.scaler is not None else loss
@@ -252,6 +266,10 @@ class ZeroOptimizer:
         self.grads.finish()
         if self.sp_grads is not None:
             self.sp_grads.all_reduce()
+            if self.host_grads is not None:  # their host copies left before the TP sum: replace them
+                self.host_grads.wait()
+                for r in self.sp_grads.ranges:
+                    self.host_grads.view(r).copy_(self.grads.view(r))
         if self.gatherer is not None:
             self.gatherer.release_all()
 
@@ -281,12 +299,13 @@ class ZeroOptimizer:
         o = self.cfg.optim
         coef = (1.0 / scale if scale is not None else 1.0) * clip_coefficient(norm, o.clip_grad)
         self.step_count += 1
+        if self.host_grads is not None:
+            self.host_grads.wait()
         for group, st in self.state.iterate(self.groups):
-            grads = [self.grads.view(r) for r in group]  # fp32; scaled in place (zeroed before the next use)
+            # fp32 gradients where the step runs; scaled in place (zeroed before the next use)
+            grads = [self.host_grads.view(r) if self.host_grads is not None else self.grads.view(r) for r in group]
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
-            if st.device != self.grid.device:  # offloaded: the step runs where the state lives
-                grads = [g.to(st.device) for g in grads]
             masters = st.master if st.master is not None else [self.params.view(r) for r in group]
             adamw_(masters, grads, st.exp_avg, st.exp_avg_sq, [m for m, r in zip(masters, group) if r.decay],
                    lr=lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
@@ -301,8 +320,13 @@ class ZeroOptimizer:
     def all_finite(self) -> bool:
         """Whether every rank's master weights are finite (collective over the world)."""
         bad = torch.zeros(1, device=self.grid.device)
-        for values in self._shard_values():
-            bad += (~torch.isfinite(values)).sum()
+        if self.state.separate_master:  # piece by piece: swapped state never whole in memory
+            masters = (values for _, values in self.state.pieces("master"))
+            values = itertools.chain(masters, self.params.own_slices(frozen_only=True))
+        else:
+            values = self.params.own_slices()
+        for piece in values:
+            bad += (~torch.isfinite(piece)).sum().to(bad.device)
         comm.all_reduce(bad, self.grid["world"])
         return not bool(bad)
 
@@ -318,12 +342,17 @@ class ZeroOptimizer:
     def state_dict(self) -> dict:
         """Only this rank's shard (fp32 master, Adam moments, step, loss scaler) and the
         partition map that says where each element belongs, in host memory: copied out one
-        tensor at a time through a pinned buffer, never cloned on the device."""
+        tensor at a time through a pinned buffer, never cloned on the device (state swapped
+        to NVMe comes back in scratch-file-backed host tensors, never wholly in memory)."""
         host = HostStaging()
+
+        def on_host(pieces: list[torch.Tensor]) -> torch.Tensor:
+            # An NVMe store's reads are already private host copies (file-backed): no second one.
+            return pieces[0] if len(pieces) == 1 and self.state.reads_are_copies else host.concat(pieces)
         return {"stage": self.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
                 "precision": self.cfg.train.precision, "step": self.step_count,
-                "master": host.concat(self._shard_values()), "exp_avg": host.concat([self.state.read("exp_avg")]),
-                "exp_avg_sq": host.concat([self.state.read("exp_avg_sq")]),
+                "master": on_host(self._shard_values()), "exp_avg": on_host([self.state.read("exp_avg")]),
+                "exp_avg_sq": on_host([self.state.read("exp_avg_sq")]),
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "partition": self.layout.param_map()}
 

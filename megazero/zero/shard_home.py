@@ -73,12 +73,18 @@ class MemoryShard:
 
 
 class NvmeShard:
-    """The shard in one swap file under `path`, a block-aligned region per bucket. Writes
-    go through one staging buffer holding a whole bucket region (the optimizer updates a
-    bucket's ranges one after another), so each bucket costs one read and one write per step."""
+    """The shard in one swap file under `path`, a block-aligned region per bucket.
 
-    def __init__(self, layout: Layout, dtype: torch.dtype, path: str, pin: bool) -> None:
-        self.layout, self.dtype, self.pin = layout, dtype, pin
+    The optimizer updates a bucket's ranges one after another, in shard order, through a
+    staging buffer holding the bucket's whole region: when it moves on, the buffer is
+    written back on a writer thread while the next bucket's region, already read ahead on
+    the reader thread, is updated. A bucket therefore costs one read and one write per step,
+    overlapped with the update of its neighbours; host memory holds at most the staged
+    bucket, the one read ahead and `max_writes` being written. A read of a region waits for
+    that region's write, so `load` always sees the latest values."""
+
+    def __init__(self, layout: Layout, dtype: torch.dtype, path: str, pin: bool, max_writes: int = 1) -> None:
+        self.layout, self.dtype, self.pin, self.max_writes = layout, dtype, pin, max_writes
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
         self.in_shard_order = sorted(layout.buckets, key=lambda b: b.shard_offset)
         self.starts = [b.shard_offset for b in self.in_shard_order]
@@ -89,31 +95,61 @@ class NvmeShard:
         self.file_bytes = end
         check_space(path, end, "parameter")
         self.file = SwapFile(path, "params", end)
-        self.reader = ThreadPoolExecutor(1)  # reads release the GIL: they overlap compute
+        self.reader = ThreadPoolExecutor(1)  # file I/O releases the GIL: it overlaps compute
+        self.writer = ThreadPoolExecutor(1)
+        self.writing: dict[int, Future] = {}  # bucket -> its region's write in flight
+        self.ahead: Optional[tuple[int, Future]] = None  # the next staging region, being read
         self.staged: Optional[int] = None
         self.stage_buffer: Optional[torch.Tensor] = None
 
-    def _region(self, b: int, write: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Bucket b's region read into a fresh aligned buffer, or `write` written to it."""
-        nbytes = padded(self.layout.buckets[b].shard_numel * self.itemsize)
-        if write is not None:
-            self.file.io(write.view(torch.uint8)[:nbytes], self.where[b], write=True)
-            return write
-        buffer = aligned_buffer(nbytes, self.pin)
+    def _nbytes(self, b: int) -> int:
+        return padded(self.layout.buckets[b].shard_numel * self.itemsize)
+
+    def _read_region(self, b: int) -> torch.Tensor:
+        """Bucket b's region in a fresh aligned buffer (after its pending write, if any)."""
+        pending = self.writing.get(b)
+        if pending is not None:
+            pending.result()
+        buffer = aligned_buffer(self._nbytes(b), self.pin)
         self.file.io(buffer, self.where[b], write=False)
         return buffer.view(self.dtype)
 
+    def _write_region(self, b: int, buffer: torch.Tensor) -> None:
+        """Write bucket b's staged region on the writer thread, keeping at most
+        `max_writes` buffers in flight."""
+        while len(self.writing) >= self.max_writes:
+            self._finish_write(next(iter(self.writing)))
+        self.writing[b] = self.writer.submit(self.file.io, buffer.view(torch.uint8)[: self._nbytes(b)],
+                                             self.where[b], True)
+
+    def _finish_write(self, b: int) -> None:
+        # Wait before forgetting it: a read on the reader thread that finds no pending
+        # write for b must be able to trust the file.
+        self.writing[b].result()
+        del self.writing[b]
+
     def load(self, b: Bucket) -> Future:
         self.flush()
-        return self.reader.submit(lambda: self._region(b.index)[: b.shard_numel])
+        return self.reader.submit(lambda: self._read_region(b.index)[: b.shard_numel])
 
     def _stage(self, offset: int) -> tuple[torch.Tensor, int]:
         """The staging buffer holding the bucket that contains shard element `offset`, and
-        that bucket's first shard element."""
-        bucket = self.in_shard_order[bisect.bisect_right(self.starts, offset) - 1]
+        that bucket's first shard element; the bucket after it is read ahead."""
+        at = bisect.bisect_right(self.starts, offset) - 1
+        bucket = self.in_shard_order[at]
         if self.staged != bucket.index:
             self.flush()
-            self.stage_buffer, self.staged = self._region(bucket.index), bucket.index
+            ahead, self.ahead = self.ahead, None
+            if ahead is not None and ahead[0] == bucket.index:
+                self.stage_buffer = ahead[1].result()
+            else:
+                if ahead is not None:
+                    ahead[1].result()  # a stale read-ahead: let it finish, drop it
+                self.stage_buffer = self._read_region(bucket.index)
+            self.staged = bucket.index
+            nxt = self.in_shard_order[at + 1] if at + 1 < len(self.in_shard_order) else None
+            if nxt is not None and nxt.trainable == bucket.trainable:  # a step stops at the frozen buckets
+                self.ahead = (nxt.index, self.reader.submit(self._read_region, nxt.index))
         return self.stage_buffer, bucket.shard_offset
 
     def read(self, offset: int, numel: int) -> torch.Tensor:
@@ -131,8 +167,9 @@ class NvmeShard:
         buffer[offset - base: offset - base + values.numel()].copy_(values)
 
     def flush(self) -> None:
+        """Send the staged bucket to its writer; `load` and reads wait for it where needed."""
         if self.staged is not None:
-            self._region(self.staged, write=self.stage_buffer)
+            self._write_region(self.staged, self.stage_buffer)
             self.staged = self.stage_buffer = None
 
     def nbytes(self) -> dict[str, int]:

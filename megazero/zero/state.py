@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 import torch
 
 from megazero.zero.partition import Range
-from megazero.zero.swap import SwapFile, aligned_buffer, check_space, padded
+from megazero.zero.swap import SwapFile, aligned_buffer, check_space, padded, scratch_tensor
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -64,6 +64,7 @@ class MemoryStore:
             return host_tensor(numel, pin) if device.type == "cpu" else torch.zeros(numel, device=device)
         self.flat = {k: alloc() for k in KINDS if k != "master" or separate_master}
         self.separate_master = separate_master
+        self.reads_are_copies = False  # read() hands out views of the state itself
 
     def iterate(self, groups: list[list[Range]]) -> Iterator[tuple[list[Range], GroupState]]:
         for group in groups:
@@ -80,6 +81,10 @@ class MemoryStore:
         """The whole shard of one kind (checkpoints); a view, not a copy."""
         return self.flat[kind]
 
+    def pieces(self, kind: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """(shard offset, values) pieces of one kind: here, the whole shard at once."""
+        yield 0, self.flat[kind]
+
     def flush(self) -> None:
         """Writes are immediate in memory."""
 
@@ -93,9 +98,10 @@ class NvmeStore:
     so whole sub-groups move with large aligned reads and writes."""
 
     def __init__(self, numel: int, groups: list[list[Range]], path: str, buffer_count: int, pin: bool) -> None:
-        self.numel, self.groups = numel, groups
+        self.numel, self.groups, self.path = numel, groups, path
         self.device = torch.device("cpu")
         self.separate_master = True
+        self.reads_are_copies = True  # read() assembles a private copy
         # Sub-group g covers shard elements [lo, hi) and sits at file offset self.where[g].
         self.spans = [(g[0].shard_offset, g[-1].shard_offset + g[-1].length) for g in groups]
         self.where, end = [], 0
@@ -191,11 +197,18 @@ class NvmeStore:
             base = self.spans[g][0]
             self._stage(g)[kind][start - base: end - base].copy_(values[start - offset: end - offset])
 
-    def read(self, kind: str) -> torch.Tensor:
-        """The whole shard of one kind in host memory (checkpoints; padding is zero)."""
-        out = torch.zeros(self.numel)
+    def pieces(self, kind: str) -> Iterator[tuple[int, torch.Tensor]]:
+        """(shard offset, values) of each sub-group's part of one kind, one at a time (each
+        valid until the next is asked for)."""
         for g, (lo, hi) in enumerate(self.spans):
-            out[lo:hi].copy_(self._stage(g)[kind][: hi - lo])
+            yield lo, self._stage(g)[kind][: hi - lo]
+
+    def read(self, kind: str) -> torch.Tensor:
+        """The whole shard of one kind (checkpoints; padding is zero) as a private host
+        tensor backed by a scratch file under nvme_path (see swap.scratch_tensor)."""
+        out = scratch_tensor(self.path, self.numel)
+        for lo, values in self.pieces(kind):
+            out[lo: lo + values.numel()].copy_(values)
         return out
 
     def nbytes(self) -> dict[str, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 
 import torch
@@ -83,3 +84,24 @@ class SwapFile:
         else:
             self.bytes_read += len(view)
             self.read_s += time.perf_counter() - tic
+
+
+def scratch_tensor(path: str, numel: int) -> torch.Tensor:
+    """fp32 zeros backed by an unlinked, preallocated file under `path` (a shared mapping):
+    a whole shard of swapped state can be assembled for a checkpoint as pages the kernel
+    writes out and drops under memory pressure, where host memory could not hold it. The
+    space is reserved first, so a full disk fails here and not as a fault mid-copy."""
+    nbytes = numel * 4
+    if numel == 0:
+        return torch.zeros(0)
+    fd, name = tempfile.mkstemp(dir=path, prefix=".megazero-scratch-")
+    try:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:  # an OSError: a checkpoint save turns it into an agreed, clean failure
+            raise OSError(e.errno, f"zero.nvme_path {path}: cannot reserve {nbytes / 2**30:.2f} GiB to assemble a "
+                          f"checkpoint of swapped state ({e.strerror}); free space there") from e
+        return torch.from_file(name, shared=True, size=numel, dtype=torch.float32)
+    finally:
+        os.close(fd)
+        os.unlink(name)
