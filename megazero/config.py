@@ -70,6 +70,10 @@ class ParallelConfig:
     gradients deferred into the cool-down; vpp 1, no train.compile)."""
     pp_layers: Optional[list] = None
     """Optional uneven split: layers per pipeline stage, e.g. [3, 5]; sums to num_layers."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism: LayerNorm, dropout and the residual stream split along
+    the sequence over the TP ranks (activation memory / tp); TP all-reduces become
+    all-gather / reduce-scatter pairs. A no-op at tp 1; seq_length divisible by tp; no LoRA."""
 
 
 @dataclass
@@ -539,6 +543,8 @@ def validate(cfg: Config, world_size: int) -> int:
         raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                           f"micro_batch_size x dp ({t.micro_batch_size} x {dp} = {t.micro_batch_size * dp})")
     _validate_pipeline(cfg, dp)
+    if p.sequence_parallel and p.tp > 1:
+        _validate_sequence_parallel(cfg)
     if z.bucket_size < ZERO_ALIGN * dp:
         raise ConfigError(f"zero.bucket_size ({z.bucket_size}) must hold one aligned slice per DP rank: at least "
                           f"{ZERO_ALIGN} x dp ({ZERO_ALIGN} x {dp} = {ZERO_ALIGN * dp})")
@@ -691,6 +697,16 @@ def _validate_offload(z: ZeroConfig) -> None:
                           f"--zero.nvme_path at one")
     if not os.access(z.nvme_path, os.W_OK | os.X_OK):
         raise ConfigError(f"zero.nvme_path {z.nvme_path} is not writable by this user; choose another directory")
+
+
+def _validate_sequence_parallel(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    if m.seq_length % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel splits model.seq_length ({m.seq_length}) over parallel.tp "
+                          f"({p.tp}): make it a multiple of {p.tp} or turn sequence_parallel off")
+    if cfg.finetune.lora_rank:
+        raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
+                          f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:

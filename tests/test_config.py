@@ -48,6 +48,10 @@ def test_data_prefix_accepts_single_value():
     (["--model.hidden_size", "100", "--model.num_heads", "3"], 1,
      "model.hidden_size (100) must be divisible by model.num_heads (3)"),
     (["--optim.lr", "1e-4", "--optim.min_lr", "1e-3"], 1, "optim.min_lr (0.001) must not exceed optim.lr (0.0001)"),
+    (["--parallel.tp", "4", "--parallel.sequence_parallel", "true", "--model.seq_length", "66"], 4,
+     "parallel.sequence_parallel splits model.seq_length (66) over parallel.tp (4): make it a multiple of 4"),
+    (["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--finetune.lora_rank", "8"], 2,
+     "parallel.sequence_parallel cannot be combined with finetune.lora_rank (8)"),
 ])
 def test_bad_config_messages(overrides, world, message):
     with pytest.raises(ConfigError) as err:

@@ -35,12 +35,14 @@ LAYOUTS = [
     ["--zero.stage", "1"],
     ["--zero.stage", "2", "--train.recompute", "selective", "--zero.reduce_dtype", "bf16", "--train.precision", "bf16"],
     ["--zero.stage", "3", "--train.precision", "bf16"],
+    ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--model.dropout", "0.1", "--train.recompute", "selective"],
 ]
 # On 4 ranks: TP and PP composed, GPipe over 4 stages, TP 4 with ZeRO-3.
 SLOW_LAYOUTS = [
     ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.vpp", "2", "--train.recompute", "full"],
     ["--parallel.pp", "4", "--parallel.schedule", "gpipe", "--zero.stage", "1", "--train.global_batch_size", "16"],
     ["--parallel.tp", "2", "--zero.stage", "3", "--train.recompute", "selective", "--model.dropout", "0.1"],
+    ["--parallel.tp", "2", "--parallel.pp", "2", "--train.recompute", "full", "--parallel.sequence_parallel", "true"],
 ]
 
 
@@ -70,7 +72,7 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
             tr.train_step()
         moved = tr.grid.bytes_moved()
         p, z, t = cfg.parallel, cfg.zero, cfg.train
-        layout = Layout(p.tp, p.pp, dp, p.vpp, z.stage, t.micro_batch_size, t.recompute)
+        layout = Layout(p.tp, p.pp, dp, p.vpp, z.stage, t.micro_batch_size, t.recompute, p.sequence_parallel)
         pred = predict(cfg, layout, Cluster(dist.get_world_size(), 8, 1.0, None), ranks=[tr.grid.pp_rank],
                        device="cpu").rank(tr.grid.pp_rank)
         out.append({"case": " ".join(overrides), "rank": dist.get_rank(),

@@ -38,16 +38,18 @@ from torch import nn
 from megazero.config import ModelConfig, padded_vocab_size
 from megazero.model.layers import (
     ColumnParallelLinear,
+    Dropout,
     RowParallelLinear,
     VocabParallelEmbedding,
+    column_parallel_linear,
     mark_tp,
     shard_of,
     split_parameter_,
     vocab_parallel_cross_entropy,
 )
-from megazero.parallel.comm import Group, copy_to_tp, solo_group
+from megazero.parallel.comm import Group, solo_group
 from megazero.parallel.random import RNGTracker
-from megazero.parallel.weight_grad import WeightGradStore, linear
+from megazero.parallel.weight_grad import WeightGradStore
 
 
 class CausalSelfAttention(nn.Module):
@@ -60,7 +62,7 @@ class CausalSelfAttention(nn.Module):
         # stride 3: q, k and v are each split over the TP ranks, so a rank owns whole heads.
         self.c_attn = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, stride=3)
         self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size)
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.resid_dropout = Dropout(cfg.dropout, tracker)
 
     def apply_tp(self, tp: Group) -> None:
         self.heads //= tp.size  # c_attn's stride-3 split hands each rank whole heads of q, k and v
@@ -90,11 +92,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker]):
         super().__init__()
         self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size)
         self.c_proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout, tracker)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
@@ -106,7 +108,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
         self.attn = CausalSelfAttention(cfg, tracker)
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tracker)
 
     def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), kv, pos)
@@ -123,6 +125,7 @@ class GPT(nn.Module):
                  layers: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True):
         super().__init__()
         self.cfg, self.tp, self.tracker = cfg, solo_group(), tracker
+        self.sequence_parallel = False
         self.layers = list(range(cfg.num_layers) if layers is None else layers)
         self.pre_process, self.post_process = pre_process, post_process
         self.weight_grads: Optional[WeightGradStore] = None  # set: the head's weight gradient may be deferred
@@ -135,7 +138,7 @@ class GPT(nn.Module):
             # its normal_ would import torch._dynamo, seconds per process).
             self.transformer.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size,
                                                 _weight=torch.empty(cfg.seq_length, cfg.hidden_size))
-            self.transformer.drop = nn.Dropout(cfg.dropout)
+            self.transformer.drop = Dropout(cfg.dropout, tracker)
         self.transformer.h = nn.ModuleDict(
             {str(i): Block(cfg, tracker) for i in self.layers})
         if post_process:
@@ -156,20 +159,47 @@ class GPT(nn.Module):
         if self.post_process and not self.pre_process:
             split_parameter_(self.lm_head, "weight", tp, 0, full_rows=self.padded_vocab)
 
+    def apply_sequence_parallel(self) -> None:
+        """Megatron's sequence parallelism (after apply_tp; nothing to do at tp = 1): outside
+        the TP regions, LayerNorm, dropout and the residual stream hold only this rank's 1/tp
+        of the sequence, [b, s/tp, h], instead of all of it replicated. The TP layers enter
+        and leave their regions by all-gather / reduce-scatter along the sequence, dropout
+        there draws per-rank masks, and the hidden states between pipeline stages shrink to
+        `hidden_shape`. Every TP-replicated parameter (LayerNorm, position embedding,
+        row-parallel bias) then sees only this rank's positions, so its gradient is partial:
+        it is marked `sequence_parallel` for the TP all-reduce after backward
+        (megazero.zero.sequence_parallel)."""
+        if self.tp.size == 1:
+            return
+        for module in self.modules():
+            if hasattr(module, "sequence_parallel"):
+                module.sequence_parallel = True
+        for p in self.parameters():
+            if p.tp_dim is None:
+                p.sequence_parallel = True
+
+    def hidden_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
+        """Shape of the hidden states a stage passes on for [batch, seq] tokens."""
+        return batch, seq // self.tp.size if self.sequence_parallel else seq, self.cfg.hidden_size
+
     # ------------------------------------------------------------------ forward
 
     def head_weight(self) -> torch.Tensor:
         return self.transformer.wte.weight if self.pre_process else self.lm_head.weight
 
     def forward(self, x: torch.Tensor, cache: Optional["KVCache"] = None) -> torch.Tensor:
-        """Tokens [b, s] on the first stage (hidden states [b, s, h] elsewhere) ->
+        """Tokens [b, s] on the first stage (hidden states `hidden_shape` elsewhere) ->
         hidden states, or this rank's vocab slice of the logits [b, s, V_pad/tp] on the last.
         With a `cache` (generation) the tokens continue the cached ones."""
         start = cache.length if cache is not None else 0
+        if cache is not None and self.sequence_parallel:
+            raise ValueError("generation with a KV cache needs a model without sequence parallelism")
         pos = torch.arange(start, start + x.shape[1], device=x.device)
         if cache is not None:
             pos = cache.begin(start, pos)  # per-row positions and masks when the prompts are left-padded
         if self.pre_process:
+            if self.sequence_parallel:  # the embedding's output holds this rank's positions only
+                pos = pos.chunk(self.tp.size)[self.tp.rank]
             x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
         for i, block in self.transformer.h.items():
             x = block(x, cache.layers[int(i)], start) if cache is not None else block(x)
@@ -178,7 +208,7 @@ class GPT(nn.Module):
         if not self.post_process:
             return x
         x = self.transformer.ln_f(x)
-        return linear(copy_to_tp(x, self.tp), self.head_weight(), None, self.weight_grads)
+        return column_parallel_linear(x, self.head_weight(), None, self.weight_grads, self.tp, self.sequence_parallel)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy [b, s] from vocab-parallel logits (padding masked out); 0, with

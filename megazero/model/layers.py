@@ -9,6 +9,11 @@ Each sharded parameter carries `tp_dim` (the split dimension, None when replicat
 `tp_stride` (how many equal blocks of that dimension are split separately, e.g. 3 for a
 fused q|k|v projection) and `full_shape`. `shard_of` / `unshard` use them, so
 initialization, checkpoint resharding and export never special-case a layer.
+
+Sequence parallelism (`sequence_parallel` set on a layer, see GPT.apply_sequence_parallel):
+the activations between TP regions are split along the sequence instead of replicated, so
+a TP region is entered by an all-gather and left by a reduce-scatter along the sequence
+(column_parallel_linear, comm.leave_tp) instead of an identity and an all-reduce.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import padded_vocab_size
-from megazero.parallel.comm import Group, all_reduce, copy_to_tp, reduce_from_tp, solo_group
-from megazero.parallel.weight_grad import WeightGradStore, linear
+from megazero.parallel.comm import Group, all_reduce, copy_to_tp, leave_tp, solo_group
+from megazero.parallel.random import RNGTracker
+from megazero.parallel.weight_grad import WeightGradStore, gathered_linear, linear
 
 
 def mark_tp(param: nn.Parameter, dim: Optional[int], stride: int, full_shape: tuple[int, ...]) -> nn.Parameter:
@@ -68,12 +74,23 @@ def unshard(shards: list[torch.Tensor], dim: Optional[int], stride: int) -> torc
     return torch.cat([torch.cat([p[b] for p in per_rank], dim=dim) for b in range(stride)], dim=dim)
 
 
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                           store: Optional[WeightGradStore], tp: Group, sequence_parallel: bool) -> torch.Tensor:
+    """x times this rank's output rows. x is replicated, and its gradient the sum of every
+    rank's partial one; or, under sequence parallelism, split along the sequence: gathered
+    for the matmul, its gradient reduce-scattered back."""
+    if sequence_parallel:
+        return gathered_linear(x, weight, bias, store, tp)
+    return linear(copy_to_tp(x, tp), weight, bias, store)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by output rows; the output stays split over TP ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, stride: int = 1):
         super().__init__()
         self.tp, self.stride = solo_group(), stride
+        self.sequence_parallel = False  # the input arrives split along the sequence
         self.weight = mark_tp(nn.Parameter(torch.empty(out_features, in_features)), 0, stride,
                               (out_features, in_features))
         self.bias = mark_tp(nn.Parameter(torch.empty(out_features)), 0, stride, (out_features,)) if bias else None
@@ -90,8 +107,7 @@ class ColumnParallelLinear(nn.Module):
             split_parameter_(self, "bias", tp, 0, self.stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The input is replicated; its gradient is the sum of every rank's partial gradient.
-        return linear(copy_to_tp(x, self.tp), self.weight, self.bias, self.weight_grads)
+        return column_parallel_linear(x, self.weight, self.bias, self.weight_grads, self.tp, self.sequence_parallel)
 
 
 class RowParallelLinear(nn.Module):
@@ -100,6 +116,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.tp = solo_group()
+        self.sequence_parallel = False  # the output leaves split along the sequence
         self.weight = mark_tp(nn.Parameter(torch.empty(out_features, in_features)), 1, 1,
                               (out_features, in_features))
         self.bias = mark_tp(nn.Parameter(torch.empty(out_features)), None, 1, (out_features,)) if bias else None
@@ -113,8 +130,9 @@ class RowParallelLinear(nn.Module):
         split_parameter_(self, "weight", tp, 1)  # the bias is replicated: added once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(linear(x, self.weight, None, self.weight_grads), self.tp)
-        # The bias is added once, after the sum, not once per rank.
+        y = leave_tp(linear(x, self.weight, None, self.weight_grads), self.tp, self.sequence_parallel)
+        # The bias is added once, after the sum, not once per rank (under sequence parallelism
+        # to this rank's positions only: its gradient is partial).
         return y + self.bias if self.bias is not None else y
 
 
@@ -124,6 +142,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int):
         super().__init__()
         self.tp = solo_group()
+        self.sequence_parallel = False  # the output leaves split along the sequence
         self.per_rank, self.start = num_embeddings, 0
         self.weight = mark_tp(nn.Parameter(torch.empty(num_embeddings, dim)), 0, 1, (num_embeddings, dim))
 
@@ -140,8 +159,27 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.start + self.per_rank)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        # Each id's row lives on exactly one rank; the sum puts it everywhere.
-        return reduce_from_tp(out, self.tp)
+        # Each id's row lives on exactly one rank; the sum puts it everywhere (or, under
+        # sequence parallelism, each rank's positions on that rank).
+        return leave_tp(out, self.tp, self.sequence_parallel)
+
+
+class Dropout(nn.Dropout):
+    """nn.Dropout on activations outside TP regions. Replicated there, they take the same
+    mask on every TP rank from the default generator; split along the sequence (sequence
+    parallelism), each rank's positions are distinct and take their own masks from the
+    tracker's per-TP-rank stream."""
+
+    def __init__(self, p: float, tracker: Optional[RNGTracker]):
+        super().__init__(p)
+        self.tracker = tracker
+        self.sequence_parallel = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and self.training and self.p > 0 and self.tracker is not None:
+            with self.tracker.fork("tp"):
+                return super().forward(x)
+        return super().forward(x)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -17,6 +17,15 @@ The f/g pairs (Megatron's names in brackets) are one autograd Function per colle
     reduce_from_tp    all-reduce / identity        [g: leave a TP region]
     scatter_to_tp     split last dim / all-gather
     gather_from_tp    all-gather last dim / split
+
+and those of sequence parallelism (Korthikanti et al., 2022), which replace copy_to_tp /
+reduce_from_tp where the activations outside TP regions are split along the sequence:
+
+    gather_from_sequence      all-gather seq / reduce-scatter seq
+                              [g: gather_from_sequence_parallel_region; the column-
+                              parallel matmul fuses it: weight_grad.gathered_linear]
+    reduce_scatter_to_sequence  reduce-scatter seq / all-gather seq
+                              [g-bar: reduce_scatter_to_sequence_parallel_region]
 """
 
 from __future__ import annotations
@@ -326,3 +335,62 @@ def scatter_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def gather_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _GatherFromTP.apply(x, group)
+
+
+# ----------------------------------------------------------------------------- sequence parallelism
+# Activations are batch-first, [b, s, h]; sequence parallelism splits dim 1. A rank's shard
+# [b, s/n, h] goes on the wire as it is (contiguous, no copy) and the flat collectives
+# stack the shards rank-major, [n, b, s/n, h]; one permutation to [b, s, h] follows. At
+# micro-batch 1 (the usual case where memory is tight) that permutation is a view, so the
+# collectives run on the activations' own memory; above it costs one copy, where Megatron
+# instead keeps the whole model sequence-first ([s, b, h]).
+
+
+def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """[b, s/n, ...] on each rank -> [b, s, ...], the shards in rank order."""
+    n, b, rest = group.size, x.shape[0], tuple(x.shape[2:])
+    stacked = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    all_gather_into(stacked.view(-1), x.contiguous().view(-1), group)
+    return stacked.transpose(0, 1).reshape((b, n * x.shape[1]) + rest)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """[b, s, ...] partial on each rank -> this rank's [b, s/n, ...] of the sum."""
+    n, b, s, rest = group.size, x.shape[0], x.shape[1], tuple(x.shape[2:])
+    if s % n:
+        raise ValueError(f"sequence length {s} must be divisible by the tensor-parallel size {n} "
+                         f"under sequence parallelism")
+    stacked = x.reshape((b, n, s // n) + rest).transpose(0, 1).contiguous()
+    out = torch.empty((b, s // n) + rest, dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out.view(-1), stacked.view(-1), group)
+    return out
+
+
+class _SequencePair(torch.autograd.Function):
+    """One of the collectives above forward, its transpose backward: an all-gather's
+    transpose is a reduce-scatter (each rank's gradient of the whole sequence is partial, from
+    its weight shard: sum them, keep this rank's positions) and vice versa."""
+
+    @staticmethod
+    def forward(ctx, x, group, forward_fn, backward_fn):
+        ctx.group, ctx.backward_fn = group, backward_fn
+        return forward_fn(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.backward_fn(grad, ctx.group), None, None, None
+
+
+def gather_from_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter a TP region from the sequence-split stream: [b, s/n, h] -> [b, s, h]."""
+    return x if group.size == 1 else _SequencePair.apply(x, group, gather_sequence, reduce_scatter_sequence)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Leave a TP region into the sequence-split stream: partial [b, s, h] -> summed [b, s/n, h]."""
+    return x if group.size == 1 else _SequencePair.apply(x, group, reduce_scatter_sequence, gather_sequence)
+
+
+def leave_tp(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """A TP region's partial output summed: everywhere (g) or each rank its sequence slice."""
+    return reduce_scatter_to_sequence(x, group) if sequence_parallel else reduce_from_tp(x, group)

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.parallel.comm import Group, gather_sequence, reduce_scatter_sequence
+
 WeightGradWork = tuple[nn.Parameter, torch.Tensor, torch.Tensor]
 """(parameter, output gradient dy, input x): dW = dy^T x, to accumulate into the parameter."""
 
@@ -110,6 +112,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     return _DeferrableLinear.apply(x, weight.detach(), bias, store, (weight,))
 
 
+# Dynamo cannot trace the collectives inside: a compiled block (train.compile) calls it
+# eagerly between its graphs, instead of recompiling its frame for every parameter.
+@torch.compiler.disable
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    store: Optional[WeightGradStore], group: Group) -> torch.Tensor:
+    """linear(x all-gathered along the sequence over `group`, ...), the column-parallel matmul
+    under sequence parallelism, keeping only x's shard [b, s/n, h] for backward, which
+    gathers it again (Korthikanti et al., 2022, Sec. 4.2.2): the gathered [b, s, h] input is
+    not held between forward and backward, one extra all-gather per matmul in backward."""
+    if group.size == 1:
+        return linear(x, weight, bias, store)
+    if store is None:
+        return _GatheredLinear.apply(x, weight, bias, group, None, (weight,))
+    return _GatheredLinear.apply(x, weight.detach(), bias, group, store, (weight,))  # boxed: see `linear`
+
+
 def _weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dW = dy^T x over every leading (batch, sequence) position."""
     return grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
@@ -130,12 +148,46 @@ class _DeferrableLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_bias = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
-        if ctx.param.requires_grad:
-            if ctx.store.deferring:
-                ctx.store.put(ctx.param, grad_out, x)
-            else:  # accumulated as the parameter's own backward would, inside this one
-                torch.autograd.backward(ctx.param, _weight_grad(grad_out, x))
-        return grad_x, None, grad_bias, None, None
+        _file_weight_grad(ctx.store, ctx.param, grad_out, x)
+        return grad_x, None, _bias_grad(ctx, grad_out), None, None
+
+
+def _bias_grad(ctx, grad_out: torch.Tensor) -> Optional[torch.Tensor]:
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        return grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+    return None
+
+
+def _file_weight_grad(store: WeightGradStore, param: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    """The weight gradient of a boxed parameter: filed while `store` defers, else accumulated
+    as the parameter's own backward would, inside this one."""
+    if not param.requires_grad:
+        return
+    if store.deferring:
+        store.put(param, grad_out, x)
+    else:
+        torch.autograd.backward(param, _weight_grad(grad_out, x))
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """y = gather(x) W^T + b saving x's shard (see `gathered_linear`); with a store the weight
+    comes in detached and boxed, as in _DeferrableLinear."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, store, boxed_param):
+        ctx.save_for_backward(x, weight)
+        (ctx.param,), ctx.store, ctx.group, ctx.has_bias = boxed_param, store, group, bias is not None
+        return F.linear(gather_sequence(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        full = gather_sequence(x, ctx.group)
+        # Each rank's input gradient is partial (its weight rows): summed, this rank's positions kept.
+        grad_x = reduce_scatter_sequence(grad_out.matmul(weight), ctx.group) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.store is not None:
+            _file_weight_grad(ctx.store, ctx.param, grad_out, full)
+        elif ctx.needs_input_grad[1]:
+            grad_weight = _weight_grad(grad_out, full)
+        return grad_x, grad_weight, _bias_grad(ctx, grad_out), None, None, None

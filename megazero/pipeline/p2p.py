@@ -6,7 +6,8 @@ back to it. With vpp model chunks per rank the ring wraps around (the last rank'
 feeds the first rank's chunk v + 1), so the neighbours are (rank - 1) and (rank + 1) mod pp.
 
 Every message is one tensor of a shape known ahead on both sides, [micro_batch_size,
-seq_length, hidden_size] in the compute dtype, so nothing but the tensors is exchanged.
+seq_length, hidden_size] (seq_length / tp under sequence parallelism) in the compute dtype,
+so nothing but the tensors is exchanged.
 All traffic goes through `comm.batch_p2p`, so the bytes are counted on the pp group.
 
 Rendezvous. Under NCCL a send may not complete until the peer has posted the matching

@@ -308,14 +308,15 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
                                 stats: Optional[dict] = None, timers: Timers = untimed) -> Optional[torch.Tensor]:
     """Run one iteration's micro-batches through this rank's model chunks in the order of
     `schedule` (gpipe | 1f1b | interleaved | zbh1; forward_only: forwards alone), exchanging
-    activations [micro_batch_size, seq_length, hidden] in `dtype` with the neighbours.
+    activations [micro_batch_size, seq_length (/ tp with sequence parallelism), hidden] in
+    `dtype` with the neighbours.
     `stats`, when given, receives "wait_s": the seconds this rank waited on neighbours;
     `timers` times the forward and backward phases."""
     pp, vpp, rank, m = grid.pp, len(chunks), grid.pp_rank, len(microbatches)
     order_of = forward_only_order if forward_only else ORDERS[schedule]
     order = order_of(pp, vpp, rank, m)
     tokens = microbatches[0][0]
-    shape = (tokens.shape[0], tokens.shape[1], chunks[0].cfg.hidden_size)
+    shape = chunks[0].hidden_shape(tokens.shape[0], tokens.shape[1])  # 1/tp of the sequence under sequence parallelism
     p2p = PipelineP2P(grid, shape, dtype)
     # The last backward of each chunk (its last B and last W where they are split) reduces
     # its gradients over DP; earlier ones only accumulate.

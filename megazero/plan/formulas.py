@@ -135,7 +135,7 @@ def layer_activation_bytes(x: ActivationShape) -> int:
       split over TP       q, k, v 3 sbh, attention output 1 sbh, MLP input of GeLU and of the
                           second linear 2 sbf (x bytes), over t
       attention core      flash: its fp32 log-sum-exp 4 abs (its output, laid out [b, s, a, d],
-                          is the output projection's input); math: (2 x bytes + 1) a s^2 b
+                          is the output projection's input); math: (2 x bytes + mask bytes) a s^2 b
                           with dropout, a s^2 b x bytes without; over t (heads are split)
 
     16-bit with dropout, math attention: sbh (34 + 5 as/h) + 16 bs (the paper omits the
@@ -155,7 +155,7 @@ def layer_activation_bytes(x: ActivationShape) -> int:
         if x.attention == "flash":
             core = 4 * x.heads * s * b
         else:
-            core = (2 * e + 1 if x.dropout else e) * x.heads * s * s * b
+            core = (2 * e + mask if x.dropout else e) * x.heads * s * s * b
     return replicated // seq_split + (split + core) // t
 
 
@@ -169,12 +169,13 @@ def embedding_activation_bytes(x: ActivationShape) -> int:
 
 
 def head_activation_bytes(x: ActivationShape) -> int:
-    """The last stage: final LayerNorm input and statistics, the head's input, and the
-    vocab-parallel cross entropy's fp32 softmax over this rank's V/t logits with its targets."""
+    """The last stage: final LayerNorm input and statistics, the head's input (its sequence
+    shard under sequence parallelism), and the vocab-parallel cross entropy's fp32 softmax
+    over this rank's V/t logits with its targets."""
     b, s, h = x.micro_batch, x.seq, x.hidden
     seq_split = x.tp if x.sequence_parallel else 1
     norm = (x.act_bytes * s * b * h + 2 * b * s * x.stats_bytes) // seq_split
-    return norm + x.act_bytes * s * b * h + 4 * b * s * x.vocab // x.tp + 9 * b * s
+    return norm + x.act_bytes * s * b * h // seq_split + 4 * b * s * x.vocab // x.tp + 9 * b * s
 
 
 @dataclass(frozen=True)
@@ -225,19 +226,30 @@ def dp_bytes(stage: int, buckets: list[int], dp: int, m: int, wire_bytes: int, p
     return m * (reduce + 2 * sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets)) + loss
 
 
-def tp_bytes(chunks: list[Chunk], x: ActivationShape, m: int) -> int:
+def tp_bytes(chunks: list[Chunk], x: ActivationShape, m: int, sequence_parallel_grads: int = 0) -> int:
     """Bytes one rank sends over its TP group in one iteration. Per layer and micro-batch
     four all-reduces of sbh activations (two forward after the row-parallel linears, two
-    backward before the column-parallel ones; with SP an all-gather and a reduce-scatter
-    each, the same volume); the
-    embedding's forward and the head's backward one each; the cross entropy three fp32 [b, s].
-    Full recomputation replays one more: the attention's (the replay stops early, once the
-    MLP's last saved input exists, before the MLP's own all-reduce)."""
+    backward before the column-parallel ones); the embedding's forward and the head's
+    backward one each; the cross entropy three fp32 [b, s]. Full recomputation replays one
+    more: the attention's (the replay stops early, once the MLP's last saved input exists,
+    before the MLP's own all-reduce).
+
+    With sequence parallelism each all-reduce becomes an all-gather and a reduce-scatter of
+    the sequence-split stream (half the volume each), and each column-parallel matmul (two
+    per layer, and the head) gathers its saved input shard once more in backward: per layer
+    10 halves (full recompute: 13, its replay gathers twice and reduce-scatters once), the
+    embedding 2, the head 3; plus, once per iteration, the all-reduce of the
+    `sequence_parallel_grads` fp32 elements of partial LayerNorm/bias gradients."""
     t = x.tp
-    per_call = all_reduce_volume(x.micro_batch * x.seq * x.hidden * x.act_bytes, t)
-    calls = sum(c.layers * (5 if x.recompute == "full" else 4) + c.pre + c.post for c in chunks)
+    if x.sequence_parallel:
+        per_call = all_gather_volume(x.micro_batch * x.seq // t * x.hidden * x.act_bytes, t)
+        calls = sum(c.layers * (13 if x.recompute == "full" else 10) + 2 * c.pre + 3 * c.post for c in chunks)
+    else:
+        per_call = all_reduce_volume(x.micro_batch * x.seq * x.hidden * x.act_bytes, t)
+        calls = sum(c.layers * (5 if x.recompute == "full" else 4) + c.pre + c.post for c in chunks)
     loss = sum(3 * all_reduce_volume(4 * x.micro_batch * x.seq, t) for c in chunks if c.post)
-    return m * (calls * per_call + loss)
+    grads = all_reduce_volume(4 * sequence_parallel_grads, t) if x.sequence_parallel else 0
+    return m * (calls * per_call + loss) + grads
 
 
 def pp_bytes(pp: int, vpp: int, pp_rank: int, m: int, x: ActivationShape) -> int:

@@ -187,7 +187,9 @@ def rank_prediction(cfg: Config, layout: Layout, r: int, m: int, shape: F.Activa
     order = activation_events(ORDERS[schedule](pp, vpp, r, m)) if pp > 1 else [(True, 0), (False, 0)]
     wire = 2 if cfg.zero.reduce_dtype == "bf16" else 4
     moved = {"dp": F.dp_bytes(stage, padded, dp, m, wire, elem[0], r == pp - 1),
-             "tp": F.tp_bytes(list(rp.chunks), shape, m), "pp": F.pp_bytes(pp, vpp, r, m, shape),
+             # Partial LayerNorm/bias gradients are all-reduced on this rank's ZeRO shard (about 1/dp of them).
+             "tp": F.tp_bytes(list(rp.chunks), shape, m, rp.replicated_numel // shards),
+             "pp": F.pp_bytes(pp, vpp, r, m, shape),
              "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
     return RankPrediction(r, rp.param_numel, states, host, F.peak_in_flight_bytes(order, sizes),
                           buffer_bytes(padded, rp.tied, stage, elem[0], cfg.zero.prefetch, rp.chunks[-1].post, shape),

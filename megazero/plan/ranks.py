@@ -37,6 +37,8 @@ class RankParams:
     tied: tuple[int, ...]
     """Buckets that hold the tied embedding (summed over the embedding group)."""
     param_numel: int
+    replicated_numel: int = 0
+    """Elements of the TP-replicated parameters (partial gradients under sequence parallelism)."""
 
     def padded(self, shards: int) -> list[int]:
         """Each bucket's padded size when partitioned over `shards` ranks."""
@@ -68,4 +70,5 @@ def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3:
     return RankParams(chunks=tuple(Chunk(len(c.layers), c.pre_process, c.post_process) for c in chunks),
                       buckets=tuple(tuple(p.numel() for _, p in named) for _, named in groups),
                       tied=tied,
-                      param_numel=sum(p.numel() for c in chunks for p in c.parameters()))
+                      param_numel=sum(p.numel() for c in chunks for p in c.parameters()),
+                      replicated_numel=sum(p.numel() for c in chunks for p in c.parameters() if p.tp_dim is None))

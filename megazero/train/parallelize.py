@@ -9,6 +9,8 @@ this rank's trainable share of the model:
 2. Tensor parallelism: every module that can be split over the TP group (column/row-
    parallel linears, the vocab-parallel embedding, attention's head count, the model's
    head and loss) keeps this rank's shard; on the meta device only shapes change.
+   With `parallel.sequence_parallel` the activations between TP regions are split along
+   the sequence as well (GPT.apply_sequence_parallel).
 3. LoRA (`finetune.lora_rank` > 0): every parameter is frozen and the targeted projections
    get trainable adapters, sharded like their base layers (megazero.model.lora); ZeRO then
    keeps gradients and optimizer state for the adapters alone.
@@ -49,6 +51,8 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
     chunks = build_model_chunks(cfg, grid, tracker)
     for chunk in chunks:
         apply_tensor_parallel(chunk, grid.tp_group)
+        if cfg.parallel.sequence_parallel:
+            chunk.apply_sequence_parallel()
         apply_lora(chunk, cfg.finetune, tracker)
         if cfg.train.compile:
             apply_compile(chunk, cfg.train.recompute)

@@ -28,7 +28,7 @@ def run_prediction(cfg: Config, grid: ProcessGrid, peak_flops: Optional[float]) 
     """The planner's prediction for this run's own layout on this machine (every pipeline rank)."""
     p, z, t = cfg.parallel, cfg.zero, cfg.train
     layout = Layout(p.tp, p.pp, grid.dp, p.vpp, z.stage, t.micro_batch_size, t.recompute,
-                    bool(getattr(p, "sequence_parallel", False)),
+                    p.sequence_parallel,
                     getattr(z, "offload_optimizer", "none") not in ("none", False))
     memory = torch.cuda.get_device_properties(grid.device).total_memory / F.GiB if grid.device.type == "cuda" else 0.0
     # Bandwidths of the preset with this peak (H100's when none matches).

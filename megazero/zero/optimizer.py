@@ -36,6 +36,7 @@ Interface used by the trainer and the pipeline schedules:
     scale_loss(loss)      loss multiplier before backward (fp16 loss scaling)
     no_sync()             context for every backward but the last of each model chunk
     finish_grad_sync()    after the last backward: complete DP reduction, sum tied embeddings
+                          and the partial gradients of sequence parallelism over TP
     step(lr, loss) -> StepResult                 skipped everywhere on inf/NaN
     all_finite()          whether every rank's master weights are finite (before saving)
     state_dict() / load_state_dict()           this rank's shard plus the partition map
@@ -76,6 +77,7 @@ from megazero.zero.partition import (
     with_trainable_flags,
 )
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
+from megazero.zero.sequence_parallel import SequenceParallelGrads
 from megazero.zero.shard_home import MemoryShard, NvmeShard, ShardHome
 from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
 from megazero.zero.state import MemoryStore, NvmeStore
@@ -193,6 +195,8 @@ class ZeroOptimizer:
         if self.gatherer is not None:  # W lands its weight gradients with the parameters released
             for store in filter(None, stores):
                 store.sink = self.grads.add_grad
+        partial_over_tp = any(getattr(s.param, "sequence_parallel", False) for _, s in slots)
+        self.sp_grads = SequenceParallelGrads(self.layout, self.grads, grid.tp_group) if partial_over_tp else None
         self.zero_grad()
 
     def _wait_in_forward(self, chunks: list[ShardableModel]) -> None:
@@ -284,8 +288,15 @@ class ZeroOptimizer:
         return self.grads.no_sync()
 
     def finish_grad_sync(self) -> None:
-        """Complete the DP reduction and sum the tied embedding over its group (see GradientSync.finish)."""
+        """Complete the DP reduction and sum the tied embedding over its group (see GradientSync.finish),
+        then complete the gradients sequence parallelism leaves partial over TP."""
         self.grads.finish()
+        if self.sp_grads is not None:
+            self.sp_grads.all_reduce()
+            if self.host_grads is not None:  # their host copies left before the TP sum: replace them
+                self.host_grads.wait()
+                for r in self.sp_grads.ranges:
+                    self.host_grads.view(r).copy_(self.grads.view(r))
         if self.gatherer is not None:
             self.gatherer.release_all()
 

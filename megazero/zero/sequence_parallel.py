@@ -1,0 +1,59 @@
+"""The tensor-parallel all-reduce of gradients that sequence parallelism leaves partial.
+
+Under sequence parallelism (megazero.model.gpt.GPT.apply_sequence_parallel) every
+TP-replicated parameter - LayerNorm weights and biases, the position embedding, the
+row-parallel biases - is applied to this TP rank's 1/tp of the sequence only, so each TP
+rank's gradient of it is a partial sum (Megatron's `sequence_parallel` parameters). One
+all-reduce over the TP group after backward completes them.
+
+It runs on this rank's gradient shard after the data-parallel reduction, at every ZeRO
+stage alike: the DP reduction and the TP all-reduce are both sums, so their order does not
+matter, and at stages 2/3 the full gradients no longer exist by then (each bucket was
+reduce-scattered over DP as it filled). That needs the shard to hold the same elements of
+the same parameters on every TP rank: the ZeRO layout depends only on parameter shapes and
+order, which TP ranks share (each owns an equal shard of every split parameter), and the
+constructor checks it once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megazero.parallel import comm
+from megazero.zero.grads import GradientSync
+from megazero.zero.partition import Layout, Range
+
+
+def sequence_parallel_ranges(layout: Layout) -> list[Range]:
+    """The runs of this rank's gradient shard that belong to parameters marked `sequence_parallel`."""
+    runs = []
+    for b in layout.trainable_buckets():
+        lo, hi = b.slice_of(layout.rank)
+        for s in b.slots:
+            start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if getattr(s.param, "sequence_parallel", False) and start < end:
+                runs.append(Range(b.index, start, end - start, b.shard_offset + start - lo, decay=False,
+                                  counted=False))
+    return runs
+
+
+class SequenceParallelGrads:
+    """All-reduces the partial gradients of sequence-parallel parameters over TP in one call."""
+
+    def __init__(self, layout: Layout, grads: GradientSync, tp: comm.Group):
+        self.grads, self.tp = grads, tp
+        self.ranges = sequence_parallel_ranges(layout)
+        where = [(r.bucket, r.start, r.length, r.shard_offset) for r in self.ranges]
+        if any(other != where for other in comm.all_gather_object(where, tp)):
+            raise RuntimeError("sequence parallelism: the ZeRO gradient shards of the TP ranks hold different "
+                               "pieces of the LayerNorm/bias parameters, so their TP all-reduce would mix them")
+
+    def all_reduce(self) -> None:
+        """After the DP reduction, before clipping and the step: one TP all-reduce of every piece."""
+        if not self.ranges or self.tp.size == 1:
+            return
+        views = [self.grads.view(r) for r in self.ranges]
+        flat = torch.cat(views)
+        comm.all_reduce(flat, self.tp)
+        for view, summed in zip(views, flat.split([v.numel() for v in views])):
+            view.copy_(summed)
