@@ -55,14 +55,14 @@ def _check_collectives(tp: int) -> bool:
     gathered, copied = gather_from_sequence(shard, g), copy_to_tp(full, g)
     torch.testing.assert_close(gathered, copied, rtol=0, atol=0)
     gathered.backward(upstream)
-    copied.backward(upstream)
+    copied.backward(upstream.clone())  # copy_to_tp sums its incoming gradient in place (as Megatron's does)
     torch.testing.assert_close(shard.grad, _shard(full.grad, g), rtol=1e-6, atol=1e-6)
 
     # Leaving it: reduce-scatter / all-gather against all-reduce / identity. Each rank's loss
     # term covers its own positions; the replicated path sees all of those terms on every rank.
     partial = (x * (g.rank + 1)).requires_grad_()
     partial_ref = partial.detach().clone().requires_grad_()
-    scattered, reduced = reduce_scatter_to_sequence(partial, g), reduce_from_tp(partial_ref, g)
+    scattered, reduced = reduce_scatter_to_sequence(partial, g), reduce_from_tp(partial_ref.clone(), g)
     torch.testing.assert_close(scattered, _shard(reduced, g), rtol=1e-6, atol=1e-6)
     scattered.backward(_shard(upstream, g))
     reduced.backward(torch.cat([u.chunk(g.size, dim=1)[r] for r, u in enumerate(upstreams)], dim=1))
