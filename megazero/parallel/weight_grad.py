@@ -27,6 +27,7 @@ the plain model) call F.linear, unchanged to the bit.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
 from typing import Callable, Iterator, Optional
 
@@ -112,9 +113,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     return _DeferrableLinear.apply(x, weight.detach(), bias, store, (weight,))
 
 
-# Dynamo cannot trace the collectives inside: a compiled block (train.compile) calls it
-# eagerly between its graphs, instead of recompiling its frame for every parameter.
-@torch.compiler.disable
 def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     store: Optional[WeightGradStore], group: Group) -> torch.Tensor:
     """linear(x all-gathered along the sequence over `group`, ...), the column-parallel matmul
@@ -123,9 +121,21 @@ def gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     not held between forward and backward, one extra all-gather per matmul in backward."""
     if group.size == 1:
         return linear(x, weight, bias, store)
-    if store is None:
-        return _GatheredLinear.apply(x, weight, bias, group, None, (weight,))
-    return _GatheredLinear.apply(x, weight.detach(), bias, group, store, (weight,))  # boxed: see `linear`
+    return _eager_gathered_linear()(x, weight, bias, store, group)
+
+
+@functools.cache
+def _eager_gathered_linear() -> Callable:
+    """Dynamo cannot trace the collectives inside: a compiled block (train.compile) calls the
+    matmul eagerly between its graphs, instead of recompiling its frame for every parameter.
+    Wrapped on first use: torch.compiler.disable imports dynamo (~2 s per process), which
+    only runs with sequence parallelism need."""
+    def apply(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+              store: Optional[WeightGradStore], group: Group) -> torch.Tensor:
+        if store is None:
+            return _GatheredLinear.apply(x, weight, bias, group, None, (weight,))
+        return _GatheredLinear.apply(x, weight.detach(), bias, group, store, (weight,))  # boxed: see `linear`
+    return torch.compiler.disable(apply)
 
 
 def _weight_grad(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
