@@ -86,7 +86,7 @@ def test_offloaded_gpu_run_matches_in_memory(tmp_path, stage, offload):
     ref = _train(tmp_path, "in_memory", args)
     got = _train(tmp_path, "offloaded", args + offload + ["--zero.nvme_path", str(tmp_path)])
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(ref, got)]
-    assert len(diffs) == 10 and max(diffs) <= 1e-4, diffs
+    assert len(diffs) == 10 and max(diffs) <= 1e-6, diffs  # issue 11's bound
 
 
 # ----------------------------------------------------------------------------- save, export, generate

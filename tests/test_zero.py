@@ -540,9 +540,9 @@ def test_stages_1_2_overlap_and_match_single_process_dp2(reference, reference_bf
                 _check_overlap(out, 2)
                 _assert_params_equal(out, reference)
                 assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
-            else:  # bf16 compute: the same to bf16 rounding of a different summation order
+            else:  # bf16 compute: measured equal to the single process (|Δ| = 0), held to fp32's bound
                 assert out["micro"] == 2 and min(out["seen"]["after_backward"]) >= 1
-                assert max(abs(a - b) for a, b in zip(out["losses"], reference_bf16["losses"])) < 2e-3, \
+                assert max(abs(a - b) for a, b in zip(out["losses"], reference_bf16["losses"])) <= 1e-5, \
                     (args, out["losses"], reference_bf16["losses"])
 
 
