@@ -104,7 +104,8 @@ class ZeroConfig:
     offload_param: Literal["none", "cpu", "nvme"] = "none"
     """Stage 3: where each rank's 16-bit parameter shard lives between uses: none (the
     device), cpu (host memory) or nvme (a swap file under zero.nvme_path). A unit's slice
-    is loaded ahead of use, in the prefetch order, all-gathered and dropped after."""
+    is read one unit before its all-gather is due (in the prefetch order), all-gathered at
+    that fixed point and dropped after."""
     nvme_path: str = ""
     """offload_optimizer / offload_param nvme: an existing, writable directory on a fast
     local disk."""

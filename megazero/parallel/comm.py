@@ -4,6 +4,13 @@
 rank puts on the wire under a ring algorithm, so benchmarks can compare the traffic of a
 ZeRO stage or a TP layout with theory. A group of one skips communication entirely.
 
+Every rank of a group must issue the same collectives in the same order (NCCL matches them
+by position on one communicator), so that order is decided by the program, never by I/O or
+thread timing. `record_calls` checks it: it makes the groups append a `Call` (group, op,
+shape, dtype; the peer of a point-to-point op) for each call as this rank issues it, async
+ones included, so a test can compare the ranks' sequences. Off (the default) it costs one
+attribute test per call.
+
 Asynchronous collectives return a handle whose `wait()` completes them (a `Work` on NCCL,
 where the current stream then waits on the collective's stream, no host sync). Gloo's
 reduce-scatter is our own ring of point-to-point exchanges, so its asynchronous form runs on
@@ -33,7 +40,7 @@ from __future__ import annotations
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Iterable, NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,6 +57,7 @@ class Group:
     counter: Counter = field(default_factory=Counter)
     side_pg: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # gloo: the comm thread's duplicate
     _thread: Optional[ThreadPoolExecutor] = field(default=None, repr=False)
+    record: Optional[list["Call"]] = field(default=None, repr=False)  # see record_calls
 
     @property
     def size(self) -> int:
@@ -68,6 +76,35 @@ class Group:
     def count(self, op: str, nbytes: float) -> None:
         self.counter[op] += int(nbytes)
         self.counter[op + "_calls"] += 1
+
+    def note(self, op: str, t: Optional[torch.Tensor], peer: Optional[int] = None) -> None:
+        """Record one call, as issued (see record_calls); `t` None for a picklable object."""
+        if self.record is not None:
+            shape, dtype = (tuple(t.shape), str(t.dtype)) if t is not None else ((), "object")
+            self.record.append(Call(self.name, op, shape, dtype, peer))
+
+
+class Call(NamedTuple):
+    """One communication call as this rank issued it."""
+
+    group: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    peer: Optional[int] = None  # point-to-point: the other side's global rank
+
+
+def record_calls(groups: Iterable[Group]) -> list[Call]:
+    """From now on, every call on `groups` is appended to the one list returned, in the order
+    this rank issues it: collectives (asynchronous ones when launched, gloo's threaded
+    reduce-scatter when submitted to its thread, under its group's name) and point-to-point
+    sends and receives (with their peer). Groups of one issue nothing and record nothing.
+    Every member of a group must record the same collectives on it; the sends one rank
+    records to a peer must be the receives that peer records from it."""
+    calls: list[Call] = []
+    for g in groups:
+        g.record = calls
+    return calls
 
 
 # The flat-tensor collectives: torch 2.13 names them *_single and warns on every call of the
@@ -137,6 +174,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.
     if group.size == 1:
         return None
     group.count("all_reduce", all_reduce_volume(_nbytes(t), group.size))
+    group.note("all_reduce", t)
     return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
 
 
@@ -147,6 +185,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group,
         out.copy_(shard)
         return None
     group.count("all_gather", all_gather_volume(_nbytes(shard), group.size))
+    group.note("all_gather", shard)
     return _ALL_GATHER(out, shard.contiguous(), group=group.pg, async_op=async_op)
 
 
@@ -164,6 +203,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group,
         out.copy_(full)
         return _Done() if async_op else None
     group.count("reduce_scatter", reduce_scatter_volume(_nbytes(out), n))
+    group.note("reduce_scatter", full)
     if dist.get_backend(group.pg) != "gloo":
         return _REDUCE_SCATTER(out, full.contiguous(), group=group.pg, async_op=async_op)
     if async_op:
@@ -194,15 +234,18 @@ def broadcast(t: torch.Tensor, src_index: int, group: Group) -> None:
     if group.size == 1:
         return
     group.count("broadcast", _nbytes(t))
+    group.note("broadcast", t)
     dist.broadcast(t, src=group.ranks[src_index], group=group.pg)
 
 
 def send(t: torch.Tensor, dst_rank: int, group: Group) -> dist.Work:
     group.count("send", _nbytes(t))
+    group.note("send", t, dst_rank)
     return dist.isend(t, dst_rank, group=group.pg)
 
 
 def recv(t: torch.Tensor, src_rank: int, group: Group) -> dist.Work:
+    group.note("recv", t, src_rank)
     return dist.irecv(t, src_rank, group=group.pg)
 
 
@@ -212,6 +255,7 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[di
     for kind, t, peer in ops:
         if kind == "send":
             group.count("send", _nbytes(t))
+        group.note(kind, t, peer)
         p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group.pg))
     return dist.batch_isend_irecv(p2p) if p2p else []
 
@@ -221,6 +265,7 @@ def all_gather_object(obj: Any, group: Group) -> list[Any]:
     if group.size == 1:
         return [obj]
     out: list[Any] = [None] * group.size
+    group.note("all_gather_object", None)
     dist.all_gather_object(out, obj, group=group.pg)
     group.count("all_gather_object", 0)
     return out
@@ -232,6 +277,7 @@ def broadcast_object(obj: Any, src_index: int, group: Group) -> Any:
     if group.size == 1:
         return obj
     box = [obj]
+    group.note("broadcast_object", None)
     dist.broadcast_object_list(box, src=group.ranks[src_index], group=group.pg)
     group.count("broadcast_object", 0)
     return box[0]
@@ -239,6 +285,7 @@ def broadcast_object(obj: Any, src_index: int, group: Group) -> Any:
 
 def barrier(group: Group) -> None:
     if group.size > 1:
+        group.note("barrier", None)
         dist.barrier(group=group.pg)
 
 

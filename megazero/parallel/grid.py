@@ -132,7 +132,8 @@ class ProcessGrid:
     def build_groups(self) -> None:
         """Create every process group once. All ranks call new_group for all groups in the
         same order (a torch.distributed requirement), keeping only their own. On gloo the DP
-        group also gets a duplicate for its asynchronous reduce-scatters."""
+        group also gets a duplicate for its asynchronous reduce-scatters. `control` is every
+        rank again, always on gloo (CPU tensors), apart from the device's communicators."""
         for kind in ("tp", "dp", "pp", "mp", "embed"):
             for ranks in self.group_ranks(kind):
                 pg = _new_group(ranks, self.world_size)
@@ -145,6 +146,11 @@ class ProcessGrid:
                 side = dist.new_group(ranks) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     self.groups["dp"].side_pg = side
+        # Host-side agreements (the stop signal, small flags): a gloo communicator of their
+        # own, so they never queue behind the device collectives still in flight (e.g. the
+        # post-step all-gathers of stages 1-2). Its tensors live on the CPU, whatever the device.
+        control = dist.new_group(world, backend="gloo") if self.world_size > 1 else None
+        self.groups["control"] = Group("control", control, world, self.rank)
 
     @classmethod
     def create(cls, tp: int, pp: int, timeout_s: int = 600, store: Optional[dist.Store] = None) -> "ProcessGrid":
