@@ -125,3 +125,27 @@ def _tp2(dtype: torch.dtype) -> bool:
 
 def test_tp2_matches_float64_reference():
     assert run_distributed(_tp2, 2, torch.bfloat16) == [True, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+def test_fused_cuda_path_matches_reference_without_fp32_copy():
+    """On CUDA the chunk functions are compiled: same values, and no fp32 temporary (the eager
+    fallback's one chunk here would be an fp32 copy of all the logits: twice their size)."""
+    from megazero.model import cross_entropy as ce
+    logits, labels, weight = (t.cuda() for t in _inputs(3))
+    logits = logits.repeat(32, 8, 16).bfloat16()  # 96 x 296 tokens x 6144 columns (vocab 6000)
+    labels, weight = labels.repeat(32, 8), weight.repeat(32, 8)
+    ref_loss, ref_grad = _reference(logits, labels, weight, 6000)
+    for rows in (1000, None):  # 28 chunks with a short last (recompiles with a dynamic row count), one chunk
+        x = logits.detach().clone().requires_grad_()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = vocab_parallel_cross_entropy(x, labels, solo_group(), 6000, rows).masked_fill(labels < 0, 0.0)
+        (loss * weight).sum().backward()
+        peak = torch.cuda.max_memory_allocated() - base
+        assert not ce._FUSION.broken
+        _check(loss, x.grad, ref_loss, ref_grad, torch.bfloat16)
+        if rows is None:
+            assert peak <= 1.1 * logits.nbytes, (peak, logits.nbytes)
