@@ -396,7 +396,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for model in args.models:
         rows += run_model(model, args, overrides, grid, peak, profiles)
     add_ratios(rows)
-    print("\n" + table(rows))
+    print("\n" + table(rows, ratios=bool(PEERS[args.peers])))
     if args.json:
         write_text(args.json, json.dumps({"device": name, "peak_flops": peak, "rows": [asdict(r) for r in rows],
                                           "profiles": profiles}, indent=1))

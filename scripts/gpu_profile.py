@@ -16,6 +16,7 @@ a blocking `cudaMemcpy`). Everything but `capture` is pure, so it is tested on C
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -171,11 +172,20 @@ def capture(step: Callable[[], object], steps: int = 2, trace: Optional[str] = N
                 result.syncs += int(entry.count)
         if not result.kernels:
             result.error = "the profiler recorded no CUDA kernels (is CUPTI available?)"
-        if trace:
+    except Exception as e:  # a profile is extra: report it in one line and keep benchmarking
+        result.error = _one_line(e)
+        return result
+    if trace:
+        try:
             os.makedirs(os.path.dirname(os.path.abspath(trace)), exist_ok=True)
             tmp = f"{trace}.tmp{os.getpid()}"
             prof.export_chrome_trace(tmp)
             publish(tmp, trace)
-    except Exception as e:  # a profile is extra: report it in one line and keep benchmarking
-        result.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        except Exception as e:  # the breakdown stands without its trace
+            print(f"gpu_profile: no trace written to {trace}: {_one_line(e)}", file=sys.stderr)
     return result
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
