@@ -3,7 +3,7 @@ the same models trained the plain Hugging Face way in the same run, as peers.
 
     python scripts/bench_gpu.py [--models gpt2-124m gpt2-355m] [--iters 30] [--warmup 5]
                                 [--micro N] [--accum N] [--peers none|eager|compile|both]
-                                [--peer-iters N] [--profile] [--profile-steps 2] [--trace DIR]
+                                [--peer-iters N] [--profile] [--profile-steps 1] [--trace DIR]
                                 [--json OUT.json] [--section.key value ...]
 
 Each model trains from its config (configs/<model>.yaml) on mock data, in this process,
@@ -21,6 +21,8 @@ the same micro x accum random-token batches with the loss divided by accum: "hf 
 warm-up). They are timed like megazero's rows, over `--peer-iters` iterations (default
 --iters), and each megazero row prints its tokens/s over each peer's of the same model. A
 peer that fails (no transformers, out of memory) is a row with its error, not a failed run.
+The table's `run s` is a run's whole time (building, compiling, iterations, profile) and
+`1st s` its first iteration alone.
 
 `--profile`: after a model's timed iterations, torch.profiler records `--profile-steps` more
 steps of megazero and of each peer, and prints CUDA kernel time per step by kind (GEMM,
@@ -80,6 +82,7 @@ class Row:
     micro: int = 0
     accum: int = 0
     tokens_per_iter: int = 0
+    run_s: float = 0.0  # the whole run: building, every iteration, the profile
     first_step_s: float = 0.0  # the first iteration alone: CUDA/cuBLAS warm-up, or torch.compile
     step_s: float = 0.0
     tokens_per_sec: float = 0.0
@@ -173,7 +176,7 @@ def bench(model: str, micro: int, accum: int, args: argparse.Namespace, override
     cfg = make_config(model, micro, accum, args.iters + extra, overrides)
     row.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
     torch.cuda.reset_peak_memory_stats()
-    profile = None
+    profile, tic = None, time.perf_counter()
     try:
         profile = _run_megazero(row, cfg, grid, args, peak)
     except Exception as e:
@@ -181,6 +184,7 @@ def bench(model: str, micro: int, accum: int, args: argparse.Namespace, override
             traceback.print_exc()
         row.error = failure(e, micro)
     release(cfg.train.compile)  # the trainer is gone with _run_megazero's frame
+    row.run_s = time.perf_counter() - tic
     return row, profile
 
 
@@ -269,7 +273,7 @@ def peer_bench(model: str, runner: str, micro: int, accum: int, args: argparse.N
                peak: Optional[float]) -> tuple[Row, Optional[Profile]]:
     """Train the Hugging Face GPT-2 of `model`'s shape the plain way (`runner`: hf eager or hf compile)."""
     row = Row(model, runner, micro=micro, accum=accum)
-    profile = None
+    profile, tic = None, time.perf_counter()
     try:
         cfg = make_config(model, micro, accum, args.peer_iters, overrides)
         row.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
@@ -278,6 +282,7 @@ def peer_bench(model: str, runner: str, micro: int, accum: int, args: argparse.N
     except Exception as e:  # a peer is a comparison: its failure is a row, not the end of the run
         row.error = failure(e, micro)
     release(runner == HF_COMPILE)
+    row.run_s = time.perf_counter() - tic
     return row, profile
 
 
@@ -303,7 +308,7 @@ def _ratio(r: Row, value: Optional[float]) -> str:
 
 def table(rows: list[Row], ratios: bool = True) -> str:
     """The rows as a table; `ratios` adds the vs-peer columns (set by add_ratios)."""
-    head = (f"{'model':<10} {'runner':<10} {'params':>7} {'micro x acc':>11} {'tok/iter':>8} {'1st s':>6} "
+    head = (f"{'model':<10} {'runner':<10} {'params':>7} {'micro x acc':>11} {'tok/iter':>8} {'run s':>6} {'1st s':>6} "
             f"{'step s':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8} {'loss':>7}")
     lines = [head + (f" {'vs hf eager':>11} {'vs hf compile':>13}" if ratios else "")]
     for r in rows:
@@ -312,7 +317,7 @@ def table(rows: list[Row], ratios: bool = True) -> str:
             continue
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
         line = (f"{r.model:<10} {r.runner:<10} {r.params_m:>6.0f}M {f'{r.micro} x {r.accum}':>11} "
-                f"{r.tokens_per_iter:>8} {r.first_step_s:>6.1f} {r.step_s:>7.3f} {r.tokens_per_sec / 1e3:>8.1f}k "
+                f"{r.tokens_per_iter:>8} {r.run_s:>6.1f} {r.first_step_s:>6.1f} {r.step_s:>7.3f} {r.tokens_per_sec / 1e3:>8.1f}k "
                 f"{r.tflops:>8.1f} {mfu:>6} {r.peak_mem_gib:>8.1f} {r.last_loss:>7.3f}")
         if ratios:
             line += f" {_ratio(r, r.vs_hf_eager):>11} {_ratio(r, r.vs_hf_compile):>13}"
@@ -343,7 +348,8 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     ap.add_argument("--peer-iters", type=int, default=0, help="iterations per peer, warm-up included (0: --iters)")
     ap.add_argument("--profile", action="store_true",
                     help="after each run's timed iterations, print its CUDA kernel time by kind and host syncs")
-    ap.add_argument("--profile-steps", type=int, default=2, help="iterations recorded by --profile")
+    ap.add_argument("--profile-steps", type=int, default=1, help="iterations recorded by --profile (after one more "
+                    "to let the profiler settle)")
     ap.add_argument("--trace", help="with --profile, also write Chrome traces (MODEL-RUNNER.json) to this folder")
     ap.add_argument("--json", help="also write the rows (and profile summaries) to this JSON file")
     args, overrides = ap.parse_known_args(argv)

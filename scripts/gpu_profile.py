@@ -1,6 +1,6 @@
 """Where a training step's GPU time goes: CUDA kernel time by kind, and host syncs per step.
 
-    profile = capture(step, steps=2)           # torch.profiler around `steps` calls of step()
+    profile = capture(step, steps=1)           # torch.profiler around `steps` calls of step()
     kinds = breakdown(profile.kernels, profile.steps)
     print("\\n".join(format_profiles("gpt2-124m", {"megazero": (profile, step_s)})))
 
@@ -10,13 +10,15 @@ matched in that priority order (attention before GEMM, since cutlass attention k
 cutlass; loss before elementwise, since Inductor names its fused log-softmax kernels
 `triton_*_fused__log_softmax_*`). A host sync is a CPU-side CUDA runtime or driver call that
 waits for the GPU (`cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize`,
-a blocking `cudaMemcpy`). Everything but `capture` is pure, so it is tested on CPU.
+a blocking `cudaMemcpy`). Everything but `capture` is pure (`collect` reads the profiler's
+averaged entries), so it is tested on CPU.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -143,12 +145,31 @@ def _device_us(entry) -> float:
     return float(value if value is not None else entry.cuda_time_total)
 
 
-def _is_device_entry(entry) -> bool:
+def _is_kernel(entry) -> bool:
+    """A device-side entry that is a kernel or a copy: not a CPU op, and not a user range projected
+    onto the GPU timeline (`ProfilerStep#N`, record_function ranges), which would count its
+    kernels twice."""
     device_type = getattr(entry, "device_type", None)
-    return device_type is not None and "CPU" not in str(device_type)
+    if device_type is None or "CPU" in str(device_type):
+        return False
+    return not getattr(entry, "is_user_annotation", False) and not entry.key.startswith("ProfilerStep")
 
 
-def capture(step: Callable[[], object], steps: int = 2, trace: Optional[str] = None) -> Profile:
+def collect(entries, steps: int) -> Profile:
+    """The kernels and host syncs among torch.profiler's averaged entries (`prof.key_averages()`:
+    objects with key, count, device_type, device_time_total and is_user_annotation)."""
+    result = Profile(steps)
+    for entry in entries:
+        if _is_kernel(entry):
+            result.kernels.append((entry.key, _device_us(entry), int(entry.count)))
+        elif is_host_sync(entry.key):
+            result.syncs += int(entry.count)
+    if not result.kernels:
+        result.error = "the profiler recorded no CUDA kernels (is CUPTI available?)"
+    return result
+
+
+def capture(step: Callable[[], object], steps: int = 1, trace: Optional[str] = None) -> Profile:
     """Run `step` once to let the profiler settle, then `steps` more times under torch.profiler
     (CPU + CUDA), and return the kernels and host syncs of those `steps`. `trace`: also write a
     Chrome trace to that path. Any profiler failure is returned as Profile.error."""
@@ -159,19 +180,15 @@ def capture(step: Callable[[], object], steps: int = 2, trace: Optional[str] = N
 
     result = Profile(steps)
     try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                     schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
-            for _ in range(steps + 1):
-                step()
-                prof.step()
+        with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": one cycle here
+            warnings.filterwarnings("ignore", message=".*clears events")
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                         schedule=schedule(wait=0, warmup=1, active=steps, repeat=1)) as prof:
+                for _ in range(steps + 1):
+                    step()
+                    prof.step()
         torch.cuda.synchronize()
-        for entry in prof.key_averages():
-            if _is_device_entry(entry):
-                result.kernels.append((entry.key, _device_us(entry), int(entry.count)))
-            elif is_host_sync(entry.key):
-                result.syncs += int(entry.count)
-        if not result.kernels:
-            result.error = "the profiler recorded no CUDA kernels (is CUPTI available?)"
+        result = collect(prof.key_averages(), steps)
     except Exception as e:  # a profile is extra: report it in one line and keep benchmarking
         result.error = _one_line(e)
         return result

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from gpu_profile import (  # noqa: E402
     KINDS,
     Profile,
     breakdown,
+    collect,
     format_profiles,
     is_host_sync,
     kernel_kind,
@@ -97,6 +99,23 @@ def test_top_kernels_merge_names_longest_first():
     top = top_kernels(KERNELS, n=2)
     assert top == [("nvjet_tst_128x256", 6000.0, 42), ("ampere_bf16_s16816gemm", 2000.0, 8)]
     assert short_name("void " + "x" * 100, 20) == "x" * 17 + "..."
+
+
+def test_collect_reads_kernels_and_syncs_off_the_profiler_entries():
+    """Entries as torch.profiler's key_averages() gives them: kernels and copies on the device;
+    ProfilerStep#N and record_function ranges also appear there, and must not count twice."""
+    def entry(key, device, count, us=0.0, annotation=False):
+        return SimpleNamespace(key=key, count=count, device_type=f"DeviceType.{device}", device_time_total=us,
+                               is_user_annotation=annotation)
+
+    entries = [entry("ProfilerStep#2", "CUDA", 1, 9000.0), entry("megazero.loss", "CUDA", 2, 500.0, annotation=True),
+               entry("nvjet_tst_128x256", "CUDA", 40, 6000.0), entry("Memcpy DtoH (Device -> Pinned)", "CUDA", 3, 9.0),
+               entry("aten::mm", "CPU", 40, 6000.0), entry("cudaStreamSynchronize", "CPU", 4),
+               entry("cudaMemcpyAsync", "CPU", 3), entry("cudaDeviceSynchronize", "CPU", 1)]
+    profile = collect(entries, steps=2)
+    assert profile.kernels == [("nvjet_tst_128x256", 6000.0, 40), ("Memcpy DtoH (Device -> Pinned)", 9.0, 3)]
+    assert profile.syncs == 5 and not profile.error
+    assert "no CUDA kernels" in collect(entries[4:], steps=1).error  # a profiler without CUPTI
 
 
 def test_profile_printout_is_compact_and_names_a_failed_profile():
