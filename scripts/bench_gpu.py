@@ -2,7 +2,8 @@
 the same models trained the plain Hugging Face way in the same run, as peers.
 
     python scripts/bench_gpu.py [--models gpt2-124m gpt2-355m] [--iters 30] [--warmup 5]
-                                [--micro N] [--accum N] [--peers none|eager|compile|both]
+                                [--micro N] [--accum N] [--megazero eager|compile|both]
+                                [--peers none|eager|compile|both]
                                 [--peer-iters N] [--profile] [--profile-steps 1] [--trace DIR]
                                 [--json OUT.json] [--section.key value ...]
 
@@ -12,6 +13,9 @@ ZeRO stage), for `--iters` iterations; the first `--warmup` are not timed (CUDA 
 cuBLAS autotuning, allocator growth). Every iteration is a full global batch of
 micro x accum sequences of 1024 tokens. Any further `--section.key value` is a config
 override applied to every model (e.g. `--train.recompute none`).
+
+`--megazero` (default both): megazero eager ("megazero") and under train.compile ("megazero
+compile"), each with its ratios to the peers; their ratio to each other is train.compile's gain.
 
 Peers (`--peers`, default both): transformers' GPT2LMHeadModel of the same shape and dropout
 (SDPA attention) in fp32 weights under bf16 autocast, fused torch AdamW with the config's lr,
@@ -69,7 +73,8 @@ from megazero.train.metrics import device_peak_flops  # noqa: E402
 # Micro-batch x accumulation per model: 64 sequences (65k tokens) per iteration for both,
 # micro-batches large enough that the matmuls fill an H100/H200 (activations stay far below 80 GiB).
 SHAPES = {"gpt2-124m": (16, 4), "gpt2-355m": (8, 8)}
-MEGAZERO, HF_EAGER, HF_COMPILE = "megazero", "hf eager", "hf compile"
+MEGAZERO, MEGAZERO_COMPILE, HF_EAGER, HF_COMPILE = "megazero", "megazero compile", "hf eager", "hf compile"
+OURS = {"eager": (MEGAZERO,), "compile": (MEGAZERO_COMPILE,), "both": (MEGAZERO, MEGAZERO_COMPILE)}
 DEVICE = "cuda"  # where the peers train (a CPU smoke run of this script's logic swaps it)
 PEERS = {"none": (), "eager": (HF_EAGER,), "compile": (HF_COMPILE,), "both": (HF_EAGER, HF_COMPILE)}
 
@@ -155,6 +160,11 @@ def trace_path(args: argparse.Namespace, model: str, runner: str) -> Optional[st
     return os.path.join(args.trace, f"{model}-{runner.replace(' ', '-')}.json") if args.trace else None
 
 
+def ours(row: Row) -> bool:
+    """A megazero row (eager or compiled), as opposed to a peer's."""
+    return row.runner in (MEGAZERO, MEGAZERO_COMPILE)
+
+
 def _run_megazero(row: Row, cfg: Config, grid, args: argparse.Namespace, peak: Optional[float]) -> Optional[Profile]:
     from megazero.train.trainer import Trainer
 
@@ -164,14 +174,17 @@ def _run_megazero(row: Row, cfg: Config, grid, args: argparse.Namespace, peak: O
     measure(row, lambda: trainer.train_step()["loss"], cfg, args.iters, args.warmup, peak)
     if not args.profile:
         return None
-    return capture(trainer.train_step, args.profile_steps, trace_path(args, row.model, MEGAZERO))
+    return capture(trainer.train_step, args.profile_steps, trace_path(args, row.model, row.runner))
 
 
 def bench(model: str, micro: int, accum: int, args: argparse.Namespace, overrides: list[str], grid,
-          peak: Optional[float]) -> tuple[Row, Optional[Profile]]:
-    """Train `model` with megazero for args.iters iterations on this GPU and measure the timed ones;
-    with --profile, then profile a few more."""
-    row = Row(model, micro=micro, accum=accum)
+          peak: Optional[float], runner: str = MEGAZERO) -> tuple[Row, Optional[Profile]]:
+    """Train `model` with megazero (eager, or under train.compile for MEGAZERO_COMPILE) for
+    args.iters iterations on this GPU and measure the timed ones; with --profile, then profile
+    a few more."""
+    row = Row(model, runner=runner, micro=micro, accum=accum)
+    if runner == MEGAZERO_COMPILE:
+        overrides = overrides + ["--train.compile", "true"]
     extra = args.profile_steps + 1 if args.profile else 0  # the mock data covers the profiled steps too
     cfg = make_config(model, micro, accum, args.iters + extra, overrides)
     row.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
@@ -292,31 +305,31 @@ def add_ratios(rows: list[Row]) -> None:
     """Set each megazero row's tokens/s over each peer's of the same model (None: no such peer row,
     or it failed)."""
     peers = {(r.model, r.runner): r.tokens_per_sec for r in rows
-             if r.runner != MEGAZERO and not r.error and r.tokens_per_sec > 0}
+             if not ours(r) and not r.error and r.tokens_per_sec > 0}
     for r in rows:
-        if r.runner == MEGAZERO and not r.error:
+        if ours(r) and not r.error:
             eager, compiled = peers.get((r.model, HF_EAGER)), peers.get((r.model, HF_COMPILE))
             r.vs_hf_eager = r.tokens_per_sec / eager if eager else None
             r.vs_hf_compile = r.tokens_per_sec / compiled if compiled else None
 
 
 def _ratio(r: Row, value: Optional[float]) -> str:
-    if r.runner != MEGAZERO:
+    if not ours(r):
         return "-"
     return f"{value:.2f}x" if value is not None else "n/a"
 
 
 def table(rows: list[Row], ratios: bool = True) -> str:
     """The rows as a table; `ratios` adds the vs-peer columns (set by add_ratios)."""
-    head = (f"{'model':<10} {'runner':<10} {'params':>7} {'micro x acc':>11} {'tok/iter':>8} {'run s':>6} {'1st s':>6} "
+    head = (f"{'model':<10} {'runner':<16} {'params':>7} {'micro x acc':>11} {'tok/iter':>8} {'run s':>6} {'1st s':>6} "
             f"{'step s':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8} {'loss':>7}")
     lines = [head + (f" {'vs hf eager':>11} {'vs hf compile':>13}" if ratios else "")]
     for r in rows:
         if r.error:
-            lines.append(f"{r.model:<10} {r.runner:<10} FAILED: {r.error}")
+            lines.append(f"{r.model:<10} {r.runner:<16} FAILED: {r.error}")
             continue
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
-        line = (f"{r.model:<10} {r.runner:<10} {r.params_m:>6.0f}M {f'{r.micro} x {r.accum}':>11} "
+        line = (f"{r.model:<10} {r.runner:<16} {r.params_m:>6.0f}M {f'{r.micro} x {r.accum}':>11} "
                 f"{r.tokens_per_iter:>8} {r.run_s:>6.1f} {r.first_step_s:>6.1f} {r.step_s:>7.3f} {r.tokens_per_sec / 1e3:>8.1f}k "
                 f"{r.tflops:>8.1f} {mfu:>6} {r.peak_mem_gib:>8.1f} {r.last_loss:>7.3f}")
         if ratios:
@@ -343,6 +356,8 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     ap.add_argument("--warmup", type=int, default=5, help="first iterations left out of the timing")
     ap.add_argument("--micro", type=int, default=0, help="micro-batch size for every model (0: per-model default)")
     ap.add_argument("--accum", type=int, default=0, help="micro-batches per iteration (0: per-model default)")
+    ap.add_argument("--megazero", choices=list(OURS), default="both",
+                    help="megazero rows: eager, under train.compile (\"megazero compile\"), or both")
     ap.add_argument("--peers", choices=list(PEERS), default="both",
                     help="Hugging Face GPT-2 peers trained in the same run: eager, torch.compile, both or none")
     ap.add_argument("--peer-iters", type=int, default=0, help="iterations per peer, warm-up included (0: --iters)")
@@ -369,9 +384,9 @@ def run_model(model: str, args: argparse.Namespace, overrides: list[str], grid, 
     """megazero and the chosen peers on one model, each printed as it finishes; --profile prints after them."""
     micro, accum = args.micro or SHAPES[model][0], args.accum or SHAPES[model][1]
     rows, runs = [], {}
-    for runner in (MEGAZERO,) + PEERS[args.peers]:
-        if runner == MEGAZERO:
-            row, profile = bench(model, micro, accum, args, overrides, grid, peak)
+    for runner in OURS[args.megazero] + PEERS[args.peers]:
+        if runner in OURS["both"]:
+            row, profile = bench(model, micro, accum, args, overrides, grid, peak, runner)
         else:
             row, profile = peer_bench(model, runner, micro, accum, args, overrides, peak)
         rows.append(row)
@@ -407,8 +422,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         write_text(args.json, json.dumps({"device": name, "peak_flops": peak, "rows": [asdict(r) for r in rows],
                                           "profiles": profiles}, indent=1))
     torch.distributed.destroy_process_group()  # NCCL warns about communicators left to teardown
-    failed = [r.model for r in rows if r.runner == MEGAZERO and (r.error or not math.isfinite(r.last_loss))]
-    peer_failed = [f"{r.model} {r.runner}" for r in rows if r.runner != MEGAZERO and r.error]
+    failed = [f"{r.model} {r.runner}" for r in rows if ours(r) and (r.error or not math.isfinite(r.last_loss))]
+    peer_failed = [f"{r.model} {r.runner}" for r in rows if not ours(r) and r.error]
     if peer_failed:
         print(f"bench_gpu: peer rows failed: {', '.join(peer_failed)} (no ratio to them)", file=sys.stderr)
     if failed:

@@ -73,17 +73,20 @@ ensure_megazero() {
 export PYTHON
 export -f versions ensure_megazero  # `timeout` runs programs: the functions go through bash -c
 
-# Worst case 10 + 20 + 30 + 140 + 275 s = 7.9 min. The benchmark with both peers and --profile
-# measured about 4 minutes on an H200 (torch.compile of each Hugging Face model ~45 s); without
-# --profile it is shorter. Its `run s` column shows where the time goes.
+# Worst case 10 + 20 + 30 + 140 + 280 s = 8 min. The benchmark with both peers and --profile
+# measured about 4 minutes on an H200 (torch.compile of each Hugging Face model ~45 s; of
+# megazero's blocks, which share one graph, ~15 s); without --profile it is shorter. Its
+# `run s` column shows where the time goes.
 part "device" 10 nvidia-smi || true  # informational: "versions" decides whether there is a usable GPU
 part "versions" 20 bash -c versions || { echo "gpu_check: no usable CUDA device; stopping"; exit 1; }
 part "import" 30 bash -c ensure_megazero || true
-part "gpu tests" 140 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu.py || true
+part "gpu tests" 140 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cross_entropy.py \
+    || true
 # No recomputation for the MFU figure: both models fit an H200 without it (pass --train.recompute
-# selective to measure it). Fewer iterations than bench_gpu.py's defaults, so that both models
-# and their two peers fit the limit (later arguments win: --peers none, --iters 30, ...).
-part "benchmark" 275 "$PYTHON" scripts/bench_gpu.py --train.recompute none --iters 15 --warmup 5 --peer-iters 10 \
+# selective to measure it). Fewer iterations than bench_gpu.py's defaults, so that both models,
+# eager and compiled, and their two peers fit the limit (later arguments win: --peers none,
+# --megazero eager, --iters 30, ...).
+part "benchmark" 280 "$PYTHON" scripts/bench_gpu.py --train.recompute none --iters 12 --warmup 4 --peer-iters 10 \
     "$@" || true
 
 echo

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import bench_gpu  # noqa: E402
-from bench_gpu import HF_COMPILE, HF_EAGER, MEGAZERO, Row, add_ratios, table  # noqa: E402
+from bench_gpu import HF_COMPILE, HF_EAGER, MEGAZERO, MEGAZERO_COMPILE, Row, add_ratios, table  # noqa: E402
 from gpu_profile import (  # noqa: E402
     KINDS,
     Profile,
@@ -154,6 +154,16 @@ def test_ratios_to_each_peer_of_the_same_model():
     assert all(r.vs_hf_eager is None and r.vs_hf_compile is None for r in rows if r.runner != MEGAZERO)
 
 
+def test_the_compiled_megazero_row_gets_ratios_too():
+    common = dict(params_m=354.8, micro=16, accum=4, tokens_per_iter=65536, step_s=0.4, tflops=300.0)
+    rows = [Row("gpt2-355m", MEGAZERO, tokens_per_sec=150e3, **common),
+            Row("gpt2-355m", MEGAZERO_COMPILE, tokens_per_sec=180e3, **common),
+            Row("gpt2-355m", HF_COMPILE, tokens_per_sec=120e3, **common)]
+    add_ratios(rows)
+    assert rows[1].vs_hf_compile == pytest.approx(1.5) and rows[0].vs_hf_compile == pytest.approx(1.25)
+    assert table(rows).splitlines()[2].split()[:3] == ["gpt2-355m", "megazero", "compile"]
+
+
 def test_table_with_peer_rows():
     rows = _rows()
     add_ratios(rows)
@@ -162,7 +172,7 @@ def test_table_with_peer_rows():
     assert lines[1].split()[:2] == ["gpt2-124m", "megazero"] and lines[1].split()[-2:] == ["1.50x", "n/a"]
     assert lines[1].split()[-5] == "40.0%"
     assert lines[2].split()[-2:] == ["-", "-"]  # peers get no ratio to themselves
-    assert lines[3] == "gpt2-124m  hf compile FAILED: out of memory at micro-batch 16; try --micro 8"
+    assert lines[3].split() == "gpt2-124m hf compile FAILED: out of memory at micro-batch 16; try --micro 8".split()
     assert lines[4].split()[-2:] == ["n/a", "0.80x"]
     assert "vs hf" not in table(rows, ratios=False)  # the progress lines, before the peers have run
 
@@ -170,6 +180,7 @@ def test_table_with_peer_rows():
 def test_cli_defaults_and_refusals(capsys):
     args, overrides = bench_gpu.parse_args(["--iters", "12", "--train.recompute", "none"])
     assert (args.peers, args.peer_iters, args.profile, overrides) == ("both", 12, False, ["--train.recompute", "none"])
+    assert args.megazero == "both" and bench_gpu.parse_args(["--megazero", "eager"])[0].megazero == "eager"
     assert bench_gpu.parse_args(["--peer-iters", "8", "--peers", "none"])[0].peer_iters == 8
     for argv, why in [(["--peer-iters", "5"], "--peer-iters (5) must exceed --warmup (5)"),
                       (["--trace", "t"], "add --profile"), (["--profile", "--profile-steps", "0"], "at least 1")]:
