@@ -12,6 +12,11 @@ Devices, stated once: with CUDA the groups are NCCL's alone (one backend, no CPU
 channel), so every tensor that meets a collective, a p2p op, the loss or a metric is
 created on `grid.device`; without CUDA they are gloo's and `grid.device` is the CPU.
 Host copies for checkpoints go through `parallel/host.py`.
+
+Timeouts, stated once: every group the grid creates (tp, dp, pp, mp, embed, the world, and
+gloo's duplicate DP group for the communication thread) gets `grid.timeout_s`
+(train.timeout_minutes), so a collective or p2p op that waits longer on a stopped or dead
+peer fails instead of hanging (torch's default for a new group is 30 minutes on gloo).
 """
 
 from __future__ import annotations
@@ -43,12 +48,20 @@ class ProcessGrid:
     dp: int
     rank: int = 0
     backend: str = "gloo"
+    timeout_s: float = 600.0
+    """Every group's timeout: a collective or p2p op waiting longer on a peer fails."""
     groups: dict[str, Group] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel degree {name} ({getattr(self, name)}) must be at least 1")
+        if self.timeout_s <= 0:
+            raise ValueError(f"the process-group timeout ({self.timeout_s:g} s) must be positive")
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
 
     # ------------------------------------------------------------------ layout
 
@@ -130,44 +143,45 @@ class ProcessGrid:
         return self.groups["embed"]
 
     def build_groups(self) -> None:
-        """Create every process group once. All ranks call new_group for all groups in the
-        same order (a torch.distributed requirement), keeping only their own. On gloo the DP
-        group also gets a duplicate for its asynchronous reduce-scatters."""
+        """Create every process group once, each with the grid's timeout. All ranks call
+        new_group for all groups in the same order (a torch.distributed requirement), keeping
+        only their own. On gloo the DP group also gets a duplicate for its asynchronous
+        reduce-scatters."""
         for kind in ("tp", "dp", "pp", "mp", "embed"):
             for ranks in self.group_ranks(kind):
-                pg = _new_group(ranks, self.world_size)
+                pg = _new_group(ranks, self.world_size, self.timeout)
                 if self.rank in ranks:
-                    self.groups[kind] = Group(kind, pg, ranks, ranks.index(self.rank))
+                    self.groups[kind] = Group(kind, pg, ranks, ranks.index(self.rank), timeout_s=self.timeout_s)
         world = list(range(self.world_size))
-        self.groups["world"] = Group("world", _new_group(world, self.world_size), world, self.rank)
+        self.groups["world"] = Group("world", _new_group(world, self.world_size, self.timeout), world, self.rank,
+                                     timeout_s=self.timeout_s)
         if self.backend == "gloo":  # the DP group's comm thread gets a communicator of its own (see comm.py)
             for ranks in self.group_ranks("dp"):
-                side = dist.new_group(ranks) if len(ranks) > 1 else None
+                side = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     self.groups["dp"].side_pg = side
 
     @classmethod
-    def create(cls, tp: int, pp: int, timeout_s: int = 600, store: Optional[dist.Store] = None) -> "ProcessGrid":
+    def create(cls, tp: int, pp: int, timeout_s: float = 600, store: Optional[dist.Store] = None) -> "ProcessGrid":
         """Join torch.distributed from torchrun's environment (or as a lone process) and
-        build the grid; dp is inferred from the world size. `store`: rendezvous through it
-        instead of torchrun's (a restart's own namespace, see train/lifecycle.py)."""
+        build the grid; dp is inferred from the world size; every group waits `timeout_s` on a
+        peer at most. `store`: rendezvous through it instead of torchrun's (a restart's own
+        namespace, see train/lifecycle.py)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         if world_size % (tp * pp):
             raise ValueError(f"world size ({world_size}) must be divisible by tp x pp ({tp} x {pp})")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        grid = cls(tp=tp, pp=pp, dp=world_size // (tp * pp), rank=rank, backend=backend, timeout_s=timeout_s)
         if not dist.is_initialized():
-            timeout = datetime.timedelta(seconds=timeout_s)
             if store is not None:
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=grid.timeout)
             elif "MASTER_ADDR" in os.environ:
-                dist.init_process_group(backend, timeout=timeout)
+                dist.init_process_group(backend, timeout=grid.timeout)
             else:  # plain `python -m megazero.train`: a world of one
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                        timeout=timeout)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=grid.timeout)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        grid = cls(tp=tp, pp=pp, dp=world_size // (tp * pp), rank=rank, backend=backend)
         grid.build_groups()
         return grid
 
@@ -184,10 +198,11 @@ class ProcessGrid:
             g.counter.clear()
 
 
-def _new_group(ranks: list[int], world_size: int) -> Optional[dist.ProcessGroup]:
-    """A process group for `ranks`; a group of one needs no communicator (collectives skip it)."""
+def _new_group(ranks: list[int], world_size: int, timeout: datetime.timedelta) -> Optional[dist.ProcessGroup]:
+    """A process group for `ranks`; a group of one needs no communicator (collectives skip it).
+    The whole world is the default group, which init_process_group gave the same timeout."""
     if len(ranks) == 1:
         return None
     if len(ranks) == world_size:
         return dist.group.WORLD
-    return dist.new_group(ranks)
+    return dist.new_group(ranks, timeout=timeout)
