@@ -19,7 +19,7 @@ from distributed import free_port, read_jsonl, torchrun
 from megazero.parallel.comm import CollectiveTimeout, Group
 from megazero.parallel.grid import ProcessGrid
 from megazero.train.__main__ import main as train_main
-from megazero.train.lifecycle import describe_comm_failure
+from megazero.train.lifecycle import NcclErrorWatch, describe_comm_failure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true"]
@@ -183,6 +183,7 @@ def test_every_process_group_gets_the_timeout(monkeypatch):
     assert sorted(r for r, _ in created).count([0, 2]) == 2  # rank 0's DP group and its duplicate
     assert grid.dp_group.side_pg is not None
     assert {g.timeout_s for g in grid.groups.values()} == {9.0}
+    assert grid.comm_errors() == {}  # gloo: errors raise where the rank waits
 
 
 def test_a_stuck_communication_thread_fails_the_wait():
@@ -208,6 +209,30 @@ def test_a_stuck_communication_thread_fails_the_wait():
         assert line.startswith("rank 1: ") and "failed: a peer process died or stopped responding (Timed out" in line
         assert line.endswith("raise train.timeout_minutes (0.1)") and "\n" not in line
         assert "(parallel/comm.py:" in line
+
+
+class _NcclGrid:
+    backend, rank, timeout_s = "nccl", 3, 15.0
+
+    def __init__(self):
+        self.errors: dict[str, str] = {}
+
+    def comm_errors(self) -> dict[str, str]:
+        return dict(self.errors)
+
+
+def test_an_nccl_watchdog_error_becomes_the_same_one_line():
+    grid, lines, reported = _NcclGrid(), [], threading.Event()
+    watch = NcclErrorWatch(grid, lambda line: (lines.append(line), reported.set()), poll_s=0.01)
+    time.sleep(0.05)
+    assert lines == []
+    grid.errors = {"dp": "TIMEOUT"}
+    assert reported.wait(5)
+    watch.stop()
+    assert lines == ["rank 3: a collective on group dp failed: a peer process died or stopped responding (NCCL "
+                     "watchdog: TIMEOUT after 15 s); the job stops; run it again (or let torchrun --max-restarts) to "
+                     "resume from the latest checkpoint; if the peers were only slow (a long save, data loading), "
+                     "raise train.timeout_minutes (0.25)"]
 
 
 def _snapshot(directory: str) -> dict:

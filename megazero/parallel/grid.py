@@ -16,12 +16,16 @@ Host copies for checkpoints go through `parallel/host.py`.
 Timeouts, stated once: every group the grid creates (tp, dp, pp, mp, embed, the world, and
 gloo's duplicate DP group for the communication thread) gets `grid.timeout_s`
 (train.timeout_minutes), so a collective or p2p op that waits longer on a stopped or dead
-peer fails instead of hanging (torch's default for a new group is 30 minutes on gloo).
+peer fails instead of hanging (torch's default for a new group is 30 minutes on gloo). Gloo
+raises the error in the thread that waits. NCCL's watchdog thread notices it; `comm_errors`
+reports it to train/lifecycle.py, which ends the rank with the same one line as on gloo before
+the watchdog tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING, default 3).
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -161,6 +165,20 @@ class ProcessGrid:
                 if self.rank in ranks:
                     self.groups["dp"].side_pg = side
 
+    def comm_errors(self) -> dict[str, str]:
+        """This rank's groups whose NCCL watchdog has seen a collective time out or a peer fail,
+        by name: TIMEOUT, COMM_ERROR or REMOTE_ERROR. Empty on gloo (its collectives raise in
+        the thread that waits) and where torch does not report process-group errors."""
+        errors: dict[str, str] = {}
+        for name, group in self.groups.items():
+            if group.pg is None or self.backend != "nccl":
+                continue
+            backend = group.pg._get_backend(torch.device("cuda"))
+            error = getattr(backend, "get_error", lambda: None)()
+            if error is not None and error.name != "SUCCESS":
+                errors[name] = error.name
+        return errors
+
     @classmethod
     def create(cls, tp: int, pp: int, timeout_s: float = 600, store: Optional[dist.Store] = None) -> "ProcessGrid":
         """Join torch.distributed from torchrun's environment (or as a lone process) and
@@ -173,15 +191,16 @@ class ProcessGrid:
             raise ValueError(f"world size ({world_size}) must be divisible by tp x pp ({tp} x {pp})")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         grid = cls(tp=tp, pp=pp, dp=world_size // (tp * pp), rank=rank, backend=backend, timeout_s=timeout_s)
+        options = _bind_cuda_device() if backend == "nccl" else {}
         if not dist.is_initialized():
             if store is not None:
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=grid.timeout)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=grid.timeout,
+                                        **options)
             elif "MASTER_ADDR" in os.environ:
-                dist.init_process_group(backend, timeout=grid.timeout)
+                dist.init_process_group(backend, timeout=grid.timeout, **options)
             else:  # plain `python -m megazero.train`: a world of one
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=grid.timeout)
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=grid.timeout,
+                                        **options)
         grid.build_groups()
         return grid
 
@@ -206,3 +225,17 @@ def _new_group(ranks: list[int], world_size: int, timeout: datetime.timedelta) -
     if len(ranks) == world_size:
         return dist.group.WORLD
     return dist.new_group(ranks, timeout=timeout)
+
+
+def _bind_cuda_device() -> dict:
+    """NCCL as it wants to be started: this process's GPU chosen (LOCAL_RANK) before any group
+    exists, and named to init_process_group (device_id: communicators are created at once on
+    it and new groups split from them, instead of guessing a device at the first collective).
+    A timed-out or failed NCCL collective tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING
+    3, torch's default, kept unless set) after `comm_errors` has let lifecycle print why."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    if "device_id" not in inspect.signature(dist.init_process_group).parameters:  # torch < 2.3
+        return {}
+    return {"device_id": torch.device("cuda", local_rank)}

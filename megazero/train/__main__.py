@@ -59,6 +59,7 @@ def train(cfg: Config) -> None:
     timeout_s = cfg.train.timeout_minutes * 60
     grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, timeout_s, lifecycle.attempt_store(timeout_s))
     lost_peer = lifecycle.LostPeerExit()  # a lost peer: one line per surviving rank, exit 1, not a traceback
+    watch = lifecycle.NcclErrorWatch(grid, lost_peer)
     with report_errors():  # a checkpoint, data or training error: the same on every rank
         try:
             Trainer(cfg, grid).run()
@@ -68,6 +69,7 @@ def train(cfg: Config) -> None:
                 raise
             lost_peer(line)
     dist.barrier()  # no rank tears its communicators down while a peer still uses them
+    watch.stop()
     if grid.backend == "nccl":
         dist.destroy_process_group()
         return

@@ -12,7 +12,8 @@
 - Lost peers: a collective whose peer died or stopped responding becomes one line naming
   this rank and the operation (`describe_comm_failure`) instead of a traceback per rank, and
   exit status 1 (`LostPeerExit`). Every process group waits train.timeout_minutes at most
-  (parallel/grid.py).
+  (parallel/grid.py): on gloo the waiting collective raises; on NCCL the watchdog thread sees
+  it, and `NcclErrorWatch` prints the same line before the watchdog aborts the process.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ import sys
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, NoReturn, Optional
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 
 from megazero.config import Config
 from megazero.errors import UserError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+    from megazero.parallel.grid import ProcessGrid
 
 # Megatron's --exit-duration-in-mins counts from the start of the process, not of training.
 PROCESS_START = time.monotonic()
@@ -144,6 +147,12 @@ def describe_comm_failure(error: BaseException, rank: int, timeout_s: Optional[f
     return _lost_peer_line(rank, where or "a collective", detail or type(error).__name__, timeout_s)
 
 
+def nccl_failure_line(rank: int, group: str, kind: str, timeout_s: Optional[float] = None) -> str:
+    """The line for a group whose NCCL watchdog reported `kind` (ProcessGrid.comm_errors)."""
+    after = f" after {timeout_s:g} s" if kind == "TIMEOUT" and timeout_s else ""
+    return _lost_peer_line(rank, f"a collective on group {group}", f"NCCL watchdog: {kind}{after}", timeout_s)
+
+
 def _lost_peer_line(rank: int, where: str, detail: str, timeout_s: Optional[float]) -> str:
     line = (f"rank {rank}: {where} failed: a peer process died or stopped responding ({detail}); the job stops; "
             f"run it again (or let torchrun --max-restarts) to resume from the latest checkpoint")
@@ -155,7 +164,7 @@ def _lost_peer_line(rank: int, where: str, detail: str, timeout_s: Optional[floa
 
 class LostPeerExit:
     """Ends this rank with one `error: ...` line and exit status 1: called by the main thread
-    (a collective raised) or by another thread, whichever comes first. It leaves with os._exit:
+    (a collective raised) or by `NcclErrorWatch`, whichever comes first. It leaves with os._exit:
     gloo's and NCCL's teardown would wait on the lost peer."""
 
     def __init__(self) -> None:
@@ -165,3 +174,33 @@ class LostPeerExit:
         with self._lock:  # a second caller waits here until the process is gone
             print(f"error: {line}", file=sys.stderr, flush=True)
             os._exit(1)
+
+
+class NcclErrorWatch:
+    """Under NCCL a collective that times out, or whose peer fails, raises nowhere the rank
+    waits: torch's watchdog thread notices it, sleeps about a minute for debug dumps, then tears
+    the process down with a C++ abort. This thread polls the grid's groups for that verdict
+    (ProcessGrid.comm_errors) and reports it first, as the line gloo's error gives. Nothing
+    to watch on gloo."""
+
+    def __init__(self, grid: ProcessGrid, report: Callable[[str], object], poll_s: float = 1.0):
+        self.grid, self.report, self.poll_s = grid, report, poll_s
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        if grid.backend == "nccl":
+            threading.Thread(target=self._run, name="megazero-nccl-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.poll_s):
+            with self._lock:  # never query a group that stop() let the caller destroy
+                if self._stopped.is_set():
+                    return
+                errors = self.grid.comm_errors()
+            for group, kind in errors.items():
+                self.report(nccl_failure_line(self.grid.rank, group, kind, self.grid.timeout_s))
+                return
+
+    def stop(self) -> None:
+        """Stop watching (before the process groups are destroyed)."""
+        with self._lock:
+            self._stopped.set()
