@@ -141,7 +141,8 @@ class TrainConfig:
     max_skipped_steps: int = 10
     """Stop the run after this many consecutive steps skipped for a non-finite gradient norm or loss."""
     timeout_minutes: float = 10.0
-    """Process-group timeout: a collective or p2p op waiting longer on a missing peer fails with an error."""
+    """Timeout of every process group (tp, dp, pp, ..., gloo's communication thread's too): a collective or
+    p2p op waiting longer on a stopped or dead peer fails, with one line per rank."""
     exit_duration_minutes: float = 0.0
     """Save and exit cleanly once this many minutes have passed since start-up (0: never), like
     Megatron's --exit-duration-in-mins: set it a little under a job's time limit."""

@@ -17,6 +17,9 @@ reduce-scatter is our own ring of point-to-point exchanges, so its asynchronous 
 the group's one communication thread, in submission order (every rank submits the same
 collectives in the same order), over `side_pg`: a duplicate of the group's process group,
 so the thread's messages never interleave with collectives the main thread issues meanwhile.
+A peer that stops or dies makes the thread's exchange fail after the group's timeout (the
+duplicate has it too); `wait()` re-raises that error on the main thread, and gives up by
+itself (`CollectiveTimeout`) should the thread never come back.
 
 The f/g pairs (Megatron's names in brackets) are one autograd Function per collective:
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Optional, Protocol
 
@@ -56,6 +60,7 @@ class Group:
     rank: int
     counter: Counter = field(default_factory=Counter)
     side_pg: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # gloo: the comm thread's duplicate
+    timeout_s: Optional[float] = None  # the process groups' timeout (ProcessGrid sets it); None: torch's default
     _thread: Optional[ThreadPoolExecutor] = field(default=None, repr=False)
     record: Optional[list["Call"]] = field(default=None, repr=False)  # see record_calls
 
@@ -71,7 +76,10 @@ class Group:
                                f"collectives (ProcessGrid.build_groups creates it)")
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"megazero-{self.name}-comm")
-        return _Threaded(self._thread.submit(fn, *args, pg=self.side_pg))
+        # A ring of n - 1 exchanges, each of which may wait up to the timeout on a slow but live
+        # peer: after n timeouts the thread is stuck beyond what its own timeout catches.
+        limit_s = None if self.timeout_s is None else self.timeout_s * self.size
+        return _Threaded(self._thread.submit(fn, *args, pg=self.side_pg), self.name, limit_s)
 
     def count(self, op: str, nbytes: float) -> None:
         self.counter[op] += int(nbytes)
@@ -126,14 +134,27 @@ class _Done:
         return None
 
 
+class CollectiveTimeout(RuntimeError):
+    """A group's communication thread did not finish a collective in time (a peer stopped)."""
+
+
 @dataclass
 class _Threaded:
-    """A collective running on a group's communication thread; its errors surface in wait()."""
+    """A collective running on a group's communication thread; its errors surface in wait(),
+    which waits `limit_s` at most (None: for ever)."""
 
     future: Future
+    group: str
+    limit_s: Optional[float] = None
 
     def wait(self) -> None:
-        self.future.result()
+        try:
+            self.future.result(timeout=self.limit_s)
+        except FutureTimeout:
+            if self.future.done():  # the collective's own error, not our wait's
+                raise
+            raise CollectiveTimeout(f"Timed out waiting {self.limit_s:g} s for the {self.group} group's "
+                                    f"communication thread to finish a collective") from None
 
 
 def solo_group() -> Group:
