@@ -131,6 +131,8 @@ class RowParallelLinear(nn.Module):
         split_parameter_(self, "weight", tp, 1)  # the bias is replicated: added once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # nothing to sum: the bias rides in the matmul's epilogue, no pass of its own
+            return linear(x, self.weight, self.bias, self.weight_grads)
         y = leave_tp(linear(x, self.weight, None, self.weight_grads), self.tp, self.sequence_parallel)
         # The bias is added once, after the sum, not once per rank (under sequence parallelism
         # to this rank's positions only: its gradient is partial).

@@ -207,23 +207,22 @@ def peak_in_flight_bytes(order: Iterable[tuple[bool, int]], sizes: list[int]) ->
 # ---------------------------------------------------------------------------- communication
 
 
-def dp_bytes(stage: int, buckets: list[int], dp: int, m: int, wire_bytes: int, param_bytes: int,
-             last_stage: bool) -> int:
+def dp_bytes(stage: int, buckets: list[int], dp: int, m: int, wire_bytes: int, param_bytes: int) -> int:
     """Bytes one rank sends over its DP group in one iteration, bucket by bucket as the
     optimizer communicates (`buckets`: padded elements): stage 0 all-reduces each gradient
     bucket once (2Ψ (N-1)/N), stage 1 reduce-scatters once and all-gathers the updated
     parameters (2Ψ (N-1)/N), stage 2 reduce-scatters every micro-batch (m + 1), stage 3
     gathers every bucket once per forward and once per backward as well (3 m; the tied
-    embedding too, see zero/stage3.py); plus the fp32 loss all-reduce on the last stage."""
-    loss = all_reduce_volume(4, dp) if last_stage else 0
+    embedding too, see zero/stage3.py). The loss is not on it: it is summed over the world with
+    the optimizer step's gradient norm (zero/clip.py)."""
     if stage == 0:
-        return sum(all_reduce_volume(n * wire_bytes, dp) for n in buckets) + loss
+        return sum(all_reduce_volume(n * wire_bytes, dp) for n in buckets)
     reduce = sum(reduce_scatter_volume(n // dp * wire_bytes, dp) for n in buckets)
     if stage == 1:
-        return reduce + sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets) + loss
+        return reduce + sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets)
     if stage == 2:
-        return m * reduce + sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets) + loss
-    return m * (reduce + 2 * sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets)) + loss
+        return m * reduce + sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets)
+    return m * (reduce + 2 * sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets))
 
 
 def tp_bytes(chunks: list[Chunk], x: ActivationShape, m: int, sequence_parallel_grads: int = 0) -> int:

@@ -186,7 +186,7 @@ def rank_prediction(cfg: Config, layout: Layout, r: int, m: int, shape: F.Activa
     sizes = [F.chunk_activation_bytes(c, shape) for c in rp.chunks]
     order = activation_events(ORDERS[schedule](pp, vpp, r, m)) if pp > 1 else [(True, 0), (False, 0)]
     wire = 2 if cfg.zero.reduce_dtype == "bf16" else 4
-    moved = {"dp": F.dp_bytes(stage, padded, dp, m, wire, elem[0], r == pp - 1),
+    moved = {"dp": F.dp_bytes(stage, padded, dp, m, wire, elem[0]),
              # Partial LayerNorm/bias gradients are all-reduced on this rank's ZeRO shard (about 1/dp of them).
              "tp": F.tp_bytes(list(rp.chunks), shape, m, rp.replicated_numel // shards),
              "pp": F.pp_bytes(pp, vpp, r, m, shape),

@@ -18,8 +18,8 @@ this rank's trainable share of the model:
    bias + GELU, dropout and residual adds fuse; the q/k/v split costs no copies). What
    dynamo cannot trace runs eagerly between a block's graphs, each a clean break named at
    start-up (`compile_notes`): the recomputed attention core under selective recompute
-   (a checkpoint that replays RNG streams), per-TP-rank dropout streams, the gathered
-   matmuls of sequence parallelism.
+   (a checkpoint that replays RNG streams), the TP collectives, per-TP-rank dropout
+   streams, the gathered matmuls of sequence parallelism.
 5. Activation recomputation (`train.recompute`): wraps each (compiled) block forward
    (full) or each attention core (selective) in torch.utils.checkpoint, inside the module
    call: ZeRO-3's hooks on a block still bracket its forward, and its backward hook
@@ -116,6 +116,9 @@ def compile_notes(cfg: Config) -> list[str]:
     if cfg.train.recompute == "selective":
         notes.append("the recomputed attention core (train.recompute selective) runs eagerly between each block's two "
                      "graphs: dynamo cannot trace a checkpoint that replays RNG streams")
+    if cfg.parallel.tp > 1:
+        notes.append("the tensor-parallel collectives run eagerly between each block's graphs: dynamo cannot trace "
+                     "megazero's collective autograd Functions")
     if cfg.parallel.tp > 1 and cfg.model.dropout > 0:
         notes.append("attention dropout from the per-TP-rank RNG stream runs eagerly: dynamo cannot trace RNG-state swaps")
     if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:

@@ -38,8 +38,13 @@ def reduce_step_sums(pieces: Iterable[tuple[torch.Tensor, bool]], loss: Optional
     non-finite loss (as inf). `pieces` are (gradient, counted); `loss` is this rank's loss
     share, added to the global loss where `count_loss` (one rank per loss replica)."""
     sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for grad, counted in pieces:
-        sums[0 if counted else 1] += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+    pieces = list(pieces)
+    if pieces:  # one multi-tensor pass over every piece, not a norm, a square and an add per piece
+        norms = torch._foreach_norm([grad for grad, _ in pieces], 2, dtype=torch.float64)
+        for slot, kept in ((0, True), (1, False)):
+            mine = [n for n, (_, counted) in zip(norms, pieces, strict=True) if counted == kept]
+            if mine:
+                sums[slot] += torch.stack(mine).square().sum().to(device)
     if loss is not None:
         share = loss.detach().double().to(device)
         sums[1] += torch.where(torch.isfinite(share), 0.0, float("inf"))
