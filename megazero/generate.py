@@ -32,7 +32,7 @@ import torch
 from megazero.checkpoint.load import Checkpoint
 from megazero.checkpoint.sharded import CheckpointError
 from megazero.errors import UserError, report_errors
-from megazero.model.gpt import GPT, KVCache
+from megazero.model.gpt import GPT, KVCache, apply_tensor_parallel
 from megazero.model.layers import shard_of
 from megazero.parallel.comm import Group, gather_from_tp
 
@@ -47,7 +47,6 @@ def build_model(ckpt: Checkpoint, tp: Group, device: torch.device | str = "cpu")
     over TP there, then only the shards are allocated on the device and filled one at a
     time, so the full model never sits in host or device memory."""
     from megazero.checkpoint.export import fit_vocab
-    from megazero.train.parallelize import apply_tensor_parallel
     from megazero.zero.materialize import replace_meta_parameters
     with torch.device("meta"):
         model = apply_tensor_parallel(GPT(ckpt.model_config), tp)

@@ -37,9 +37,8 @@ from torch.utils.checkpoint import checkpoint
 
 from megazero.checkpoint.sharded import holds_checkpoint
 from megazero.config import Config
-from megazero.model.gpt import GPT
+from megazero.model.gpt import GPT, apply_tensor_parallel
 from megazero.model.lora import apply_lora, initial_adapter, is_adapter
-from megazero.parallel.comm import Group
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import RNGTracker, recompute_rng_context
 from megazero.pipeline.stages import build_model_chunks
@@ -86,16 +85,6 @@ def hf_initial_values(cfg: Config, grid: ProcessGrid) -> Initial:
     from megazero.checkpoint.hf import HFInitialValues
     hf = HFInitialValues(cfg.checkpoint.init_from_hf, cfg.model)
     return lambda chunk, name, p: hf.value(name, p, grid.tp_rank, grid.tp)
-
-
-def apply_tensor_parallel(model: GPT, tp: Group) -> GPT:
-    """Split `model` over the TP group, in place (a no-op at tp = 1); returns it. Values a
-    materialized model holds are kept: each rank keeps its shard of them."""
-    if tp.size > 1:
-        for module in list(model.modules()):
-            if hasattr(module, "apply_tp"):
-                module.apply_tp(tp)
-    return model
 
 
 def apply_compile(model: GPT, recompute: str) -> None:

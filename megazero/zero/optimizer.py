@@ -71,6 +71,7 @@ from megazero.zero.partition import (
     Bucket,
     Layout,
     Slot,
+    bucket_groups,
     build_layout,
     split_frozen,
     sub_groups,
@@ -79,7 +80,7 @@ from megazero.zero.partition import (
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
 from megazero.zero.sequence_parallel import SequenceParallelGrads
 from megazero.zero.shard_home import MemoryShard, NvmeShard, ShardHome
-from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
+from megazero.zero.stage3 import ParamGatherer, fetch_units
 from megazero.zero.state import MemoryStore, NvmeStore
 
 
@@ -106,31 +107,6 @@ class ShardableModel(Protocol):
 
     def initial_value(self, name: str, seed: int) -> torch.Tensor:
         """A parameter's starting value on this TP rank (materializes meta-device models)."""
-
-
-def bucket_groups(chunks: list[nn.Module], bucket_size: int) -> list[tuple[int, Named]]:
-    """Stages 0-2: parameters in reverse execution order (the order gradients become ready),
-    cut into buckets of about `bucket_size` elements that never span two model chunks (each
-    chunk's last backward comes at its own time). The tied embedding weight gets a bucket of
-    its own, so the first and last stages partition it identically and can sum its shards."""
-    groups: list[tuple[int, Named]] = []
-    for ci in reversed(range(len(chunks))):
-        tied = chunks[ci].tied_weight()
-        named = list(chunks[ci].named_parameters())
-        groups += [(ci, [(n, p)]) for n, p in named if p is tied]
-        current: Named = []
-        size = 0
-        for n, p in reversed(named):
-            if p is tied:
-                continue
-            if current and size + p.numel() > bucket_size:
-                groups.append((ci, current))
-                current, size = [], 0
-            current.append((n, p))
-            size += p.numel()
-        if current:
-            groups.append((ci, current))
-    return groups
 
 
 class ZeroOptimizer:
