@@ -46,8 +46,8 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used (incomplete, corrupt, another model or format).
 
     With `bad_checkpoint` set, the message is completed, when first shown, by the last good
-    checkpoint before it (a search that hashes older checkpoints: in distributed code use
-    `raise_agreed`, which runs it on rank 0 only)."""
+    checkpoint before it (a search that hashes older checkpoints: in distributed code rank 0
+    alone runs it, see the trainer's load_checkpoint)."""
 
     def __init__(self, message: str, bad_checkpoint: Optional[str] = None):
         super().__init__(message)
@@ -97,24 +97,27 @@ def save(save_dir: str, iteration: int, rank_state: dict | Callable[[], dict], c
     to the directory are its return value) into the checkpoint before it is sealed. Raises CheckpointSaveError on
     every rank when any rank's write failed (nothing of the new checkpoint is kept)."""
     final = os.path.join(save_dir, iter_dir_name(iteration))
-    step = _SaveStep(final, iteration, grid)
-    step.run(lambda: prepare_dir(final) if grid.rank == 0 else None)
+
+    def step(fn: Callable[[], Any]) -> list[Any]:  # fn() on every rank; a failed write on any stops all here
+        return comm.agreed(fn, grid["world"], (OSError,), lambda rank, e: _abandoned(final, iteration, rank, e, grid),
+                           gather=True)
+    step(lambda: prepare_dir(final) if grid.rank == 0 else None)
     tmp = final + TMP_SUFFIX
     c = grid.coords()
     name = rank_file_name(c.tp, c.pp, c.dp)
     # Built inside the step when given as a callable: assembling state can fail on one rank
     # (scratch space for NVMe-swapped state) and must stop every rank alike.
-    entries = step.run(lambda: _write_rank_file(os.path.join(tmp, name),
-                                                rank_state() if callable(rank_state) else rank_state))
+    entries = step(lambda: _write_rank_file(os.path.join(tmp, name),
+                                            rank_state() if callable(rank_state) else rank_state))
     files = dict(zip(_names(grid), entries))
     if extra is not None:
         def write_extra() -> dict[str, Optional[dict]]:
             written = extra(tmp)  # rank 0 writes them (by offsets: hashed once complete)
             return {n: digest.file_entry(os.path.join(tmp, n)) if grid.rank == 0 else None for n in written}
-        files.update(step.run(write_extra)[0])
+        files.update(step(write_extra)[0])
     meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
             "layout": layout_of(cfg, grid), "config": cfg.to_dict(), "files": files}
-    step.run(lambda: _seal(save_dir, final, meta, keep_last) if grid.rank == 0 else None)
+    step(lambda: _seal(save_dir, final, meta, keep_last) if grid.rank == 0 else None)
     return final
 
 
@@ -143,36 +146,15 @@ def _seal(save_dir: str, final: str, meta: dict, keep_last: int) -> None:
     prune(save_dir, keep_last)
 
 
-class _SaveStep:
-    """One step of a save on every rank, then a collective on its outcome, so that a write
-    that fails on one rank stops all of them at the same point (none waits for a peer)."""
-
-    def __init__(self, final: str, iteration: int, grid: ProcessGrid):
-        self.final, self.iteration, self.grid = final, iteration, grid
-
-    def run(self, fn: Callable[[], Any]) -> list[Any]:
-        """Each rank's result of fn(), gathered on every rank."""
-        outcome: tuple[Optional[str], Any] = (None, None)
-        try:
-            outcome = (None, fn())
-        except OSError as e:
-            outcome = (str(e), None)
-        outcomes = comm.all_gather_object(outcome, self.grid["world"])
-        failed = [(rank, error) for rank, (error, _) in enumerate(outcomes) if error]
-        if failed:
-            self._abandon()
-            rank, error = failed[0]
-            raise CheckpointSaveError(
-                f"saving iteration {self.iteration} to {os.path.dirname(self.final)} failed on rank {rank}: {error}; "
-                f"the previous checkpoint and '{LATEST}' are untouched; free disk space or fix the directory "
-                f"(checkpoint.save) and resume with --checkpoint.load")
-        return [result for _, result in outcomes]
-
-    def _abandon(self) -> None:
-        """Remove the partial checkpoint; every rank returns once it is gone."""
-        if self.grid.rank == 0:
-            shutil.rmtree(self.final + TMP_SUFFIX, ignore_errors=True)
-        comm.barrier(self.grid["world"])
+def _abandoned(final: str, iteration: int, rank: int, error: str, grid: ProcessGrid) -> CheckpointSaveError:
+    """Remove the partial checkpoint (every rank returns once it is gone); the error to raise."""
+    if grid.rank == 0:
+        shutil.rmtree(final + TMP_SUFFIX, ignore_errors=True)
+    comm.barrier(grid["world"])
+    return CheckpointSaveError(
+        f"saving iteration {iteration} to {os.path.dirname(final)} failed on rank {rank}: {error}; "
+        f"the previous checkpoint and '{LATEST}' are untouched; free disk space or fix the directory "
+        f"(checkpoint.save) and resume with --checkpoint.load")
 
 
 def layout_of(cfg: Config, grid: ProcessGrid) -> dict:
@@ -315,27 +297,3 @@ def is_intact(ckpt: str) -> bool:
         return True
     except (OSError, ValueError, KeyError, TypeError):
         return False
-
-
-def raise_agreed(error: Optional[CheckpointError], grid: ProcessGrid) -> None:
-    """Collective: when any rank failed, every rank raises the first failing rank's error.
-    The search for the last good checkpoint runs on rank 0 alone (it hashes older
-    checkpoints); the others wait for its answer."""
-    report = None if error is None else (error.args[0], error.bad_checkpoint)
-    first = next((r for r in comm.all_gather_object(report, grid["world"]) if r), None)
-    if first is None:
-        return
-    message, bad = first
-    if bad:
-        message += comm.broadcast_object(last_good_hint(bad) if grid.rank == 0 else None, 0, grid["world"])
-    raise CheckpointError(message)
-
-
-def first_error(message: Optional[str], grid: ProcessGrid) -> Optional[str]:
-    """Share the first rank's error message with all ranks (None when every rank is fine).
-
-    Under NCCL, all_gather_object pickles through a CUDA tensor on the current device, so
-    each rank's device must be set first (ProcessGrid.create does it); otherwise every rank
-    would use cuda:0."""
-    messages: list[Any] = comm.all_gather_object(message, grid["world"])
-    return next((m for m in messages if m), None)

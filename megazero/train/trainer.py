@@ -148,15 +148,19 @@ class Trainer:
             if self.grid.rank == 0:
                 print(f"no checkpoint in {load_dir} yet: starting from scratch", flush=True)
             return
-        error, state = None, None
-        try:
+        def agreed_error(rank: int, report: tuple[str, Optional[str]]) -> sharded.CheckpointError:
+            message, bad = report  # the search for the last good checkpoint hashes older ones: rank 0 alone runs it
+            hint = comm.broadcast_object(sharded.last_good_hint(bad) if self.grid.rank == 0 else None, 0,
+                                         self.grid["world"]) if bad else ""
+            return sharded.CheckpointError(message + hint)
+
+        def read() -> tuple[str, dict]:
             ckpt = load_dir if universal else sharded.resolve(load_dir, iteration)
-            state = self._read_resume_state(ckpt, universal)
-        except sharded.CheckpointError as e:
-            error = e
-        except ValueError as e:
-            error = sharded.CheckpointError(str(e))
-        sharded.raise_agreed(error, self.grid)  # every rank stops together, with one message
+            return ckpt, self._read_resume_state(ckpt, universal)
+        # Every rank stops together, with one message.
+        ckpt, state = comm.agreed(read, self.grid["world"], (sharded.CheckpointError, ValueError), agreed_error,
+                                  lambda e: (e.args[0], e.bad_checkpoint) if isinstance(e, sharded.CheckpointError)
+                                  else (str(e), None))
         self.optimizer.load_state_dict(state["optimizer"])
         self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
         self.skipped_iters = state["skipped_iters"]
@@ -380,17 +384,9 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
 
     # One rank builds and caches the sample indices; the others load them. A failure on the
     # builder reaches every rank (instead of leaving them waiting at a barrier).
-    error = None
-    if grid.rank == 0:
-        try:
-            train, valid, _ = build(True)
-        except DataError as e:
-            error = str(e)
-    error = sharded.first_error(error, grid)
-    if error:
-        raise DataError(error)
-    if grid.rank != 0:
-        train, valid, _ = build(False)
+    built = comm.agreed(lambda: build(True) if grid.rank == 0 else None, grid["world"], (DataError,),
+                        lambda rank, message: DataError(message))
+    train, valid, _ = built if grid.rank == 0 else build(False)
     return train, valid
 
 

@@ -57,7 +57,6 @@ import torch
 from torch import nn
 
 from megazero.config import Config
-from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostStaging
@@ -206,19 +205,6 @@ class ZeroOptimizer:
             return self.chunks[b.chunk].initial_value(s.name, self.cfg.train.seed).reshape(-1)
         return s.param.detach().reshape(-1)
 
-    def _agreed(self, build: Callable[[], object]) -> object:
-        """`build()` on every rank, each learning whether every rank could (a full disk on one
-        node must not leave the others waiting in the first collective)."""
-        result, error = None, ""
-        try:
-            result = build()
-        except UserError as e:
-            error = f"rank {self.grid.rank}: {e}"
-        errors = [e for e in comm.all_gather_object(error, self.grid["world"]) if e]
-        if errors:
-            raise UserError(errors[0])
-        return result
-
     def _state_store(self) -> MemoryStore | NvmeStore:
         """Master weights and moments (of the trainable buckets) where zero.offload_optimizer puts them."""
         z, n = self.cfg.zero, self.layout.trainable_numel
@@ -231,7 +217,7 @@ class ZeroOptimizer:
             if z.offload_optimizer == "cpu":
                 return MemoryStore(n, torch.device("cpu"), separate_master=True, pin=z.pin_memory)
             return NvmeStore(n, self.groups, z.nvme_path, z.buffer_count, z.pin_memory)
-        return self._agreed(build)
+        return comm.agreed(build, self.grid["world"])  # a full disk on one node stops every rank
 
     def _shard_home(self) -> ShardHome:
         """Where the stage-3 parameter shard lives: zero.offload_param."""
@@ -243,7 +229,7 @@ class ZeroOptimizer:
             if z.offload_param == "cpu":
                 return MemoryShard(n, self.dtype, torch.device("cpu"), pin=z.pin_memory)
             return NvmeShard(self.layout, self.dtype, z.nvme_path, z.pin_memory)
-        return self._agreed(build)
+        return comm.agreed(build, self.grid["world"])  # a full disk on one node stops every rank
 
     def _write_master(self, offset: int, values: torch.Tensor) -> None:
         if offset < self.layout.trainable_numel:  # frozen buckets have no master weights
