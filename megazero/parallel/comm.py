@@ -401,13 +401,12 @@ def leave_tp(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Te
 def agreed(fn: Callable[[], Any], group: Group, catch: tuple[type[Exception], ...] = (UserError,),
            error: Optional[Callable[[int, Any], Exception]] = None, report: Callable[[Exception], Any] = str,
            gather: bool = False) -> Any:
-    """Collective: fn() on every member, then every member learns whether all of them could,
-    so that a failure on one (a full disk on one node, a corrupt file) stops them all at the
-    same point instead of leaving the others waiting in their next collective. When fn raised
-    one of `catch` on some member, every member raises the same error: error(index, report(e))
-    of the first member that failed (default: UserError "rank INDEX: MESSAGE"); `error` runs on
-    every member and may itself be collective. Returns this member's fn() result, or with
-    `gather` every member's, in group order (small picklable values only)."""
+    """Collective: fn() on every member, then every member learns whether all could, so that a
+    failure on one (a full disk, a corrupt file) stops them all at the same point instead of
+    leaving the others waiting in their next collective: every member raises error(index,
+    report(e)) of the first member where fn raised one of `catch` (default: UserError "rank
+    INDEX: MESSAGE"; `error` runs on every member, and may be collective). Returns fn()'s
+    result, or with `gather` every member's in group order (small picklable values only)."""
     failure, result = None, None
     try:
         result = fn()
