@@ -106,7 +106,8 @@ class ZeroConfig:
     offload_param: Literal["none", "cpu", "nvme"] = "none"
     """Stage 3: where each rank's 16-bit parameter shard lives between uses: none (the
     device), cpu (host memory) or nvme (a swap file under zero.nvme_path). A unit's slice
-    is loaded ahead of use, in the prefetch order, all-gathered and dropped after."""
+    is read one unit before its all-gather is due (in the prefetch order), all-gathered at
+    that fixed point and dropped after."""
     nvme_path: str = ""
     """offload_optimizer / offload_param nvme: an existing, writable directory on a fast
     local disk."""
@@ -142,7 +143,8 @@ class TrainConfig:
     max_skipped_steps: int = 10
     """Stop the run after this many consecutive steps skipped for a non-finite gradient norm or loss."""
     timeout_minutes: float = 10.0
-    """Process-group timeout: a collective or p2p op waiting longer on a missing peer fails with an error."""
+    """Timeout of every process group (tp, dp, pp, ..., gloo's communication thread's too): a collective or
+    p2p op waiting longer on a stopped or dead peer fails, with one line per rank."""
     exit_duration_minutes: float = 0.0
     """Save and exit cleanly once this many minutes have passed since start-up (0: never), like
     Megatron's --exit-duration-in-mins: set it a little under a job's time limit."""

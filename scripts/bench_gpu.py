@@ -1,7 +1,11 @@
-"""Single-GPU training throughput of GPT-2 124M and 355M in bf16: tokens/s, TFLOP/s, MFU.
+"""Single-GPU training throughput of GPT-2 124M and 355M in bf16: tokens/s, TFLOP/s, MFU, and
+the same models trained the plain Hugging Face way in the same run, as peers.
 
     python scripts/bench_gpu.py [--models gpt2-124m gpt2-355m] [--iters 30] [--warmup 5]
-                                [--micro N] [--accum N] [--json OUT.json] [--section.key value ...]
+                                [--micro N] [--accum N] [--megazero eager|compile|both]
+                                [--peers none|eager|compile|both]
+                                [--peer-iters N] [--profile] [--profile-steps 1] [--trace DIR]
+                                [--json OUT.json] [--section.key value ...]
 
 Each model trains from its config (configs/<model>.yaml) on mock data, in this process,
 through megazero's own Trainer on a world of one (NCCL, tp = pp = dp = 1, the config's
@@ -10,16 +14,36 @@ cuBLAS autotuning, allocator growth). Every iteration is a full global batch of
 micro x accum sequences of 1024 tokens. Any further `--section.key value` is a config
 override applied to every model (e.g. `--train.recompute none`).
 
+`--megazero` (default both): megazero eager ("megazero") and under train.compile ("megazero
+compile"), each with its ratios to the peers; their ratio to each other is train.compile's gain.
+
+Peers (`--peers`, default both): transformers' GPT2LMHeadModel of the same shape and dropout
+(SDPA attention) in fp32 weights under bf16 autocast, fused torch AdamW with the config's lr,
+betas, eps and weight decay (none on 1-D parameters, as megazero), the config's gradient clip,
+the same micro x accum random-token batches with the loss divided by accum: "hf eager", and
+"hf compile" (torch.compile of the model and its loss; its compilation falls in the untimed
+warm-up). They are timed like megazero's rows, over `--peer-iters` iterations (default
+--iters), and each megazero row prints its tokens/s over each peer's of the same model. A
+peer that fails (no transformers, out of memory) is a row with its error, not a failed run.
+The table's `run s` is a run's whole time (building, compiling, iterations, profile) and
+`1st s` its first iteration alone.
+
+`--profile`: after a model's timed iterations, torch.profiler records `--profile-steps` more
+steps of megazero and of each peer, and prints CUDA kernel time per step by kind (GEMM,
+attention, loss, norm, elementwise, copies, optimizer, communication, other; see
+scripts/gpu_profile.py), kernel time against the timed step (GPU idle), host syncs per step
+and megazero's 15 longest kernels. `--trace DIR` also writes each profile as a Chrome trace.
+
 TFLOP/s use megazero's model-FLOPs formula (`model_flops_per_token`: 6 x matmul parameters
 plus attention; recomputation is not counted) and MFU divides by the device's dense bf16
 peak from `device_peak_flops` (shown; an unknown device gets no MFU). This is a
-measurement, not a test: nothing is asserted about speed. Exits 1 without a CUDA device.
+measurement, not a test: nothing is asserted about speed. Exits 1 without a CUDA device,
+or when a megazero row failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import io
 import json
@@ -27,13 +51,19 @@ import math
 import os
 import sys
 import time
+import traceback
+from contextlib import redirect_stdout
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE]  # megazero from this checkout; gpu_profile beside this script
+
+from gpu_profile import Profile, breakdown, capture, format_profiles  # noqa: E402
 
 from megazero.atomic import write_text  # noqa: E402
 from megazero.config import Config, build_config, load_yaml, validate  # noqa: E402
@@ -43,21 +73,30 @@ from megazero.train.metrics import device_peak_flops  # noqa: E402
 # Micro-batch x accumulation per model: 64 sequences (65k tokens) per iteration for both,
 # micro-batches large enough that the matmuls fill an H100/H200 (activations stay far below 80 GiB).
 SHAPES = {"gpt2-124m": (16, 4), "gpt2-355m": (8, 8)}
+MEGAZERO, MEGAZERO_COMPILE, HF_EAGER, HF_COMPILE = "megazero", "megazero compile", "hf eager", "hf compile"
+OURS = {"eager": (MEGAZERO,), "compile": (MEGAZERO_COMPILE,), "both": (MEGAZERO, MEGAZERO_COMPILE)}
+DEVICE = "cuda"  # where the peers train (a CPU smoke run of this script's logic swaps it)
+PEERS = {"none": (), "eager": (HF_EAGER,), "compile": (HF_COMPILE,), "both": (HF_EAGER, HF_COMPILE)}
 
 
 @dataclass
 class Row:
     model: str
+    runner: str = MEGAZERO
     params_m: float = 0.0
     micro: int = 0
     accum: int = 0
     tokens_per_iter: int = 0
+    run_s: float = 0.0  # the whole run: building, every iteration, the profile
+    first_step_s: float = 0.0  # the first iteration alone: CUDA/cuBLAS warm-up, or torch.compile
     step_s: float = 0.0
     tokens_per_sec: float = 0.0
     tflops: float = 0.0
     mfu: Optional[float] = None
     peak_mem_gib: float = 0.0
     last_loss: float = float("nan")
+    vs_hf_eager: Optional[float] = None  # megazero rows: tokens/s over the peer's of the same model
+    vs_hf_compile: Optional[float] = None
     error: str = ""
 
 
@@ -72,62 +111,242 @@ def make_config(model: str, micro: int, accum: int, iters: int, overrides: list[
     return cfg
 
 
-def timed_steps(trainer, iters: int, warmup: int) -> tuple[list[float], float]:
-    """Seconds of each timed training step, and the last loss."""
-    times, loss = [], float("nan")
+def timed_steps(step: Callable[[], float], iters: int, warmup: int) -> tuple[list[float], float, float]:
+    """Seconds of each timed call of `step` (one training iteration returning its loss), the
+    last loss, and the seconds of the first call."""
+    times, loss, first = [], float("nan"), 0.0
     for i in range(iters):
         torch.cuda.synchronize()
         tic = time.perf_counter()
-        out = trainer.train_step()  # float(loss) inside already waits for the GPU; synchronize anyway
+        loss = step()  # float(loss) inside already waits for the GPU; synchronize anyway
         torch.cuda.synchronize()
+        elapsed = time.perf_counter() - tic
+        if i == 0:
+            first = elapsed
         if i >= warmup:
-            times.append(time.perf_counter() - tic)
-        loss = out["loss"]
-    return times, loss
+            times.append(elapsed)
+    return times, loss, first
 
 
-def bench(model: str, micro: int, accum: int, args: argparse.Namespace, overrides: list[str], grid,
-          peak: Optional[float]) -> Row:
-    """Train `model` for args.iters iterations on this GPU and measure the timed ones."""
-    from megazero.train.trainer import Trainer
-
-    row = Row(model, micro=micro, accum=accum)
-    cfg = make_config(model, micro, accum, args.iters, overrides)
-    row.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
-    torch.cuda.reset_peak_memory_stats()
-    trainer = None
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):  # the trainer's config banner
-            trainer = Trainer(cfg, grid)
-        row.params_m = sum(p.numel() for c in trainer.chunks for p in c.parameters()) / 1e6
-        times, row.last_loss = timed_steps(trainer, args.iters, args.warmup)
-    except torch.cuda.OutOfMemoryError:
-        row.error = f"out of memory at micro-batch {micro}; try --micro {max(1, micro // 2)}"
-        return row
-    finally:
-        del trainer  # free this model's memory before the next one is built
-        gc.collect()
-        torch.cuda.empty_cache()
+def measure(row: Row, step: Callable[[], float], cfg: Config, iters: int, warmup: int, peak: Optional[float]) -> None:
+    """Time `step` and fill the row's throughput columns (mean step time over the timed iterations)."""
+    times, row.last_loss, row.first_step_s = timed_steps(step, iters, warmup)
     row.step_s = sum(times) / len(times)
     row.tokens_per_sec = row.tokens_per_iter / row.step_s
     row.tflops = model_flops_per_token(cfg.model) * row.tokens_per_sec / 1e12
     row.mfu = row.tflops * 1e12 / peak if peak else None
     row.peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30
-    return row
 
 
-def table(rows: list[Row]) -> str:
-    lines = [f"{'model':<10} {'params':>7} {'micro x acc':>11} {'tok/iter':>8} {'step s':>7} {'tok/s':>9} "
-             f"{'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8} {'loss':>7}"]
+def failure(e: BaseException, micro: int) -> str:
+    """One line for a failed row."""
+    if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e):
+        return f"out of memory at micro-batch {micro}; try --micro {max(1, micro // 2)}"
+    if isinstance(e, ImportError):
+        return f"{e} (the peer needs transformers: pip install transformers)"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
+
+
+def release(compiled: bool) -> None:
+    """Free the last run's GPU memory (and its compiled graphs) before the next one is built."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    if compiled:
+        torch._dynamo.reset()
+
+
+def trace_path(args: argparse.Namespace, model: str, runner: str) -> Optional[str]:
+    return os.path.join(args.trace, f"{model}-{runner.replace(' ', '-')}.json") if args.trace else None
+
+
+def ours(row: Row) -> bool:
+    """A megazero row (eager or compiled), as opposed to a peer's."""
+    return row.runner in (MEGAZERO, MEGAZERO_COMPILE)
+
+
+def _run_megazero(row: Row, cfg: Config, grid, args: argparse.Namespace, peak: Optional[float]) -> Optional[Profile]:
+    from megazero.train.trainer import Trainer
+
+    with redirect_stdout(io.StringIO()):  # the trainer's config banner
+        trainer = Trainer(cfg, grid)
+    row.params_m = sum(p.numel() for c in trainer.chunks for p in c.parameters()) / 1e6
+    measure(row, lambda: trainer.train_step()["loss"], cfg, args.iters, args.warmup, peak)
+    if not args.profile:
+        return None
+    return capture(trainer.train_step, args.profile_steps, trace_path(args, row.model, row.runner))
+
+
+def bench(model: str, micro: int, accum: int, args: argparse.Namespace, overrides: list[str], grid,
+          peak: Optional[float], runner: str = MEGAZERO) -> tuple[Row, Optional[Profile]]:
+    """Train `model` with megazero (eager, or under train.compile for MEGAZERO_COMPILE) for
+    args.iters iterations on this GPU and measure the timed ones; with --profile, then profile
+    a few more."""
+    row = Row(model, runner=runner, micro=micro, accum=accum)
+    if runner == MEGAZERO_COMPILE:
+        overrides = overrides + ["--train.compile", "true"]
+    extra = args.profile_steps + 1 if args.profile else 0  # the mock data covers the profiled steps too
+    cfg = make_config(model, micro, accum, args.iters + extra, overrides)
+    row.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
+    torch.cuda.reset_peak_memory_stats()
+    profile, tic = None, time.perf_counter()
+    try:
+        profile = _run_megazero(row, cfg, grid, args, peak)
+    except Exception as e:
+        if not isinstance(e, torch.cuda.OutOfMemoryError):
+            traceback.print_exc()
+        row.error = failure(e, micro)
+    release(cfg.train.compile)  # the trainer is gone with _run_megazero's frame
+    row.run_s = time.perf_counter() - tic
+    return row, profile
+
+
+# --- the Hugging Face peer -----------------------------------------------------------------------
+
+class LossOf(torch.nn.Module):
+    """A causal LM and the usual next-token cross-entropy (fp32 logits), one module so that
+    torch.compile sees both."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=inputs).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def hf_model(cfg: Config, device: str) -> torch.nn.Module:
+    """transformers' GPT-2 of the config's shape and dropout, SDPA attention, fp32, on `device`."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    m = cfg.model
+    conf = GPT2Config(n_layer=m.num_layers, n_embd=m.hidden_size, n_head=m.num_heads, n_positions=m.seq_length,
+                      vocab_size=m.vocab_size, resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
+                      layer_norm_epsilon=m.layernorm_eps, use_cache=False, attn_implementation="sdpa")
+    with torch.device(device):
+        return GPT2LMHeadModel(conf)
+
+
+def peer_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """Fused AdamW with the config's settings; no weight decay on 1-D parameters (as megazero)."""
+    o = cfg.optim
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
+
+
+def token_batches(cfg: Config, micro: int, accum: int, device: str, generator: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """accum micro-batches of random tokens as (inputs, labels = inputs shifted by one), fresh on
+    each call like megazero's mock data (a repeated batch would be memorised and its loss fall)."""
+    seq = cfg.model.seq_length
+    tokens = torch.randint(0, cfg.model.vocab_size, (accum, micro, seq + 1), generator=generator, device=device)
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def peer_step(loss_of: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list, clip: float,
+              device_type: str) -> float:
+    """One plain training iteration: bf16 autocast forward, loss / accum, backward per micro-batch;
+    clip the gradient norm; step. Returns the iteration's mean loss."""
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=batches[0][0].device)
+    for inputs, labels in batches:
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            loss = loss_of(inputs, labels) / len(batches)
+        loss.backward()
+        total += loss.detach()
+    if clip > 0:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    optimizer.step()
+    return float(total)
+
+
+def _run_peer(row: Row, cfg: Config, args: argparse.Namespace, peak: Optional[float]) -> Optional[Profile]:
+    torch.manual_seed(cfg.train.seed)
+    lm = hf_model(cfg, DEVICE)
+    row.params_m = sum(p.numel() for p in lm.parameters()) / 1e6
+    loss_of = LossOf(lm)
+    if row.runner == HF_COMPILE:
+        loss_of = torch.compile(loss_of)
+    optimizer, generator = peer_optimizer(lm, cfg), torch.Generator(DEVICE).manual_seed(cfg.train.seed)
+
+    def step() -> float:
+        batches = token_batches(cfg, row.micro, row.accum, DEVICE, generator)
+        return peer_step(loss_of, optimizer, batches, cfg.optim.clip_grad, DEVICE)
+
+    measure(row, step, cfg, args.peer_iters, args.warmup, peak)
+    if not args.profile:
+        return None
+    return capture(step, args.profile_steps, trace_path(args, row.model, row.runner))
+
+
+def peer_bench(model: str, runner: str, micro: int, accum: int, args: argparse.Namespace, overrides: list[str],
+               peak: Optional[float]) -> tuple[Row, Optional[Profile]]:
+    """Train the Hugging Face GPT-2 of `model`'s shape the plain way (`runner`: hf eager or hf compile)."""
+    row = Row(model, runner, micro=micro, accum=accum)
+    profile, tic = None, time.perf_counter()
+    try:
+        cfg = make_config(model, micro, accum, args.peer_iters, overrides)
+        row.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
+        torch.cuda.reset_peak_memory_stats()
+        profile = _run_peer(row, cfg, args, peak)
+    except Exception as e:  # a peer is a comparison: its failure is a row, not the end of the run
+        row.error = failure(e, micro)
+    release(runner == HF_COMPILE)
+    row.run_s = time.perf_counter() - tic
+    return row, profile
+
+
+# --- reporting -----------------------------------------------------------------------------------
+
+def add_ratios(rows: list[Row]) -> None:
+    """Set each megazero row's tokens/s over each peer's of the same model (None: no such peer row,
+    or it failed)."""
+    peers = {(r.model, r.runner): r.tokens_per_sec for r in rows
+             if not ours(r) and not r.error and r.tokens_per_sec > 0}
+    for r in rows:
+        if ours(r) and not r.error:
+            eager, compiled = peers.get((r.model, HF_EAGER)), peers.get((r.model, HF_COMPILE))
+            r.vs_hf_eager = r.tokens_per_sec / eager if eager else None
+            r.vs_hf_compile = r.tokens_per_sec / compiled if compiled else None
+
+
+def _ratio(r: Row, value: Optional[float]) -> str:
+    if not ours(r):
+        return "-"
+    return f"{value:.2f}x" if value is not None else "n/a"
+
+
+def table(rows: list[Row], ratios: bool = True) -> str:
+    """The rows as a table; `ratios` adds the vs-peer columns (set by add_ratios)."""
+    head = (f"{'model':<10} {'runner':<16} {'params':>7} {'micro x acc':>11} {'tok/iter':>8} {'run s':>6} {'1st s':>6} "
+            f"{'step s':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8} {'loss':>7}")
+    lines = [head + (f" {'vs hf eager':>11} {'vs hf compile':>13}" if ratios else "")]
     for r in rows:
         if r.error:
-            lines.append(f"{r.model:<10} FAILED: {r.error}")
+            lines.append(f"{r.model:<10} {r.runner:<16} FAILED: {r.error}")
             continue
         mfu = f"{100 * r.mfu:.1f}%" if r.mfu is not None else "n/a"
-        lines.append(f"{r.model:<10} {r.params_m:>6.0f}M {f'{r.micro} x {r.accum}':>11} {r.tokens_per_iter:>8} "
-                     f"{r.step_s:>7.3f} {r.tokens_per_sec / 1e3:>8.1f}k {r.tflops:>8.1f} {mfu:>6} "
-                     f"{r.peak_mem_gib:>8.1f} {r.last_loss:>7.3f}")
+        line = (f"{r.model:<10} {r.runner:<16} {r.params_m:>6.0f}M {f'{r.micro} x {r.accum}':>11} "
+                f"{r.tokens_per_iter:>8} {r.run_s:>6.1f} {r.first_step_s:>6.1f} {r.step_s:>7.3f} {r.tokens_per_sec / 1e3:>8.1f}k "
+                f"{r.tflops:>8.1f} {mfu:>6} {r.peak_mem_gib:>8.1f} {r.last_loss:>7.3f}")
+        if ratios:
+            line += f" {_ratio(r, r.vs_hf_eager):>11} {_ratio(r, r.vs_hf_compile):>13}"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def profile_json(profile: Profile, step_s: float) -> dict:
+    """A profile's summary for --json: kernel ms, share and count per step by kind; host syncs per step."""
+    if profile.error:
+        return {"error": profile.error}
+    kinds = breakdown(profile.kernels, profile.steps)
+    return {"steps": profile.steps, "step_s": step_s, "host_syncs_per_step": profile.syncs / profile.steps,
+            "kernel_ms_per_step": sum(k.ms_per_step for k in kinds),
+            "kinds": {k.kind: {"ms_per_step": k.ms_per_step, "share": k.share, "count_per_step": k.count_per_step}
+                      for k in kinds if k.count_per_step}}
 
 
 def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
@@ -137,11 +356,47 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     ap.add_argument("--warmup", type=int, default=5, help="first iterations left out of the timing")
     ap.add_argument("--micro", type=int, default=0, help="micro-batch size for every model (0: per-model default)")
     ap.add_argument("--accum", type=int, default=0, help="micro-batches per iteration (0: per-model default)")
-    ap.add_argument("--json", help="also write the rows to this JSON file")
+    ap.add_argument("--megazero", choices=list(OURS), default="both",
+                    help="megazero rows: eager, under train.compile (\"megazero compile\"), or both")
+    ap.add_argument("--peers", choices=list(PEERS), default="both",
+                    help="Hugging Face GPT-2 peers trained in the same run: eager, torch.compile, both or none")
+    ap.add_argument("--peer-iters", type=int, default=0, help="iterations per peer, warm-up included (0: --iters)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each run's timed iterations, print its CUDA kernel time by kind and host syncs")
+    ap.add_argument("--profile-steps", type=int, default=1, help="iterations recorded by --profile (after one more "
+                    "to let the profiler settle)")
+    ap.add_argument("--trace", help="with --profile, also write Chrome traces (MODEL-RUNNER.json) to this folder")
+    ap.add_argument("--json", help="also write the rows (and profile summaries) to this JSON file")
     args, overrides = ap.parse_known_args(argv)
-    if args.iters <= args.warmup:
-        ap.error(f"--iters ({args.iters}) must exceed --warmup ({args.warmup}) to leave iterations to time")
+    args.peer_iters = args.peer_iters or args.iters
+    for flag, iters in (("--iters", args.iters), ("--peer-iters", args.peer_iters)):
+        if iters <= args.warmup:
+            ap.error(f"{flag} ({iters}) must exceed --warmup ({args.warmup}) to leave iterations to time")
+    if args.profile_steps < 1:
+        ap.error(f"--profile-steps ({args.profile_steps}) must be at least 1")
+    if args.trace and not args.profile:
+        ap.error("--trace writes the --profile traces; add --profile")
     return args, overrides
+
+
+def run_model(model: str, args: argparse.Namespace, overrides: list[str], grid, peak: Optional[float],
+              profiles: dict) -> list[Row]:
+    """megazero and the chosen peers on one model, each printed as it finishes; --profile prints after them."""
+    micro, accum = args.micro or SHAPES[model][0], args.accum or SHAPES[model][1]
+    rows, runs = [], {}
+    for runner in OURS[args.megazero] + PEERS[args.peers]:
+        if runner in OURS["both"]:
+            row, profile = bench(model, micro, accum, args, overrides, grid, peak, runner)
+        else:
+            row, profile = peer_bench(model, runner, micro, accum, args, overrides, peak)
+        rows.append(row)
+        print(table([row], ratios=False).splitlines()[-1], flush=True)  # progress, one line per run
+        if profile is not None:
+            runs[runner] = (profile, row.step_s)
+    if runs:
+        print("\n".join(format_profiles(model, runs)), flush=True)
+        profiles[model] = {runner: profile_json(p, s) for runner, (p, s) in runs.items()}
+    return rows
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -155,19 +410,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     grid = ProcessGrid.create(tp=1, pp=1)  # NCCL, a world of one; sets the CUDA device
     name, peak = device_peak_flops()
     peak_text = f"{peak / 1e12:.0f} TFLOP/s dense bf16" if peak else "unknown peak: no MFU"
+    peers = f"peers {', '.join(PEERS[args.peers])} ({args.peer_iters} iterations)" if PEERS[args.peers] else "no peers"
     print(f"bench_gpu: {name} ({peak_text}) | torch {torch.__version__} | CUDA {torch.version.cuda} | "
-          f"{args.iters} iterations per model, first {args.warmup} untimed", flush=True)
-    rows = []
+          f"{args.iters} iterations per model, first {args.warmup} untimed | {peers}", flush=True)
+    rows, profiles = [], {}
     for model in args.models:
-        micro, accum = args.micro or SHAPES[model][0], args.accum or SHAPES[model][1]
-        rows.append(bench(model, micro, accum, args, overrides, grid, peak))
-        print(table(rows[-1:]).splitlines()[-1], flush=True)  # progress, one line per model
-    print("\n" + table(rows))
+        rows += run_model(model, args, overrides, grid, peak, profiles)
+    add_ratios(rows)
+    print("\n" + table(rows, ratios=bool(PEERS[args.peers])))
     if args.json:
-        write_text(args.json, json.dumps({"device": name, "peak_flops": peak, "rows": [asdict(r) for r in rows]},
-                                         indent=1))
+        write_text(args.json, json.dumps({"device": name, "peak_flops": peak, "rows": [asdict(r) for r in rows],
+                                          "profiles": profiles}, indent=1))
     torch.distributed.destroy_process_group()  # NCCL warns about communicators left to teardown
-    failed = [r.model for r in rows if r.error or not math.isfinite(r.last_loss)]
+    failed = [f"{r.model} {r.runner}" for r in rows if ours(r) and (r.error or not math.isfinite(r.last_loss))]
+    peer_failed = [f"{r.model} {r.runner}" for r in rows if not ours(r) and r.error]
+    if peer_failed:
+        print(f"bench_gpu: peer rows failed: {', '.join(peer_failed)} (no ratio to them)", file=sys.stderr)
     if failed:
         print(f"bench_gpu: {', '.join(failed)} failed (see the table)", file=sys.stderr)
     return 1 if failed else 0

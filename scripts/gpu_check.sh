@@ -7,18 +7,23 @@
 # 2. runs the GPU tests: python -m pytest -q -m gpu tests/test_gpu.py (bf16 training at ZeRO
 #    stages 0-3 through NCCL, fp32 parity with CPU, 16-bit save, export, generation);
 # 3. benchmarks GPT-2 124M and 355M in bf16 without recomputation: python scripts/bench_gpu.py
-#    (tokens/s, TFLOP/s, MFU).
+#    (tokens/s, TFLOP/s, MFU), beside the Hugging Face GPT-2 of each shape trained the plain way
+#    (eager and torch.compile) and megazero's ratio to each; `--profile` adds the kernel-time
+#    breakdown by kind and the host syncs per step.
 #
 # Nothing is installed from the internet: torch with CUDA and the repository's dependencies
 # must already be there; megazero itself is used from this checkout (PYTHONPATH), or
 # installed with `pip install -e . --no-deps` if it cannot be imported that way. Every part
 # runs under `timeout`; without a usable CUDA device the script stops after the versions,
 # otherwise a failed part does not stop the later ones. The exit status is non-zero when
-# any part failed. Arguments are passed on to bench_gpu.py.
+# any part failed. Arguments are passed on to bench_gpu.py (after this script's defaults, so
+# they win). The interpreter is $PYTHON, else `python`, else `python3` (images that ship only it).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python}
+if [ -z "${PYTHON:-}" ]; then
+    if command -v python >/dev/null 2>&1; then PYTHON=python; else PYTHON=python3; fi
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 failed=()
@@ -68,14 +73,21 @@ ensure_megazero() {
 export PYTHON
 export -f versions ensure_megazero  # `timeout` runs programs: the functions go through bash -c
 
-# Worst case 20 + 40 + 60 + 220 + 130 s = 7.8 min; a normal run takes about half of that.
-part "device" 20 nvidia-smi || true  # informational: "versions" decides whether there is a usable GPU
-part "versions" 40 bash -c versions || { echo "gpu_check: no usable CUDA device; stopping"; exit 1; }
-part "import" 60 bash -c ensure_megazero || true
-part "gpu tests" 220 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu.py || true
+# Worst case 10 + 20 + 30 + 140 + 280 s = 8 min. The benchmark with both peers and --profile
+# measured about 4 minutes on an H200 (torch.compile of each Hugging Face model ~45 s; of
+# megazero's blocks, which share one graph, ~15 s); without --profile it is shorter. Its
+# `run s` column shows where the time goes.
+part "device" 10 nvidia-smi || true  # informational: "versions" decides whether there is a usable GPU
+part "versions" 20 bash -c versions || { echo "gpu_check: no usable CUDA device; stopping"; exit 1; }
+part "import" 30 bash -c ensure_megazero || true
+part "gpu tests" 140 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cross_entropy.py \
+    || true
 # No recomputation for the MFU figure: both models fit an H200 without it (pass --train.recompute
-# selective to measure it).
-part "benchmark" 130 "$PYTHON" scripts/bench_gpu.py --train.recompute none "$@" || true
+# selective to measure it). Fewer iterations than bench_gpu.py's defaults, so that both models,
+# eager and compiled, and their two peers fit the limit (later arguments win: --peers none,
+# --megazero eager, --iters 30, ...).
+part "benchmark" 280 "$PYTHON" scripts/bench_gpu.py --train.recompute none --iters 12 --warmup 4 --peer-iters 10 \
+    "$@" || true
 
 echo
 if [ "${#failed[@]}" -gt 0 ]; then

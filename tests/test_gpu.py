@@ -180,6 +180,29 @@ def test_host_staging_copies_device_tensors_in_pieces(tmp_path):
     assert all(torch.equal(v, tensors[n].to(torch.bfloat16).cpu()) for n, v in load_file(path).items())
 
 
+def test_nccl_grid_binds_its_device_and_can_report_watchdog_errors():
+    """ProcessGrid.create under NCCL: LOCAL_RANK's device is chosen before init_process_group
+    and bound to it (device_id), every group has the timeout, TORCH_NCCL_ASYNC_ERROR_HANDLING is
+    set, and the watchdog's error state that NcclErrorWatch polls is readable (SUCCESS)."""
+    code = """
+import os, torch, torch.distributed as dist
+from megazero.parallel.grid import ProcessGrid
+grid = ProcessGrid.create(1, 1, timeout_s=42)
+backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+t = torch.ones(1, device="cuda")
+dist.all_reduce(t)
+print(dist.group.WORLD.bound_device_id, torch.cuda.current_device(), os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"],
+      backend.options._timeout.total_seconds(), backend.get_error().name, grid.comm_errors(), t.item())
+"""
+    env = {**os.environ, "LOCAL_RANK": str(torch.cuda.device_count() - 1)}
+    env.pop("MASTER_ADDR", None)
+    env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)  # the default this test checks
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = torch.cuda.device_count() - 1
+    assert proc.stdout.split() == [f"cuda:{last}", str(last), "3", "42.0", "SUCCESS", "{}", "1.0"], proc.stdout
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("layout", [["--parallel.pp", "2", "--zero.stage", "3"], ["--parallel.tp", "2", "--zero.stage", "1"]],
                          ids=["pp2_zero3", "tp2_zero1"])

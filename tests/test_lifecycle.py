@@ -1,20 +1,25 @@
 """Faults under torchrun: a killed worker is restarted and the run ends as if nothing happened,
-a dead peer ends the job, workers die with their launcher, stop requests save and exit 0,
-start-up errors reach the terminal exactly once."""
+a dead or frozen peer ends the job (every process group has train.timeout_minutes), workers die
+with their launcher, stop requests save and exit 0, start-up errors reach the terminal exactly once."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from distributed import free_port, read_jsonl, torchrun
+from megazero.parallel.comm import CollectiveTimeout, Group
+from megazero.parallel.grid import ProcessGrid
 from megazero.train.__main__ import main as train_main
+from megazero.train.lifecycle import NcclErrorWatch, describe_comm_failure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true"]
@@ -127,16 +132,107 @@ def test_a_killed_worker_ends_the_job_with_a_line_naming_rank_and_operation(tmp_
     assert all("(parallel/comm.py:" in line for line in lines)  # the operation that lost its peer
 
 
-@pytest.mark.slow
-def test_a_stuck_worker_ends_the_job_after_the_timeout(tmp_path):
-    """SIGSTOP one worker: its peers time out after train.timeout_minutes (3 s here) with the
-    line naming the operation; torchrun SIGKILLs the stopped one 30 s later."""
-    proc = _launch(2, ["--train.iters", "100000", "--train.timeout_minutes", "0.05"])
-    _wait_for(lambda: len(_children(proc.pid)) == 2 and proc.stdout.readline().startswith("iter 2/"), proc)
+TIMEOUT_MINUTES = 0.1  # 6 s: short, yet no false alarm while two busy CPU cores start the job
+LAUNCHER_GRACE_S = 30  # torchrun SIGTERMs the other workers, then SIGKILLs those left (a stopped one) 30 s later
+
+
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow),
+                                   pytest.param(3, marks=pytest.mark.slow)])
+def test_a_frozen_worker_ends_the_job_within_the_timeout_and_the_launchers_grace(stage):
+    """SIGSTOP one worker in the middle of an iteration (its forward or backward, where at ZeRO
+    1-3 the gloo reduce-scatters run on the DP group's communication thread, over a duplicate
+    group): the other's collective fails after train.timeout_minutes with the one line, and
+    torchrun ends the job by SIGKILLing the stopped worker after its grace."""
+    timeout_s = TIMEOUT_MINUTES * 60
+    proc = _launch(2, ["--train.iters", "100000", "--zero.stage", str(stage),
+                       "--train.timeout_minutes", str(TIMEOUT_MINUTES)])
+    logged = []
+
+    def three_iterations_logged() -> bool:
+        if proc.stdout.readline().startswith("iter "):
+            logged.append(time.monotonic())
+        return len(logged) >= 3 and len(_children(proc.pid)) == 2
+
+    _wait_for(three_iterations_logged, proc)
+    time.sleep(0.4 * (logged[-1] - logged[0]) / (len(logged) - 1))  # into the next iteration
     os.kill(_children(proc.pid)[1], signal.SIGSTOP)
-    _, err = proc.communicate(timeout=120)
+    frozen = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=timeout_s + LAUNCHER_GRACE_S + 60)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the workers die with their launcher, the stopped one too (SIGKILL)
+        pytest.fail(f"the job still ran {time.monotonic() - frozen:.0f} s after a worker froze")
+    elapsed = time.monotonic() - frozen
     assert proc.returncode != 0
-    assert "failed: a peer process died or stopped responding (Timed out waiting 3000ms" in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error: rank ")]
+    assert len(lines) == 1, err[-3000:]  # the survivor's; the frozen worker says nothing
+    assert f"failed: a peer process died or stopped responding (Timed out waiting {timeout_s * 1000:.0f}ms " in lines[0]
+    assert lines[0].endswith(f"raise train.timeout_minutes ({TIMEOUT_MINUTES:g})"), lines[0]
+    assert elapsed < timeout_s + LAUNCHER_GRACE_S + 15, f"{elapsed:.1f} s from the freeze to the end of the job"
+
+
+def test_every_process_group_gets_the_timeout(monkeypatch):
+    """tp 2 x pp 2 x dp 2 on gloo: each group created, the communication thread's duplicate
+    of the DP group too, waits the grid's timeout (torch's default for a new group: 30 min)."""
+    created = []
+    monkeypatch.setattr("torch.distributed.new_group",
+                        lambda ranks, timeout=None: created.append((ranks, timeout)) or object())
+    grid = ProcessGrid(tp=2, pp=2, dp=2, rank=0, timeout_s=9.0)
+    grid.build_groups()
+    assert {t for _, t in created} == {datetime.timedelta(seconds=9)}
+    assert sorted(r for r, _ in created).count([0, 2]) == 2  # rank 0's DP group and its duplicate
+    assert grid.dp_group.side_pg is not None
+    assert {g.timeout_s for g in grid.groups.values()} == {9.0}
+    assert grid.comm_errors() == {}  # gloo: errors raise where the rank waits
+
+
+def test_a_stuck_communication_thread_fails_the_wait():
+    """The thread's own collective error reaches wait(); a thread that never returns makes
+    wait() fail by itself after n timeouts (n - 1 ring exchanges, and one more)."""
+    group = Group("dp", None, [0, 1], 0, side_pg=object(), timeout_s=0.1)
+    release = threading.Event()
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeout) as stuck:
+        group.submit(lambda pg: release.wait()).wait()
+    assert 0.19 < time.monotonic() - started < 2
+    release.set()
+
+    def times_out(pg):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 6000ms "
+                           "for recv operation to complete")
+
+    with pytest.raises(RuntimeError) as gloo:
+        group.submit(times_out).wait()
+    group._thread.shutdown()
+    for error in (stuck.value, gloo.value):
+        line = describe_comm_failure(error, rank=1, timeout_s=6)
+        assert line.startswith("rank 1: ") and "failed: a peer process died or stopped responding (Timed out" in line
+        assert line.endswith("raise train.timeout_minutes (0.1)") and "\n" not in line
+        assert "(parallel/comm.py:" in line
+
+
+class _NcclGrid:
+    backend, rank, timeout_s = "nccl", 3, 15.0
+
+    def __init__(self):
+        self.errors: dict[str, str] = {}
+
+    def comm_errors(self) -> dict[str, str]:
+        return dict(self.errors)
+
+
+def test_an_nccl_watchdog_error_becomes_the_same_one_line():
+    grid, lines, reported = _NcclGrid(), [], threading.Event()
+    watch = NcclErrorWatch(grid, lambda line: (lines.append(line), reported.set()), poll_s=0.01)
+    time.sleep(0.05)
+    assert lines == []
+    grid.errors = {"dp": "TIMEOUT"}
+    assert reported.wait(5)
+    watch.stop()
+    assert lines == ["rank 3: a collective on group dp failed: a peer process died or stopped responding (NCCL "
+                     "watchdog: TIMEOUT after 15 s); the job stops; run it again (or let torchrun --max-restarts) to "
+                     "resume from the latest checkpoint; if the peers were only slow (a long save, data loading), "
+                     "raise train.timeout_minutes (0.25)"]
 
 
 def _snapshot(directory: str) -> dict:

@@ -26,7 +26,7 @@ HF stores the four projections as Conv1D ([in, out]); here they are nn.Linear-sh
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import zlib
 from typing import NamedTuple, Optional, Sequence
@@ -48,7 +48,7 @@ from megazero.model.layers import (
     vocab_parallel_cross_entropy,
 )
 from megazero.parallel.comm import Group, solo_group
-from megazero.parallel.random import RNGTracker
+from megazero.parallel.random import RNGTracker, in_stream
 from megazero.parallel.weight_grad import WeightGradStore
 
 
@@ -57,6 +57,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.heads = cfg.num_heads  # this rank's heads (all until tensor parallelism splits them)
         self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.tp_size = 1
         self.dropout = cfg.dropout
         self.tracker = tracker
         # stride 3: q, k and v are each split over the TP ranks, so a rank owns whole heads.
@@ -66,29 +67,61 @@ class CausalSelfAttention(nn.Module):
 
     def apply_tp(self, tp: Group) -> None:
         self.heads //= tp.size  # c_attn's stride-3 split hands each rank whole heads of q, k and v
+        self.tp_size = tp.size
 
     def attend(self, qkv: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
         """The attention core: q, k, v -> weighted values (selective recompute wraps this)."""
         b, s, _ = qkv.shape
-        q, k, v = qkv.view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = split_heads(qkv, self.heads, self.head_dim)
         mask = None
         if kv is not None:  # incremental decoding: attend to every cached position as well
             k, v = kv.append(k, v, pos)
             mask = kv.mask
         p = self.dropout if self.training else 0.0
-        # Attention probabilities of this rank's heads are distinct per TP rank: use the
-        # per-rank stream so masks are independent (and reproducible).
-        region = self.tracker.fork("tp") if (self.tracker is not None and p > 0) else contextlib.nullcontext()
-        with region:
-            # A prompt (pos 0) is causal within itself; a single new token sees all the past;
-            # left-padded prompts (a batch of several lengths) say so in their cache's mask.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                               is_causal=pos == 0 and mask is None)
+        # A prompt (pos 0) is causal within itself; a single new token sees all the past;
+        # left-padded prompts (a batch of several lengths) say so in their cache's mask.
+        sdpa = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=p,
+                                 is_causal=pos == 0 and mask is None)
+        if self.tracker is not None and p > 0 and self.tp_size > 1:
+            # Attention probabilities of this rank's heads are distinct per TP rank: their
+            # dropout masks come from the per-rank stream (independent and reproducible).
+            y = in_stream(self.tracker, "tp", sdpa)
+        else:
+            y = sdpa()
         return y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
         y = self.attend(self.c_attn(x), kv, pos)
         return self.resid_dropout(self.c_proj(y))
+
+
+def split_heads(qkv: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v [b, heads, s, head_dim]: views of the fused projection's output [b, s, 3 x heads
+    x head_dim]. Eagerly their gradients go back through _HeadsOfQKV (one copy); compiled,
+    the compiler fuses autograd's own (a stack, then a contiguous copy)."""
+    if torch.compiler.is_compiling():
+        b, s, _ = qkv.shape
+        return qkv.view(b, s, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    return _HeadsOfQKV.apply(qkv, heads, head_dim)
+
+
+class _HeadsOfQKV(torch.autograd.Function):
+    """split_heads with a backward that writes the three head gradients straight into one
+    [b, s, 3, heads, head_dim] tensor, the layout of the projection's output: one pass over
+    them instead of autograd's two (unbind's stack, then the copy that view needs)."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, heads: int, head_dim: int):
+        b, s, _ = qkv.shape
+        ctx.shape = qkv.shape
+        return qkv.view(b, s, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        b, s, width = ctx.shape
+        out = grads[0] if grads[0] is not None else next(g for g in grads if g is not None)
+        parts = [(g if g is not None else torch.zeros_like(out)).transpose(1, 2) for g in grads]  # [b, s, heads, d]
+        return torch.stack(parts, dim=2).view(b, s, width), None, None
 
 
 class MLP(nn.Module):

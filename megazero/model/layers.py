@@ -1,5 +1,6 @@
 """Tensor-parallel building blocks: vocab-parallel embedding, column/row-parallel linear,
-vocab-parallel cross-entropy, and the bookkeeping that maps a TP shard to its full tensor.
+vocab-parallel cross-entropy (cross_entropy.py, re-exported here), and the bookkeeping that
+maps a TP shard to its full tensor.
 
 Layers are built whole (tp = 1), where each is exactly its torch twin (the f/g functions
 are identities); `apply_tp(tp)` then splits one over a TP group, in place: it keeps this
@@ -21,12 +22,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from megazero.config import padded_vocab_size
-from megazero.parallel.comm import Group, all_reduce, copy_to_tp, leave_tp, solo_group
+from megazero.model.cross_entropy import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy  # re-export
+from megazero.parallel.comm import Group, copy_to_tp, leave_tp, solo_group
 from megazero.parallel.random import RNGTracker
 from megazero.parallel.weight_grad import WeightGradStore, gathered_linear, linear
 
@@ -180,56 +181,3 @@ class Dropout(nn.Dropout):
             with self.tracker.fork("tp"):
                 return super().forward(x)
         return super().forward(x)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token CE over logits split along the vocab, without gathering them.
-
-    Each rank holds logits for vocab rows [start, start + V/tp). The softmax denominator
-    and the target's logit are assembled with three small all-reduces over (b, s) tensors
-    instead of one all-gather of (b, s, V). Padded vocab rows (id >= vocab_size) are
-    masked to -inf so padding never changes the loss.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, tp, vocab_size):
-        per_rank = logits.shape[-1]
-        start = tp.rank * per_rank
-        ctx.in_dtype = logits.dtype
-        logits = logits.float()
-        pad_from = vocab_size - start
-        if pad_from < per_rank:
-            logits = logits.clone()
-            logits[..., max(pad_from, 0):] = float("-inf")
-        row_max = logits.max(dim=-1).values
-        all_reduce(row_max, tp, op=dist.ReduceOp.MAX)
-        shifted = logits - row_max.unsqueeze(-1)
-
-        outside = (target < start) | (target >= start + per_rank)
-        local_target = (target - start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        all_reduce(target_logit, tp)
-
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        all_reduce(sum_exp, tp)
-        loss = sum_exp.log() - target_logit
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax  # d loss / d logit = softmax - onehot(target)
-        hit = (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.in_dtype), None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: Group,
-                                 vocab_size: int) -> torch.Tensor:
-    """Per-token loss (same shape as `target`) from this rank's vocab slice of the logits."""
-    return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size)

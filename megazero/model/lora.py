@@ -28,7 +28,7 @@ starts from the base model exactly.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import zlib
 from typing import Optional
@@ -41,7 +41,7 @@ from megazero.config import LORA_MODULES, FinetuneConfig, ModelConfig, lora_targ
 from megazero.model.gpt import GPT
 from megazero.model.layers import ColumnParallelLinear, RowParallelLinear, mark_tp, shard_of
 from megazero.parallel.comm import copy_to_tp, reduce_from_tp
-from megazero.parallel.random import RNGTracker
+from megazero.parallel.random import RNGTracker, in_stream
 
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
@@ -65,7 +65,7 @@ class LoRA:
             raise TypeError(f"LoRA adapts column/row-parallel linears, not {type(base).__name__}")
         self.scale, self.dropout, self.tracker = alpha / rank, dropout, tracker
         out_full, in_full = base.weight.full_shape
-        tp = base.tp.size
+        tp = self.tp_size = base.tp.size
         make = dict(dtype=base.weight.dtype, device=base.weight.device)
         base.lora_A, base.lora_B = nn.Module(), nn.Module()
         if self.row:  # A split on the input like the base weight, B replicated
@@ -80,9 +80,9 @@ class LoRA:
     def _dropped(self, x: torch.Tensor, training: bool) -> torch.Tensor:
         if not training or self.dropout == 0:
             return x
-        per_rank = self.row and self.tracker is not None
-        with self.tracker.fork("tp") if per_rank else contextlib.nullcontext():
-            return F.dropout(x, self.dropout, training=True)
+        if self.row and self.tracker is not None and self.tp_size > 1:  # distinct features per rank
+            return in_stream(self.tracker, "tp", functools.partial(F.dropout, x, self.dropout, training=True))
+        return F.dropout(x, self.dropout, training=True)
 
     def _add_adapter(self, base: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
         x = self._dropped(args[0], base.training)

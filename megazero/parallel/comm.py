@@ -4,12 +4,22 @@
 rank puts on the wire under a ring algorithm, so benchmarks can compare the traffic of a
 ZeRO stage or a TP layout with theory. A group of one skips communication entirely.
 
+Every rank of a group must issue the same collectives in the same order (NCCL matches them
+by position on one communicator), so that order is decided by the program, never by I/O or
+thread timing. `record_calls` checks it: it makes the groups append a `Call` (group, op,
+shape, dtype; the peer of a point-to-point op) for each call as this rank issues it, async
+ones included, so a test can compare the ranks' sequences. Off (the default) it costs one
+attribute test per call.
+
 Asynchronous collectives return a handle whose `wait()` completes them (a `Work` on NCCL,
 where the current stream then waits on the collective's stream, no host sync). Gloo's
 reduce-scatter is our own ring of point-to-point exchanges, so its asynchronous form runs on
 the group's one communication thread, in submission order (every rank submits the same
 collectives in the same order), over `side_pg`: a duplicate of the group's process group,
 so the thread's messages never interleave with collectives the main thread issues meanwhile.
+A peer that stops or dies makes the thread's exchange fail after the group's timeout (the
+duplicate has it too); `wait()` re-raises that error on the main thread, and gives up by
+itself (`CollectiveTimeout`) should the thread never come back.
 
 The f/g pairs (Megatron's names in brackets) are one autograd Function per collective:
 
@@ -32,8 +42,9 @@ from __future__ import annotations
 
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,7 +62,9 @@ class Group:
     rank: int
     counter: Counter = field(default_factory=Counter)
     side_pg: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # gloo: the comm thread's duplicate
+    timeout_s: Optional[float] = None  # the process groups' timeout (ProcessGrid sets it); None: torch's default
     _thread: Optional[ThreadPoolExecutor] = field(default=None, repr=False)
+    record: Optional[list["Call"]] = field(default=None, repr=False)  # see record_calls
 
     @property
     def size(self) -> int:
@@ -65,11 +78,43 @@ class Group:
                                f"collectives (ProcessGrid.build_groups creates it)")
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"megazero-{self.name}-comm")
-        return _Threaded(self._thread.submit(fn, *args, pg=self.side_pg))
+        # A ring of n - 1 exchanges, each of which may wait up to the timeout on a slow but live
+        # peer: after n timeouts the thread is stuck beyond what its own timeout catches.
+        limit_s = None if self.timeout_s is None else self.timeout_s * self.size
+        return _Threaded(self._thread.submit(fn, *args, pg=self.side_pg), self.name, limit_s)
 
     def count(self, op: str, nbytes: float) -> None:
         self.counter[op] += int(nbytes)
         self.counter[op + "_calls"] += 1
+
+    def note(self, op: str, t: Optional[torch.Tensor], peer: Optional[int] = None) -> None:
+        """Record one call, as issued (see record_calls); `t` None for a picklable object."""
+        if self.record is not None:
+            shape, dtype = (tuple(t.shape), str(t.dtype)) if t is not None else ((), "object")
+            self.record.append(Call(self.name, op, shape, dtype, peer))
+
+
+class Call(NamedTuple):
+    """One communication call as this rank issued it."""
+
+    group: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    peer: Optional[int] = None  # point-to-point: the other side's global rank
+
+
+def record_calls(groups: Iterable[Group]) -> list[Call]:
+    """From now on, every call on `groups` is appended to the one list returned, in the order
+    this rank issues it: collectives (asynchronous ones when launched, gloo's threaded
+    reduce-scatter when submitted to its thread, under its group's name) and point-to-point
+    sends and receives (with their peer). Groups of one issue nothing and record nothing.
+    Every member of a group must record the same collectives on it; the sends one rank
+    records to a peer must be the receives that peer records from it."""
+    calls: list[Call] = []
+    for g in groups:
+        g.record = calls
+    return calls
 
 
 # The flat-tensor collectives: torch 2.13 names them *_single and warns on every call of the
@@ -91,14 +136,27 @@ class _Done:
         return None
 
 
+class CollectiveTimeout(RuntimeError):
+    """A group's communication thread did not finish a collective in time (a peer stopped)."""
+
+
 @dataclass
 class _Threaded:
-    """A collective running on a group's communication thread; its errors surface in wait()."""
+    """A collective running on a group's communication thread; its errors surface in wait(),
+    which waits `limit_s` at most (None: for ever)."""
 
     future: Future
+    group: str
+    limit_s: Optional[float] = None
 
     def wait(self) -> None:
-        self.future.result()
+        try:
+            self.future.result(timeout=self.limit_s)
+        except FutureTimeout:
+            if self.future.done():  # the collective's own error, not our wait's
+                raise
+            raise CollectiveTimeout(f"Timed out waiting {self.limit_s:g} s for the {self.group} group's "
+                                    f"communication thread to finish a collective") from None
 
 
 def solo_group() -> Group:
@@ -139,6 +197,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.
     if group.size == 1:
         return None
     group.count("all_reduce", all_reduce_volume(_nbytes(t), group.size))
+    group.note("all_reduce", t)
     return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
 
 
@@ -149,6 +208,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group,
         out.copy_(shard)
         return None
     group.count("all_gather", all_gather_volume(_nbytes(shard), group.size))
+    group.note("all_gather", shard)
     return _ALL_GATHER(out, shard.contiguous(), group=group.pg, async_op=async_op)
 
 
@@ -166,6 +226,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group,
         out.copy_(full)
         return _Done() if async_op else None
     group.count("reduce_scatter", reduce_scatter_volume(_nbytes(out), n))
+    group.note("reduce_scatter", full)
     if dist.get_backend(group.pg) != "gloo":
         return _REDUCE_SCATTER(out, full.contiguous(), group=group.pg, async_op=async_op)
     if async_op:
@@ -196,15 +257,18 @@ def broadcast(t: torch.Tensor, src_index: int, group: Group) -> None:
     if group.size == 1:
         return
     group.count("broadcast", _nbytes(t))
+    group.note("broadcast", t)
     dist.broadcast(t, src=group.ranks[src_index], group=group.pg)
 
 
 def send(t: torch.Tensor, dst_rank: int, group: Group) -> dist.Work:
     group.count("send", _nbytes(t))
+    group.note("send", t, dst_rank)
     return dist.isend(t, dst_rank, group=group.pg)
 
 
 def recv(t: torch.Tensor, src_rank: int, group: Group) -> dist.Work:
+    group.note("recv", t, src_rank)
     return dist.irecv(t, src_rank, group=group.pg)
 
 
@@ -214,6 +278,7 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[di
     for kind, t, peer in ops:
         if kind == "send":
             group.count("send", _nbytes(t))
+        group.note(kind, t, peer)
         p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group.pg))
     return dist.batch_isend_irecv(p2p) if p2p else []
 
@@ -223,6 +288,7 @@ def all_gather_object(obj: Any, group: Group) -> list[Any]:
     if group.size == 1:
         return [obj]
     out: list[Any] = [None] * group.size
+    group.note("all_gather_object", None)
     dist.all_gather_object(out, obj, group=group.pg)
     group.count("all_gather_object", 0)
     return out
@@ -234,6 +300,7 @@ def broadcast_object(obj: Any, src_index: int, group: Group) -> Any:
     if group.size == 1:
         return obj
     box = [obj]
+    group.note("broadcast_object", None)
     dist.broadcast_object_list(box, src=group.ranks[src_index], group=group.pg)
     group.count("broadcast_object", 0)
     return box[0]
@@ -241,6 +308,7 @@ def broadcast_object(obj: Any, src_index: int, group: Group) -> Any:
 
 def barrier(group: Group) -> None:
     if group.size > 1:
+        group.note("barrier", None)
         dist.barrier(group=group.pg)
 
 

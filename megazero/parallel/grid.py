@@ -12,11 +12,20 @@ Devices, stated once: with CUDA the groups are NCCL's alone (one backend, no CPU
 channel), so every tensor that meets a collective, a p2p op, the loss or a metric is
 created on `grid.device`; without CUDA they are gloo's and `grid.device` is the CPU.
 Host copies for checkpoints go through `parallel/host.py`.
+
+Timeouts, stated once: every group the grid creates (tp, dp, pp, mp, embed, the world, and
+gloo's duplicate DP group for the communication thread) gets `grid.timeout_s`
+(train.timeout_minutes), so a collective or p2p op that waits longer on a stopped or dead
+peer fails instead of hanging (torch's default for a new group is 30 minutes on gloo). Gloo
+raises the error in the thread that waits. NCCL's watchdog thread notices it; `comm_errors`
+reports it to train/lifecycle.py, which ends the rank with the same one line as on gloo before
+the watchdog tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING, default 3).
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -43,12 +52,20 @@ class ProcessGrid:
     dp: int
     rank: int = 0
     backend: str = "gloo"
+    timeout_s: float = 600.0
+    """Every group's timeout: a collective or p2p op waiting longer on a peer fails."""
     groups: dict[str, Group] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel degree {name} ({getattr(self, name)}) must be at least 1")
+        if self.timeout_s <= 0:
+            raise ValueError(f"the process-group timeout ({self.timeout_s:g} s) must be positive")
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
 
     # ------------------------------------------------------------------ layout
 
@@ -130,44 +147,66 @@ class ProcessGrid:
         return self.groups["embed"]
 
     def build_groups(self) -> None:
-        """Create every process group once. All ranks call new_group for all groups in the
-        same order (a torch.distributed requirement), keeping only their own. On gloo the DP
-        group also gets a duplicate for its asynchronous reduce-scatters."""
+        """Create every process group once, each with the grid's timeout. All ranks call
+        new_group for all groups in the same order (a torch.distributed requirement), keeping
+        only their own. On gloo the DP group also gets a duplicate for its asynchronous
+        reduce-scatters. `control` is every rank again, always on gloo (CPU tensors), apart
+        from the device's communicators."""
         for kind in ("tp", "dp", "pp", "mp", "embed"):
             for ranks in self.group_ranks(kind):
-                pg = _new_group(ranks, self.world_size)
+                pg = _new_group(ranks, self.world_size, self.timeout)
                 if self.rank in ranks:
-                    self.groups[kind] = Group(kind, pg, ranks, ranks.index(self.rank))
+                    self.groups[kind] = Group(kind, pg, ranks, ranks.index(self.rank), timeout_s=self.timeout_s)
         world = list(range(self.world_size))
-        self.groups["world"] = Group("world", _new_group(world, self.world_size), world, self.rank)
+        self.groups["world"] = Group("world", _new_group(world, self.world_size, self.timeout), world, self.rank,
+                                     timeout_s=self.timeout_s)
         if self.backend == "gloo":  # the DP group's comm thread gets a communicator of its own (see comm.py)
             for ranks in self.group_ranks("dp"):
-                side = dist.new_group(ranks) if len(ranks) > 1 else None
+                side = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     self.groups["dp"].side_pg = side
+        # Host-side agreements (errors every rank must hear of, small flags): a gloo communicator
+        # of their own, so they never queue behind the device collectives still in flight (e.g.
+        # the post-step all-gathers of stages 1-2). Its tensors live on the CPU, whatever the device.
+        control = dist.new_group(world, backend="gloo", timeout=self.timeout) if self.world_size > 1 else None
+        self.groups["control"] = Group("control", control, world, self.rank, timeout_s=self.timeout_s)
+
+    def comm_errors(self) -> dict[str, str]:
+        """This rank's groups whose NCCL watchdog has seen a collective time out or a peer fail,
+        by name: TIMEOUT, COMM_ERROR or REMOTE_ERROR. Empty on gloo (its collectives raise in
+        the thread that waits) and where torch does not report process-group errors."""
+        errors: dict[str, str] = {}
+        for name, group in self.groups.items():
+            if group.pg is None or self.backend != "nccl":
+                continue
+            backend = group.pg._get_backend(torch.device("cuda"))
+            error = getattr(backend, "get_error", lambda: None)()
+            if error is not None and error.name != "SUCCESS":
+                errors[name] = error.name
+        return errors
 
     @classmethod
-    def create(cls, tp: int, pp: int, timeout_s: int = 600, store: Optional[dist.Store] = None) -> "ProcessGrid":
+    def create(cls, tp: int, pp: int, timeout_s: float = 600, store: Optional[dist.Store] = None) -> "ProcessGrid":
         """Join torch.distributed from torchrun's environment (or as a lone process) and
-        build the grid; dp is inferred from the world size. `store`: rendezvous through it
-        instead of torchrun's (a restart's own namespace, see train/lifecycle.py)."""
+        build the grid; dp is inferred from the world size; every group waits `timeout_s` on a
+        peer at most. `store`: rendezvous through it instead of torchrun's (a restart's own
+        namespace, see train/lifecycle.py)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         if world_size % (tp * pp):
             raise ValueError(f"world size ({world_size}) must be divisible by tp x pp ({tp} x {pp})")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        grid = cls(tp=tp, pp=pp, dp=world_size // (tp * pp), rank=rank, backend=backend, timeout_s=timeout_s)
+        options = _bind_cuda_device() if backend == "nccl" else {}
         if not dist.is_initialized():
-            timeout = datetime.timedelta(seconds=timeout_s)
             if store is not None:
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=grid.timeout,
+                                        **options)
             elif "MASTER_ADDR" in os.environ:
-                dist.init_process_group(backend, timeout=timeout)
+                dist.init_process_group(backend, timeout=grid.timeout, **options)
             else:  # plain `python -m megazero.train`: a world of one
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                        timeout=timeout)
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        grid = cls(tp=tp, pp=pp, dp=world_size // (tp * pp), rank=rank, backend=backend)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=grid.timeout,
+                                        **options)
         grid.build_groups()
         return grid
 
@@ -184,10 +223,25 @@ class ProcessGrid:
             g.counter.clear()
 
 
-def _new_group(ranks: list[int], world_size: int) -> Optional[dist.ProcessGroup]:
-    """A process group for `ranks`; a group of one needs no communicator (collectives skip it)."""
+def _new_group(ranks: list[int], world_size: int, timeout: datetime.timedelta) -> Optional[dist.ProcessGroup]:
+    """A process group for `ranks`; a group of one needs no communicator (collectives skip it).
+    The whole world is the default group, which init_process_group gave the same timeout."""
     if len(ranks) == 1:
         return None
     if len(ranks) == world_size:
         return dist.group.WORLD
-    return dist.new_group(ranks)
+    return dist.new_group(ranks, timeout=timeout)
+
+
+def _bind_cuda_device() -> dict:
+    """NCCL as it wants to be started: this process's GPU chosen (LOCAL_RANK) before any group
+    exists, and named to init_process_group (device_id: communicators are created at once on
+    it and new groups split from them, instead of guessing a device at the first collective).
+    A timed-out or failed NCCL collective tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING
+    3, torch's default, kept unless set) after `comm_errors` has let lifecycle print why."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    if "device_id" not in inspect.signature(dist.init_process_group).parameters:  # torch < 2.3
+        return {}
+    return {"device_id": torch.device("cuda", local_rank)}

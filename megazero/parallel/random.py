@@ -12,6 +12,7 @@ Two streams, as in Megatron-LM:
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from typing import Callable, Iterator, Optional
 
@@ -63,6 +64,23 @@ class RNGTracker:
 
     def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
         self.states = {k: v.clone() for k, v in states.items()}
+
+
+def in_stream(tracker: RNGTracker, name: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """fn() with the tracker's stream `name` as the default generator. Inside a compiled
+    region this runs eagerly: dynamo cannot trace RNG-state swaps, and a disabled call is one
+    clean graph break where a traced fork would drop the whole frame."""
+    return _eager_in_stream()(tracker, name, fn)
+
+
+@functools.cache
+def _eager_in_stream() -> Callable:
+    """Wrapped on first use: torch.compiler.disable imports dynamo (~2 s per process), which
+    only runs with per-rank dropout streams (tp > 1 with dropout) need."""
+    def run(tracker: RNGTracker, name: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with tracker.fork(name):
+            return fn()
+    return torch.compiler.disable(run)
 
 
 def seed_everything(seed: int, pp_rank: int, tp_rank: int, device: torch.device,

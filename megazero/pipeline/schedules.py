@@ -62,7 +62,7 @@ def untimed(phase: str) -> ContextManager[None]:
     return contextlib.nullcontext()
 
 
-def forward_backward_no_pipelining(chunk: GPT, microbatches: Sequence[Microbatch], num_tokens: int,
+def forward_backward_no_pipelining(chunk: GPT, microbatches: Sequence[Microbatch], num_tokens: int | torch.Tensor,
                                    optimizer: Optional[GradSync] = None, forward_only: bool = False,
                                    timers: Timers = untimed) -> Optional[torch.Tensor]:
     """pp = 1: a plain loop of forward + backward per micro-batch (gradients accumulate)."""
@@ -302,7 +302,7 @@ def weight_grad_stores(chunks: Sequence[GPT]) -> list[WeightGradStore]:
     return [c.weight_grads for c in chunks]
 
 
-def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Microbatch], num_tokens: int,
+def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Microbatch], num_tokens: int | torch.Tensor,
                                 grid: ProcessGrid, schedule: str, dtype: torch.dtype,
                                 optimizer: Optional[GradSync] = None, forward_only: bool = False,
                                 stats: Optional[dict] = None, timers: Timers = untimed) -> Optional[torch.Tensor]:

@@ -57,18 +57,20 @@ def train(cfg: Config) -> None:
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
 
-    timeout_s = round(cfg.train.timeout_minutes * 60)
+    timeout_s = cfg.train.timeout_minutes * 60
     grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, timeout_s, lifecycle.attempt_store(timeout_s))
+    lost_peer = lifecycle.LostPeerExit()  # a lost peer: one line per surviving rank, exit 1, not a traceback
+    watch = lifecycle.NcclErrorWatch(grid, lost_peer)
     with report_errors():  # a checkpoint, data or training error: the same on every rank
         try:
             Trainer(cfg, grid).run()
-        except RuntimeError as e:  # a lost peer: one line per surviving rank, not a traceback
-            line = lifecycle.describe_comm_failure(e, grid.rank)
+        except RuntimeError as e:
+            line = lifecycle.describe_comm_failure(e, grid.rank, timeout_s)
             if line is None:
                 raise
-            print(f"error: {line}", file=sys.stderr, flush=True)
-            os._exit(1)  # leave without gloo's teardown, which would wait on the lost peer
+            lost_peer(line)
     dist.barrier()  # no rank tears its communicators down while a peer still uses them
+    watch.stop()
     if grid.backend == "nccl":
         dist.destroy_process_group()
         return

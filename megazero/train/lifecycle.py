@@ -10,7 +10,10 @@
 - Early stop: SIGTERM (torchrun's and Slurm's), SIGUSR1 (Slurm's `--signal` before the
   time limit) and `train.exit_duration_minutes` become a save and a clean exit (`StopRequest`).
 - Lost peers: a collective whose peer died or stopped responding becomes one line naming
-  this rank and the operation (`describe_comm_failure`) instead of a traceback per rank.
+  this rank and the operation (`describe_comm_failure`) instead of a traceback per rank, and
+  exit status 1 (`LostPeerExit`). Every process group waits train.timeout_minutes at most
+  (parallel/grid.py): on gloo the waiting collective raises; on NCCL the watchdog thread sees
+  it, and `NcclErrorWatch` prints the same line before the watchdog aborts the process.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ import sys
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 
 from megazero.config import Config
 from megazero.errors import UserError
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+    from megazero.parallel.grid import ProcessGrid
 
 # Megatron's --exit-duration-in-mins counts from the start of the process, not of training.
 PROCESS_START = time.monotonic()
@@ -97,6 +102,7 @@ class StopRequest:
     all ranks, so every rank saves and stops at the same iteration."""
 
     NONE, DEADLINE, SIGUSR1, SIGTERM = range(4)
+    REASONS = (DEADLINE, SIGUSR1, SIGTERM)
 
     def __init__(self, exit_duration_minutes: float):
         self.exit_duration_minutes = exit_duration_minutes
@@ -114,26 +120,99 @@ class StopRequest:
             return self.signalled
         return self.DEADLINE if self.deadline is not None and time.monotonic() >= self.deadline else self.NONE
 
+    def votes(self) -> tuple[int, ...]:
+        """This rank's code as one vote per reason to stop; summed over every rank (in the
+        optimizer step's all-reduce, with no collective of its own), `agreed` reads them."""
+        code = self.code()
+        return tuple(int(code == reason) for reason in self.REASONS)
+
+    @classmethod
+    def agreed(cls, votes: tuple[int, ...]) -> int:
+        """The largest code any rank voted for: every rank stops (and saves) at the same iteration."""
+        return max((reason for reason, n in zip(cls.REASONS, votes) if n), default=cls.NONE)
+
     def reason(self, code: int) -> str:
         if code == self.DEADLINE:
             return f"train.exit_duration_minutes ({self.exit_duration_minutes:g}) reached"
         return "SIGTERM" if code == self.SIGTERM else "SIGUSR1"
 
 
-def describe_comm_failure(error: BaseException, rank: int) -> Optional[str]:
+def describe_comm_failure(error: BaseException, rank: int, timeout_s: Optional[float] = None) -> Optional[str]:
     """One line for an error raised by a collective or p2p op (a peer died, or timed out after
-    train.timeout_minutes); None for any other error."""
+    train.timeout_minutes = `timeout_s` / 60); None for any other error."""
+    from megazero.parallel.comm import CollectiveTimeout  # here: --validate-only needs no torch
+
     if isinstance(error, UserError):
         return None
     frames = traceback.extract_tb(error.__traceback__)
     text = str(error)
-    if not (any("torch/distributed" in f.filename for f in frames) or "gloo" in text or "NCCL" in text):
+    if not (isinstance(error, CollectiveTimeout) or any("torch/distributed" in f.filename for f in frames)
+            or "gloo" in text or "NCCL" in text):
         return None
+    # The operation (innermost frame of ours) and who called it from another file: a collective
+    # waited on from the communication thread shows its ring step, then the waiting caller.
     ours = [f for f in frames if f.filename.startswith(_PACKAGE_DIR)]
-    where = " <- ".join(f"{f.name} ({os.path.relpath(f.filename, _PACKAGE_DIR)}:{f.lineno})"
-                        for f in reversed(ours[-2:]))
+    named = ours[-1:] + [f for f in reversed(ours) if f.filename != ours[-1].filename][:1]
+    where = " <- ".join(f"{f.name} ({os.path.relpath(f.filename, _PACKAGE_DIR)}:{f.lineno})" for f in named)
     # gloo: "[file.cc:553] Connection closed by peer [addr]:port. This is typically ..." -> the middle
     detail = re.sub(r"^\[[^\]]*\] ", "", text.strip().splitlines()[0]).split(". ")[0] if text.strip() else ""
-    return (f"rank {rank}: {where or 'a collective'} failed: a peer process died or stopped responding "
-            f"({detail or type(error).__name__}); the job stops; run it again (or let torchrun --max-restarts) "
-            f"to resume from the latest checkpoint")
+    return _lost_peer_line(rank, where or "a collective", detail or type(error).__name__, timeout_s)
+
+
+def nccl_failure_line(rank: int, group: str, kind: str, timeout_s: Optional[float] = None) -> str:
+    """The line for a group whose NCCL watchdog reported `kind` (ProcessGrid.comm_errors)."""
+    after = f" after {timeout_s:g} s" if kind == "TIMEOUT" and timeout_s else ""
+    return _lost_peer_line(rank, f"a collective on group {group}", f"NCCL watchdog: {kind}{after}", timeout_s)
+
+
+def _lost_peer_line(rank: int, where: str, detail: str, timeout_s: Optional[float]) -> str:
+    line = (f"rank {rank}: {where} failed: a peer process died or stopped responding ({detail}); the job stops; "
+            f"run it again (or let torchrun --max-restarts) to resume from the latest checkpoint")
+    if timeout_s and re.search(r"timed? ?out", detail, re.IGNORECASE):
+        line += (f"; if the peers were only slow (a long save, data loading), raise train.timeout_minutes "
+                 f"({timeout_s / 60:g})")
+    return line
+
+
+class LostPeerExit:
+    """Ends this rank with one `error: ...` line and exit status 1: called by the main thread
+    (a collective raised) or by `NcclErrorWatch`, whichever comes first. It leaves with os._exit:
+    gloo's and NCCL's teardown would wait on the lost peer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __call__(self, line: str) -> NoReturn:
+        with self._lock:  # a second caller waits here until the process is gone
+            print(f"error: {line}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+
+class NcclErrorWatch:
+    """Under NCCL a collective that times out, or whose peer fails, raises nowhere the rank
+    waits: torch's watchdog thread notices it, sleeps about a minute for debug dumps, then tears
+    the process down with a C++ abort. This thread polls the grid's groups for that verdict
+    (ProcessGrid.comm_errors) and reports it first, as the line gloo's error gives. Nothing
+    to watch on gloo."""
+
+    def __init__(self, grid: ProcessGrid, report: Callable[[str], object], poll_s: float = 1.0):
+        self.grid, self.report, self.poll_s = grid, report, poll_s
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        if grid.backend == "nccl":
+            threading.Thread(target=self._run, name="megazero-nccl-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.poll_s):
+            with self._lock:  # never query a group that stop() let the caller destroy
+                if self._stopped.is_set():
+                    return
+                errors = self.grid.comm_errors()
+            for group, kind in errors.items():
+                self.report(nccl_failure_line(self.grid.rank, group, kind, self.grid.timeout_s))
+                return
+
+    def stop(self) -> None:
+        """Stop watching (before the process groups are destroyed)."""
+        with self._lock:
+            self._stopped.set()

@@ -14,9 +14,12 @@ this rank's trainable share of the model:
 3. LoRA (`finetune.lora_rank` > 0): every parameter is frozen and the targeted projections
    get trainable adapters, sharded like their base layers (megazero.model.lora); ZeRO then
    keeps gradients and optimizer state for the adapters alone.
-4. Compilation (`train.compile`): torch.compile each block's forward (with selective
-   recompute, each MLP's: torch.compile cannot trace a checkpoint that replays RNG
-   streams, so the recomputed attention core stays eager).
+4. Compilation (`train.compile`): torch.compile each block's forward, whole (LayerNorms,
+   bias + GELU, dropout and residual adds fuse; the q/k/v split costs no copies). What
+   dynamo cannot trace runs eagerly between a block's graphs, each a clean break named at
+   start-up (`compile_notes`): the recomputed attention core under selective recompute
+   (a checkpoint that replays RNG streams), per-TP-rank dropout streams, the gathered
+   matmuls of sequence parallelism.
 5. Activation recomputation (`train.recompute`): wraps each (compiled) block forward
    (full) or each attention core (selective) in torch.utils.checkpoint, inside the module
    call: ZeRO-3's hooks on a block still bracket its forward, and its backward hook
@@ -55,8 +58,8 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
             chunk.apply_sequence_parallel()
         apply_lora(chunk, cfg.finetune, tracker)
         if cfg.train.compile:
-            apply_compile(chunk, cfg.train.recompute)
-        apply_recompute(chunk, cfg.train.recompute, tracker)
+            apply_compile(chunk)
+        apply_recompute(chunk, cfg.train.recompute, tracker, eager=cfg.train.compile)
     c = cfg.checkpoint  # a resume replaces every value: no HF read then (checkpoint/resume.py)
     initial = hf_initial_values(cfg, grid) if starting_point(c.load, c.iteration, c.init_from_hf) == HF else None
     if cfg.finetune.lora_rank:
@@ -84,24 +87,41 @@ def hf_initial_values(cfg: Config, grid: ProcessGrid) -> Initial:
     return lambda chunk, name, p: hf.value(name, p, grid.tp_rank, grid.tp)
 
 
-def apply_compile(model: GPT, recompute: str) -> None:
-    """torch.compile every block's forward, or every MLP's under selective recompute."""
+def apply_compile(model: GPT) -> None:
+    """torch.compile every block's forward (ZeRO's hooks stay outside: they run around the
+    module call, not inside its forward)."""
     for block in model.transformer.h.values():
-        module = block.mlp if recompute == "selective" else block
-        module.forward = torch.compile(module.forward)
+        block.forward = torch.compile(block.forward)
 
 
-def apply_recompute(model: GPT, mode: str, tracker: Optional[RNGTracker]) -> None:
+def compile_notes(cfg: Config) -> list[str]:
+    """One line per part of the model that train.compile leaves eager, and why."""
+    if not cfg.train.compile:
+        return []
+    notes = []
+    if cfg.train.recompute == "selective":
+        notes.append("the recomputed attention core (train.recompute selective) runs eagerly between each block's two "
+                     "graphs: dynamo cannot trace a checkpoint that replays RNG streams")
+    if cfg.parallel.tp > 1 and cfg.model.dropout > 0:
+        notes.append("attention dropout from the per-TP-rank RNG stream runs eagerly: dynamo cannot trace RNG-state swaps")
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
+        notes.append("the gathered matmuls of sequence parallelism run eagerly: dynamo cannot trace their collectives")
+    return [f"train.compile: {n}" for n in notes]
+
+
+def apply_recompute(model: GPT, mode: str, tracker: Optional[RNGTracker], eager: bool = False) -> None:
     """full: keep only each block's input and recompute the block in backward; selective:
     recompute only the attention core, whose s x s intermediates dominate activation
-    memory (Korthikanti et al., 2022). Parameter names do not change."""
+    memory (Korthikanti et al., 2022). Parameter names do not change. `eager`: the
+    recomputed attention core runs outside the compiled block around it."""
     if mode == "none":
         return
     for block in model.transformer.h.values():
         if mode == "full":
             block.forward = _recomputed(block.forward, tracker)
         else:
-            block.attn.attend = _recomputed(block.attn.attend, tracker)
+            attend = _recomputed(block.attn.attend, tracker)
+            block.attn.attend = torch.compiler.disable(attend) if eager else attend
 
 
 def _recomputed(fn: Callable, tracker: Optional[RNGTracker]) -> Callable:

@@ -43,7 +43,7 @@ from megazero.train.metrics import (
     format_line,
     peak_memory_gib,
 )
-from megazero.train.parallelize import parallelize
+from megazero.train.parallelize import compile_notes, parallelize
 from megazero.train.summary import plan_check, run_prediction, startup_summary
 
 
@@ -74,6 +74,7 @@ class Trainer:
         self.timers = PhaseTimers(grid.device) if cfg.logging.timers else None
         self.plan = self._announce()
         self.stop = StopRequest(t.exit_duration_minutes)
+        self.stop_code = StopRequest.NONE  # agreed by every rank in each optimizer step
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load, cfg.checkpoint.iteration)
 
@@ -87,18 +88,12 @@ class Trainer:
         if grid.rank == 0:
             summary = startup_summary(self.cfg, grid, self.optimizer.layout.param_numel,
                                       (self.train_ds, self.valid_ds), plan, self.device_name)
-            print(f"{summary}\n--- config ---\n{describe(self.cfg)}--------------", flush=True)
+            notes = "".join(f"{n}\n" for n in compile_notes(self.cfg))
+            print(f"{summary}\n{notes}--- config ---\n{describe(self.cfg)}--------------", flush=True)
             save_resolved_config(self.cfg)
         return plan
 
     # ------------------------------------------------------------------ checkpoints
-
-    def stop_agreed(self) -> int:
-        """Does any rank want to stop (a signal, train.exit_duration_minutes)? Every rank must stop
-        (and save) at the same iteration: the largest StopRequest code over all ranks, 0 for none."""
-        code = torch.tensor([self.stop.code()], device=self.grid.device)
-        comm.all_reduce(code, self.grid["world"], op=torch.distributed.ReduceOp.MAX)
-        return int(code)
 
     def rank_state(self) -> dict:
         """What this rank owns: its optimizer shard (master weights, moments, partition map,
@@ -177,25 +172,26 @@ class Trainer:
         for j in range(self.num_microbatches):
             base = first_sample + j * t.micro_batch_size * g.dp + g.dp_rank * t.micro_batch_size
             inputs, labels = inputs_and_labels([dataset[(base + k) % len(dataset)] for k in range(t.micro_batch_size)])
-            out.append((torch.from_numpy(inputs).to(g.device), torch.from_numpy(labels).to(g.device)))
+            out.append((_to_device(inputs, g.device), _to_device(labels, g.device)))
         return out
 
-    def counted_tokens(self, batches: list[Microbatch]) -> int:
+    def counted_tokens(self, batches: list[Microbatch]) -> torch.Tensor:
         """Labels that count in the loss in the whole global batch: all micro-batches of all DP
         ranks (every pipeline stage holds the labels, so every stage can count). The loss is
-        normalised once, by this number, so every layout computes the same gradient."""
+        normalised once, by this number, so every layout computes the same gradient. It stays
+        on the device: the losses divide by it there, and nothing waits for it."""
         count = torch.zeros((), dtype=torch.int64, device=self.grid.device)
         for _, labels in batches:
             count += (labels >= 0).sum()
         comm.all_reduce(count, self.grid.dp_group)
-        return max(int(count), 1)  # a batch of prompts alone: loss 0, not 0 / 0
+        return count.clamp(min=1)  # a batch of prompts alone: loss 0, not 0 / 0
 
     # ------------------------------------------------------------------ steps
 
     def run_schedule(self, batches: list[Microbatch], forward_only: bool) -> Optional[torch.Tensor]:
         """Forward (and backward) of this DP rank's micro-batches; this rank's loss share on
         the last pipeline stage, None elsewhere."""
-        num_tokens = self.cfg.train.global_batch_size * self.cfg.model.seq_length
+        num_tokens: int | torch.Tensor = self.cfg.train.global_batch_size * self.cfg.model.seq_length
         if self.loss_masked:
             num_tokens = self.counted_tokens(batches)
         timers = self.timers if self.timers is not None and not forward_only else untimed
@@ -227,13 +223,15 @@ class Trainer:
         loss = self.run_schedule(batches, forward_only=False)
         with self._phase("comm_wait"):  # the DP reductions still in flight after the last backward
             self.optimizer.finish_grad_sync()
-        with self._phase("optimizer"):
-            result = self.optimizer.step(lr, loss)
+        with self._phase("optimizer"):  # the iteration's one device->host read: norm, loss, stop votes
+            result = self.optimizer.step(lr, loss, self.stop.votes())
+        self.stop_code = StopRequest.agreed(result.votes)
         if not result.skipped:  # a skipped step leaves the schedule where it was (Megatron)
             self.schedule.step()
         self.iteration += 1
         self.consumed_samples += self.cfg.train.global_batch_size
-        out = {"loss": self.global_loss(loss), "lr": lr, "grad_norm": result.grad_norm,
+        # The global loss came with the step's sums; it is reported where the loss is computed.
+        out = {"loss": result.loss if loss is not None else None, "lr": lr, "grad_norm": result.grad_norm,
                "loss_scale": result.loss_scale}
         self._count_skip(result.skipped, out)
         return out
@@ -281,7 +279,7 @@ class Trainer:
             if self.iteration % t.log_interval == 0 or self.iteration == t.iters or self.eval_due():
                 records.append(self.log(out, tokens_per_iter * steps / step_seconds, steps))
                 step_seconds, steps = 0.0, 0
-            stop = self.stop_agreed()
+            stop = self.stop_code
             if c.save and (stop or self.iteration == t.iters or (c.interval and self.iteration % c.interval == 0)):
                 self.save_checkpoint(last=bool(stop) or self.iteration == t.iters)
             if stop:
@@ -335,6 +333,15 @@ class Trainer:
             rec.update(self.timers.take(steps))
             rec.update(bytes_per_iteration(self.grid.bytes_moved(), steps))
         return rec
+
+
+def _to_device(batch, device: torch.device) -> torch.Tensor:
+    """A numpy micro-batch on `device`: on a GPU through pinned memory, without blocking (the
+    copy queues behind the work already issued instead of waiting for it)."""
+    t = torch.from_numpy(batch)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def build_datasets(cfg: Config, grid: ProcessGrid):

@@ -1,30 +1,60 @@
 """The global gradient norm over TP, PP and DP, each element counted once, and the
-inf/NaN check that decides whether a step is taken anywhere."""
+inf/NaN check that decides whether a step is taken anywhere.
+
+Both come from one all-reduce over the world, which also carries what the trainer needs
+to hear from every rank each iteration (the global loss, stop votes), so a training
+iteration reads the device once, in `reduce_step_sums`."""
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from megazero.parallel import comm
 
 
-def grad_norm_and_overflow(pieces: Iterable[tuple[torch.Tensor, bool]], loss: Optional[torch.Tensor],
-                           world: comm.Group, device: torch.device) -> tuple[float, bool]:
-    """(L2 norm of the `counted` gradient pieces over the whole world, whether any rank saw
-    inf/NaN in any piece or in its `loss` share).
+@dataclass
+class StepSums:
+    """The world's sums behind one optimizer step, on the host."""
 
-    One all-reduce of two float64 sums: [counted sum of squares, the rest]. The second
-    holds what must not enter the norm but must still be checked for overflow: TP-replicated
-    copies, the tied head, a non-finite loss (as inf). `pieces` are (gradient, counted)."""
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    grad_norm: float
+    """L2 norm of the counted gradient pieces (still multiplied by any loss scale)."""
+    overflow: bool
+    """Whether any rank saw inf/NaN in a gradient or in its loss share."""
+    loss: float
+    """Sum of the loss shares the ranks counted (the global loss; 0.0 when none did)."""
+    votes: list[int]
+    """Element-wise sums of every rank's `votes`."""
+
+
+def reduce_step_sums(pieces: Iterable[tuple[torch.Tensor, bool]], loss: Optional[torch.Tensor], count_loss: bool,
+                     votes: Sequence[int], world: comm.Group, device: torch.device) -> StepSums:
+    """One all-reduce of float64 sums over the whole world and one read of the result:
+    [counted sum of squares, the rest, loss, *votes]. "The rest" holds what must not enter
+    the norm but must still be checked for overflow: TP-replicated copies, the tied head, a
+    non-finite loss (as inf). `pieces` are (gradient, counted); `loss` is this rank's loss
+    share, added to the global loss where `count_loss` (one rank per loss replica)."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
     for grad, counted in pieces:
         sums[0 if counted else 1] += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
     if loss is not None:
-        sums[1] += torch.where(torch.isfinite(loss.detach()), 0.0, float("inf")).double().to(device)
+        share = loss.detach().double().to(device)
+        sums[1] += torch.where(torch.isfinite(share), 0.0, float("inf"))
+        if count_loss:
+            sums[2] += share
+    if votes:  # a host-to-device copy: nothing waits for it
+        sums = torch.cat([sums, torch.tensor(list(votes), dtype=torch.float64).to(device, non_blocking=True)])
     comm.all_reduce(sums, world)
-    return float(sums[0].sqrt()), not bool(torch.isfinite(sums).all())
+    host = sums.tolist()  # the iteration's one device->host read
+    overflow = not all(map(_finite, host[:3]))
+    return StepSums(grad_norm=math.sqrt(host[0]) if host[0] >= 0 else math.nan, overflow=overflow, loss=host[2], votes=[int(v) for v in host[3:]])
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

@@ -37,7 +37,8 @@ Interface used by the trainer and the pipeline schedules:
     no_sync()             context for every backward but the last of each model chunk
     finish_grad_sync()    after the last backward: complete DP reduction, sum tied embeddings
                           and the partial gradients of sequence parallelism over TP
-    step(lr, loss) -> StepResult                 skipped everywhere on inf/NaN
+    step(lr, loss, votes) -> StepResult          skipped everywhere on inf/NaN; carries the global
+                          loss and the summed votes (one device->host read per step)
     all_finite()          whether every rank's master weights are finite (before saving)
     state_dict() / load_state_dict()           this rank's shard plus the partition map
     model_state_dict() / load_model_state_dict()  the model's parameters (shards at stage 3)
@@ -61,7 +62,7 @@ from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostStaging
 from megazero.zero.adamw import adamw_
-from megazero.zero.clip import clip_coefficient, grad_norm_and_overflow
+from megazero.zero.clip import StepSums, clip_coefficient, reduce_step_sums
 from megazero.zero.grads import GradientSync
 from megazero.zero.host_grads import HostGradients
 from megazero.zero.materialize import replace_meta_parameters
@@ -88,6 +89,10 @@ class StepResult:
     grad_norm: float
     skipped: bool
     loss_scale: Optional[float] = None
+    loss: float = 0.0
+    """The global loss: every rank's share summed over the world (each loss replica once)."""
+    votes: tuple[int, ...] = ()
+    """The element-wise sums over the world of the `votes` given to step()."""
 
 
 class ShardableModel(Protocol):
@@ -264,28 +269,34 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ step
 
-    def grad_norm_and_overflow(self, loss: Optional[torch.Tensor] = None) -> tuple[float, bool]:
-        """Global L2 norm of the (unscaled) gradients over TP, PP and DP, each element once;
-        and whether any rank saw inf/NaN in a gradient or in its `loss` share. At stage 0 DP
-        replicas hold the same reduced gradients, so only DP rank 0 adds them."""
+    def step_sums(self, loss: Optional[torch.Tensor] = None, votes: tuple[int, ...] = ()) -> StepSums:
+        """The world's sums behind a step, read once: the global L2 norm of the gradients
+        over TP, PP and DP, each element once (still scaled by any fp16 loss scale); whether
+        any rank saw inf/NaN in a gradient or in its `loss` share; the global loss (one TP
+        rank per loss replica adds its share); the summed `votes`. At stage 0 DP replicas
+        hold the same reduced gradients, so only DP rank 0 adds them."""
         mine = self.stage > 0 or self.grid.dp_rank == 0
         pieces = ((self.grads.view(r), r.counted) for r in (self.ranges if mine else ()))
-        norm, overflow = grad_norm_and_overflow(pieces, loss, self.grid["world"], self.grid.device)
-        inv_scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-        return norm * inv_scale, overflow
+        count_loss = loss is not None and self.grid.tp_rank == 0
+        return reduce_step_sums(pieces, loss, count_loss, votes, self.grid["world"], self.grid.device)
 
     @torch.no_grad()
-    def step(self, lr: float, loss: Optional[torch.Tensor] = None) -> StepResult:
+    def step(self, lr: float, loss: Optional[torch.Tensor] = None, votes: tuple[int, ...] = ()) -> StepResult:
         """One AdamW step of this rank's shard, or none anywhere when a gradient (or a rank's
         `loss` share) is inf/NaN: in every precision such a step would poison the master
-        weights and Adam moments, so it is skipped whole (fp16 also backs off its loss scale)."""
+        weights and Adam moments, so it is skipped whole (fp16 also backs off its loss scale).
+        The decision, the clip coefficient, the global loss and the summed `votes` (e.g. the
+        trainer's stop requests) come from one all-reduce and one device->host read."""
         self.wait_params()  # the step writes the slices the last gathers read
-        norm, overflow = self.grad_norm_and_overflow(loss)
+        sums = self.step_sums(loss, votes)
         scale = self.scaler.scale if self.scaler is not None else None
+        norm = sums.grad_norm * (1.0 / scale) if scale is not None else sums.grad_norm
+        result = StepResult(grad_norm=norm, skipped=sums.overflow, loss_scale=scale, loss=sums.loss,
+                            votes=tuple(sums.votes))
         if self.scaler is not None:
-            self.scaler.update(overflow)
-        if overflow:  # every rank saw the same sums, so every rank skips
-            return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
+            self.scaler.update(sums.overflow)
+        if sums.overflow:  # every rank saw the same sums, so every rank skips
+            return result
         o = self.cfg.optim
         coef = (1.0 / scale if scale is not None else 1.0) * clip_coefficient(norm, o.clip_grad)
         self.step_count += 1
@@ -306,7 +317,7 @@ class ZeroOptimizer:
         if self.stage in (1, 2):  # stage 0 stepped everything, stage 3 keeps shards
             # In forward order (buckets are laid out in reverse), so the first unit's arrive first.
             self.params.all_gather(self.grid.dp_group, reversed(self.layout.trainable_buckets()))
-        return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
+        return result
 
     def all_finite(self) -> bool:
         """Whether every rank's master weights are finite (collective over the world)."""

@@ -13,6 +13,16 @@ bucket of its own because two units use it on a single-stage model (embedding, h
               `zero.prefetch` units; the optimizer frees a bucket once every parameter of
               it has its gradient (and has reduce-scattered it)
 
+Fixed issue points. Every rank must issue its DP collectives in one order (NCCL matches
+them by position; the reduce-scatters start from autograd hooks on the same communicator),
+so an all-gather is issued at a point of the schedule, never when data happens to be ready:
+at unit i's hook (either pass), in this order, (1) unit i's buckets, unless already issued,
+(2) those of the next `zero.prefetch` units in the pass direction, each waiting for its
+slice's read if that is still running, then (3) the read of the unit after those begins
+(an NVMe read on the reader thread, no communication), so that it has unit i's compute to
+finish before the next hook gathers it. Nothing else issues a gather but the explicit
+calls outside passes (`fetch_all`, `fetch`), in bucket order.
+
 So every bucket is all-gathered once per forward and once per backward, and each rank
 sends 3Ψ (N-1)/N bytes per micro-batch (two all-gathers, one reduce-scatter). The tied
 weight is the one bucket two units share: gathered for the embedding, it stays gathered
@@ -94,11 +104,12 @@ def in_backward() -> bool:
 class ParamGatherer:
     """Gathers and frees the full parameters of stage-3 buckets; counts what is materialized.
 
-    A fetch first loads this rank's slice from its shard home (at once from memory; from
-    NVMe on a reader thread, so a prefetched unit's read overlaps the current unit's
-    compute), then all-gathers it. All-gathers are issued strictly in the order fetches
-    were requested, whatever order the reads finish in: every rank then issues the same
-    collectives in the same order."""
+    A bucket's slice comes from its shard home (at once from memory; from NVMe on a reader
+    thread, started by `read_ahead` a unit before it is due, so the read overlaps compute),
+    then is all-gathered. `fetch` is the issue point of that all-gather: it waits for the
+    read if need be and issues at once, so which collectives a rank issues, and in what
+    order, follow from the sequence of hooks alone, however long the reads take (see the
+    module docstring for where the hooks issue them)."""
 
     def __init__(self, layout: Layout, home: ShardHome, units: list[Unit], dp: comm.Group, prefetch: int,
                  dtype: torch.dtype, device: torch.device,
@@ -109,7 +120,7 @@ class ParamGatherer:
         self.prefetch, self.device = prefetch, device
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
         self.full = [torch.empty(b.numel, dtype=dtype, device=device) for b in layout.buckets]
-        self.loading: dict[int, Future] = {}  # bucket -> its slice being loaded, in request order
+        self.reads: dict[int, Future] = {}  # bucket -> its slice read ahead, not yet gathered
         self.pending: dict[int, Optional[dist.Work]] = {}  # bucket -> in-flight gather
         self.gathered: set[int] = set()
         self.materialized_numel = 0
@@ -134,29 +145,26 @@ class ParamGatherer:
             slot.param.data = self.placeholder
         self.full[b].untyped_storage().resize_(0)
 
-    def _launch(self, until: Optional[int] = None) -> None:
-        """Start the all-gathers of loaded slices in request order: up to and including
-        bucket `until` (waiting for its load and those before it), else only those whose
-        load is done."""
-        while self.loading:
-            b, source = next(iter(self.loading.items()))
-            if until is None and not source.done():
-                return
-            del self.loading[b]
-            mine = source.result().to(self.device, non_blocking=True)
-            self.pending[b] = comm.all_gather_into(self.full[b], mine, self.dp, async_op=True)
-            if b == until:
-                return
+    def read_ahead(self, b: int) -> None:
+        """Start loading this rank's slice of bucket b from its shard home (an NVMe read runs
+        on the reader thread), to be all-gathered later. Moves no data between ranks."""
+        if b not in self.gathered and b not in self.pending and b not in self.reads:
+            self.reads[b] = self.home.load(self.layout.buckets[b])
 
     def fetch(self, b: int, wait: bool = True) -> None:
-        """Start gathering bucket `b` if it is not there yet; with `wait`, make it usable."""
-        if b not in self.gathered and b not in self.pending and b not in self.loading:
+        """Issue bucket b's all-gather now if it is not issued yet (this call is its issue
+        point: when b's slice is still being read, it waits for the read first); with `wait`,
+        complete it and point the parameters at the full buffer."""
+        if b not in self.gathered and b not in self.pending:
             full = self.full[b]
             full.untyped_storage().resize_(full.numel() * full.element_size())
             self.materialized_numel += self.layout.buckets[b].numel
             self.peak_materialized_numel = max(self.peak_materialized_numel, self.materialized_numel)
-            self.loading[b] = self.home.load(self.layout.buckets[b])
-        self._launch(until=b if wait and b in self.loading else None)
+            source = self.reads.pop(b, None)
+            if source is None:
+                source = self.home.load(self.layout.buckets[b])
+            mine = source.result().to(self.device, non_blocking=True)
+            self.pending[b] = comm.all_gather_into(full, mine, self.dp, async_op=True)
         if wait and b in self.pending:
             work = self.pending.pop(b)
             if work is not None:
@@ -167,7 +175,7 @@ class ParamGatherer:
             self.gathered.add(b)
 
     def release(self, b: int) -> None:
-        if b in self.pending or b in self.loading:
+        if b in self.pending:
             self.fetch(b)  # never free a buffer a collective is still writing into
         if b in self.gathered:
             self.gathered.discard(b)
@@ -184,8 +192,12 @@ class ParamGatherer:
         return newly
 
     def release_all(self) -> None:
+        """Free every bucket, and drop the slices read ahead (the step is about to change them)."""
         for b in range(len(self.full)):
             self.release(b)
+        for source in self.reads.values():
+            source.result()
+        self.reads.clear()
 
     def _last_use(self, i: int) -> tuple[int, ...]:
         """Unit i's buckets that no later unit of its chunk uses in forward (all but the tied
@@ -220,21 +232,32 @@ class ParamGatherer:
 
     # ------------------------------------------------------------------ hooks
 
-    def _neighbours(self, i: int, step: int) -> list[Unit]:
-        """Up to `prefetch` units after (step 1) or before (step -1) unit i in its chunk."""
+    def _neighbours(self, i: int, step: int, count: int) -> list[Unit]:
+        """Up to `count` units after (step 1) or before (step -1) unit i in its chunk."""
         out, j = [], i + step
-        while len(out) < self.prefetch and 0 <= j < len(self.units) and self.units[j].chunk == self.units[i].chunk:
+        while len(out) < count and 0 <= j < len(self.units) and self.units[j].chunk == self.units[i].chunk:
             out.append(self.units[j])
             j += step
         return out
+
+    def _prefetch(self, i: int, step: int) -> None:
+        """The fixed issue points at unit i's hook (step 1 in forward, -1 in backward): the
+        all-gathers of the next `prefetch` units, in pass order, each waiting for its slice
+        if the read is not done; then the read of the unit after them, which has unit i's
+        compute to finish before the next hook gathers it."""
+        ahead = self._neighbours(i, step, self.prefetch + 1)
+        for unit in ahead[:self.prefetch]:
+            for b in unit.buckets:
+                self.fetch(b, wait=False)
+        for unit in ahead[self.prefetch:]:
+            for b in unit.buckets:
+                self.read_ahead(b)
 
     def _before_forward(self, i: int) -> None:
         for b in self.units[i].buckets:
             self.fetch(b)
         if not in_backward():  # a recomputation inside backward would prefetch the wrong way
-            for unit in self._neighbours(i, 1):
-                for b in unit.buckets:
-                    self.fetch(b, wait=False)
+            self._prefetch(i, 1)
 
     def _after_forward(self, i: int) -> None:
         if in_backward():  # recomputed forward: backward needs these parameters next
@@ -255,6 +278,4 @@ class ParamGatherer:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_pass(first, last))
         for b in self.units[i].buckets:
             self.fetch(b)
-        for unit in self._neighbours(i, -1):
-            for b in unit.buckets:
-                self.fetch(b, wait=False)
+        self._prefetch(i, -1)
