@@ -23,6 +23,8 @@ from typing import IO, Any, Callable, Literal, Optional, Union
 
 import yaml
 
+from megazero.data import DataError
+from megazero.data.tokenizer import build_tokenizer
 from megazero.errors import UserError
 
 
@@ -618,10 +620,7 @@ def resolve_vocab_size(cfg: Config) -> int:
 
 
 def _tokenizer_size(spec: str) -> int:
-    # Imported here: only reading a tokenizer's size needs the data package, and validation
-    # must see it before any process group exists (a mismatch stops every rank at once).
-    from megazero.data import DataError
-    from megazero.data.tokenizer import build_tokenizer
+    # Read during validation, before any process group exists: a mismatch stops every rank at once.
     try:
         return build_tokenizer(spec).vocab_size
     except DataError as e:

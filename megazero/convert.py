@@ -22,12 +22,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from megazero.checkpoint.load import Checkpoint
+from megazero.atomic import atomic_dir
+from megazero.checkpoint.adapter import base_only, has_adapters, merge_lora
+from megazero.checkpoint.base import Checkpoint
+from megazero.checkpoint.export import write_hf, write_hf_tokenizer, write_torch, write_universal
+from megazero.checkpoint.load import open_checkpoint
+from megazero.data import DataError
+from megazero.data.tokenizer import build_tokenizer
+from megazero.errors import UserError, report_errors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,12 +49,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--merge-lora", action="store_true",
                         help="torch, hf: fold LoRA adapters into their base weights (default: base model only)")
     args = parser.parse_args(argv)
-
-    from megazero.atomic import atomic_dir
-    from megazero.checkpoint.export import write_torch
-    from megazero.checkpoint.load import open_checkpoint
-    from megazero.checkpoint.universal import write_universal
-    from megazero.errors import UserError, report_errors
 
     with report_errors(OSError):
         ckpt = open_checkpoint(args.load, args.iteration)
@@ -67,10 +67,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"wrote {args.to} export of {ckpt.kind} {ckpt.ckpt}{at} to {args.output}")
 
 
-def with_adapters_handled(ckpt: "Checkpoint", merge: bool) -> "Checkpoint":
+def with_adapters_handled(ckpt: Checkpoint, merge: bool) -> Checkpoint:
     """A LoRA checkpoint for a plain export: adapters folded in (`merge`) or left out."""
-    from megazero.checkpoint.adapter import base_only, has_adapters, merge_lora
-
     if merge:
         return merge_lora(ckpt)
     if has_adapters(ckpt):
@@ -80,12 +78,8 @@ def with_adapters_handled(ckpt: "Checkpoint", merge: bool) -> "Checkpoint":
     return ckpt
 
 
-def write_hf_export(ckpt: "Checkpoint", output: str, dtype: torch.dtype) -> None:
+def write_hf_export(ckpt: Checkpoint, output: str, dtype: torch.dtype) -> None:
     """HF GPT-2 directory: weights, config and the tokenizer the checkpoint names."""
-    from megazero.checkpoint.hf import write_hf, write_hf_tokenizer
-    from megazero.data import DataError
-    from megazero.data.tokenizer import build_tokenizer
-
     eos = None
     if ckpt.tokenizer:
         try:

@@ -25,20 +25,23 @@ import argparse
 import os
 import sys
 import tempfile
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-from megazero.checkpoint.load import Checkpoint
-from megazero.checkpoint.sharded import CheckpointError
+from megazero.checkpoint.adapter import adapters_folded
+from megazero.checkpoint.base import Checkpoint, CheckpointError
+from megazero.checkpoint.load import open_checkpoint
+from megazero.checkpoint.tensors import fit_vocab
+from megazero.data.tokenizer import Tokenizer, build_tokenizer
 from megazero.errors import UserError, report_errors
-from megazero.model.gpt import GPT, KVCache
+from megazero.inference.offload import build_offloaded_model
+from megazero.inference.prompts import read_prompts, write_completions
+from megazero.model.gpt import GPT, KVCache, apply_tensor_parallel
 from megazero.model.layers import shard_of
 from megazero.parallel.comm import Group, gather_from_tp
-
-if TYPE_CHECKING:
-    from megazero.data.tokenizer import Tokenizer
-    from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.grid import ProcessGrid
+from megazero.zero.materialize import replace_meta_parameters
 
 
 def build_model(ckpt: Checkpoint, tp: Group, device: torch.device | str = "cpu") -> GPT:
@@ -46,9 +49,6 @@ def build_model(ckpt: Checkpoint, tp: Group, device: torch.device | str = "cpu")
     rank keeping its shard of every tensor. The model is built on the meta device and split
     over TP there, then only the shards are allocated on the device and filled one at a
     time, so the full model never sits in host or device memory."""
-    from megazero.checkpoint.export import fit_vocab
-    from megazero.train.parallelize import apply_tensor_parallel
-    from megazero.zero.materialize import replace_meta_parameters
     with torch.device("meta"):
         model = apply_tensor_parallel(GPT(ckpt.model_config), tp)
     replace_meta_parameters([model], torch.device(device))
@@ -132,12 +132,6 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     import torch.distributed as dist
 
-    from megazero.checkpoint.adapter import adapters_folded
-    from megazero.checkpoint.load import open_checkpoint
-    from megazero.data.tokenizer import build_tokenizer
-    from megazero.inference.prompts import read_prompts, write_completions
-    from megazero.parallel.grid import ProcessGrid
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     with report_errors(OSError):
@@ -207,21 +201,20 @@ def _check_args(args: argparse.Namespace, world: int) -> None:
         raise UserError("--nvme-path is where --offload nvme keeps the weights; add --offload nvme or drop it")
 
 
-def _encode(tokenizer: "Tokenizer", text: str, n: int) -> list[int]:
+def _encode(tokenizer: Tokenizer, text: str, n: int) -> list[int]:
     ids = tokenizer.encode(text)
     if not ids:
         raise UserError(f"prompt {n} is empty; give every prompt some text")
     return ids
 
 
-def _run(args: argparse.Namespace, ckpt: Checkpoint, grid: "ProcessGrid", prompts: list[list[int]],
+def _run(args: argparse.Namespace, ckpt: Checkpoint, grid: ProcessGrid, prompts: list[list[int]],
          eod: Optional[int]) -> list[list[int]]:
     """Every prompt's ids and continuation, --batch-size prompts at a time."""
     streamer = None
     if args.offload == "none":
         model = build_model(ckpt, grid.tp_group, grid.device)
     else:
-        from megazero.inference.offload import build_offloaded_model
         nvme_path = args.nvme_path or default_nvme_path(ckpt.ckpt)
         model, streamer = build_offloaded_model(ckpt, grid.device, args.offload, nvme_path, not args.no_prefetch)
     try:

@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megazero.atomic import write_text  # noqa: E402  (after the path: runs from a checkout)
-from megazero.checkpoint import sharded  # noqa: E402
+from megazero.checkpoint import base, sharded  # noqa: E402
 
 KINDS = ("worker_sigkill", "job_sigkill_save", "flipped_byte", "truncated_file", "disk_full", "stuck_rank")
 
@@ -163,7 +163,7 @@ class Bench:
         if not last:
             return False, "never reached the last iteration"
         ckpt = sharded.resolve(f"{d}/ck")
-        if os.path.basename(ckpt) != sharded.iter_dir_name(self.a.iters) or not sharded.is_intact(ckpt):
+        if os.path.basename(ckpt) != base.iter_dir_name(self.a.iters) or not base.is_intact(ckpt):
             return False, f"final checkpoint {ckpt} missing or corrupt"
         if last[-1]["loss"] != self.reference:
             return False, f"final loss {last[-1]['loss']!r} != uninterrupted {self.reference!r}"
@@ -264,7 +264,7 @@ class Bench:
         t0 = job.lines[-1][0] if job.lines else time.monotonic()  # the failed save: the job's end
         if rc == 0 or len(errors) != 1 or "failed on rank" not in errors[0]:
             return False, None, f"not stopped with one line (exit {rc}): {errors}"
-        if sharded.resolve(os.path.join(self.workdir, run, "ck")) != ckpt or not sharded.is_intact(ckpt):
+        if sharded.resolve(os.path.join(self.workdir, run, "ck")) != ckpt or not base.is_intact(ckpt):
             return False, None, "the previous checkpoint or latest changed"
         return self._relaunched(run, t0, self.job_args(run, 2))
 

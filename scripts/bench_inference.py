@@ -40,8 +40,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megazero.checkpoint.export import save_safetensors_streaming  # noqa: E402
-from megazero.checkpoint.gathered import plain_shapes  # noqa: E402
+from megazero.checkpoint.tensors import plain_shapes, save_safetensors_streaming  # noqa: E402
 from megazero.config import ModelConfig, build_config, load_yaml  # noqa: E402
 from megazero.model.gpt import GPT  # noqa: E402
 

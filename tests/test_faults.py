@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from distributed import free_port, run_distributed
-from megazero.checkpoint import sharded
+from megazero.checkpoint import base, sharded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--train.log_interval", "1"]
@@ -67,9 +67,9 @@ def _assert_consistent(save: str) -> str:
     """`latest` names a checkpoint whose every file matches its digest, and every directory
     taken for a complete checkpoint is one (iter_*.tmp and the like never are)."""
     ckpt = sharded.resolve(save)
-    assert sharded.is_intact(ckpt), f"latest names {ckpt}, which does not verify"
-    for name in sharded.complete_checkpoints(save):
-        assert sharded.ITER_DIR.match(name) and sharded.is_intact(os.path.join(save, name)), name
+    assert base.is_intact(ckpt), f"latest names {ckpt}, which does not verify"
+    for name in base.complete_checkpoints(save):
+        assert base.ITER_DIR.match(name) and base.is_intact(os.path.join(save, name)), name
     return os.path.basename(ckpt)
 
 
@@ -132,8 +132,8 @@ def _resume_errors(root: str) -> dict:
     export); every trainer load path must refuse each copy, on every rank alike."""
     import torch.distributed as dist
 
-    from megazero.checkpoint.export import ShardedReader
-    from megazero.checkpoint.universal import write_universal
+    from megazero.checkpoint.export import write_universal
+    from megazero.checkpoint.sharded import ShardedReader
     from megazero.errors import UserError
 
     save = os.path.join(root, "ck")
@@ -213,7 +213,7 @@ def _save_failures(root: str) -> dict:
     on_save_error continue, go on) together, leaving the previous checkpoint and latest."""
     import torch.distributed as dist
 
-    from megazero.checkpoint.sharded import CheckpointSaveError
+    from megazero.checkpoint.base import CheckpointSaveError
 
     out = {}
     stop = os.path.join(root, "stop")
@@ -228,7 +228,7 @@ def _save_failures(root: str) -> dict:
     except CheckpointSaveError as e:
         out["stop"] = str(e)
     out["stop_latest"] = open(os.path.join(stop, "latest")).read()
-    out["stop_intact"] = sharded.is_intact(os.path.join(stop, "iter_0000002"))
+    out["stop_intact"] = base.is_intact(os.path.join(stop, "iter_0000002"))
     out["stop_listing"] = sorted(os.listdir(stop))
 
     cont = os.path.join(root, "continue")

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from megazero.checkpoint.hf import write_hf
+from megazero.checkpoint.export import write_hf
 from megazero.checkpoint.load import open_checkpoint
 from megazero.config import ModelConfig
 from megazero.data.tokenizer import train_gpt2bpe

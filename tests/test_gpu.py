@@ -166,7 +166,7 @@ def test_generation_on_gpu(tmp_path, gpu_checkpoint):
 def test_host_staging_copies_device_tensors_in_pieces(tmp_path):
     from safetensors.torch import load_file
 
-    from megazero.checkpoint.export import save_safetensors_streaming
+    from megazero.checkpoint.tensors import save_safetensors_streaming
     from megazero.parallel.host import HostStaging
 
     t = torch.randn(1000, 3, device="cuda")[:, 1]  # non-contiguous, 4000 bytes

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megazero.checkpoint.export import fit_vocab
-from megazero.checkpoint.hf import from_hf, read_hf, write_hf
+from megazero.checkpoint.export import write_hf
+from megazero.checkpoint.hf import from_hf, read_hf
+from megazero.checkpoint.tensors import fit_vocab
 from megazero.config import ModelConfig
 from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe, train_sentencepiece
 from megazero.model.gpt import GPT
@@ -76,8 +77,8 @@ def _foreign_sentencepiece(texts: list[str], out, **options) -> str:
 @pytest.mark.parametrize("name", TOKENIZERS)
 def test_exported_tokenizer_encodes_like_megazero_in_transformers(tmp_path, name):
     """AutoTokenizer.from_pretrained(export) gives megazero's ids and text back."""
-    from megazero.checkpoint.hf import write_hf_tokenizer
-    from megazero.checkpoint.load import hf_tokenizer_spec
+    from megazero.checkpoint.export import write_hf_tokenizer
+    from megazero.checkpoint.hf import hf_tokenizer_spec
     transformers = pytest.importorskip("transformers")
     ours = build_tokenizer(TOKENIZERS[name](make_texts(300) + SAMPLES, tmp_path / "tok"))
     export = tmp_path / "export"

@@ -106,7 +106,7 @@ def _checkpoint_through_files(root: str, nvme: str) -> dict:
 
     import torch.distributed as dist
 
-    from megazero.checkpoint.sharded import CheckpointSaveError
+    from megazero.checkpoint.base import CheckpointSaveError
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
 

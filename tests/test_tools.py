@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import run_distributed
-from megazero.checkpoint.load import ACCEPTED, open_checkpoint
+from megazero.checkpoint.base import ACCEPTED
+from megazero.checkpoint.load import open_checkpoint
 from megazero.convert import main as convert_main
 from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe
 from megazero.generate import main as generate_main

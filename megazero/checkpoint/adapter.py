@@ -19,20 +19,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from megazero.atomic import write_text
+from megazero.checkpoint.base import Checkpoint, CheckpointError
 from megazero.checkpoint.gathered import save_gathered
-from megazero.checkpoint.sharded import CheckpointError
 from megazero.config import Config
 from megazero.model.lora import adapter_shapes, is_adapter, merged_weight
 from megazero.parallel.grid import ProcessGrid
-
-if TYPE_CHECKING:
-    from megazero.checkpoint.load import Checkpoint
 
 ADAPTER_DIR = "adapter"
 CONFIG_NAME = "adapter_config.json"
@@ -67,23 +64,23 @@ def save_adapter(directory: str, adapters: Iterator[tuple[str, nn.Parameter, tor
 # ----------------------------------------------------------------------------- exports
 
 
-def has_adapters(ckpt: "Checkpoint") -> bool:
+def has_adapters(ckpt: Checkpoint) -> bool:
     return ckpt.adapters is not None
 
 
-def base_only(ckpt: "Checkpoint") -> "Checkpoint":
+def base_only(ckpt: Checkpoint) -> Checkpoint:
     """The checkpoint seen without its adapters: the frozen base model (what PEFT's adapter
     directory is applied to)."""
     return dataclasses.replace(ckpt, shapes={n: s for n, s in ckpt.shapes.items() if not is_adapter(n)},
                                adapters=None)
 
 
-def adapters_folded(ckpt: "Checkpoint") -> "Checkpoint":
+def adapters_folded(ckpt: Checkpoint) -> Checkpoint:
     """The model a checkpoint describes, LoRA adapters (if any) folded in: what to run."""
     return merge_lora(ckpt) if has_adapters(ckpt) else ckpt
 
 
-def merge_lora(ckpt: "Checkpoint") -> "Checkpoint":
+def merge_lora(ckpt: Checkpoint) -> Checkpoint:
     """The checkpoint with every adapter folded into its base weight (W + alpha/r B A) and
     the adapters gone: a plain GPT-2."""
     if ckpt.adapters is None:

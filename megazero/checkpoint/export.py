@@ -1,12 +1,10 @@
-"""Read full tensors out of a sharded checkpoint, one parameter at a time, and write them
-as one plain torch state_dict (streamed) or a Hugging Face GPT-2 directory.
+"""Exports of any Checkpoint (load.open_checkpoint), streamed one tensor at a time: host
+memory stays near one full tensor however large the model.
 
-`ShardedReader` is a pure function of the files: each rank file's optimizer state holds
-its flat fp32 shards (master weights, Adam moments) and the partition map saying where
-every element of every parameter lives (DP rank, offset, length). A full parameter is
-assembled from its DP pieces on every TP rank, then its TP shards are joined with the
-parameter's tp_dim / tp_stride. Rank files are memory-mapped, so only the pieces read
-are brought into memory.
+    write_torch      one plain torch state_dict of the non-parallel model + FILE.config.json
+    write_universal  the universal format (universal.py), which resumes at any layout
+    write_hf         a Hugging Face GPT-2 directory (the mapping: hf.py); write_hf_tokenizer
+                     adds the tokenizer, for megazero and for transformers
 """
 
 from __future__ import annotations
@@ -16,111 +14,20 @@ import json
 import os
 import struct
 import zipfile
-from typing import IO, TYPE_CHECKING, Iterator, Optional
+from typing import IO, Iterable, Iterator
 
 import torch
 
-from megazero.atomic import atomic_write, write_text
-from megazero.checkpoint import digest, sharded
-from megazero.config import ModelConfig, build_config
-from megazero.model.layers import unshard
+from megazero.atomic import atomic_write, write_bytes, write_text
+from megazero.checkpoint import digest
+from megazero.checkpoint.base import KINDS, Checkpoint
+from megazero.checkpoint.hf import CONV1D_SUFFIXES, TIED_HEAD
+from megazero.checkpoint.tensors import fit_vocab, save_safetensors_streaming
+from megazero.checkpoint.universal import UNIVERSAL_VERSION
+from megazero.config import ModelConfig, padded_vocab_size
+from megazero.data.hf_tokenizer import hf_tokenizer_files
+from megazero.data.tokenizer import SPM_MODEL_NAME, Tokenizer
 from megazero.parallel.host import HostStaging
-
-if TYPE_CHECKING:
-    from megazero.checkpoint.load import Checkpoint
-
-KINDS = ("master", "exp_avg", "exp_avg_sq")
-
-
-class ShardedReader:
-    """Full fp32 tensors (master weights or Adam moments) of a sharded checkpoint.
-
-    Rank files are memory-mapped for each parameter and let go right after, so what stays
-    resident is one parameter's pieces, not the files read so far. Each file's sha256 is
-    checked when it is first opened, before any value in it is used."""
-
-    def __init__(self, ckpt: str):
-        self.ckpt = ckpt
-        self.meta = sharded.read_metadata(ckpt)
-        self._verified: set[str] = set()
-        self.config = build_config(self.meta["config"])
-        layout = self.meta["layout"]
-        self.tp, self.pp, self.dp = layout["tp"], layout["pp"], layout["dp"]
-        # Partition maps are identical on every DP rank of a (tp, pp) coordinate.
-        self.maps = {(tp, pp): self.optimizer_state(tp, pp, 0)["partition"]
-                     for pp in range(self.pp) for tp in range(self.tp)}
-        self.stage_of = {}  # name -> pipeline rank holding it (the tied head copy aside)
-        for pp in range(self.pp):
-            for name in self.maps[(0, pp)]["params"]:
-                self.stage_of.setdefault(name, pp)
-
-    def _open(self, tp: int, pp: int, dp: int) -> dict:
-        """One rank file, memory-mapped (verified against its sha256 on first use)."""
-        name = sharded.rank_file_name(tp, pp, dp)
-        if name not in self._verified:
-            sharded.verify_file(self.ckpt, self.meta, name)
-            self._verified.add(name)
-        return torch.load(os.path.join(self.ckpt, name), map_location="cpu", weights_only=True, mmap=True)
-
-    def optimizer_state(self, tp: int, pp: int, dp: int) -> dict:
-        """One rank file's optimizer state, memory-mapped."""
-        state = self._open(tp, pp, dp)
-        name = sharded.rank_file_name(tp, pp, dp)
-        if state["optimizer"] is None:
-            raise sharded.CheckpointError(f"checkpoint '{self.ckpt}': {name} holds no optimizer state")
-        return state["optimizer"]
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.config.model
-
-    @property
-    def iteration(self) -> int:
-        return self.meta["iteration"]
-
-    def trainer_state(self) -> dict:
-        """Loop position and optimizer counters (the same on every rank)."""
-        rank0 = self._open(0, 0, 0)
-        opt = rank0["optimizer"]
-        return {"iteration": rank0["iteration"], "consumed_samples": rank0["consumed_samples"],
-                "skipped_iters": rank0["skipped_iters"], "step": int(opt["step"]), "loss_scaler": opt["loss_scaler"],
-                "lr_schedule": rank0.get("lr_schedule")}
-
-    def names(self) -> list[str]:
-        """Parameter names of the non-parallel model, in its order (no tied head copy)."""
-        return [n for n in self.stage_of if n != "lm_head.weight"]
-
-    def full_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.maps[(0, self.stage_of[name])]["params"][name]["full_shape"])
-
-    def full(self, name: str, kind: str = "master") -> torch.Tensor:
-        """The whole parameter (all TP shards joined), fp32, in megazero's storage shape."""
-        if name == "lm_head.weight" and name not in self.stage_of:
-            name = "transformer.wte.weight"
-        pp = self.stage_of[name]
-        entry = self.maps[(0, pp)]["params"][name]
-        shards = [self._tp_shard(name, kind, tp, pp) for tp in range(self.tp)]
-        return unshard(shards, entry["tp_dim"], entry["tp_stride"])
-
-    def _tp_shard(self, name: str, kind: str, tp: int, pp: int) -> torch.Tensor:
-        entry = self.maps[(tp, pp)]["params"][name]
-        if kind != "master" and not entry.get("trainable", True):  # frozen (LoRA's base): no moments
-            return torch.zeros(entry["shape"])
-        flat = torch.empty(entry["numel"], dtype=torch.float32)
-        for piece in entry["shards"]:  # at ZeRO-0 one piece, on DP rank 0 (the state is replicated)
-            values = self.optimizer_state(tp, pp, piece["rank"])[kind]
-            flat[piece["param_offset"]: piece["param_offset"] + piece["length"]] = \
-                values[piece["offset"]: piece["offset"] + piece["length"]]
-            del values  # unmaps the file
-        return flat.view(entry["shape"])
-
-    def tensors(self, kind: str = "master", dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.names():
-            t = self.full(name, kind)
-            yield name, t if dtype is None else t.to(dtype)
-
-
-# ----------------------------------------------------------------------------- torch export
 
 
 def save_streaming(path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
@@ -143,41 +50,6 @@ def save_streaming(path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.d
             staging.write(f, t.to(dtype))
 
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def save_safetensors_streaming(path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                               tensors: Iterator[tuple[str, torch.Tensor]], metadata: Optional[dict] = None) -> None:
-    """Write a .safetensors file one tensor at a time, in any order: the header (8-byte
-    length, JSON with each tensor's byte range) is known from `shapes`, so each tensor is
-    written at its offset as it arrives (from any device, through a pinned buffer). Renamed
-    into place only when every tensor came."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    header, offset = {}, 0
-    for name, shape in shapes.items():
-        nbytes = itemsize * int(torch.Size(shape).numel())
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    if metadata:
-        header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    start = 8 + len(blob)
-    written, staging = set(), HostStaging()
-    with atomic_write(path) as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        f.truncate(start + offset)
-        for name, t in tensors:
-            if tuple(t.shape) != tuple(shapes[name]):
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shapes[name])}")
-            f.seek(start + header[name]["data_offsets"][0])
-            staging.write(f, t.to(dtype))
-            written.add(name)
-        if written != set(shapes):
-            raise ValueError(f"{len(shapes) - len(written)} tensors never arrived, "
-                             f"e.g. {sorted(set(shapes) - written)[0]}")
-
-
 def _record_offsets(f: IO[bytes]) -> dict[str, int]:
     """Byte offset of each data/<key> record's payload in a torch zip checkpoint (open file)."""
     out = {}
@@ -192,35 +64,98 @@ def _record_offsets(f: IO[bytes]) -> dict[str, int]:
     return out
 
 
-def write_torch(reader: "Checkpoint", output: str, dtype: torch.dtype) -> None:
+def write_torch(reader: Checkpoint, output: str, dtype: torch.dtype) -> None:
     """One plain state_dict for megazero's non-parallel GPT-2 (load with strict=True), and
     OUTPUT.config.json with the model config and tokenizer needed to use it."""
-    from megazero.config import padded_vocab_size
-
-    m = reader.model_config
-    shapes = {}
-    for name in reader.names():
-        shape = list(reader.full_shape(name))
-        if name == "transformer.wte.weight":  # re-pad for tp = 1
-            shape[0] = padded_vocab_size(m.vocab_size, 1)
-        shapes[name] = tuple(shape)
+    shapes = _with_vocab_rows(reader, padded_vocab_size(reader.model_config.vocab_size, 1))  # re-padded for tp = 1
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     save_streaming(output, shapes, dtype,
                    ((n, fit_vocab(n, t, shapes[n])) for n, t in reader.tensors("master")))
     write_sidecar(output + ".config.json", reader, digest.file_entry(output))
 
 
-def fit_vocab(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Vocab padding depends on tp: strip or add zero rows of the embedding to fit `shape`."""
-    if name in ("transformer.wte.weight", "lm_head.weight") and t.shape[0] != shape[0]:
-        if t.shape[0] > shape[0]:
-            return t[: shape[0]]
-        return torch.cat([t, t.new_zeros(shape[0] - t.shape[0], *t.shape[1:])])
-    return t
+def _with_vocab_rows(reader: Checkpoint, rows: int) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's shapes with `rows` rows of the token embedding (its vocabulary padding)."""
+    shapes = {n: tuple(reader.full_shape(n)) for n in reader.names()}
+    return {n: (rows, *s[1:]) if n == "transformer.wte.weight" else s for n, s in shapes.items()}
 
 
-def write_sidecar(path: str, reader: "Checkpoint", weights: dict) -> None:
+def write_sidecar(path: str, reader: Checkpoint, weights: dict) -> None:
     """The export's config beside it, with the weights file's digest (`weights`: sha256, bytes)."""
     info = {"model": dataclasses.asdict(reader.model_config), "tokenizer": reader.tokenizer,
             "iteration": reader.iteration, "source": os.path.abspath(reader.ckpt), **weights}
     write_text(path, json.dumps(info, indent=1))
+
+
+
+def write_universal(reader: Checkpoint, output: str) -> None:
+    """Convert a checkpoint with optimizer state into the universal format (streamed, tensor
+    by tensor)."""
+    state = reader.trainer_state()  # first: a weights-only source fails before anything is written
+    os.makedirs(output, exist_ok=True)
+    shapes = _with_vocab_rows(reader, reader.model_config.vocab_size)  # no padding in the universal format
+    files = {}
+    for kind in KINDS:
+        path = os.path.join(output, f"{kind}.safetensors")
+        save_safetensors_streaming(path, shapes, torch.float32,
+                                   ((n, fit_vocab(n, t, shapes[n])) for n, t in reader.tensors(kind)))
+        files[os.path.basename(path)] = digest.file_entry(path)  # written by offset: hashed once complete
+    meta = {"format_version": UNIVERSAL_VERSION, **state, "config": reader.meta["config"],
+            "source": os.path.abspath(reader.ckpt), "files": files}
+    write_text(os.path.join(output, "universal.json"), json.dumps(meta, indent=1))
+
+
+
+def hf_config(m: ModelConfig, eos_token_id: int | None = None) -> dict:
+    """GPT2Config fields for a megazero model."""
+    eos = m.vocab_size - 1 if eos_token_id is None else eos_token_id
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": m.vocab_size, "n_positions": m.seq_length, "n_ctx": m.seq_length,
+        "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_heads,
+        "n_inner": m.ffn_size, "activation_function": "gelu_new",
+        "layer_norm_epsilon": m.layernorm_eps, "initializer_range": m.init_std,
+        "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout,
+        "tie_word_embeddings": True, "bos_token_id": eos, "eos_token_id": eos,
+    }
+
+
+def to_hf(name: str, full: torch.Tensor, m: ModelConfig) -> torch.Tensor:
+    """A full (unsharded) megazero tensor as HF stores it."""
+    if name.endswith(CONV1D_SUFFIXES):
+        return full.t().contiguous()
+    if name == "transformer.wte.weight":
+        return full[: m.vocab_size].contiguous()
+    return full
+
+
+def write_hf(output_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]],
+             m: ModelConfig, dtype: torch.dtype = torch.float32, eos_token_id: int | None = None) -> None:
+    """config.json + model.safetensors into `output_dir`, streamed one tensor at a time
+    (`shapes`: megazero's full shapes, in the order `tensors` yields them)."""
+    os.makedirs(output_dir, exist_ok=True)
+    hf_shapes = {name: hf_shape(name, shape, m) for name, shape in shapes.items() if name != TIED_HEAD}
+    converted = ((name, to_hf(name, t, m)) for name, t in tensors if name != TIED_HEAD)
+    save_safetensors_streaming(os.path.join(output_dir, "model.safetensors"), hf_shapes, dtype, converted,
+                               metadata={"format": "pt"})
+    write_text(os.path.join(output_dir, "config.json"), json.dumps(hf_config(m, eos_token_id), indent=2))
+
+
+def hf_shape(name: str, shape: tuple[int, ...], m: ModelConfig) -> tuple[int, ...]:
+    if name.endswith(CONV1D_SUFFIXES):
+        return tuple(reversed(shape))
+    if name == "transformer.wte.weight":
+        return (m.vocab_size, shape[1])
+    return tuple(shape)
+
+
+def write_hf_tokenizer(tokenizer: Tokenizer, output_dir: str, model_max_length: int) -> None:
+    """A megazero tokenizer, into an HF directory: megazero's own files (so megazero
+    reads the directory back with the same tokenizer) and tokenizer.json +
+    tokenizer_config.json (so `AutoTokenizer.from_pretrained` encodes the same ids)."""
+    names = ("vocab.json", "merges.txt") if tokenizer.kind == "gpt2bpe" else (SPM_MODEL_NAME,)
+    for source, name in zip(tokenizer.files, names):
+        with open(source, "rb") as f:
+            write_bytes(os.path.join(output_dir, name), f.read())
+    for name, text in hf_tokenizer_files(tokenizer, model_max_length).items():
+        write_text(os.path.join(output_dir, name), text)

@@ -24,23 +24,14 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from megazero.checkpoint.export import fit_vocab, save_safetensors_streaming
-from megazero.config import Config, ModelConfig
-from megazero.model.gpt import GPT
+from megazero.checkpoint.base import MODEL_16BIT
+from megazero.checkpoint.tensors import fit_vocab, plain_shapes, save_safetensors_streaming
+from megazero.config import Config
 from megazero.model.layers import unshard
 from megazero.model.lora import adapter_shapes
 from megazero.parallel import comm
 from megazero.parallel.comm import Group
 from megazero.parallel.grid import ProcessGrid
-
-FILE_NAME = "model_16bit.safetensors"
-
-
-def plain_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the non-parallel model's state_dict, in its order."""
-    with torch.device("meta"):
-        model = GPT(m)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def _tp_full(local: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tensor:
@@ -59,8 +50,8 @@ def save_model_16bit(directory: str, full_parameters: Iterator[tuple[str, nn.Par
     `full_parameters` yields (name, parameter, value) for this rank's chunks with every
     value full over DP (the optimizer gathers ZeRO-3 shards unit by unit). A LoRA run's
     adapters are stored too, with its finetune section in the metadata, so that readers
-    fold them in (load.py)."""
-    path = os.path.join(directory, FILE_NAME)
+    fold them in (plain.py)."""
+    path = os.path.join(directory, MODEL_16BIT)
     shapes, metadata = plain_shapes(cfg.model), {"format": "pt", "megazero_model": json.dumps(cfg.model.__dict__)}
     if cfg.finetune.lora_rank:
         shapes.update(adapter_shapes(cfg.model, cfg.finetune))

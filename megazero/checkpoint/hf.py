@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 interchange: config.json and tensor mapping, both directions.
+"""Reading Hugging Face GPT-2 directories: whole (convert, generate), or each rank's TP shard
+of one parameter at a time (checkpoint.init_from_hf). export.write_hf writes them.
 
 megazero's parameter names are GPT2LMHeadModel's; only storage differs: the four
 projections (c_attn, attn.c_proj, c_fc, mlp.c_proj) are nn.Linear-shaped [out, in] here
@@ -10,34 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import Iterator, Optional
 
 import torch
+from safetensors import safe_open
 
-from megazero.atomic import write_text
-from megazero.checkpoint.safetensors_stream import stream_safetensors
-from megazero.checkpoint.sharded import CheckpointError
+from megazero.checkpoint.base import Checkpoint, CheckpointError, safetensors_metadata
+from megazero.checkpoint.tensors import plain_shapes, stream_safetensors
 from megazero.config import ModelConfig
-
-if TYPE_CHECKING:
-    from megazero.data.tokenizer import Tokenizer
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 TIED_HEAD = "lm_head.weight"
-
-
-def hf_config(m: ModelConfig, eos_token_id: int | None = None) -> dict:
-    """GPT2Config fields for a megazero model."""
-    eos = m.vocab_size - 1 if eos_token_id is None else eos_token_id
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": m.vocab_size, "n_positions": m.seq_length, "n_ctx": m.seq_length,
-        "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_heads,
-        "n_inner": m.ffn_size, "activation_function": "gelu_new",
-        "layer_norm_epsilon": m.layernorm_eps, "initializer_range": m.init_std,
-        "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout,
-        "tie_word_embeddings": True, "bos_token_id": eos, "eos_token_id": eos,
-    }
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -51,41 +35,10 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
                        init_std=hf.get("initializer_range", 0.02), dropout=0.0)
 
 
-def to_hf(name: str, full: torch.Tensor, m: ModelConfig) -> torch.Tensor:
-    """A full (unsharded) megazero tensor as HF stores it."""
-    if name.endswith(CONV1D_SUFFIXES):
-        return full.t().contiguous()
-    if name == "transformer.wte.weight":
-        return full[: m.vocab_size].contiguous()
-    return full
-
-
 def from_hf(name: str, hf_tensor: torch.Tensor) -> torch.Tensor:
     """An HF tensor in megazero's storage layout (Conv1D weights transposed); the vocab
     padding rows are added by `fit_vocab` for the target tp."""
     return hf_tensor.t().contiguous() if name.endswith(CONV1D_SUFFIXES) else hf_tensor
-
-
-def write_hf(output_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]],
-             m: ModelConfig, dtype: torch.dtype = torch.float32, eos_token_id: int | None = None) -> None:
-    """config.json + model.safetensors into `output_dir`, streamed one tensor at a time
-    (`shapes`: megazero's full shapes, in the order `tensors` yields them)."""
-    from megazero.checkpoint.export import save_safetensors_streaming
-
-    os.makedirs(output_dir, exist_ok=True)
-    hf_shapes = {name: hf_shape(name, shape, m) for name, shape in shapes.items() if name != TIED_HEAD}
-    converted = ((name, to_hf(name, t, m)) for name, t in tensors if name != TIED_HEAD)
-    save_safetensors_streaming(os.path.join(output_dir, "model.safetensors"), hf_shapes, dtype, converted,
-                               metadata={"format": "pt"})
-    write_text(os.path.join(output_dir, "config.json"), json.dumps(hf_config(m, eos_token_id), indent=2))
-
-
-def hf_shape(name: str, shape: tuple[int, ...], m: ModelConfig) -> tuple[int, ...]:
-    if name.endswith(CONV1D_SUFFIXES):
-        return tuple(reversed(shape))
-    if name == "transformer.wte.weight":
-        return (m.vocab_size, shape[1])
-    return tuple(shape)
 
 
 def read_hf(hf_dir: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
@@ -108,20 +61,27 @@ def read_hf(hf_dir: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]
     return m, tensors()
 
 
-def write_hf_tokenizer(tokenizer: "Tokenizer", output_dir: str, model_max_length: int) -> None:
-    """A megazero tokenizer, into an HF directory: megazero's own files (so megazero
-    reads the directory back with the same tokenizer) and tokenizer.json +
-    tokenizer_config.json (so `AutoTokenizer.from_pretrained` encodes the same ids)."""
-    from megazero.atomic import write_bytes
-    from megazero.data.hf_tokenizer import hf_tokenizer_files
-    from megazero.data.tokenizer import SPM_MODEL_NAME
+def open_hf(path: str) -> Checkpoint:
+    """A Hugging Face GPT-2 directory as a Checkpoint (weights only)."""
+    try:
+        m, _ = read_hf(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise CheckpointError(f"Hugging Face directory '{path}' cannot be read: {e}") from None
+    safetensors_metadata(os.path.join(path, "model.safetensors"))
 
-    names = ("vocab.json", "merges.txt") if tokenizer.kind == "gpt2bpe" else (SPM_MODEL_NAME,)
-    for source, name in zip(tokenizer.files, names):
-        with open(source, "rb") as f:
-            write_bytes(os.path.join(output_dir, name), f.read())
-    for name, text in hf_tokenizer_files(tokenizer, model_max_length).items():
-        write_text(os.path.join(output_dir, name), text)
+    def stream(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((n, from_hf(n, t)) for n, t in read_hf(path)[1])
+
+    return Checkpoint(path, "Hugging Face directory", m, hf_tokenizer_spec(path), None, plain_shapes(m), stream)
+
+
+def hf_tokenizer_spec(hf_dir: str) -> Optional[str]:
+    """The megazero spec of the tokenizer files in an HF directory (GPT-2 BPE or SentencePiece)."""
+    if all(os.path.isfile(os.path.join(hf_dir, n)) for n in ("vocab.json", "merges.txt")):
+        return f"gpt2bpe:{hf_dir}"
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
+        return f"sentencepiece:{hf_dir}"
+    return None
 
 
 # ----------------------------------------------------------------------------- init_from_hf
@@ -146,7 +106,6 @@ class HFInitialValues:
     def __init__(self, hf_dir: str, m: ModelConfig) -> None:
         self.path, self.m = hf_weights_file(hf_dir), m
         if self.path.endswith(".safetensors"):
-            from safetensors import safe_open
             self._file = safe_open(self.path, framework="pt")
             keys = list(self._file.keys())
         else:

@@ -1,21 +1,17 @@
-"""Sharded checkpoints: every rank writes only what it owns, atomically; exact resume.
-
-Layout of `SAVE`:
+"""Reading a sharded checkpoint: the save directory training writes (save.py).
 
     SAVE/latest                      "iter_0000100" (rewritten by rename once a save is complete)
     SAVE/iter_0000100/metadata.json  format version, layout, iteration, config, sha256 of every file
-    SAVE/iter_0000100/rank_tp00_pp000_dp000.pt   this rank's state (see `rank_state`)
-
-A save goes to `iter_NNNNNNN.tmp/`; after every rank has written and fsynced its file
-(hashed as it is written), rank 0 writes metadata.json, renames the directory into place
-(an existing one of the same iteration is renamed aside first, see atomic.commit_dir) and
-then `latest`, fsyncing the directory after each rename. A crash or kill at any point
-leaves `latest` naming a complete checkpoint. A failed write on any rank (disk full, no
-permission) is agreed on by all ranks: the save is abandoned, the previous checkpoint and
-`latest` stay as they were, and every rank raises the same `CheckpointSaveError`.
+    SAVE/iter_0000100/rank_tp00_pp000_dp000.pt   one rank's state (the trainer's `rank_state`)
 
 Every file is checked against its sha256 before any value in it is used (digest.py), and
 loaded with `torch.load(weights_only=True)`: loading never runs code from a checkpoint.
+
+`ShardedReader` gives full tensors, a pure function of the files: each rank file holds its
+flat fp32 shards (master weights, Adam moments) and the partition map saying where every
+element of every parameter lives (DP rank, offset, length); a parameter's DP pieces are
+joined on every TP rank, then its TP shards by its tp_dim / tp_stride. Rank files are
+memory-mapped: only the pieces read are brought into memory.
 """
 
 from __future__ import annotations
@@ -23,190 +19,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
-import shutil
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
-import numpy as np
 import torch
 
-from megazero.atomic import TMP_SUFFIX, atomic_write, commit_dir, existing_dir, prepare_dir, remove_dir, write_bytes
+from megazero.atomic import existing_dir
 from megazero.checkpoint import digest
-from megazero.config import Config
-from megazero.errors import UserError
-from megazero.parallel import comm
+from megazero.checkpoint.base import (
+    FORMAT_VERSION,
+    LATEST,
+    Checkpoint,
+    CheckpointError,
+    iter_dir_name,
+    lora_adapters,
+    rank_file_name,
+    verified,
+)
+from megazero.config import Config, ModelConfig, build_config
+from megazero.model.layers import unshard
 from megazero.parallel.grid import ProcessGrid
-
-FORMAT_VERSION = 1
-LATEST = "latest"
-ITER_DIR = re.compile(r"iter_\d{7}$")  # not iter_*.tmp (being written) nor iter_*.old (being replaced)
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint cannot be used (incomplete, corrupt, another model or format).
-
-    With `bad_checkpoint` set, the message is completed, when first shown, by the last good
-    checkpoint before it (a search that hashes older checkpoints: in distributed code use
-    `raise_agreed`, which runs it on rank 0 only)."""
-
-    def __init__(self, message: str, bad_checkpoint: Optional[str] = None):
-        super().__init__(message)
-        self.bad_checkpoint = bad_checkpoint
-        self._hint: Optional[str] = None
-
-    def __str__(self) -> str:
-        if self.bad_checkpoint and self._hint is None:
-            self._hint = last_good_hint(self.bad_checkpoint)
-        return super().__str__() + (self._hint or "")
-
-
-class CheckpointSaveError(CheckpointError):
-    """A save failed on some rank (disk full, unwritable directory); the same on every rank."""
-
-
-def iter_dir_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
-
-
-def rank_file_name(tp: int, pp: int, dp: int) -> str:
-    return f"rank_tp{tp:02d}_pp{pp:03d}_dp{dp:03d}.pt"
-
-
-# ----------------------------------------------------------------------------- RNG encoding
-# weights_only loading accepts tensors and plain containers, not numpy arrays.
-
-def encode_rng(states: dict) -> dict:
-    kind, keys, pos, has_gauss, cached = states["numpy"]
-    return {**states, "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
-                                "has_gauss": has_gauss, "cached": cached}}
-
-
-def decode_rng(states: dict) -> dict:
-    n = states["numpy"]
-    numpy_state = (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"])
-    return {**states, "numpy": numpy_state}
-
-
-# ----------------------------------------------------------------------------- save
-
-
-def save(save_dir: str, iteration: int, rank_state: dict | Callable[[], dict], cfg: Config, grid: ProcessGrid,
-         keep_last: int = 0, extra: Optional[Callable[[str], list[str]]] = None) -> str:
-    """Collective: every rank writes its state; rank 0 seals the checkpoint. Returns its path.
-    `extra(directory)`, when given, is a collective writing more files (their paths relative
-    to the directory are its return value) into the checkpoint before it is sealed. Raises CheckpointSaveError on
-    every rank when any rank's write failed (nothing of the new checkpoint is kept)."""
-    final = os.path.join(save_dir, iter_dir_name(iteration))
-    step = _SaveStep(final, iteration, grid)
-    step.run(lambda: prepare_dir(final) if grid.rank == 0 else None)
-    tmp = final + TMP_SUFFIX
-    c = grid.coords()
-    name = rank_file_name(c.tp, c.pp, c.dp)
-    # Built inside the step when given as a callable: assembling state can fail on one rank
-    # (scratch space for NVMe-swapped state) and must stop every rank alike.
-    entries = step.run(lambda: _write_rank_file(os.path.join(tmp, name),
-                                                rank_state() if callable(rank_state) else rank_state))
-    files = dict(zip(_names(grid), entries))
-    if extra is not None:
-        def write_extra() -> dict[str, Optional[dict]]:
-            written = extra(tmp)  # rank 0 writes them (by offsets: hashed once complete)
-            return {n: digest.file_entry(os.path.join(tmp, n)) if grid.rank == 0 else None for n in written}
-        files.update(step.run(write_extra)[0])
-    meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
-            "layout": layout_of(cfg, grid), "config": cfg.to_dict(), "files": files}
-    step.run(lambda: _seal(save_dir, final, meta, keep_last) if grid.rank == 0 else None)
-    return final
-
-
-def _names(grid: ProcessGrid) -> list[str]:
-    coords = [grid.coords(r) for r in range(grid.world_size)]
-    return [rank_file_name(c.tp, c.pp, c.dp) for c in coords]
-
-
-def _write_rank_file(path: str, rank_state: dict) -> dict:
-    with atomic_write(path) as f:
-        writer = digest.HashingWriter(f)
-        try:
-            torch.save(rank_state, writer)
-        except RuntimeError:
-            if writer.error is not None:  # the disk's own error (full, too large), not torch's wrapper
-                raise writer.error from None
-            raise
-    return writer.entry()
-
-
-def _seal(save_dir: str, final: str, meta: dict, keep_last: int) -> None:
-    """Rank 0: metadata, the directory renamed into place, then `latest` (each fsynced)."""
-    write_bytes(os.path.join(final + TMP_SUFFIX, "metadata.json"), json.dumps(meta, indent=1).encode())
-    commit_dir(final)
-    write_bytes(os.path.join(save_dir, LATEST), os.path.basename(final).encode())
-    prune(save_dir, keep_last)
-
-
-class _SaveStep:
-    """One step of a save on every rank, then a collective on its outcome, so that a write
-    that fails on one rank stops all of them at the same point (none waits for a peer)."""
-
-    def __init__(self, final: str, iteration: int, grid: ProcessGrid):
-        self.final, self.iteration, self.grid = final, iteration, grid
-
-    def run(self, fn: Callable[[], Any]) -> list[Any]:
-        """Each rank's result of fn(), gathered on every rank."""
-        outcome: tuple[Optional[str], Any] = (None, None)
-        try:
-            outcome = (None, fn())
-        except OSError as e:
-            outcome = (str(e), None)
-        outcomes = comm.all_gather_object(outcome, self.grid["world"])
-        failed = [(rank, error) for rank, (error, _) in enumerate(outcomes) if error]
-        if failed:
-            self._abandon()
-            rank, error = failed[0]
-            raise CheckpointSaveError(
-                f"saving iteration {self.iteration} to {os.path.dirname(self.final)} failed on rank {rank}: {error}; "
-                f"the previous checkpoint and '{LATEST}' are untouched; free disk space or fix the directory "
-                f"(checkpoint.save) and resume with --checkpoint.load")
-        return [result for _, result in outcomes]
-
-    def _abandon(self) -> None:
-        """Remove the partial checkpoint; every rank returns once it is gone."""
-        if self.grid.rank == 0:
-            shutil.rmtree(self.final + TMP_SUFFIX, ignore_errors=True)
-        comm.barrier(self.grid["world"])
-
-
-def layout_of(cfg: Config, grid: ProcessGrid) -> dict:
-    return {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "vpp": cfg.parallel.vpp,
-            "pp_layers": cfg.parallel.pp_layers, "zero_stage": cfg.zero.stage, "precision": cfg.train.precision}
-
-
-def complete_checkpoints(save_dir: str) -> list[str]:
-    """Sealed checkpoint directories (with metadata.json), oldest first."""
-    if not os.path.isdir(save_dir):
-        return []
-    names = [n for n in os.listdir(save_dir)
-             if ITER_DIR.match(n) and os.path.isfile(os.path.join(save_dir, n, "metadata.json"))]
-    return sorted(names)
-
-
-def prune(save_dir: str, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` checkpoints (0: none) and the leftovers of
-    saves or deletions a crash interrupted (rank 0, between saves)."""
-    for name in complete_checkpoints(save_dir)[:-keep_last] if keep_last else []:
-        remove_dir(os.path.join(save_dir, name))
-    for name in os.listdir(save_dir):
-        if re.match(r"iter_\d{7}\.(tmp|del)$", name):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------- load
-
-
-def holds_checkpoint(load_dir: str, iteration: int = 0) -> bool:
-    """Whether checkpoint.load names something to resume from (a save directory with a
-    `latest`, a universal checkpoint, or an explicit iteration); else a run starts fresh."""
-    return bool(iteration or os.path.isfile(os.path.join(load_dir, "universal.json"))
-                or os.path.isfile(os.path.join(load_dir, LATEST)))
 
 
 def resolve(load_dir: str, iteration: int = 0) -> str:
@@ -268,10 +99,7 @@ def _checked(ckpt: str, meta: dict, name: str, check: Callable[[str, dict], Any]
     expected = meta["files"].get(name)
     if expected is None:
         raise CheckpointError(f"checkpoint '{ckpt}' has no {name} in its metadata.json", ckpt)
-    try:
-        return check(os.path.join(ckpt, name), expected)
-    except digest.DigestError as e:
-        raise CheckpointError(f"checkpoint '{ckpt}' is corrupt: {e}", ckpt) from None
+    return verified(os.path.join(ckpt, name), expected, f"checkpoint '{ckpt}'", bad_checkpoint=ckpt, check=check)
 
 
 def load_file(ckpt: str, meta: dict, name: str) -> Any:
@@ -293,49 +121,98 @@ def load_rank_state(ckpt: str, meta: dict, grid: ProcessGrid, rank: Optional[int
     return load_file(ckpt, meta, rank_file_name(c.tp, c.pp, c.dp))
 
 
-def last_good_hint(ckpt: str) -> str:
-    """"; the last good checkpoint is ...": the newest older checkpoint whose every file
-    verifies (older ones are not hashed once one is found)."""
-    save_dir, bad = os.path.split(os.path.normpath(ckpt))
-    bad = bad.removesuffix(".old")
-    for name in reversed([n for n in complete_checkpoints(save_dir) if n < bad]):
-        if is_intact(os.path.join(save_dir, name)):
-            it = int(name.split("_")[1])
-            return f"; the last good checkpoint is {name}: resume from it with --checkpoint.iteration {it}"
-    return "; no earlier good checkpoint exists there"
+class ShardedReader:
+    """Full fp32 tensors (master weights or Adam moments) of a sharded checkpoint.
+
+    Rank files are memory-mapped for each parameter and let go right after, so what stays
+    resident is one parameter's pieces, not the files read so far. Each file's sha256 is
+    checked when it is first opened, before any value in it is used."""
+
+    def __init__(self, ckpt: str):
+        self.ckpt = ckpt
+        self.meta = read_metadata(ckpt)
+        self._verified: set[str] = set()
+        self.config = build_config(self.meta["config"])
+        layout = self.meta["layout"]
+        self.tp, self.pp, self.dp = layout["tp"], layout["pp"], layout["dp"]
+        # Partition maps are identical on every DP rank of a (tp, pp) coordinate.
+        self.maps = {(tp, pp): self.optimizer_state(tp, pp, 0)["partition"]
+                     for pp in range(self.pp) for tp in range(self.tp)}
+        self.stage_of = {}  # name -> pipeline rank holding it (the tied head copy aside)
+        for pp in range(self.pp):
+            for name in self.maps[(0, pp)]["params"]:
+                self.stage_of.setdefault(name, pp)
+
+    def _open(self, tp: int, pp: int, dp: int) -> dict:
+        """One rank file, memory-mapped (verified against its sha256 on first use)."""
+        name = rank_file_name(tp, pp, dp)
+        if name not in self._verified:
+            verify_file(self.ckpt, self.meta, name)
+            self._verified.add(name)
+        return torch.load(os.path.join(self.ckpt, name), map_location="cpu", weights_only=True, mmap=True)
+
+    def optimizer_state(self, tp: int, pp: int, dp: int) -> dict:
+        """One rank file's optimizer state, memory-mapped."""
+        state = self._open(tp, pp, dp)
+        name = rank_file_name(tp, pp, dp)
+        if state["optimizer"] is None:
+            raise CheckpointError(f"checkpoint '{self.ckpt}': {name} holds no optimizer state")
+        return state["optimizer"]
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
+
+    @property
+    def iteration(self) -> int:
+        return self.meta["iteration"]
+
+    def trainer_state(self) -> dict:
+        """Loop position and optimizer counters (the same on every rank)."""
+        rank0 = self._open(0, 0, 0)
+        opt = rank0["optimizer"]
+        return {"iteration": rank0["iteration"], "consumed_samples": rank0["consumed_samples"],
+                "skipped_iters": rank0["skipped_iters"], "step": int(opt["step"]), "loss_scaler": opt["loss_scaler"],
+                "lr_schedule": rank0.get("lr_schedule")}
+
+    def names(self) -> list[str]:
+        """Parameter names of the non-parallel model, in its order (no tied head copy)."""
+        return [n for n in self.stage_of if n != "lm_head.weight"]
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.maps[(0, self.stage_of[name])]["params"][name]["full_shape"])
+
+    def full(self, name: str, kind: str = "master") -> torch.Tensor:
+        """The whole parameter (all TP shards joined), fp32, in megazero's storage shape."""
+        if name == "lm_head.weight" and name not in self.stage_of:
+            name = "transformer.wte.weight"
+        pp = self.stage_of[name]
+        entry = self.maps[(0, pp)]["params"][name]
+        shards = [self._tp_shard(name, kind, tp, pp) for tp in range(self.tp)]
+        return unshard(shards, entry["tp_dim"], entry["tp_stride"])
+
+    def _tp_shard(self, name: str, kind: str, tp: int, pp: int) -> torch.Tensor:
+        entry = self.maps[(tp, pp)]["params"][name]
+        if kind != "master" and not entry.get("trainable", True):  # frozen (LoRA's base): no moments
+            return torch.zeros(entry["shape"])
+        flat = torch.empty(entry["numel"], dtype=torch.float32)
+        for piece in entry["shards"]:  # at ZeRO-0 one piece, on DP rank 0 (the state is replicated)
+            values = self.optimizer_state(tp, pp, piece["rank"])[kind]
+            flat[piece["param_offset"]: piece["param_offset"] + piece["length"]] = \
+                values[piece["offset"]: piece["offset"] + piece["length"]]
+            del values  # unmaps the file
+        return flat.view(entry["shape"])
+
+    def tensors(self, kind: str = "master", dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.names():
+            t = self.full(name, kind)
+            yield name, t if dtype is None else t.to(dtype)
 
 
-def is_intact(ckpt: str) -> bool:
-    """Does every file of checkpoint `ckpt` match the digest its metadata.json records?"""
-    try:
-        with open(os.path.join(ckpt, "metadata.json")) as f:
-            files = json.load(f)["files"]
-        for name, expected in files.items():
-            digest.verify(os.path.join(ckpt, name), expected)
-        return True
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def raise_agreed(error: Optional[CheckpointError], grid: ProcessGrid) -> None:
-    """Collective: when any rank failed, every rank raises the first failing rank's error.
-    The search for the last good checkpoint runs on rank 0 alone (it hashes older
-    checkpoints); the others wait for its answer."""
-    report = None if error is None else (error.args[0], error.bad_checkpoint)
-    first = next((r for r in comm.all_gather_object(report, grid["world"]) if r), None)
-    if first is None:
-        return
-    message, bad = first
-    if bad:
-        message += comm.broadcast_object(last_good_hint(bad) if grid.rank == 0 else None, 0, grid["world"])
-    raise CheckpointError(message)
-
-
-def first_error(message: Optional[str], grid: ProcessGrid) -> Optional[str]:
-    """Share the first rank's error message with all ranks (None when every rank is fine).
-
-    Under NCCL, all_gather_object pickles through a CUDA tensor on the current device, so
-    each rank's device must be set first (ProcessGrid.create does it); otherwise every rank
-    would use cuda:0."""
-    messages: list[Any] = comm.all_gather_object(message, grid["world"])
-    return next((m for m in messages if m), None)
+def open_sharded(ckpt: str, kind: str) -> Checkpoint:
+    """A save directory's checkpoint (`kind` says how it was named) as a Checkpoint."""
+    reader = ShardedReader(ckpt)
+    shapes = {n: reader.full_shape(n) for n in reader.names()}
+    return Checkpoint(ckpt, kind, reader.model_config, reader.config.data.tokenizer, reader.iteration, shapes,
+                      reader.tensors, training=reader, adapters=lora_adapters(reader.meta["config"].get("finetune"),
+                                                                              reader.full))

@@ -35,6 +35,7 @@ import numpy as np
 from megazero.atomic import atomic_write, write_text
 from megazero.data import DataError
 from megazero.data.indexed import IndexedDataset, index_path, loss_mask_prefix, read_metadata
+from megazero.data.tokenizer import build_tokenizer
 
 # Bump when the index algorithm changes, so stale caches are never reused.
 _INDEX_VERSION = 1
@@ -493,8 +494,6 @@ def check_compatibility(prefixes: Sequence[Any] | None, tokenizer_spec: str | No
     """
     tokenizer = None
     if tokenizer_spec:
-        from megazero.data.tokenizer import build_tokenizer
-
         tokenizer = build_tokenizer(tokenizer_spec)
         if tokenizer.vocab_size > model_vocab_size:
             raise DataError(

@@ -24,9 +24,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from megazero.checkpoint.export import fit_vocab
-from megazero.checkpoint.load import Checkpoint
-from megazero.checkpoint.sharded import CheckpointError
+from megazero.checkpoint.base import Checkpoint, CheckpointError
+from megazero.checkpoint.tensors import fit_vocab
 from megazero.inference.store import BlockLayout, HostStore, NvmeStore
 from megazero.model.gpt import GPT
 from megazero.zero.materialize import replace_meta_parameters

@@ -152,7 +152,7 @@ class GPT(nn.Module):
     """One stage (or model chunk) of GPT-2: blocks `layers`, plus the embedding when
     `pre_process` and the final norm and tied head when `post_process`. Built whole (tp = 1);
     tensor parallelism splits its TP layers afterwards, from outside (each module's
-    `apply_tp`, called by megazero.train.parallelize.apply_tensor_parallel)."""
+    `apply_tp`, called by `apply_tensor_parallel` below)."""
 
     def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker] = None,
                  layers: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True):
@@ -310,6 +310,16 @@ class GPT(nn.Module):
             # The head matmul runs in GPT.forward itself, after ln_f: the unit ends with the chunk.
             out.append(Unit(t.ln_f, self, [self], _named(t.ln_f, "transformer.ln_f"), True))
         return out
+
+
+def apply_tensor_parallel(model: GPT, tp: Group) -> GPT:
+    """Split `model` over the TP group, in place (a no-op at tp = 1); returns it. Values a
+    materialized model holds are kept: each rank keeps its shard of them."""
+    if tp.size > 1:
+        for module in list(model.modules()):
+            if hasattr(module, "apply_tp"):
+                module.apply_tp(tp)
+    return model
 
 
 class Unit(NamedTuple):

@@ -44,10 +44,12 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple, Optional, Protocol
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
+
+from megazero.errors import UserError
 
 
 @dataclass(eq=False)
@@ -462,3 +464,25 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
 def leave_tp(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
     """A TP region's partial output summed: everywhere (g) or each rank its sequence slice."""
     return reduce_scatter_to_sequence(x, group) if sequence_parallel else reduce_from_tp(x, group)
+
+
+def agreed(fn: Callable[[], Any], group: Group, catch: tuple[type[Exception], ...] = (UserError,),
+           error: Optional[Callable[[int, Any], Exception]] = None, report: Callable[[Exception], Any] = str,
+           gather: bool = False) -> Any:
+    """Collective: fn() on every member, then every member learns whether all could, so that a
+    failure on one (a full disk, a corrupt file) stops them all at the same point instead of
+    leaving the others waiting in their next collective: every member raises error(index,
+    report(e)) of the first member where fn raised one of `catch` (default: UserError "rank
+    INDEX: MESSAGE"; `error` runs on every member, and may be collective). Returns fn()'s
+    result, or with `gather` every member's in group order (small picklable values only)."""
+    failure, result = None, None
+    try:
+        result = fn()
+    except catch as e:
+        failure = (report(e),)
+    outcomes = all_gather_object((failure, result if gather else None), group)
+    failed = [(i, f[0]) for i, (f, _) in enumerate(outcomes) if f is not None]
+    if failed:
+        index, message = failed[0]
+        raise error(index, message) if error else UserError(f"rank {index}: {message}")
+    return [r for _, r in outcomes] if gather else result

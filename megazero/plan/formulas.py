@@ -18,6 +18,7 @@ from typing import Iterable
 
 from megazero.config import ModelConfig
 from megazero.parallel.comm import all_gather_volume, all_reduce_volume, reduce_scatter_volume
+from megazero.pipeline.schedules import ORDERS, message_target
 
 GiB = 2 ** 30
 
@@ -290,7 +291,6 @@ def simulated_bubble(pp: int, vpp: int, m: int, schedule: str) -> float:
     runs its next action as soon as its input exists, a chunk's forward taking 1 / v and its
     backward 2 / v time units (zbh1: B and W 1 each), transfers free (the check on
     `pipeline_bubble`)."""
-    from megazero.pipeline.schedules import ORDERS, message_target
     orders = {r: ORDERS[schedule](pp, vpp, r, m) for r in range(pp)}
     split = any(a.weight for a in orders[0])
     feeder_of = {message_target(a, pp, vpp, r): (r, a) for r in range(pp) for a in orders[r]}

@@ -1,8 +1,8 @@
 """What one rank of a layout holds, read off the real model rather than re-derived.
 
 The rank's model chunks are built on the meta device exactly as training builds them
-(pipeline split, then the TP split), and grouped into buckets by the ZeRO optimizer's own
-grouping (`bucket_groups` at stages 0-2, stage 3's fetch units); so the planner's Ψ is the
+(pipeline split, then the TP split), and grouped into buckets by ZeRO's own grouping
+(`bucket_groups` at stages 0-2, stage 3's fetch units); so the planner's Ψ is the
 optimizer's to the element, alignment padding included, with no second description of
 GPT-2's parameters.
 """
@@ -17,13 +17,11 @@ from typing import Optional
 import torch
 
 from megazero.config import ModelConfig
-from megazero.model.gpt import GPT
+from megazero.model.gpt import GPT, apply_tensor_parallel
 from megazero.parallel.comm import Group
 from megazero.pipeline.stages import stage_layers
 from megazero.plan.formulas import Chunk
-from megazero.train.parallelize import apply_tensor_parallel
-from megazero.zero.optimizer import bucket_groups
-from megazero.zero.partition import bucket_numel
+from megazero.zero.partition import bucket_groups, bucket_numel
 from megazero.zero.stage3 import fetch_units
 
 

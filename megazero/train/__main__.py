@@ -12,6 +12,7 @@ import sys
 from typing import Optional
 
 from megazero.config import Config, ConfigError, build_config, load_yaml, reference, validate
+from megazero.deepspeed_config import load_deepspeed_config
 from megazero.errors import report_errors
 from megazero.train import lifecycle
 
@@ -51,7 +52,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def train(cfg: Config) -> None:
-    import torch.distributed as dist
+    import torch.distributed as dist  # here, not at the top: --help and --validate-only need no torch
 
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
@@ -93,7 +94,6 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     cfg = build_config(file_data, overrides)
     if deepspeed:
-        from megazero.deepspeed_config import load_deepspeed_config
         imported = load_deepspeed_config(deepspeed, cfg, world_size)
         merged = {s: {**file_data.get(s, {}), **imported.sections.get(s, {})} for s in {*file_data, *imported.sections}}
         cfg = build_config(merged, overrides)

@@ -38,11 +38,11 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megazero.checkpoint.sharded import holds_checkpoint
+from megazero.checkpoint.hf import HFInitialValues
+from megazero.checkpoint.resume import HF, starting_point
 from megazero.config import Config
-from megazero.model.gpt import GPT
+from megazero.model.gpt import GPT, apply_tensor_parallel
 from megazero.model.lora import apply_lora, initial_adapter, is_adapter
-from megazero.parallel.comm import Group
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import RNGTracker, recompute_rng_context
 from megazero.pipeline.stages import build_model_chunks
@@ -60,11 +60,8 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
         if cfg.train.compile:
             apply_compile(chunk)
         apply_recompute(chunk, cfg.train.recompute, tracker, eager=cfg.train.compile)
-    # A resume (checkpoint.load holding a checkpoint, also on a torchrun restart) replaces every
-    # value: no HF read then. An empty save directory is a fresh start, from the HF weights.
-    c = cfg.checkpoint
-    start_from_hf = c.init_from_hf and not (c.load and holds_checkpoint(c.load, c.iteration))
-    initial = hf_initial_values(cfg, grid) if start_from_hf else None
+    c = cfg.checkpoint  # a resume replaces every value: no HF read then (checkpoint/resume.py)
+    initial = hf_initial_values(cfg, grid) if starting_point(c.load, c.iteration, c.init_from_hf) == HF else None
     if cfg.finetune.lora_rank:
         initial = with_adapter_init(initial, chunks, cfg.train.seed, grid)
     return chunks, ZeroOptimizer(chunks, cfg, grid, initial)
@@ -86,19 +83,8 @@ def with_adapter_init(base: Optional[Initial], chunks: list[GPT], seed: int, gri
 def hf_initial_values(cfg: Config, grid: ProcessGrid) -> Initial:
     """checkpoint.init_from_hf: starting values read from HF GPT-2 weights, each rank
     reading only its TP shard of one parameter at a time."""
-    from megazero.checkpoint.hf import HFInitialValues
     hf = HFInitialValues(cfg.checkpoint.init_from_hf, cfg.model)
     return lambda chunk, name, p: hf.value(name, p, grid.tp_rank, grid.tp)
-
-
-def apply_tensor_parallel(model: GPT, tp: Group) -> GPT:
-    """Split `model` over the TP group, in place (a no-op at tp = 1); returns it. Values a
-    materialized model holds are kept: each rank keeps its shard of them."""
-    if tp.size > 1:
-        for module in list(model.modules()):
-            if hasattr(module, "apply_tp"):
-                module.apply_tp(tp)
-    return model
 
 
 def apply_compile(model: GPT) -> None:

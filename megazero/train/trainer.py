@@ -17,12 +17,16 @@ from typing import Optional
 import torch
 
 from megazero.atomic import write_text
-from megazero.checkpoint import sharded
 from megazero.checkpoint.adapter import save_adapter
+from megazero.checkpoint.base import CheckpointSaveError
 from megazero.checkpoint.gathered import save_model_16bit
-from megazero.checkpoint.universal import open_reader, reshard_optimizer_state
+from megazero.checkpoint.resume import RESUME, resume_state, starting_point
+from megazero.checkpoint.save import save_sharded
+from megazero.checkpoint.tensors import encode_rng
 from megazero.config import Config, describe
-from megazero.data.gpt_dataset import inputs_and_labels
+from megazero.data import DataError
+from megazero.data.gpt_dataset import build_train_valid_test_datasets, check_compatibility, inputs_and_labels
+from megazero.data.mock import MockGPTDataset
 from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
@@ -97,7 +101,7 @@ class Trainer:
         state is replicated over DP, so only DP rank 0 writes it."""
         owns_optimizer = self.cfg.zero.stage > 0 or self.grid.dp_rank == 0
         return {"optimizer": self.optimizer.state_dict() if owns_optimizer else None,
-                "rng": sharded.encode_rng(get_rng_states(self.tracker)),
+                "rng": encode_rng(get_rng_states(self.tracker)),
                 "iteration": self.iteration, "consumed_samples": self.consumed_samples,
                 "skipped_iters": self.skipped_iters, "lr_schedule": self.schedule.state_dict()}
 
@@ -121,9 +125,9 @@ class Trainer:
             return written
         wanted = c.save_model_16bit or self.cfg.finetune.lora_rank
         try:
-            path = sharded.save(c.save, self.iteration, self.rank_state, self.cfg, self.grid, c.keep_last,
+            path = save_sharded(c.save, self.iteration, self.rank_state, self.cfg, self.grid, c.keep_last,
                                 extra if wanted else None)
-        except sharded.CheckpointSaveError as e:  # every rank gets it: all stop, or all go on
+        except CheckpointSaveError as e:  # every rank gets it: all stop, or all go on
             if c.on_save_error == "stop" or last:
                 raise
             if self.is_logger:
@@ -134,24 +138,14 @@ class Trainer:
             print(f"saved checkpoint {path}", flush=True)
 
     def load_checkpoint(self, load_dir: str, iteration: int) -> None:
-        """Resume from `load_dir`: a save directory (its latest, or iter_{iteration}), an
-        iter_ directory, or a universal checkpoint. A checkpoint of another layout is
-        resharded on the fly. A save directory without a checkpoint yet is a fresh start.
-        Every rank fails together, with the same one-line message, on a bad checkpoint."""
-        universal = os.path.isfile(os.path.join(load_dir, "universal.json"))
-        if not sharded.holds_checkpoint(load_dir, iteration):
+        """Resume from `load_dir` (a save directory, iter_ directory or universal checkpoint;
+        another layout is resharded: checkpoint/resume.py). A save directory without a
+        checkpoint yet is a fresh start. On a bad checkpoint every rank fails alike."""
+        if starting_point(load_dir, iteration) != RESUME:
             if self.grid.rank == 0:
                 print(f"no checkpoint in {load_dir} yet: starting from scratch", flush=True)
             return
-        error, state = None, None
-        try:
-            ckpt = load_dir if universal else sharded.resolve(load_dir, iteration)
-            state = self._read_resume_state(ckpt, universal)
-        except sharded.CheckpointError as e:
-            error = e
-        except ValueError as e:
-            error = sharded.CheckpointError(str(e))
-        sharded.raise_agreed(error, self.grid)  # every rank stops together, with one message
+        ckpt, state = resume_state(load_dir, iteration, self.cfg, self.grid, self.optimizer.state_dict)
         self.optimizer.load_state_dict(state["optimizer"])
         self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
         self.skipped_iters = state["skipped_iters"]
@@ -159,7 +153,7 @@ class Trainer:
         saved_schedule = state.get("lr_schedule") or {**self.schedule.state_dict(), "steps": self.iteration}
         schedule_change = self.schedule.resume(saved_schedule, self.cfg.optim.override_schedule)
         if "rng" in state:
-            set_rng_states(sharded.decode_rng(state["rng"]), self.tracker)
+            set_rng_states(state["rng"], self.tracker)
         else:  # RNG streams do not map across layouts: reseed them from (seed, iteration)
             seed_everything(self.cfg.train.seed + self.iteration, self.grid.pp_rank, self.grid.tp_rank,
                             self.grid.device, self.tracker)
@@ -168,22 +162,6 @@ class Trainer:
             print(f"resumed from {ckpt} at iteration {self.iteration}{how}", flush=True)
             if schedule_change:
                 print(schedule_change, flush=True)
-
-    def _read_resume_state(self, ckpt: str, universal: bool) -> dict:
-        if not universal:
-            meta = sharded.read_metadata(ckpt)
-            sharded.check_model(meta, self.cfg, ckpt)
-            if meta["layout"] == sharded.layout_of(self.cfg, self.grid):
-                state = sharded.load_rank_state(ckpt, meta, self.grid)
-                if state["optimizer"] is None:  # stage 0: DP rank 0 holds the replicated optimizer state
-                    c = self.grid.coords()
-                    peer = self.grid.rank_of(c.tp, 0, c.pp)
-                    state["optimizer"] = sharded.load_rank_state(ckpt, meta, self.grid, rank=peer)["optimizer"]
-                return state
-        reader = open_reader(ckpt)
-        sharded.check_model(reader.meta, self.cfg, ckpt)
-        optimizer = reshard_optimizer_state(reader, self.optimizer.state_dict(), self.grid.tp_rank, self.grid.tp)
-        return {**reader.trainer_state(), "optimizer": optimizer}
 
     # ------------------------------------------------------------------ data
 
@@ -372,11 +350,8 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
     needed = (t.iters + 1) * t.global_batch_size
     eval_needed = max(1, t.eval_iters) * t.global_batch_size
     if cfg.data.mock:
-        from megazero.data.mock import MockGPTDataset
         return (MockGPTDataset(needed, m.seq_length, m.vocab_size, t.seed),
                 MockGPTDataset(eval_needed, m.seq_length, m.vocab_size, t.seed + 1))
-    from megazero.data import DataError
-    from megazero.data.gpt_dataset import build_train_valid_test_datasets, check_compatibility
     check_compatibility(cfg.data.prefix, cfg.data.tokenizer, m.vocab_size)
 
     def build(is_builder: bool):
@@ -387,17 +362,9 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
 
     # One rank builds and caches the sample indices; the others load them. A failure on the
     # builder reaches every rank (instead of leaving them waiting at a barrier).
-    error = None
-    if grid.rank == 0:
-        try:
-            train, valid, _ = build(True)
-        except DataError as e:
-            error = str(e)
-    error = sharded.first_error(error, grid)
-    if error:
-        raise DataError(error)
-    if grid.rank != 0:
-        train, valid, _ = build(False)
+    built = comm.agreed(lambda: build(True) if grid.rank == 0 else None, grid["world"], (DataError,),
+                        lambda rank, message: DataError(message))
+    train, valid, _ = built if grid.rank == 0 else build(False)
     return train, valid
 
 

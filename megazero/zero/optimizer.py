@@ -58,7 +58,6 @@ import torch
 from torch import nn
 
 from megazero.config import Config
-from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostStaging
@@ -72,6 +71,7 @@ from megazero.zero.partition import (
     Bucket,
     Layout,
     Slot,
+    bucket_groups,
     build_layout,
     split_frozen,
     sub_groups,
@@ -80,7 +80,7 @@ from megazero.zero.partition import (
 from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
 from megazero.zero.sequence_parallel import SequenceParallelGrads
 from megazero.zero.shard_home import MemoryShard, NvmeShard, ShardHome
-from megazero.zero.stage3 import Named, ParamGatherer, fetch_units
+from megazero.zero.stage3 import ParamGatherer, fetch_units
 from megazero.zero.state import MemoryStore, NvmeStore
 
 
@@ -111,31 +111,6 @@ class ShardableModel(Protocol):
 
     def initial_value(self, name: str, seed: int) -> torch.Tensor:
         """A parameter's starting value on this TP rank (materializes meta-device models)."""
-
-
-def bucket_groups(chunks: list[nn.Module], bucket_size: int) -> list[tuple[int, Named]]:
-    """Stages 0-2: parameters in reverse execution order (the order gradients become ready),
-    cut into buckets of about `bucket_size` elements that never span two model chunks (each
-    chunk's last backward comes at its own time). The tied embedding weight gets a bucket of
-    its own, so the first and last stages partition it identically and can sum its shards."""
-    groups: list[tuple[int, Named]] = []
-    for ci in reversed(range(len(chunks))):
-        tied = chunks[ci].tied_weight()
-        named = list(chunks[ci].named_parameters())
-        groups += [(ci, [(n, p)]) for n, p in named if p is tied]
-        current: Named = []
-        size = 0
-        for n, p in reversed(named):
-            if p is tied:
-                continue
-            if current and size + p.numel() > bucket_size:
-                groups.append((ci, current))
-                current, size = [], 0
-            current.append((n, p))
-            size += p.numel()
-        if current:
-            groups.append((ci, current))
-    return groups
 
 
 class ZeroOptimizer:
@@ -235,19 +210,6 @@ class ZeroOptimizer:
             return self.chunks[b.chunk].initial_value(s.name, self.cfg.train.seed).reshape(-1)
         return s.param.detach().reshape(-1)
 
-    def _agreed(self, build: Callable[[], object]) -> object:
-        """`build()` on every rank, each learning whether every rank could (a full disk on one
-        node must not leave the others waiting in the first collective)."""
-        result, error = None, ""
-        try:
-            result = build()
-        except UserError as e:
-            error = f"rank {self.grid.rank}: {e}"
-        errors = [e for e in comm.all_gather_object(error, self.grid["world"]) if e]
-        if errors:
-            raise UserError(errors[0])
-        return result
-
     def _state_store(self) -> MemoryStore | NvmeStore:
         """Master weights and moments (of the trainable buckets) where zero.offload_optimizer puts them."""
         z, n = self.cfg.zero, self.layout.trainable_numel
@@ -260,7 +222,7 @@ class ZeroOptimizer:
             if z.offload_optimizer == "cpu":
                 return MemoryStore(n, torch.device("cpu"), separate_master=True, pin=z.pin_memory)
             return NvmeStore(n, self.groups, z.nvme_path, z.buffer_count, z.pin_memory)
-        return self._agreed(build)
+        return comm.agreed(build, self.grid["world"])  # a full disk on one node stops every rank
 
     def _shard_home(self) -> ShardHome:
         """Where the stage-3 parameter shard lives: zero.offload_param."""
@@ -272,7 +234,7 @@ class ZeroOptimizer:
             if z.offload_param == "cpu":
                 return MemoryShard(n, self.dtype, torch.device("cpu"), pin=z.pin_memory)
             return NvmeShard(self.layout, self.dtype, z.nvme_path, z.pin_memory)
-        return self._agreed(build)
+        return comm.agreed(build, self.grid["world"])  # a full disk on one node stops every rank
 
     def _write_master(self, offset: int, values: torch.Tensor) -> None:
         if offset < self.layout.trainable_numel:  # frozen buckets have no master weights

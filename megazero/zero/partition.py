@@ -183,6 +183,31 @@ def bucket_numel(numels: list[int], shards: int) -> int:
     return _round_up(max(offset, 1), ALIGN * shards)
 
 
+def bucket_groups(chunks: list[nn.Module], bucket_size: int) -> list[tuple[int, Named]]:
+    """Stages 0-2: parameters in reverse execution order (the order gradients become ready),
+    cut into buckets of about `bucket_size` elements that never span two model chunks (each
+    chunk's last backward comes at its own time). The tied embedding weight gets a bucket of
+    its own, so the first and last stages partition it identically and can sum its shards."""
+    groups: list[tuple[int, Named]] = []
+    for ci in reversed(range(len(chunks))):
+        tied = chunks[ci].tied_weight()
+        named = list(chunks[ci].named_parameters())
+        groups += [(ci, [(n, p)]) for n, p in named if p is tied]
+        current: Named = []
+        size = 0
+        for n, p in reversed(named):
+            if p is tied:
+                continue
+            if current and size + p.numel() > bucket_size:
+                groups.append((ci, current))
+                current, size = [], 0
+            current.append((n, p))
+            size += p.numel()
+        if current:
+            groups.append((ci, current))
+    return groups
+
+
 def split_frozen(groups: list[tuple[int, Named]]) -> list[tuple[int, Named]]:
     """Each group cut into its trainable and its frozen parameters (a bucket holds one kind)."""
     out = []

@@ -1,0 +1,109 @@
+"""What a run starts from, decided here for train/parallelize (which values ZeRO
+materializes) and the trainer (which state it loads):
+
+    fresh   nothing to resume (an empty save directory too): the model's own init
+    hf      checkpoint.init_from_hf and nothing to resume: each rank reads its TP shards
+    resume  checkpoint.load holds a checkpoint (its `latest`, iter_{checkpoint.iteration}, or a
+            universal checkpoint; also on a torchrun restart): it replaces every value
+
+At the checkpoint's own layout each rank reads its own file (bitwise; at ZeRO-0 the
+replicated optimizer state is in DP rank 0's file alone). Any other layout, or a universal
+checkpoint, is resharded: each rank asks the checkpoint's reader (load.open_checkpoint) for
+one full fp32 tensor at a time (master weights, then each Adam moment) and keeps its new TP
+shard's pieces that its new DP partition owns, never holding more than about one full
+parameter beyond its own shards; the trainer then reseeds the RNG streams.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Protocol
+
+import torch
+
+from megazero.checkpoint.base import KINDS, LATEST, CheckpointError, last_good_hint
+from megazero.checkpoint.load import open_checkpoint
+from megazero.checkpoint.save import layout_of
+from megazero.checkpoint.sharded import check_model, load_rank_state, read_metadata, resolve
+from megazero.checkpoint.tensors import decode_rng, fit_vocab
+from megazero.config import Config
+from megazero.model.layers import shard_of
+from megazero.parallel import comm
+from megazero.parallel.grid import ProcessGrid
+
+FRESH, HF, RESUME = "fresh", "hf", "resume"
+
+
+def starting_point(load: str, iteration: int = 0, init_from_hf: str = "") -> str:
+    """FRESH, HF or RESUME (see above), from the files alone: every rank decides alike."""
+    if load and (iteration or any(os.path.isfile(os.path.join(load, n)) for n in ("universal.json", LATEST))):
+        return RESUME
+    return HF if init_from_hf else FRESH
+
+
+def resume_state(load: str, iteration: int, cfg: Config, grid: ProcessGrid,
+                 template: Callable[[], dict]) -> tuple[str, dict]:
+    """Collective: the checkpoint a RESUME reads and this rank's state from it: its optimizer
+    state in this layout (`template()`, the fresh optimizer's state_dict, supplies the
+    partition map and keys when resharding), loop position, LR schedule and, at the same
+    layout, RNG streams. A bad checkpoint raises the same CheckpointError on every rank."""
+    def read() -> tuple[str, dict]:
+        universal = os.path.isfile(os.path.join(load, "universal.json"))
+        ckpt = load if universal else resolve(load, iteration)
+        if not universal:
+            meta = read_metadata(ckpt)
+            check_model(meta, cfg, ckpt)
+            if meta["layout"] == layout_of(cfg, grid):
+                return ckpt, _own_files(ckpt, meta, grid)
+        reader = open_checkpoint(ckpt).training
+        check_model(reader.meta, cfg, ckpt)
+        return ckpt, {**reader.trainer_state(),
+                      "optimizer": reshard_optimizer_state(reader, template(), grid.tp_rank, grid.tp)}
+
+    def error(rank: int, report: tuple[str, str | None]) -> CheckpointError:
+        message, bad = report  # the search for the last good checkpoint hashes older ones: rank 0 alone runs it
+        if bad:
+            message += comm.broadcast_object(last_good_hint(bad) if grid.rank == 0 else None, 0, grid["world"])
+        return CheckpointError(message)
+    return comm.agreed(read, grid["world"], (CheckpointError, ValueError), error,
+                       lambda e: (e.args[0], e.bad_checkpoint) if isinstance(e, CheckpointError) else (str(e), None))
+
+
+def _own_files(ckpt: str, meta: dict, grid: ProcessGrid) -> dict:
+    """This rank's state at the checkpoint's own layout."""
+    state = load_rank_state(ckpt, meta, grid)
+    if state["optimizer"] is None:  # ZeRO-0: DP rank 0 holds the replicated optimizer state
+        c = grid.coords()
+        state["optimizer"] = load_rank_state(ckpt, meta, grid, rank=grid.rank_of(c.tp, 0, c.pp))["optimizer"]
+    return {**state, "rng": decode_rng(state["rng"])}
+
+
+class FullTensorReader(Protocol):  # sharded.ShardedReader, universal.UniversalReader
+    def full(self, name: str, kind: str = "master") -> torch.Tensor: ...
+
+    def trainer_state(self) -> dict: ...
+
+
+def reshard_optimizer_state(reader: FullTensorReader, template: dict, tp_rank: int, tp_size: int) -> dict:
+    """This rank's optimizer state_dict in its new layout (`template` is the fresh optimizer's
+    own state_dict: it supplies the partition map and the keys). The flat shards are built
+    in host memory, whatever the run's device: the optimizer's load_state_dict copies each
+    to the device once, so resharding needs no device memory beyond the optimizer's own."""
+    partition = template["partition"]
+    dp_rank = template["dp_rank"]
+    # Frozen parameters (LoRA's base) sit after the trainable prefix and have master values only.
+    flats = {k: torch.zeros(partition["shard_numel" if k == "master" else "trainable_numel"], dtype=torch.float32)
+             for k in KINDS}
+    for name, entry in partition["params"].items():
+        mine = [p for p in entry["shards"] if p["rank"] == dp_rank]
+        if not mine:
+            continue
+        for kind in KINDS if entry["trainable"] else ("master",):
+            full = fit_vocab(name, reader.full(name, kind), tuple(entry["full_shape"]))
+            local = shard_of(full, entry["tp_dim"], entry["tp_stride"], tp_rank, tp_size).reshape(-1)
+            for p in mine:
+                flats[kind][p["offset"]: p["offset"] + p["length"]] = \
+                    local[p["param_offset"]: p["param_offset"] + p["length"]]
+            del full, local
+    state = reader.trainer_state()
+    return {**template, **flats, "step": state["step"], "loss_scaler": state["loss_scaler"]}

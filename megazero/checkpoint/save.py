@@ -1,0 +1,112 @@
+"""Saving a sharded checkpoint during training: every rank writes only what it owns,
+atomically, and resume is exact (the directory's layout: sharded.py).
+
+A save goes to `iter_NNNNNNN.tmp/`; after every rank has written and fsynced its file
+(hashed as it is written), rank 0 writes metadata.json, renames the directory into place
+(an existing one of the same iteration is renamed aside first, see atomic.commit_dir) and
+then `latest`, fsyncing the directory after each rename. A crash or kill at any point
+leaves `latest` naming a complete checkpoint. A failed write on any rank (disk full, no
+permission) is agreed on by all ranks (comm.agreed): the save is abandoned, the previous
+checkpoint and `latest` stay as they were, every rank raises the same CheckpointSaveError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any, Callable, Optional
+
+import torch
+
+from megazero.atomic import TMP_SUFFIX, atomic_write, commit_dir, prepare_dir, remove_dir, write_bytes
+from megazero.checkpoint import digest
+from megazero.checkpoint.base import (
+    FORMAT_VERSION,
+    LATEST,
+    CheckpointSaveError,
+    complete_checkpoints,
+    iter_dir_name,
+    rank_file_name,
+)
+from megazero.config import Config
+from megazero.parallel import comm
+from megazero.parallel.grid import ProcessGrid
+
+
+def save_sharded(save_dir: str, iteration: int, rank_state: dict | Callable[[], dict], cfg: Config, grid: ProcessGrid,
+         keep_last: int = 0, extra: Optional[Callable[[str], list[str]]] = None) -> str:
+    """Collective: every rank writes its state; rank 0 seals the checkpoint. Returns its path.
+    `extra(directory)`, when given, is a collective writing more files (their paths relative
+    to the directory are its return value) into the checkpoint before it is sealed. Raises CheckpointSaveError on
+    every rank when any rank's write failed (nothing of the new checkpoint is kept)."""
+    final = os.path.join(save_dir, iter_dir_name(iteration))
+
+    def step(fn: Callable[[], Any]) -> list[Any]:  # fn() on every rank; a failed write on any stops all here
+        return comm.agreed(fn, grid["world"], (OSError,), lambda rank, e: _abandoned(final, iteration, rank, e, grid),
+                           gather=True)
+    step(lambda: prepare_dir(final) if grid.rank == 0 else None)
+    tmp = final + TMP_SUFFIX
+    c = grid.coords()
+    name = rank_file_name(c.tp, c.pp, c.dp)
+    # Built inside the step when given as a callable: assembling state can fail on one rank
+    # (scratch space for NVMe-swapped state) and must stop every rank alike.
+    entries = step(lambda: _write_rank_file(os.path.join(tmp, name),
+                                            rank_state() if callable(rank_state) else rank_state))
+    files = {rank_file_name(c.tp, c.pp, c.dp): e for c, e in zip(map(grid.coords, range(grid.world_size)), entries)}
+    if extra is not None:
+        def write_extra() -> dict[str, Optional[dict]]:
+            written = extra(tmp)  # rank 0 writes them (by offsets: hashed once complete)
+            return {n: digest.file_entry(os.path.join(tmp, n)) if grid.rank == 0 else None for n in written}
+        files.update(step(write_extra)[0])
+    meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
+            "layout": layout_of(cfg, grid), "config": cfg.to_dict(), "files": files}
+    step(lambda: _seal(save_dir, final, meta, keep_last) if grid.rank == 0 else None)
+    return final
+
+
+def _write_rank_file(path: str, rank_state: dict) -> dict:
+    with atomic_write(path) as f:
+        writer = digest.HashingWriter(f)
+        try:
+            torch.save(rank_state, writer)
+        except RuntimeError:
+            if writer.error is not None:  # the disk's own error (full, too large), not torch's wrapper
+                raise writer.error from None
+            raise
+    return writer.entry()
+
+
+def _seal(save_dir: str, final: str, meta: dict, keep_last: int) -> None:
+    """Rank 0: metadata, the directory renamed into place, then `latest` (each fsynced)."""
+    write_bytes(os.path.join(final + TMP_SUFFIX, "metadata.json"), json.dumps(meta, indent=1).encode())
+    commit_dir(final)
+    write_bytes(os.path.join(save_dir, LATEST), os.path.basename(final).encode())
+    prune(save_dir, keep_last)
+
+
+def _abandoned(final: str, iteration: int, rank: int, error: str, grid: ProcessGrid) -> CheckpointSaveError:
+    """Remove the partial checkpoint (every rank returns once it is gone); the error to raise."""
+    if grid.rank == 0:
+        shutil.rmtree(final + TMP_SUFFIX, ignore_errors=True)
+    comm.barrier(grid["world"])
+    return CheckpointSaveError(
+        f"saving iteration {iteration} to {os.path.dirname(final)} failed on rank {rank}: {error}; "
+        f"the previous checkpoint and '{LATEST}' are untouched; free disk space or fix the directory "
+        f"(checkpoint.save) and resume with --checkpoint.load")
+
+
+def layout_of(cfg: Config, grid: ProcessGrid) -> dict:
+    return {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "vpp": cfg.parallel.vpp,
+            "pp_layers": cfg.parallel.pp_layers, "zero_stage": cfg.zero.stage, "precision": cfg.train.precision}
+
+
+def prune(save_dir: str, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints (0: none) and the leftovers of
+    saves or deletions a crash interrupted (rank 0, between saves)."""
+    for name in complete_checkpoints(save_dir)[:-keep_last] if keep_last else []:
+        remove_dir(os.path.join(save_dir, name))
+    for name in os.listdir(save_dir):
+        if re.match(r"iter_\d{7}\.(tmp|del)$", name):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
