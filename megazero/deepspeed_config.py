@@ -71,6 +71,12 @@ FIXED = {
     "zero_allow_untested_optimizer": None,
 }
 
+# Keys read by the importer's own code (beside SIMPLE and FIXED): with those, what a typo is checked against.
+HANDLED = ("gradient_accumulation_steps", "bf16.enabled", "bfloat16.enabled", "fp16.enabled", "fp16.initial_scale_power",
+           "optimizer.type", "optimizer.params.betas", "scheduler.type", "scheduler.params.total_num_steps",
+           "scheduler.params.last_batch_iteration", "zero_optimization.allgather_bucket_size",
+           "zero_optimization.stage3_prefetch_bucket_size")
+
 ADAM_TYPES = ("adam", "adamw", "fusedadam", "cpuadam")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 # DeepSpeed's defaults for the scheduler parameters a config leaves out.
@@ -154,6 +160,11 @@ class _Importer:
         self.result.sections[section][key] = value
 
     def unsupported(self, path: str, value: Any) -> None:
+        """List a key the user wrote as ignored, unless it is one edit away from a key megazero
+        reads (a typo such as zero_optimisation would otherwise run with DeepSpeed's defaults)."""
+        typo = misspelt(path)
+        if typo is not None:
+            raise ConfigError(f"DeepSpeed key {path} is unknown; did you mean {typo}?")
         shown = "{...}" if isinstance(value, dict) else show_value(value)
         self.result.unsupported.append(f"{path} ({shown})")
 
@@ -215,11 +226,12 @@ class _Importer:
         if kind not in SCHEDULERS:
             raise ConfigError(f"DeepSpeed scheduler.type ({kind}) is not supported; use one of "
                               f"{', '.join(SCHEDULERS)} or leave the scheduler to optim.* keys")
-        params = {**SCHEDULER_DEFAULTS, **section.get("params", {})}
+        written = section.get("params", {})
+        params = {**SCHEDULER_DEFAULTS, **written}
         known = {"warmup_num_steps", "warmup_type", "total_num_steps", "last_batch_iteration"}
         self.set("optim.warmup_iters", params["warmup_num_steps"], "scheduler.params.warmup_num_steps")
-        if params["warmup_type"] != "linear":
-            self.unsupported("scheduler.params.warmup_type", params["warmup_type"])  # megazero warms up linearly
+        if written.get("warmup_type", "linear") != "linear":  # megazero warms up linearly; defaults are not listed
+            self.unsupported("scheduler.params.warmup_type", written["warmup_type"])
         if kind == "WarmupCosineLR":
             known |= {"warmup_min_ratio", "cos_min_ratio"}
             lr = self.result.sections.get("optim", {}).get("lr", self.base.optim.lr)
@@ -262,6 +274,34 @@ class _Importer:
             raise ConfigError(f"DeepSpeed train_batch_size ({total}) must equal train_micro_batch_size_per_gpu x "
                               f"gradient_accumulation_steps x dp ({micro} x {accumulation} x {self.dp} = "
                               f"{micro * accumulation * self.dp}); fix one of them")
+
+
+def misspelt(path: str) -> Optional[str]:
+    """The known DeepSpeed key `path` is one edit away from (a letter added, dropped, changed or
+    two swapped in one of its parts), or None: the first part of `path` no known key has at
+    that place is compared with the parts known keys have there."""
+    known = [k.split(".") for k in (*SIMPLE, *FIXED, *HANDLED, *(f"scheduler.params.{p}" for p in SCHEDULER_DEFAULTS))]
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        here = {k[i] for k in known if len(k) > i and k[:i] == parts[:i]}
+        if part in here:
+            continue
+        near = sorted(c for c in here if _one_edit(part, c))
+        return ".".join(parts[:i] + near[:1] + parts[i + 1:]) if near else None
+    return None
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """Whether a and b differ by exactly one insertion, deletion, substitution or swap of neighbours."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+                                  and a[diff[1]] == b[diff[0]])
+    short, long = sorted((a, b), key=len)
+    i = next((i for i in range(len(short)) if short[i] != long[i]), len(short))
+    return short[i:] == long[i + 1:]
 
 
 def _enabled(section: Any) -> bool:

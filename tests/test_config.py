@@ -328,7 +328,27 @@ def test_deepspeed_fp16_scheduler_defaults_and_auto(tmp_path, capsys):
     assert (o.lr, o.min_lr, o.warmup_iters, o.decay_iters, o.decay_style) == (2e-3, 0.0, 1000, 50, "linear")
     assert o.eps == 1e-8  # "auto": megazero's value
     err = capsys.readouterr().err
-    assert "fp16.consecutive_hysteresis (true), scheduler.params.warmup_type (log)" in err
+    # Only keys the config wrote are listed: not DeepSpeed's default warmup_type (log) it left out.
+    assert "fp16.consecutive_hysteresis (true)" in err and "warmup_type" not in err
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"zero_optimisation": {"stage": 3}}, "DeepSpeed key zero_optimisation.stage is unknown; did you mean "
+                                          "zero_optimization.stage?"),
+    ({"train_batch_sise": 32}, "DeepSpeed key train_batch_sise is unknown; did you mean train_batch_size?"),
+    ({"fp16": {"enabled": False, "loss_scale_windw": 100}}, None),  # a disabled section is not read at all
+    ({"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"wieght_decay": 0.1}}},
+     "DeepSpeed key optimizer.params.wieght_decay is unknown; did you mean optimizer.params.weight_decay?"),
+])
+def test_deepspeed_typos_are_errors_with_the_key_meant(tmp_path, change, message):
+    """A key one edit away from one megazero reads is a typo, not an unsupported DeepSpeed key:
+    ignoring it would run with defaults (ZeRO-0 for a misspelt zero_optimization)."""
+    if message is None:
+        _load(tmp_path, {**DS_ZERO3_BF16, **change})
+        return
+    with pytest.raises(ConfigError) as err:
+        _load(tmp_path, {**DS_ZERO3_BF16, **change})
+    assert str(err.value) == message
 
 
 def test_json_config_is_read_as_deepspeed(tmp_path):
