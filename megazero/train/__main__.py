@@ -41,6 +41,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
             raise ConfigError("logging.wandb is true but wandb is not installed; "
                               "pip install -e '.[wandb]' or pass --logging.wandb false")
+        lifecycle.refuse_missing_load(cfg)
     if args.validate_only:
         print(f"config OK for {args.world_size} process(es)")
         return
