@@ -32,3 +32,22 @@ def test_a_load_path_that_names_nothing_is_refused_with_the_nearest_checkpoints(
 def test_load_equal_to_save_may_be_empty_the_scripts_resume_if_present_pattern(tmp_path):
     proc = _train(["--checkpoint.load", "runs/new", "--checkpoint.save", "runs/new", "--validate-only"], str(tmp_path))
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_deterministic_error_is_not_retried_by_torchrun(tmp_path):
+    """Under `torchrun --max-restarts 3` a config/checkpoint error ends the job in its first
+    attempt's time: the restarted attempts exit at once, silently (the line was printed)."""
+    import time
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from distributed import free_port
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=3",
+           f"--master_port={free_port()}", "-m", "megazero.train", "--config", os.path.join(ROOT, "configs/gpt2-tiny.yaml"),
+           "--checkpoint.load", "runs/nonexist", "--checkpoint.save", "runs/new"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    tic = time.monotonic()
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1 and "checkpoint.load 'runs/nonexist'" in errors[0], proc.stderr
+    assert "torchrun restart" not in proc.stdout + proc.stderr
+    assert time.monotonic() - tic < 120

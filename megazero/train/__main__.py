@@ -13,11 +13,12 @@ from typing import Optional
 
 from megazero.config import Config, ConfigError, build_config, load_yaml, reference, validate
 from megazero.deepspeed_config import load_deepspeed_config
-from megazero.errors import report_errors
+from megazero.errors import exit_if_failed_before, report_errors
 from megazero.train import lifecycle
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    exit_if_failed_before()  # a restart after a config/data/checkpoint error would meet it again
     parser = argparse.ArgumentParser(
         prog="megazero-train", description=__doc__, allow_abbrev=False, formatter_class=argparse.RawTextHelpFormatter,
         epilog="config keys: override any as --section.key value or --section.key=value;\n"
