@@ -76,4 +76,10 @@ echo "== fine-tuning: $NPROC processes, tp $TP x pp $PP, ZeRO-$ZERO_STAGE, from 
 torchrun --nproc_per_node "$NPROC" --max-restarts "${RESTARTS:-3}" --rdzv-backend c10d \
   --rdzv-endpoint "127.0.0.1:${MASTER_PORT:-29500}" --rdzv-id megazero-finetune -m megazero.train "${train_args[@]}"
 
-echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: $(cat "$RUN_DIR/checkpoints/latest"))"
+latest="$RUN_DIR/checkpoints/$(cat "$RUN_DIR/checkpoints/latest")"
+echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: ${latest##*/})"
+if [[ -d $latest/adapter ]]; then  # LoRA: the adapters alone, for PEFT on $HF_DIR
+  echo "   LoRA adapters (PEFT): $latest/adapter  (base model: $HF_DIR)"
+  echo "   merge them into a plain GPT-2: python -m megazero.convert --load $latest --to hf --merge-lora --output $RUN_DIR/merged_hf"
+fi
+echo "   generate: python -m megazero.generate --load $latest --prompt 'Question: ...' --max-new-tokens 40"
