@@ -51,3 +51,19 @@ def test_a_deterministic_error_is_not_retried_by_torchrun(tmp_path):
     assert proc.returncode != 0 and len(errors) == 1 and "checkpoint.load 'runs/nonexist'" in errors[0], proc.stderr
     assert "torchrun restart" not in proc.stdout + proc.stderr
     assert time.monotonic() - tic < 120
+
+
+def test_planner_top_shows_distinct_layouts_in_one_unit_with_labelled_columns(capsys):
+    """--top N: N different layouts (micro-batch variants folded into the best one), memory and
+    bytes both in GiB, every column named (recompute included)."""
+    from megazero.plan.__main__ import main as plan_main
+    plan_main(["--config", os.path.join(ROOT, "configs/gpt2-1.5b.yaml"), "--gpus", "8", "--gpu", "h100", "--top", "5"])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("| # |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[:8] == ["#", "tp", "pp", "vpp", "dp", "ZeRO", "micro-batch", "recompute"]
+    assert " GB" not in "\n".join(lines[:-1]) and "TP GiB/step" in columns
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ") and
+            line[2].isdigit()]
+    assert len(rows) == 5 and len({tuple(r[1:6] + r[7:8]) for r in rows}) == 5
+    assert rows[0][6] == "16 (best of 5)"
