@@ -256,6 +256,9 @@ class LoggingConfig:
     """Per-phase times (forward, backward, optimizer, waiting on communication) and bytes sent
     per iteration over DP/TP/PP on the log line and in the JSONL (on GPUs each phase boundary
     synchronizes the device, a small cost)."""
+    print_config: bool = False
+    """Print the full resolved config at start-up (`--print-config`); it is always written to
+    the run directory as config.yaml."""
 
 
 @dataclass

@@ -266,12 +266,13 @@ def test_trainer_summary_timers_and_plan_check(world):
     tmp_path = world["tmp"]
     head = first["mock"].split("--- config ---")[0]
     assert "parameters" in head and "tp 1 x pp 2 x dp 1" in head and "micro-batch 2 x accumulation 4" in head
-    assert "plan: peak memory per GPU" in head
+    # On CPUs the plan says where the model states live, and predicts nothing for GPUs it does not have.
+    assert "plan: model states" in head and "peak memory per GPU" not in head and "--- config ---" not in head
     indexed = first["indexed"].split("--- config ---")[0]
     assert f"data train: {tmp_path}/a: 40 documents" in indexed and f"{tmp_path}/b: 20 documents" in indexed
     assert "warning: data.split '100,0,0' leaves the valid split without documents" in indexed
-    # The logging rank (last stage): the planner's check once, and the timed records.
-    assert last["mock"].count("plan check, pp rank 1: memory predicted") == 1
+    # The logging rank (last stage): no planner check on CPUs (RSS is no GPU memory), the timed records.
+    assert "plan check" not in last["mock"]
     records = read_jsonl(str(tmp_path / "m.jsonl"))
     assert len(records) == 3
     for rec in records:

@@ -30,9 +30,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
     parser.add_argument("--validate-only", action="store_true",
                         help="check the config for --world-size processes and exit (before launching any)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the full resolved config at start-up (logging.print_config)")
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
                         help="processes the config is validated for (default: $WORLD_SIZE, else 1)")
     args, overrides = parser.parse_known_args(argv)
+    if args.print_config:
+        overrides += ["--logging.print_config", "true"]
     if args.help_config:
         print(reference())
         return

@@ -89,7 +89,10 @@ class Trainer:
             summary = startup_summary(self.cfg, grid, self.optimizer.layout.param_numel,
                                       (self.train_ds, self.valid_ds), plan, self.device_name)
             notes = "".join(f"{n}\n" for n in compile_notes(self.cfg))
-            print(f"{summary}\n{notes}--- config ---\n{describe(self.cfg)}--------------", flush=True)
+            config = (f"--- config ---\n{describe(self.cfg)}--------------" if self.cfg.logging.print_config else
+                      f"config: {saved_config_path(self.cfg) or 'not saved (no checkpoint.save or logging.jsonl)'} "
+                      f"(print it at start-up with --print-config)")
+            print(f"{summary}\n{notes}{config}", flush=True)
             save_resolved_config(self.cfg)
         return plan
 
@@ -315,10 +318,10 @@ class Trainer:
 
     def _check_plan_once(self, rec: dict) -> None:
         """At the first log line: the planner's prediction beside the measured figures."""
-        if self.plan is not None:
-            print(plan_check(self.plan, self.grid.pp_rank, rec["peak_mem_gib"], rec["tokens_per_sec"],
-                             self.grid.device.type == "cuda"), flush=True)
-            self.plan = None
+        if self.plan is not None and self.grid.device.type == "cuda":  # on CPUs RSS is no GPU memory
+            print(plan_check(self.plan, self.grid.pp_rank, rec["peak_mem_gib"], rec["tokens_per_sec"], True),
+                  flush=True)
+        self.plan = None
 
     def record(self, out: dict, tokens_per_sec: float, steps: int = 1) -> dict:
         tflops = self.flops_per_token * tokens_per_sec / self.grid.world_size / 1e12
@@ -368,9 +371,13 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
     return train, valid
 
 
-def save_resolved_config(cfg: Config) -> None:
-    """Write the resolved config beside the run's outputs (checkpoint dir, else the JSONL's)."""
+def saved_config_path(cfg: Config) -> Optional[str]:
+    """Where the resolved config is written: beside the run's outputs (checkpoint dir, else the JSONL's)."""
     run_dir = cfg.checkpoint.save or (os.path.dirname(os.path.abspath(cfg.logging.jsonl)) if cfg.logging.jsonl else None)
-    if not run_dir:
-        return
-    write_text(os.path.join(run_dir, "config.yaml"), describe(cfg))
+    return os.path.join(run_dir, "config.yaml") if run_dir else None
+
+
+def save_resolved_config(cfg: Config) -> None:
+    path = saved_config_path(cfg)
+    if path:
+        write_text(path, describe(cfg))
