@@ -50,11 +50,14 @@ def exit_if_failed_before() -> None:
 
 
 def _remember_user_error() -> None:
-    """Leave word for this launcher's later attempts (see exit_if_failed_before)."""
+    """Leave word for this launcher's later attempts (see exit_if_failed_before), and for a
+    script around the launcher ($MEGAZERO_USER_ERROR_FILE): torchrun itself exits 1 whatever
+    its workers' status, the scripts exit 2 for a user error, as megazero does."""
     marker = _job_marker(attempt=False)
-    if marker is not None:
-        with contextlib.suppress(OSError), open(marker + "-user", "a"):
-            pass
+    for path in (marker + "-user" if marker else None, os.environ.get("MEGAZERO_USER_ERROR_FILE")):
+        if path:
+            with contextlib.suppress(OSError), open(path, "a"):
+                pass
 
 
 def print_once_per_node(line: str, wait_s: float = 10.0) -> None:

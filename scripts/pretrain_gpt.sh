@@ -70,9 +70,13 @@ fi
 
 # 3. Train (resumes when $RUN_DIR/checkpoints holds a checkpoint).
 echo "== training: $NPROC processes per node, tp $TP x pp $PP, ZeRO-$ZERO_STAGE; outputs in $RUN_DIR"
+# A user error (config, data, checkpoint) exits 2 here as it does in megazero (torchrun says 1).
+MEGAZERO_USER_ERROR_FILE=$(mktemp -u "${TMPDIR:-/tmp}/megazero-user-error.XXXXXX")
+export MEGAZERO_USER_ERROR_FILE
 torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-restarts "$RESTARTS" \
   --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-megazero}" \
-  -m megazero.train "${train_args[@]}" --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@"
+  -m megazero.train "${train_args[@]}" --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@" || {
+  rc=$?; [[ -e $MEGAZERO_USER_ERROR_FILE ]] && { rm -f "$MEGAZERO_USER_ERROR_FILE"; exit 2; }; exit $rc; }
 
 echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: $(cat "$RUN_DIR/checkpoints/latest"))"
 echo "   resolved config: $RUN_DIR/checkpoints/config.yaml; run again to resume, or raise ITERS"
