@@ -3,12 +3,12 @@
 Every block of GPT-2 has the same parameters, so each is kept as one flat tensor of
 `numel` elements laid out by a `BlockLayout`; a store hands block i out whole:
 
-    HostStore   --offload cpu: one (pinned, where CUDA exists) host tensor per block;
-                `fetch` returns it as is, nothing is copied on the host
-    NvmeStore   --offload nvme: one file under --nvme-path, block i in its own 4 KiB-aligned
-                region; `fetch` reads it into a caller's reused, aligned buffer with large
-                O_DIRECT reads (the page cache would keep a second copy of every block
-                streamed; no mmap either, whose resident pages count in the RSS)
+    HostWeightStore   --offload cpu: one (pinned, where CUDA exists) host tensor per block;
+                      `fetch` returns it as is, nothing is copied on the host
+    NvmeWeightStore   --offload nvme: one file under --nvme-path, block i in its own 4 KiB-aligned
+                      region; `fetch` reads it into a caller's reused, aligned buffer with large
+                      O_DIRECT reads (the page cache would keep a second copy of every block
+                      streamed; no mmap either, whose resident pages count in the RSS)
 
 Both are filled from a checkpoint one tensor at a time (`put`), never the whole model at once.
 """
@@ -29,7 +29,7 @@ CHUNK = 1 << 28  # bytes per system call (Linux moves at most ~2 GiB in one)
 ALIGN = 16  # elements: each parameter starts on a 64-byte boundary of its block's tensor
 
 
-class Slot(NamedTuple):
+class WeightSlot(NamedTuple):
     """One parameter's place in a block's flat tensor."""
 
     name: str
@@ -44,10 +44,10 @@ class BlockLayout:
     def __init__(self, block: torch.nn.Module, dtype: torch.dtype):
         self.dtype = dtype
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
-        self.slots: dict[str, Slot] = {}
+        self.slots: dict[str, WeightSlot] = {}
         end = 0
         for name, p in block.named_parameters():
-            self.slots[name] = Slot(name, tuple(p.shape), end)
+            self.slots[name] = WeightSlot(name, tuple(p.shape), end)
             end += -(-p.numel() // ALIGN) * ALIGN
         self.numel = end
         self.nbytes = end * self.itemsize
@@ -65,7 +65,7 @@ def aligned_host(nbytes: int, pin: bool) -> torch.Tensor:
     return raw[start: start + nbytes]
 
 
-class HostStore:
+class HostWeightStore:
     """Every block in host memory (ZeRO-Inference's CPU offload)."""
 
     def __init__(self, layout: BlockLayout, num_blocks: int):
@@ -89,7 +89,7 @@ class HostStore:
         return {"host": len(self.blocks) * self.layout.nbytes}
 
 
-class NvmeStore:
+class NvmeWeightStore:
     """Every block in one file under `path` (ZeRO-Inference's NVMe offload). The file is
     unlinked as soon as it is opened: it vanishes with the process however that ends, and
     its space is reserved up front, so a full disk shows at start-up, not mid-generation."""
