@@ -758,9 +758,3 @@ def _validate_zbh1(cfg: Config) -> None:
 def describe(cfg: Config) -> str:
     """The resolved config as YAML (printed once, saved with the run)."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-
-
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    """Vocab rounded up to a multiple of 128 x tp so every TP shard has equal, aligned rows."""
-    multiple = 128 * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from megazero.config import ConfigError, build_config, load_yaml, padded_vocab_size, parse_overrides, validate
+from megazero.config import ConfigError, build_config, load_yaml, parse_overrides, validate
+from megazero.model.layers import padded_vocab_size
 
 
 def test_precedence_cli_over_file_over_defaults(tmp_path):
