@@ -5,11 +5,10 @@ Every block of GPT-2 has the same parameters, so each is kept as one flat tensor
 
     HostWeightStore   --offload cpu: one (pinned, where CUDA exists) host tensor per block;
                       `fetch` returns it as is, nothing is copied on the host
-    NvmeWeightStore   --offload nvme: one swap file under --nvme-path (zero/swap.py), block i in
-                      its own 4 KiB-aligned region; `fetch` reads it into a caller's reused,
-                      aligned buffer with large O_DIRECT reads (the page cache would keep a
-                      second copy of every block streamed; no mmap either, whose resident pages
-                      count in the RSS)
+    NvmeWeightStore   --offload nvme: one swap file (zero/swap.py) under --nvme-path, block i in its
+                      own 4 KiB-aligned region; `fetch` reads it into a caller's reused, aligned
+                      buffer with large O_DIRECT reads (the page cache would keep a second copy
+                      of every block streamed; no mmap either, whose resident pages count in RSS)
 
 Both are filled from a checkpoint one tensor at a time (`put`), never the whole model at once.
 """
@@ -77,33 +76,28 @@ class HostWeightStore:
     def close(self) -> None:
         self.blocks.clear()
 
-    def nbytes(self) -> dict[str, int]:
-        return {"host": len(self.blocks) * self.layout.nbytes}
 
-
-class NvmeWeightStore:
+class NvmeWeightStore(SwapFile):
     """Every block in one swap file under `path` (ZeRO-Inference's NVMe offload): filled through
     the page cache, then streamed back with O_DIRECT reads."""
 
     def __init__(self, layout: BlockLayout, num_blocks: int, path: str):
-        self.layout, self.num_blocks = layout, num_blocks
+        self.layout = layout
         self.stride = padded(layout.nbytes)  # bytes from one block's region to the next
-        check_nvme_path(path, num_blocks * self.stride)
-        self.file = SwapFile(path, "weights", num_blocks * self.stride, key="--nvme-path", fillable=True)
-
-    @property
-    def bytes_read(self) -> int:
-        return self.file.bytes_read
+        need = num_blocks * self.stride
+        if not os.path.isdir(path):
+            raise UserError(f"--nvme-path {path} is not an existing directory; create it or point --nvme-path at one")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UserError(f"--nvme-path {path} is not writable by this user; choose another directory")
+        check_space(path, need, "weights", lambda free: f"--nvme-path {path} has {_size(free)} free but the offloaded "
+                    f"weights need {_size(need)}; free space or point --nvme-path at a larger disk")
+        super().__init__(path, "weights", need, key="--nvme-path", fillable=True)
 
     def put(self, block: int, offset: int, values: torch.Tensor) -> None:
-        self.file.fill(block * self.stride + offset * self.layout.itemsize, values.detach().to(self.layout.dtype))
+        at = block * self.stride + offset * self.layout.itemsize
+        self.io(values.detach().to(self.layout.dtype).contiguous(), at, write=True, filling=True)
 
-    def finish(self) -> None:
-        """Every block is written: make them durable and let them go from the page cache."""
-        self.file.end_fill()
-
-    def close(self) -> None:
-        self.file.close()
+    finish = SwapFile.end_fill  # every block is written: durable on the disk, out of the page cache
 
     def buffer(self, pin: bool) -> torch.Tensor:
         """A reusable, aligned host buffer that `fetch` can read one block into."""
@@ -113,21 +107,8 @@ class NvmeWeightStore:
         """Read block `block` into `buffer` (from `buffer()`); its first `layout.numel`
         elements are the block's flat tensor."""
         assert buffer is not None and buffer.numel() == self.stride
-        self.file.io(buffer, block * self.stride, write=False)
+        self.io(buffer, block * self.stride, write=False)
         return buffer[: self.layout.nbytes].view(self.layout.dtype)
-
-    def nbytes(self) -> dict[str, int]:
-        return {"nvme": self.num_blocks * self.stride}
-
-
-def check_nvme_path(path: str, need: int) -> None:
-    """One clear line for a directory that cannot hold the offloaded weights."""
-    if not os.path.isdir(path):
-        raise UserError(f"--nvme-path {path} is not an existing directory; create it or point --nvme-path at one")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UserError(f"--nvme-path {path} is not writable by this user; choose another directory")
-    check_space(path, need, "weights", lambda free: f"--nvme-path {path} has {_size(free)} free but the offloaded "
-                f"weights need {_size(need)}; free space or point --nvme-path at a larger disk")
 
 
 def _size(nbytes: int) -> str:

@@ -52,10 +52,9 @@ def check_space(path: str, need: int, what: str, refusal: Optional[Callable[[int
 
 
 class SwapFile:
-    """One unlinked, preallocated file of `nbytes` under `path` (the directory setting `key`
-    names), with I/O counters. With `fillable`, a second descriptor through the page cache
-    takes writes of any offset and length (`fill`) until `end_fill`: offloaded inference
-    writes its weights one checkpoint tensor at a time."""
+    """One unlinked, preallocated file of `nbytes` under `path` (the directory setting `key` names), with
+    I/O counters. With `fillable`, a second descriptor through the page cache takes writes of any offset
+    and length until `end_fill`: offloaded inference writes its weights one checkpoint tensor at a time."""
 
     def __init__(self, path: str, tag: str, nbytes: int, key: str = "zero.nvme_path", fillable: bool = False) -> None:
         name = os.path.join(path, f".megazero-swap-{os.getpid()}-{tag}")
@@ -75,38 +74,28 @@ class SwapFile:
         self.bytes_read = self.bytes_written = 0
         self.read_s = self.write_s = 0.0  # seconds spent in reads / writes (on whichever thread)
 
-    def fill(self, offset: int, values: torch.Tensor) -> None:
-        """Write `values`' bytes at `offset` (any alignment) through the fill descriptor."""
-        view = memoryview(values.contiguous().reshape(-1).view(torch.uint8).numpy())
-        for start in range(0, len(view), CHUNK):
-            piece = view[start: start + CHUNK]
-            if os.pwrite(self.fill_fd, piece, offset + start) != len(piece):
-                raise OSError("short write to a swap file")
-
     def end_fill(self) -> None:
         """Make the filled bytes durable on the disk and drop them from the page cache, so
         reads really come from the disk (and the cache does not hold them twice)."""
         os.fsync(self.fill_fd)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fill_fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(self.fill_fd)
-        self.fill_fd = -1
 
     def close(self) -> None:
         """Close the file: its space is freed (it has no name left)."""
-        for fd in (self.fill_fd, self.fd):
-            if fd >= 0:
-                os.close(fd)
+        for fd in {self.fill_fd, self.fd} - {-1}:
+            os.close(fd)
         self.fill_fd = self.fd = -1
 
-    def io(self, buffer: torch.Tensor, offset: int, write: bool) -> None:
-        """Write `buffer` (an aligned host buffer, BLOCK-multiple in bytes) at `offset`, or
-        read it back from there."""
+    def io(self, buffer: torch.Tensor, offset: int, write: bool, filling: bool = False) -> None:
+        """Write `buffer` (an aligned host buffer, BLOCK-multiple in bytes; `filling`: any
+        contiguous tensor, through the fill descriptor) at `offset`, or read it back from there."""
         tic = time.perf_counter()
+        fd = self.fill_fd if filling else self.fd
         view = memoryview(buffer.view(torch.uint8).numpy()).cast("B")
         for off in range(0, len(view), CHUNK):
             piece, at = view[off: off + CHUNK], offset + off
-            done = os.pwritev(self.fd, [piece], at) if write else os.preadv(self.fd, [piece], at)
+            done = os.pwritev(fd, [piece], at) if write else os.preadv(fd, [piece], at)
             if done != len(piece):
                 raise OSError(f"short {'write' if write else 'read'} on a swap file ({done} of {len(piece)} bytes)")
         if write:
