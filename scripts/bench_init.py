@@ -54,17 +54,18 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
     """Build rank `rank`'s share of configs/gpt2-MODEL.yaml at ZeRO-3 and report its memory."""
     import torch
 
-    from megazero.config import build_config, load_yaml, validate
+    from megazero.config import build_config, load_yaml
     from megazero.model.gpt import GPT
     from megazero.parallel.random import seed_everything
     from megazero.train.parallelize import parallelize
+    from megazero.train.run_config import resolve_and_validate
     from megazero.zero.optimizer import ZeroOptimizer
     torch.set_num_threads(1)
     base = rss_bytes()
     cfg = build_config(load_yaml(os.path.join(ROOT, f"configs/gpt2-{model}.yaml")),
                        ["--zero.stage", "3", "--train.precision", precision, "--data.mock", "true",
                         "--train.global_batch_size", str(dp), "--train.micro_batch_size", "1"])
-    validate(cfg, dp)
+    resolve_and_validate(cfg, dp)
     grid = dry_grid(dp, rank)
     tracker = seed_everything(cfg.train.seed, 0, 0, grid.device)
     if sharded:

@@ -28,9 +28,10 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megazero.config import build_config, validate  # noqa: E402
+from megazero.config import build_config  # noqa: E402
 from megazero.plan.formulas import STATE_BYTES, model_state_bytes  # noqa: E402
 from megazero.plan.planner import Cluster, Layout, predict  # noqa: E402
+from megazero.train.run_config import resolve_and_validate  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -45,7 +46,7 @@ def make_config(args: argparse.Namespace, stage: int, precision: str = "fp32"):
         "optim": {"clip_grad": 1.0},
         "data": {"mock": True},
     })
-    validate(cfg, args.dp)
+    resolve_and_validate(cfg, args.dp)
     return cfg
 
 

@@ -93,16 +93,17 @@ def _record(names: list[str], nvme: str, seed: int) -> dict:
     and the members of each of its groups."""
     import torch.distributed as dist
 
-    from megazero.config import build_config, load_yaml, validate
+    from megazero.config import build_config, load_yaml
     from megazero.parallel import comm
     from megazero.parallel.grid import ProcessGrid
+    from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
     pause = _inject_delays(seed)
     out = {}
     for name in names:
         cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")),
                            TINY + CASES[name] + ["--zero.nvme_path", nvme])
-        validate(cfg, dist.get_world_size())
+        resolve_and_validate(cfg, dist.get_world_size())
         grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
         calls = comm.record_calls(grid.groups.values())
         trainer = Trainer(cfg, grid)

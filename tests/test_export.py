@@ -24,13 +24,14 @@ TOKENS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(
 
 def _trainer(save_dir: str, overrides: list[str]):
     """A Trainer of gpt2-tiny (mock data) with `overrides`, saving into `save_dir` (in a spawned rank)."""
-    from megazero.config import build_config, load_yaml, validate
+    from megazero.config import build_config, load_yaml
     from megazero.parallel.grid import ProcessGrid
+    from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
 
     cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")),
                        ["--data.mock", "true", "--train.iters", "3", "--checkpoint.save", save_dir] + overrides)
-    validate(cfg, int(os.environ["WORLD_SIZE"]))
+    resolve_and_validate(cfg, int(os.environ["WORLD_SIZE"]))
     return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 
 

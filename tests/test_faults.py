@@ -100,13 +100,14 @@ def test_kill_9_of_a_distributed_job_while_saving_never_corrupts(tmp_path):
 
 def _trainer(save: str, args: list[str]):
     """A Trainer of gpt2-tiny (mock data) at `args` saving into `save` (in a spawned rank)."""
-    from megazero.config import build_config, load_yaml, validate
+    from megazero.config import build_config, load_yaml
     from megazero.parallel.grid import ProcessGrid
+    from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
 
     cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")),
                        ["--data.mock", "true", "--zero.stage", "1", "--checkpoint.save", save] + args)
-    validate(cfg, int(os.environ["WORLD_SIZE"]))
+    resolve_and_validate(cfg, int(os.environ["WORLD_SIZE"]))
     return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 
 

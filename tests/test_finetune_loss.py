@@ -25,14 +25,15 @@ LAYOUTS = {"dp2-pp2-zero1": ["--parallel.pp", "2", "--zero.stage", "1"],
 def _trainer(prefix: str, extra: list[str]):
     import torch.distributed as dist
 
-    from megazero.config import build_config, load_yaml, validate
+    from megazero.config import build_config, load_yaml
     from megazero.parallel.grid import ProcessGrid
+    from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
     args = ["--data.mock", "false", "--data.prefix", prefix, "--model.seq_length", "32", "--train.iters", str(ITERS),
             "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--optim.warmup_iters", "1",
             "--optim.lr", "3e-3", *extra]
     cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")), args)
-    validate(cfg, dist.get_world_size())
+    resolve_and_validate(cfg, dist.get_world_size())
     with contextlib.redirect_stdout(io.StringIO()):
         return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 

@@ -11,7 +11,8 @@ import torch
 
 from distributed import run_distributed
 from megazero.checkpoint.sharded import CheckpointError
-from megazero.config import ConfigError, build_config, load_yaml, validate
+from megazero.config import ConfigError, build_config, load_yaml
+from megazero.train.run_config import resolve_and_validate
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,7 +45,7 @@ def _transformers_loss(hf_dir: str) -> float:
     """transformers' mean next-token loss on megazero's first global batch (mock data)."""
     from megazero.data.mock import MockGPTDataset
     cfg = _cfg([])
-    validate(cfg, 1)
+    resolve_and_validate(cfg, 1)
     ds = MockGPTDataset(8, 32, HF["vocab_size"], cfg.train.seed)
     rows = torch.stack([torch.as_tensor(ds[i]) for i in range(8)])
     model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
@@ -60,7 +61,7 @@ def _first_losses(hf_dir: str, layouts: list[list[str]]) -> list[float]:
     out = []
     for layout in layouts:
         cfg = _cfg(layout + ["--checkpoint.init_from_hf", hf_dir])
-        validate(cfg, dist.get_world_size())
+        resolve_and_validate(cfg, dist.get_world_size())
         out.append(Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)).train_step()["loss"])
     return out
 
@@ -109,20 +110,20 @@ def _edited(hf_dir: str, tmp_path, **changes) -> str:
 
 def test_bad_input_is_one_clear_line(hf_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"holds a 'llama' model; only GPT-2"):
-        validate(_cfg(["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "a", model_type="llama")]), 1)
+        resolve_and_validate(_cfg(["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "a", model_type="llama")]), 1)
     with pytest.raises(ConfigError, match=r"model.hidden_size \(64\) differs from n_embd \(128\) .* set "
                                           r"--model.hidden_size 128"):
-        validate(_cfg(["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "b", n_embd=128)]), 1)
+        resolve_and_validate(_cfg(["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "b", n_embd=128)]), 1)
     with pytest.raises(ConfigError, match=r"is not a Hugging Face model directory"):
-        validate(_cfg(["--checkpoint.init_from_hf", str(tmp_path)]), 1)
+        resolve_and_validate(_cfg(["--checkpoint.init_from_hf", str(tmp_path)]), 1)
     with pytest.raises(ConfigError, match=r"model.vocab_size \(500\) differs from vocab_size \(300\)"):
-        validate(_cfg(["--checkpoint.init_from_hf", hf_dir, "--model.vocab_size", "500"]), 1)
+        resolve_and_validate(_cfg(["--checkpoint.init_from_hf", hf_dir, "--model.vocab_size", "500"]), 1)
     # config.json agrees with the model section but the weights do not: refused when read
     from megazero.checkpoint.hf import HFInitialValues
     from megazero.model.gpt import GPT
     cfg = _cfg(["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "c", n_inner=512),
                 "--model.ffn_hidden_size", "512"])
-    validate(cfg, 1)
+    resolve_and_validate(cfg, 1)
     model = GPT(cfg.model)
     fc = model.get_parameter("transformer.h.0.mlp.c_fc.weight")
     with pytest.raises(CheckpointError, match=r"'transformer.h.0.mlp.c_fc.weight' has shape \[64, 256\], but the model "
@@ -137,4 +138,4 @@ def test_a_tokenizer_larger_than_the_checkpoint_vocabulary_is_refused(hf_dir, tm
     small = _edited(hf_dir, tmp_path / "hf", vocab_size=tokens - 1)
     with pytest.raises(ConfigError, match=rf"has {tokens} tokens but the GPT-2 in .* only {tokens - 1}; use the "
                                           rf"tokenizer that model was trained with"):
-        validate(_cfg(["--checkpoint.init_from_hf", small, "--data.tokenizer", spec]), 1)
+        resolve_and_validate(_cfg(["--checkpoint.init_from_hf", small, "--data.tokenizer", spec]), 1)

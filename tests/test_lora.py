@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from megazero.config import ConfigError, build_config, load_yaml, validate
+from megazero.config import ConfigError, build_config, load_yaml
+from megazero.train.run_config import resolve_and_validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--model.num_layers", "2", "--model.seq_length", "32", "--model.dropout", "0", "--data.mock", "true", "--train.global_batch_size", "8",
@@ -34,7 +35,7 @@ def _trainer(args: list[str]):
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
     cfg = _cfg(args)
-    validate(cfg, dist.get_world_size())
+    resolve_and_validate(cfg, dist.get_world_size())
     return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 
 
@@ -56,7 +57,7 @@ def test_config_is_validated():
                           (["--finetune.lora_alpha", "0"], r"finetune.lora_alpha \(0\) must be positive"),
                           (["--finetune.lora_dropout", "1"], r"finetune.lora_dropout \(1\) must be in \[0, 1\)")]:
         with pytest.raises(ConfigError, match=message):
-            validate(_cfg(args), 1)
+            resolve_and_validate(_cfg(args), 1)
 
 
 def test_targets_match_like_peft():

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from megazero.config import ConfigError, build_config, load_yaml, validate
+from megazero.config import ConfigError, build_config, load_yaml
 from megazero.errors import UserError
+from megazero.train.run_config import resolve_and_validate
 from megazero.zero.partition import Range
 from megazero.zero.state import NvmeStore
 
@@ -31,7 +32,7 @@ def _run(args: list[str], iters: int) -> dict:
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
     cfg = _cfg(args)
-    validate(cfg, dist.get_world_size())
+    resolve_and_validate(cfg, dist.get_world_size())
     tr = Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
     losses = [tr.train_step()["loss"] for _ in range(iters)]
     return {"losses": losses, "params": tr.optimizer.full_state_dict(), "state": tr.optimizer.state_dict(),
@@ -113,7 +114,7 @@ def _checkpoint_through_files(root: str, nvme: str) -> dict:
     def trainer(extra: list[str]) -> Trainer:
         cfg = _cfg(["--zero.stage", "3", "--zero.nvme_path", nvme, "--zero.buffer_count", "2",
                     "--checkpoint.save", root, "--train.iters", "1", *PARAMS["param nvme + nvme"], *extra])
-        validate(cfg, dist.get_world_size())
+        resolve_and_validate(cfg, dist.get_world_size())
         return Trainer(cfg, ProcessGrid.create(1, 1))
 
     first = trainer([])
@@ -257,7 +258,7 @@ def test_nvme_store_refuses_a_disk_without_room(tmp_path, monkeypatch):
 ])
 def test_bad_offload_settings_are_refused(args, message):
     with pytest.raises(ConfigError, match=message):
-        validate(_cfg(args), 1)
+        resolve_and_validate(_cfg(args), 1)
 
 
 def _offload_3d_world(nvme: str) -> dict:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from megazero.config import ConfigError, build_config, validate
+from megazero.config import ConfigError, build_config
 from megazero.pipeline.schedules import (
     ORDERS,
     Action,
@@ -29,6 +29,7 @@ from megazero.pipeline.schedules import (
     pipeline_plan,
 )
 from megazero.pipeline.stages import stage_layers
+from megazero.train.run_config import resolve_and_validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -287,7 +288,7 @@ def test_interleaved_shrinks_the_bubble():
 ])
 def test_bad_pipeline_configs(overrides, world, message):
     with pytest.raises(ConfigError) as err:
-        validate(build_config({"data": {"mock": True}, "model": {"num_layers": 4}}, overrides), world)
+        resolve_and_validate(build_config({"data": {"mock": True}, "model": {"num_layers": 4}}, overrides), world)
     assert message in str(err.value)
 
 
@@ -364,7 +365,7 @@ def _check_layouts(num_layers: int, gbs: int, cases: list[tuple[int, int, int, s
             grids[tp, pp].build_groups()
         grid = grids[tp, pp]
         cfg = _config(num_layers, tp, pp, vpp, schedule, recompute, gbs, zero_stage)
-        validate(cfg, world)
+        resolve_and_validate(cfg, world)
         ref_loss, ref_grads = _reference(cfg, all_batches)
         tracker = seed_everything(cfg.train.seed, grid.pp_rank, grid.tp_rank, grid.device)
         chunks, optimizer = parallelize(cfg, grid, tracker)
@@ -435,7 +436,7 @@ def _train_and_return_tied(layouts: list[list[str]], steps: int) -> list[dict]:
                                       "vocab_size": 256},
                             "train": {"micro_batch_size": 2, "global_batch_size": 8, "iters": steps},
                             "optim": {"lr": 1e-2}, "data": {"mock": True}}, overrides)
-        validate(cfg, dist.get_world_size())
+        resolve_and_validate(cfg, dist.get_world_size())
         grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
         trainer = Trainer(cfg, grid)
         initial = [c.tied_weight().detach().clone() for c in trainer.chunks if c.tied_weight() is not None]

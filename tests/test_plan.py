@@ -54,15 +54,16 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from megazero.config import build_config, validate
+    from megazero.config import build_config
     from megazero.parallel.grid import ProcessGrid
     from megazero.plan.measure import ActivationMeter
     from megazero.plan.planner import Cluster, Layout, predict
+    from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
     out = []
     for overrides in layouts:
         cfg = build_config(TINY, overrides)
-        dp = validate(cfg, dist.get_world_size())
+        dp = resolve_and_validate(cfg, dist.get_world_size())
         with contextlib.redirect_stdout(io.StringIO()):
             tr = Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
         tr.train_step()  # warm-up: the counters and the meter see a steady iteration
@@ -98,8 +99,9 @@ def _train_and_capture(prefix: str, jsonl: str) -> dict:
 
     import torch.distributed as dist
 
-    from megazero.config import build_config, validate
+    from megazero.config import build_config
     from megazero.parallel.grid import ProcessGrid
+    from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
     out = {}
     runs = {"mock": ({"data": {"mock": True}, "logging": {"timers": True, "jsonl": jsonl}}, 3),
@@ -107,7 +109,7 @@ def _train_and_capture(prefix: str, jsonl: str) -> dict:
                          "train": {"eval_interval": 2}}, 1)}
     for name, (extra, iters) in runs.items():
         cfg = build_config({**TINY, **extra}, ["--parallel.pp", "2", "--train.iters", str(iters)])
-        validate(cfg, dist.get_world_size())
+        resolve_and_validate(cfg, dist.get_world_size())
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             Trainer(cfg, ProcessGrid.create(1, 2)).run()

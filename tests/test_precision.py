@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from megazero.config import build_config, load_yaml, validate
+from megazero.config import build_config, load_yaml
+from megazero.train.run_config import resolve_and_validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--model.seq_length", "32", "--zero.bucket_size", "20000", "--data.mock", "true"]
@@ -25,7 +26,7 @@ def _trainer(args: list[str]):
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
     cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")), SMALL + args)
-    validate(cfg, dist.get_world_size())
+    resolve_and_validate(cfg, dist.get_world_size())
     with contextlib.redirect_stdout(io.StringIO()):
         return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 

@@ -169,12 +169,13 @@ def _assert_checks(per_rank: list) -> None:
 def _trainer(extra: list[str]):
     import torch.distributed as dist
 
-    from megazero.config import build_config, load_yaml, validate
+    from megazero.config import build_config, load_yaml
     from megazero.parallel.grid import ProcessGrid
+    from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
     args = ["--data.mock", "true", "--train.iters", str(ITERS), "--model.seq_length", "32", *extra]
     cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")), args)
-    validate(cfg, dist.get_world_size())
+    resolve_and_validate(cfg, dist.get_world_size())
     with contextlib.redirect_stdout(io.StringIO()):
         return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 

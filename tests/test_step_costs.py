@@ -23,11 +23,12 @@ TINY = ["--model.seq_length", "32", "--train.global_batch_size", "8", "--train.m
 def _trainer(args: list[str]):
     import torch.distributed as dist
 
-    from megazero.config import build_config, load_yaml, validate
+    from megazero.config import build_config, load_yaml
     from megazero.parallel.grid import ProcessGrid
+    from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
     cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")), TINY + args)
-    validate(cfg, dist.get_world_size())
+    resolve_and_validate(cfg, dist.get_world_size())
     with contextlib.redirect_stdout(io.StringIO()):
         return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 

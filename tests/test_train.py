@@ -39,12 +39,13 @@ def _logged(args: list[str]) -> list[tuple[int, bool]]:
 
     import torch.distributed as dist
 
-    from megazero.config import build_config, load_yaml, validate
+    from megazero.config import build_config, load_yaml
     from megazero.parallel.grid import ProcessGrid
+    from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = build_config(load_yaml(os.path.join(root, "configs/gpt2-tiny.yaml")), args)
-    validate(cfg, dist.get_world_size())
+    resolve_and_validate(cfg, dist.get_world_size())
     with contextlib.redirect_stdout(io.StringIO()):
         records = Trainer(cfg, ProcessGrid.create(1, 1)).run()
     return [(r["iteration"], "val_loss" in r) for r in records]

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from megazero.config import ConfigError, build_config, load_yaml, validate
+from megazero.config import ConfigError, build_config, load_yaml
 from megazero.model.layers import shard_of
+from megazero.train.run_config import resolve_and_validate
 from megazero.zero.partition import ALIGN, build_layout, sub_groups
 
 TINY = ["--model.seq_length", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
@@ -28,7 +29,7 @@ def _trainer(args: list[str]):
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
     cfg = _cfg(args)
-    validate(cfg, dist.get_world_size())
+    resolve_and_validate(cfg, dist.get_world_size())
     return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 
 
@@ -409,7 +410,7 @@ def test_partition_map_covers_every_parameter_once():
 ])
 def test_bad_zero_config_is_one_clear_line(args, message):
     with pytest.raises(ConfigError) as e:
-        validate(_cfg(args), 2)
+        resolve_and_validate(_cfg(args), 2)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

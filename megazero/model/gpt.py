@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config import ModelConfig, padded_vocab_size
+from megazero.config import ModelConfig
 from megazero.model.layers import (
     ColumnParallelLinear,
     Dropout,
@@ -43,6 +43,7 @@ from megazero.model.layers import (
     VocabParallelEmbedding,
     column_parallel_linear,
     mark_tp,
+    padded_vocab_size,
     shard_of,
     split_parameter_,
     vocab_parallel_cross_entropy,

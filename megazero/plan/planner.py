@@ -15,8 +15,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megazero.config import Config, padded_vocab_size
+from megazero.config import Config
 from megazero.errors import UserError
+from megazero.model.layers import padded_vocab_size
 from megazero.pipeline.schedules import ORDERS, activation_events
 from megazero.plan import formulas as F
 from megazero.plan.ranks import rank_params

@@ -11,10 +11,11 @@ import os
 import sys
 from typing import Optional
 
-from megazero.config import Config, ConfigError, build_config, load_yaml, reference, validate
+from megazero.config import Config, ConfigError, build_config, load_yaml, reference
 from megazero.deepspeed_config import load_deepspeed_config
 from megazero.errors import exit_if_failed_before, report_errors
 from megazero.train import lifecycle
+from megazero.train.run_config import resolve_and_validate
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -105,7 +106,7 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
         cfg = build_config(merged, overrides)
         if rank == 0 and imported.warning(deepspeed):
             print(imported.warning(deepspeed), file=sys.stderr, flush=True)
-    validate(cfg, world_size)
+    resolve_and_validate(cfg, world_size)
     return cfg
 
 

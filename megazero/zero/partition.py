@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megazero.config import ZERO_ALIGN as ALIGN  # elements: 256 B in fp32; validated against at start-up
+from megazero.zero import ALIGN  # elements: 256 B in fp32; validated against at start-up
 
 Named = list[tuple[str, nn.Parameter]]
 
