@@ -501,6 +501,21 @@ def resolve(cfg: Config) -> None:
         cfg.parallel.schedule = "interleaved"
 
 
+def schedule_warnings(cfg: Config) -> list[str]:
+    """Lines about an LR schedule that is valid but almost surely not meant: a warm-up that
+    lasts the whole run or leaves no decay phase."""
+    t, o = cfg.train, cfg.optim
+    if not o.warmup_iters or not t.iters:
+        return []
+    if o.warmup_iters >= t.iters:
+        return [f"warning: optim.warmup_iters ({o.warmup_iters}) >= train.iters ({t.iters}): the whole run warms up "
+                f"and the LR never decays; lower optim.warmup_iters or raise train.iters"]
+    if o.decay_iters and o.warmup_iters >= o.decay_iters:
+        return [f"warning: optim.warmup_iters ({o.warmup_iters}) >= optim.decay_iters ({o.decay_iters}): the LR "
+                f"jumps to min_lr after the warm-up, with no decay; raise optim.decay_iters"]
+    return []
+
+
 def validate(cfg: Config, world_size: int) -> int:
     """Check every value of a resolved config and their consistency; return the inferred
     data-parallel degree. Changes nothing."""

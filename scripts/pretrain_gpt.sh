@@ -79,4 +79,5 @@ torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-restarts "$RESTARTS"
   rc=$?; [[ -e $MEGAZERO_USER_ERROR_FILE ]] && { rm -f "$MEGAZERO_USER_ERROR_FILE"; exit 2; }; exit $rc; }
 
 echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: $(cat "$RUN_DIR/checkpoints/latest"))"
-echo "   resolved config: $RUN_DIR/checkpoints/config.yaml; run again to resume, or raise ITERS"
+echo "   resolved config: $RUN_DIR/checkpoints/config.yaml; run again to resume. To train longer, raise ITERS and"
+echo "   pass --optim.override_schedule true: a resumed run keeps the checkpoint's LR schedule (its decay length) otherwise"

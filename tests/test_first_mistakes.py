@@ -67,3 +67,14 @@ def test_planner_top_shows_distinct_layouts_in_one_unit_with_labelled_columns(ca
             line[2].isdigit()]
     assert len(rows) == 5 and len({tuple(r[1:6] + r[7:8]) for r in rows}) == 5
     assert rows[0][6] == "16 (best of 5)"
+
+
+def test_a_warm_up_as_long_as_the_run_is_named_with_its_numbers(tmp_path):
+    proc = _train(["--train.iters", "10", "--optim.warmup_iters", "20", "--validate-only"], str(tmp_path))
+    assert proc.returncode == 0 and proc.stderr.splitlines() == [
+        "warning: optim.warmup_iters (20) >= train.iters (10): the whole run warms up and the LR never decays; "
+        "lower optim.warmup_iters or raise train.iters"]
+    proc = _train(["--train.iters", "50", "--optim.warmup_iters", "20", "--optim.decay_iters", "15", "--validate-only"],
+                  str(tmp_path))
+    assert proc.stderr.startswith("warning: optim.warmup_iters (20) >= optim.decay_iters (15): the LR jumps to min_lr")
+    assert _train(["--validate-only"], str(tmp_path)).stderr == ""  # the shipped tiny config: warm-up 5 of 50

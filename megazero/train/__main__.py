@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Optional
 
-from megazero.config import Config, ConfigError, build_config, load_yaml, reference
+from megazero.config import Config, ConfigError, build_config, load_yaml, reference, schedule_warnings
 from megazero.deepspeed_config import load_deepspeed_config
 from megazero.errors import exit_if_failed_before, report_errors
 from megazero.train import lifecycle
@@ -48,6 +48,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             raise ConfigError("logging.wandb is true but wandb is not installed; "
                               "pip install -e '.[wandb]' or pass --logging.wandb false")
         lifecycle.refuse_missing_load(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in schedule_warnings(cfg):
+            print(line, file=sys.stderr, flush=True)
     if args.validate_only:
         print(f"config OK for {args.world_size} process(es)")
         return
