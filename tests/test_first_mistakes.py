@@ -78,3 +78,25 @@ def test_a_warm_up_as_long_as_the_run_is_named_with_its_numbers(tmp_path):
                   str(tmp_path))
     assert proc.stderr.startswith("warning: optim.warmup_iters (20) >= optim.decay_iters (15): the LR jumps to min_lr")
     assert _train(["--validate-only"], str(tmp_path)).stderr == ""  # the shipped tiny config: warm-up 5 of 50
+
+
+def test_validate_only_checks_the_files_the_run_reads(tmp_path):
+    """--validate-only refuses, with the line start-up would print, a missing dataset and a
+    checkpoint of another model (from its metadata alone); --config-only checks the config alone."""
+    import json
+    ckpt = tmp_path / "run" / "iter_0000030"
+    ckpt.mkdir(parents=True)
+    (tmp_path / "run" / "latest").write_text("iter_0000030")
+    model = {"num_layers": 4, "hidden_size": 128, "num_heads": 4, "seq_length": 64, "vocab_size": 512,
+             "ffn_hidden_size": 512}
+    (ckpt / "metadata.json").write_text(json.dumps({"config": {"model": model, "finetune": {"lora_rank": 0}}}))
+    resume = ["--checkpoint.load", "run", "--checkpoint.save", "run"]
+    proc = _train(resume + ["--validate-only"], str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "error: checkpoint 'run/iter_0000030' holds a model with model.hidden_size = 128, but this run has 64; "
+        "use the checkpoint's model config"]
+    assert _train(resume + ["--validate-only", "--config-only"], str(tmp_path)).returncode == 0
+    proc = _train(["--data.mock", "false", "--data.prefix", "data/missing", "--validate-only"], str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "error: dataset 'data/missing': data/missing.idx not found; pass the prefix without .bin/.idx, or make it "
+        "with data_tools/preprocess_data.py"]

@@ -15,7 +15,7 @@ from megazero.config import Config, ConfigError, build_config, load_yaml, refere
 from megazero.deepspeed_config import load_deepspeed_config
 from megazero.errors import exit_if_failed_before, report_errors
 from megazero.train import lifecycle
-from megazero.train.run_config import resolve_and_validate
+from megazero.train.run_config import preflight, resolve_and_validate
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -30,7 +30,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="DeepSpeed JSON config (ds_config.json) to import on top of --config")
     parser.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
     parser.add_argument("--validate-only", action="store_true",
-                        help="check the config for --world-size processes and exit (before launching any)")
+                        help="check the config for --world-size processes, and the files the run reads (data, the "
+                             "checkpoint it resumes, zero.nvme_path), and exit before launching any")
+    parser.add_argument("--config-only", action="store_true",
+                        help="with --validate-only: the config alone, not the files (before the data is prepared)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the full resolved config at start-up (logging.print_config)")
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
@@ -52,7 +55,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         for line in schedule_warnings(cfg):
             print(line, file=sys.stderr, flush=True)
     if args.validate_only:
-        print(f"config OK for {args.world_size} process(es)")
+        with report_errors():
+            if not args.config_only:
+                preflight(cfg)
+        print(f"config OK for {args.world_size} process(es)" + (" (files not checked)" if args.config_only else ""))
         return
     lifecycle.die_with_launcher()
     restarted = lifecycle.resume_on_restart(cfg)
