@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 from megazero.config import build_config, validate  # noqa: E402
 from megazero.plan.formulas import STATE_BYTES, model_state_bytes  # noqa: E402
-from megazero.plan.planner import Cluster, Layout, predict  # noqa: E402
+from megazero.plan.planner import Cluster, ParallelLayout, predict  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -68,8 +68,8 @@ def run_megazero(args: argparse.Namespace, stage: int) -> dict:
     tr.grid.reset_counters()
     tr.train_step()
     moved = tr.grid.bytes_moved()["dp"]
-    planned = predict(tr.cfg, Layout(1, 1, args.dp, 1, stage, args.micro, "none"), Cluster(args.dp, args.dp, 1.0, None),
-                      device="cpu").rank(0)
+    planned = predict(tr.cfg, ParallelLayout(1, 1, args.dp, 1, stage, args.micro, "none"),
+                      Cluster(args.dp, args.dp, 1.0, None), device="cpu").rank(0)
     tic = time.perf_counter()
     for _ in range(args.iters - 1):
         tr.train_step()

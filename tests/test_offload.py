@@ -13,7 +13,7 @@ from distributed import run_distributed
 from megazero.config import ConfigError, build_config, load_yaml, validate
 from megazero.errors import UserError
 from megazero.zero.partition import Range
-from megazero.zero.state import NvmeStore
+from megazero.zero.state import NvmeOptimizerStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.seq_length", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
@@ -169,7 +169,7 @@ def test_offload_equals_in_memory_at_every_stage(tmp_path):
 def test_nvme_store_streams_sub_groups_and_keeps_what_the_step_wrote(tmp_path):
     groups = [[Range(0, 0, 300, 0, True, True), Range(0, 300, 100, 300, False, True)],
               [Range(1, 0, 1000, 512, True, True)], [Range(2, 0, 7, 1600, True, True)]]
-    store = NvmeStore(1607, groups, str(tmp_path), buffer_count=2, pin=False)
+    store = NvmeOptimizerStore(1607, groups, str(tmp_path), buffer_count=2, pin=False)
     values = torch.arange(1607, dtype=torch.float32)
     store.write("master", 0, values)
     store.flush()
@@ -242,7 +242,7 @@ def test_nvme_store_refuses_a_disk_without_room(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 4096, 4096))
     with pytest.raises(UserError, match=r"has 0\.0 GiB free but the optimizer swap files need"):
-        NvmeStore(10**6, [[Range(0, 0, 10**6, 0, True, True)]], str(tmp_path), buffer_count=2, pin=False)
+        NvmeOptimizerStore(10**6, [[Range(0, 0, 10**6, 0, True, True)]], str(tmp_path), buffer_count=2, pin=False)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -57,7 +57,7 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
     from megazero.config import build_config, validate
     from megazero.parallel.grid import ProcessGrid
     from megazero.plan.measure import ActivationMeter
-    from megazero.plan.planner import Cluster, Layout, predict
+    from megazero.plan.planner import Cluster, ParallelLayout, predict
     from megazero.train.trainer import Trainer
     out = []
     for overrides in layouts:
@@ -72,7 +72,7 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
             tr.train_step()
         moved = tr.grid.bytes_moved()
         p, z, t = cfg.parallel, cfg.zero, cfg.train
-        layout = Layout(p.tp, p.pp, dp, p.vpp, z.stage, t.micro_batch_size, t.recompute, p.sequence_parallel)
+        layout = ParallelLayout(p.tp, p.pp, dp, p.vpp, z.stage, t.micro_batch_size, t.recompute, p.sequence_parallel)
         pred = predict(cfg, layout, Cluster(dist.get_world_size(), 8, 1.0, None), ranks=[tr.grid.pp_rank],
                        device="cpu").rank(tr.grid.pp_rank)
         out.append({"case": " ".join(overrides), "rank": dist.get_rank(),

@@ -155,13 +155,13 @@ def _stage3_prefetches(prefetches: list[int]) -> bytes:
     """ZeRO-3 at each `zero.prefetch`: what _run measures, and the planner's DP bytes."""
     import torch.distributed as dist
 
-    from megazero.plan.planner import Cluster, Layout, predict
+    from megazero.plan.planner import Cluster, ParallelLayout, predict
     out = {}
     for k in prefetches:
         args = ["--zero.stage", "3", "--zero.prefetch", str(k), "--optim.clip_grad", "0.5"]
         out[k] = _run(args, 3)
         cfg = _cfg(args)
-        layout = Layout(1, 1, dist.get_world_size(), 1, 3, cfg.train.micro_batch_size, "none")
+        layout = ParallelLayout(1, 1, dist.get_world_size(), 1, 3, cfg.train.micro_batch_size, "none")
         out[k]["planned"] = predict(cfg, layout, Cluster(2, 8, 1.0, None), ranks=[0], device="cpu").rank(0).bytes["dp"]
     return _pack(out)
 

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from megazero.parallel import comm
-from megazero.zero.partition import Bucket, FlatBuffers, Layout, Range, Slot
+from megazero.zero.partition import Bucket, FlatBuffers, FlatLayout, FlatSlot, Range
 
 # Bounded reductions in flight (see _InFlight.bounded): double buffering, one on the wire
 # while the next fills; more would only queue on the same link.
@@ -64,7 +64,7 @@ class _InFlight:
 class GradientSync:
     """fp32 gradients of one model-parallel rank's buckets and their DP reduction."""
 
-    def __init__(self, layout: Layout, *, stage: int, model_dtype: torch.dtype, reduce_dtype: torch.dtype,
+    def __init__(self, layout: FlatLayout, *, stage: int, model_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  dp: comm.Group, embed: Optional[comm.Group], tied_buckets: list[int], device: torch.device,
                  on_reduced: Optional[Callable[[int], None]] = None,
                  on_final: Optional[Callable[[Bucket, torch.Tensor], None]] = None):
@@ -88,7 +88,7 @@ class GradientSync:
         for b, s in self._trainable_slots():
             s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
 
-    def _trainable_slots(self) -> list[tuple[Bucket, Slot]]:
+    def _trainable_slots(self) -> list[tuple[Bucket, FlatSlot]]:
         return [(b, s) for b in self.layout.trainable_buckets() for s in b.slots]
 
     # ------------------------------------------------------------------ views
@@ -101,7 +101,7 @@ class GradientSync:
         """This rank's reduced gradient of bucket b."""
         return self.buffers.own_slice(b)
 
-    def bucket_view(self, b: Bucket, s: Slot) -> torch.Tensor:
+    def bucket_view(self, b: Bucket, s: FlatSlot) -> torch.Tensor:
         """Full buffers: parameter s's place in the fp32 gradient bucket b."""
         return self.buffers.full[b.index][s.offset: s.offset + s.numel].view(s.shape)
 
@@ -140,13 +140,13 @@ class GradientSync:
         self._add_sharded(b, s, grad)
         self._mark_ready(b, s)
 
-    def _add_sharded(self, b: Bucket, s: Slot, grad: torch.Tensor) -> None:
+    def _add_sharded(self, b: Bucket, s: FlatSlot, grad: torch.Tensor) -> None:
         buf = self._pending.get(b.index)
         if buf is None:
             buf = self._pending[b.index] = torch.zeros(b.numel, device=self.device)
         buf[s.offset: s.offset + s.numel].view(s.shape).add_(grad)
 
-    def _grad_ready(self, b: Bucket, s: Slot, p: nn.Parameter) -> None:
+    def _grad_ready(self, b: Bucket, s: FlatSlot, p: nn.Parameter) -> None:
         """Called by autograd once p's gradient of this backward pass is accumulated."""
         if self.sharded:
             self._add_sharded(b, s, p.grad)
@@ -163,7 +163,7 @@ class GradientSync:
                                    f"but the last of each model chunk in optimizer.no_sync()")
         self._mark_ready(b, s)
 
-    def _mark_ready(self, b: Bucket, s: Slot) -> None:
+    def _mark_ready(self, b: Bucket, s: FlatSlot) -> None:
         ready = self._ready.setdefault(b.index, set())
         ready.add(s.name)
         if len(ready) == len(b.slots):

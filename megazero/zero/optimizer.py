@@ -69,8 +69,8 @@ from megazero.zero.materialize import replace_meta_parameters
 from megazero.zero.params import ParamStore
 from megazero.zero.partition import (
     Bucket,
-    Layout,
-    Slot,
+    FlatLayout,
+    FlatSlot,
     bucket_groups,
     build_layout,
     split_frozen,
@@ -81,7 +81,7 @@ from megazero.zero.precision import COMPUTE_DTYPE, DynamicLossScaler
 from megazero.zero.sequence_parallel import SequenceParallelGrads
 from megazero.zero.shard_home import MemoryShard, NvmeShard, ShardHome
 from megazero.zero.stage3 import ParamGatherer, fetch_units
-from megazero.zero.state import MemoryStore, NvmeStore
+from megazero.zero.state import MemoryOptimizerStore, NvmeOptimizerStore
 
 
 @dataclass
@@ -134,7 +134,7 @@ class ZeroOptimizer:
             units, groups = fetch_units(chunks)
         else:
             groups = split_frozen(bucket_groups(chunks, z.bucket_size))
-        self.layout: Layout = build_layout(groups, shards, rank)
+        self.layout: FlatLayout = build_layout(groups, shards, rank)
         slots = self.layout.slots()
         tied = {id(c.tied_weight()) for c in chunks if c.tied_weight() is not None}
         self.tied_buckets = [b.index for b, s in slots if id(s.param) in tied and b.trainable]
@@ -201,7 +201,7 @@ class ZeroOptimizer:
         """Whether the step runs in host memory apart from the device's gradients."""
         return self.cfg.zero.offload_optimizer != "none" and self.grid.device.type != "cpu"
 
-    def _initial(self, b: Bucket, s: Slot) -> torch.Tensor:
+    def _initial(self, b: Bucket, s: FlatSlot) -> torch.Tensor:
         """Parameter s's starting value, flat: drawn from its chunk's init when the model was
         built on the meta device, else the values it holds."""
         if self.initial is not None:
@@ -210,18 +210,18 @@ class ZeroOptimizer:
             return self.chunks[b.chunk].initial_value(s.name, self.cfg.train.seed).reshape(-1)
         return s.param.detach().reshape(-1)
 
-    def _state_store(self) -> MemoryStore | NvmeStore:
+    def _state_store(self) -> MemoryOptimizerStore | NvmeOptimizerStore:
         """Master weights and moments (of the trainable buckets) where zero.offload_optimizer puts them."""
         z, n = self.cfg.zero, self.layout.trainable_numel
         # In fp32 with the parameters in device memory, the parameters are the master weights.
         separate = self.dtype != torch.float32 or z.offload_param != "none"
 
-        def build() -> MemoryStore | NvmeStore:
+        def build() -> MemoryOptimizerStore | NvmeOptimizerStore:
             if z.offload_optimizer == "none":
-                return MemoryStore(n, self.grid.device, separate_master=separate)
+                return MemoryOptimizerStore(n, self.grid.device, separate_master=separate)
             if z.offload_optimizer == "cpu":
-                return MemoryStore(n, torch.device("cpu"), separate_master=True, pin=z.pin_memory)
-            return NvmeStore(n, self.groups, z.nvme_path, z.buffer_count, z.pin_memory)
+                return MemoryOptimizerStore(n, torch.device("cpu"), separate_master=True, pin=z.pin_memory)
+            return NvmeOptimizerStore(n, self.groups, z.nvme_path, z.buffer_count, z.pin_memory)
         return comm.agreed(build, self.grid["world"])  # a full disk on one node stops every rank
 
     def _shard_home(self) -> ShardHome:

@@ -20,14 +20,14 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from megazero.parallel import comm
-from megazero.zero.partition import Bucket, FlatBuffers, Layout, Range, Slot
+from megazero.zero.partition import Bucket, FlatBuffers, FlatLayout, FlatSlot, Range
 from megazero.zero.shard_home import ShardHome
 
-Initial = Callable[[Bucket, Slot], torch.Tensor]
+Initial = Callable[[Bucket, FlatSlot], torch.Tensor]
 
 
 class ParamStore:
-    def __init__(self, layout: Layout, *, home: Optional[ShardHome], dtype: torch.dtype, device: torch.device,
+    def __init__(self, layout: FlatLayout, *, home: Optional[ShardHome], dtype: torch.dtype, device: torch.device,
                  initial: Initial, write_master: Callable[[int, torch.Tensor], None]) -> None:
         """`home` keeps the shard at stage 3; None at stages 0-2 (every bucket whole on `device`)."""
         self.layout, self.home, self.device = layout, home, device

@@ -8,7 +8,7 @@ bucket is reduce-scattered and all-gathered on its own, as soon as it is ready.
 
 A rank's *shard* is the concatenation of its slices of all buckets, in bucket order. Its
 optimizer state (fp32 master, Adam moments) and, at stage 2/3, its gradients are flat
-tensors in that shard space. `Layout.param_map()` records where every element of every
+tensors in that shard space. `FlatLayout.param_map()` records where every element of every
 parameter lives, for checkpoints and resharding.
 
 Frozen parameters (requires_grad False, e.g. the base model under LoRA) get buckets of
@@ -34,7 +34,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 @dataclass
-class Slot:
+class FlatSlot:
     """One parameter's place in its bucket."""
 
     name: str
@@ -48,7 +48,7 @@ class Slot:
 class Bucket:
     index: int
     chunk: int
-    slots: list[Slot]
+    slots: list[FlatSlot]
     numel: int
     """Padded size: a multiple of ALIGN x shards."""
     shards: int
@@ -85,7 +85,7 @@ class Range:
 
 
 @dataclass
-class Layout:
+class FlatLayout:
     buckets: list[Bucket]
     shards: int
     rank: int
@@ -110,7 +110,7 @@ class Layout:
     def param_numel(self) -> int:
         return sum(s.numel for b in self.buckets for s in b.slots)
 
-    def slots(self) -> list[tuple[Bucket, Slot]]:
+    def slots(self) -> list[tuple[Bucket, FlatSlot]]:
         return [(b, s) for b in self.buckets for s in b.slots]
 
     def param_map(self) -> dict:
@@ -226,7 +226,7 @@ def frozen_part(named: Named) -> Named:
     return [(n, p) for n, p in named if not p.requires_grad]
 
 
-def build_layout(groups: list[tuple[int, Named]], shards: int, rank: int) -> Layout:
+def build_layout(groups: list[tuple[int, Named]], shards: int, rank: int) -> FlatLayout:
     """One bucket per (chunk index, [(name, param), ...]) group, partitioned over `shards`
     ranks; the shard holds the trainable buckets first, then the frozen ones."""
     buckets = []
@@ -236,7 +236,7 @@ def build_layout(groups: list[tuple[int, Named]], shards: int, rank: int) -> Lay
             raise ValueError(f"bucket {index} mixes trainable and frozen parameters; split_frozen first")
         slots, offset = [], 0
         for name, p in named:
-            slots.append(Slot(name, p, offset, p.numel(), tuple(p.shape)))
+            slots.append(FlatSlot(name, p, offset, p.numel(), tuple(p.shape)))
             offset = _round_up(offset + p.numel(), ALIGN)
         buckets.append(Bucket(index, chunk, slots, bucket_numel([p.numel() for _, p in named], shards), shards,
                               0, trainable.pop()))
@@ -244,7 +244,7 @@ def build_layout(groups: list[tuple[int, Named]], shards: int, rank: int) -> Lay
     for b in sorted(buckets, key=lambda b: not b.trainable):  # stable: trainable first, each in bucket order
         b.shard_offset = shard_offset
         shard_offset += b.shard_numel
-    return Layout(buckets, shards, rank)
+    return FlatLayout(buckets, shards, rank)
 
 
 def sub_groups(ranges: list[Range], max_numel: int) -> list[list[Range]]:
@@ -267,7 +267,7 @@ class FlatBuffers:
     `trainable_only` (gradients) frozen buckets get no storage: the shard is the trainable
     prefix and their `full` tensors are empty."""
 
-    def __init__(self, layout: Layout, *, sharded: bool, dtype: torch.dtype, device: torch.device,
+    def __init__(self, layout: FlatLayout, *, sharded: bool, dtype: torch.dtype, device: torch.device,
                  trainable_only: bool = False) -> None:
         self.layout, self.sharded = layout, sharded
         numel = layout.trainable_numel if trainable_only else layout.shard_numel

@@ -21,10 +21,10 @@ import torch
 
 from megazero.parallel import comm
 from megazero.zero.grads import GradientSync
-from megazero.zero.partition import Layout, Range
+from megazero.zero.partition import FlatLayout, Range
 
 
-def sequence_parallel_ranges(layout: Layout) -> list[Range]:
+def sequence_parallel_ranges(layout: FlatLayout) -> list[Range]:
     """The runs of this rank's gradient shard that belong to parameters marked `sequence_parallel`."""
     runs = []
     for b in layout.trainable_buckets():
@@ -40,7 +40,7 @@ def sequence_parallel_ranges(layout: Layout) -> list[Range]:
 class SequenceParallelGrads:
     """All-reduces the partial gradients of sequence-parallel parameters over TP in one call."""
 
-    def __init__(self, layout: Layout, grads: GradientSync, tp: comm.Group):
+    def __init__(self, layout: FlatLayout, grads: GradientSync, tp: comm.Group):
         self.grads, self.tp = grads, tp
         self.ranges = sequence_parallel_ranges(layout)
         where = [(r.bucket, r.start, r.length, r.shard_offset) for r in self.ranges]
