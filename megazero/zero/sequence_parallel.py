@@ -26,15 +26,9 @@ from megazero.zero.partition import FlatLayout, Range
 
 def sequence_parallel_ranges(layout: FlatLayout) -> list[Range]:
     """The runs of this rank's gradient shard that belong to parameters marked `sequence_parallel`."""
-    runs = []
-    for b in layout.trainable_buckets():
-        lo, hi = b.slice_of(layout.rank)
-        for s in b.slots:
-            start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if getattr(s.param, "sequence_parallel", False) and start < end:
-                runs.append(Range(b.index, start, end - start, b.shard_offset + start - lo, decay=False,
-                                  counted=False))
-    return runs
+    return [Range(b.index, start, end - start, offset, decay=False, counted=False)
+            for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets(), layout.rank)
+            if getattr(s.param, "sequence_parallel", False)]
 
 
 class SequenceParallelGrads:
