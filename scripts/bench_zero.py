@@ -80,7 +80,7 @@ def run_megazero(args: argparse.Namespace, stage: int) -> dict:
            "dp_ops": {k: v for k, v in moved.items() if not k.endswith("_calls")}, "planned_dp": planned.bytes["dp"],
            "padded_numel": opt.layout.numel, "param_numel": opt.layout.param_numel,
            "micro": tr.num_microbatches, "memory": {"fp32": opt.model_state_bytes()},
-           "peak_materialized": opt.peak_materialized_numel}
+           "peak_materialized": opt.sharded.peak_materialized_numel}
     del tr, opt
     with contextlib.redirect_stdout(io.StringIO()):  # the same model in bf16, for the memory table
         tr16 = Trainer(make_config(args, stage, "bf16"), ProcessGrid.create(1, 1))

@@ -34,7 +34,7 @@ def _run(args: list[str], iters: int) -> dict:
     validate(cfg, dist.get_world_size())
     tr = Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
     losses = [tr.train_step()["loss"] for _ in range(iters)]
-    return {"losses": losses, "params": tr.optimizer.full_state_dict(), "state": tr.optimizer.state_dict(),
+    return {"losses": losses, "params": tr.optimizer.sharded.full_state_dict(), "state": tr.optimizer.state_dict(),
             "bytes": tr.optimizer.model_state_bytes(), "optimizer": tr.optimizer, "trainer": tr}
 
 
@@ -60,7 +60,7 @@ def _offload_world(nvme: str) -> list:
             # Resume: a fresh offloaded optimizer loads the state (and the model's shards) and
             # hands back the same.
             again = _run(base + extra, 0)["optimizer"]
-            again.load_model_state_dict(got["optimizer"].model_state_dict())
+            again.load_model_state_dict(got["optimizer"].sharded.model_state_dict())
             again.load_state_dict(got["state"])
             reloaded = again.state_dict()
             bytes_ = got["bytes"]
@@ -70,7 +70,7 @@ def _offload_world(nvme: str) -> list:
                         "state_equal": equal_state,
                         "reload_equal": all(torch.equal(reloaded[k], got["state"][k])
                                             for k in ("master", "exp_avg", "exp_avg_sq")),
-                        "model_reload_equal": all(torch.equal(again.full_state_dict()[n], p)
+                        "model_reload_equal": all(torch.equal(again.sharded.full_state_dict()[n], p)
                                                   for n, p in got["params"].items()),
                         "on_device": {k: bytes_[k] for k in ("optimizer", "params")},
                         "offloaded": bytes_["offloaded_host"] + bytes_["offloaded_nvme"],

@@ -86,7 +86,7 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
 def weight_storages(tr) -> set[int]:
     """Where the weights live now: parameters, and at ZeRO-3 the gathered buffers."""
     out = {p.untyped_storage().data_ptr() for c in tr.chunks for p in c.parameters()}
-    gatherer = tr.optimizer.gatherer
+    gatherer = tr.optimizer.sharded.gatherer
     return out | {f.untyped_storage().data_ptr() for f in gatherer.full} if gatherer else out
 
 

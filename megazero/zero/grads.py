@@ -65,17 +65,15 @@ class GradientSync:
     """fp32 gradients of one model-parallel rank's buckets and their DP reduction."""
 
     def __init__(self, layout: FlatLayout, *, stage: int, model_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 dp: comm.Group, embed: Optional[comm.Group], tied_buckets: list[int], device: torch.device,
-                 on_reduced: Optional[Callable[[int], None]] = None,
-                 on_final: Optional[Callable[[Bucket, torch.Tensor], None]] = None):
+                 dp: comm.Group, embed: Optional[comm.Group], tied_buckets: list[int], device: torch.device):
         self.layout, self.stage, self.dp, self.embed = layout, stage, dp, embed
         self.model_dtype, self.reduce_dtype, self.device = model_dtype, reduce_dtype, device
         self.sharded = stage >= 2
         self.tied_buckets = tied_buckets  # summed over `embed` (None on stages without the embedding)
-        self.on_reduced = on_reduced  # stage 3 releases a bucket's gathered parameters here
-        # ZeRO-Offload copies a bucket's gradient slice to host memory here, once it is final
-        # for the iteration (reduced in the last backward; tied ones after their embedding sum).
-        self.on_final = on_final
+        # Set by their owners: stage 3 releases a reduced bucket's parameters; ZeRO-Offload copies a gradient
+        # slice to the host once final for the iteration (last backward; tied ones after their embedding sum).
+        self.on_reduced: Optional[Callable[[int], None]] = None
+        self.on_final: Optional[Callable[[Bucket, torch.Tensor], None]] = None
         self.buffers = FlatBuffers(layout, sharded=self.sharded, dtype=torch.float32, device=device,
                                    trainable_only=True)
         self.reduced_numel = 0

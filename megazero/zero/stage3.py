@@ -10,8 +10,8 @@ bucket of its own because two units use it on a single-stage model (embedding, h
               free the buckets no later unit of its chunk uses
     backward: a hook on the unit's outputs fires when their gradient arrives, i.e. just
               before the unit's backward -> gather again, prefetch the previous
-              `zero.prefetch` units; the optimizer frees a bucket once every parameter of
-              it has its gradient (and has reduce-scattered it)
+              `zero.prefetch` units; the gradient sync frees a bucket once every parameter
+              of it has its gradient (and has reduce-scattered it)
 
 Fixed issue points. Every rank must issue its DP collectives in one order (NCCL matches
 them by position; the reduce-scatters start from autograd hooks on the same communicator),
@@ -130,8 +130,8 @@ class ParamGatherer:
         # per unit, the first and last units of its chunk
         self.chunk_span = [(min(j for j, v in enumerate(units) if v.chunk == u.chunk),
                             max(j for j, v in enumerate(units) if v.chunk == u.chunk)) for u in units]
-        for b in range(len(layout.buckets)):
-            self._free_storage(b)
+        for full in self.full:
+            full.untyped_storage().resize_(0)
         for i, unit in enumerate(units):
             unit.start.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i))
             unit.end.register_forward_hook(lambda m, a, o, i=i: self._after_forward(i))
@@ -139,6 +139,11 @@ class ParamGatherer:
                 module.register_forward_hook(lambda m, a, o, i=i: self._watch_output(i, o))
 
     # ------------------------------------------------------------------ buckets
+
+    def release_storage(self) -> None:
+        """Point every parameter at the placeholder (their values are in the shard home)."""
+        for b in range(len(self.full)):
+            self._free_storage(b)
 
     def _free_storage(self, b: int) -> None:
         for slot in self.layout.buckets[b].slots:
