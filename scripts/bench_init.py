@@ -60,6 +60,7 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
     from megazero.train.parallelize import parallelize
     from megazero.train.run_config import resolve_and_validate
     from megazero.zero.optimizer import ZeroOptimizer
+    from megazero.zero.shard import ShardedParameters
     torch.set_num_threads(1)
     base = rss_bytes()
     cfg = build_config(load_yaml(os.path.join(ROOT, f"configs/gpt2-{model}.yaml")),
@@ -73,7 +74,7 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
     else:  # the way before sharded init: every rank builds and initializes the whole model
         model = GPT(cfg.model, tracker)
         model.init_weights(cfg.train.seed)
-        opt = ZeroOptimizer([model], cfg, grid)
+        opt = ZeroOptimizer(ShardedParameters([model], cfg, grid), cfg, grid)
         del model
     largest = max(p.full_shape[0] * (p.full_shape[1] if len(p.full_shape) > 1 else 1)
                   for _, s in opt.layout.slots() for p in [s.param])

@@ -95,7 +95,7 @@ def _traffic(stages: list[int]) -> list[dict]:
                     "trainable_numel": sum(b.numel for b in trainable),
                     "frozen_numel": opt.layout.numel - sum(b.numel for b in trainable),
                     "reduced_numel": opt.grads.reduced_numel, "frozen_grads": sum(g is not None for g in frozen_grads),
-                    "bytes": opt.model_state_bytes(), "peak_gathered": opt.peak_materialized_numel,
+                    "bytes": opt.model_state_bytes(), "peak_gathered": opt.sharded.peak_materialized_numel,
                     "model_numel": opt.layout.numel, "largest_unit": max(b.numel for b in opt.layout.buckets)})
     return out
 

@@ -57,7 +57,7 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
     from megazero.config import build_config
     from megazero.parallel.grid import ProcessGrid
     from megazero.plan.measure import ActivationMeter
-    from megazero.plan.planner import Cluster, Layout, predict
+    from megazero.plan.planner import Cluster, ParallelLayout, predict
     from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
     out = []
@@ -73,7 +73,7 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
             tr.train_step()
         moved = tr.grid.bytes_moved()
         p, z, t = cfg.parallel, cfg.zero, cfg.train
-        layout = Layout(p.tp, p.pp, dp, p.vpp, z.stage, t.micro_batch_size, t.recompute, p.sequence_parallel)
+        layout = ParallelLayout(p.tp, p.pp, dp, p.vpp, z.stage, t.micro_batch_size, t.recompute, p.sequence_parallel)
         pred = predict(cfg, layout, Cluster(dist.get_world_size(), 8, 1.0, None), ranks=[tr.grid.pp_rank],
                        device="cpu").rank(tr.grid.pp_rank)
         out.append({"case": " ".join(overrides), "rank": dist.get_rank(),
@@ -87,7 +87,7 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
 def weight_storages(tr) -> set[int]:
     """Where the weights live now: parameters, and at ZeRO-3 the gathered buffers."""
     out = {p.untyped_storage().data_ptr() for c in tr.chunks for p in c.parameters()}
-    gatherer = tr.optimizer.gatherer
+    gatherer = tr.optimizer.sharded.gatherer
     return out | {f.untyped_storage().data_ptr() for f in gatherer.full} if gatherer else out
 
 

@@ -1,7 +1,7 @@
 """The training loop: data -> schedule (forward/backward) -> optimizer step -> metrics.
 
 Parallel pieces are put together here, in this order: grid and seeds, this rank's model
-chunks with the optimizer that materializes and shards them (train/parallelize.py), the
+chunks, sharded by ZeRO, with the optimizer on them (train/parallelize.py), the
 datasets. Every layout sees the same global batch: sample i depends only
 on (seed, i), and each DP rank takes a fixed slice of every global batch.
 """
@@ -120,10 +120,10 @@ class Trainer:
         def extra(directory: str) -> list[str]:
             written = []
             if c.save_model_16bit:
-                params = self.optimizer.full_parameters()
+                params = self.optimizer.sharded.full_parameters()
                 written.append(os.path.basename(save_model_16bit(directory, params, self.cfg, self.grid, dtype)))
             if self.cfg.finetune.lora_rank:  # the adapters alone, whole, as PEFT loads them
-                adapters = self.optimizer.full_parameters(trainable_only=True)
+                adapters = self.optimizer.sharded.full_parameters(trainable_only=True)
                 written += save_adapter(directory, adapters, self.cfg, self.grid)
             return written
         wanted = c.save_model_16bit or self.cfg.finetune.lora_rank
@@ -201,10 +201,9 @@ class Trainer:
         if self.grid.pp == 1:
             return forward_backward_no_pipelining(self.chunks[0], batches, num_tokens, self.optimizer, forward_only,
                                                   timers)
-        dtype = next(self.chunks[0].parameters()).dtype  # the compute dtype the optimizer cast the model to
         stats: dict = {}
         loss = forward_backward_pipelining(self.chunks, batches, num_tokens, self.grid, self.cfg.parallel.schedule,
-                                           dtype, self.optimizer, forward_only, stats, timers)
+                                           self.optimizer.compute_dtype, self.optimizer, forward_only, stats, timers)
         if timers is not untimed:
             self.timers.add("comm_wait", stats["wait_s"])  # blocked on pipeline neighbours
         return loss
