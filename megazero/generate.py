@@ -60,8 +60,8 @@ def build_model(ckpt: Checkpoint, tp: Group, device: torch.device | str = "cpu")
             if name not in params:
                 continue
             p = params[name]
-            full = fit_vocab(name, full.float(), p.full_shape)
-            p.copy_(shard_of(full, p.tp_dim, p.tp_stride, tp.rank, tp.size))
+            full = fit_vocab(name, full.float(), p.full_shape)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+            p.copy_(shard_of(full, p.tp_dim, p.tp_stride, tp.rank, tp.size))  # type: ignore[attr-defined]  # TP metadata (mark_tp)
             seen.add(name)
     missing = set(params) - seen
     if missing:

@@ -116,7 +116,7 @@ class HFInitialValues:
         if hf_name not in self.keys:
             raise CheckpointError(f"{self.path} has no tensor '{hf_name}': not a GPT-2 checkpoint of this model's shape")
         key, conv = self.keys[hf_name], hf_name.endswith(CONV1D_SUFFIXES)
-        full = tuple(p.full_shape)
+        full = tuple(p.full_shape)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
         expected = tuple(reversed(full)) if conv else full
         rows = None
         if hf_name == "transformer.wte.weight":
@@ -127,7 +127,7 @@ class HFInitialValues:
         if got != expected and not (rows and got[1:] == expected[1:] and got[0] >= rows):
             raise CheckpointError(f"{self.path}: '{key}' has shape {list(got)}, but the model config needs "
                              f"{list(expected)}; the model section does not match this checkpoint")
-        dim, stride = (p.tp_dim, p.tp_stride) if tp_size > 1 else (None, 1)
+        dim, stride = (p.tp_dim, p.tp_stride) if tp_size > 1 else (None, 1)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
         if hf_name == "transformer.wte.weight":
             dim = 0  # read by rows at any tp, so the padding rows come out as zeros
         if dim is None:

@@ -67,7 +67,7 @@ def _fill(ckpt: Checkpoint, model: GPT, store: WeightStore, layout: BlockLayout)
                                           f"{slot.shape}; the checkpoint does not match its config")
                 store.put(int(index), slot.offset, full.float())
             elif name in params:
-                params[name].copy_(fit_vocab(name, full.float(), params[name].full_shape))
+                params[name].copy_(fit_vocab(name, full.float(), params[name].full_shape))  # type: ignore[attr-defined]  # TP metadata (mark_tp)
             else:
                 continue
             seen.add(name)
