@@ -30,7 +30,7 @@ the post-step all-gathers of stages 1-2 (`params.wait_all`).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -42,35 +42,25 @@ from megazero.parallel.host import HostStaging
 from megazero.zero.grads import GradientSync
 from megazero.zero.materialize import replace_meta_parameters
 from megazero.zero.params import ParamStore
-from megazero.zero.partition import Bucket, FlatLayout, FlatSlot, bucket_groups, build_layout, split_frozen
+from megazero.zero.partition import (
+    Bucket,
+    FlatLayout,
+    FlatSlot,
+    ShardableModel,
+    bucket_groups,
+    build_layout,
+    split_frozen,
+)
 from megazero.zero.precision import COMPUTE_DTYPE
 from megazero.zero.sequence_parallel import SequenceParallelGrads
 from megazero.zero.shard_home import MemoryShard, NvmeShard, ShardHome
 from megazero.zero.stage3 import ParamGatherer, fetch_units
 
 
-class ShardableModel(Protocol):
-    """What ZeRO needs from each model chunk (megazero.model.gpt.GPT provides it)."""
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
-
-    def tied_weight(self) -> Optional[nn.Parameter]:
-        """The embedding copy whose gradient is summed over the embedding group."""
-
-    def no_weight_decay(self) -> set[str]:
-        """Names of the parameters AdamW does not decay (read by the optimizer)."""
-
-    def units(self) -> list:
-        """Stage 3's fetch units in execution order (see GPT.units)."""
-
-    def initial_value(self, name: str, seed: int) -> torch.Tensor:
-        """A parameter's starting value on this TP rank (materializes meta-device models)."""
-
-
 class ShardedParameters:
     """One model-parallel rank's model chunks, their parameters held in flat buckets (see above)."""
 
-    def __init__(self, chunks: list[ShardableModel], cfg: Config, grid: ProcessGrid,
+    def __init__(self, chunks: Sequence[ShardableModel], cfg: Config, grid: ProcessGrid,
                  initial: Optional[Callable[[int, str, nn.Parameter], torch.Tensor]] = None):
         """`initial(chunk index, name, parameter)`, when given, supplies starting values
         (this TP rank's shard, e.g. read from pretrained weights) instead of the model's init."""
@@ -115,7 +105,7 @@ class ShardedParameters:
             self.gatherer.release_storage()
         self.grads.zero_grad()
 
-    def _wait_in_forward(self, chunks: list[ShardableModel]) -> None:
+    def _wait_in_forward(self, chunks: Sequence[ShardableModel]) -> None:
         """Stages 1-2: a bucket's post-step all-gather is waited by the forward pre-hook of the
         first unit using it (later ones find it done), so the next forward starts while later
         buckets are in flight; module.state_dict() waits for all through a hook."""

@@ -59,7 +59,7 @@ from torch import nn
 
 from megazero.parallel import comm
 from megazero.parallel.weight_grad import WeightGradStore
-from megazero.zero.partition import FlatLayout, Named, split_frozen
+from megazero.zero.partition import FlatLayout, Named, ShardableModel, split_frozen
 from megazero.zero.shard_home import ShardHome
 
 
@@ -74,7 +74,7 @@ class FetchUnit:
     buckets: tuple[int, ...]
 
 
-def fetch_units(chunks: list[nn.Module]) -> tuple[list[FetchUnit], list[tuple[int, Named]]]:
+def fetch_units(chunks: Sequence[ShardableModel]) -> tuple[list[FetchUnit], list[tuple[int, Named]]]:
     """The fetch units of each model chunk in execution order (the chunk's own `units()`),
     and the layout's bucket groups: one per unit (two when it holds trainable and frozen
     parameters), plus one per tied weight."""
