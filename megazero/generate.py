@@ -144,6 +144,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             raise UserError(f"{ckpt.kind} '{args.load}' names no tokenizer; pass --tokenizer gpt2bpe:DIR "
                             f"or sentencepiece:FILE")
         tokenizer = build_tokenizer(spec)
+        assert isinstance(m.vocab_size, int)
         if tokenizer.vocab_size > m.vocab_size:
             raise UserError(f"tokenizer {spec} has {tokenizer.vocab_size} tokens but the model only "
                             f"{m.vocab_size}; pass the tokenizer the model was trained with")
