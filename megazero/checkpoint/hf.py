@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -95,6 +95,7 @@ class HFInitialValues:
 
     def __init__(self, hf_dir: str, m: ModelConfig) -> None:
         self.path, self.m = hf_weights_file(hf_dir), m
+        self._file: Any  # a safetensors safe_open, or a state_dict
         if self.path.endswith(".safetensors"):
             self._file = safe_open(self.path, framework="pt")
             keys = list(self._file.keys())
