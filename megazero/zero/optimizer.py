@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -177,6 +177,7 @@ class ZeroOptimizer:
         """Whether every rank's master weights are finite (collective over the world)."""
         self.params.wait_all()
         bad = torch.zeros(1, device=self.grid.device)
+        values: Iterable[torch.Tensor]
         if self.state.separate_master:  # piece by piece: swapped state never whole in memory
             masters = (values for _, values in self.state.pieces("master"))
             values = itertools.chain(masters, self.params.own_slices(frozen_only=True))

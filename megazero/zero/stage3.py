@@ -92,7 +92,7 @@ def fetch_units(chunks: Sequence[ShardableModel]) -> tuple[list[FetchUnit], list
             own = tuple(range(len(groups), len(groups) + len(kinds)))
             groups += kinds
             units.append(FetchUnit(ci, part.start, part.end, part.outputs,
-                                   own + ((tied_bucket,) if part.uses_tied else ())))
+                                   own + ((tied_bucket,) if part.uses_tied else ())))  # type: ignore[operator]  # uses_tied: a tied bucket
     return units, groups
 
 
@@ -239,7 +239,8 @@ class ParamGatherer:
 
     def _neighbours(self, i: int, step: int, count: int) -> list[FetchUnit]:
         """Up to `count` units after (step 1) or before (step -1) unit i in its chunk."""
-        out, j = [], i + step
+        out: list[FetchUnit] = []
+        j = i + step
         while len(out) < count and 0 <= j < len(self.units) and self.units[j].chunk == self.units[i].chunk:
             out.append(self.units[j])
             j += step
