@@ -80,7 +80,7 @@ class ShardedParameters:
         self.params = ParamStore(self.layout, home=self._shard_home() if self.stage == 3 else None,
                                  dtype=self.compute_dtype, device=grid.device)
         stores = [getattr(c, "weight_grads", None) for c in chunks]  # zbh1's deferred weight gradients
-        self.gatherer = (ParamGatherer(self.layout, self.params.home, units, grid.dp_group, z.prefetch,
+        self.gatherer = (ParamGatherer(self.layout, self.params.home, units, grid.dp_group, z.prefetch,  # type: ignore[arg-type]  # stage 3: home and units set
                                        self.compute_dtype, grid.device, stores)
                          if self.stage == 3 else None)
         self.grads = GradientSync(self.layout, stage=self.stage, model_dtype=self.compute_dtype,
@@ -157,6 +157,7 @@ class ShardedParameters:
         host = HostStaging()  # one pinned buffer for every tensor
         if self.stage < 3:
             return {s.name: host.copy(s.param.detach()) for _, s in self.layout.slots()}
+        assert self.params.home is not None  # stage 3
         return {name: host.copy(self.params.home.read(offset, length)) for name, offset, length in self.params.pieces()}
 
     @torch.no_grad()
@@ -169,6 +170,7 @@ class ShardedParameters:
         else:
             for name, offset, length in self.params.pieces():
                 if length:
+                    assert self.params.home is not None  # stage 3
                     self.params.home.write(offset, state[name])
         self.params.flush()
 
@@ -184,6 +186,7 @@ class ShardedParameters:
             yield
         finally:
             for b in newly:
+                assert self.gatherer is not None
                 self.gatherer.release(b)
 
     def full_parameters(self, trainable_only: bool = False) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
@@ -195,11 +198,11 @@ class ShardedParameters:
             if trainable_only and not bucket.trainable:
                 continue
             fetched = self.gatherer is not None and index not in self.gatherer.gathered
-            if fetched:
+            if fetched and self.gatherer is not None:
                 self.gatherer.fetch(index)
             for slot in bucket.slots:
                 yield slot.name, slot.param, slot.param.detach()
-            if fetched:
+            if fetched and self.gatherer is not None:
                 self.gatherer.release(index)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -209,6 +212,7 @@ class ShardedParameters:
         return {name: host.copy(value) for name, _, value in self.full_parameters()}
 
     def _refuse_sharded_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        assert self.gatherer is not None  # registered at stage 3 only
         if self.gatherer.gathered != set(range(len(self.layout.buckets))):
             raise RuntimeError("zero stage 3 keeps parameters sharded, so module.state_dict() would hold empty "
                                "placeholders; use the ShardedParameters' model_state_dict() (shards) or "
