@@ -443,10 +443,12 @@ def _is_list_key(name: str) -> bool:
 def field_docs(section: str) -> dict[str, str]:
     """Field name -> the docstring written under it in the section's class body."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(SECTIONS[section])))
-    body = tree.body[0].body
+    cls = tree.body[0]
+    assert isinstance(cls, ast.ClassDef)
+    body = cls.body
     docs = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
@@ -520,6 +522,7 @@ def validate(cfg: Config, world_size: int) -> int:
     """Check every value of a resolved config and their consistency; return the inferred
     data-parallel degree. Changes nothing."""
     m, p, t, o, z = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.zero
+    value: Any  # a number (model.vocab_size is resolved by now)
     if not cfg.data.mock and not cfg.data.prefix:
         raise ConfigError("no training data: set data.prefix (indexed dataset prefixes) or data.mock true")
     for key, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),

@@ -31,7 +31,7 @@ def report_errors(*extra: type[BaseException], every_rank: bool = False) -> Iter
     (config validation, a collective that agreed on a failure)."""
     try:
         yield
-    except (UserError, *extra) as e:
+    except (UserError, *extra) as e:  # type: ignore[misc]  # mypy cannot type a starred exception tuple
         if every_rank:
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:

@@ -60,8 +60,8 @@ def build_model(ckpt: Checkpoint, tp: Group, device: torch.device | str = "cpu")
             if name not in params:
                 continue
             p = params[name]
-            full = fit_vocab(name, full.float(), p.full_shape)
-            p.copy_(shard_of(full, p.tp_dim, p.tp_stride, tp.rank, tp.size))
+            full = fit_vocab(name, full.float(), p.full_shape)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+            p.copy_(shard_of(full, p.tp_dim, p.tp_stride, tp.rank, tp.size))  # type: ignore[attr-defined]  # TP metadata (mark_tp)
             seen.add(name)
     missing = set(params) - seen
     if missing:
@@ -144,6 +144,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             raise UserError(f"{ckpt.kind} '{args.load}' names no tokenizer; pass --tokenizer gpt2bpe:DIR "
                             f"or sentencepiece:FILE")
         tokenizer = build_tokenizer(spec)
+        assert isinstance(m.vocab_size, int)
         if tokenizer.vocab_size > m.vocab_size:
             raise UserError(f"tokenizer {spec} has {tokenizer.vocab_size} tokens but the model only "
                             f"{m.vocab_size}; pass the tokenizer the model was trained with")

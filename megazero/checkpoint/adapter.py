@@ -83,6 +83,7 @@ def adapters_folded(ckpt: Checkpoint) -> Checkpoint:
 def describe_adapters(ckpt: Checkpoint) -> str:
     """The adapters of a LoRA checkpoint in one phrase: rank, alpha, and the weights they adapt
     (e.g. "rank 8, alpha 16 (W + 2 B A) on 8 weights: attn.c_attn, mlp.c_fc of 4 blocks")."""
+    assert ckpt.adapters is not None
     scale, _ = ckpt.adapters
     adapted = sorted(n.removesuffix(".lora_A.weight") for n in ckpt.shapes if n.endswith(".lora_A.weight"))
     rank = ckpt.shapes[adapted[0] + ".lora_A.weight"][0] if adapted else 0

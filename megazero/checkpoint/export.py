@@ -68,6 +68,7 @@ def _record_offsets(f: IO[bytes]) -> dict[str, int]:
 def write_torch(reader: Checkpoint, output: str, dtype: torch.dtype) -> None:
     """One plain state_dict for megazero's non-parallel GPT-2 (load with strict=True), and
     OUTPUT.config.json with the model config and tokenizer needed to use it."""
+    assert isinstance(reader.model_config.vocab_size, int)
     shapes = _with_vocab_rows(reader, padded_vocab_size(reader.model_config.vocab_size, 1))  # re-padded for tp = 1
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     save_streaming(output, shapes, dtype,
@@ -94,6 +95,7 @@ def write_universal(reader: Checkpoint, output: str) -> None:
     by tensor)."""
     state = reader.trainer_state()  # first: a weights-only source fails before anything is written
     os.makedirs(output, exist_ok=True)
+    assert isinstance(reader.model_config.vocab_size, int)
     shapes = _with_vocab_rows(reader, reader.model_config.vocab_size)  # no padding in the universal format
     files = {}
     for kind in KINDS:
@@ -109,6 +111,7 @@ def write_universal(reader: Checkpoint, output: str) -> None:
 
 def hf_config(m: ModelConfig, eos_token_id: int | None = None) -> dict:
     """GPT2Config fields for a megazero model."""
+    assert isinstance(m.vocab_size, int)
     eos = m.vocab_size - 1 if eos_token_id is None else eos_token_id
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -146,6 +149,7 @@ def hf_shape(name: str, shape: tuple[int, ...], m: ModelConfig) -> tuple[int, ..
     if name.endswith(CONV1D_SUFFIXES):
         return tuple(reversed(shape))
     if name == "transformer.wte.weight":
+        assert isinstance(m.vocab_size, int)
         return (m.vocab_size, shape[1])
     return tuple(shape)
 

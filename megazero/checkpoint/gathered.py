@@ -36,11 +36,11 @@ from megazero.parallel.grid import ProcessGrid
 
 def _tp_full(local: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tensor:
     """Join the TP shards of one parameter (collective over the TP group)."""
-    if param.tp_dim is None or tp.size == 1:
+    if param.tp_dim is None or tp.size == 1:  # type: ignore[attr-defined]  # TP metadata (mark_tp)
         return local
     flat = torch.empty(tp.size * local.numel(), dtype=local.dtype, device=local.device)
     comm.all_gather_into(flat, local.reshape(-1), tp)
-    return unshard(list(flat.view(tp.size, *local.shape).unbind(0)), param.tp_dim, param.tp_stride)
+    return unshard(list(flat.view(tp.size, *local.shape).unbind(0)), param.tp_dim, param.tp_stride)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
 
 
 def save_model_16bit(directory: str, full_parameters: Iterator[tuple[str, nn.Parameter, torch.Tensor]],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -95,6 +95,7 @@ class HFInitialValues:
 
     def __init__(self, hf_dir: str, m: ModelConfig) -> None:
         self.path, self.m = hf_weights_file(hf_dir), m
+        self._file: Any  # a safetensors safe_open, or a state_dict
         if self.path.endswith(".safetensors"):
             self._file = safe_open(self.path, framework="pt")
             keys = list(self._file.keys())
@@ -116,7 +117,7 @@ class HFInitialValues:
         if hf_name not in self.keys:
             raise CheckpointError(f"{self.path} has no tensor '{hf_name}': not a GPT-2 checkpoint of this model's shape")
         key, conv = self.keys[hf_name], hf_name.endswith(CONV1D_SUFFIXES)
-        full = tuple(p.full_shape)
+        full = tuple(p.full_shape)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
         expected = tuple(reversed(full)) if conv else full
         rows = None
         if hf_name == "transformer.wte.weight":
@@ -127,7 +128,7 @@ class HFInitialValues:
         if got != expected and not (rows and got[1:] == expected[1:] and got[0] >= rows):
             raise CheckpointError(f"{self.path}: '{key}' has shape {list(got)}, but the model config needs "
                              f"{list(expected)}; the model section does not match this checkpoint")
-        dim, stride = (p.tp_dim, p.tp_stride) if tp_size > 1 else (None, 1)
+        dim, stride = (p.tp_dim, p.tp_stride) if tp_size > 1 else (None, 1)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
         if hf_name == "transformer.wte.weight":
             dim = 0  # read by rows at any tp, so the padding rows come out as zeros
         if dim is None:

@@ -24,6 +24,7 @@ def resolve_init_from_hf(cfg: Config) -> None:
     """Resolve against checkpoint.init_from_hf: a GPT-2 directory whose config.json the model section
     matches (refused otherwise); model.vocab_size auto becomes its vocabulary size."""
     d, m = cfg.checkpoint.init_from_hf, cfg.model
+    assert d is not None
     path = os.path.join(d, "config.json")
     if not os.path.isfile(path) or not any(os.path.isfile(os.path.join(d, n))
                                            for n in ("model.safetensors", "pytorch_model.bin")):
@@ -42,6 +43,7 @@ def resolve_init_from_hf(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.init_from_hf {d} uses activation {hf['activation_function']}; megazero's "
                           f"GPT-2 uses the tanh GELU (gelu_new)")
     theirs = model_config_from_hf(hf)
+    assert isinstance(theirs.vocab_size, int)
     if cfg.data.tokenizer and tokenizer_size(cfg.data.tokenizer) > theirs.vocab_size:
         raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r} has {tokenizer_size(cfg.data.tokenizer)} tokens but "
                           f"the GPT-2 in {d} only {theirs.vocab_size}; use the tokenizer that model was trained with")

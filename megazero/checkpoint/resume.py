@@ -17,7 +17,7 @@ parameter beyond its own shards; the trainer then reseeds the RNG streams.
 from __future__ import annotations
 
 import os
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -35,7 +35,7 @@ from megazero.parallel.grid import ProcessGrid
 FRESH, HF, RESUME = "fresh", "hf", "resume"
 
 
-def starting_point(load: str, iteration: int = 0, init_from_hf: str = "") -> str:
+def starting_point(load: Optional[str], iteration: int = 0, init_from_hf: Optional[str] = "") -> str:
     """FRESH, HF or RESUME (see above), from the files alone: every rank decides alike."""
     if load and (iteration or any(os.path.isfile(os.path.join(load, n)) for n in ("universal.json", LATEST))):
         return RESUME
@@ -57,6 +57,7 @@ def resume_state(load: str, iteration: int, cfg: Config, grid: ProcessGrid,
             if meta["layout"] == layout_of(cfg, grid):
                 return ckpt, _own_files(ckpt, meta, grid)
         reader = open_checkpoint(ckpt).training
+        assert reader is not None  # a megazero checkpoint
         check_model(reader.meta, cfg, ckpt)
         return ckpt, {**reader.trainer_state(),
                       "optimizer": reshard_optimizer_state(reader, template(), grid.tp_rank, grid.tp)}

@@ -70,7 +70,7 @@ def _write_rank_file(path: str, rank_state: dict) -> dict:
     with atomic_write(path) as f:
         writer = digest.HashingWriter(f)
         try:
-            torch.save(rank_state, writer)
+            torch.save(rank_state, writer)  # type: ignore[arg-type]  # torch.save takes any object with write()
         except RuntimeError:
             if writer.error is not None:  # the disk's own error (full, too large), not torch's wrapper
                 raise writer.error from None

@@ -112,7 +112,7 @@ class ShardedReader:
         # Partition maps are identical on every DP rank of a (tp, pp) coordinate.
         self.maps = {(tp, pp): self.optimizer_state(tp, pp, 0)["partition"]
                      for pp in range(self.pp) for tp in range(self.tp)}
-        self.stage_of = {}  # name -> pipeline rank holding it (the tied head copy aside)
+        self.stage_of: dict[str, int] = {}  # name -> pipeline rank holding it (the tied head copy aside)
         for pp in range(self.pp):
             for name in self.maps[(0, pp)]["params"]:
                 self.stage_of.setdefault(name, pp)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -47,7 +47,8 @@ def save_safetensors_streaming(path: str, shapes: dict[str, tuple[int, ...]], dt
     written at its offset as it arrives (from any device, through a pinned buffer). Renamed
     into place only when every tensor came."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    header, offset = {}, 0
+    header: dict[str, Any] = {}
+    offset = 0
     for name, shape in shapes.items():
         nbytes = itemsize * int(torch.Size(shape).numel())
         header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}

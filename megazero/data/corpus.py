@@ -63,7 +63,7 @@ def default_examples() -> tuple[tuple[str, str], ...]:
     default corpus: for each documented public function or class, the prompt asks what it
     does and the completion is the first sentence of its docstring. Fixed order, deduplicated."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    pairs = {}
+    pairs: dict[str, str] = {}
     for path in _stdlib_sources(stdlib):
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -117,7 +117,7 @@ def _topic_documents() -> list[str]:
 def _stdlib_sources(stdlib: Path) -> list[Path]:
     """The standard library's .py files, sorted, pruning skipped folders before walking them
     (site-packages alone can hold tens of thousands of files)."""
-    found = []
+    found: list[Path] = []
     for folder, dirs, files in os.walk(stdlib):
         dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
         found.extend(Path(folder, f) for f in files if f.endswith(".py"))

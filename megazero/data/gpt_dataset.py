@@ -315,6 +315,7 @@ class GPTDataset:
 
     def _packed_spans(self, i: int) -> list[tuple[int, int]]:
         """[start, end) in the flat token array of each piece of packed sample i."""
+        assert self.sample_starts is not None and self.shuffle is not None  # packed samples
         position, offset = (int(v) for v in self.sample_starts[self.shuffle[i]])
         spans, need = [], self.seq_length + 1
         while need:
@@ -333,6 +334,7 @@ class GPTDataset:
         tokens = np.zeros(self.seq_length + 1, dtype=np.int64)
         tokens[:n] = self.indexed.tokens[start : start + n]
         mask = np.zeros(self.seq_length + 1, dtype=np.uint8)
+        assert self.loss_mask is not None  # one example per sample: fine-tuning data
         mask[:n] = self.loss_mask.tokens[start : start + n]
         return Example(self._checked(tokens), mask)
 
@@ -396,7 +398,9 @@ class BlendedDataset:
     def __getitem__(self, i: int) -> Sample:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range [0, {self.num_samples})")
-        return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
+        dataset = self.datasets[int(self.dataset_index[i])]
+        assert dataset is not None  # only datasets with samples are indexed
+        return dataset[int(self.sample_index[i])]
 
 
 # --- building the three splits ---------------------------------------------------------------
@@ -425,7 +429,7 @@ def build_train_valid_test_datasets(
     paths, weights = parse_blend(prefixes)
     fractions = parse_split(split)
     indexed = [IndexedDataset(p) for p in paths]
-    result = []
+    result: list[GPTDataset | BlendedDataset | None] = []
     for s in range(3):
         if num_samples[s] <= 0 or fractions[s] == 0:
             result.append(None)

@@ -78,6 +78,7 @@ def _proto_fields(buf: bytes) -> dict[int, list[Any]]:
     while i < len(buf):
         key, i = _varint(buf, i)
         number, wire = key >> 3, key & 7
+        value: int | bytes
         if wire == 0:
             value, i = _varint(buf, i)
         elif wire == 2:
@@ -147,7 +148,7 @@ def _spm_normalizer(spec: dict[int, list[Any]], add_dummy_prefix: bool) -> Any:
     dummy prefix, spaces made visible."""
     from tokenizers import Regex, normalizers
 
-    steps = []
+    steps: list[normalizers.Normalizer] = []
     charsmap = _field(spec, 2, b"")
     if charsmap:
         steps.append(normalizers.Precompiled(charsmap))

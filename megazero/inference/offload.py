@@ -67,7 +67,7 @@ def _fill(ckpt: Checkpoint, model: GPT, store: WeightStore, layout: BlockLayout)
                                           f"{slot.shape}; the checkpoint does not match its config")
                 store.put(int(index), slot.offset, full.float())
             elif name in params:
-                params[name].copy_(fit_vocab(name, full.float(), params[name].full_shape))
+                params[name].copy_(fit_vocab(name, full.float(), params[name].full_shape))  # type: ignore[attr-defined]  # TP metadata (mark_tp)
             else:
                 continue
             seen.add(name)
@@ -94,8 +94,9 @@ class BlockStreamer:
             self.copy_stream = torch.cuda.Stream(device)
         self.copied: list[Optional[torch.cuda.Event]] = [None, None]  # last copy out of each host buffer
         self.freed: list[Optional[torch.cuda.Event]] = [None, None]  # last compute that read each device slot
-        self.pool = ThreadPoolExecutor(1, initializer=torch.cuda.set_device if self.cuda else None,
-                                       initargs=(device,) if self.cuda else ())
+        # typeshed cannot pair a conditional initializer with its initargs
+        self.pool = ThreadPoolExecutor(1, initializer=torch.cuda.set_device if self.cuda else None,  # type: ignore[arg-type]
+                                       initargs=(device,) if self.cuda else ())  # type: ignore[arg-type]
         self.pending: dict[int, tuple[int, Future]] = {}  # block -> (turn, its fetch)
         self.bound: dict[int, int] = {}  # block -> the turn whose weights it runs with
         self.turn = 0
@@ -124,8 +125,8 @@ class BlockStreamer:
 
     def _fetch(self, i: int, k: int, freed: Optional[torch.cuda.Event]) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
         """Block i's flat weights on the device, in turn k's buffers (background thread)."""
-        if self.copied[k] is not None:
-            self.copied[k].synchronize()  # host buffer k is reused once its last copy is done
+        if (copied := self.copied[k]) is not None:
+            copied.synchronize()  # host buffer k is reused once its last copy is done
         host = self.store.fetch(i, self.buffers[k])
         if not self.cuda:
             return host, None
@@ -158,8 +159,8 @@ class BlockStreamer:
     def _after(self, i: int) -> None:
         k = self.bound.pop(i)
         if self.cuda:
-            self.freed[k] = torch.cuda.Event()
-            self.freed[k].record(torch.cuda.current_stream(self.device))
+            self.freed[k] = freed = torch.cuda.Event()
+            freed.record(torch.cuda.current_stream(self.device))
         for module, attr, placeholder in self.placeholders[i]:
             setattr(module, attr, placeholder)  # a block run outside the streamer fails on meta, loudly
 

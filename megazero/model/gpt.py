@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -163,9 +163,10 @@ class GPT(nn.Module):
         self.layers = list(range(cfg.num_layers) if layers is None else layers)
         self.pre_process, self.post_process = pre_process, post_process
         self.weight_grads: Optional[WeightGradStore] = None  # set: the head's weight gradient may be deferred
+        assert isinstance(cfg.vocab_size, int), "resolve the config first"
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, 1)
 
-        self.transformer = nn.Module()
+        self.transformer: Any = nn.Module()  # a plain container: its children are set below
         if pre_process:
             self.transformer.wte = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size)
             # Values come from init_weights / initial_value: no reset_parameters (on the meta device
@@ -178,7 +179,7 @@ class GPT(nn.Module):
         if post_process:
             self.transformer.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
             if not pre_process:  # the last stage keeps its own copy of the tied embedding
-                self.lm_head = nn.Module()
+                self.lm_head: Any = nn.Module()
                 self.lm_head.weight = mark_tp(nn.Parameter(torch.empty(self.padded_vocab, cfg.hidden_size)), 0, 1,
                                               (self.padded_vocab, cfg.hidden_size))
         for p in self.parameters():  # replicated parameters: LayerNorm, wpe, row-parallel bias
@@ -189,6 +190,7 @@ class GPT(nn.Module):
         """The model's own TP state: the group its head and loss use, the vocabulary padded
         to a multiple of 128 x tp, and the last stage's copy of the tied embedding split like
         the embedding itself (its layers split themselves)."""
+        assert isinstance(self.cfg.vocab_size, int)
         self.tp, self.padded_vocab = tp, padded_vocab_size(self.cfg.vocab_size, tp.size)
         if self.post_process and not self.pre_process:
             split_parameter_(self.lm_head, "weight", tp, 0, full_rows=self.padded_vocab)
@@ -207,10 +209,10 @@ class GPT(nn.Module):
             return
         for module in self.modules():
             if hasattr(module, "sequence_parallel"):
-                module.sequence_parallel = True
+                module.sequence_parallel = True  # type: ignore[assignment]  # torch types Module attributes Tensor | Module
         for p in self.parameters():
-            if p.tp_dim is None:
-                p.sequence_parallel = True
+            if p.tp_dim is None:  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+                p.sequence_parallel = True  # type: ignore[attr-defined]  # TP metadata (mark_tp)
 
     def hidden_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
         """Shape of the hidden states a stage passes on for [batch, seq] tokens."""
@@ -247,6 +249,7 @@ class GPT(nn.Module):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy [b, s] from vocab-parallel logits (padding masked out); 0, with
         no gradient, where a label is negative (a prompt or padding token of fine-tuning data)."""
+        assert isinstance(self.cfg.vocab_size, int)
         loss = vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size)
         return loss.masked_fill(labels < 0, 0.0)
 
@@ -265,25 +268,25 @@ class GPT(nn.Module):
         the same model; a model built on the meta device is materialized from this, one
         parameter at a time."""
         p = self.get_parameter(name)
-        return shard_of(self._full_init(name, p, seed), p.tp_dim, p.tp_stride, self.tp.rank, self.tp.size)
+        return shard_of(self._full_init(name, p, seed), p.tp_dim, p.tp_stride, self.tp.rank, self.tp.size)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
 
     def _full_init(self, name: str, p: nn.Parameter, seed: int) -> torch.Tensor:
         if name == "lm_head.weight":
             name = "transformer.wte.weight"  # identical to the first stage's copy
         if ".ln_" in name or name.startswith("transformer.ln_f"):
-            return torch.ones(p.full_shape, device="cpu") if name.endswith("weight") else torch.zeros(p.full_shape, device="cpu")
+            return torch.ones(p.full_shape, device="cpu") if name.endswith("weight") else torch.zeros(p.full_shape, device="cpu")  # type: ignore[attr-defined]  # TP metadata (mark_tp)
         if name.endswith("bias"):
-            return torch.zeros(p.full_shape, device="cpu")
+            return torch.zeros(p.full_shape, device="cpu")  # type: ignore[attr-defined]  # TP metadata (mark_tp)
         std = self.cfg.init_std
         if name.endswith("c_proj.weight"):  # residual projections, scaled as in GPT-2
             std /= math.sqrt(2 * self.cfg.num_layers)
-        shape = p.full_shape
+        shape = p.full_shape  # type: ignore[attr-defined]  # TP metadata (mark_tp)
         if name == "transformer.wte.weight":
             shape = (self.cfg.vocab_size, shape[1])  # padding rows stay zero
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full = torch.empty(shape, device="cpu").normal_(0.0, std, generator=g)  # the same draws on any device
-        if shape != p.full_shape:
-            full = torch.cat([full, full.new_zeros(p.full_shape[0] - shape[0], shape[1])])
+        if shape != p.full_shape:  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+            full = torch.cat([full, full.new_zeros(p.full_shape[0] - shape[0], shape[1])])  # type: ignore[attr-defined]  # TP metadata (mark_tp)
         return full
 
     def tied_weight(self) -> Optional[nn.Parameter]:
@@ -295,7 +298,7 @@ class GPT(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Parameters not decayed (GPT-2 / Megatron practice): biases and LayerNorm weights,
         the one-dimensional ones."""
-        return {n for n, p in self.named_parameters() if len(p.full_shape) < 2}
+        return {n for n, p in self.named_parameters() if len(p.full_shape) < 2}  # type: ignore[attr-defined]  # TP metadata (mark_tp)
 
     def units(self) -> list["ModelUnit"]:
         """The model in execution order as units of parameters used together (what ZeRO-3
@@ -319,7 +322,7 @@ def apply_tensor_parallel(model: GPT, tp: Group) -> GPT:
     if tp.size > 1:
         for module in list(model.modules()):
             if hasattr(module, "apply_tp"):
-                module.apply_tp(tp)
+                module.apply_tp(tp)  # type: ignore[operator]  # checked by hasattr above
     return model
 
 

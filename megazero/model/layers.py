@@ -32,7 +32,7 @@ from megazero.parallel.weight_grad import WeightGradStore, gathered_linear, line
 
 
 def mark_tp(param: nn.Parameter, dim: Optional[int], stride: int, full_shape: tuple[int, ...]) -> nn.Parameter:
-    param.tp_dim, param.tp_stride, param.full_shape = dim, stride, tuple(full_shape)
+    param.tp_dim, param.tp_stride, param.full_shape = dim, stride, tuple(full_shape)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
     return param
 
 

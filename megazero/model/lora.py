@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,7 @@ def is_adapter(name: str) -> bool:
 class LoRA:
     """The adapter path of one base projection; its forward hook adds the adapter's output."""
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float, tracker: Optional[RNGTracker]):
+    def __init__(self, base: Any, rank: int, alpha: float, dropout: float, tracker: Optional[RNGTracker]):
         self.row = isinstance(base, RowParallelLinear)
         if not (self.row or isinstance(base, ColumnParallelLinear)):
             raise TypeError(f"LoRA adapts column/row-parallel linears, not {type(base).__name__}")
@@ -80,7 +80,7 @@ class LoRA:
             return in_stream(self.tracker, "tp", functools.partial(F.dropout, x, self.dropout, training=True))
         return F.dropout(x, self.dropout, training=True)
 
-    def _add_adapter(self, base: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
+    def _add_adapter(self, base: Any, args: tuple, y: torch.Tensor) -> torch.Tensor:
         x = self._dropped(args[0], base.training)
         a = F.linear(x, base.lora_A.weight)  # [..., r]
         if self.row:  # each rank's A slice saw its slice of the input: sum the partial products before B
@@ -90,7 +90,7 @@ class LoRA:
         return y + F.linear(copy_to_tp(a, base.tp), base.lora_B.weight) * self.scale
 
 
-def apply_lora(model: nn.Module, f: FinetuneConfig, tracker: Optional[RNGTracker] = None) -> None:
+def apply_lora(model: GPT, f: FinetuneConfig, tracker: Optional[RNGTracker] = None) -> None:
     """Freeze every parameter of `model` (a GPT chunk, after tensor parallelism) and give the
     projections finetune.lora_targets selects trainable adapters. A no-op at lora_rank 0."""
     if f.lora_rank == 0:
@@ -114,12 +114,12 @@ def initial_adapter(name: str, p: nn.Parameter, seed: int, tp_rank: int, tp_size
     """An adapter's starting value on this TP rank, the same whatever the layout: A drawn
     whole from a generator seeded by (seed, name), B zeros."""
     if name.endswith(".lora_B.weight"):
-        full = torch.zeros(p.full_shape, device="cpu")
+        full = torch.zeros(p.full_shape, device="cpu")  # type: ignore[attr-defined]  # TP metadata (mark_tp)
     else:
-        bound = 1.0 / math.sqrt(p.full_shape[1])
+        bound = 1.0 / math.sqrt(p.full_shape[1])  # type: ignore[attr-defined]  # TP metadata (mark_tp)
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = torch.empty(p.full_shape, device="cpu").uniform_(-bound, bound, generator=g)
-    return shard_of(full, p.tp_dim, p.tp_stride, tp_rank, tp_size)
+        full = torch.empty(p.full_shape, device="cpu").uniform_(-bound, bound, generator=g)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+    return shard_of(full, p.tp_dim, p.tp_stride, tp_rank, tp_size)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
 
 
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:

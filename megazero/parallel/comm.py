@@ -191,7 +191,7 @@ def reduce_scatter_volume(shard_nbytes: int, n: int) -> int:
 # ----------------------------------------------------------------------------- collectives
 
 
-def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp = dist.ReduceOp.SUM,
+def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                async_op: bool = False) -> Optional[dist.Work]:
     """In-place all-reduce. Ring traffic per rank: 2 (n-1)/n of the tensor."""
     if group.size == 1:
@@ -235,7 +235,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group,
     return None
 
 
-def _ring_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, pg: dist.ProcessGroup) -> None:
+def _ring_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, pg: Optional[dist.ProcessGroup]) -> None:
     """Gloo's reduce-scatter over `pg` (the group's own, or its duplicate on the comm thread)."""
     n = group.size
     chunks = list(full.reshape(n, -1).clone().unbind(0))
@@ -264,12 +264,16 @@ def broadcast(t: torch.Tensor, src_index: int, group: Group) -> None:
 def send(t: torch.Tensor, dst_rank: int, group: Group) -> dist.Work:
     group.count("send", _nbytes(t))
     group.note("send", t, dst_rank)
-    return dist.isend(t, dst_rank, group=group.pg)
+    work = dist.isend(t, dst_rank, group=group.pg)
+    assert work is not None  # None only on a rank outside the group
+    return work
 
 
 def recv(t: torch.Tensor, src_rank: int, group: Group) -> dist.Work:
     group.note("recv", t, src_rank)
-    return dist.irecv(t, src_rank, group=group.pg)
+    work = dist.irecv(t, src_rank, group=group.pg)
+    assert work is not None
+    return work
 
 
 def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[dist.Work]:

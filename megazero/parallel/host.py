@@ -11,7 +11,7 @@ host memory and the results are the same.
 
 from __future__ import annotations
 
-from typing import BinaryIO, Iterator, Optional, Sequence
+from typing import IO, Iterator, Optional, Sequence
 
 import torch
 
@@ -50,7 +50,7 @@ class HostStaging:
             host.copy_(piece)  # blocking: the buffer is complete, and free of the last piece, on return
             yield host
 
-    def write(self, f: BinaryIO, t: torch.Tensor) -> None:
+    def write(self, f: IO[bytes], t: torch.Tensor) -> None:
         """Write t's bytes to `f` at its current position."""
         for piece in self.host_bytes(t):
             f.write(piece.numpy().data)

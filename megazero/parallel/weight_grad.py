@@ -97,7 +97,7 @@ def attach_weight_grad_store(module: nn.Module) -> WeightGradStore:
     store = WeightGradStore()
     for m in module.modules():
         if hasattr(m, "weight_grads"):
-            m.weight_grads = store
+            m.weight_grads = store  # type: ignore[assignment]  # torch types Module attributes Tensor | Module
     return store
 
 

@@ -72,6 +72,7 @@ def forward_backward_no_pipelining(chunk: GPT, microbatches: Sequence[Microbatch
         with torch.set_grad_enabled(not forward_only), timers("forward"):
             loss = chunk.loss(chunk(tokens), labels).sum() / num_tokens
         if not forward_only:
+            assert optimizer is not None
             # Gradients accumulate locally; only the last backward reduces them over DP.
             last = i == len(microbatches) - 1
             with contextlib.nullcontext() if last else optimizer.no_sync(), timers("backward"):
@@ -299,7 +300,7 @@ def weight_grad_stores(chunks: Sequence[GPT]) -> list[WeightGradStore]:
     if any(c.weight_grads is None for c in chunks):
         raise ValueError("this schedule defers weight gradients, but the model chunks were built without a "
                          "WeightGradStore; build them with megazero.pipeline.stages for parallel.schedule zbh1")
-    return [c.weight_grads for c in chunks]
+    return [c.weight_grads for c in chunks if c.weight_grads is not None]  # all, after the check above
 
 
 def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Microbatch], num_tokens: int | torch.Tensor,
@@ -332,7 +333,7 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
         key = (action.chunk, action.microbatch)
         if action.forward:
             tokens, labels = microbatches[action.microbatch]
-            x = tokens if chunk.pre_process else received.requires_grad_(not forward_only)
+            x = tokens if chunk.pre_process else received.requires_grad_(not forward_only)  # type: ignore[union-attr]  # received: not the first stage
             with torch.set_grad_enabled(not forward_only), timers("forward"):
                 y = chunk(x)
                 if chunk.post_process:
@@ -341,8 +342,10 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
             if not forward_only:
                 saved[key] = (x, y)
             return None if chunk.post_process else y
+        assert optimizer is not None  # backward passes: not forward_only
         sync = contextlib.nullcontext() if action in synced else optimizer.no_sync()
         if action.weight:
+            assert stores is not None
             with sync, timers("backward"):
                 stores[action.chunk].run_next()
             return None
@@ -363,6 +366,7 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
             out = run(step, p2p.take(step) if fed else None)
             target = message_target(step, pp, vpp, rank)
             if target is not None:
+                assert out is not None  # an action with a receiver produces its tensor
                 outbox[target[1]] = out
         else:
             p2p.exchange([(grid.stage_rank(t.peer), outbox.pop(t.key)) for t in step if t.send],

@@ -92,7 +92,7 @@ HEADER = ("| # | tp | pp | vpp | dp | ZeRO | micro-batch | recompute | params/GP
 def row(i: int, p: Prediction, variants: int = 1) -> str:
     w, lay = p.worst, p.layout
     moved = {k: max(r.bytes[k] + (r.bytes["embed"] if k == "pp" else 0) for r in p.ranks) for k in ("tp", "pp", "dp")}
-    time = (f"{p.step_seconds:.2f} | {p.tokens_per_sec / 1e3:,.1f}k | {100 * p.mfu:.1f}%" if p.step_seconds
+    time = (f"{p.step_seconds:.2f} | {p.tokens_per_sec / 1e3:,.1f}k | {100 * p.mfu:.1f}%" if p.step_seconds and p.tokens_per_sec is not None and p.mfu is not None
             else "- | - | -")
     micro = f"{lay.micro_batch}" + (f" (best of {variants})" if variants > 1 else "")
     recompute = lay.recompute + (" + sp" if lay.sequence_parallel else "") + (" + offload" if lay.offload_optimizer else "")

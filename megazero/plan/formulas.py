@@ -62,6 +62,7 @@ def model_flops_per_token(m: ModelConfig) -> float:
 
 def matmul_parameters(m: ModelConfig) -> int:
     h = m.hidden_size
+    assert isinstance(m.vocab_size, int)
     return m.num_layers * (4 * h * h + 2 * h * m.ffn_size) + m.vocab_size * h
 
 

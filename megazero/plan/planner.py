@@ -132,6 +132,7 @@ def activation_shape(cfg: Config, layout: ParallelLayout, attention: str = "flas
     """The formulas' view of one micro-batch; `device` "cpu" for torch's CPU kernels, which keep
     dropout masks and LayerNorm statistics in the activation dtype."""
     m = cfg.model
+    assert isinstance(m.vocab_size, int)
     act = 4 if cfg.train.precision == "fp32" else 2
     return F.ActivationShape(micro_batch=layout.micro_batch, seq=m.seq_length, hidden=m.hidden_size,
                              heads=m.num_heads, ffn=m.ffn_size, vocab=padded_vocab_size(m.vocab_size, layout.tp),
@@ -222,6 +223,7 @@ def link_gbps(cluster: Cluster, span: int) -> float:
 
 def add_times(out: Prediction, cfg: Config, cluster: Cluster) -> None:
     lay = out.layout
+    assert cluster.peak_flops is not None  # times are estimated only with a peak
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     flops = F.executed_flops_per_token(cfg.model, lay.recompute) * tokens / cluster.gpus
     spans = {"tp": lay.tp, "dp": lay.tp * lay.dp, "pp": lay.tp * lay.dp * lay.pp}
@@ -230,7 +232,9 @@ def add_times(out: Prediction, cfg: Config, cluster: Cluster) -> None:
                 for k in spans}
         r.times = F.step_seconds(flops, cluster.peak_flops, cluster.efficiency, out.bubble, secs["tp"], secs["pp"],
                                  secs["dp"], cluster.dp_overlap)
-    out.step_seconds = out.slowest.times["total"]
+    times = out.slowest.times
+    assert times is not None
+    out.step_seconds = times["total"]
     out.tokens_per_sec = tokens / out.step_seconds
     out.mfu = F.mfu(out.tokens_per_sec, F.model_flops_per_token(cfg.model), cluster.gpus, cluster.peak_flops)
 
@@ -361,6 +365,7 @@ def explain(preds: list[Prediction]) -> str:
             f"{win.memory_limit / F.GiB:.1f} GiB usable")
     if win.step_seconds is None:
         return head + " (no time estimate: give --tflops or --gpu)"
+    assert win.tokens_per_sec is not None and win.mfu is not None  # set with step_seconds
     head += f", {win.tokens_per_sec / 1e3:,.1f}k tokens/s, MFU {100 * win.mfu:.1f}%"
     rivals = [p for p in preds[1:] if p.fits]
     if not rivals:
@@ -371,6 +376,7 @@ def explain(preds: list[Prediction]) -> str:
                else "its smaller memory")
         return f"{head}; as fast as {second.layout.label()} by this model, chosen for {why}"
     a, b = win.slowest.times, second.slowest.times
+    assert a is not None and b is not None and second.step_seconds is not None
     part = max(("compute", "bubble", "tp", "pp", "dp"), key=lambda k: b[k] - a[k])
     words = {"compute": "computes more (recomputation)", "bubble": "idles longer in the pipeline bubble",
              "tp": "waits longer on TP all-reduces", "pp": "waits longer on pipeline transfers",

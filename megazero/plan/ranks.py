@@ -69,4 +69,4 @@ def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3:
                       buckets=tuple(tuple(p.numel() for _, p in named) for _, named in groups),
                       tied=tied,
                       param_numel=sum(p.numel() for c in chunks for p in c.parameters()),
-                      replicated_numel=sum(p.numel() for c in chunks for p in c.parameters() if p.tp_dim is None))
+                      replicated_numel=sum(p.numel() for c in chunks for p in c.parameters() if p.tp_dim is None))  # type: ignore[attr-defined, misc]  # TP metadata (mark_tp)

@@ -85,6 +85,7 @@ def with_adapter_init(base: Optional[Initial], chunks: list[GPT], seed: int, gri
 def hf_initial_values(cfg: Config, grid: ProcessGrid) -> Initial:
     """checkpoint.init_from_hf: starting values read from HF GPT-2 weights, each rank
     reading only its TP shard of one parameter at a time."""
+    assert cfg.checkpoint.init_from_hf
     hf = HFInitialValues(cfg.checkpoint.init_from_hf, cfg.model)
     return lambda chunk, name, p: hf.value(name, p, grid.tp_rank, grid.tp)
 

@@ -49,7 +49,7 @@ def preflight(cfg: Config) -> None:
     c = cfg.checkpoint
     ckpt = resume_dir(c.load, c.iteration) if c.load else None
     saved = saved_config(ckpt) if ckpt else None
-    why = model_mismatch(saved, cfg, ckpt) if saved else None
+    why = model_mismatch(saved, cfg, ckpt) if saved and ckpt else None
     if why:
         raise PreflightError(why)
     z = cfg.zero

@@ -118,7 +118,7 @@ def plan_line(plan: Prediction, device_name: str, cuda: bool = True, offload: st
         return f"plan: {states} per rank (pp rank {worst.pp_rank}) [python -m megazero.plan predicts GPUs]"
     line = (f"plan: peak memory per GPU {size(worst.peak)} on pp rank {worst.pp_rank} ({states}; activations "
             f"{size(worst.activations)}; buffers {size(worst.buffers)})")
-    if plan.tokens_per_sec:
+    if plan.tokens_per_sec and plan.mfu is not None:
         line += f"; {plan.tokens_per_sec / 1e3:,.1f}k tokens/s on {device_name} (MFU {100 * plan.mfu:.0f}%)"
     else:
         line += f"; no tokens/s estimate on {device_name} (peak unknown)"

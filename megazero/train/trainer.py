@@ -127,6 +127,7 @@ class Trainer:
                 written += save_adapter(directory, adapters, self.cfg, self.grid)
             return written
         wanted = c.save_model_16bit or self.cfg.finetune.lora_rank
+        assert c.save is not None  # saving is configured
         try:
             path = save_sharded(c.save, self.iteration, self.rank_state, self.cfg, self.grid, c.keep_last,
                                 extra if wanted else None)
@@ -205,6 +206,7 @@ class Trainer:
         loss = forward_backward_pipelining(self.chunks, batches, num_tokens, self.grid, self.cfg.parallel.schedule,
                                            self.optimizer.compute_dtype, self.optimizer, forward_only, stats, timers)
         if timers is not untimed:
+            assert self.timers is not None
             self.timers.add("comm_wait", stats["wait_s"])  # blocked on pipeline neighbours
         return loss
 
@@ -307,6 +309,7 @@ class Trainer:
         if self.eval_due():
             val = self.evaluate()
             if self.is_logger:
+                assert val is not None  # the logger is on the last stage
                 rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 50.0))
         if self.is_logger:
             print(format_line(rec, t.iters), flush=True)
@@ -349,6 +352,8 @@ def _to_device(batch, device: torch.device) -> torch.Tensor:
 def build_datasets(cfg: Config, grid: ProcessGrid):
     """(train, valid) datasets: the mock stream, or indexed data with cached sample indices."""
     m, t = cfg.model, cfg.train
+    assert isinstance(m.vocab_size, int)
+    vocab_size = m.vocab_size
     needed = (t.iters + 1) * t.global_batch_size
     eval_needed = max(1, t.eval_iters) * t.global_batch_size
     if cfg.data.mock:
@@ -357,9 +362,10 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
     check_compatibility(cfg.data.prefix, cfg.data.tokenizer, m.vocab_size)
 
     def build(is_builder: bool):
+        assert cfg.data.prefix is not None
         return build_train_valid_test_datasets(
             [str(p) for p in cfg.data.prefix], cfg.data.split, m.seq_length, t.seed,
-            (needed, eval_needed, eval_needed), cfg.data.cache_dir, is_builder, vocab_size=m.vocab_size,
+            (needed, eval_needed, eval_needed), cfg.data.cache_dir, is_builder, vocab_size=vocab_size,
             pack_examples=cfg.data.pack_examples)
 
     # One rank builds and caches the sample indices; the others load them. A failure on the

@@ -147,6 +147,7 @@ class GradientSync:
     def _grad_ready(self, b: Bucket, s: FlatSlot, p: nn.Parameter) -> None:
         """Called by autograd once p's gradient of this backward pass is accumulated."""
         if self.sharded:
+            assert p.grad is not None
             self._add_sharded(b, s, p.grad)
             p.grad = None  # the full gradient lives on only in the bucket until it is reduced
         else:
@@ -217,6 +218,7 @@ class GradientSync:
         if f.then is not None:
             f.then()
         if f.final is not None:  # the slice holds the iteration's reduced gradient now
+            assert self.on_final is not None  # set when `final` is
             self.on_final(f.final, self.own_slice(f.final))
 
     @property
@@ -242,6 +244,7 @@ class GradientSync:
         self.wait()
         for index in self.tied_buckets:
             b = self.layout.buckets[index]
+            assert self.embed is not None  # given with the tied buckets
             comm.all_reduce(self.own_slice(b), self.embed)
             if self.on_final is not None:
                 self.on_final(b, self.own_slice(b))

@@ -10,11 +10,15 @@ parameter at a time. No rank ever holds the whole model.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
+from megazero.zero.partition import ShardableModel
 
-def replace_meta_parameters(chunks: list[nn.Module], device: torch.device, hollow: bool = False) -> bool:
+
+def replace_meta_parameters(chunks: Sequence[nn.Module | ShardableModel], device: torch.device, hollow: bool = False) -> bool:
     """Give every meta-device parameter of `chunks` real (uninitialized) memory on `device`,
     or none at all when `hollow`, keeping its Parameter attributes (tp_dim, tp_stride,
     full_shape; torch's Module.to_empty would drop them). True when there were any."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -64,7 +64,7 @@ class ZeroOptimizer:
         decays = {s.name: s.name not in no_decay[b.chunk] for b, s in slots}
         # Each gradient element counted once: TP-replicated parameters on TP rank 0 only, and the
         # tied embedding (one summed gradient in every copy after finish_grad_sync) on the first stage.
-        counted = {s.name: (s.param.tp_dim is not None or grid.tp_rank == 0)
+        counted = {s.name: (s.param.tp_dim is not None or grid.tp_rank == 0)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
                    and (b.index not in sharded.tied_buckets or grid.pp_rank == 0) for b, s in slots}
         self.ranges = self.layout.ranges(decays, counted, z.sub_group_size)
         self.groups = sub_groups(self.ranges, z.sub_group_size)
@@ -177,6 +177,7 @@ class ZeroOptimizer:
         """Whether every rank's master weights are finite (collective over the world)."""
         self.params.wait_all()
         bad = torch.zeros(1, device=self.grid.device)
+        values: Iterable[torch.Tensor]
         if self.state.separate_master:  # piece by piece: swapped state never whole in memory
             masters = (values for _, values in self.state.pieces("master"))
             values = itertools.chain(masters, self.params.own_slices(frozen_only=True))

@@ -35,11 +35,17 @@ class ParamStore:
         self.buckets = None if self.sharded else FlatBuffers(layout, sharded=False, dtype=dtype, device=device)
         self.gathering: dict[int, comm.Handle] = {}  # bucket -> its all-gather in flight
 
+    @property
+    def _whole(self) -> FlatBuffers:
+        """The whole buckets (stages 0-2)."""
+        assert self.buckets is not None
+        return self.buckets
+
     def fill(self, initial: Initial, write_master: Callable[[int, torch.Tensor], None]) -> None:
         """Write every bucket's starting values from `initial`, each fp32 piece of this rank's
         shard also to `write_master(shard offset, values)`. At stage 3 only this rank's slices,
         parameter by parameter (never a whole bucket); the gatherer points the parameters at placeholders."""
-        if self.sharded:
+        if self.home is not None:
             for b, s, start, end, offset in self.layout.slot_pieces(self.layout.buckets, self.layout.rank):
                 piece = initial(b, s)[start - s.offset: end - s.offset]
                 self.home.write(offset, piece)
@@ -55,24 +61,24 @@ class ParamStore:
             flat[s.offset: s.offset + s.numel].copy_(initial(b, s))
         lo, hi = b.slice_of(self.layout.rank)
         write_master(b.shard_offset, flat[lo:hi])
-        bucket = self.buckets.full[b.index]
+        bucket = self._whole.full[b.index]
         bucket.copy_(flat)
         for s in b.slots:
             s.param.data = bucket[s.offset: s.offset + s.numel].view(s.shape)
 
     def view(self, r: Range) -> torch.Tensor:
         """The elements of one range of this rank's shard, in place (the shard in memory)."""
-        if self.sharded:
+        if self.home is not None:
             return self.home.read(r.shard_offset, r.length)
-        return self.buckets.view(r)
+        return self._whole.view(r)
 
     def set_ranges(self, ranges: list[Range], values: list[torch.Tensor]) -> None:
         """Write updated values of this rank's ranges (after a step; then `flush`)."""
-        if self.sharded:
+        if self.home is not None:
             for r, v in zip(ranges, values):
                 self.home.write(r.shard_offset, v)
             return
-        params = [self.buckets.view(r) for r in ranges]
+        params = [self._whole.view(r) for r in ranges]
         if values and values[0].device == params[0].device:
             torch._foreach_copy_(params, values)
         else:
@@ -80,18 +86,18 @@ class ParamStore:
                 p.copy_(v)
 
     def flush(self) -> None:
-        if self.sharded:
+        if self.home is not None:
             self.home.flush()
 
     def own_slice(self, b: Bucket) -> torch.Tensor:
         """This rank's slice of bucket b (in place where the shard is in memory)."""
-        if self.sharded:
+        if self.home is not None:
             return self.home.read(b.shard_offset, b.shard_numel)
-        return self.buckets.own_slice(b)
+        return self._whole.own_slice(b)
 
     def own_slices(self, frozen_only: bool = False) -> list[torch.Tensor]:
         """This rank's shard (padding included), or its frozen part, as pieces laid end to end."""
-        if self.sharded:
+        if self.home is not None:
             start = self.layout.trainable_numel if frozen_only else 0
             return [self.home.read(start, self.layout.shard_numel - start)]
         in_shard_order = sorted(self.layout.buckets, key=lambda b: b.shard_offset)
@@ -99,10 +105,10 @@ class ParamStore:
 
     def set_own_slice(self, b: Bucket, values: torch.Tensor) -> None:
         """Set this rank's slice of bucket b (then `flush`)."""
-        if self.sharded:
+        if self.home is not None:
             self.home.write(b.shard_offset, values)
         else:
-            self.buckets.own_slice(b).copy_(values)
+            self._whole.own_slice(b).copy_(values)
 
     def pieces(self) -> list[tuple[str, int, int]]:
         """Stage 3: (name, shard offset, length) of this rank's piece of each parameter; a
@@ -117,16 +123,16 @@ class ParamStore:
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, by where they live (the device type, "cpu" or "nvme")."""
-        if self.sharded:
+        if self.home is not None:
             return self.home.nbytes()
-        return {self.device.type: sum(t.numel() * t.element_size() for t in self.buckets.tensors())}
+        return {self.device.type: sum(t.numel() * t.element_size() for t in self._whole.tensors())}
 
     def all_gather(self, dp: comm.Group, buckets: Iterable[Bucket]) -> None:
         """Stages 1/2: every rank updated its slices of `buckets`; launch the all-gathers that
         put them whole everywhere, in the given order (the same on every rank)."""
         for b in buckets:
             lo, hi = b.slice_of(self.layout.rank)
-            full = self.buckets.full[b.index]
+            full = self._whole.full[b.index]
             work = comm.all_gather_into(full, full[lo:hi], dp, async_op=True)
             if work is not None:
                 self.gathering[b.index] = work

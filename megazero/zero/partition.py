@@ -20,7 +20,7 @@ only. Frozen buckets are still sharded (stage 3) and gathered like the others.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -131,8 +131,8 @@ class FlatLayout:
             for _, s, start, end, offset in self.slot_pieces(self.buckets, r):
                 pieces[s.name].append({"rank": r, "offset": offset, "length": end - start,
                                        "param_offset": start - s.offset})
-        params = {s.name: {"shape": list(s.shape), "tp_dim": s.param.tp_dim, "tp_stride": s.param.tp_stride,
-                           "full_shape": list(s.param.full_shape), "bucket": b.index, "bucket_offset": s.offset,
+        params = {s.name: {"shape": list(s.shape), "tp_dim": s.param.tp_dim, "tp_stride": s.param.tp_stride,  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+                           "full_shape": list(s.param.full_shape), "bucket": b.index, "bucket_offset": s.offset,  # type: ignore[attr-defined]  # TP metadata (mark_tp)
                            "numel": s.numel, "shards": pieces[s.name], "trainable": b.trainable}
                   for b, s in self.slots()}
         buckets = [{"numel": b.numel, "padding": b.numel - sum(s.numel for s in b.slots), "shard_numel": b.shard_numel,
@@ -180,7 +180,29 @@ def bucket_numel(numels: list[int], shards: int) -> int:
     return _round_up(max(offset, 1), ALIGN * shards)
 
 
-def bucket_groups(chunks: list[nn.Module], bucket_size: int) -> list[tuple[int, Named]]:
+class ShardableModel(Protocol):
+    """What ZeRO needs from each model chunk (megazero.model.gpt.GPT provides it)."""
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+    def register_state_dict_pre_hook(self, hook: Callable[..., None]) -> Any: ...
+
+    def tied_weight(self) -> Optional[nn.Parameter]:
+        """The embedding copy whose gradient is summed over the embedding group."""
+
+    def no_weight_decay(self) -> set[str]:
+        """Names of the parameters AdamW does not decay (read by the optimizer)."""
+
+    def units(self) -> list:
+        """Stage 3's fetch units in execution order (see GPT.units)."""
+
+    def initial_value(self, name: str, seed: int) -> torch.Tensor:
+        """A parameter's starting value on this TP rank (materializes meta-device models)."""
+
+
+def bucket_groups(chunks: Sequence[ShardableModel], bucket_size: int) -> list[tuple[int, Named]]:
     """Stages 0-2: parameters in reverse execution order (the order gradients become ready),
     cut into buckets of about `bucket_size` elements that never span two model chunks (each
     chunk's last backward comes at its own time). The tied embedding weight gets a bucket of

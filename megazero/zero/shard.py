@@ -30,7 +30,7 @@ the post-step all-gathers of stages 1-2 (`params.wait_all`).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -42,35 +42,25 @@ from megazero.parallel.host import HostStaging
 from megazero.zero.grads import GradientSync
 from megazero.zero.materialize import replace_meta_parameters
 from megazero.zero.params import ParamStore
-from megazero.zero.partition import Bucket, FlatLayout, FlatSlot, bucket_groups, build_layout, split_frozen
+from megazero.zero.partition import (
+    Bucket,
+    FlatLayout,
+    FlatSlot,
+    ShardableModel,
+    bucket_groups,
+    build_layout,
+    split_frozen,
+)
 from megazero.zero.precision import COMPUTE_DTYPE
 from megazero.zero.sequence_parallel import SequenceParallelGrads
 from megazero.zero.shard_home import MemoryShard, NvmeShard, ShardHome
 from megazero.zero.stage3 import ParamGatherer, fetch_units
 
 
-class ShardableModel(Protocol):
-    """What ZeRO needs from each model chunk (megazero.model.gpt.GPT provides it)."""
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
-
-    def tied_weight(self) -> Optional[nn.Parameter]:
-        """The embedding copy whose gradient is summed over the embedding group."""
-
-    def no_weight_decay(self) -> set[str]:
-        """Names of the parameters AdamW does not decay (read by the optimizer)."""
-
-    def units(self) -> list:
-        """Stage 3's fetch units in execution order (see GPT.units)."""
-
-    def initial_value(self, name: str, seed: int) -> torch.Tensor:
-        """A parameter's starting value on this TP rank (materializes meta-device models)."""
-
-
 class ShardedParameters:
     """One model-parallel rank's model chunks, their parameters held in flat buckets (see above)."""
 
-    def __init__(self, chunks: list[ShardableModel], cfg: Config, grid: ProcessGrid,
+    def __init__(self, chunks: Sequence[ShardableModel], cfg: Config, grid: ProcessGrid,
                  initial: Optional[Callable[[int, str, nn.Parameter], torch.Tensor]] = None):
         """`initial(chunk index, name, parameter)`, when given, supplies starting values
         (this TP rank's shard, e.g. read from pretrained weights) instead of the model's init."""
@@ -90,7 +80,7 @@ class ShardedParameters:
         self.params = ParamStore(self.layout, home=self._shard_home() if self.stage == 3 else None,
                                  dtype=self.compute_dtype, device=grid.device)
         stores = [getattr(c, "weight_grads", None) for c in chunks]  # zbh1's deferred weight gradients
-        self.gatherer = (ParamGatherer(self.layout, self.params.home, units, grid.dp_group, z.prefetch,
+        self.gatherer = (ParamGatherer(self.layout, self.params.home, units, grid.dp_group, z.prefetch,  # type: ignore[arg-type]  # stage 3: home and units set
                                        self.compute_dtype, grid.device, stores)
                          if self.stage == 3 else None)
         self.grads = GradientSync(self.layout, stage=self.stage, model_dtype=self.compute_dtype,
@@ -115,7 +105,7 @@ class ShardedParameters:
             self.gatherer.release_storage()
         self.grads.zero_grad()
 
-    def _wait_in_forward(self, chunks: list[ShardableModel]) -> None:
+    def _wait_in_forward(self, chunks: Sequence[ShardableModel]) -> None:
         """Stages 1-2: a bucket's post-step all-gather is waited by the forward pre-hook of the
         first unit using it (later ones find it done), so the next forward starts while later
         buckets are in flight; module.state_dict() waits for all through a hook."""
@@ -167,6 +157,7 @@ class ShardedParameters:
         host = HostStaging()  # one pinned buffer for every tensor
         if self.stage < 3:
             return {s.name: host.copy(s.param.detach()) for _, s in self.layout.slots()}
+        assert self.params.home is not None  # stage 3
         return {name: host.copy(self.params.home.read(offset, length)) for name, offset, length in self.params.pieces()}
 
     @torch.no_grad()
@@ -179,6 +170,7 @@ class ShardedParameters:
         else:
             for name, offset, length in self.params.pieces():
                 if length:
+                    assert self.params.home is not None  # stage 3
                     self.params.home.write(offset, state[name])
         self.params.flush()
 
@@ -194,6 +186,7 @@ class ShardedParameters:
             yield
         finally:
             for b in newly:
+                assert self.gatherer is not None
                 self.gatherer.release(b)
 
     def full_parameters(self, trainable_only: bool = False) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
@@ -205,11 +198,11 @@ class ShardedParameters:
             if trainable_only and not bucket.trainable:
                 continue
             fetched = self.gatherer is not None and index not in self.gatherer.gathered
-            if fetched:
+            if fetched and self.gatherer is not None:
                 self.gatherer.fetch(index)
             for slot in bucket.slots:
                 yield slot.name, slot.param, slot.param.detach()
-            if fetched:
+            if fetched and self.gatherer is not None:
                 self.gatherer.release(index)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -219,6 +212,7 @@ class ShardedParameters:
         return {name: host.copy(value) for name, _, value in self.full_parameters()}
 
     def _refuse_sharded_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        assert self.gatherer is not None  # registered at stage 3 only
         if self.gatherer.gathered != set(range(len(self.layout.buckets))):
             raise RuntimeError("zero stage 3 keeps parameters sharded, so module.state_dict() would hold empty "
                                "placeholders; use the ShardedParameters' model_state_dict() (shards) or "

@@ -150,6 +150,7 @@ class NvmeShard:
             nxt = self.in_shard_order[at + 1] if at + 1 < len(self.in_shard_order) else None
             if nxt is not None and nxt.trainable == bucket.trainable:  # a step stops at the frozen buckets
                 self.ahead = (nxt.index, self.reader.submit(self._read_region, nxt.index))
+        assert self.stage_buffer is not None
         return self.stage_buffer, bucket.shard_offset
 
     def read(self, offset: int, numel: int) -> torch.Tensor:
@@ -157,6 +158,7 @@ class NvmeShard:
         while at < offset + numel:  # bucket by bucket
             buffer, base = self._stage(at)
             b = self.staged
+            assert b is not None  # staged by _stage
             end = min(offset + numel, base + self.layout.buckets[b].shard_numel)
             out.append(buffer[at - base: end - base].clone())
             at = end
@@ -169,6 +171,7 @@ class NvmeShard:
     def flush(self) -> None:
         """Send the staged bucket to its writer; `load` and reads wait for it where needed."""
         if self.staged is not None:
+            assert self.stage_buffer is not None  # staged together
             self._write_region(self.staged, self.stage_buffer)
             self.staged = self.stage_buffer = None
 

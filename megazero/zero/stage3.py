@@ -59,7 +59,7 @@ from torch import nn
 
 from megazero.parallel import comm
 from megazero.parallel.weight_grad import WeightGradStore
-from megazero.zero.partition import FlatLayout, Named, split_frozen
+from megazero.zero.partition import FlatLayout, Named, ShardableModel, split_frozen
 from megazero.zero.shard_home import ShardHome
 
 
@@ -74,7 +74,7 @@ class FetchUnit:
     buckets: tuple[int, ...]
 
 
-def fetch_units(chunks: list[nn.Module]) -> tuple[list[FetchUnit], list[tuple[int, Named]]]:
+def fetch_units(chunks: Sequence[ShardableModel]) -> tuple[list[FetchUnit], list[tuple[int, Named]]]:
     """The fetch units of each model chunk in execution order (the chunk's own `units()`),
     and the layout's bucket groups: one per unit (two when it holds trainable and frozen
     parameters), plus one per tied weight."""
@@ -92,7 +92,7 @@ def fetch_units(chunks: list[nn.Module]) -> tuple[list[FetchUnit], list[tuple[in
             own = tuple(range(len(groups), len(groups) + len(kinds)))
             groups += kinds
             units.append(FetchUnit(ci, part.start, part.end, part.outputs,
-                                   own + ((tied_bucket,) if part.uses_tied else ())))
+                                   own + ((tied_bucket,) if part.uses_tied else ())))  # type: ignore[operator]  # uses_tied: a tied bucket
     return units, groups
 
 
@@ -239,7 +239,8 @@ class ParamGatherer:
 
     def _neighbours(self, i: int, step: int, count: int) -> list[FetchUnit]:
         """Up to `count` units after (step 1) or before (step -1) unit i in its chunk."""
-        out, j = [], i + step
+        out: list[FetchUnit] = []
+        j = i + step
         while len(out) < count and 0 <= j < len(self.units) and self.units[j].chunk == self.units[i].chunk:
             out.append(self.units[j])
             j += step

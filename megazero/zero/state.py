@@ -157,7 +157,7 @@ class NvmeOptimizerStore:
                     read_ahead(k + 1)
                 self._wait(reads.pop(k))
                 buf, base = self.buffers[k % count], self.spans[k][0]
-                yield group, GroupState(*(_views(buf[kind], group, base) for kind in KINDS), self.device)
+                yield group, GroupState(*(_views(buf[kind], group, base) for kind in KINDS), self.device)  # type: ignore[call-arg, arg-type]  # one list per kind
                 writes[k] = self.writer.submit(self._io, k, buf, True)
         finally:
             for f in [*reads.values(), *writes.values()]:

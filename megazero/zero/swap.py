@@ -92,7 +92,7 @@ class SwapFile:
         contiguous tensor, through the fill descriptor) at `offset`, or read it back from there."""
         tic = time.perf_counter()
         fd = self.fill_fd if filling else self.fd
-        view = memoryview(buffer.view(torch.uint8).numpy()).cast("B")
+        view = memoryview(buffer.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs omit the buffer protocol
         for off in range(0, len(view), CHUNK):
             piece, at = view[off: off + CHUNK], offset + off
             done = os.pwritev(fd, [piece], at) if write else os.preadv(fd, [piece], at)
