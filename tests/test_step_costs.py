@@ -77,9 +77,9 @@ def _reads_per_iteration(args: list[str]) -> list[list[str]]:
 
 @pytest.mark.parametrize("world, args", [
     (1, ["--zero.stage", "1", "--train.global_batch_size", "16"]),  # 8 micro-batches: none of them reads
-    (2, ["--zero.stage", "2"]),
+    pytest.param(2, ["--zero.stage", "2"], marks=pytest.mark.slow),
     (2, ["--zero.stage", "3", "--parallel.pp", "2", "--parallel.schedule", "1f1b", "--train.global_batch_size", "8"]),
-    (2, ["--parallel.tp", "2", "--zero.stage", "0", "--train.precision", "bf16"]),
+    pytest.param(2, ["--parallel.tp", "2", "--zero.stage", "0", "--train.precision", "bf16"], marks=pytest.mark.slow),
 ], ids=["stage1-8mb", "stage2-dp2", "stage3-pp2", "tp2-bf16"])
 def test_an_iteration_reads_the_device_once(world, args):
     """train_step makes one device->host read (the step's sums: grad norm, overflow, global
