@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import make_texts
 from megazero.data import DataError
 from megazero.data.gpt_dataset import (
     blend_schedule,
@@ -18,7 +19,6 @@ from megazero.data.gpt_dataset import (
 )
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megazero.data.tokenizer import build_tokenizer
-from test_data_tokenizer import bpe_spec, make_texts, spm_spec  # noqa: F401 (fixtures)
 
 SEQ = 16
 
@@ -190,7 +190,7 @@ def preprocessed(prefix: Path, spec: str) -> str:
     return str(prefix)
 
 
-def test_check_compatibility(tmp_path: Path, bpe_spec: str, spm_spec: str) -> None:  # noqa: F811
+def test_check_compatibility(tmp_path: Path, bpe_spec: str, spm_spec: str) -> None:
     vocab = build_tokenizer(bpe_spec).vocab_size
     bpe_data, spm_data = preprocessed(tmp_path / "b", bpe_spec), preprocessed(tmp_path / "s", spm_spec)
     check_compatibility([bpe_data], bpe_spec, vocab)

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from conftest import make_texts
 from megazero.checkpoint.export import write_hf
 from megazero.checkpoint.load import open_checkpoint
 from megazero.config import ModelConfig
@@ -20,7 +21,6 @@ from megazero.generate import main as generate_main
 from megazero.inference.offload import build_offloaded_model
 from megazero.model.gpt import GPT
 from megazero.parallel.comm import Group
-from test_data_tokenizer import make_texts
 
 SOLO = Group("solo", None, [0], 0)
 # Three blocks: an odd count, so the first block of a step reuses the device buffer the last

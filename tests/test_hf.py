@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import SAMPLES, make_texts
 from megazero.checkpoint.export import write_hf
 from megazero.checkpoint.hf import from_hf, read_hf
 from megazero.checkpoint.tensors import fit_vocab
 from megazero.config import ModelConfig
 from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe, train_sentencepiece
 from megazero.model.gpt import GPT
-from test_data_tokenizer import SAMPLES, make_texts
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
 
