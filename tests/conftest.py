@@ -92,7 +92,8 @@ def write_masked(prefix: Path, lengths: list[int], seed: int = 0) -> Path:
     """Examples whose prompt tokens are even and completion tokens odd, so that in any sample
     the loss mask must equal token % 2 (padding, token 0, has mask 0 too)."""
     rng = np.random.default_rng(seed)
-    with IndexedDatasetWriter(prefix, np.uint16) as tokens, IndexedDatasetWriter(loss_mask_prefix(prefix), np.uint8) as mask:
+    with (IndexedDatasetWriter(prefix, np.uint16) as tokens,
+          IndexedDatasetWriter(loss_mask_prefix(prefix), np.uint8) as mask):
         for n in lengths:
             n_prompt = int(rng.integers(0, n))
             doc = np.concatenate([2 * rng.integers(1, 50, n_prompt), 2 * rng.integers(0, 50, n - n_prompt) + 1])

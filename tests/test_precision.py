@@ -12,22 +12,10 @@ import os
 import pytest
 import torch
 
+from conftest import make_trainer
 from distributed import run_distributed
-from megazero.config import build_config, load_yaml, validate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--model.seq_length", "32", "--zero.bucket_size", "20000", "--data.mock", "true"]
-
-
-def _trainer(args: list[str]):
-    import torch.distributed as dist
-
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
-    cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")), SMALL + args)
-    validate(cfg, dist.get_world_size())
-    with contextlib.redirect_stdout(io.StringIO()):
-        return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 
 
 # ---------------------------------------------------------------------------- fp32 accumulation
@@ -60,8 +48,8 @@ def _accumulation_errors(micro: int) -> dict[str, float]:
     """Relative L2 error of the iteration's gradient against fp32, for megazero's bf16 run
     (fp32 main grads) and for bf16 accumulation, over `micro` micro-batches."""
     args = ["--train.global_batch_size", str(micro), "--train.micro_batch_size", "1"]
-    exact = _iteration_grads(_trainer(args + ["--train.precision", "fp32"]))
-    bf16 = _trainer(args + ["--train.precision", "bf16"])
+    exact = _iteration_grads(make_trainer(SMALL + args + ["--train.precision", "fp32"]))
+    bf16 = make_trainer(SMALL + args + ["--train.precision", "bf16"])
     ours = _iteration_grads(bf16)
     naive = _bf16_accumulated_grads(bf16)
 
@@ -83,8 +71,8 @@ def test_bf16_gradients_accumulate_in_fp32():
 
 def _bf16_reduce_dtype(reduce_dtype: str) -> tuple[list[float], int]:
     """Losses of 3 iterations and the gradient bytes this rank reduce-scattered over DP."""
-    tr = _trainer(["--zero.stage", "2", "--train.precision", "bf16", "--zero.reduce_dtype", reduce_dtype,
-                   "--train.global_batch_size", "8", "--train.micro_batch_size", "2"])
+    tr = make_trainer(SMALL + ["--zero.stage", "2", "--train.precision", "bf16", "--zero.reduce_dtype", reduce_dtype,
+                               "--train.global_batch_size", "8", "--train.micro_batch_size", "2"])
     losses = [tr.train_step()["loss"] for _ in range(3)]
     return losses, tr.grid.bytes_moved()["dp"]["reduce_scatter"]
 
@@ -115,7 +103,7 @@ def _same(a: dict, b: dict) -> bool:
 
 def _nan_gradient(stage: int, precision: str) -> dict:
     import torch.distributed as dist
-    tr = _trainer(["--zero.stage", str(stage), "--train.precision", precision])
+    tr = make_trainer(SMALL + ["--zero.stage", str(stage), "--train.precision", precision])
     tr.train_step()  # moments and step counter are non-zero before the bad step
     opt = tr.optimizer
     before = _snapshot(opt)
@@ -140,8 +128,8 @@ def _nan_loss_run(tmp: str) -> dict:
     import torch.distributed as dist
 
     from megazero.train.trainer import TrainingError
-    tr = _trainer(["--zero.stage", "1", "--train.iters", "10", "--train.max_skipped_steps", "3",
-                   "--checkpoint.save", tmp, "--checkpoint.interval", "1"])
+    tr = make_trainer(SMALL + ["--zero.stage", "1", "--train.iters", "10", "--train.max_skipped_steps", "3",
+                               "--checkpoint.save", tmp, "--checkpoint.interval", "1"])
 
     def poison(module, args, output):
         return output * float("nan") if tr.iteration >= 2 and dist.get_rank() == 1 else output

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 
 import pytest
 import torch
 
+from conftest import make_trainer
 from distributed import run_distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 4
 
 
@@ -166,17 +165,7 @@ def _assert_checks(per_rank: list) -> None:
 # ----------------------------------------------------------------------------- training parity
 
 
-def _trainer(extra: list[str]):
-    import torch.distributed as dist
-
-    from megazero.config import build_config, load_yaml, validate
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
-    args = ["--data.mock", "true", "--train.iters", str(ITERS), "--model.seq_length", "32", *extra]
-    cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")), args)
-    validate(cfg, dist.get_world_size())
-    with contextlib.redirect_stdout(io.StringIO()):
-        return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
+SHORT = ["--data.mock", "true", "--train.iters", str(ITERS), "--model.seq_length", "32"]
 
 
 def _records(extra: list[str]) -> list[tuple[float, float]]:
@@ -188,7 +177,7 @@ def _records(extra: list[str]) -> list[tuple[float, float]]:
     offload = "--zero.offload_optimizer" in extra
     with mock.patch.object(ZeroOptimizer, "_offloads_gradients", lambda self: True) if offload \
             else contextlib.nullcontext():
-        tr = _trainer(extra)
+        tr = make_trainer(SHORT + extra)
     assert all(c.sequence_parallel for c in tr.chunks) == (tr.grid.tp > 1 and "true" in extra)
     with contextlib.redirect_stdout(io.StringIO()):
         records = tr.run()
