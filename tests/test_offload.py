@@ -9,30 +9,20 @@ import os
 import pytest
 import torch
 
+from conftest import make_config, make_trainer
 from distributed import run_distributed
-from megazero.config import ConfigError, build_config, load_yaml, validate
+from megazero.config import ConfigError
 from megazero.errors import UserError
 from megazero.zero.partition import Range
 from megazero.zero.state import NvmeStore
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.seq_length", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
         "--zero.sub_group_size", "5000", "--zero.bucket_size", "20000", "--optim.clip_grad", "0.5"]
 
 
-def _cfg(args: list[str]):
-    return build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")), TINY + args)
-
-
 def _run(args: list[str], iters: int) -> dict:
     """`iters` steps on this world; losses, full parameters, and the optimizer's state_dict."""
-    import torch.distributed as dist
-
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
-    cfg = _cfg(args)
-    validate(cfg, dist.get_world_size())
-    tr = Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
+    tr = make_trainer(TINY + args)
     losses = [tr.train_step()["loss"] for _ in range(iters)]
     return {"losses": losses, "params": tr.optimizer.full_state_dict(), "state": tr.optimizer.state_dict(),
             "bytes": tr.optimizer.model_state_bytes(), "optimizer": tr.optimizer, "trainer": tr}
@@ -107,14 +97,11 @@ def _checkpoint_through_files(root: str, nvme: str) -> dict:
     import torch.distributed as dist
 
     from megazero.checkpoint.base import CheckpointSaveError
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
 
-    def trainer(extra: list[str]) -> Trainer:
-        cfg = _cfg(["--zero.stage", "3", "--zero.nvme_path", nvme, "--zero.buffer_count", "2",
-                    "--checkpoint.save", root, "--train.iters", "1", *PARAMS["param nvme + nvme"], *extra])
-        validate(cfg, dist.get_world_size())
-        return Trainer(cfg, ProcessGrid.create(1, 1))
+    def trainer(extra: list[str]):
+        return make_trainer(TINY + ["--zero.stage", "3", "--zero.nvme_path", nvme, "--zero.buffer_count", "2",
+                                    "--checkpoint.save", root, "--train.iters", "1", *PARAMS["param nvme + nvme"],
+                                    *extra])
 
     first = trainer([])
     first.run()  # iteration 1 saved
@@ -257,7 +244,7 @@ def test_nvme_store_refuses_a_disk_without_room(tmp_path, monkeypatch):
 ])
 def test_bad_offload_settings_are_refused(args, message):
     with pytest.raises(ConfigError, match=message):
-        validate(_cfg(args), 1)
+        make_config(TINY + args, world=1)
 
 
 def _offload_3d_world(nvme: str) -> dict:

@@ -7,29 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import make_config, make_trainer
 from distributed import run_distributed
-from megazero.config import ConfigError, build_config, load_yaml, validate
+from megazero.config import ConfigError
 from megazero.model.layers import shard_of
 from megazero.zero.partition import ALIGN, build_layout, sub_groups
 
 TINY = ["--model.seq_length", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
         "--zero.sub_group_size", "5000", "--zero.bucket_size", "20000"]
-
-
-def _cfg(args: list[str]):
-    import os
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return build_config(load_yaml(os.path.join(root, "configs/gpt2-tiny.yaml")), TINY + args)
-
-
-def _trainer(args: list[str]):
-    import torch.distributed as dist
-
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
-    cfg = _cfg(args)
-    validate(cfg, dist.get_world_size())
-    return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 
 
 def _pack(obj) -> bytes:
@@ -48,7 +33,7 @@ def _unpack(results: list[bytes]) -> list:
 
 def _run(args: list[str], iters: int) -> dict:
     """Run `iters` optimizer steps; this rank's full parameters and what was measured."""
-    tr = _trainer(args)
+    tr = make_trainer(TINY + args)
     opt, grid = tr.optimizer, tr.grid
     norms, losses = [], []
     for _ in range(iters):
@@ -104,7 +89,7 @@ def test_single_process_matches_torch_adamw(reference):
     """The sharding machinery at dp = 1 is plain AdamW with clipping, element for element."""
     from megazero.data.mock import MockGPTDataset
     from megazero.model.gpt import GPT
-    cfg = _cfg(["--optim.clip_grad", "0.5"])
+    cfg = make_config(TINY + ["--optim.clip_grad", "0.5"])
     m, t, o = cfg.model, cfg.train, cfg.optim
     model = GPT(m)
     model.init_weights(t.seed)
@@ -160,7 +145,7 @@ def _stage3_prefetches(prefetches: list[int]) -> bytes:
     for k in prefetches:
         args = ["--zero.stage", "3", "--zero.prefetch", str(k), "--optim.clip_grad", "0.5"]
         out[k] = _run(args, 3)
-        cfg = _cfg(args)
+        cfg = make_config(TINY + args)
         layout = Layout(1, 1, dist.get_world_size(), 1, 3, cfg.train.micro_batch_size, "none")
         out[k]["planned"] = predict(cfg, layout, Cluster(2, 8, 1.0, None), ranks=[0], device="cpu").rank(0).bytes["dp"]
     return _pack(out)
@@ -245,8 +230,8 @@ def test_stage_tp2_pp2_dp2_interleaved(reference, stage):
 
 def _overflow(stage: int) -> dict:
     import torch.distributed as dist
-    tr = _trainer(["--zero.stage", str(stage), "--train.precision", "fp16", "--zero.hysteresis", "1",
-                   "--zero.initial_loss_scale", "1024"])
+    tr = make_trainer(TINY + ["--zero.stage", str(stage), "--train.precision", "fp16", "--zero.hysteresis", "1",
+                              "--zero.initial_loss_scale", "1024"])
     opt = tr.optimizer
     before = {k: v.clone() for k, v in opt.full_state_dict().items()}
     opt.zero_grad()
@@ -288,7 +273,7 @@ def test_loss_scaler_hysteresis_and_growth():
 
 
 def _stage3_gather_api() -> dict:
-    tr = _trainer(["--zero.stage", "3"])
+    tr = make_trainer(TINY + ["--zero.stage", "3"])
     opt, chunk = tr.optimizer, tr.chunks[0]
     shapes = {n: tuple(p.shape) for n, p in chunk.named_parameters()}
     try:
@@ -310,7 +295,7 @@ def _stage3_gather_api() -> dict:
 
 def test_stage3_releases_and_gathers_on_request():
     from megazero.model.gpt import GPT
-    cfg = _cfg([])
+    cfg = make_config(TINY)
     expected = {n: tuple(p.shape) for n, p in GPT(cfg.model).named_parameters()}
     for out in run_distributed(_stage3_gather_api, 2):
         assert all(s == (0,) for s in out["shapes"].values())  # released: empty placeholders ...
@@ -321,7 +306,7 @@ def test_stage3_releases_and_gathers_on_request():
 
 def _resume(stage: int, precision: str) -> bool:
     args = ["--zero.stage", str(stage), "--train.precision", precision]
-    tr = _trainer(args)
+    tr = make_trainer(TINY + args)
     for _ in range(2):
         tr.train_step()
     saved = {"optim": tr.optimizer.state_dict(), "model": tr.optimizer.model_state_dict(),
@@ -333,7 +318,7 @@ def _resume(stage: int, precision: str) -> bool:
         tr.train_step()
     want = tr.optimizer.full_state_dict()
 
-    fresh = _trainer(args)
+    fresh = make_trainer(TINY + args)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
     fresh.optimizer.load_model_state_dict(loaded["model"])
@@ -359,7 +344,7 @@ def _memory() -> dict:
     out = {}
     for precision in ("fp32", "bf16"):
         for stage in range(4):
-            tr = _trainer(["--zero.stage", str(stage), "--train.precision", precision])
+            tr = make_trainer(TINY + ["--zero.stage", str(stage), "--train.precision", precision])
             out[(precision, stage)] = (tr.optimizer.model_state_bytes()["total"], tr.optimizer.layout.numel)
     return out
 
@@ -409,7 +394,7 @@ def test_partition_map_covers_every_parameter_once():
 ])
 def test_bad_zero_config_is_one_clear_line(args, message):
     with pytest.raises(ConfigError) as e:
-        validate(_cfg(args), 2)
+        make_config(TINY + args, world=2)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -431,7 +416,7 @@ def _sharded_init(args: list[str]) -> dict:
     """After building: whether any parameter holds memory, and each full parameter (gathered
     over DP) against the materialized model's init, bitwise."""
     from megazero.model.gpt import GPT
-    tr = _trainer(args)
+    tr = make_trainer(TINY + args)
     opt, grid = tr.optimizer, tr.grid
     hollow = all(p.untyped_storage().nbytes() == 0 for c in tr.chunks for p in c.parameters())
     from megazero.train.parallelize import apply_tensor_parallel
@@ -484,7 +469,7 @@ def _overlapped(runs: list[list[str]]) -> bytes:
     and when the next forward reaches its first block."""
     out = []
     for args in runs:
-        tr = _trainer(args)
+        tr = make_trainer(TINY + args)
         opt, grid = tr.optimizer, tr.grid
         seen = {"after_backward": [], "after_step": [], "at_first_block": []}
         finish = opt.finish_grad_sync
