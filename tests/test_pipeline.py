@@ -14,8 +14,9 @@ from typing import Optional, Sequence
 import pytest
 import torch
 
+from conftest import make_config, make_trainer
 from distributed import run_distributed
-from megazero.config import ConfigError, build_config, validate
+from megazero.config import ConfigError
 from megazero.pipeline.schedules import (
     ORDERS,
     Action,
@@ -287,7 +288,7 @@ def test_interleaved_shrinks_the_bubble():
 ])
 def test_bad_pipeline_configs(overrides, world, message):
     with pytest.raises(ConfigError) as err:
-        validate(build_config({"data": {"mock": True}, "model": {"num_layers": 4}}, overrides), world)
+        make_config(overrides, base={"data": {"mock": True}, "model": {"num_layers": 4}}, world=world)
     assert message in str(err.value)
 
 
@@ -304,13 +305,13 @@ def test_bad_pipeline_config_exits_2_with_one_line():
 
 
 def _config(num_layers: int, tp: int, pp: int, vpp: int, schedule: str, recompute: str, gbs: int,
-            zero_stage: int = 0):
-    return build_config({"model": {"num_layers": num_layers, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
-                                   "vocab_size": 256},
-                         "parallel": {"tp": tp, "pp": pp, "vpp": vpp, "schedule": schedule},
-                         "train": {"micro_batch_size": 2, "global_batch_size": gbs, "recompute": recompute,
-                                   "seed": 11},
-                         "zero": {"stage": zero_stage}, "data": {"mock": True}})
+            zero_stage: int = 0, world: int | None = None):
+    return make_config(base={"model": {"num_layers": num_layers, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
+                                       "vocab_size": 256},
+                             "parallel": {"tp": tp, "pp": pp, "vpp": vpp, "schedule": schedule},
+                             "train": {"micro_batch_size": 2, "global_batch_size": gbs, "recompute": recompute,
+                                       "seed": 11},
+                             "zero": {"stage": zero_stage}, "data": {"mock": True}}, world=world)
 
 
 def _reference(cfg, batches):
@@ -363,8 +364,7 @@ def _check_layouts(num_layers: int, gbs: int, cases: list[tuple[int, int, int, s
             grids[tp, pp] = ProcessGrid(tp=tp, pp=pp, dp=world // (tp * pp), rank=dist.get_rank())
             grids[tp, pp].build_groups()
         grid = grids[tp, pp]
-        cfg = _config(num_layers, tp, pp, vpp, schedule, recompute, gbs, zero_stage)
-        validate(cfg, world)
+        cfg = _config(num_layers, tp, pp, vpp, schedule, recompute, gbs, zero_stage, world)
         ref_loss, ref_grads = _reference(cfg, all_batches)
         tracker = seed_everything(cfg.train.seed, grid.pp_rank, grid.tp_rank, grid.device)
         chunks, optimizer = parallelize(cfg, grid, tracker)
@@ -425,19 +425,12 @@ def test_zbh1_with_tp_matches_single_process():
 
 
 def _train_and_return_tied(layouts: list[list[str]], steps: int) -> list[dict]:
-    import torch.distributed as dist
-
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
     out = []
     for overrides in layouts:
-        cfg = build_config({"model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
-                                      "vocab_size": 256},
-                            "train": {"micro_batch_size": 2, "global_batch_size": 8, "iters": steps},
-                            "optim": {"lr": 1e-2}, "data": {"mock": True}}, overrides)
-        validate(cfg, dist.get_world_size())
-        grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
-        trainer = Trainer(cfg, grid)
+        trainer = make_trainer(overrides, base={
+            "model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": 16, "vocab_size": 256},
+            "train": {"micro_batch_size": 2, "global_batch_size": 8, "iters": steps},
+            "optim": {"lr": 1e-2}, "data": {"mock": True}})
         initial = [c.tied_weight().detach().clone() for c in trainer.chunks if c.tied_weight() is not None]
         losses = [trainer.train_step()["loss"] for _ in range(steps)]
         tied = [c.tied_weight().detach().clone() for c in trainer.chunks if c.tied_weight() is not None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import make_trainer
 from distributed import run_distributed, train_records
 
 BASE = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--train.iters", "10"]
@@ -35,18 +36,10 @@ def test_tensor_parallel_losses_equal_single_process(tmp_path, reference, tp):
 def _logged(args: list[str]) -> list[tuple[int, bool]]:
     import contextlib
     import io
-    import os
 
-    import torch.distributed as dist
-
-    from megazero.config import build_config, load_yaml, validate
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = build_config(load_yaml(os.path.join(root, "configs/gpt2-tiny.yaml")), args)
-    validate(cfg, dist.get_world_size())
+    trainer = make_trainer(args)
     with contextlib.redirect_stdout(io.StringIO()):
-        records = Trainer(cfg, ProcessGrid.create(1, 1)).run()
+        records = trainer.run()
     return [(r["iteration"], "val_loss" in r) for r in records]
 
 
