@@ -70,7 +70,7 @@ def test_every_token_once_per_epoch_and_no_sample_crosses_splits(tmp_path: Path)
     docs = unique_token_dataset(tmp_path / "d", 120)
     ranges = split_document_ranges(len(docs), parse_split("80,10,10"))
     datasets = build([tmp_path / "d"], (500, 100, 100))
-    for ds, (lo, hi) in zip(datasets, ranges):
+    for ds, (lo, hi) in zip(datasets, ranges, strict=True):
         split_ids = np.concatenate(docs[lo:hi])
         per_epoch = len(split_ids) // SEQ  # samples a whole epoch provides
         samples = np.stack([ds[i] for i in range(len(ds))])

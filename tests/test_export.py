@@ -113,7 +113,7 @@ def test_resume_at_another_layout(tmp_path, source_checkpoint, target):
     save, reference = source_checkpoint
     nproc, layout = TARGETS[target]
     losses = _losses(tmp_path, target, nproc, layout + ["--train.iters", "6", "--checkpoint.load", save])
-    assert len(losses) == 2 and max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-4
+    assert len(losses) == 2 and max(abs(a - b) for a, b in zip(losses, reference, strict=True)) <= 1e-4
 
 
 def test_resume_from_universal_export(tmp_path, source_checkpoint):
@@ -124,7 +124,7 @@ def test_resume_from_universal_export(tmp_path, source_checkpoint):
                                              "universal.json"]
     losses = _losses(tmp_path, "uni", 2, ["--zero.stage", "2", "--train.iters", "6", "--checkpoint.load", universal])
     assert len(losses) == 2
-    assert max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(losses, reference, strict=True)) <= 1e-4
 
 
 def test_reshard_to_impossible_layout_is_refused(tmp_path, source_checkpoint):

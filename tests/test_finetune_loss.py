@@ -71,7 +71,7 @@ def _assert_layouts_equal_reference(prefix: str, reference: dict, world: int, la
     for name in layouts:
         logged = [r[name] for r in ranks if r[name]]  # from the one logging rank of that layout
         assert len(logged) == 1 and len(logged[0]) == ITERS
-        diff = max(abs(a - b) for a, b in zip(logged[0], reference["losses"]))
+        diff = max(abs(a - b) for a, b in zip(logged[0], reference["losses"], strict=True))
         assert diff <= 1e-5, (name, logged[0], reference["losses"])
 
 

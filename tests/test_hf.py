@@ -52,7 +52,7 @@ def test_import_roundtrip(tmp_path):
     shapes = {n: p.full_shape for n, p in fresh.named_parameters()}
     loaded = {n: fit_vocab(n, from_hf(n, t), shapes[n]) for n, t in tensors}
     fresh.load_state_dict(loaded, strict=True)
-    for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+    for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
 
 

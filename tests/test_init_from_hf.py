@@ -61,7 +61,7 @@ def test_first_loss_equals_transformers_at_tp2_pp2_zero3(hf_dir):
     os.makedirs(empty, exist_ok=True)
     # A checkpoint.load without a checkpoint in it yet is a fresh start: from the HF weights.
     layouts = [layout, layout + ["--checkpoint.load", empty]]
-    per_layout = list(zip(*run_distributed(_first_losses, 4, hf_dir, layouts)))
+    per_layout = list(zip(*run_distributed(_first_losses, 4, hf_dir, layouts), strict=True))
     for losses in per_layout:  # None on ranks that do not hold the loss (earlier pipeline stages)
         held = [loss for loss in losses if loss is not None]
         assert held and all(abs(loss - expected) <= 1e-4 for loss in held), (losses, expected)

@@ -55,7 +55,7 @@ def _offload_world(nvme: str) -> list:
             reloaded = again.state_dict()
             bytes_ = got["bytes"]
             out.append({"case": (stage, precision, mode),
-                        "dloss": max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])),
+                        "dloss": max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True)),
                         "params_equal": all(torch.equal(got["params"][n], p) for n, p in ref["params"].items()),
                         "state_equal": equal_state,
                         "reload_equal": all(torch.equal(reloaded[k], got["state"][k])
@@ -82,7 +82,7 @@ def _gradients_leave_during_backward() -> list:
         before_finish, finish = [], opt.grads.finish
         opt.grads.finish = lambda seen=before_finish, o=opt, f=finish: seen.append(o.host_grads.copied_numel) or f()
         losses = [trainer.train_step()["loss"] for _ in range(2)]
-        out.append({"stage": stage, "dloss": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
+        out.append({"stage": stage, "dloss": max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True)),
                     "before_finish": before_finish, "copied": opt.host_grads.copied_numel,
                     "numel": opt.layout.trainable_numel})
     return out
@@ -162,7 +162,7 @@ def test_nvme_store_streams_sub_groups_and_keeps_what_the_step_wrote(tmp_path):
     store.flush()
     for _ in range(2):  # two passes: what one pass writes back, the next reads
         for group, st in store.iterate(groups):
-            for m, a, r in zip(st.master, st.exp_avg, group):
+            for m, a, r in zip(st.master, st.exp_avg, group, strict=True):
                 m.add_(1.0)
                 a.fill_(r.bucket + 1)
     master, exp_avg = store.read("master"), store.read("exp_avg")
@@ -253,7 +253,8 @@ def _offload_3d_world(nvme: str) -> dict:
     got = _run(base + ["--zero.offload_optimizer", "nvme", "--zero.offload_param", "nvme", "--zero.nvme_path", nvme,
                        "--zero.buffer_count", "2"], 3)
     # Only the last pipeline stage has the loss.
-    return {"dloss": max((abs(a - b) for a, b in zip(got["losses"], ref["losses"]) if a is not None), default=0.0),
+    return {"dloss": max((abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True) if a is not None),
+                         default=0.0),
             "params_equal": all(torch.equal(got["params"][n], p) for n, p in ref["params"].items())}
 
 

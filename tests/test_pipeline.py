@@ -445,7 +445,7 @@ def test_tied_embedding_copies_stay_identical():
     layouts = [["--parallel.pp", "2"], ["--parallel.pp", "2", "--parallel.vpp", "2"],
                ["--parallel.pp", "2", "--parallel.schedule", "zbh1", "--train.precision", "bf16"]]
     first, last = run_distributed(_train_and_return_tied, 2, layouts, 4)
-    for f, l in zip(first, last):
+    for f, l in zip(first, last, strict=True):
         assert len(f["tied"]) == 1 and len(l["tied"]) == 1
         assert torch.equal(f["initial"][0], l["initial"][0])
         assert not torch.equal(f["tied"][0], f["initial"][0])  # it was trained
@@ -459,5 +459,5 @@ def test_zbh1_trains_like_1f1b_in_bf16():
     layouts = [["--parallel.pp", "2", "--train.precision", "bf16", "--parallel.schedule", s, "--zero.stage", z]
                for z in ("0", "2") for s in ("1f1b", "zbh1")]
     last = run_distributed(_train_and_return_tied, 2, layouts, 3)[1]
-    for one_f, zb in zip(last[::2], last[1::2]):
+    for one_f, zb in zip(last[::2], last[1::2], strict=True):
         assert zb["losses"] == pytest.approx(one_f["losses"], abs=1e-3)

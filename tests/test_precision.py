@@ -83,7 +83,7 @@ def test_reduce_dtype_bf16_communicates_in_bf16():
     fp32, fp32_bytes = run_distributed(_bf16_reduce_dtype, 2, "fp32")[0]
     bf16, bf16_bytes = run_distributed(_bf16_reduce_dtype, 2, "bf16")[0]
     assert 2 * bf16_bytes == fp32_bytes > 0, (bf16_bytes, fp32_bytes)
-    assert max(abs(a - b) for a, b in zip(fp32, bf16)) < 5e-4, (fp32, bf16)  # measured 6.7e-5
+    assert max(abs(a - b) for a, b in zip(fp32, bf16, strict=True)) < 5e-4, (fp32, bf16)  # measured 6.7e-5
 
 
 # ---------------------------------------------------------------------------- non-finite steps

@@ -220,7 +220,7 @@ def reference() -> list[tuple[float, float]]:
 def _assert_parity(runs: dict, reference: list) -> None:
     for name, run in runs.items():
         assert len(run) == len(reference) == ITERS, name
-        diffs = [max(abs(a - b) for a, b in zip(r, ref)) for r, ref in zip(run, reference)]
+        diffs = [max(abs(a - b) for a, b in zip(r, ref, strict=True)) for r, ref in zip(run, reference, strict=True)]
         print(f"{name}: max |delta loss, grad norm| vs single process {max(diffs):.2e}")  # pytest -s
         assert max(diffs) <= 1e-5, (name, run, reference)
 
@@ -253,5 +253,5 @@ def test_sequence_parallel_dropout_replayed_by_recompute():
     runs = run_distributed(_layouts, 4, {mode: DROPOUT + ["--train.recompute", mode]
                                          for mode in ("none", "full", "selective")})[0]
     for mode in ("full", "selective"):
-        for got, want in zip(runs[mode], runs["none"]):
-            assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (mode, runs)
+        for got, want in zip(runs[mode], runs["none"], strict=True):
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-6, (mode, runs)

@@ -81,7 +81,7 @@ def _check_model(tp: int) -> dict:
     ref.init_weights(7)
     model.init_weights(7)
     assert ref.padded_vocab == 384 and model.padded_vocab == 128 * tp * ((300 + 128 * tp - 1) // (128 * tp))
-    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
         # same full weights at every TP degree (vocab padding rows aside)
         if name == "transformer.wte.weight":
             torch.testing.assert_close(gather_from_tp(q.detach().T, grid.tp_group).T[:300], p[:300], rtol=0, atol=0)
@@ -96,7 +96,7 @@ def _check_model(tp: int) -> dict:
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     ref_loss.backward()
     loss.backward()
-    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
         want = shard_of(p.grad, q.tp_dim, q.tp_stride, grid.tp_rank, tp)
         if name == "transformer.wte.weight":
             want = shard_of(torch.cat([p.grad[:300], p.grad.new_zeros(model.padded_vocab - 300, 32)]), 0, 1,

@@ -127,7 +127,7 @@ def test_stage_matches_single_process_dp2(reference, stage):
     outs = _unpack(run_distributed(_train, 2, ["--zero.stage", str(stage), "--optim.clip_grad", "0.5"], 3))
     for out in outs:
         _assert_params_equal(out, reference)
-        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"], strict=True)) < 1e-5
         # Exactly the theory: the iteration's loss travels with the step's sums over the world, not on DP.
         assert _dp_sent(out) == _comm_theory(stage, 4 * out["numel"], 2, out["micro"]), out["bytes"]["dp"]
 
@@ -160,7 +160,7 @@ def test_stage3_prefetch_depths_match_single_process_and_send_3psi(reference):
     for rank_out in _unpack(run_distributed(_stage3_prefetches, 2, [0, 1, 2])):
         for k, out in rank_out.items():
             _assert_params_equal(out, reference)
-            assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"])) < 1e-5, k
+            assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"], strict=True)) < 1e-5, k
             theory = _comm_theory(3, 4 * out["numel"], 2, out["micro"])
             assert abs(_dp_sent(out) - theory) <= 0.02 * theory and _dp_sent(out) == theory, out["bytes"]["dp"]
             assert _dp_sent(out) == out["planned"]
@@ -177,7 +177,7 @@ def test_stage_with_tp2_dp2(reference, stage):
     for out in _unpack(run_distributed(_train, 4, ["--zero.stage", str(stage), "--parallel.tp", "2",
                                                    "--optim.clip_grad", "0.5"], 3)):
         _assert_params_equal(out, reference)
-        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"], strict=True)) < 1e-5
 
 
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
@@ -188,7 +188,7 @@ def test_stage_with_pp2_dp2_tied_embedding(reference, stage):
                                                "--optim.clip_grad", "0.5"], 3))
     for out in outs:
         _assert_params_equal(out, reference)
-        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"], strict=True)) < 1e-5
         if stage == 3:  # each stage's copy of the tied weight gathered once per forward and backward
             assert _dp_sent(out) - _comm_theory(3, 4 * out["numel"], 2, out["micro"]) in (0, 4)
     assert {"lm_head.weight", "transformer.wte.weight"} <= {n for o in outs for n in o["params"]}
@@ -205,9 +205,9 @@ def test_zbh1_stage_pp2_dp2(reference, stage):
                                                "--parallel.schedule", "zbh1", "--optim.clip_grad", "0.5"], 3))
     for out in outs:
         _assert_params_equal(out, reference)
-        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"], strict=True)) < 1e-5
         if out["losses"][0] is not None:  # the last pipeline stage's
-            assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"])) < 1e-5
+            assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"], strict=True)) < 1e-5
         if stage == 3:
             ops = out["bytes"]["dp"]
             gathers = _comm_theory(3, 4 * out["numel"], 2, out["micro"]) * 2 / 3
@@ -447,14 +447,14 @@ def test_fused_adamw_matches_torch_reference_update():
     a = [[t.clone() for t in s] for s in states]
     hp = dict(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, step=3)
     adamw_([s[0] for s in a], grads, [s[1] for s in a], [s[2] for s in a], [a[0][0]], **hp)
-    for i, (wd, s) in enumerate(zip((0.1, 0.0), states)):
+    for i, (wd, s) in enumerate(zip((0.1, 0.0), states, strict=True)):
         p = torch.nn.Parameter(s[0].clone())
         ref = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd, foreach=False)
         ref.state[p] = {"step": torch.tensor(2.0), "exp_avg": s[1].clone(), "exp_avg_sq": s[2].clone()}
         p.grad = grads[i]
         ref.step()
         expected = [p.detach(), ref.state[p]["exp_avg"], ref.state[p]["exp_avg_sq"]]
-        for u, v in zip(a[i], expected):
+        for u, v in zip(a[i], expected, strict=True):
             torch.testing.assert_close(u, v, rtol=0, atol=1e-7)
     assert not torch.equal(a[0][0], states[0][0]) and not torch.equal(a[1][0], states[1][0])
 
@@ -520,14 +520,14 @@ def test_stages_1_2_overlap_and_match_single_process_dp2(reference, reference_bf
     runs = [["--zero.stage", str(stage), "--train.precision", precision, "--optim.clip_grad", "0.5"]
             for stage in (1, 2) for precision in ("fp32", "bf16")]
     for rank_out in _unpack(run_distributed(_overlapped, 2, runs)):
-        for args, out in zip(runs, rank_out):
+        for args, out in zip(runs, rank_out, strict=True):
             if "fp32" in args:
                 _check_overlap(out, 2)
                 _assert_params_equal(out, reference)
-                assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+                assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"], strict=True)) < 1e-5
             else:  # bf16 compute: measured equal to the single process (|Δ| = 0), held to fp32's bound
                 assert out["micro"] == 2 and min(out["seen"]["after_backward"]) >= 1
-                assert max(abs(a - b) for a, b in zip(out["losses"], reference_bf16["losses"])) <= 1e-5, \
+                assert max(abs(a - b) for a, b in zip(out["losses"], reference_bf16["losses"], strict=True)) <= 1e-5, \
                     (args, out["losses"], reference_bf16["losses"])
 
 
@@ -538,4 +538,4 @@ def test_stages_1_2_overlap_with_tp2_dp2(reference):
         for out in rank_out:
             _check_overlap(out, 2)
             _assert_params_equal(out, reference)
-            assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+            assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"], strict=True)) < 1e-5
