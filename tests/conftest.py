@@ -54,6 +54,17 @@ def make_trainer(args: Sequence[str] = (), base: str | dict = TINY_CONFIG):
         return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 
 
+def make_grid(tp: int):
+    """This spawned rank's grid of tp x dp (pp 1) on the gloo world it joined, for tests of
+    single layers (a trainer builds its own)."""
+    import torch.distributed as dist
+
+    from megazero.parallel.grid import ProcessGrid
+    grid = ProcessGrid(tp=tp, pp=1, dp=dist.get_world_size() // tp, rank=dist.get_rank())
+    grid.build_groups()
+    return grid
+
+
 # ----------------------------------------------------------------------------- a small corpus
 
 WORDS = (

@@ -10,22 +10,13 @@ import io
 import pytest
 import torch
 
-from conftest import make_trainer
+from conftest import make_grid, make_trainer
 from distributed import run_distributed
 
 ITERS = 4
 
 
 # ----------------------------------------------------------------------------- collectives
-
-
-def _grid(tp: int):
-    import torch.distributed as dist
-
-    from megazero.parallel.grid import ProcessGrid
-    grid = ProcessGrid(tp=tp, pp=1, dp=dist.get_world_size() // tp, rank=dist.get_rank())
-    grid.build_groups()
-    return grid
 
 
 def _shard(x: torch.Tensor, g) -> torch.Tensor:
@@ -42,7 +33,7 @@ def _check_collectives(tp: int) -> bool:
         reduce_from_tp,
         reduce_scatter_to_sequence,
     )
-    g = _grid(tp).tp_group
+    g = make_grid(tp).tp_group
     torch.manual_seed(0)
     x = torch.randn(3, 8, 5)  # [b, s, h], the same on every rank
     upstreams = [torch.randn(3, 8, 5, generator=torch.Generator().manual_seed(10 + r)) for r in range(g.size)]
@@ -103,7 +94,7 @@ def _check_layers(tp: int) -> bool:
 
     from megazero.model.layers import ColumnParallelLinear, RowParallelLinear
     from megazero.parallel.comm import all_reduce
-    g = _grid(tp).tp_group
+    g = make_grid(tp).tp_group
     torch.manual_seed(0)
     x = torch.randn(2, 8, 16)
     layers = []
@@ -136,7 +127,7 @@ def _check_dropout(tp: int) -> list[bool]:
     from megazero.model.layers import Dropout
     from megazero.parallel.comm import all_gather_object
     from megazero.parallel.random import seed_everything
-    g = _grid(tp).tp_group
+    g = make_grid(tp).tp_group
     out = []
     for sequence_parallel in (False, True):
         tracker = seed_everything(5, 0, g.rank, torch.device("cpu"))

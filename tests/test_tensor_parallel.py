@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import make_grid
 from distributed import run_distributed
 from megazero.config import ModelConfig
 from megazero.model.gpt import GPT
@@ -17,15 +18,7 @@ from megazero.model.layers import (
     vocab_parallel_cross_entropy,
 )
 from megazero.parallel.comm import gather_from_tp
-from megazero.parallel.grid import ProcessGrid
 from megazero.train.parallelize import apply_tensor_parallel
-
-
-def _grid(tp: int) -> ProcessGrid:
-    import torch.distributed as dist
-    grid = ProcessGrid(tp=tp, pp=1, dp=dist.get_world_size() // tp, rank=dist.get_rank())
-    grid.build_groups()
-    return grid
 
 
 def _copy(full: torch.nn.Module, layer: torch.nn.Module, tp) -> torch.nn.Module:
@@ -36,7 +29,7 @@ def _copy(full: torch.nn.Module, layer: torch.nn.Module, tp) -> torch.nn.Module:
 
 
 def _check_layers(tp: int) -> bool:
-    grid = _grid(tp)
+    grid = make_grid(tp)
     g = grid.tp_group
     torch.manual_seed(0)
     x = torch.randn(2, 5, 8, requires_grad=True)
@@ -75,7 +68,7 @@ def _check_layers(tp: int) -> bool:
 
 
 def _check_model(tp: int) -> dict:
-    grid = _grid(tp)
+    grid = make_grid(tp)
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
     ref, model = GPT(cfg), apply_tensor_parallel(GPT(cfg), grid.tp_group)
     ref.init_weights(7)
