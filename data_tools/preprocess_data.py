@@ -54,7 +54,7 @@ import numpy as np  # noqa: E402
 
 from megazero.data import DataError  # noqa: E402
 from megazero.data.corpus import (  # noqa: E402
-    Chunk,
+    CorpusChunk,
     parse_chunk,
     quiet_hugging_face,
     read_chunks,
@@ -152,7 +152,7 @@ class Encoder:
         self.tokenizer = build_tokenizer(spec)
         self.keys, self.append_eod, self.skip_bad, self.examples = keys, append_eod, skip_bad, examples
 
-    def encode(self, chunk: Chunk) -> Encoded:
+    def encode(self, chunk: CorpusChunk) -> Encoded:
         if self.examples:
             return self._encode_examples(chunk)
         records, skipped = parse_chunk(chunk, self.keys, self.skip_bad)
@@ -166,7 +166,7 @@ class Encoder:
             tokens[key], lengths[key] = _flat(ids, np.int32)
         return Encoded(tokens, lengths, len(records), empty, skipped, chunk.nbytes)
 
-    def _encode_examples(self, chunk: Chunk) -> Encoded:
+    def _encode_examples(self, chunk: CorpusChunk) -> Encoded:
         """One document per example, prompt + completion + EOD, and its loss mask (0 on the
         prompt, 1 on the rest); prompt and completion are tokenized apart, so the mask
         boundary falls exactly between them."""
@@ -191,12 +191,12 @@ def _init_worker(*encoder_args: Any) -> None:
     _worker_encoder = Encoder(*encoder_args)
 
 
-def _encode_in_worker(chunk: Chunk) -> Encoded:
+def _encode_in_worker(chunk: CorpusChunk) -> Encoded:
     assert _worker_encoder is not None
     return _worker_encoder.encode(chunk)
 
 
-def _encoded_chunks(chunks: Iterable[Chunk], encoder_args: tuple, workers: int) -> Iterator[Encoded]:
+def _encoded_chunks(chunks: Iterable[CorpusChunk], encoder_args: tuple, workers: int) -> Iterator[Encoded]:
     """Encoded chunks in input order, from `workers` processes (in this process for 1)."""
     if workers == 1:
         encoder = Encoder(*encoder_args)
@@ -209,7 +209,7 @@ def _encoded_chunks(chunks: Iterable[Chunk], encoder_args: tuple, workers: int) 
     # `stop` lets it return when we stop early (the pool's shutdown waits for that thread).
     slots, stop = threading.Semaphore(4 * workers), threading.Event()
 
-    def bounded() -> Iterator[Chunk]:
+    def bounded() -> Iterator[CorpusChunk]:
         for chunk in chunks:
             while not slots.acquire(timeout=0.1):
                 if stop.is_set():

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from megazero.atomic import atomic_dir
-from megazero.checkpoint.adapter import base_only, has_adapters, merge_lora
+from megazero.checkpoint.adapter import base_only, describe_adapters, has_adapters, merge_lora
 from megazero.checkpoint.base import Checkpoint
 from megazero.checkpoint.export import write_hf, write_hf_tokenizer, write_torch, write_universal
 from megazero.checkpoint.load import open_checkpoint
@@ -50,8 +50,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="torch, hf: fold LoRA adapters into their base weights (default: base model only)")
     args = parser.parse_args(argv)
 
+    merged = ""
     with report_errors(OSError):
         ckpt = open_checkpoint(args.load, args.iteration)
+        if args.merge_lora and has_adapters(ckpt):
+            merged = f", LoRA adapters merged in ({describe_adapters(ckpt)})"
         if args.to != "universal":
             ckpt = with_adapters_handled(ckpt, args.merge_lora)
         elif args.merge_lora:
@@ -64,7 +67,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         else:
             atomic_dir(args.output, lambda tmp: write_hf_export(ckpt, tmp, DTYPES[args.dtype]))
     at = "" if ckpt.iteration is None else f" (iteration {ckpt.iteration})"
-    print(f"wrote {args.to} export of {ckpt.kind} {ckpt.ckpt}{at} to {args.output}")
+    print(f"wrote {args.to} export of {ckpt.kind} {ckpt.ckpt}{at} to {args.output}{merged}")
 
 
 def with_adapters_handled(ckpt: Checkpoint, merge: bool) -> Checkpoint:

@@ -36,7 +36,28 @@ def report_errors(*extra: type[BaseException], every_rank: bool = False) -> Iter
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:
             print_once_per_node(f"error: {e}")
+        _remember_user_error()
         sys.exit(EXIT_USER_ERROR)
+
+
+def exit_if_failed_before() -> None:
+    """On a torchrun restart: exit at once (status 2, nothing printed: the line was) when an
+    earlier attempt of this launcher ended in a UserError. A config, data or checkpoint error
+    is the same on every attempt; only crashes and lost peers are worth restarting for."""
+    marker = _job_marker(attempt=False)
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and marker and os.path.exists(marker + "-user"):
+        sys.exit(EXIT_USER_ERROR)
+
+
+def _remember_user_error() -> None:
+    """Leave word for this launcher's later attempts (see exit_if_failed_before), and for a
+    script around the launcher ($MEGAZERO_USER_ERROR_FILE): torchrun itself exits 1 whatever
+    its workers' status, the scripts exit 2 for a user error, as megazero does."""
+    marker = _job_marker(attempt=False)
+    for path in (marker + "-user" if marker else None, os.environ.get("MEGAZERO_USER_ERROR_FILE")):
+        if path:
+            with contextlib.suppress(OSError), open(path, "a"):
+                pass
 
 
 def print_once_per_node(line: str, wait_s: float = 10.0) -> None:
@@ -62,9 +83,10 @@ def print_once_per_node(line: str, wait_s: float = 10.0) -> None:
     os.close(fd)
 
 
-def _job_marker() -> Optional[str]:
+def _job_marker(attempt: bool = True) -> Optional[str]:
     """A path unique to this node's workers of this torchrun attempt: the launcher's pid and
-    start time (pids are reused) and the restart count. None when not under torchrun on Linux."""
+    start time (pids are reused) and the restart count (without it, with `attempt` False: of
+    every attempt of this launcher). None when not under torchrun on Linux."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     launcher = os.getppid()
@@ -73,7 +95,7 @@ def _job_marker() -> Optional[str]:
             started = f.read().rsplit(")", 1)[1].split()[19]  # field 22: start time in clock ticks
     except (OSError, IndexError):
         return None
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if attempt else "all"
     return os.path.join(tempfile.gettempdir(), f"megazero-error-{launcher}-{started}-{restart}")
 
 

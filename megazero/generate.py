@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from typing import Optional
 
 import torch
@@ -35,7 +36,7 @@ from megazero.checkpoint.load import open_checkpoint
 from megazero.checkpoint.tensors import fit_vocab
 from megazero.data.tokenizer import Tokenizer, build_tokenizer
 from megazero.errors import UserError, report_errors
-from megazero.inference.offload import build_offloaded_model
+from megazero.inference.offload import BlockStreamer, build_offloaded_model
 from megazero.inference.prompts import read_prompts, write_completions
 from megazero.model.gpt import GPT, KVCache, apply_tensor_parallel
 from megazero.model.layers import shard_of
@@ -217,13 +218,34 @@ def _run(args: argparse.Namespace, ckpt: Checkpoint, grid: ProcessGrid, prompts:
     else:
         nvme_path = args.nvme_path or default_nvme_path(ckpt.ckpt)
         model, streamer = build_offloaded_model(ckpt, grid.device, args.offload, nvme_path, not args.no_prefetch)
+    tic = time.perf_counter()
     try:
-        return [ids for i in range(0, len(prompts), args.batch_size)
-                for ids in generate_batch(model, prompts[i: i + args.batch_size], args.max_new_tokens,
-                                          args.temperature, args.top_k, args.top_p, args.seed, eod)]
+        outputs = [ids for i in range(0, len(prompts), args.batch_size)
+                   for ids in generate_batch(model, prompts[i: i + args.batch_size], args.max_new_tokens,
+                                             args.temperature, args.top_k, args.top_p, args.seed, eod)]
     finally:
         if streamer is not None:
             streamer.close()
+    if streamer is not None:
+        new_tokens = sum(len(ids) - len(p) for ids, p in zip(outputs, prompts, strict=True))
+        where = "host memory" if args.offload == "cpu" else f"an unlinked file in {nvme_path}"
+        print(streaming_report(streamer, where, new_tokens, time.perf_counter() - tic), file=sys.stderr, flush=True)
+    return outputs
+
+
+def streaming_report(streamer: BlockStreamer, where: str, new_tokens: int, seconds: float) -> str:
+    """One line on what --offload streamed: from where, how much per generated token, how fast."""
+    block = streamer.layout.numel * streamer.layout.dtype.itemsize
+    moved = streamer.fetches * block
+    return (f"offload: {len(streamer.blocks)} blocks of {_size(block)} streamed from {where}: {_size(moved)} in "
+            f"{streamer.fetches} fetches, {_size(moved / max(new_tokens, 1))} per new token; {new_tokens} tokens in "
+            f"{seconds:.2f} s ({new_tokens / max(seconds, 1e-9):.1f} tokens/s), {streamer.wait_s:.2f} s waiting "
+            f"for blocks")
+
+
+def _size(nbytes: float) -> str:
+    unit = next((u for u in ("GiB", "MiB", "KiB") if nbytes >= 2 ** {"GiB": 30, "MiB": 20, "KiB": 10}[u]), "B")
+    return f"{nbytes / 2 ** {'GiB': 30, 'MiB': 20, 'KiB': 10, 'B': 0}[unit]:.1f} {unit}"
 
 
 def default_nvme_path(ckpt: str) -> str:

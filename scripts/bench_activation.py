@@ -42,12 +42,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megazero.config import build_config, validate  # noqa: E402
+from megazero.config import build_config  # noqa: E402
 from megazero.parallel.grid import ProcessGrid  # noqa: E402
 from megazero.parallel.random import seed_everything  # noqa: E402
 from megazero.plan.formulas import ActivationShape, layer_activation_bytes  # noqa: E402
 from megazero.plan.measure import ActivationMeter  # noqa: E402
 from megazero.train.parallelize import parallelize  # noqa: E402
+from megazero.train.run_config import resolve_and_validate  # noqa: E402
 
 ACT_BYTES, MASK_BYTES = 4, 4  # fp32 activations; torch's CPU dropout keeps an fp32 mask
 
@@ -63,7 +64,7 @@ def bench_config(args, tp: int, sequence_parallel: bool):
 def layer_bytes(args, grid: ProcessGrid, sequence_parallel: bool) -> float:
     """Bytes one layer saves for backward on this rank, averaged over the layers."""
     cfg = bench_config(args, grid.tp, sequence_parallel)
-    validate(cfg, grid.world_size)
+    resolve_and_validate(cfg, grid.world_size)
     tracker = seed_everything(cfg.train.seed, grid.pp_rank, grid.tp_rank, grid.device)
     (chunk,), _ = parallelize(cfg, grid, tracker)
     chunk.train()

@@ -66,9 +66,10 @@ sys.path[:0] = [ROOT, HERE]  # megazero from this checkout; gpu_profile beside t
 from gpu_profile import Profile, breakdown, capture, format_profiles  # noqa: E402
 
 from megazero.atomic import write_text  # noqa: E402
-from megazero.config import Config, build_config, load_yaml, validate  # noqa: E402
+from megazero.config import Config, build_config, load_yaml  # noqa: E402
 from megazero.plan.formulas import model_flops_per_token  # noqa: E402
 from megazero.train.metrics import device_peak_flops  # noqa: E402
+from megazero.train.run_config import resolve_and_validate  # noqa: E402
 
 # Micro-batch x accumulation per model: 64 sequences (65k tokens) per iteration for both,
 # micro-batches large enough that the matmuls fill an H100/H200 (activations stay far below 80 GiB).
@@ -107,7 +108,7 @@ def make_config(model: str, micro: int, accum: int, iters: int, overrides: list[
              "--train.iters", str(iters), "--train.eval_interval", "0", "--checkpoint.save", "null",
              "--checkpoint.load", "null", "--logging.jsonl", "null", "--logging.wandb", "false"]
     cfg = build_config(load_yaml(os.path.join(ROOT, "configs", f"{model}.yaml")), fixed + overrides)
-    validate(cfg, 1)
+    resolve_and_validate(cfg, 1)
     return cfg
 
 

@@ -54,17 +54,19 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
     """Build rank `rank`'s share of configs/gpt2-MODEL.yaml at ZeRO-3 and report its memory."""
     import torch
 
-    from megazero.config import build_config, load_yaml, validate
+    from megazero.config import build_config, load_yaml
     from megazero.model.gpt import GPT
     from megazero.parallel.random import seed_everything
     from megazero.train.parallelize import parallelize
+    from megazero.train.run_config import resolve_and_validate
     from megazero.zero.optimizer import ZeroOptimizer
+    from megazero.zero.shard import ShardedParameters
     torch.set_num_threads(1)
     base = rss_bytes()
     cfg = build_config(load_yaml(os.path.join(ROOT, f"configs/gpt2-{model}.yaml")),
                        ["--zero.stage", "3", "--train.precision", precision, "--data.mock", "true",
                         "--train.global_batch_size", str(dp), "--train.micro_batch_size", "1"])
-    validate(cfg, dp)
+    resolve_and_validate(cfg, dp)
     grid = dry_grid(dp, rank)
     tracker = seed_everything(cfg.train.seed, 0, 0, grid.device)
     if sharded:
@@ -72,7 +74,7 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
     else:  # the way before sharded init: every rank builds and initializes the whole model
         model = GPT(cfg.model, tracker)
         model.init_weights(cfg.train.seed)
-        opt = ZeroOptimizer([model], cfg, grid)
+        opt = ZeroOptimizer(ShardedParameters([model], cfg, grid), cfg, grid)
         del model
     largest = max(p.full_shape[0] * (p.full_shape[1] if len(p.full_shape) > 1 else 1)
                   for _, s in opt.layout.slots() for p in [s.param])

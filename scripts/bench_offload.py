@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from bench_zero import launch  # noqa: E402
 
-from megazero.config import build_config, load_yaml, validate  # noqa: E402
+from megazero.config import build_config, load_yaml  # noqa: E402
+from megazero.train.run_config import resolve_and_validate  # noqa: E402
 
 GiB, MiB = 2 ** 30, 2 ** 20
 
@@ -84,7 +85,7 @@ def config(path: str, stage: int, mode: str, nvme: str, dp: int, iters: int, ext
         "--train.micro_batch_size", "1", "--train.global_batch_size", str(dp), "--train.iters", str(iters + 1),
         "--zero.stage", str(stage), "--zero.offload_optimizer", mode, "--zero.nvme_path", nvme,
         *[str(x) for kv in extra.items() for x in kv]])
-    validate(cfg, dp)
+    resolve_and_validate(cfg, dp)
     return cfg
 
 

@@ -51,15 +51,16 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megazero.config import build_config, validate  # noqa: E402
+from megazero.config import build_config  # noqa: E402
 from megazero.parallel import comm  # noqa: E402
 from megazero.parallel.grid import ProcessGrid  # noqa: E402
 from megazero.parallel.random import seed_everything  # noqa: E402
 from megazero.pipeline.schedules import forward_backward_pipelining  # noqa: E402
 from megazero.plan.formulas import pipeline_bubble, simulated_bubble  # noqa: E402
 from megazero.plan.measure import ActivationMeter  # noqa: E402
-from megazero.plan.planner import Cluster, Layout, predict  # noqa: E402
+from megazero.plan.planner import Cluster, ParallelLayout, predict  # noqa: E402
 from megazero.train.parallelize import parallelize  # noqa: E402
+from megazero.train.run_config import resolve_and_validate  # noqa: E402
 
 
 def bench_config(args, pp: int, schedule: str, m: int):
@@ -74,7 +75,7 @@ def bench_config(args, pp: int, schedule: str, m: int):
 def run_case(args, grid: ProcessGrid, schedule: str, m: int) -> dict:
     """This rank's mean busy and idle seconds per iteration and its peak activation bytes."""
     cfg = bench_config(args, grid.pp, schedule, m)
-    validate(cfg, grid.world_size)
+    resolve_and_validate(cfg, grid.world_size)
     tracker = seed_everything(cfg.train.seed, grid.pp_rank, grid.tp_rank, grid.device)
     chunks, optimizer = parallelize(cfg, grid, tracker)
     g = torch.Generator().manual_seed(0)
@@ -101,7 +102,7 @@ def run_case(args, grid: ProcessGrid, schedule: str, m: int) -> dict:
             busy += wall - stats["wait_s"]
             idle += stats["wait_s"] + tail
         peak = max(peak, meter.peak)
-    layout = Layout(1, grid.pp, 1, len(chunks), 0, args.micro_batch, "none")
+    layout = ParallelLayout(1, grid.pp, 1, len(chunks), 0, args.micro_batch, "none")
     planned = predict(cfg, layout, Cluster(grid.pp, grid.pp, 1.0, None), ranks=[grid.pp_rank], device="cpu")
     return {"busy": busy / args.iters, "idle": idle / args.iters, "peak_bytes": peak,
             "planned_bytes": planned.rank(grid.pp_rank).activations}

@@ -28,9 +28,10 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megazero.config import build_config, validate  # noqa: E402
+from megazero.config import build_config  # noqa: E402
 from megazero.plan.formulas import STATE_BYTES, model_state_bytes  # noqa: E402
-from megazero.plan.planner import Cluster, Layout, predict  # noqa: E402
+from megazero.plan.planner import Cluster, ParallelLayout, predict  # noqa: E402
+from megazero.train.run_config import resolve_and_validate  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -45,7 +46,7 @@ def make_config(args: argparse.Namespace, stage: int, precision: str = "fp32"):
         "optim": {"clip_grad": 1.0},
         "data": {"mock": True},
     })
-    validate(cfg, args.dp)
+    resolve_and_validate(cfg, args.dp)
     return cfg
 
 
@@ -68,8 +69,8 @@ def run_megazero(args: argparse.Namespace, stage: int) -> dict:
     tr.grid.reset_counters()
     tr.train_step()
     moved = tr.grid.bytes_moved()["dp"]
-    planned = predict(tr.cfg, Layout(1, 1, args.dp, 1, stage, args.micro, "none"), Cluster(args.dp, args.dp, 1.0, None),
-                      device="cpu").rank(0)
+    planned = predict(tr.cfg, ParallelLayout(1, 1, args.dp, 1, stage, args.micro, "none"),
+                      Cluster(args.dp, args.dp, 1.0, None), device="cpu").rank(0)
     tic = time.perf_counter()
     for _ in range(args.iters - 1):
         tr.train_step()
@@ -80,7 +81,7 @@ def run_megazero(args: argparse.Namespace, stage: int) -> dict:
            "dp_ops": {k: v for k, v in moved.items() if not k.endswith("_calls")}, "planned_dp": planned.bytes["dp"],
            "padded_numel": opt.layout.numel, "param_numel": opt.layout.param_numel,
            "micro": tr.num_microbatches, "memory": {"fp32": opt.model_state_bytes()},
-           "peak_materialized": opt.peak_materialized_numel}
+           "peak_materialized": opt.sharded.peak_materialized_numel}
     del tr, opt
     with contextlib.redirect_stdout(io.StringIO()):  # the same model in bf16, for the memory table
         tr16 = Trainer(make_config(args, stage, "bf16"), ProcessGrid.create(1, 1))

@@ -73,7 +73,17 @@ train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.st
   --optim.min_lr "${MIN_LR:-3e-5}" --optim.warmup_iters "${WARMUP:-10}" "${extra[@]}" "$@")
 python -m megazero.train --validate-only --world-size "$NPROC" "${train_args[@]}"
 echo "== fine-tuning: $NPROC processes, tp $TP x pp $PP, ZeRO-$ZERO_STAGE, from $HF_DIR; outputs in $RUN_DIR"
+# A user error (config, data, checkpoint) exits 2 here as it does in megazero (torchrun says 1).
+MEGAZERO_USER_ERROR_FILE=$(mktemp -u "${TMPDIR:-/tmp}/megazero-user-error.XXXXXX")
+export MEGAZERO_USER_ERROR_FILE
 torchrun --nproc_per_node "$NPROC" --max-restarts "${RESTARTS:-3}" --rdzv-backend c10d \
-  --rdzv-endpoint "127.0.0.1:${MASTER_PORT:-29500}" --rdzv-id megazero-finetune -m megazero.train "${train_args[@]}"
+  --rdzv-endpoint "127.0.0.1:${MASTER_PORT:-29500}" --rdzv-id megazero-finetune -m megazero.train "${train_args[@]}" || {
+  rc=$?; [[ -e $MEGAZERO_USER_ERROR_FILE ]] && { rm -f "$MEGAZERO_USER_ERROR_FILE"; exit 2; }; exit $rc; }
 
-echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: $(cat "$RUN_DIR/checkpoints/latest"))"
+latest="$RUN_DIR/checkpoints/$(cat "$RUN_DIR/checkpoints/latest")"
+echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: ${latest##*/})"
+if [[ -d $latest/adapter ]]; then  # LoRA: the adapters alone, for PEFT on $HF_DIR
+  echo "   LoRA adapters (PEFT): $latest/adapter  (base model: $HF_DIR)"
+  echo "   merge them into a plain GPT-2: python -m megazero.convert --load $latest --to hf --merge-lora --output $RUN_DIR/merged_hf"
+fi
+echo "   generate: python -m megazero.generate --load $latest --prompt 'Question: ...' --max-new-tokens 40"

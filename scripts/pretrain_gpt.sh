@@ -48,7 +48,8 @@ train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.st
 tok_dir=${TOKENIZER#gpt2bpe:}
 if [[ $TOKENIZER == gpt2bpe:* && ! -f $tok_dir/vocab.json ]]; then vocab=(--data.tokenizer null --model.vocab_size "$VOCAB_SIZE")
 else vocab=(--data.tokenizer "$TOKENIZER" --model.vocab_size auto); fi
-python -m megazero.train --validate-only --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" "${vocab[@]}" "$@"
+python -m megazero.train --validate-only --config-only --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" \
+  "${vocab[@]}" "$@"
 
 # 1. Tokenizer: train one on the corpus when none is there (nothing can be downloaded).
 if [[ $TOKENIZER == gpt2bpe:* && ! -f $tok_dir/vocab.json ]]; then
@@ -68,11 +69,19 @@ if [[ -n ${PREPARE_ONLY:-} ]]; then
   exit 0
 fi
 
-# 3. Train (resumes when $RUN_DIR/checkpoints holds a checkpoint).
+# 3. Train (resumes when $RUN_DIR/checkpoints holds a checkpoint). First the files it reads (the
+#    dataset, the checkpoint it resumes) are checked as start-up would, before any process starts.
+python -m megazero.train --validate-only --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" \
+  --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@" > /dev/null
 echo "== training: $NPROC processes per node, tp $TP x pp $PP, ZeRO-$ZERO_STAGE; outputs in $RUN_DIR"
+# A user error (config, data, checkpoint) exits 2 here as it does in megazero (torchrun says 1).
+MEGAZERO_USER_ERROR_FILE=$(mktemp -u "${TMPDIR:-/tmp}/megazero-user-error.XXXXXX")
+export MEGAZERO_USER_ERROR_FILE
 torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-restarts "$RESTARTS" \
   --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-megazero}" \
-  -m megazero.train "${train_args[@]}" --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@"
+  -m megazero.train "${train_args[@]}" --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@" || {
+  rc=$?; [[ -e $MEGAZERO_USER_ERROR_FILE ]] && { rm -f "$MEGAZERO_USER_ERROR_FILE"; exit 2; }; exit $rc; }
 
 echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: $(cat "$RUN_DIR/checkpoints/latest"))"
-echo "   resolved config: $RUN_DIR/checkpoints/config.yaml; run again to resume, or raise ITERS"
+echo "   resolved config: $RUN_DIR/checkpoints/config.yaml; run again to resume. To train longer, raise ITERS and"
+echo "   pass --optim.override_schedule true: a resumed run keeps the checkpoint's LR schedule (its decay length) otherwise"

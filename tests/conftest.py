@@ -20,9 +20,10 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from megazero.config import Config, build_config, load_yaml, validate
+from megazero.config import Config, build_config, load_yaml
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter, loss_mask_prefix
 from megazero.data.tokenizer import train_gpt2bpe, train_sentencepiece
+from megazero.train.run_config import resolve_and_validate
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = "configs/gpt2-tiny.yaml"
@@ -32,12 +33,12 @@ TINY_CONFIG = "configs/gpt2-tiny.yaml"
 
 def make_config(args: Sequence[str] = (), base: str | dict = TINY_CONFIG, world: int | None = None) -> Config:
     """`base` (a config file, relative to the repository, or a dict of sections) with the
-    command-line style `args` on top; checked for a world of `world` ranks when it is given
-    (an unchecked config is for tests that check it themselves, or expect it refused)."""
+    command-line style `args` on top; resolved and checked for a world of `world` ranks as a
+    run is, when `world` is given (unchecked: for tests that look at the raw config)."""
     raw = load_yaml(str(REPO / base)) if isinstance(base, str) else base
     cfg = build_config(raw, list(args))
     if world is not None:
-        validate(cfg, world)
+        resolve_and_validate(cfg, world)
     return cfg
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
 import pytest
 
-from megazero.config import ConfigError, build_config, load_yaml, padded_vocab_size, parse_overrides, validate
+from megazero.config import ConfigError, build_config, load_yaml, parse_overrides, resolve, validate
+from megazero.model.layers import padded_vocab_size
+from megazero.train.run_config import resolve_and_validate
 
 
 def test_precedence_cli_over_file_over_defaults(tmp_path):
@@ -55,13 +58,22 @@ def test_data_prefix_accepts_single_value():
 ])
 def test_bad_config_messages(overrides, world, message):
     with pytest.raises(ConfigError) as err:
-        validate(build_config({"data": {"mock": True}}, overrides), world)
+        resolve_and_validate(build_config({"data": {"mock": True}}, overrides), world)
     assert message in str(err.value)
 
 
 def test_missing_data_is_an_error():
     with pytest.raises(ConfigError, match="no training data"):
-        validate(build_config(None, []), 1)
+        resolve_and_validate(build_config(None, []), 1)
+
+
+def test_resolve_fills_in_the_auto_values_and_validate_changes_nothing():
+    cfg = build_config({"data": {"mock": True}}, ["--model.num_layers", "4", "--parallel.pp", "2", "--parallel.vpp",
+                                                  "2", "--train.global_batch_size", "8", "--train.micro_batch_size", "1"])
+    resolve(cfg)
+    assert cfg.model.vocab_size == 512 and cfg.parallel.schedule == "interleaved"
+    resolved = copy.deepcopy(cfg)
+    assert validate(cfg, 2) == 1 and cfg == resolved
 
 
 def test_padded_vocab():
@@ -86,7 +98,7 @@ def test_cli_missing_config_file():
 @pytest.mark.parametrize("name", ["gpt2-tiny", "gpt2-124m", "gpt2-355m", "gpt2-774m", "gpt2-1.5b"])
 def test_shipped_configs_validate(name):
     cfg = build_config(load_yaml(f"configs/{name}.yaml"))
-    assert validate(cfg, cfg.parallel.tp * cfg.parallel.pp) == 1
+    assert resolve_and_validate(cfg, cfg.parallel.tp * cfg.parallel.pp) == 1
 
 
 def test_wandb_without_package_is_a_clear_error():
@@ -113,7 +125,7 @@ def _lr_run(args: list[str], poison_from: int = -1, poison_to: int = -1) -> dict
     cfg = build_config(load_yaml(os.path.join(root, "configs/gpt2-tiny.yaml")),
                        ["--model.seq_length", "16", "--model.num_layers", "2", "--optim.warmup_iters", "2",
                         "--train.max_skipped_steps", "5"] + args)
-    validate(cfg, 1)
+    resolve_and_validate(cfg, 1)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         tr = Trainer(cfg, ProcessGrid.create(1, 1))
@@ -178,17 +190,17 @@ def test_vocab_size_auto_comes_from_the_tokenizer(tmp_path):
     spec = _bpe_tokenizer(tmp_path)
     size = build_tokenizer(spec).vocab_size
     cfg = build_config({"data": {"mock": True, "tokenizer": spec}})
-    validate(cfg, 1)
+    resolve_and_validate(cfg, 1)
     assert cfg.model.vocab_size == size  # the real size; the model pads it to 128 x tp
     cfg = build_config({"data": {"mock": True}})
-    validate(cfg, 1)
+    resolve_and_validate(cfg, 1)
     assert cfg.model.vocab_size == 512  # mock data without a tokenizer
     with pytest.raises(ConfigError) as err:
-        validate(build_config({"data": {"mock": True, "tokenizer": spec}, "model": {"vocab_size": size - 1}}), 1)
+        resolve_and_validate(build_config({"data": {"mock": True, "tokenizer": spec}, "model": {"vocab_size": size - 1}}), 1)
     assert str(err.value) == (f"model.vocab_size ({size - 1}) is smaller than data.tokenizer {spec!r} ({size} tokens); "
                               f"set --model.vocab_size auto (or at least {size})")
     with pytest.raises(ConfigError, match="model.vocab_size auto needs data.tokenizer"):
-        validate(build_config({"data": {"prefix": ["x_text_document"]}}), 1)
+        resolve_and_validate(build_config({"data": {"prefix": ["x_text_document"]}}), 1)
     with pytest.raises(ConfigError, match=r"model.vocab_size \('big'\) must be an integer or auto"):
         build_config(None, ["--model.vocab_size", "big"])
 

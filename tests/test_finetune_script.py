@@ -45,6 +45,10 @@ def test_finetunes_a_given_hf_model_on_prompt_completion_pairs(tmp_path, bpe_spe
     assert (tmp_path / "data" / "qa_prompt_completion_document_loss_mask.bin").exists()
     losses = [r["loss"] for r in _records(tmp_path / "ft")]
     assert len(losses) == 6 and abs(losses[0] - math.log(400)) < 1e-5 and losses[-1] < losses[0] - 0.1
+    # It ends saying what to do next with what it made (a full fine-tune: no adapter folder).
+    latest = tmp_path / "ft" / "checkpoints" / "iter_0000006"
+    assert proc.stdout.splitlines()[-1] == (f"   generate: python -m megazero.generate --load {latest} "
+                                            f"--prompt 'Question: ...' --max-new-tokens 40")
 
 
 @pytest.mark.slow

@@ -95,6 +95,9 @@ def test_cli_prompts_file_nvme_equals_in_memory_and_single_prompts(hf_dir, tmp_p
                             str(tmp_path / "out.jsonl")])
     with open(tmp_path / "out.jsonl") as f:
         offloaded = [json.loads(line) for line in f]
+    report = capsys.readouterr().err.strip().splitlines()[-1]  # where the blocks came from, how much, how fast
+    assert report.startswith("offload: 3 blocks of ") and f"streamed from an unlinked file in {tmp_path}: " in report
+    assert " in 19 fetches, " in report and " per new token; 18 tokens in " in report and " tokens/s), " in report
     generate_main(common + ["--batch-size", "2"])
     in_memory = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert offloaded == in_memory

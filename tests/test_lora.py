@@ -80,7 +80,7 @@ def _traffic(stages: list[int]) -> list[dict]:
                     "trainable_numel": sum(b.numel for b in trainable),
                     "frozen_numel": opt.layout.numel - sum(b.numel for b in trainable),
                     "reduced_numel": opt.grads.reduced_numel, "frozen_grads": sum(g is not None for g in frozen_grads),
-                    "bytes": opt.model_state_bytes(), "peak_gathered": opt.peak_materialized_numel,
+                    "bytes": opt.model_state_bytes(), "peak_gathered": opt.sharded.peak_materialized_numel,
                     "model_numel": opt.layout.numel, "largest_unit": max(b.numel for b in opt.layout.buckets)})
     return out
 
@@ -236,7 +236,7 @@ def _peft_logits(base: str, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
         return unadapted, peft.PeftModel.from_pretrained(plain, adapter).eval()(ROWS).logits
 
 
-def test_adapters_load_in_peft_and_merge(hf_dir, trained, tmp_path):
+def test_adapters_load_in_peft_and_merge(hf_dir, trained, tmp_path, capsys):
     """Saved at ZeRO-3 over tp 2 x dp 2: PEFT on the base model gives megazero's logits, and so
     does the --merge-lora export."""
     transformers = pytest.importorskip("transformers")
@@ -249,7 +249,11 @@ def test_adapters_load_in_peft_and_merge(hf_dir, trained, tmp_path):
     assert (unadapted - expected).abs().max() > 1e-3  # the adapters matter
     assert (got - expected).abs().max() <= 1e-4
     merged = str(tmp_path / "merged")
+    capsys.readouterr()
     convert(["--load", ckpt, "--to", "hf", "--output", merged, "--merge-lora"])
+    assert capsys.readouterr().out.strip().endswith(  # the merge says what it folded in
+        f"to {merged}, LoRA adapters merged in (rank 4, alpha 8 (W + 2 B A) on 8 weights: attn.c_attn, "
+        f"attn.c_proj, mlp.c_fc, mlp.c_proj of 2 blocks)")
     with torch.no_grad():
         folded = transformers.GPT2LMHeadModel.from_pretrained(merged).eval()(ROWS).logits
     assert (folded - expected).abs().max() <= 1e-4

@@ -14,7 +14,7 @@ from distributed import run_distributed
 from megazero.config import ConfigError
 from megazero.errors import UserError
 from megazero.zero.partition import Range
-from megazero.zero.state import NvmeStore
+from megazero.zero.state import NvmeOptimizerStore
 
 TINY = ["--model.seq_length", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
         "--zero.sub_group_size", "5000", "--zero.bucket_size", "20000", "--optim.clip_grad", "0.5"]
@@ -24,7 +24,7 @@ def _run(args: list[str], iters: int) -> dict:
     """`iters` steps on this world; losses, full parameters, and the optimizer's state_dict."""
     tr = make_trainer(TINY + args)
     losses = [tr.train_step()["loss"] for _ in range(iters)]
-    return {"losses": losses, "params": tr.optimizer.full_state_dict(), "state": tr.optimizer.state_dict(),
+    return {"losses": losses, "params": tr.optimizer.sharded.full_state_dict(), "state": tr.optimizer.state_dict(),
             "bytes": tr.optimizer.model_state_bytes(), "optimizer": tr.optimizer, "trainer": tr}
 
 
@@ -50,7 +50,7 @@ def _offload_world(nvme: str) -> list:
             # Resume: a fresh offloaded optimizer loads the state (and the model's shards) and
             # hands back the same.
             again = _run(base + extra, 0)["optimizer"]
-            again.load_model_state_dict(got["optimizer"].model_state_dict())
+            again.load_model_state_dict(got["optimizer"].sharded.model_state_dict())
             again.load_state_dict(got["state"])
             reloaded = again.state_dict()
             bytes_ = got["bytes"]
@@ -60,7 +60,7 @@ def _offload_world(nvme: str) -> list:
                         "state_equal": equal_state,
                         "reload_equal": all(torch.equal(reloaded[k], got["state"][k])
                                             for k in ("master", "exp_avg", "exp_avg_sq")),
-                        "model_reload_equal": all(torch.equal(again.full_state_dict()[n], p)
+                        "model_reload_equal": all(torch.equal(again.sharded.full_state_dict()[n], p)
                                                   for n, p in got["params"].items()),
                         "on_device": {k: bytes_[k] for k in ("optimizer", "params")},
                         "offloaded": bytes_["offloaded_host"] + bytes_["offloaded_nvme"],
@@ -156,7 +156,7 @@ def test_offload_equals_in_memory_at_every_stage(tmp_path):
 def test_nvme_store_streams_sub_groups_and_keeps_what_the_step_wrote(tmp_path):
     groups = [[Range(0, 0, 300, 0, True, True), Range(0, 300, 100, 300, False, True)],
               [Range(1, 0, 1000, 512, True, True)], [Range(2, 0, 7, 1600, True, True)]]
-    store = NvmeStore(1607, groups, str(tmp_path), buffer_count=2, pin=False)
+    store = NvmeOptimizerStore(1607, groups, str(tmp_path), buffer_count=2, pin=False)
     values = torch.arange(1607, dtype=torch.float32)
     store.write("master", 0, values)
     store.flush()
@@ -229,7 +229,7 @@ def test_nvme_store_refuses_a_disk_without_room(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 4096, 4096))
     with pytest.raises(UserError, match=r"has 0\.0 GiB free but the optimizer swap files need"):
-        NvmeStore(10**6, [[Range(0, 0, 10**6, 0, True, True)]], str(tmp_path), buffer_count=2, pin=False)
+        NvmeOptimizerStore(10**6, [[Range(0, 0, 10**6, 0, True, True)]], str(tmp_path), buffer_count=2, pin=False)
 
 
 @pytest.mark.parametrize("args, message", [

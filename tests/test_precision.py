@@ -90,7 +90,7 @@ def test_reduce_dtype_bf16_communicates_in_bf16():
 
 
 def _snapshot(opt) -> dict:
-    return {"params": opt.full_state_dict(), "exp_avg": opt.state.read("exp_avg").clone(),
+    return {"params": opt.sharded.full_state_dict(), "exp_avg": opt.state.read("exp_avg").clone(),
             "exp_avg_sq": opt.state.read("exp_avg_sq").clone(),
             "step": opt.step_count}
 

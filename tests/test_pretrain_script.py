@@ -11,11 +11,11 @@ import subprocess
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(tmp_path, iters: int) -> subprocess.CompletedProcess:
+def _run(tmp_path, iters: int, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "DATA_DIR": str(tmp_path / "data"), "RUN_DIR": str(tmp_path / "run"),
            "ITERS": str(iters), "MASTER_PORT": str(29500 + os.getpid() % 1000)}
     return subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--train.log_interval", "2", "--train.eval_interval", "4",
-                           "--train.eval_iters", "2", "--checkpoint.interval", "4"],
+                           "--train.eval_iters", "2", "--checkpoint.interval", "4", *extra],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -35,6 +35,13 @@ def test_main_job_trains_evaluates_saves_and_resumes(tmp_path):
     assert "resumed from" in proc.stdout
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["iteration"] for r in records][-1] == 10
+
+    # Again with another model over the same run directory: the checkpoint does not fit. The
+    # error is printed once, not retried by torchrun (RESTARTS is 3), and the script exits 2.
+    proc = _run(tmp_path, 12, "--model.hidden_size", "32")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "model.hidden_size" in errors[0], proc.stderr[-3000:]
+    assert "torchrun restart" not in proc.stdout
 
 
 def test_bad_layout_is_refused_before_anything_is_prepared_or_launched(tmp_path):

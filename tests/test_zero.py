@@ -42,11 +42,11 @@ def _run(args: list[str], iters: int) -> dict:
         norms.append(out["grad_norm"])
         losses.append(out["loss"])
     # measured before full_state_dict() gathers everything on purpose
-    measured = {"bytes": grid.bytes_moved(), "materialized": opt.materialized_numel,
-                "peak": opt.peak_materialized_numel}
-    return {"params": opt.full_state_dict(), "norms": norms, "losses": losses, "tp_rank": grid.tp_rank,
+    measured = {"bytes": grid.bytes_moved(), "materialized": opt.sharded.materialized_numel,
+                "peak": opt.sharded.peak_materialized_numel}
+    return {"params": opt.sharded.full_state_dict(), "norms": norms, "losses": losses, "tp_rank": grid.tp_rank,
             "tp": grid.tp, **measured, "numel": opt.layout.numel,
-            "bucket_numels": [b.numel for b in opt.layout.buckets], "tied": opt.tied_buckets,
+            "bucket_numels": [b.numel for b in opt.layout.buckets], "tied": opt.sharded.tied_buckets,
             "micro": tr.num_microbatches}
 
 
@@ -140,13 +140,13 @@ def _stage3_prefetches(prefetches: list[int]) -> bytes:
     """ZeRO-3 at each `zero.prefetch`: what _run measures, and the planner's DP bytes."""
     import torch.distributed as dist
 
-    from megazero.plan.planner import Cluster, Layout, predict
+    from megazero.plan.planner import Cluster, ParallelLayout, predict
     out = {}
     for k in prefetches:
         args = ["--zero.stage", "3", "--zero.prefetch", str(k), "--optim.clip_grad", "0.5"]
         out[k] = _run(args, 3)
         cfg = make_config(TINY + args)
-        layout = Layout(1, 1, dist.get_world_size(), 1, 3, cfg.train.micro_batch_size, "none")
+        layout = ParallelLayout(1, 1, dist.get_world_size(), 1, 3, cfg.train.micro_batch_size, "none")
         out[k]["planned"] = predict(cfg, layout, Cluster(2, 8, 1.0, None), ranks=[0], device="cpu").rank(0).bytes["dp"]
     return _pack(out)
 
@@ -233,14 +233,14 @@ def _overflow(stage: int) -> dict:
     tr = make_trainer(TINY + ["--zero.stage", str(stage), "--train.precision", "fp16", "--zero.hysteresis", "1",
                               "--zero.initial_loss_scale", "1024"])
     opt = tr.optimizer
-    before = {k: v.clone() for k, v in opt.full_state_dict().items()}
+    before = {k: v.clone() for k, v in opt.sharded.full_state_dict().items()}
     opt.zero_grad()
     tr.run_schedule(tr.microbatches(tr.train_ds, 0), forward_only=False)
     opt.finish_grad_sync()
     if dist.get_rank() == 1:  # one rank alone sees the overflow
         opt.grads.own_slice(opt.layout.buckets[0])[3] = float("inf")
     result = opt.step(1e-3)
-    after = opt.full_state_dict()
+    after = opt.sharded.full_state_dict()
     unchanged = all(torch.equal(before[k], after[k]) for k in before)
     tr.train_step()  # the next iteration steps normally at the backed-off scale
     return {"skipped": result.skipped, "unchanged": unchanged, "scale": opt.scaler.scale,
@@ -281,15 +281,15 @@ def _stage3_gather_api() -> dict:
         refused = False
     except RuntimeError as e:
         refused = "gathered_parameters" in str(e)
-    with opt.gathered_parameters():
+    with opt.sharded.gathered_parameters():
         inside = {n: p.detach().clone() for n, p in chunk.named_parameters()}
         sd = chunk.state_dict()
-    full = opt.full_state_dict()
+    full = opt.sharded.full_state_dict()
     # A forward-only pass (evaluation) frees every unit after use.
     with torch.no_grad():
         chunk(tr.microbatches(tr.train_ds, 0)[0][0])
     return {"shapes": shapes, "refused": refused, "equal": all(torch.equal(inside[n], full[n]) for n in full),
-            "sd_full": all(sd[n].shape == full[n].shape for n in full), "after": opt.materialized_numel,
+            "sd_full": all(sd[n].shape == full[n].shape for n in full), "after": opt.sharded.materialized_numel,
             "full_shapes": {n: tuple(t.shape) for n, t in full.items()}}
 
 
@@ -309,14 +309,14 @@ def _resume(stage: int, precision: str) -> bool:
     tr = make_trainer(TINY + args)
     for _ in range(2):
         tr.train_step()
-    saved = {"optim": tr.optimizer.state_dict(), "model": tr.optimizer.model_state_dict(),
+    saved = {"optim": tr.optimizer.state_dict(), "model": tr.optimizer.sharded.model_state_dict(),
              "schedule": tr.schedule.state_dict()}  # fp16 may have skipped steps: the LR did not advance
     import io
     buf = io.BytesIO()
     torch.save(saved, buf)
     for _ in range(2):
         tr.train_step()
-    want = tr.optimizer.full_state_dict()
+    want = tr.optimizer.sharded.full_state_dict()
 
     fresh = make_trainer(TINY + args)
     buf.seek(0)
@@ -327,7 +327,7 @@ def _resume(stage: int, precision: str) -> bool:
     fresh.iteration, fresh.consumed_samples = 2, 2 * fresh.cfg.train.global_batch_size
     for _ in range(2):
         fresh.train_step()
-    got = fresh.optimizer.full_state_dict()
+    got = fresh.optimizer.sharded.full_state_dict()
     return all(torch.equal(want[n], got[n]) for n in want)
 
 
@@ -423,9 +423,9 @@ def _sharded_init(args: list[str]) -> dict:
     plain = apply_tensor_parallel(GPT(tr.cfg.model), grid.tp_group)  # materialized, the pre-meta way
     plain.init_weights(tr.cfg.train.seed)
     want = dict(plain.named_parameters())
-    equal = all(torch.equal(value, want[name].detach()) for name, value in opt.full_state_dict().items())
-    return {"hollow": hollow, "equal": equal, "sharded_init": opt.sharded_init,
-            "materialized": opt.materialized_numel}
+    equal = all(torch.equal(value, want[name].detach()) for name, value in opt.sharded.full_state_dict().items())
+    return {"hollow": hollow, "equal": equal, "sharded_init": opt.sharded.sharded_init,
+            "materialized": opt.sharded.materialized_numel}
 
 
 def test_sharded_init_equals_the_whole_model_init_bitwise():
@@ -488,7 +488,7 @@ def _overlapped(runs: list[list[str]]) -> bytes:
             norms.append(result["grad_norm"])
             losses.append(result["loss"])
             seen["after_step"].append(len(opt.params.gathering))
-        out.append({"params": opt.full_state_dict(), "norms": norms, "losses": losses, "seen": seen,
+        out.append({"params": opt.sharded.full_state_dict(), "norms": norms, "losses": losses, "seen": seen,
                     "bytes": grid.bytes_moved(), "numel": opt.layout.numel, "micro": tr.num_microbatches,
                     "tp_rank": grid.tp_rank, "tp": grid.tp, "stage": opt.stage,
                     "gathering_after_read": len(opt.params.gathering)})

@@ -80,6 +80,18 @@ def adapters_folded(ckpt: Checkpoint) -> Checkpoint:
     return merge_lora(ckpt) if has_adapters(ckpt) else ckpt
 
 
+def describe_adapters(ckpt: Checkpoint) -> str:
+    """The adapters of a LoRA checkpoint in one phrase: rank, alpha, and the weights they adapt
+    (e.g. "rank 8, alpha 16 (W + 2 B A) on 8 weights: attn.c_attn, mlp.c_fc of 4 blocks")."""
+    scale, _ = ckpt.adapters
+    adapted = sorted(n.removesuffix(".lora_A.weight") for n in ckpt.shapes if n.endswith(".lora_A.weight"))
+    rank = ckpt.shapes[adapted[0] + ".lora_A.weight"][0] if adapted else 0
+    kinds = sorted({n.split(".", 3)[-1] for n in adapted})  # transformer.h.{i}.<kind>
+    blocks = len({n.split(".")[2] for n in adapted})
+    return (f"rank {rank}, alpha {scale * rank:g} (W + {scale:g} B A) on {len(adapted)} weights: "
+            f"{', '.join(kinds)} of {blocks} block{'s' * (blocks != 1)}")
+
+
 def merge_lora(ckpt: Checkpoint) -> Checkpoint:
     """The checkpoint with every adapter folded into its base weight (W + alpha/r B A) and
     the adapters gone: a plain GPT-2."""

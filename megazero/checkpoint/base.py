@@ -22,7 +22,6 @@ from megazero.config import ModelConfig
 from megazero.errors import UserError
 
 FORMAT_VERSION = 1
-LATEST = "latest"
 ITER_DIR = re.compile(r"iter_\d{7}$")  # not iter_*.tmp (being written) nor iter_*.old (being replaced)
 MODEL_16BIT = "model_16bit.safetensors"
 KINDS = ("master", "exp_avg", "exp_avg_sq")

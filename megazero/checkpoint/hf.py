@@ -17,22 +17,12 @@ import torch
 from safetensors import safe_open
 
 from megazero.checkpoint.base import Checkpoint, CheckpointError, safetensors_metadata
+from megazero.checkpoint.hf_config import model_config_from_hf
 from megazero.checkpoint.tensors import plain_shapes, stream_safetensors
 from megazero.config import ModelConfig
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 TIED_HEAD = "lm_head.weight"
-
-
-def model_config_from_hf(hf: dict) -> ModelConfig:
-    """The megazero model section equivalent to a GPT2Config dict."""
-    inner = hf.get("n_inner") or 0
-    if hf.get("model_type") != "gpt2":
-        raise ValueError(f"model_type '{hf.get('model_type')}' is not gpt2; only GPT-2 checkpoints can be imported")
-    return ModelConfig(num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_heads=hf["n_head"],
-                       seq_length=hf["n_positions"], vocab_size=hf["vocab_size"],
-                       ffn_hidden_size=0 if inner == 4 * hf["n_embd"] else inner, layernorm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                       init_std=hf.get("initializer_range", 0.02), dropout=0.0)
 
 
 def from_hf(name: str, hf_tensor: torch.Tensor) -> torch.Tensor:

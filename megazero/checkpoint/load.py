@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 
-from megazero.checkpoint.base import LATEST, Checkpoint, CheckpointError, complete_checkpoints, not_a_checkpoint
+from megazero.checkpoint.base import Checkpoint, CheckpointError, complete_checkpoints, not_a_checkpoint
 from megazero.checkpoint.hf import open_hf
+from megazero.checkpoint.meta import LATEST
 from megazero.checkpoint.plain import open_model_16bit, open_torch_export
 from megazero.checkpoint.sharded import open_sharded, resolve
 from megazero.checkpoint.universal import open_universal

@@ -21,8 +21,9 @@ from typing import Callable, Protocol
 
 import torch
 
-from megazero.checkpoint.base import KINDS, LATEST, CheckpointError, last_good_hint
+from megazero.checkpoint.base import KINDS, CheckpointError, last_good_hint
 from megazero.checkpoint.load import open_checkpoint
+from megazero.checkpoint.meta import LATEST
 from megazero.checkpoint.save import layout_of
 from megazero.checkpoint.sharded import check_model, load_rank_state, read_metadata, resolve
 from megazero.checkpoint.tensors import decode_rng, fit_vocab

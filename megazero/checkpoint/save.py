@@ -24,12 +24,12 @@ from megazero.atomic import TMP_SUFFIX, atomic_write, commit_dir, prepare_dir, r
 from megazero.checkpoint import digest
 from megazero.checkpoint.base import (
     FORMAT_VERSION,
-    LATEST,
     CheckpointSaveError,
     complete_checkpoints,
     iter_dir_name,
     rank_file_name,
 )
+from megazero.checkpoint.meta import LATEST
 from megazero.config import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid

@@ -16,7 +16,6 @@ memory-mapped: only the pieces read are brought into memory.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any, Callable, Iterator, Optional
@@ -27,14 +26,13 @@ from megazero.atomic import existing_dir
 from megazero.checkpoint import digest
 from megazero.checkpoint.base import (
     FORMAT_VERSION,
-    LATEST,
     Checkpoint,
     CheckpointError,
-    iter_dir_name,
     lora_adapters,
     rank_file_name,
     verified,
 )
+from megazero.checkpoint.meta import LATEST, model_mismatch, resume_dir
 from megazero.config import Config, ModelConfig, build_config
 from megazero.model.layers import unshard
 from megazero.parallel.grid import ProcessGrid
@@ -42,15 +40,10 @@ from megazero.parallel.grid import ProcessGrid
 
 def resolve(load_dir: str, iteration: int = 0) -> str:
     """The checkpoint directory to resume from: `latest`, or iter_{iteration} when given."""
-    if iteration:
-        path = os.path.join(load_dir, iter_dir_name(iteration))
-    else:
-        latest = os.path.join(load_dir, LATEST)
-        if not os.path.isfile(latest):
-            raise CheckpointError(f"no checkpoint in '{load_dir}' (no '{LATEST}' file); "
-                                  f"unset checkpoint.load to start from scratch")
-        with open(latest) as f:
-            path = os.path.join(load_dir, f.read().strip())
+    path = resume_dir(load_dir, iteration)
+    if path is None:
+        raise CheckpointError(f"no checkpoint in '{load_dir}' (no '{LATEST}' file); "
+                              f"unset checkpoint.load to start from scratch")
     return existing_dir(path)  # a kill while an iteration was being re-saved left it as PATH.old
 
 
@@ -70,29 +63,10 @@ def read_metadata(ckpt: str) -> dict:
 
 
 def check_model(meta: dict, cfg: Config, ckpt: str) -> None:
-    """The saved model must have this run's shape (any layout can be resharded)."""
-    saved_model = meta["config"]["model"]
-    for key in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size"):
-        if saved_model.get(key) != getattr(cfg.model, key):
-            raise CheckpointError(f"checkpoint '{ckpt}' holds a model with model.{key} = {saved_model.get(key)}, "
-                                  f"but this run has {getattr(cfg.model, key)}; use the checkpoint's model config")
-    check_adapters(meta, cfg, ckpt)
-
-
-def check_adapters(meta: dict, cfg: Config, ckpt: str) -> None:
-    """A LoRA run resumes a checkpoint with the same adapters (their parameters and which
-    weights are frozen are part of the model)."""
-    def adapters(f: dict) -> dict:
-        return {"lora_rank": f["lora_rank"], "lora_targets": list(f["lora_targets"])} if f["lora_rank"] else \
-            {"lora_rank": 0}
-    theirs = adapters(meta["config"].get("finetune") or {"lora_rank": 0})
-    mine = adapters(dataclasses.asdict(cfg.finetune))
-    if mine != theirs:
-        fix = ("to fine-tune a pretrained checkpoint with LoRA, export it (convert --to hf) and start from it with "
-               "--checkpoint.init_from_hf" if not theirs["lora_rank"] else
-               "use the checkpoint's finetune settings, or fold its adapters in (convert --merge-lora --to hf) and "
-               "start a new run from that with --checkpoint.init_from_hf")
-        raise CheckpointError(f"checkpoint '{ckpt}' was saved with LoRA {theirs} but this run has {mine}; {fix}")
+    """The saved model must have this run's shape and adapters (any layout can be resharded)."""
+    why = model_mismatch(meta["config"], cfg, ckpt)
+    if why:
+        raise CheckpointError(why)
 
 
 def _checked(ckpt: str, meta: dict, name: str, check: Callable[[str, dict], Any]) -> Any:

@@ -186,7 +186,7 @@ class Source(NamedTuple):
     dataset: Any = None  # the datasets.Dataset for kind "hf"
 
 
-class Chunk(NamedTuple):
+class CorpusChunk(NamedTuple):
     """Raw records read in order: payloads[i] is record number first + i of source.
 
     Payloads are raw bytes (a JSONL line, a whole text file) or, for "hf", the texts per key.
@@ -294,7 +294,7 @@ def _load_hf(spec: str, split: str, from_disk: bool, builder: str | None = None)
     return Source("hf", spec, ds)
 
 
-def read_chunks(sources: list[Source], keys: list[str], max_records: int = 512, max_bytes: int = 1 << 18) -> Iterator[Chunk]:
+def read_chunks(sources: list[Source], keys: list[str], max_records: int = 512, max_bytes: int = 1 << 18) -> Iterator[CorpusChunk]:
     """Every record of every source, in order, in chunks of at most max_records / about max_bytes."""
     for source in sources:
         if source.kind == "jsonl":
@@ -304,12 +304,12 @@ def read_chunks(sources: list[Source], keys: list[str], max_records: int = 512, 
                 raise DataError(f"{source.name} is plain text, one text per file; give one --json-keys key, not {len(keys)}")
             with open(source.name, "rb") as f:
                 data = f.read()
-            yield Chunk("text", source.name, 1, [data], len(data))
+            yield CorpusChunk("text", source.name, 1, [data], len(data))
         else:
             yield from _hf_chunks(source, keys, max_records)
 
 
-def _jsonl_chunks(path: str, max_records: int, max_bytes: int) -> Iterator[Chunk]:
+def _jsonl_chunks(path: str, max_records: int, max_bytes: int) -> Iterator[CorpusChunk]:
     with open(path, "rb") as f:
         lines: list[bytes] = []
         first, nbytes = 1, 0
@@ -317,13 +317,13 @@ def _jsonl_chunks(path: str, max_records: int, max_bytes: int) -> Iterator[Chunk
             lines.append(line)
             nbytes += len(line)
             if len(lines) >= max_records or nbytes >= max_bytes:
-                yield Chunk("jsonl", path, first, lines, nbytes)
+                yield CorpusChunk("jsonl", path, first, lines, nbytes)
                 lines, first, nbytes = [], line_no + 1, 0
         if lines:
-            yield Chunk("jsonl", path, first, lines, nbytes)
+            yield CorpusChunk("jsonl", path, first, lines, nbytes)
 
 
-def _hf_chunks(source: Source, keys: list[str], batch_size: int) -> Iterator[Chunk]:
+def _hf_chunks(source: Source, keys: list[str], batch_size: int) -> Iterator[CorpusChunk]:
     columns = source.dataset.column_names
     missing = [k for k in keys if k not in columns]
     if missing:
@@ -334,7 +334,7 @@ def _hf_chunks(source: Source, keys: list[str], batch_size: int) -> Iterator[Chu
         batch = source.dataset[start : start + batch_size]
         rows = [{k: batch[k][i] for k in keys} for i in range(len(batch[keys[0]]))]
         nbytes = sum(len(v.encode("utf-8")) for row in rows for v in row.values() if isinstance(v, str))
-        yield Chunk("hf", source.name, start, rows, nbytes)
+        yield CorpusChunk("hf", source.name, start, rows, nbytes)
 
 
 class BadRecord(DataError):
@@ -342,7 +342,7 @@ class BadRecord(DataError):
 
 
 def parse_chunk(
-    chunk: Chunk, keys: list[str], skip_bad: bool, nonempty: tuple[str, ...] = (), key_flag: str = "--json-keys"
+    chunk: CorpusChunk, keys: list[str], skip_bad: bool, nonempty: tuple[str, ...] = (), key_flag: str = "--json-keys"
 ) -> tuple[list[dict[str, str]], list[str]]:
     """The texts of each good record (key -> text), and a message per skipped bad record.
 

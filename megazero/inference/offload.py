@@ -26,11 +26,11 @@ from torch import nn
 
 from megazero.checkpoint.base import Checkpoint, CheckpointError
 from megazero.checkpoint.tensors import fit_vocab
-from megazero.inference.store import BlockLayout, HostStore, NvmeStore
+from megazero.inference.store import BlockLayout, HostWeightStore, NvmeWeightStore
 from megazero.model.gpt import GPT
 from megazero.zero.materialize import replace_meta_parameters
 
-Store = Union[HostStore, NvmeStore]
+WeightStore = Union[HostWeightStore, NvmeWeightStore]
 BLOCKS = "transformer.h."
 
 
@@ -43,7 +43,7 @@ def build_offloaded_model(ckpt: Checkpoint, device: torch.device, offload: str, 
         model = GPT(ckpt.model_config)
     blocks = list(model.transformer.h.values())
     layout = BlockLayout(blocks[0], torch.float32)
-    store = HostStore(layout, len(blocks)) if offload == "cpu" else NvmeStore(layout, len(blocks), nvme_path)
+    store = HostWeightStore(layout, len(blocks)) if offload == "cpu" else NvmeWeightStore(layout, len(blocks), nvme_path)
     resident = [m for name, m in model.transformer.named_children() if name != "h"]
     replace_meta_parameters(resident, device)
     try:
@@ -54,7 +54,7 @@ def build_offloaded_model(ckpt: Checkpoint, device: torch.device, offload: str, 
     return model.eval(), BlockStreamer(blocks, store, layout, device, prefetch)
 
 
-def _fill(ckpt: Checkpoint, model: GPT, store: Store, layout: BlockLayout) -> None:
+def _fill(ckpt: Checkpoint, model: GPT, store: WeightStore, layout: BlockLayout) -> None:
     params = dict(model.named_parameters())
     seen = set()
     with torch.no_grad():
@@ -82,13 +82,13 @@ class BlockStreamer:
     background thread while the current one computes (when `prefetch`; otherwise each
     block is fetched when it is about to run, and waited for)."""
 
-    def __init__(self, blocks: list[nn.Module], store: Store, layout: BlockLayout, device: torch.device,
+    def __init__(self, blocks: list[nn.Module], store: WeightStore, layout: BlockLayout, device: torch.device,
                  prefetch: bool):
         self.store, self.layout, self.device, self.prefetch = store, layout, device, prefetch
         self.blocks = blocks
         self.cuda = device.type == "cuda"
         # Buffers the NVMe store reads into (on the CPU they are the working set itself).
-        self.buffers = [store.buffer(pin=True) if isinstance(store, NvmeStore) else None for _ in range(2)]
+        self.buffers = [store.buffer(pin=True) if isinstance(store, NvmeWeightStore) else None for _ in range(2)]
         if self.cuda:
             self.slots = [torch.empty(layout.numel, dtype=layout.dtype, device=device) for _ in range(2)]
             self.copy_stream = torch.cuda.Stream(device)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config import ModelConfig, padded_vocab_size
+from megazero.config import ModelConfig
 from megazero.model.layers import (
     ColumnParallelLinear,
     Dropout,
@@ -43,6 +43,7 @@ from megazero.model.layers import (
     VocabParallelEmbedding,
     column_parallel_linear,
     mark_tp,
+    padded_vocab_size,
     shard_of,
     split_parameter_,
     vocab_parallel_cross_entropy,
@@ -296,19 +297,19 @@ class GPT(nn.Module):
         the one-dimensional ones."""
         return {n for n, p in self.named_parameters() if len(p.full_shape) < 2}
 
-    def units(self) -> list["Unit"]:
+    def units(self) -> list["ModelUnit"]:
         """The model in execution order as units of parameters used together (what ZeRO-3
         gathers and frees at once): token embedding, position embedding, each block, and the
         final norm with the head. The tied embedding weight is not in any unit's `named`."""
         t, out = self.transformer, []
         if self.pre_process:  # separate outputs, separate units
-            out.append(Unit(t.wte, t.wte, [t.wte], [], True))
-            out.append(Unit(t.wpe, t.wpe, [t.wpe], _named(t.wpe, "transformer.wpe"), False))
+            out.append(ModelUnit(t.wte, t.wte, [t.wte], [], True))
+            out.append(ModelUnit(t.wpe, t.wpe, [t.wpe], _named(t.wpe, "transformer.wpe"), False))
         for key, block in t.h.items():
-            out.append(Unit(block, block, [block], _named(block, f"transformer.h.{key}"), False))
+            out.append(ModelUnit(block, block, [block], _named(block, f"transformer.h.{key}"), False))
         if self.post_process:
             # The head matmul runs in GPT.forward itself, after ln_f: the unit ends with the chunk.
-            out.append(Unit(t.ln_f, self, [self], _named(t.ln_f, "transformer.ln_f"), True))
+            out.append(ModelUnit(t.ln_f, self, [self], _named(t.ln_f, "transformer.ln_f"), True))
         return out
 
 
@@ -322,7 +323,7 @@ def apply_tensor_parallel(model: GPT, tp: Group) -> GPT:
     return model
 
 
-class Unit(NamedTuple):
+class ModelUnit(NamedTuple):
     """Parameters used together, and the modules whose hooks bracket their use."""
 
     start: nn.Module

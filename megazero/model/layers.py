@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config import padded_vocab_size
 from megazero.model.cross_entropy import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy  # re-export
 from megazero.parallel.comm import Group, copy_to_tp, leave_tp, solo_group
 from megazero.parallel.random import RNGTracker
@@ -137,6 +136,11 @@ class RowParallelLinear(nn.Module):
         # The bias is added once, after the sum, not once per rank (under sequence parallelism
         # to this rank's positions only: its gradient is partial).
         return y + self.bias if self.bias is not None else y
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Vocab rounded up to a multiple of 128 x tp so every TP shard has equal, aligned rows."""
+    return -(-vocab_size // (128 * tp)) * 128 * tp
 
 
 class VocabParallelEmbedding(nn.Module):

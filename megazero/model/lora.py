@@ -37,9 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config import LORA_MODULES, FinetuneConfig, ModelConfig, lora_target_matches
+from megazero.config import FinetuneConfig, ModelConfig
 from megazero.model.gpt import GPT
 from megazero.model.layers import ColumnParallelLinear, RowParallelLinear, mark_tp, shard_of
+from megazero.model.lora_targets import adapted_modules
 from megazero.parallel.comm import copy_to_tp, reduce_from_tp
 from megazero.parallel.random import RNGTracker, in_stream
 
@@ -49,11 +50,6 @@ ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 def is_adapter(name: str) -> bool:
     """Whether parameter `name` is a LoRA adapter weight."""
     return name.endswith(ADAPTER_SUFFIXES)
-
-
-def adapted_modules(targets: list[str]) -> list[str]:
-    """Names inside a block (attn.c_attn, ...) of the projections `targets` select."""
-    return [m for m in LORA_MODULES if any(lora_target_matches(m, t) for t in targets)]
 
 
 class LoRA:

@@ -36,6 +36,16 @@ import torch.distributed as dist
 from megazero.parallel.comm import Group
 
 
+class _GroupOf:
+    """`grid.tp_group` and its kin: the grid's group of one kind (read-only)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __get__(self, grid: "ProcessGrid", owner: type) -> Group:
+        return grid.groups[self.kind]
+
+
 @dataclass(frozen=True)
 class Coords:
     tp: int
@@ -126,25 +136,11 @@ class ProcessGrid:
     def __getitem__(self, kind: str) -> Group:
         return self.groups[kind]
 
-    @property
-    def tp_group(self) -> Group:
-        return self.groups["tp"]
-
-    @property
-    def dp_group(self) -> Group:
-        return self.groups["dp"]
-
-    @property
-    def pp_group(self) -> Group:
-        return self.groups["pp"]
-
-    @property
-    def mp_group(self) -> Group:
-        return self.groups["mp"]
-
-    @property
-    def embed_group(self) -> Group:
-        return self.groups["embed"]
+    tp_group = _GroupOf("tp")
+    dp_group = _GroupOf("dp")
+    pp_group = _GroupOf("pp")
+    mp_group = _GroupOf("mp")  # tensor x pipeline: one model replica
+    embed_group = _GroupOf("embed")
 
     def build_groups(self) -> None:
         """Create every process group once, each with the grid's timeout. All ranks call

@@ -17,7 +17,7 @@ backward would put it (accumulated in place into a bucket view, or stored), and 
 post-accumulate-grad hooks that ZeRO's gradient sync hangs on the parameters fire as they
 would have. LayerNorm, bias and embedding gradients stay in B: they are cheap.
 Under ZeRO-3 the parameter is released (an empty placeholder) by the time W runs, which
-needs only x and dy, not the weight; the optimizer then sets the store's `sink`, which
+needs only x and dy, not the weight; ZeRO's sharded parameters set the store's `sink`, which
 takes each dW straight into the gradient sync instead of through autograd.
 
 Layers without a store (weight_grads None: every schedule but zbh1, generation, tests of

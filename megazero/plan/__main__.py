@@ -85,22 +85,33 @@ def gib(n: float) -> str:
     return f"{n / F.GiB:.1f}"
 
 
-def gb(n: float) -> str:
-    return f"{n / 1e9:.2f}"
+HEADER = ("| # | tp | pp | vpp | dp | ZeRO | micro-batch | recompute | params/GPU | states GiB | activations GiB "
+          "| peak GiB | fits | TP GiB/step | PP GiB/step | DP GiB/step | bubble | step s | tokens/s | MFU |")
 
 
-HEADER = ("| # | layout | params/GPU | states GiB | act GiB | peak GiB | fits | TP GB | PP GB | DP GB | bubble "
-          "| step s | tokens/s | MFU |")
-
-
-def row(i: int, p: Prediction) -> str:
-    w = p.worst
+def row(i: int, p: Prediction, variants: int = 1) -> str:
+    w, lay = p.worst, p.layout
     moved = {k: max(r.bytes[k] + (r.bytes["embed"] if k == "pp" else 0) for r in p.ranks) for k in ("tp", "pp", "dp")}
     time = (f"{p.step_seconds:.2f} | {p.tokens_per_sec / 1e3:,.1f}k | {100 * p.mfu:.1f}%" if p.step_seconds
             else "- | - | -")
-    return (f"| {i} | {p.layout.label()} | {w.params / 1e6:,.1f}M | {gib(w.states['total'])} | {gib(w.activations)} "
-            f"| {gib(w.peak)} | {'yes' if p.fits else 'no'} | {gb(moved['tp'])} | {gb(moved['pp'])} "
-            f"| {gb(moved['dp'])} | {100 * p.bubble:.1f}% | {time} |")
+    micro = f"{lay.micro_batch}" + (f" (best of {variants})" if variants > 1 else "")
+    recompute = lay.recompute + (" + sp" if lay.sequence_parallel else "") + (" + offload" if lay.offload_optimizer else "")
+    return (f"| {i} | {lay.tp} | {lay.pp} | {lay.vpp} | {lay.dp} | {lay.zero_stage} | {micro} | {recompute} "
+            f"| {w.params / 1e6:,.1f}M | {gib(w.states['total'])} | {gib(w.activations)} | {gib(w.peak)} "
+            f"| {'yes' if p.fits else 'no'} | {gib(moved['tp'])} | {gib(moved['pp'])} | {gib(moved['dp'])} "
+            f"| {100 * p.bubble:.1f}% | {time} |")
+
+
+def distinct(preds: list[Prediction]) -> list[tuple[Prediction, int]]:
+    """One row per layout apart from its micro-batch: the first (fastest) of each, with how many
+    micro-batch variants it stands for (they differ only in activation memory, rarely in time)."""
+    groups: dict[tuple, list[Prediction]] = {}
+    for p in preds:
+        lay = p.layout
+        key = (lay.tp, lay.pp, lay.vpp, lay.dp, lay.zero_stage, lay.recompute, lay.sequence_parallel,
+               lay.offload_optimizer)
+        groups.setdefault(key, []).append(p)
+    return [(group[0], len(group)) for group in groups.values()]
 
 
 def detail(p: Prediction) -> list[str]:
@@ -112,8 +123,8 @@ def detail(p: Prediction) -> list[str]:
         lines.append(f"  pp rank {r.pp_rank}: {r.params / 1e6:,.1f}M params | params {gib(s['params'])} + grads "
                      f"{gib(s['grads'])} + optimizer {gib(s['optimizer'])} + activations {gib(r.activations)} + "
                      f"buffers {gib(r.buffers)} = {gib(r.peak)} GiB" + (f" (+{gib(r.host)} GiB host)" if r.host else "")
-                     + f" | sends TP {gb(r.bytes['tp'])} PP {gb(r.bytes['pp'] + r.bytes['embed'])} "
-                     f"DP {gb(r.bytes['dp'])} GB")
+                     + f" | sends TP {gib(r.bytes['tp'])} PP {gib(r.bytes['pp'] + r.bytes['embed'])} "
+                     f"DP {gib(r.bytes['dp'])} GiB")
         if r.times:
             lines.append("    step " + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in r.times.items()))
     return lines + [f"  note: {n}" for n in p.notes]
@@ -127,15 +138,16 @@ def print_table(cfg, cluster: Cluster, preds: list[Prediction], top: int) -> Non
           + (f"{cluster.peak_flops / 1e12:g} TFLOP/s at {100 * cluster.efficiency:.0f}%, " if cluster.peak_flops
              else "") + f"{cluster.gpus_per_node}/node, NVLink {cluster.intra_gbps:g} GB/s, network "
           f"{cluster.inter_gbps:g} GB/s, DP overlap {100 * cluster.dp_overlap:.0f}%")
-    shown = preds if top == 0 else [p for p in preds if p.fits][:top]
+    shown = distinct(preds) if top == 0 else distinct([p for p in preds if p.fits])[:top]
     fitting = sum(p.fits for p in preds)
-    print(f"{len(preds)} valid layouts, {fitting} fit; " + ("all shown" if top == 0 else f"the {len(shown)} fastest"))
+    print(f"{len(preds)} valid layouts, {fitting} fit; " + ("all shown" if top == 0 else
+          f"the {len(shown)} fastest distinct ones (micro-batch variants folded into their best)"))
     print(HEADER)
-    print("|" + "---|" * 14)
-    for i, p in enumerate(shown, 1):
-        print(row(i, p))
+    print("|" + "---|" * HEADER.count(" | ") + "---|")
+    for i, (p, variants) in enumerate(shown, 1):
+        print(row(i, p, variants))
     if len(shown) == 1 or len(preds) == 1:
-        print("\n".join(detail(shown[0])))
+        print("\n".join(detail(shown[0][0])))
     print(explain(preds))
 
 

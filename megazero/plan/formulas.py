@@ -180,7 +180,7 @@ def head_activation_bytes(x: ActivationShape) -> int:
 
 
 @dataclass(frozen=True)
-class Chunk:
+class ChunkShape:
     """A model chunk as the formulas see it: its layers and whether it holds the embedding
     (pre) or the final norm and head (post)."""
 
@@ -189,7 +189,7 @@ class Chunk:
     post: bool
 
 
-def chunk_activation_bytes(chunk: Chunk, x: ActivationShape) -> int:
+def chunk_activation_bytes(chunk: ChunkShape, x: ActivationShape) -> int:
     return (chunk.layers * layer_activation_bytes(x) + (embedding_activation_bytes(x) if chunk.pre else 0)
             + (head_activation_bytes(x) if chunk.post else 0))
 
@@ -226,7 +226,7 @@ def dp_bytes(stage: int, buckets: list[int], dp: int, m: int, wire_bytes: int, p
     return m * (reduce + 2 * sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets))
 
 
-def tp_bytes(chunks: list[Chunk], x: ActivationShape, m: int, sequence_parallel_grads: int = 0) -> int:
+def tp_bytes(chunks: list[ChunkShape], x: ActivationShape, m: int, sequence_parallel_grads: int = 0) -> int:
     """Bytes one rank sends over its TP group in one iteration. Per layer and micro-batch
     four all-reduces of sbh activations (two forward after the row-parallel linears, two
     backward before the column-parallel ones); the embedding's forward and the head's

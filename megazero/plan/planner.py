@@ -15,8 +15,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megazero.config import Config, padded_vocab_size
+from megazero.config import Config
 from megazero.errors import UserError
+from megazero.model.layers import padded_vocab_size
 from megazero.pipeline.schedules import ORDERS, activation_events
 from megazero.plan import formulas as F
 from megazero.plan.ranks import rank_params
@@ -47,7 +48,7 @@ class Cluster:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ParallelLayout:
     tp: int
     pp: int
     dp: int
@@ -89,7 +90,7 @@ class RankPrediction:
 
 @dataclass
 class Prediction:
-    layout: Layout
+    layout: ParallelLayout
     schedule: str
     microbatches: int
     bubble: float
@@ -126,7 +127,7 @@ class Prediction:
 # ---------------------------------------------------------------------------- one layout
 
 
-def activation_shape(cfg: Config, layout: Layout, attention: str = "flash", device: str = "cuda") -> \
+def activation_shape(cfg: Config, layout: ParallelLayout, attention: str = "flash", device: str = "cuda") -> \
         F.ActivationShape:
     """The formulas' view of one micro-batch; `device` "cpu" for torch's CPU kernels, which keep
     dropout masks and LayerNorm statistics in the activation dtype."""
@@ -139,7 +140,7 @@ def activation_shape(cfg: Config, layout: Layout, attention: str = "flash", devi
                              mask_bytes=act if device == "cpu" else 1, stats_bytes=act if device == "cpu" else 4)
 
 
-def schedule_of(cfg: Config, layout: Layout) -> str:
+def schedule_of(cfg: Config, layout: ParallelLayout) -> str:
     if layout.pp == 1:
         return "none"
     return "interleaved" if layout.vpp > 1 else cfg.parallel.schedule
@@ -150,7 +151,7 @@ def distinct_ranks(pp: int) -> list[int]:
     return sorted({0, min(1, pp - 1), pp - 1})
 
 
-def predict(cfg: Config, layout: Layout, cluster: Cluster, attention: str = "flash",
+def predict(cfg: Config, layout: ParallelLayout, cluster: Cluster, attention: str = "flash",
             pp_layers: Optional[list[int]] = None, ranks: Optional[list[int]] = None,
             device: str = "cuda") -> Prediction:
     """Memory, bytes moved and time of pipeline ranks `ranks` of `layout` (default: the
@@ -173,7 +174,7 @@ def predict(cfg: Config, layout: Layout, cluster: Cluster, attention: str = "fla
     return out
 
 
-def rank_prediction(cfg: Config, layout: Layout, r: int, m: int, shape: F.ActivationShape, schedule: str,
+def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: F.ActivationShape, schedule: str,
                     pp_layers: Optional[list[int]]) -> RankPrediction:
     stage, dp, pp, vpp = layout.zero_stage, layout.dp, layout.pp, layout.vpp
     elem = F.STATE_BYTES[cfg.train.precision]
@@ -259,8 +260,8 @@ def layout_problem(cfg: Config, gpus: int, tp: int, pp: int, vpp: int = 1, micro
     return None
 
 
-def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[Layout]:
-    """Every layout the model, batch and cluster allow, within the `fixed` choices (Layout
+def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[ParallelLayout]:
+    """Every layout the model, batch and cluster allow, within the `fixed` choices (ParallelLayout
     field -> value). TP stays inside a node unless tp is fixed."""
     gpus, gbs = cluster.gpus, cfg.train.global_batch_size
 
@@ -276,8 +277,8 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[Layout]:
             rest = itertools.product(options("micro_batch", [b for b in (1, 2, 4, 8, 16, 32) if b * dp <= gbs]),
                                      options("vpp", [1] if pp == 1 else [1, 2, 4]),
                                      options("zero_stage", range(4 if dp > 1 else 1)), options("recompute", RECOMPUTE))
-            out += [Layout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False) and tp > 1,
-                           fixed.get("offload_optimizer", False))
+            out += [ParallelLayout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False) and tp > 1,
+                                   fixed.get("offload_optimizer", False))
                     for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb)]
     return out
 

@@ -20,7 +20,7 @@ from megazero.config import ModelConfig
 from megazero.model.gpt import GPT, apply_tensor_parallel
 from megazero.parallel.comm import Group
 from megazero.pipeline.stages import stage_layers
-from megazero.plan.formulas import Chunk
+from megazero.plan.formulas import ChunkShape
 from megazero.zero.partition import bucket_groups, bucket_numel
 from megazero.zero.stage3 import fetch_units
 
@@ -29,7 +29,7 @@ from megazero.zero.stage3 import fetch_units
 class RankParams:
     """One pipeline rank's parameters as the optimizer lays them out (any TP rank alike)."""
 
-    chunks: tuple[Chunk, ...]
+    chunks: tuple[ChunkShape, ...]
     buckets: tuple[tuple[int, ...], ...]
     """Per bucket, the element counts of its parameters in layout order."""
     tied: tuple[int, ...]
@@ -65,7 +65,7 @@ def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3:
     groups = fetch_units(chunks)[1] if stage3 else bucket_groups(chunks, bucket_size)
     tied_params = {id(c.tied_weight()): c for c in chunks if c.tied_weight() is not None}
     tied = tuple(i for i, (_, named) in enumerate(groups) if any(id(p) in tied_params for _, p in named))
-    return RankParams(chunks=tuple(Chunk(len(c.layers), c.pre_process, c.post_process) for c in chunks),
+    return RankParams(chunks=tuple(ChunkShape(len(c.layers), c.pre_process, c.post_process) for c in chunks),
                       buckets=tuple(tuple(p.numel() for _, p in named) for _, named in groups),
                       tied=tied,
                       param_numel=sum(p.numel() for c in chunks for p in c.parameters()),

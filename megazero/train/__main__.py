@@ -11,13 +11,15 @@ import os
 import sys
 from typing import Optional
 
-from megazero.config import Config, ConfigError, build_config, load_yaml, reference, validate
+from megazero.config import Config, ConfigError, build_config, load_yaml, reference, schedule_warnings
 from megazero.deepspeed_config import load_deepspeed_config
-from megazero.errors import report_errors
+from megazero.errors import exit_if_failed_before, report_errors
 from megazero.train import lifecycle
+from megazero.train.run_config import preflight, resolve_and_validate
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    exit_if_failed_before()  # a restart after a config/data/checkpoint error would meet it again
     parser = argparse.ArgumentParser(
         prog="megazero-train", description=__doc__, allow_abbrev=False, formatter_class=argparse.RawTextHelpFormatter,
         epilog="config keys: override any as --section.key value or --section.key=value;\n"
@@ -28,10 +30,17 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="DeepSpeed JSON config (ds_config.json) to import on top of --config")
     parser.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
     parser.add_argument("--validate-only", action="store_true",
-                        help="check the config for --world-size processes and exit (before launching any)")
+                        help="check the config for --world-size processes, and the files the run reads (data, the "
+                             "checkpoint it resumes, zero.nvme_path), and exit before launching any")
+    parser.add_argument("--config-only", action="store_true",
+                        help="with --validate-only: the config alone, not the files (before the data is prepared)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the full resolved config at start-up (logging.print_config)")
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
                         help="processes the config is validated for (default: $WORLD_SIZE, else 1)")
     args, overrides = parser.parse_known_args(argv)
+    if args.print_config:
+        overrides += ["--logging.print_config", "true"]
     if args.help_config:
         print(reference())
         return
@@ -41,8 +50,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
             raise ConfigError("logging.wandb is true but wandb is not installed; "
                               "pip install -e '.[wandb]' or pass --logging.wandb false")
+        lifecycle.refuse_missing_load(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in schedule_warnings(cfg):
+            print(line, file=sys.stderr, flush=True)
     if args.validate_only:
-        print(f"config OK for {args.world_size} process(es)")
+        with report_errors():
+            if not args.config_only:
+                preflight(cfg)
+        print(f"config OK for {args.world_size} process(es)" + (" (files not checked)" if args.config_only else ""))
         return
     lifecycle.die_with_launcher()
     restarted = lifecycle.resume_on_restart(cfg)
@@ -99,7 +115,7 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
         cfg = build_config(merged, overrides)
         if rank == 0 and imported.warning(deepspeed):
             print(imported.warning(deepspeed), file=sys.stderr, flush=True)
-    validate(cfg, world_size)
+    resolve_and_validate(cfg, world_size)
     return cfg
 
 

@@ -62,6 +62,42 @@ def resume_on_restart(cfg: Config) -> Optional[str]:
     return f"torchrun restart {restart_count()} of {limit}: resuming from the latest checkpoint in {c.save}"
 
 
+class LoadPathError(UserError):
+    """checkpoint.load names nothing: training from scratch instead would hide the mistake."""
+
+
+def refuse_missing_load(cfg: Config) -> None:
+    """checkpoint.load must name something that exists, unless it is checkpoint.save (the
+    resume-if-present pattern of the scripts: a first run starts from scratch and says so).
+    The error names the checkpoint directories nearest to the path given."""
+    c = cfg.checkpoint
+    if not c.load or os.path.exists(c.load) or os.path.abspath(c.load) == os.path.abspath(c.save or ""):
+        return
+    near = nearest_checkpoints(c.load)
+    where = f"checkpoints nearby: {', '.join(near)}" if near else "no checkpoint directory near it"
+    raise LoadPathError(f"checkpoint.load '{c.load}' does not exist ({where}); fix the path, or set it to "
+                        f"checkpoint.save to resume from there when a checkpoint is present")
+
+
+def nearest_checkpoints(path: str, limit: int = 3, depth: int = 3) -> list[str]:
+    """Checkpoint directories (holding `latest`, `universal.json`, or an iter_ directory) under
+    the deepest existing ancestor of `path`, most similar to `path` first."""
+    import difflib
+
+    root = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(root):
+        root = os.path.dirname(root)
+    found = []
+    for here, dirs, files in os.walk(root):
+        if here[len(root):].count(os.sep) >= depth:
+            dirs.clear()
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if {"latest", "universal.json"} & set(files) or os.path.basename(here).startswith("iter_"):
+            found.append(os.path.relpath(here))
+            dirs.clear()
+    return sorted(found, key=lambda d: -difflib.SequenceMatcher(None, d, os.path.normpath(path)).ratio())[:limit]
+
+
 def attempt_store(timeout_s: float) -> Optional[dist.Store]:
     """On a torchrun restart with the launcher's own store (static rendezvous, or c10d's shared
     store), that store under a prefix of this attempt's own: it outlives the previous attempt,

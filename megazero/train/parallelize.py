@@ -24,10 +24,11 @@ this rank's trainable share of the model:
    (full) or each attention core (selective) in torch.utils.checkpoint, inside the module
    call: ZeRO-3's hooks on a block still bracket its forward, and its backward hook
    gathers the parameters before the recomputation needs them. Names never change.
-6. ZeRO (`zero.stage`): the optimizer lays the parameters out in flat buckets on the
-   grid's device and materializes only this rank's elements from the model's init (its DP
-   partition at stage 3, whose gather/release hooks it installs), in the compute dtype
-   with fp32 master weights.
+6. ZeRO (`zero.stage`), like FSDP2's fully_shard: ShardedParameters lay the parameters out
+   in flat buckets on the grid's device, with the hooks that reduce their gradients over DP
+   (at stage 3 also gather and release them around each unit); ZeroOptimizer, built on
+   them, materializes this rank's elements (its DP partition at stage 3) from the model's
+   init in the compute dtype, and its fp32 master weights from the same values.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import RNGTracker, recompute_rng_context
 from megazero.pipeline.stages import build_model_chunks
 from megazero.zero.optimizer import ZeroOptimizer
+from megazero.zero.shard import ShardedParameters
 
 
 def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[list[GPT], ZeroOptimizer]:
-    """This rank's model chunks and the ZeRO optimizer that owns their values (see above)."""
+    """This rank's model chunks and the ZeRO optimizer on their sharded parameters (see above)."""
     chunks = build_model_chunks(cfg, grid, tracker)
     for chunk in chunks:
         apply_tensor_parallel(chunk, grid.tp_group)
@@ -64,7 +66,7 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
     initial = hf_initial_values(cfg, grid) if starting_point(c.load, c.iteration, c.init_from_hf) == HF else None
     if cfg.finetune.lora_rank:
         initial = with_adapter_init(initial, chunks, cfg.train.seed, grid)
-    return chunks, ZeroOptimizer(chunks, cfg, grid, initial)
+    return chunks, ZeroOptimizer(ShardedParameters(chunks, cfg, grid, initial), cfg, grid)
 
 
 Initial = Callable[[int, str, torch.nn.Parameter], torch.Tensor]

@@ -20,16 +20,16 @@ from megazero.config import Config
 from megazero.model.lora import adapter_shapes
 from megazero.parallel.grid import ProcessGrid
 from megazero.plan import formulas as F
-from megazero.plan.planner import Cluster, Layout, Prediction, predict
+from megazero.plan.planner import Cluster, ParallelLayout, Prediction, predict
 from megazero.plan.ranks import rank_params
 
 
 def run_prediction(cfg: Config, grid: ProcessGrid, peak_flops: Optional[float]) -> Prediction:
     """The planner's prediction for this run's own layout on this machine (every pipeline rank)."""
     p, z, t = cfg.parallel, cfg.zero, cfg.train
-    layout = Layout(p.tp, p.pp, grid.dp, p.vpp, z.stage, t.micro_batch_size, t.recompute,
-                    p.sequence_parallel,
-                    getattr(z, "offload_optimizer", "none") not in ("none", False))
+    layout = ParallelLayout(p.tp, p.pp, grid.dp, p.vpp, z.stage, t.micro_batch_size, t.recompute,
+                            p.sequence_parallel,
+                            getattr(z, "offload_optimizer", "none") not in ("none", False))
     memory = torch.cuda.get_device_properties(grid.device).total_memory / F.GiB if grid.device.type == "cuda" else 0.0
     # Bandwidths of the preset with this peak (H100's when none matches).
     gpu = next((g for g in F.GPUS.values() if peak_flops and g.peak_flops == peak_flops), F.GPUS["h100"])
@@ -59,7 +59,7 @@ def startup_summary(cfg: Config, grid: ProcessGrid, rank_params_numel: int, data
                      f"{trainable:,} trainable parameters ({100 * trainable / total:.2f}% of the model; the rest "
                      f"frozen; the memory plan below assumes every weight trains)")
     lines += data_lines(cfg, *datasets)
-    lines.append(plan_line(plan, device_name))
+    lines.append(plan_line(plan, device_name, grid.device.type == "cuda", cfg.zero.offload_optimizer))
     return "\n".join(lines)
 
 
@@ -101,12 +101,23 @@ def size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def plan_line(plan: Prediction, device_name: str) -> str:
+def plan_line(plan: Prediction, device_name: str, cuda: bool = True, offload: str = "none") -> str:
+    """The planner's prediction in one line: model states by where they live (the device, and
+    host memory or NVMe under zero.offload_optimizer), and on GPUs the peak memory per GPU and
+    tokens/s. On CPUs there is no GPU to predict for: the states alone."""
     worst = plan.worst
     s = worst.states
-    line = (f"plan: peak memory per GPU {size(worst.peak)} on pp rank {worst.pp_rank} (model states "
-            f"{size(s['total'])} = params {size(s['params'])} + grads {size(s['grads'])} + optimizer "
-            f"{size(s['optimizer'])}; activations {size(worst.activations)}; buffers {size(worst.buffers)})")
+    if worst.host:  # offloaded optimizer states: apart from the device's sum
+        where = "on NVMe" if offload == "nvme" else "in host memory"
+        states = (f"model states {size(s['total'])} on the device = params {size(s['params'])} + grads "
+                  f"{size(s['grads'])}, optimizer {size(worst.host)} {where} (zero.offload_optimizer {offload})")
+    else:
+        states = (f"model states {size(s['total'])} = params {size(s['params'])} + grads {size(s['grads'])} + "
+                  f"optimizer {size(s['optimizer'])}")
+    if not cuda:
+        return f"plan: {states} per rank (pp rank {worst.pp_rank}) [python -m megazero.plan predicts GPUs]"
+    line = (f"plan: peak memory per GPU {size(worst.peak)} on pp rank {worst.pp_rank} ({states}; activations "
+            f"{size(worst.activations)}; buffers {size(worst.buffers)})")
     if plan.tokens_per_sec:
         line += f"; {plan.tokens_per_sec / 1e3:,.1f}k tokens/s on {device_name} (MFU {100 * plan.mfu:.0f}%)"
     else:

@@ -1,7 +1,7 @@
 """The training loop: data -> schedule (forward/backward) -> optimizer step -> metrics.
 
 Parallel pieces are put together here, in this order: grid and seeds, this rank's model
-chunks with the optimizer that materializes and shards them (train/parallelize.py), the
+chunks, sharded by ZeRO, with the optimizer on them (train/parallelize.py), the
 datasets. Every layout sees the same global batch: sample i depends only
 on (seed, i), and each DP rank takes a fixed slice of every global batch.
 """
@@ -89,7 +89,10 @@ class Trainer:
             summary = startup_summary(self.cfg, grid, self.optimizer.layout.param_numel,
                                       (self.train_ds, self.valid_ds), plan, self.device_name)
             notes = "".join(f"{n}\n" for n in compile_notes(self.cfg))
-            print(f"{summary}\n{notes}--- config ---\n{describe(self.cfg)}--------------", flush=True)
+            config = (f"--- config ---\n{describe(self.cfg)}--------------" if self.cfg.logging.print_config else
+                      f"config: {saved_config_path(self.cfg) or 'not saved (no checkpoint.save or logging.jsonl)'} "
+                      f"(print it at start-up with --print-config)")
+            print(f"{summary}\n{notes}{config}", flush=True)
             save_resolved_config(self.cfg)
         return plan
 
@@ -117,10 +120,10 @@ class Trainer:
         def extra(directory: str) -> list[str]:
             written = []
             if c.save_model_16bit:
-                params = self.optimizer.full_parameters()
+                params = self.optimizer.sharded.full_parameters()
                 written.append(os.path.basename(save_model_16bit(directory, params, self.cfg, self.grid, dtype)))
             if self.cfg.finetune.lora_rank:  # the adapters alone, whole, as PEFT loads them
-                adapters = self.optimizer.full_parameters(trainable_only=True)
+                adapters = self.optimizer.sharded.full_parameters(trainable_only=True)
                 written += save_adapter(directory, adapters, self.cfg, self.grid)
             return written
         wanted = c.save_model_16bit or self.cfg.finetune.lora_rank
@@ -198,10 +201,9 @@ class Trainer:
         if self.grid.pp == 1:
             return forward_backward_no_pipelining(self.chunks[0], batches, num_tokens, self.optimizer, forward_only,
                                                   timers)
-        dtype = next(self.chunks[0].parameters()).dtype  # the compute dtype the optimizer cast the model to
         stats: dict = {}
         loss = forward_backward_pipelining(self.chunks, batches, num_tokens, self.grid, self.cfg.parallel.schedule,
-                                           dtype, self.optimizer, forward_only, stats, timers)
+                                           self.optimizer.compute_dtype, self.optimizer, forward_only, stats, timers)
         if timers is not untimed:
             self.timers.add("comm_wait", stats["wait_s"])  # blocked on pipeline neighbours
         return loss
@@ -315,10 +317,10 @@ class Trainer:
 
     def _check_plan_once(self, rec: dict) -> None:
         """At the first log line: the planner's prediction beside the measured figures."""
-        if self.plan is not None:
-            print(plan_check(self.plan, self.grid.pp_rank, rec["peak_mem_gib"], rec["tokens_per_sec"],
-                             self.grid.device.type == "cuda"), flush=True)
-            self.plan = None
+        if self.plan is not None and self.grid.device.type == "cuda":  # on CPUs RSS is no GPU memory
+            print(plan_check(self.plan, self.grid.pp_rank, rec["peak_mem_gib"], rec["tokens_per_sec"], True),
+                  flush=True)
+        self.plan = None
 
     def record(self, out: dict, tokens_per_sec: float, steps: int = 1) -> dict:
         tflops = self.flops_per_token * tokens_per_sec / self.grid.world_size / 1e12
@@ -368,9 +370,13 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
     return train, valid
 
 
-def save_resolved_config(cfg: Config) -> None:
-    """Write the resolved config beside the run's outputs (checkpoint dir, else the JSONL's)."""
+def saved_config_path(cfg: Config) -> Optional[str]:
+    """Where the resolved config is written: beside the run's outputs (checkpoint dir, else the JSONL's)."""
     run_dir = cfg.checkpoint.save or (os.path.dirname(os.path.abspath(cfg.logging.jsonl)) if cfg.logging.jsonl else None)
-    if not run_dir:
-        return
-    write_text(os.path.join(run_dir, "config.yaml"), describe(cfg))
+    return os.path.join(run_dir, "config.yaml") if run_dir else None
+
+
+def save_resolved_config(cfg: Config) -> None:
+    path = saved_config_path(cfg)
+    if path:
+        write_text(path, describe(cfg))

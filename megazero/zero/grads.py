@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from megazero.parallel import comm
-from megazero.zero.partition import Bucket, FlatBuffers, Layout, Range, Slot
+from megazero.zero.partition import Bucket, FlatBuffers, FlatLayout, FlatSlot, Range
 
 # Bounded reductions in flight (see _InFlight.bounded): double buffering, one on the wire
 # while the next fills; more would only queue on the same link.
@@ -64,18 +64,16 @@ class _InFlight:
 class GradientSync:
     """fp32 gradients of one model-parallel rank's buckets and their DP reduction."""
 
-    def __init__(self, layout: Layout, *, stage: int, model_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 dp: comm.Group, embed: Optional[comm.Group], tied_buckets: list[int], device: torch.device,
-                 on_reduced: Optional[Callable[[int], None]] = None,
-                 on_final: Optional[Callable[[Bucket, torch.Tensor], None]] = None):
+    def __init__(self, layout: FlatLayout, *, stage: int, model_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 dp: comm.Group, embed: Optional[comm.Group], tied_buckets: list[int], device: torch.device):
         self.layout, self.stage, self.dp, self.embed = layout, stage, dp, embed
         self.model_dtype, self.reduce_dtype, self.device = model_dtype, reduce_dtype, device
         self.sharded = stage >= 2
         self.tied_buckets = tied_buckets  # summed over `embed` (None on stages without the embedding)
-        self.on_reduced = on_reduced  # stage 3 releases a bucket's gathered parameters here
-        # ZeRO-Offload copies a bucket's gradient slice to host memory here, once it is final
-        # for the iteration (reduced in the last backward; tied ones after their embedding sum).
-        self.on_final = on_final
+        # Set by their owners: stage 3 releases a reduced bucket's parameters; ZeRO-Offload copies a gradient
+        # slice to the host once final for the iteration (last backward; tied ones after their embedding sum).
+        self.on_reduced: Optional[Callable[[int], None]] = None
+        self.on_final: Optional[Callable[[Bucket, torch.Tensor], None]] = None
         self.buffers = FlatBuffers(layout, sharded=self.sharded, dtype=torch.float32, device=device,
                                    trainable_only=True)
         self.reduced_numel = 0
@@ -88,7 +86,7 @@ class GradientSync:
         for b, s in self._trainable_slots():
             s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
 
-    def _trainable_slots(self) -> list[tuple[Bucket, Slot]]:
+    def _trainable_slots(self) -> list[tuple[Bucket, FlatSlot]]:
         return [(b, s) for b in self.layout.trainable_buckets() for s in b.slots]
 
     # ------------------------------------------------------------------ views
@@ -101,7 +99,7 @@ class GradientSync:
         """This rank's reduced gradient of bucket b."""
         return self.buffers.own_slice(b)
 
-    def bucket_view(self, b: Bucket, s: Slot) -> torch.Tensor:
+    def bucket_view(self, b: Bucket, s: FlatSlot) -> torch.Tensor:
         """Full buffers: parameter s's place in the fp32 gradient bucket b."""
         return self.buffers.full[b.index][s.offset: s.offset + s.numel].view(s.shape)
 
@@ -140,13 +138,13 @@ class GradientSync:
         self._add_sharded(b, s, grad)
         self._mark_ready(b, s)
 
-    def _add_sharded(self, b: Bucket, s: Slot, grad: torch.Tensor) -> None:
+    def _add_sharded(self, b: Bucket, s: FlatSlot, grad: torch.Tensor) -> None:
         buf = self._pending.get(b.index)
         if buf is None:
             buf = self._pending[b.index] = torch.zeros(b.numel, device=self.device)
         buf[s.offset: s.offset + s.numel].view(s.shape).add_(grad)
 
-    def _grad_ready(self, b: Bucket, s: Slot, p: nn.Parameter) -> None:
+    def _grad_ready(self, b: Bucket, s: FlatSlot, p: nn.Parameter) -> None:
         """Called by autograd once p's gradient of this backward pass is accumulated."""
         if self.sharded:
             self._add_sharded(b, s, p.grad)
@@ -163,7 +161,7 @@ class GradientSync:
                                    f"but the last of each model chunk in optimizer.no_sync()")
         self._mark_ready(b, s)
 
-    def _mark_ready(self, b: Bucket, s: Slot) -> None:
+    def _mark_ready(self, b: Bucket, s: FlatSlot) -> None:
         ready = self._ready.setdefault(b.index, set())
         ready.add(s.name)
         if len(ready) == len(b.slots):

@@ -2,7 +2,7 @@
 
 The model is built on the meta device: shapes and names, no memory. Before ZeRO lays the
 parameters out, each one is replaced by a *hollow* parameter of the same shape on the
-run's device, which holds no memory either; the optimizer then writes only what this rank
+run's device, which holds no memory either; ZeRO then writes only what this rank
 owns (its TP shard, its pipeline stage's chunks and, at stage 3, its DP partition) into its
 flat buffers, drawing each value from the model's layout-independent `initial_value`, one
 parameter at a time. No rank ever holds the whole model.
@@ -32,7 +32,7 @@ def _on_device(p: nn.Parameter, device: torch.device, hollow: bool) -> nn.Parame
     t = torch.empty(p.shape, dtype=p.dtype, device=device)
     if hollow:
         # Keep the shape, drop the memory (never touched on the host; a transient block of
-        # the caching allocator on a GPU): the optimizer points .data at its own buffers.
+        # the caching allocator on a GPU): ZeRO points .data at its own buffers.
         t.untyped_storage().resize_(0)
     out = nn.Parameter(t, requires_grad=p.requires_grad)
     out.__dict__.update(p.__dict__)

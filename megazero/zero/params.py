@@ -1,4 +1,4 @@
-"""The model's parameters in the compute dtype, laid out in the optimizer's flat buckets.
+"""The model's parameters in the compute dtype, laid out in ZeRO's flat buckets.
 
     stages 0-2  every bucket whole on every rank (`full`); each parameter is a view into its
                 bucket, so an all-gather of the updated slices refreshes the model in place.
@@ -20,27 +20,34 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from megazero.parallel import comm
-from megazero.zero.partition import Bucket, FlatBuffers, Layout, Range, Slot
+from megazero.zero.partition import Bucket, FlatBuffers, FlatLayout, FlatSlot, Range
 from megazero.zero.shard_home import ShardHome
 
-Initial = Callable[[Bucket, Slot], torch.Tensor]
+Initial = Callable[[Bucket, FlatSlot], torch.Tensor]
 
 
 class ParamStore:
-    def __init__(self, layout: Layout, *, home: Optional[ShardHome], dtype: torch.dtype, device: torch.device,
-                 initial: Initial, write_master: Callable[[int, torch.Tensor], None]) -> None:
+    def __init__(self, layout: FlatLayout, *, home: Optional[ShardHome], dtype: torch.dtype,
+                 device: torch.device) -> None:
         """`home` keeps the shard at stage 3; None at stages 0-2 (every bucket whole on `device`)."""
         self.layout, self.home, self.device = layout, home, device
         self.sharded = home is not None
         self.buckets = None if self.sharded else FlatBuffers(layout, sharded=False, dtype=dtype, device=device)
         self.gathering: dict[int, comm.Handle] = {}  # bucket -> its all-gather in flight
-        for b in layout.buckets:
-            if self.sharded:
-                self._fill_shard(b, initial, write_master)
-            else:
-                self._fill_bucket(b, initial, write_master)
+
+    def fill(self, initial: Initial, write_master: Callable[[int, torch.Tensor], None]) -> None:
+        """Write every bucket's starting values from `initial`, each fp32 piece of this rank's
+        shard also to `write_master(shard offset, values)`. At stage 3 only this rank's slices,
+        parameter by parameter (never a whole bucket); the gatherer points the parameters at placeholders."""
         if self.sharded:
+            for b, s, start, end, offset in self.layout.slot_pieces(self.layout.buckets, self.layout.rank):
+                piece = initial(b, s)[start - s.offset: end - s.offset]
+                self.home.write(offset, piece)
+                write_master(offset, piece)
             self.home.flush()
+        else:
+            for b in self.layout.buckets:
+                self._fill_bucket(b, initial, write_master)
 
     def _fill_bucket(self, b: Bucket, initial: Initial, write_master: Callable) -> None:
         flat = torch.zeros(b.numel, device=self.device)  # fp32: the master slice comes from it
@@ -52,19 +59,6 @@ class ParamStore:
         bucket.copy_(flat)
         for s in b.slots:
             s.param.data = bucket[s.offset: s.offset + s.numel].view(s.shape)
-
-    def _fill_shard(self, b: Bucket, initial: Initial, write_master: Callable) -> None:
-        """This rank's slice of bucket b, written parameter by parameter (never the whole
-        bucket); the gatherer points the parameters at placeholders."""
-        lo, hi = b.slice_of(self.layout.rank)
-        for s in b.slots:
-            start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if start >= end:
-                continue
-            piece = initial(b, s)[start - s.offset: end - s.offset]
-            offset = b.shard_offset + start - lo
-            self.home.write(offset, piece)
-            write_master(offset, piece)
 
     def view(self, r: Range) -> torch.Tensor:
         """The elements of one range of this rank's shard, in place (the shard in memory)."""
@@ -145,4 +139,5 @@ class ParamStore:
                 work.wait()
 
     def wait_all(self) -> None:
+        """Complete every post-step all-gather (stages 1-2): every parameter holds its value after."""
         self.wait(list(self.gathering))

@@ -8,7 +8,7 @@ bucket is reduce-scattered and all-gathered on its own, as soon as it is ready.
 
 A rank's *shard* is the concatenation of its slices of all buckets, in bucket order. Its
 optimizer state (fp32 master, Adam moments) and, at stage 2/3, its gradients are flat
-tensors in that shard space. `Layout.param_map()` records where every element of every
+tensors in that shard space. `FlatLayout.param_map()` records where every element of every
 parameter lives, for checkpoints and resharding.
 
 Frozen parameters (requires_grad False, e.g. the base model under LoRA) get buckets of
@@ -20,11 +20,12 @@ only. Frozen buckets are still sharded (stage 3) and gathered like the others.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
 
-from megazero.config import ZERO_ALIGN as ALIGN  # elements: 256 B in fp32; validated against at start-up
+from megazero.zero import ALIGN  # elements: 256 B in fp32; validated against at start-up
 
 Named = list[tuple[str, nn.Parameter]]
 
@@ -34,7 +35,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 @dataclass
-class Slot:
+class FlatSlot:
     """One parameter's place in its bucket."""
 
     name: str
@@ -48,7 +49,7 @@ class Slot:
 class Bucket:
     index: int
     chunk: int
-    slots: list[Slot]
+    slots: list[FlatSlot]
     numel: int
     """Padded size: a multiple of ALIGN x shards."""
     shards: int
@@ -60,10 +61,6 @@ class Bucket:
     @property
     def shard_numel(self) -> int:
         return self.numel // self.shards
-
-    @property
-    def padding(self) -> int:
-        return self.numel - sum(s.numel for s in self.slots)
 
     def slice_of(self, rank: int) -> tuple[int, int]:
         """[start, end) of `rank`'s slice, in bucket coordinates."""
@@ -85,7 +82,7 @@ class Range:
 
 
 @dataclass
-class Layout:
+class FlatLayout:
     buckets: list[Bucket]
     shards: int
     rank: int
@@ -110,8 +107,18 @@ class Layout:
     def param_numel(self) -> int:
         return sum(s.numel for b in self.buckets for s in b.slots)
 
-    def slots(self) -> list[tuple[Bucket, Slot]]:
+    def slots(self) -> list[tuple[Bucket, FlatSlot]]:
         return [(b, s) for b in self.buckets for s in b.slots]
+
+    def slot_pieces(self, buckets: list[Bucket], rank: int) -> Iterator[tuple[Bucket, FlatSlot, int, int, int]]:
+        """(bucket, slot, start, end, shard offset) of every non-empty piece of a parameter in
+        `rank`'s slices of `buckets`: [start, end) in bucket coordinates."""
+        for b in buckets:
+            lo, hi = b.slice_of(rank)
+            for s in b.slots:
+                start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if start < end:
+                    yield b, s, start, end, b.shard_offset + start - lo
 
     def param_map(self) -> dict:
         """Parameter -> where its elements live on every DP rank, plus the padding.
@@ -119,20 +126,16 @@ class Layout:
         `params[name]["shards"]` lists (rank, offset in that rank's flat shard, length,
         offset in the flattened parameter); the pieces of a parameter cover it exactly.
         """
-        params = {}
-        for b, s in self.slots():
-            pieces = []
-            for r in range(self.shards):
-                lo, hi = b.slice_of(r)
-                start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
-                if start < end:
-                    pieces.append({"rank": r, "offset": b.shard_offset + start - lo, "length": end - start,
-                                   "param_offset": start - s.offset})
-            params[s.name] = {"shape": list(s.shape), "tp_dim": s.param.tp_dim, "tp_stride": s.param.tp_stride,
-                              "full_shape": list(s.param.full_shape), "bucket": b.index,
-                              "bucket_offset": s.offset, "numel": s.numel, "shards": pieces,
-                              "trainable": b.trainable}
-        buckets = [{"numel": b.numel, "padding": b.padding, "shard_numel": b.shard_numel,
+        pieces: dict[str, list[dict]] = {s.name: [] for _, s in self.slots()}
+        for r in range(self.shards):
+            for _, s, start, end, offset in self.slot_pieces(self.buckets, r):
+                pieces[s.name].append({"rank": r, "offset": offset, "length": end - start,
+                                       "param_offset": start - s.offset})
+        params = {s.name: {"shape": list(s.shape), "tp_dim": s.param.tp_dim, "tp_stride": s.param.tp_stride,
+                           "full_shape": list(s.param.full_shape), "bucket": b.index, "bucket_offset": s.offset,
+                           "numel": s.numel, "shards": pieces[s.name], "trainable": b.trainable}
+                  for b, s in self.slots()}
+        buckets = [{"numel": b.numel, "padding": b.numel - sum(s.numel for s in b.slots), "shard_numel": b.shard_numel,
                     "shard_offset": b.shard_offset, "chunk": b.chunk} for b in self.buckets]
         return {"align": ALIGN, "shards": self.shards, "shard_numel": self.shard_numel,
                 "trainable_numel": self.trainable_numel, "buckets": buckets, "params": params}
@@ -144,19 +147,13 @@ class Layout:
         zero in parameters, gradients and moments alike, so updating it changes nothing.
         """
         runs: list[Range] = []
-        for b in self.trainable_buckets():
-            lo, hi = b.slice_of(self.rank)
-            for s in b.slots:
-                start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
-                if start >= end:
-                    continue
-                prev = runs[-1] if runs else None
-                if (prev is not None and prev.bucket == b.index and prev.decay == decays[s.name]
-                        and prev.counted == counted[s.name]):
-                    prev.length = end - prev.start
-                else:
-                    runs.append(Range(b.index, start, end - start, b.shard_offset + start - lo,
-                                      decays[s.name], counted[s.name]))
+        for b, s, start, end, offset in self.slot_pieces(self.trainable_buckets(), self.rank):
+            prev = runs[-1] if runs else None
+            if (prev is not None and prev.bucket == b.index and prev.decay == decays[s.name]
+                    and prev.counted == counted[s.name]):
+                prev.length = end - prev.start
+            else:
+                runs.append(Range(b.index, start, end - start, offset, decays[s.name], counted[s.name]))
         out = []
         for r in runs:  # split long runs so no sub-group has to hold more than max_len
             for off in range(0, r.length, max_len):
@@ -212,21 +209,14 @@ def split_frozen(groups: list[tuple[int, Named]]) -> list[tuple[int, Named]]:
     """Each group cut into its trainable and its frozen parameters (a bucket holds one kind)."""
     out = []
     for chunk, named in groups:
-        for part in (trainable_part(named), frozen_part(named)):
+        for trainable in (True, False):
+            part = [(n, p) for n, p in named if p.requires_grad == trainable]
             if part:
                 out.append((chunk, part))
     return out
 
 
-def trainable_part(named: Named) -> Named:
-    return [(n, p) for n, p in named if p.requires_grad]
-
-
-def frozen_part(named: Named) -> Named:
-    return [(n, p) for n, p in named if not p.requires_grad]
-
-
-def build_layout(groups: list[tuple[int, Named]], shards: int, rank: int) -> Layout:
+def build_layout(groups: list[tuple[int, Named]], shards: int, rank: int) -> FlatLayout:
     """One bucket per (chunk index, [(name, param), ...]) group, partitioned over `shards`
     ranks; the shard holds the trainable buckets first, then the frozen ones."""
     buckets = []
@@ -236,7 +226,7 @@ def build_layout(groups: list[tuple[int, Named]], shards: int, rank: int) -> Lay
             raise ValueError(f"bucket {index} mixes trainable and frozen parameters; split_frozen first")
         slots, offset = [], 0
         for name, p in named:
-            slots.append(Slot(name, p, offset, p.numel(), tuple(p.shape)))
+            slots.append(FlatSlot(name, p, offset, p.numel(), tuple(p.shape)))
             offset = _round_up(offset + p.numel(), ALIGN)
         buckets.append(Bucket(index, chunk, slots, bucket_numel([p.numel() for _, p in named], shards), shards,
                               0, trainable.pop()))
@@ -244,7 +234,7 @@ def build_layout(groups: list[tuple[int, Named]], shards: int, rank: int) -> Lay
     for b in sorted(buckets, key=lambda b: not b.trainable):  # stable: trainable first, each in bucket order
         b.shard_offset = shard_offset
         shard_offset += b.shard_numel
-    return Layout(buckets, shards, rank)
+    return FlatLayout(buckets, shards, rank)
 
 
 def sub_groups(ranges: list[Range], max_numel: int) -> list[list[Range]]:
@@ -267,7 +257,7 @@ class FlatBuffers:
     `trainable_only` (gradients) frozen buckets get no storage: the shard is the trainable
     prefix and their `full` tensors are empty."""
 
-    def __init__(self, layout: Layout, *, sharded: bool, dtype: torch.dtype, device: torch.device,
+    def __init__(self, layout: FlatLayout, *, sharded: bool, dtype: torch.dtype, device: torch.device,
                  trainable_only: bool = False) -> None:
         self.layout, self.sharded = layout, sharded
         numel = layout.trainable_numel if trainable_only else layout.shard_numel

@@ -1,7 +1,7 @@
 """Mixed precision: the compute dtype of each `train.precision`, and fp16's dynamic loss scaler.
 
 The model is built and initialised in fp32; the optimizer keeps those values as fp32 master
-weights and casts the model to the compute dtype. bf16 has fp32's exponent range, so its
+weights, ZeRO's sharded parameters hold them in the compute dtype. bf16 has fp32's exponent range, so its
 gradients need no scaling; fp16 gradients underflow without it.
 """
 

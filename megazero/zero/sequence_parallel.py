@@ -21,26 +21,20 @@ import torch
 
 from megazero.parallel import comm
 from megazero.zero.grads import GradientSync
-from megazero.zero.partition import Layout, Range
+from megazero.zero.partition import FlatLayout, Range
 
 
-def sequence_parallel_ranges(layout: Layout) -> list[Range]:
+def sequence_parallel_ranges(layout: FlatLayout) -> list[Range]:
     """The runs of this rank's gradient shard that belong to parameters marked `sequence_parallel`."""
-    runs = []
-    for b in layout.trainable_buckets():
-        lo, hi = b.slice_of(layout.rank)
-        for s in b.slots:
-            start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if getattr(s.param, "sequence_parallel", False) and start < end:
-                runs.append(Range(b.index, start, end - start, b.shard_offset + start - lo, decay=False,
-                                  counted=False))
-    return runs
+    return [Range(b.index, start, end - start, offset, decay=False, counted=False)
+            for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets(), layout.rank)
+            if getattr(s.param, "sequence_parallel", False)]
 
 
 class SequenceParallelGrads:
     """All-reduces the partial gradients of sequence-parallel parameters over TP in one call."""
 
-    def __init__(self, layout: Layout, grads: GradientSync, tp: comm.Group):
+    def __init__(self, layout: FlatLayout, grads: GradientSync, tp: comm.Group):
         self.grads, self.tp = grads, tp
         self.ranges = sequence_parallel_ranges(layout)
         where = [(r.bucket, r.start, r.length, r.shard_offset) for r in self.ranges]

@@ -22,7 +22,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from megazero.zero.partition import Bucket, Layout
+from megazero.zero.partition import Bucket, FlatLayout
 from megazero.zero.swap import SwapFile, aligned_buffer, check_space, padded
 
 
@@ -83,7 +83,7 @@ class NvmeShard:
     bucket, the one read ahead and `max_writes` being written. A read of a region waits for
     that region's write, so `load` always sees the latest values."""
 
-    def __init__(self, layout: Layout, dtype: torch.dtype, path: str, pin: bool, max_writes: int = 1) -> None:
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, path: str, pin: bool, max_writes: int = 1) -> None:
         self.layout, self.dtype, self.pin, self.max_writes = layout, dtype, pin, max_writes
         self.itemsize = torch.empty(0, dtype=dtype).element_size()
         self.in_shard_order = sorted(layout.buckets, key=lambda b: b.shard_offset)

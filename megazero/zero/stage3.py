@@ -10,8 +10,8 @@ bucket of its own because two units use it on a single-stage model (embedding, h
               free the buckets no later unit of its chunk uses
     backward: a hook on the unit's outputs fires when their gradient arrives, i.e. just
               before the unit's backward -> gather again, prefetch the previous
-              `zero.prefetch` units; the optimizer frees a bucket once every parameter of
-              it has its gradient (and has reduce-scattered it)
+              `zero.prefetch` units; the gradient sync frees a bucket once every parameter
+              of it has its gradient (and has reduce-scattered it)
 
 Fixed issue points. Every rank must issue its DP collectives in one order (NCCL matches
 them by position; the reduce-scatters start from autograd hooks on the same communicator),
@@ -59,12 +59,12 @@ from torch import nn
 
 from megazero.parallel import comm
 from megazero.parallel.weight_grad import WeightGradStore
-from megazero.zero.partition import Layout, Named, split_frozen
+from megazero.zero.partition import FlatLayout, Named, split_frozen
 from megazero.zero.shard_home import ShardHome
 
 
 @dataclass
-class Unit:
+class FetchUnit:
     """One of the model's units (see `GPT.units`) and the layout buckets it gathers."""
 
     chunk: int
@@ -74,11 +74,11 @@ class Unit:
     buckets: tuple[int, ...]
 
 
-def fetch_units(chunks: list[nn.Module]) -> tuple[list[Unit], list[tuple[int, Named]]]:
+def fetch_units(chunks: list[nn.Module]) -> tuple[list[FetchUnit], list[tuple[int, Named]]]:
     """The fetch units of each model chunk in execution order (the chunk's own `units()`),
     and the layout's bucket groups: one per unit (two when it holds trainable and frozen
     parameters), plus one per tied weight."""
-    units: list[Unit] = []
+    units: list[FetchUnit] = []
     groups: list[tuple[int, Named]] = []
     for ci, chunk in enumerate(chunks):
         tied = chunk.tied_weight()
@@ -91,8 +91,8 @@ def fetch_units(chunks: list[nn.Module]) -> tuple[list[Unit], list[tuple[int, Na
             kinds = split_frozen([(ci, part.named)])
             own = tuple(range(len(groups), len(groups) + len(kinds)))
             groups += kinds
-            units.append(Unit(ci, part.start, part.end, part.outputs,
-                              own + ((tied_bucket,) if part.uses_tied else ())))
+            units.append(FetchUnit(ci, part.start, part.end, part.outputs,
+                                   own + ((tied_bucket,) if part.uses_tied else ())))
     return units, groups
 
 
@@ -111,7 +111,7 @@ class ParamGatherer:
     order, follow from the sequence of hooks alone, however long the reads take (see the
     module docstring for where the hooks issue them)."""
 
-    def __init__(self, layout: Layout, home: ShardHome, units: list[Unit], dp: comm.Group, prefetch: int,
+    def __init__(self, layout: FlatLayout, home: ShardHome, units: list[FetchUnit], dp: comm.Group, prefetch: int,
                  dtype: torch.dtype, device: torch.device,
                  weight_grads: Sequence[Optional[WeightGradStore]] = ()) -> None:
         """`weight_grads`: each model chunk's store of deferred weight gradients (zbh1), if any."""
@@ -130,8 +130,8 @@ class ParamGatherer:
         # per unit, the first and last units of its chunk
         self.chunk_span = [(min(j for j, v in enumerate(units) if v.chunk == u.chunk),
                             max(j for j, v in enumerate(units) if v.chunk == u.chunk)) for u in units]
-        for b in range(len(layout.buckets)):
-            self._free_storage(b)
+        for full in self.full:
+            full.untyped_storage().resize_(0)
         for i, unit in enumerate(units):
             unit.start.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i))
             unit.end.register_forward_hook(lambda m, a, o, i=i: self._after_forward(i))
@@ -139,6 +139,11 @@ class ParamGatherer:
                 module.register_forward_hook(lambda m, a, o, i=i: self._watch_output(i, o))
 
     # ------------------------------------------------------------------ buckets
+
+    def release_storage(self) -> None:
+        """Point every parameter at the placeholder (their values are in the shard home)."""
+        for b in range(len(self.full)):
+            self._free_storage(b)
 
     def _free_storage(self, b: int) -> None:
         for slot in self.layout.buckets[b].slots:
@@ -232,7 +237,7 @@ class ParamGatherer:
 
     # ------------------------------------------------------------------ hooks
 
-    def _neighbours(self, i: int, step: int, count: int) -> list[Unit]:
+    def _neighbours(self, i: int, step: int, count: int) -> list[FetchUnit]:
         """Up to `count` units after (step 1) or before (step -1) unit i in its chunk."""
         out, j = [], i + step
         while len(out) < count and 0 <= j < len(self.units) and self.units[j].chunk == self.units[i].chunk:

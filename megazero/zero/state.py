@@ -6,12 +6,12 @@ The optimizer steps its shard one sub-group (a list of `Range`s of at most
     for group, state in store.iterate(groups):   # state: GroupState, fp32 tensors
         adamw_(state.master or the parameters, grads, state.exp_avg, state.exp_avg_sq, ...)
 
-    MemoryStore on the device   zero.offload_optimizer none: views of flat tensors
-    MemoryStore on the host     cpu (ZeRO-Offload): the same, in (pinned) host memory; the
-                                step runs on the CPU
-    NvmeStore                   nvme (ZeRO-Infinity): swap files, a sub-group at a time through
-                                `buffer_count` host buffers: sub-group k+1 is read and k-1
-                                written back while k is updated
+    MemoryOptimizerStore, device   zero.offload_optimizer none: views of flat tensors
+    MemoryOptimizerStore, host     cpu (ZeRO-Offload): the same, in (pinned) host memory; the
+                                   step runs on the CPU
+    NvmeOptimizerStore             nvme (ZeRO-Infinity): swap files, a sub-group at a time through
+                                   `buffer_count` host buffers: sub-group k+1 is read and k-1
+                                   written back while k is updated
 
 Offloading therefore changes where state lives, not the step. Besides `iterate`, a store
 reads and writes whole kinds ("master", "exp_avg", "exp_avg_sq") for initialisation and
@@ -54,7 +54,7 @@ def host_tensor(numel: int, pin: bool) -> torch.Tensor:
     return torch.zeros(numel, pin_memory=pin and torch.cuda.is_available())
 
 
-class MemoryStore:
+class MemoryOptimizerStore:
     """The shard's state as flat fp32 tensors on one device (the compute device, or the host
     for ZeRO-Offload)."""
 
@@ -92,7 +92,7 @@ class MemoryStore:
         return {self.device.type: sum(t.numel() * t.element_size() for t in self.flat.values())}
 
 
-class NvmeStore:
+class NvmeOptimizerStore:
     """The shard's state in three swap files (master, exp_avg, exp_avg_sq; see swap.py)
     under `path`. Each sub-group owns a region of every file starting at a block boundary,
     so whole sub-groups move with large aligned reads and writes."""
@@ -138,7 +138,7 @@ class NvmeStore:
         """Sub-group k's state in buffer k % buffer_count, read ahead one sub-group and
         written back behind, each on its own thread (file I/O releases the GIL). Consume
         it to the end (not through zip, which would drop the last write-back)."""
-        assert groups is self.groups, "an NvmeStore streams the sub-groups it was laid out for"
+        assert groups is self.groups, "an NvmeOptimizerStore streams the sub-groups it was laid out for"
         self.flush()
         count = len(self.buffers)
         reads: dict[int, Future] = {}

@@ -1,0 +1,59 @@
+"""What a checkpoint's metadata says about the model it holds, read without torch: the
+trainer's resume check (sharded.check_model) and `--validate-only`'s pre-flight share it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+from megazero.config import Config
+
+LATEST = "latest"
+MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size")
+
+
+def resume_dir(load_dir: str, iteration: int = 0) -> Optional[str]:
+    """The iter_ directory a resume from `load_dir` reads (`latest`, or iter_{iteration}); None
+    when `load_dir` has no `latest` to follow."""
+    if iteration:
+        return os.path.join(load_dir, f"iter_{iteration:07d}")
+    latest = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return os.path.join(load_dir, f.read().strip())
+
+
+def model_mismatch(saved: dict, cfg: Config, ckpt: str) -> Optional[str]:
+    """Why a checkpoint whose metadata config is `saved` cannot be resumed by `cfg` (another
+    model shape, or other LoRA adapters); None when it can (any layout can be resharded)."""
+    saved_model = saved["model"]
+    for key in MODEL_KEYS:
+        if saved_model.get(key) != getattr(cfg.model, key):
+            return (f"checkpoint '{ckpt}' holds a model with model.{key} = {saved_model.get(key)}, but this run has "
+                    f"{getattr(cfg.model, key)}; use the checkpoint's model config")
+    theirs = _adapters(saved.get("finetune") or {"lora_rank": 0})
+    mine = _adapters(dataclasses.asdict(cfg.finetune))
+    if mine == theirs:
+        return None
+    fix = ("to fine-tune a pretrained checkpoint with LoRA, export it (convert --to hf) and start from it with "
+           "--checkpoint.init_from_hf" if not theirs["lora_rank"] else
+           "use the checkpoint's finetune settings, or fold its adapters in (convert --merge-lora --to hf) and "
+           "start a new run from that with --checkpoint.init_from_hf")
+    return f"checkpoint '{ckpt}' was saved with LoRA {theirs} but this run has {mine}; {fix}"
+
+
+def _adapters(f: dict) -> dict:
+    return {"lora_rank": f["lora_rank"], "lora_targets": list(f["lora_targets"])} if f["lora_rank"] else {"lora_rank": 0}
+
+
+def saved_config(ckpt: str) -> Optional[dict]:
+    """The config a sharded checkpoint's metadata.json records; None when there is none to read
+    (the resume itself then says what is wrong with the directory)."""
+    try:
+        with open(os.path.join(ckpt, "metadata.json")) as f:
+            return json.load(f)["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,58 @@
+"""A run's config made ready before any process group exists: auto values resolved, then checked
+without a change by config.py and by the modules that own what a check needs (a Hugging Face
+config.json, LoRA's projections, ZeRO's alignment). Torch-free: --validate-only never loads torch."""
+
+from __future__ import annotations
+
+import os
+
+from megazero.checkpoint.hf_config import resolve_init_from_hf
+from megazero.checkpoint.meta import model_mismatch, resume_dir, saved_config
+from megazero.config import Config, ConfigError, resolve, validate
+from megazero.data.gpt_dataset import parse_blend
+from megazero.data.indexed import IndexedDataset
+from megazero.errors import UserError
+from megazero.model.lora_targets import check_targets
+from megazero.zero import ALIGN
+
+
+def resolve_and_validate(cfg: Config, world_size: int) -> int:
+    """Resolve `cfg` in place, then check it for `world_size` processes; return the data-parallel degree."""
+    if cfg.checkpoint.init_from_hf:
+        resolve_init_from_hf(cfg)
+    resolve(cfg)
+    dp = validate(cfg, world_size)
+    if cfg.finetune.lora_rank:
+        check_targets(cfg.finetune.lora_targets)
+    z = cfg.zero
+    if z.sub_group_size < ALIGN:
+        raise ConfigError(f"zero.sub_group_size ({z.sub_group_size}) must be at least {ALIGN} elements "
+                          f"(the partition alignment)")
+    if z.bucket_size < ALIGN * dp:
+        raise ConfigError(f"zero.bucket_size ({z.bucket_size}) must hold one aligned slice per DP rank: at least "
+                          f"{ALIGN} x dp ({ALIGN} x {dp} = {ALIGN * dp})")
+    return dp
+
+
+class PreflightError(UserError):
+    """What start-up would refuse, found before any process is launched."""
+
+
+def preflight(cfg: Config) -> None:
+    """`--validate-only`'s checks beyond the config itself, on the files a run reads (headers and
+    metadata only): the data prefixes open as Megatron datasets, the checkpoint a resume would
+    read holds this model, and zero.nvme_path is a writable directory. The tokenizer and the
+    init_from_hf directory were read by resolve_and_validate already."""
+    if not cfg.data.mock:
+        for prefix in parse_blend(cfg.data.prefix or [])[0]:
+            IndexedDataset(prefix)  # a missing or foreign .bin/.idx is its one-line DataError
+    c = cfg.checkpoint
+    ckpt = resume_dir(c.load, c.iteration) if c.load else None
+    saved = saved_config(ckpt) if ckpt else None
+    why = model_mismatch(saved, cfg, ckpt) if saved else None
+    if why:
+        raise PreflightError(why)
+    z = cfg.zero
+    if "nvme" in (z.offload_optimizer, z.offload_param) and not os.access(z.nvme_path or "", os.W_OK | os.X_OK):
+        raise PreflightError(f"zero.nvme_path '{z.nvme_path}' is not a writable directory; create it or point it at "
+                             f"a local NVMe mount")

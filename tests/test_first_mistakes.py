@@ -1,0 +1,102 @@
+"""Mistakes a new user makes in the first days (issue 25), replayed from the command line:
+each ends in one clear line and exit status 2, never in a silent start from scratch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train(args: list[str], cwd: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "megazero.train", "--config", os.path.join(ROOT, "configs/gpt2-tiny.yaml"),
+                           *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_load_path_that_names_nothing_is_refused_with_the_nearest_checkpoints(tmp_path):
+    for run in ("runs/tiny/checkpoints", "runs/other/checkpoints"):
+        os.makedirs(tmp_path / run)
+        (tmp_path / run / "latest").write_text("iter_0000010\n")
+    hint = "fix the path, or set it to checkpoint.save to resume from there when a checkpoint is present"
+    for typo, near in [("runs/tiny/checkpoint", "runs/tiny/checkpoints"),  # under the deepest existing folder
+                       ("runs/tyni", "runs/tiny/checkpoints, runs/other/checkpoints")]:  # most similar first
+        proc = _train(["--checkpoint.load", typo, "--checkpoint.save", "runs/new", "--validate-only"], str(tmp_path))
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.splitlines() == [f"error: checkpoint.load '{typo}' does not exist (checkpoints nearby: "
+                                            f"{near}); {hint}"]
+
+
+def test_load_equal_to_save_may_be_empty_the_scripts_resume_if_present_pattern(tmp_path):
+    proc = _train(["--checkpoint.load", "runs/new", "--checkpoint.save", "runs/new", "--validate-only"], str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_deterministic_error_is_not_retried_by_torchrun(tmp_path):
+    """Under `torchrun --max-restarts 3` a config/checkpoint error ends the job in its first
+    attempt's time: the restarted attempts exit at once, silently (the line was printed)."""
+    import time
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from distributed import free_port
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=3",
+           f"--master_port={free_port()}", "-m", "megazero.train", "--config", os.path.join(ROOT, "configs/gpt2-tiny.yaml"),
+           "--checkpoint.load", "runs/nonexist", "--checkpoint.save", "runs/new"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    tic = time.monotonic()
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1 and "checkpoint.load 'runs/nonexist'" in errors[0], proc.stderr
+    assert "torchrun restart" not in proc.stdout + proc.stderr
+    assert time.monotonic() - tic < 120
+
+
+def test_planner_top_shows_distinct_layouts_in_one_unit_with_labelled_columns(capsys):
+    """--top N: N different layouts (micro-batch variants folded into the best one), memory and
+    bytes both in GiB, every column named (recompute included)."""
+    from megazero.plan.__main__ import main as plan_main
+    plan_main(["--config", os.path.join(ROOT, "configs/gpt2-1.5b.yaml"), "--gpus", "8", "--gpu", "h100", "--top", "5"])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("| # |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[:8] == ["#", "tp", "pp", "vpp", "dp", "ZeRO", "micro-batch", "recompute"]
+    assert not any(" GB" in line for line in lines if line.startswith("|")) and "TP GiB/step" in columns
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ") and
+            line[2].isdigit()]
+    assert len(rows) == 5 and len({tuple(r[1:6] + r[7:8]) for r in rows}) == 5
+    assert rows[0][6] == "16 (best of 5)"
+
+
+def test_a_warm_up_as_long_as_the_run_is_named_with_its_numbers(tmp_path):
+    proc = _train(["--train.iters", "10", "--optim.warmup_iters", "20", "--validate-only"], str(tmp_path))
+    assert proc.returncode == 0 and proc.stderr.splitlines() == [
+        "warning: optim.warmup_iters (20) >= train.iters (10): the whole run warms up and the LR never decays; "
+        "lower optim.warmup_iters or raise train.iters"]
+    proc = _train(["--train.iters", "50", "--optim.warmup_iters", "20", "--optim.decay_iters", "15", "--validate-only"],
+                  str(tmp_path))
+    assert proc.stderr.startswith("warning: optim.warmup_iters (20) >= optim.decay_iters (15): the LR jumps to min_lr")
+    assert _train(["--validate-only"], str(tmp_path)).stderr == ""  # the shipped tiny config: warm-up 5 of 50
+
+
+def test_validate_only_checks_the_files_the_run_reads(tmp_path):
+    """--validate-only refuses, with the line start-up would print, a missing dataset and a
+    checkpoint of another model (from its metadata alone); --config-only checks the config alone."""
+    import json
+    ckpt = tmp_path / "run" / "iter_0000030"
+    ckpt.mkdir(parents=True)
+    (tmp_path / "run" / "latest").write_text("iter_0000030")
+    model = {"num_layers": 4, "hidden_size": 128, "num_heads": 4, "seq_length": 64, "vocab_size": 512,
+             "ffn_hidden_size": 512}
+    (ckpt / "metadata.json").write_text(json.dumps({"config": {"model": model, "finetune": {"lora_rank": 0}}}))
+    resume = ["--checkpoint.load", "run", "--checkpoint.save", "run"]
+    proc = _train(resume + ["--validate-only"], str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "error: checkpoint 'run/iter_0000030' holds a model with model.hidden_size = 128, but this run has 64; "
+        "use the checkpoint's model config"]
+    assert _train(resume + ["--validate-only", "--config-only"], str(tmp_path)).returncode == 0
+    proc = _train(["--data.mock", "false", "--data.prefix", "data/missing", "--validate-only"], str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "error: dataset 'data/missing': data/missing.idx not found; pass the prefix without .bin/.idx, or make it "
+        "with data_tools/preprocess_data.py"]
