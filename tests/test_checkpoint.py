@@ -43,7 +43,7 @@ def _assert_bitwise_equal(a, b, path="state"):
             _assert_bitwise_equal(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_bitwise_equal(x, y, f"{path}[{i}]")
     else:
         assert a == b, path

@@ -13,14 +13,13 @@ whether that rank's read was done."""
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 
 import pytest
 
+from conftest import make_config
 from distributed import run_distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.seq_length", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
         "--zero.sub_group_size", "5000", "--zero.bucket_size", "20000", "--train.iters", "2",
         "--train.eval_interval", "2", "--train.eval_iters", "1"]
@@ -93,17 +92,13 @@ def _record(names: list[str], nvme: str, seed: int) -> dict:
     and the members of each of its groups."""
     import torch.distributed as dist
 
-    from megazero.config import build_config, load_yaml
     from megazero.parallel import comm
     from megazero.parallel.grid import ProcessGrid
-    from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
     pause = _inject_delays(seed)
     out = {}
     for name in names:
-        cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")),
-                           TINY + CASES[name] + ["--zero.nvme_path", nvme])
-        resolve_and_validate(cfg, dist.get_world_size())
+        cfg = make_config(TINY + CASES[name] + ["--zero.nvme_path", nvme], world=dist.get_world_size())
         grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
         calls = comm.record_calls(grid.groups.values())
         trainer = Trainer(cfg, grid)

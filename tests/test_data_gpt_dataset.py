@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import make_texts
 from megazero.data import DataError
 from megazero.data.gpt_dataset import (
     blend_schedule,
@@ -18,7 +19,6 @@ from megazero.data.gpt_dataset import (
 )
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megazero.data.tokenizer import build_tokenizer
-from test_data_tokenizer import bpe_spec, make_texts, spm_spec  # noqa: F401 (fixtures)
 
 SEQ = 16
 
@@ -70,7 +70,7 @@ def test_every_token_once_per_epoch_and_no_sample_crosses_splits(tmp_path: Path)
     docs = unique_token_dataset(tmp_path / "d", 120)
     ranges = split_document_ranges(len(docs), parse_split("80,10,10"))
     datasets = build([tmp_path / "d"], (500, 100, 100))
-    for ds, (lo, hi) in zip(datasets, ranges):
+    for ds, (lo, hi) in zip(datasets, ranges, strict=True):
         split_ids = np.concatenate(docs[lo:hi])
         per_epoch = len(split_ids) // SEQ  # samples a whole epoch provides
         samples = np.stack([ds[i] for i in range(len(ds))])
@@ -190,7 +190,7 @@ def preprocessed(prefix: Path, spec: str) -> str:
     return str(prefix)
 
 
-def test_check_compatibility(tmp_path: Path, bpe_spec: str, spm_spec: str) -> None:  # noqa: F811
+def test_check_compatibility(tmp_path: Path, bpe_spec: str, spm_spec: str) -> None:
     vocab = build_tokenizer(bpe_spec).vocab_size
     bpe_data, spm_data = preprocessed(tmp_path / "b", bpe_spec), preprocessed(tmp_path / "s", spm_spec)
     check_compatibility([bpe_data], bpe_spec, vocab)

@@ -10,31 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import REPO, documents, make_texts, run, write_jsonl
 from megazero.data.corpus import default_corpus_documents, write_default_corpus
 from megazero.data.indexed import IndexedDataset, read_metadata
 from megazero.data.tokenizer import build_tokenizer
-from test_data_tokenizer import REPO, bpe_spec, load_script, make_texts, spm_spec, write_jsonl  # noqa: F401
 
 SCRIPT = REPO / "data_tools" / "preprocess_data.py"
 
 
-@pytest.fixture(scope="module")
-def cli():
-    return load_script("preprocess_data")
-
-
-def run(cli, capsys, *args: str) -> tuple[int, str, str]:
-    code = cli.main([*args, "--no-progress"])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def documents(prefix: Path) -> list[list[int]]:
-    ds = IndexedDataset(prefix)
-    return [ds[i].tolist() for i in range(len(ds))]
-
-
-def test_jsonl_end_to_end(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  # noqa: F811
+def test_jsonl_end_to_end(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:
     texts = make_texts(50)
     corpus = write_jsonl(tmp_path / "c.jsonl", texts)
     out = tmp_path / "out" / "c"
@@ -52,7 +36,7 @@ def test_jsonl_end_to_end(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  
         "c_text_document.bin", "c_text_document.idx", "c_text_document.meta.json"]
 
 
-def test_two_workers_same_bytes_via_megatron_flags(tmp_path: Path, bpe_spec: str) -> None:  # noqa: F811
+def test_two_workers_same_bytes_via_megatron_flags(tmp_path: Path, bpe_spec: str) -> None:
     corpus = write_jsonl(tmp_path / "c.jsonl", make_texts(3000))
     folder = bpe_spec.split(":", 1)[1]
     outputs = []
@@ -71,7 +55,7 @@ def test_two_workers_same_bytes_via_megatron_flags(tmp_path: Path, bpe_spec: str
     assert outputs[0] == outputs[1]
 
 
-def test_text_files_folder_and_glob(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  # noqa: F811
+def test_text_files_folder_and_glob(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:
     texts = ["First file.\nWith two lines.\n", "Second file, one line."]
     (tmp_path / "in").mkdir()
     for i, text in enumerate(texts):
@@ -83,7 +67,7 @@ def test_text_files_folder_and_glob(cli, capsys, tmp_path: Path, bpe_spec: str) 
         assert documents(Path(f"{out}_text_document")) == [tok.encode(t) for t in texts]
 
 
-def test_hugging_face_inputs(cli, capsys, tmp_path: Path, spm_spec: str) -> None:  # noqa: F811
+def test_hugging_face_inputs(cli, capsys, tmp_path: Path, spm_spec: str) -> None:
     import datasets
 
     texts = make_texts(30)
@@ -102,7 +86,7 @@ def test_hugging_face_inputs(cli, capsys, tmp_path: Path, spm_spec: str) -> None
     assert code == 2 and "no column 'text' (columns: content, n)" in err
 
 
-def test_several_keys(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  # noqa: F811
+def test_several_keys(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"title": "A title", "body": "Some body text."}\n{"title": "B", "body": "More."}\n')
     assert run(cli, capsys, "--input", str(corpus), "--json-keys", "title", "body",
@@ -112,7 +96,7 @@ def test_several_keys(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  # no
     assert documents(tmp_path / "o_body_document") == [tok.encode("Some body text."), tok.encode("More.")]
 
 
-def test_merge(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  # noqa: F811
+def test_merge(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:
     for name, seed in (("a", 1), ("b", 2)):
         write_jsonl(tmp_path / f"{name}.jsonl", make_texts(10, seed))
         run(cli, capsys, "--input", str(tmp_path / f"{name}.jsonl"), "--tokenizer", bpe_spec,
@@ -123,7 +107,7 @@ def test_merge(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  # noqa: F81
     assert read_metadata(tmp_path / "m")["num_documents"] == 20
 
 
-def test_default_corpus(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  # noqa: F811
+def test_default_corpus(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:
     path = write_default_corpus(tmp_path / "default.jsonl")
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     texts = [json.loads(line)["text"] for line in lines]
@@ -151,7 +135,7 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_input_one_line_no_output(cli, capsys, tmp_path: Path, bpe_spec: str, case: str) -> None:  # noqa: F811
+def test_bad_input_one_line_no_output(cli, capsys, tmp_path: Path, bpe_spec: str, case: str) -> None:
     content, words = BAD_INPUTS[case]
     corpus = tmp_path / "bad.jsonl"
     if content is not None:
@@ -164,7 +148,7 @@ def test_bad_input_one_line_no_output(cli, capsys, tmp_path: Path, bpe_spec: str
     assert list((tmp_path / "out").iterdir()) == []  # nothing that looks complete, no temporaries
 
 
-def test_skip_bad_lines_counts_them(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  # noqa: F811
+def test_skip_bad_lines_counts_them(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:
     corpus = tmp_path / "c.jsonl"
     corpus.write_bytes(b'{"text": "one"}\nnot json\n{"text": "caf\xe9"}\n{"text": "two"}\n{"other": 1}\n')
     code, stdout, _ = run(cli, capsys, "--input", str(corpus), "--tokenizer", bpe_spec,
@@ -174,7 +158,7 @@ def test_skip_bad_lines_counts_them(cli, capsys, tmp_path: Path, bpe_spec: str) 
     assert documents(tmp_path / "o_text_document") == [tok.encode("one"), tok.encode("two")]
 
 
-def test_bad_tokenizer_and_datasets(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  # noqa: F811
+def test_bad_tokenizer_and_datasets(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:
     corpus = write_jsonl(tmp_path / "c.jsonl", ["hello"])
     code, _, err = run(cli, capsys, "--input", str(corpus), "--output-prefix", str(tmp_path / "o"))
     assert code == 2 and "no tokenizer" in err

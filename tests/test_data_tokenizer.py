@@ -1,80 +1,20 @@
-"""Tokenizers: round trips, identity, specs, training, and bad specs.
-
-The small-corpus and tokenizer fixtures here are imported by the other data tests.
-"""
+"""Tokenizers: round trips, identity, specs, training, and bad specs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from conftest import SAMPLES, load_script, make_texts, write_jsonl
 from megazero.data import DataError
 from megazero.data.tokenizer import (
     build_tokenizer,
     spec_from_megatron_args,
     train_gpt2bpe,
-    train_sentencepiece,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-WORDS = (
-    "the of and to in is was for on that with as by at from model data token train layer "
-    "parallel pipeline tensor weight gradient loss sample batch sequence document corpus "
-    "python function class module value error result file line text word number list"
-).split()
-SAMPLES = [
-    "Hello, world!",
-    "naïve café — ünïcode 日本語 ✓",
-    "line one\nline two\n\n    indented\tand tabbed  ",
-    "",
-]
-
-
-def make_texts(n: int, seed: int = 0) -> list[str]:
-    """n short English-like documents of 5 to 60 words, deterministic."""
-    rng = np.random.default_rng(seed)
-    docs = []
-    for _ in range(n):
-        words = rng.choice(WORDS, size=int(rng.integers(5, 60)))
-        docs.append(" ".join(words).capitalize() + ".")
-    return docs
-
-
-def write_jsonl(path: Path, texts: list[str], key: str = "text") -> Path:
-    path.write_text("".join(json.dumps({key: t}) + "\n" for t in texts), encoding="utf-8")
-    return path
-
-
-def load_script(name: str):
-    """A data_tools script as a module, to call its main() in-process.
-
-    It is registered in sys.modules so that worker processes can unpickle its functions.
-    """
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "data_tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="session")
-def bpe_spec(tmp_path_factory: pytest.TempPathFactory) -> str:
-    texts = make_texts(400) + SAMPLES
-    return train_gpt2bpe(texts, 400, tmp_path_factory.mktemp("bpe"))
-
-
-@pytest.fixture(scope="session")
-def spm_spec(tmp_path_factory: pytest.TempPathFactory) -> str:
-    texts = make_texts(400) + SAMPLES
-    return train_sentencepiece(texts, 320, tmp_path_factory.mktemp("spm"))
 
 
 @pytest.mark.parametrize("fixture", ["bpe_spec", "spm_spec"])

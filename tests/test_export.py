@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from conftest import make_trainer
 from distributed import read_jsonl, run_distributed, torchrun
 from megazero.config import ModelConfig
 from megazero.convert import main as convert_main
@@ -19,26 +20,14 @@ from megazero.parallel.comm import Group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOLO = Group("solo", None, [0], 0)
+SHORT = ["--data.mock", "true", "--train.iters", "3"]  # gpt2-tiny on mock data, 3 steps
 TOKENS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(11))
-
-
-def _trainer(save_dir: str, overrides: list[str]):
-    """A Trainer of gpt2-tiny (mock data) with `overrides`, saving into `save_dir` (in a spawned rank)."""
-    from megazero.config import build_config, load_yaml
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.run_config import resolve_and_validate
-    from megazero.train.trainer import Trainer
-
-    cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")),
-                       ["--data.mock", "true", "--train.iters", "3", "--checkpoint.save", save_dir] + overrides)
-    resolve_and_validate(cfg, int(os.environ["WORLD_SIZE"]))
-    return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 
 
 def _train_then_logits(save_dir: str, overrides: list[str]) -> torch.Tensor:
     """Train a few steps at a layout, save, and return the live model's full logits."""
     from megazero.parallel.comm import gather_from_tp
-    trainer = _trainer(save_dir, overrides)
+    trainer = make_trainer(SHORT + ["--checkpoint.save", save_dir] + overrides)
     trainer.run()
     chunk = trainer.chunks[0].eval()
     with torch.no_grad():
@@ -124,7 +113,7 @@ def test_resume_at_another_layout(tmp_path, source_checkpoint, target):
     save, reference = source_checkpoint
     nproc, layout = TARGETS[target]
     losses = _losses(tmp_path, target, nproc, layout + ["--train.iters", "6", "--checkpoint.load", save])
-    assert len(losses) == 2 and max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-4
+    assert len(losses) == 2 and max(abs(a - b) for a, b in zip(losses, reference, strict=True)) <= 1e-4
 
 
 def test_resume_from_universal_export(tmp_path, source_checkpoint):
@@ -135,7 +124,7 @@ def test_resume_from_universal_export(tmp_path, source_checkpoint):
                                              "universal.json"]
     losses = _losses(tmp_path, "uni", 2, ["--zero.stage", "2", "--train.iters", "6", "--checkpoint.load", universal])
     assert len(losses) == 2
-    assert max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(losses, reference, strict=True)) <= 1e-4
 
 
 def test_reshard_to_impossible_layout_is_refused(tmp_path, source_checkpoint):
@@ -184,9 +173,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 def _save_big_checkpoint(save_dir: str) -> None:
-    _trainer(save_dir, ["--model.hidden_size", "512", "--model.num_layers", "8", "--model.vocab_size", "8192",
-                        "--model.num_heads", "8", "--train.global_batch_size", "2", "--train.micro_batch_size", "1",
-                        "--train.iters", "1", "--zero.stage", "1"]).run()
+    make_trainer(SHORT + ["--checkpoint.save", save_dir, "--model.hidden_size", "512", "--model.num_layers", "8",
+                          "--model.vocab_size", "8192", "--model.num_heads", "8", "--train.global_batch_size", "2",
+                          "--train.micro_batch_size", "1", "--train.iters", "1", "--zero.stage", "1"]).run()
 
 
 def test_conversion_memory_stays_near_one_parameter(tmp_path):

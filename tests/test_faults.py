@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from conftest import make_trainer
 from distributed import free_port, run_distributed
 from megazero.checkpoint import base, sharded
 
@@ -98,17 +99,7 @@ def test_kill_9_of_a_distributed_job_while_saving_never_corrupts(tmp_path):
 # ----------------------------------------------------------------------------- damaged files
 
 
-def _trainer(save: str, args: list[str]):
-    """A Trainer of gpt2-tiny (mock data) at `args` saving into `save` (in a spawned rank)."""
-    from megazero.config import build_config, load_yaml
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.run_config import resolve_and_validate
-    from megazero.train.trainer import Trainer
-
-    cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")),
-                       ["--data.mock", "true", "--zero.stage", "1", "--checkpoint.save", save] + args)
-    resolve_and_validate(cfg, int(os.environ["WORLD_SIZE"]))
-    return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
+ZERO1 = ["--data.mock", "true", "--zero.stage", "1"]  # the spawned ranks' trainers: gpt2-tiny at ZeRO-1
 
 
 def _damage(path: str, how: str) -> None:
@@ -138,7 +129,7 @@ def _resume_errors(root: str) -> dict:
     from megazero.errors import UserError
 
     save = os.path.join(root, "ck")
-    _trainer(save, ["--train.iters", "2", "--checkpoint.interval", "1"]).run()
+    make_trainer(ZERO1 + ["--checkpoint.save", save, "--train.iters", "2", "--checkpoint.interval", "1"]).run()
     if dist.get_rank() == 0:
         for how in HOWS:
             shutil.copytree(save, os.path.join(root, how))
@@ -151,7 +142,8 @@ def _resume_errors(root: str) -> dict:
         for path, load, args in [("same_layout", how, []), ("resharded", how, ["--parallel.tp", "2"]),
                                  ("universal", f"uni_{how}", [])]:
             try:
-                _trainer(os.path.join(root, "unused"), ["--checkpoint.load", os.path.join(root, load)] + args)
+                make_trainer(ZERO1 + ["--checkpoint.save", os.path.join(root, "unused"),
+                                      "--checkpoint.load", os.path.join(root, load)] + args)
                 errors[path, how] = None
             except UserError as e:
                 errors[path, how] = str(e)
@@ -218,7 +210,7 @@ def _save_failures(root: str) -> dict:
 
     out = {}
     stop = os.path.join(root, "stop")
-    trainer = _trainer(stop, ["--train.iters", "2", "--checkpoint.interval", "1"])
+    trainer = make_trainer(ZERO1 + ["--checkpoint.save", stop, "--train.iters", "2", "--checkpoint.interval", "1"])
     trainer.run()  # saves iterations 1 and 2
     if dist.get_rank() == 1:
         _limit_file_size(4096)  # smaller than a rank file
@@ -233,8 +225,8 @@ def _save_failures(root: str) -> dict:
     out["stop_listing"] = sorted(os.listdir(stop))
 
     cont = os.path.join(root, "continue")
-    trainer = _trainer(cont, ["--train.iters", "6", "--checkpoint.interval", "2",
-                              "--checkpoint.on_save_error", "continue"])
+    trainer = make_trainer(ZERO1 + ["--checkpoint.save", cont, "--train.iters", "6", "--checkpoint.interval", "2",
+                                    "--checkpoint.on_save_error", "continue"])
     trainer.cfg.train.iters = 2
     if dist.get_rank() == 1:
         _limit_file_size(resource.RLIM_INFINITY)

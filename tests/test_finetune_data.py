@@ -9,16 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import EXAMPLES, documents, run, write_masked
 from megazero.data import DataError
 from megazero.data.gpt_dataset import IGNORE_INDEX, GPTDataset, build_train_valid_test_datasets, inputs_and_labels
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter, loss_mask_prefix
 from megazero.data.tokenizer import build_tokenizer
-from test_data_preprocess import cli, documents, run  # noqa: F401
-from test_data_tokenizer import bpe_spec  # noqa: F401
-
-EXAMPLES = [{"prompt": "Question: what is two and two?\nAnswer:", "completion": " Four."},
-            {"prompt": "", "completion": "An example without a prompt."},
-            {"prompt": "Name a colour.", "completion": " Blue, like the sky over the sea."}]
 
 
 def write_examples(path: Path, records: list, raw_lines: tuple[str, ...] = ()) -> Path:
@@ -26,7 +21,7 @@ def write_examples(path: Path, records: list, raw_lines: tuple[str, ...] = ()) -
     return path
 
 
-def test_examples_are_written_with_their_loss_mask(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  # noqa: F811
+def test_examples_are_written_with_their_loss_mask(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:
     src = write_examples(tmp_path / "qa.jsonl", EXAMPLES)
     code, stdout, _ = run(cli, capsys, "--input", str(src), "--prompt-key", "prompt", "--completion-key", "completion",
                           "--tokenizer", bpe_spec, "--output-prefix", str(tmp_path / "qa"))
@@ -49,28 +44,13 @@ def test_examples_are_written_with_their_loss_mask(cli, capsys, tmp_path: Path, 
                                                "completion, drop the line, or pass --skip-bad-lines"),
     ('{"prompt": "a", "completion"\n', "qa.jsonl:4: not valid JSON"),
 ])
-def test_bad_example_is_one_line_with_its_number(cli, capsys, tmp_path: Path, bpe_spec: str, line: str,  # noqa: F811
+def test_bad_example_is_one_line_with_its_number(cli, capsys, tmp_path: Path, bpe_spec: str, line: str,
                                                  message: str) -> None:
     src = write_examples(tmp_path / "qa.jsonl", EXAMPLES, (line,))
     code, _, err = run(cli, capsys, "--input", str(src), "--prompt-key", "prompt", "--tokenizer", bpe_spec,
                        "--output-prefix", str(tmp_path / "qa"))
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not list(tmp_path.glob("qa_*"))
-
-
-def write_masked(prefix: Path, lengths: list[int], seed: int = 0) -> Path:
-    """Examples whose prompt tokens are even and completion tokens odd, so that in any sample
-    the loss mask must equal token % 2 (padding, token 0, has mask 0 too)."""
-    rng = np.random.default_rng(seed)
-    with IndexedDatasetWriter(prefix, np.uint16) as tokens, IndexedDatasetWriter(loss_mask_prefix(prefix), np.uint8) as mask:
-        for n in lengths:
-            n_prompt = int(rng.integers(0, n))
-            doc = np.concatenate([2 * rng.integers(1, 50, n_prompt), 2 * rng.integers(0, 50, n - n_prompt) + 1])
-            tokens.add_document(doc)
-            mask.add_document(doc % 2)
-        tokens.finalize()
-        mask.finalize()
-    return prefix
 
 
 def test_one_example_per_sample_padded_or_truncated(tmp_path: Path, capsys) -> None:
@@ -132,7 +112,7 @@ def test_mismatched_mask_is_refused(tmp_path: Path) -> None:
         GPTDataset(IndexedDataset(tmp_path / "a"), (0, 2), 4, 1, 2, str(tmp_path), True)
 
 
-def test_merge_keeps_the_loss_masks(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:  # noqa: F811
+def test_merge_keeps_the_loss_masks(cli, capsys, tmp_path: Path, bpe_spec: str) -> None:
     for name, records in (("a", EXAMPLES[:2]), ("b", EXAMPLES[2:])):
         run(cli, capsys, "--input", str(write_examples(tmp_path / f"{name}.jsonl", records)), "--prompt-key", "prompt",
             "--tokenizer", bpe_spec, "--output-prefix", str(tmp_path / name))

@@ -5,37 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 
 import numpy as np
 import pytest
 
+from conftest import make_trainer, write_masked
 from distributed import run_distributed
-from test_finetune_data import write_masked
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 4
 # Examples of 5 to 60 tokens at seq_length 32: some padded, some truncated; micro-batches of
 # 2 hold different numbers of counted labels, which a per-micro-batch mean would get wrong.
 LAYOUTS = {"dp2-pp2-zero1": ["--parallel.pp", "2", "--zero.stage", "1"],
            "dp2-pp2-zero3": ["--parallel.pp", "2", "--zero.stage", "3"],
            "tp2-dp2-zero2": ["--parallel.tp", "2", "--zero.stage", "2"]}
-
-
-def _trainer(prefix: str, extra: list[str]):
-    import torch.distributed as dist
-
-    from megazero.config import build_config, load_yaml
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.run_config import resolve_and_validate
-    from megazero.train.trainer import Trainer
-    args = ["--data.mock", "false", "--data.prefix", prefix, "--model.seq_length", "32", "--train.iters", str(ITERS),
+# gpt2-tiny on the indexed examples (after "--data.prefix", PREFIX).
+FINETUNE = ["--data.mock", "false", "--model.seq_length", "32", "--train.iters", str(ITERS),
             "--train.micro_batch_size", "2", "--train.global_batch_size", "8", "--optim.warmup_iters", "1",
-            "--optim.lr", "3e-3", *extra]
-    cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")), args)
-    resolve_and_validate(cfg, dist.get_world_size())
-    with contextlib.redirect_stdout(io.StringIO()):
-        return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
+            "--optim.lr", "3e-3"]
 
 
 def _losses(tr) -> list[float]:
@@ -58,14 +44,14 @@ def _hand_computed_first_loss(tr) -> float:
 
 
 def _single(prefix: str) -> dict:
-    tr = _trainer(prefix, [])
+    tr = make_trainer(FINETUNE + ["--data.prefix", prefix])
     return {"hand": _hand_computed_first_loss(tr), "losses": _losses(tr)}
 
 
 def _layouts(prefix: str, layouts: dict[str, list[str]] = LAYOUTS) -> dict[str, list[float]]:
     out = {}
     for name, extra in layouts.items():  # one world, several layouts
-        out[name] = _losses(_trainer(prefix, extra))
+        out[name] = _losses(make_trainer(FINETUNE + ["--data.prefix", prefix] + extra))
     return out
 
 
@@ -85,7 +71,7 @@ def _assert_layouts_equal_reference(prefix: str, reference: dict, world: int, la
     for name in layouts:
         logged = [r[name] for r in ranks if r[name]]  # from the one logging rank of that layout
         assert len(logged) == 1 and len(logged[0]) == ITERS
-        diff = max(abs(a - b) for a, b in zip(logged[0], reference["losses"]))
+        diff = max(abs(a - b) for a, b in zip(logged[0], reference["losses"], strict=True))
         assert diff <= 1e-5, (name, logged[0], reference["losses"])
 
 

@@ -12,9 +12,8 @@ import subprocess
 
 import pytest
 
+from conftest import EXAMPLES
 from distributed import free_port
-from test_data_tokenizer import bpe_spec  # noqa: F401
-from test_finetune_data import EXAMPLES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +30,7 @@ def _records(run_dir) -> list[dict]:
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
-def test_finetunes_a_given_hf_model_on_prompt_completion_pairs(tmp_path, bpe_spec: str) -> None:  # noqa: F811
+def test_finetunes_a_given_hf_model_on_prompt_completion_pairs(tmp_path, bpe_spec: str) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
     hf = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, vocab_size=400))
     hf.transformer.wte.weight.data.zero_()  # (tied) all logits 0: its first loss is exactly ln 400

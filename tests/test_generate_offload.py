@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from conftest import make_texts
 from megazero.checkpoint.export import write_hf
 from megazero.checkpoint.load import open_checkpoint
 from megazero.config import ModelConfig
@@ -20,7 +21,6 @@ from megazero.generate import main as generate_main
 from megazero.inference.offload import build_offloaded_model
 from megazero.model.gpt import GPT
 from megazero.parallel.comm import Group
-from test_data_tokenizer import make_texts
 
 SOLO = Group("solo", None, [0], 0)
 # Three blocks: an odd count, so the first block of a step reuses the device buffer the last
@@ -54,9 +54,10 @@ def in_memory(hf_dir) -> dict:
 
 def test_left_padded_batch_equals_each_prompt_alone(in_memory):
     assert in_memory["batched"] == in_memory["alone"]
-    assert all(len(ids) == len(p) + NEW_TOKENS for ids, p in zip(in_memory["alone"], PROMPTS))
-    assert len({tuple(ids[len(p):]) for ids, p in zip(in_memory["alone"], PROMPTS)}) == len(PROMPTS)
-    assert all(len(set(ids[len(p):])) > 2 for ids, p in zip(in_memory["alone"], PROMPTS))  # not one token repeated
+    assert all(len(ids) == len(p) + NEW_TOKENS for ids, p in zip(in_memory["alone"], PROMPTS, strict=True))
+    assert len({tuple(ids[len(p):]) for ids, p in zip(in_memory["alone"], PROMPTS, strict=True)}) == len(PROMPTS)
+    # not one token repeated
+    assert all(len(set(ids[len(p):])) > 2 for ids, p in zip(in_memory["alone"], PROMPTS, strict=True))
 
 
 @pytest.mark.parametrize("offload,prefetch", [("cpu", True), ("nvme", True), ("nvme", False)])
@@ -101,7 +102,7 @@ def test_cli_prompts_file_nvme_equals_in_memory_and_single_prompts(hf_dir, tmp_p
     in_memory = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert offloaded == in_memory
     assert [r["id"] for r in offloaded] == [0, 1, 2] and [r["prompt"] for r in offloaded] == texts
-    for text, record in zip(texts, offloaded):
+    for text, record in zip(texts, offloaded, strict=True):
         generate_main(["--load", hf_dir, "--prompt", text, "--temperature", "0", "--max-new-tokens", "6"])
         assert capsys.readouterr().out == text + record["completion"] + "\n"
     assert sorted(os.listdir(tmp_path)) == ["out.jsonl", "prompts.jsonl"]

@@ -64,7 +64,7 @@ def test_bf16_training_on_one_gpu(tmp_path, bf16_stage0, stage):
     assert len(losses) == 20 and all(math.isfinite(x) for x in losses), losses
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05, f"bf16 stage {stage} does not learn: {losses}"
     # At dp 1 the stages differ only in how they hold state; bf16 rounding may reorder a little.
-    assert max(abs(a - b) for a, b in zip(losses, bf16_stage0)) <= 2e-2, (losses, bf16_stage0)
+    assert max(abs(a - b) for a, b in zip(losses, bf16_stage0, strict=True)) <= 2e-2, (losses, bf16_stage0)
 
 
 def test_fp32_gpu_run_matches_cpu_run(tmp_path, monkeypatch):
@@ -72,7 +72,7 @@ def test_fp32_gpu_run_matches_cpu_run(tmp_path, monkeypatch):
     gpu = _train(tmp_path, "gpu", args)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # torchrun's processes inherit it: no GPU, gloo on CPU
     cpu = _train(tmp_path, "cpu", args, backend="gloo")
-    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(gpu, cpu)]
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(gpu, cpu, strict=True)]
     assert len(diffs) == 10 and max(diffs) <= 1e-3, diffs
 
 
@@ -85,7 +85,7 @@ def test_offloaded_gpu_run_matches_in_memory(tmp_path, stage, offload):
     args = TINY + ["--train.iters", "10", "--zero.stage", str(stage)]
     ref = _train(tmp_path, "in_memory", args)
     got = _train(tmp_path, "offloaded", args + offload + ["--zero.nvme_path", str(tmp_path)])
-    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(ref, got)]
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(ref, got, strict=True)]
     assert len(diffs) == 10 and max(diffs) <= 1e-6, diffs  # issue 11's bound
 
 

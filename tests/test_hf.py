@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import SAMPLES, make_texts
 from megazero.checkpoint.export import write_hf
 from megazero.checkpoint.hf import from_hf, read_hf
 from megazero.checkpoint.tensors import fit_vocab
 from megazero.config import ModelConfig
 from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe, train_sentencepiece
 from megazero.model.gpt import GPT
-from test_data_tokenizer import SAMPLES, make_texts
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
 
@@ -52,7 +52,7 @@ def test_import_roundtrip(tmp_path):
     shapes = {n: p.full_shape for n, p in fresh.named_parameters()}
     loaded = {n: fit_vocab(n, from_hf(n, t), shapes[n]) for n, t in tensors}
     fresh.load_state_dict(loaded, strict=True)
-    for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+    for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
 
 

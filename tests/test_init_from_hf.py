@@ -9,14 +9,13 @@ import os
 import pytest
 import torch
 
+from conftest import make_config, make_trainer
 from distributed import run_distributed
 from megazero.checkpoint.sharded import CheckpointError
-from megazero.config import ConfigError, build_config, load_yaml
-from megazero.train.run_config import resolve_and_validate
+from megazero.config import ConfigError
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=48)  # 300: padding rows at any tp
 ARGS = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4", "--model.seq_length",
         "32", "--model.vocab_size", "auto", "--model.dropout", "0", "--data.mock", "true",
@@ -37,15 +36,10 @@ def hf_dir(tmp_path_factory):
     return str(path)
 
 
-def _cfg(args: list[str]):
-    return build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")), ARGS + args)
-
-
 def _transformers_loss(hf_dir: str) -> float:
     """transformers' mean next-token loss on megazero's first global batch (mock data)."""
     from megazero.data.mock import MockGPTDataset
-    cfg = _cfg([])
-    resolve_and_validate(cfg, 1)
+    cfg = make_config(ARGS, world=1)
     ds = MockGPTDataset(8, 32, HF["vocab_size"], cfg.train.seed)
     rows = torch.stack([torch.as_tensor(ds[i]) for i in range(8)])
     model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
@@ -54,15 +48,9 @@ def _transformers_loss(hf_dir: str) -> float:
 
 
 def _first_losses(hf_dir: str, layouts: list[list[str]]) -> list[float]:
-    import torch.distributed as dist
-
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
     out = []
     for layout in layouts:
-        cfg = _cfg(layout + ["--checkpoint.init_from_hf", hf_dir])
-        resolve_and_validate(cfg, dist.get_world_size())
-        out.append(Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)).train_step()["loss"])
+        out.append(make_trainer(ARGS + layout + ["--checkpoint.init_from_hf", hf_dir]).train_step()["loss"])
     return out
 
 
@@ -73,7 +61,7 @@ def test_first_loss_equals_transformers_at_tp2_pp2_zero3(hf_dir):
     os.makedirs(empty, exist_ok=True)
     # A checkpoint.load without a checkpoint in it yet is a fresh start: from the HF weights.
     layouts = [layout, layout + ["--checkpoint.load", empty]]
-    per_layout = list(zip(*run_distributed(_first_losses, 4, hf_dir, layouts)))
+    per_layout = list(zip(*run_distributed(_first_losses, 4, hf_dir, layouts), strict=True))
     for losses in per_layout:  # None on ranks that do not hold the loss (earlier pipeline stages)
         held = [loss for loss in losses if loss is not None]
         assert held and all(abs(loss - expected) <= 1e-4 for loss in held), (losses, expected)
@@ -110,20 +98,19 @@ def _edited(hf_dir: str, tmp_path, **changes) -> str:
 
 def test_bad_input_is_one_clear_line(hf_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"holds a 'llama' model; only GPT-2"):
-        resolve_and_validate(_cfg(["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "a", model_type="llama")]), 1)
+        make_config(ARGS + ["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "a", model_type="llama")], world=1)
     with pytest.raises(ConfigError, match=r"model.hidden_size \(64\) differs from n_embd \(128\) .* set "
                                           r"--model.hidden_size 128"):
-        resolve_and_validate(_cfg(["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "b", n_embd=128)]), 1)
+        make_config(ARGS + ["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "b", n_embd=128)], world=1)
     with pytest.raises(ConfigError, match=r"is not a Hugging Face model directory"):
-        resolve_and_validate(_cfg(["--checkpoint.init_from_hf", str(tmp_path)]), 1)
+        make_config(ARGS + ["--checkpoint.init_from_hf", str(tmp_path)], world=1)
     with pytest.raises(ConfigError, match=r"model.vocab_size \(500\) differs from vocab_size \(300\)"):
-        resolve_and_validate(_cfg(["--checkpoint.init_from_hf", hf_dir, "--model.vocab_size", "500"]), 1)
+        make_config(ARGS + ["--checkpoint.init_from_hf", hf_dir, "--model.vocab_size", "500"], world=1)
     # config.json agrees with the model section but the weights do not: refused when read
     from megazero.checkpoint.hf import HFInitialValues
     from megazero.model.gpt import GPT
-    cfg = _cfg(["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "c", n_inner=512),
-                "--model.ffn_hidden_size", "512"])
-    resolve_and_validate(cfg, 1)
+    cfg = make_config(ARGS + ["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "c", n_inner=512),
+                              "--model.ffn_hidden_size", "512"], world=1)
     model = GPT(cfg.model)
     fc = model.get_parameter("transformer.h.0.mlp.c_fc.weight")
     with pytest.raises(CheckpointError, match=r"'transformer.h.0.mlp.c_fc.weight' has shape \[64, 256\], but the model "
@@ -138,4 +125,4 @@ def test_a_tokenizer_larger_than_the_checkpoint_vocabulary_is_refused(hf_dir, tm
     small = _edited(hf_dir, tmp_path / "hf", vocab_size=tokens - 1)
     with pytest.raises(ConfigError, match=rf"has {tokens} tokens but the GPT-2 in .* only {tokens - 1}; use the "
                                           rf"tokenizer that model was trained with"):
-        resolve_and_validate(_cfg(["--checkpoint.init_from_hf", small, "--data.tokenizer", spec]), 1)
+        make_config(ARGS + ["--checkpoint.init_from_hf", small, "--data.tokenizer", spec], world=1)

@@ -14,8 +14,9 @@ from typing import Optional, Sequence
 import pytest
 import torch
 
+from conftest import make_config, make_trainer
 from distributed import run_distributed
-from megazero.config import ConfigError, build_config
+from megazero.config import ConfigError
 from megazero.pipeline.schedules import (
     ORDERS,
     Action,
@@ -29,7 +30,6 @@ from megazero.pipeline.schedules import (
     pipeline_plan,
 )
 from megazero.pipeline.stages import stage_layers
-from megazero.train.run_config import resolve_and_validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -288,7 +288,7 @@ def test_interleaved_shrinks_the_bubble():
 ])
 def test_bad_pipeline_configs(overrides, world, message):
     with pytest.raises(ConfigError) as err:
-        resolve_and_validate(build_config({"data": {"mock": True}, "model": {"num_layers": 4}}, overrides), world)
+        make_config(overrides, base={"data": {"mock": True}, "model": {"num_layers": 4}}, world=world)
     assert message in str(err.value)
 
 
@@ -305,13 +305,13 @@ def test_bad_pipeline_config_exits_2_with_one_line():
 
 
 def _config(num_layers: int, tp: int, pp: int, vpp: int, schedule: str, recompute: str, gbs: int,
-            zero_stage: int = 0):
-    return build_config({"model": {"num_layers": num_layers, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
-                                   "vocab_size": 256},
-                         "parallel": {"tp": tp, "pp": pp, "vpp": vpp, "schedule": schedule},
-                         "train": {"micro_batch_size": 2, "global_batch_size": gbs, "recompute": recompute,
-                                   "seed": 11},
-                         "zero": {"stage": zero_stage}, "data": {"mock": True}})
+            zero_stage: int = 0, world: int | None = None):
+    return make_config(base={"model": {"num_layers": num_layers, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
+                                       "vocab_size": 256},
+                             "parallel": {"tp": tp, "pp": pp, "vpp": vpp, "schedule": schedule},
+                             "train": {"micro_batch_size": 2, "global_batch_size": gbs, "recompute": recompute,
+                                       "seed": 11},
+                             "zero": {"stage": zero_stage}, "data": {"mock": True}}, world=world)
 
 
 def _reference(cfg, batches):
@@ -364,8 +364,7 @@ def _check_layouts(num_layers: int, gbs: int, cases: list[tuple[int, int, int, s
             grids[tp, pp] = ProcessGrid(tp=tp, pp=pp, dp=world // (tp * pp), rank=dist.get_rank())
             grids[tp, pp].build_groups()
         grid = grids[tp, pp]
-        cfg = _config(num_layers, tp, pp, vpp, schedule, recompute, gbs, zero_stage)
-        resolve_and_validate(cfg, world)
+        cfg = _config(num_layers, tp, pp, vpp, schedule, recompute, gbs, zero_stage, world)
         ref_loss, ref_grads = _reference(cfg, all_batches)
         tracker = seed_everything(cfg.train.seed, grid.pp_rank, grid.tp_rank, grid.device)
         chunks, optimizer = parallelize(cfg, grid, tracker)
@@ -426,19 +425,12 @@ def test_zbh1_with_tp_matches_single_process():
 
 
 def _train_and_return_tied(layouts: list[list[str]], steps: int) -> list[dict]:
-    import torch.distributed as dist
-
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
     out = []
     for overrides in layouts:
-        cfg = build_config({"model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": 16,
-                                      "vocab_size": 256},
-                            "train": {"micro_batch_size": 2, "global_batch_size": 8, "iters": steps},
-                            "optim": {"lr": 1e-2}, "data": {"mock": True}}, overrides)
-        resolve_and_validate(cfg, dist.get_world_size())
-        grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
-        trainer = Trainer(cfg, grid)
+        trainer = make_trainer(overrides, base={
+            "model": {"num_layers": 4, "hidden_size": 32, "num_heads": 4, "seq_length": 16, "vocab_size": 256},
+            "train": {"micro_batch_size": 2, "global_batch_size": 8, "iters": steps},
+            "optim": {"lr": 1e-2}, "data": {"mock": True}})
         initial = [c.tied_weight().detach().clone() for c in trainer.chunks if c.tied_weight() is not None]
         losses = [trainer.train_step()["loss"] for _ in range(steps)]
         tied = [c.tied_weight().detach().clone() for c in trainer.chunks if c.tied_weight() is not None]
@@ -453,7 +445,7 @@ def test_tied_embedding_copies_stay_identical():
     layouts = [["--parallel.pp", "2"], ["--parallel.pp", "2", "--parallel.vpp", "2"],
                ["--parallel.pp", "2", "--parallel.schedule", "zbh1", "--train.precision", "bf16"]]
     first, last = run_distributed(_train_and_return_tied, 2, layouts, 4)
-    for f, l in zip(first, last):
+    for f, l in zip(first, last, strict=True):
         assert len(f["tied"]) == 1 and len(l["tied"]) == 1
         assert torch.equal(f["initial"][0], l["initial"][0])
         assert not torch.equal(f["tied"][0], f["initial"][0])  # it was trained
@@ -467,5 +459,5 @@ def test_zbh1_trains_like_1f1b_in_bf16():
     layouts = [["--parallel.pp", "2", "--train.precision", "bf16", "--parallel.schedule", s, "--zero.stage", z]
                for z in ("0", "2") for s in ("1f1b", "zbh1")]
     last = run_distributed(_train_and_return_tied, 2, layouts, 3)[1]
-    for one_f, zb in zip(last[::2], last[1::2]):
+    for one_f, zb in zip(last[::2], last[1::2], strict=True):
         assert zb["losses"] == pytest.approx(one_f["losses"], abs=1e-3)

@@ -23,7 +23,7 @@ def reference(tmp_path_factory):
 
 
 def _max_diff(run: list[dict], ref: list[dict], key: str) -> float:
-    pairs = [(a[key], b[key]) for a, b in zip(run, ref) if key in b]
+    pairs = [(a[key], b[key]) for a, b in zip(run, ref, strict=True) if key in b]
     assert len(run) == len(ref) and pairs and all(a is not None for a, _ in pairs)
     return max(abs(a - b) for a, b in pairs)
 

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from conftest import make_config
 from distributed import run_distributed
 from megazero.plan import formulas as F
 
@@ -99,17 +100,15 @@ def _train_and_capture(prefix: str, jsonl: str) -> dict:
 
     import torch.distributed as dist
 
-    from megazero.config import build_config
     from megazero.parallel.grid import ProcessGrid
-    from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
     out = {}
     runs = {"mock": ({"data": {"mock": True}, "logging": {"timers": True, "jsonl": jsonl}}, 3),
             "indexed": ({"data": {"mock": False, "prefix": [0.7, prefix + "a", 0.3, prefix + "b"], "split": "100,0,0"},
                          "train": {"eval_interval": 2}}, 1)}
     for name, (extra, iters) in runs.items():
-        cfg = build_config({**TINY, **extra}, ["--parallel.pp", "2", "--train.iters", str(iters)])
-        resolve_and_validate(cfg, dist.get_world_size())
+        cfg = make_config(["--parallel.pp", "2", "--train.iters", str(iters)], base={**TINY, **extra},
+                          world=dist.get_world_size())
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             Trainer(cfg, ProcessGrid.create(1, 2)).run()

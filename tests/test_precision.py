@@ -12,23 +12,10 @@ import os
 import pytest
 import torch
 
+from conftest import make_trainer
 from distributed import run_distributed
-from megazero.config import build_config, load_yaml
-from megazero.train.run_config import resolve_and_validate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--model.seq_length", "32", "--zero.bucket_size", "20000", "--data.mock", "true"]
-
-
-def _trainer(args: list[str]):
-    import torch.distributed as dist
-
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
-    cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")), SMALL + args)
-    resolve_and_validate(cfg, dist.get_world_size())
-    with contextlib.redirect_stdout(io.StringIO()):
-        return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 
 
 # ---------------------------------------------------------------------------- fp32 accumulation
@@ -61,8 +48,8 @@ def _accumulation_errors(micro: int) -> dict[str, float]:
     """Relative L2 error of the iteration's gradient against fp32, for megazero's bf16 run
     (fp32 main grads) and for bf16 accumulation, over `micro` micro-batches."""
     args = ["--train.global_batch_size", str(micro), "--train.micro_batch_size", "1"]
-    exact = _iteration_grads(_trainer(args + ["--train.precision", "fp32"]))
-    bf16 = _trainer(args + ["--train.precision", "bf16"])
+    exact = _iteration_grads(make_trainer(SMALL + args + ["--train.precision", "fp32"]))
+    bf16 = make_trainer(SMALL + args + ["--train.precision", "bf16"])
     ours = _iteration_grads(bf16)
     naive = _bf16_accumulated_grads(bf16)
 
@@ -84,8 +71,8 @@ def test_bf16_gradients_accumulate_in_fp32():
 
 def _bf16_reduce_dtype(reduce_dtype: str) -> tuple[list[float], int]:
     """Losses of 3 iterations and the gradient bytes this rank reduce-scattered over DP."""
-    tr = _trainer(["--zero.stage", "2", "--train.precision", "bf16", "--zero.reduce_dtype", reduce_dtype,
-                   "--train.global_batch_size", "8", "--train.micro_batch_size", "2"])
+    tr = make_trainer(SMALL + ["--zero.stage", "2", "--train.precision", "bf16", "--zero.reduce_dtype", reduce_dtype,
+                               "--train.global_batch_size", "8", "--train.micro_batch_size", "2"])
     losses = [tr.train_step()["loss"] for _ in range(3)]
     return losses, tr.grid.bytes_moved()["dp"]["reduce_scatter"]
 
@@ -96,7 +83,7 @@ def test_reduce_dtype_bf16_communicates_in_bf16():
     fp32, fp32_bytes = run_distributed(_bf16_reduce_dtype, 2, "fp32")[0]
     bf16, bf16_bytes = run_distributed(_bf16_reduce_dtype, 2, "bf16")[0]
     assert 2 * bf16_bytes == fp32_bytes > 0, (bf16_bytes, fp32_bytes)
-    assert max(abs(a - b) for a, b in zip(fp32, bf16)) < 5e-4, (fp32, bf16)  # measured 6.7e-5
+    assert max(abs(a - b) for a, b in zip(fp32, bf16, strict=True)) < 5e-4, (fp32, bf16)  # measured 6.7e-5
 
 
 # ---------------------------------------------------------------------------- non-finite steps
@@ -116,7 +103,7 @@ def _same(a: dict, b: dict) -> bool:
 
 def _nan_gradient(stage: int, precision: str) -> dict:
     import torch.distributed as dist
-    tr = _trainer(["--zero.stage", str(stage), "--train.precision", precision])
+    tr = make_trainer(SMALL + ["--zero.stage", str(stage), "--train.precision", precision])
     tr.train_step()  # moments and step counter are non-zero before the bad step
     opt = tr.optimizer
     before = _snapshot(opt)
@@ -141,8 +128,8 @@ def _nan_loss_run(tmp: str) -> dict:
     import torch.distributed as dist
 
     from megazero.train.trainer import TrainingError
-    tr = _trainer(["--zero.stage", "1", "--train.iters", "10", "--train.max_skipped_steps", "3",
-                   "--checkpoint.save", tmp, "--checkpoint.interval", "1"])
+    tr = make_trainer(SMALL + ["--zero.stage", "1", "--train.iters", "10", "--train.max_skipped_steps", "3",
+                               "--checkpoint.save", tmp, "--checkpoint.interval", "1"])
 
     def poison(module, args, output):
         return output * float("nan") if tr.iteration >= 2 and dist.get_rank() == 1 else output

@@ -6,27 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 
 import pytest
 import torch
 
+from conftest import make_grid, make_trainer
 from distributed import run_distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS = 4
 
 
 # ----------------------------------------------------------------------------- collectives
-
-
-def _grid(tp: int):
-    import torch.distributed as dist
-
-    from megazero.parallel.grid import ProcessGrid
-    grid = ProcessGrid(tp=tp, pp=1, dp=dist.get_world_size() // tp, rank=dist.get_rank())
-    grid.build_groups()
-    return grid
 
 
 def _shard(x: torch.Tensor, g) -> torch.Tensor:
@@ -43,7 +33,7 @@ def _check_collectives(tp: int) -> bool:
         reduce_from_tp,
         reduce_scatter_to_sequence,
     )
-    g = _grid(tp).tp_group
+    g = make_grid(tp).tp_group
     torch.manual_seed(0)
     x = torch.randn(3, 8, 5)  # [b, s, h], the same on every rank
     upstreams = [torch.randn(3, 8, 5, generator=torch.Generator().manual_seed(10 + r)) for r in range(g.size)]
@@ -104,7 +94,7 @@ def _check_layers(tp: int) -> bool:
 
     from megazero.model.layers import ColumnParallelLinear, RowParallelLinear
     from megazero.parallel.comm import all_reduce
-    g = _grid(tp).tp_group
+    g = make_grid(tp).tp_group
     torch.manual_seed(0)
     x = torch.randn(2, 8, 16)
     layers = []
@@ -137,7 +127,7 @@ def _check_dropout(tp: int) -> list[bool]:
     from megazero.model.layers import Dropout
     from megazero.parallel.comm import all_gather_object
     from megazero.parallel.random import seed_everything
-    g = _grid(tp).tp_group
+    g = make_grid(tp).tp_group
     out = []
     for sequence_parallel in (False, True):
         tracker = seed_everything(5, 0, g.rank, torch.device("cpu"))
@@ -166,18 +156,7 @@ def _assert_checks(per_rank: list) -> None:
 # ----------------------------------------------------------------------------- training parity
 
 
-def _trainer(extra: list[str]):
-    import torch.distributed as dist
-
-    from megazero.config import build_config, load_yaml
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.run_config import resolve_and_validate
-    from megazero.train.trainer import Trainer
-    args = ["--data.mock", "true", "--train.iters", str(ITERS), "--model.seq_length", "32", *extra]
-    cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")), args)
-    resolve_and_validate(cfg, dist.get_world_size())
-    with contextlib.redirect_stdout(io.StringIO()):
-        return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
+SHORT = ["--data.mock", "true", "--train.iters", str(ITERS), "--model.seq_length", "32"]
 
 
 def _records(extra: list[str]) -> list[tuple[float, float]]:
@@ -189,7 +168,7 @@ def _records(extra: list[str]) -> list[tuple[float, float]]:
     offload = "--zero.offload_optimizer" in extra
     with mock.patch.object(ZeroOptimizer, "_offloads_gradients", lambda self: True) if offload \
             else contextlib.nullcontext():
-        tr = _trainer(extra)
+        tr = make_trainer(SHORT + extra)
     assert all(c.sequence_parallel for c in tr.chunks) == (tr.grid.tp > 1 and "true" in extra)
     with contextlib.redirect_stdout(io.StringIO()):
         records = tr.run()
@@ -232,7 +211,7 @@ def reference() -> list[tuple[float, float]]:
 def _assert_parity(runs: dict, reference: list) -> None:
     for name, run in runs.items():
         assert len(run) == len(reference) == ITERS, name
-        diffs = [max(abs(a - b) for a, b in zip(r, ref)) for r, ref in zip(run, reference)]
+        diffs = [max(abs(a - b) for a, b in zip(r, ref, strict=True)) for r, ref in zip(run, reference, strict=True)]
         print(f"{name}: max |delta loss, grad norm| vs single process {max(diffs):.2e}")  # pytest -s
         assert max(diffs) <= 1e-5, (name, run, reference)
 
@@ -265,5 +244,5 @@ def test_sequence_parallel_dropout_replayed_by_recompute():
     runs = run_distributed(_layouts, 4, {mode: DROPOUT + ["--train.recompute", mode]
                                          for mode in ("none", "full", "selective")})[0]
     for mode in ("full", "selective"):
-        for got, want in zip(runs[mode], runs["none"]):
-            assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (mode, runs)
+        for got, want in zip(runs[mode], runs["none"], strict=True):
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-6, (mode, runs)

@@ -7,30 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
-import os
 
 import pytest
 
+from conftest import make_trainer
 from distributed import run_distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.seq_length", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
         "--zero.bucket_size", "20000", "--data.mock", "true", "--checkpoint.save", "null",
         "--checkpoint.load", "null", "--logging.jsonl", "null"]
-
-
-def _trainer(args: list[str]):
-    import torch.distributed as dist
-
-    from megazero.config import build_config, load_yaml
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.run_config import resolve_and_validate
-    from megazero.train.trainer import Trainer
-    cfg = build_config(load_yaml(os.path.join(ROOT, "configs/gpt2-tiny.yaml")), TINY + args)
-    resolve_and_validate(cfg, dist.get_world_size())
-    with contextlib.redirect_stdout(io.StringIO()):
-        return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 
 
 # ----------------------------------------------------------------------------- host syncs
@@ -64,7 +49,7 @@ def _counting_reads(counts: list[str]):
 
 
 def _reads_per_iteration(args: list[str]) -> list[list[str]]:
-    tr = _trainer(args)
+    tr = make_trainer(TINY + args)
     tr.train_step()  # warm-up: first-use paths (lazy buffers) are not the steady state
     out = []
     for _ in range(2):
@@ -91,7 +76,7 @@ def test_an_iteration_reads_the_device_once(world, args):
 
 def _fine_tuning_reads() -> list[str]:
     import numpy as np
-    tr = _trainer(["--zero.stage", "1"])
+    tr = make_trainer(TINY + ["--zero.stage", "1"])
     tr.loss_masked = True  # the count of loss tokens stays on the device: no read for it
     tokens, labels = tr.microbatches(tr.train_ds, 0)[0]
     labels[:, :5] = -100
@@ -120,7 +105,7 @@ def _compile_counters(args: list[str], iters: int = 5) -> dict:
     torch.compile = functools.partial(original, backend="aot_eager")
     torch._dynamo.reset()
     try:
-        tr = _trainer(["--train.compile", "true"] + args)
+        tr = make_trainer(TINY + ["--train.compile", "true"] + args)
         snapshots, losses = [], []
         for _ in range(iters):
             losses.append(tr.train_step()["loss"])
@@ -135,7 +120,7 @@ def _compiled_and_eager(cases: list[list[str]]) -> list[dict]:
     out = []
     for args in cases:
         got = _compile_counters(args)
-        got["eager"] = [_trainer(args).train_step()["loss"] for _ in range(1)]
+        got["eager"] = [make_trainer(TINY + args).train_step()["loss"] for _ in range(1)]
         out.append(got)
     return out
 

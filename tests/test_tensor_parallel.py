@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import make_grid
 from distributed import run_distributed
 from megazero.config import ModelConfig
 from megazero.model.gpt import GPT
@@ -17,15 +18,7 @@ from megazero.model.layers import (
     vocab_parallel_cross_entropy,
 )
 from megazero.parallel.comm import gather_from_tp
-from megazero.parallel.grid import ProcessGrid
 from megazero.train.parallelize import apply_tensor_parallel
-
-
-def _grid(tp: int) -> ProcessGrid:
-    import torch.distributed as dist
-    grid = ProcessGrid(tp=tp, pp=1, dp=dist.get_world_size() // tp, rank=dist.get_rank())
-    grid.build_groups()
-    return grid
 
 
 def _copy(full: torch.nn.Module, layer: torch.nn.Module, tp) -> torch.nn.Module:
@@ -36,7 +29,7 @@ def _copy(full: torch.nn.Module, layer: torch.nn.Module, tp) -> torch.nn.Module:
 
 
 def _check_layers(tp: int) -> bool:
-    grid = _grid(tp)
+    grid = make_grid(tp)
     g = grid.tp_group
     torch.manual_seed(0)
     x = torch.randn(2, 5, 8, requires_grad=True)
@@ -75,13 +68,13 @@ def _check_layers(tp: int) -> bool:
 
 
 def _check_model(tp: int) -> dict:
-    grid = _grid(tp)
+    grid = make_grid(tp)
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
     ref, model = GPT(cfg), apply_tensor_parallel(GPT(cfg), grid.tp_group)
     ref.init_weights(7)
     model.init_weights(7)
     assert ref.padded_vocab == 384 and model.padded_vocab == 128 * tp * ((300 + 128 * tp - 1) // (128 * tp))
-    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
         # same full weights at every TP degree (vocab padding rows aside)
         if name == "transformer.wte.weight":
             torch.testing.assert_close(gather_from_tp(q.detach().T, grid.tp_group).T[:300], p[:300], rtol=0, atol=0)
@@ -96,7 +89,7 @@ def _check_model(tp: int) -> dict:
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     ref_loss.backward()
     loss.backward()
-    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
         want = shard_of(p.grad, q.tp_dim, q.tp_stride, grid.tp_rank, tp)
         if name == "transformer.wte.weight":
             want = shard_of(torch.cat([p.grad[:300], p.grad.new_zeros(model.padded_vocab - 300, 32)]), 0, 1,

@@ -11,21 +11,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import make_texts, make_trainer
 from distributed import run_distributed
 from megazero.checkpoint.base import ACCEPTED
 from megazero.checkpoint.load import open_checkpoint
 from megazero.convert import main as convert_main
 from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe
 from megazero.generate import main as generate_main
-from test_data_tokenizer import make_texts
-from test_export import _trainer
 
 KINDS = ["save", "iter", "universal", "torch", "hf"]
 WEIGHTS_ONLY = {"torch", "hf"}
 
 
 def _train(save_dir: str, tokenizer: str) -> None:
-    _trainer(save_dir, ["--parallel.tp", "2", "--data.tokenizer", tokenizer]).run()
+    make_trainer(["--data.mock", "true", "--train.iters", "3", "--checkpoint.save", save_dir, "--parallel.tp", "2",
+                  "--data.tokenizer", tokenizer]).run()
 
 
 @pytest.fixture(scope="module")

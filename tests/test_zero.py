@@ -7,30 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import make_config, make_trainer
 from distributed import run_distributed
-from megazero.config import ConfigError, build_config, load_yaml
+from megazero.config import ConfigError
 from megazero.model.layers import shard_of
-from megazero.train.run_config import resolve_and_validate
 from megazero.zero.partition import ALIGN, build_layout, sub_groups
 
 TINY = ["--model.seq_length", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
         "--zero.sub_group_size", "5000", "--zero.bucket_size", "20000"]
-
-
-def _cfg(args: list[str]):
-    import os
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return build_config(load_yaml(os.path.join(root, "configs/gpt2-tiny.yaml")), TINY + args)
-
-
-def _trainer(args: list[str]):
-    import torch.distributed as dist
-
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.train.trainer import Trainer
-    cfg = _cfg(args)
-    resolve_and_validate(cfg, dist.get_world_size())
-    return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
 
 
 def _pack(obj) -> bytes:
@@ -49,7 +33,7 @@ def _unpack(results: list[bytes]) -> list:
 
 def _run(args: list[str], iters: int) -> dict:
     """Run `iters` optimizer steps; this rank's full parameters and what was measured."""
-    tr = _trainer(args)
+    tr = make_trainer(TINY + args)
     opt, grid = tr.optimizer, tr.grid
     norms, losses = [], []
     for _ in range(iters):
@@ -105,7 +89,7 @@ def test_single_process_matches_torch_adamw(reference):
     """The sharding machinery at dp = 1 is plain AdamW with clipping, element for element."""
     from megazero.data.mock import MockGPTDataset
     from megazero.model.gpt import GPT
-    cfg = _cfg(["--optim.clip_grad", "0.5"])
+    cfg = make_config(TINY + ["--optim.clip_grad", "0.5"])
     m, t, o = cfg.model, cfg.train, cfg.optim
     model = GPT(m)
     model.init_weights(t.seed)
@@ -143,7 +127,7 @@ def test_stage_matches_single_process_dp2(reference, stage):
     outs = _unpack(run_distributed(_train, 2, ["--zero.stage", str(stage), "--optim.clip_grad", "0.5"], 3))
     for out in outs:
         _assert_params_equal(out, reference)
-        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"], strict=True)) < 1e-5
         # Exactly the theory: the iteration's loss travels with the step's sums over the world, not on DP.
         assert _dp_sent(out) == _comm_theory(stage, 4 * out["numel"], 2, out["micro"]), out["bytes"]["dp"]
 
@@ -161,7 +145,7 @@ def _stage3_prefetches(prefetches: list[int]) -> bytes:
     for k in prefetches:
         args = ["--zero.stage", "3", "--zero.prefetch", str(k), "--optim.clip_grad", "0.5"]
         out[k] = _run(args, 3)
-        cfg = _cfg(args)
+        cfg = make_config(TINY + args)
         layout = ParallelLayout(1, 1, dist.get_world_size(), 1, 3, cfg.train.micro_batch_size, "none")
         out[k]["planned"] = predict(cfg, layout, Cluster(2, 8, 1.0, None), ranks=[0], device="cpu").rank(0).bytes["dp"]
     return _pack(out)
@@ -176,7 +160,7 @@ def test_stage3_prefetch_depths_match_single_process_and_send_3psi(reference):
     for rank_out in _unpack(run_distributed(_stage3_prefetches, 2, [0, 1, 2])):
         for k, out in rank_out.items():
             _assert_params_equal(out, reference)
-            assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"])) < 1e-5, k
+            assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"], strict=True)) < 1e-5, k
             theory = _comm_theory(3, 4 * out["numel"], 2, out["micro"])
             assert abs(_dp_sent(out) - theory) <= 0.02 * theory and _dp_sent(out) == theory, out["bytes"]["dp"]
             assert _dp_sent(out) == out["planned"]
@@ -193,7 +177,7 @@ def test_stage_with_tp2_dp2(reference, stage):
     for out in _unpack(run_distributed(_train, 4, ["--zero.stage", str(stage), "--parallel.tp", "2",
                                                    "--optim.clip_grad", "0.5"], 3)):
         _assert_params_equal(out, reference)
-        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"], strict=True)) < 1e-5
 
 
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
@@ -204,7 +188,7 @@ def test_stage_with_pp2_dp2_tied_embedding(reference, stage):
                                                "--optim.clip_grad", "0.5"], 3))
     for out in outs:
         _assert_params_equal(out, reference)
-        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"], strict=True)) < 1e-5
         if stage == 3:  # each stage's copy of the tied weight gathered once per forward and backward
             assert _dp_sent(out) - _comm_theory(3, 4 * out["numel"], 2, out["micro"]) in (0, 4)
     assert {"lm_head.weight", "transformer.wte.weight"} <= {n for o in outs for n in o["params"]}
@@ -221,9 +205,9 @@ def test_zbh1_stage_pp2_dp2(reference, stage):
                                                "--parallel.schedule", "zbh1", "--optim.clip_grad", "0.5"], 3))
     for out in outs:
         _assert_params_equal(out, reference)
-        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+        assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"], strict=True)) < 1e-5
         if out["losses"][0] is not None:  # the last pipeline stage's
-            assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"])) < 1e-5
+            assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"], strict=True)) < 1e-5
         if stage == 3:
             ops = out["bytes"]["dp"]
             gathers = _comm_theory(3, 4 * out["numel"], 2, out["micro"]) * 2 / 3
@@ -246,8 +230,8 @@ def test_stage_tp2_pp2_dp2_interleaved(reference, stage):
 
 def _overflow(stage: int) -> dict:
     import torch.distributed as dist
-    tr = _trainer(["--zero.stage", str(stage), "--train.precision", "fp16", "--zero.hysteresis", "1",
-                   "--zero.initial_loss_scale", "1024"])
+    tr = make_trainer(TINY + ["--zero.stage", str(stage), "--train.precision", "fp16", "--zero.hysteresis", "1",
+                              "--zero.initial_loss_scale", "1024"])
     opt = tr.optimizer
     before = {k: v.clone() for k, v in opt.sharded.full_state_dict().items()}
     opt.zero_grad()
@@ -289,7 +273,7 @@ def test_loss_scaler_hysteresis_and_growth():
 
 
 def _stage3_gather_api() -> dict:
-    tr = _trainer(["--zero.stage", "3"])
+    tr = make_trainer(TINY + ["--zero.stage", "3"])
     opt, chunk = tr.optimizer, tr.chunks[0]
     shapes = {n: tuple(p.shape) for n, p in chunk.named_parameters()}
     try:
@@ -311,7 +295,7 @@ def _stage3_gather_api() -> dict:
 
 def test_stage3_releases_and_gathers_on_request():
     from megazero.model.gpt import GPT
-    cfg = _cfg([])
+    cfg = make_config(TINY)
     expected = {n: tuple(p.shape) for n, p in GPT(cfg.model).named_parameters()}
     for out in run_distributed(_stage3_gather_api, 2):
         assert all(s == (0,) for s in out["shapes"].values())  # released: empty placeholders ...
@@ -322,7 +306,7 @@ def test_stage3_releases_and_gathers_on_request():
 
 def _resume(stage: int, precision: str) -> bool:
     args = ["--zero.stage", str(stage), "--train.precision", precision]
-    tr = _trainer(args)
+    tr = make_trainer(TINY + args)
     for _ in range(2):
         tr.train_step()
     saved = {"optim": tr.optimizer.state_dict(), "model": tr.optimizer.sharded.model_state_dict(),
@@ -334,7 +318,7 @@ def _resume(stage: int, precision: str) -> bool:
         tr.train_step()
     want = tr.optimizer.sharded.full_state_dict()
 
-    fresh = _trainer(args)
+    fresh = make_trainer(TINY + args)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
     fresh.optimizer.load_model_state_dict(loaded["model"])
@@ -360,7 +344,7 @@ def _memory() -> dict:
     out = {}
     for precision in ("fp32", "bf16"):
         for stage in range(4):
-            tr = _trainer(["--zero.stage", str(stage), "--train.precision", precision])
+            tr = make_trainer(TINY + ["--zero.stage", str(stage), "--train.precision", precision])
             out[(precision, stage)] = (tr.optimizer.model_state_bytes()["total"], tr.optimizer.layout.numel)
     return out
 
@@ -410,7 +394,7 @@ def test_partition_map_covers_every_parameter_once():
 ])
 def test_bad_zero_config_is_one_clear_line(args, message):
     with pytest.raises(ConfigError) as e:
-        resolve_and_validate(_cfg(args), 2)
+        make_config(TINY + args, world=2)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
@@ -432,7 +416,7 @@ def _sharded_init(args: list[str]) -> dict:
     """After building: whether any parameter holds memory, and each full parameter (gathered
     over DP) against the materialized model's init, bitwise."""
     from megazero.model.gpt import GPT
-    tr = _trainer(args)
+    tr = make_trainer(TINY + args)
     opt, grid = tr.optimizer, tr.grid
     hollow = all(p.untyped_storage().nbytes() == 0 for c in tr.chunks for p in c.parameters())
     from megazero.train.parallelize import apply_tensor_parallel
@@ -463,14 +447,14 @@ def test_fused_adamw_matches_torch_reference_update():
     a = [[t.clone() for t in s] for s in states]
     hp = dict(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, step=3)
     adamw_([s[0] for s in a], grads, [s[1] for s in a], [s[2] for s in a], [a[0][0]], **hp)
-    for i, (wd, s) in enumerate(zip((0.1, 0.0), states)):
+    for i, (wd, s) in enumerate(zip((0.1, 0.0), states, strict=True)):
         p = torch.nn.Parameter(s[0].clone())
         ref = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd, foreach=False)
         ref.state[p] = {"step": torch.tensor(2.0), "exp_avg": s[1].clone(), "exp_avg_sq": s[2].clone()}
         p.grad = grads[i]
         ref.step()
         expected = [p.detach(), ref.state[p]["exp_avg"], ref.state[p]["exp_avg_sq"]]
-        for u, v in zip(a[i], expected):
+        for u, v in zip(a[i], expected, strict=True):
             torch.testing.assert_close(u, v, rtol=0, atol=1e-7)
     assert not torch.equal(a[0][0], states[0][0]) and not torch.equal(a[1][0], states[1][0])
 
@@ -485,7 +469,7 @@ def _overlapped(runs: list[list[str]]) -> bytes:
     and when the next forward reaches its first block."""
     out = []
     for args in runs:
-        tr = _trainer(args)
+        tr = make_trainer(TINY + args)
         opt, grid = tr.optimizer, tr.grid
         seen = {"after_backward": [], "after_step": [], "at_first_block": []}
         finish = opt.finish_grad_sync
@@ -536,14 +520,14 @@ def test_stages_1_2_overlap_and_match_single_process_dp2(reference, reference_bf
     runs = [["--zero.stage", str(stage), "--train.precision", precision, "--optim.clip_grad", "0.5"]
             for stage in (1, 2) for precision in ("fp32", "bf16")]
     for rank_out in _unpack(run_distributed(_overlapped, 2, runs)):
-        for args, out in zip(runs, rank_out):
+        for args, out in zip(runs, rank_out, strict=True):
             if "fp32" in args:
                 _check_overlap(out, 2)
                 _assert_params_equal(out, reference)
-                assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+                assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"], strict=True)) < 1e-5
             else:  # bf16 compute: measured equal to the single process (|Δ| = 0), held to fp32's bound
                 assert out["micro"] == 2 and min(out["seen"]["after_backward"]) >= 1
-                assert max(abs(a - b) for a, b in zip(out["losses"], reference_bf16["losses"])) <= 1e-5, \
+                assert max(abs(a - b) for a, b in zip(out["losses"], reference_bf16["losses"], strict=True)) <= 1e-5, \
                     (args, out["losses"], reference_bf16["losses"])
 
 
@@ -554,4 +538,4 @@ def test_stages_1_2_overlap_with_tp2_dp2(reference):
         for out in rank_out:
             _check_overlap(out, 2)
             _assert_params_equal(out, reference)
-            assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"])) < 1e-5
+            assert max(abs(a - b) for a, b in zip(out["norms"], reference["norms"], strict=True)) < 1e-5

@@ -24,7 +24,7 @@ def reference(tmp_path_factory):
 
 def _check(run: list[dict], reference: list[dict], label: str) -> None:
     assert [r["iteration"] for r in run] == list(range(1, 11))
-    diffs = {k: max(abs(a[k] - b[k]) for a, b in zip(run, reference)) for k in ("loss", "grad_norm")}
+    diffs = {k: max(abs(a[k] - b[k]) for a, b in zip(run, reference, strict=True)) for k in ("loss", "grad_norm")}
     print(f"{label}: max |delta| vs single process {diffs}")  # shown with pytest -s
     assert all(d <= 1e-5 for d in diffs.values()), diffs
 
