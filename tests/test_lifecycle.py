@@ -175,13 +175,12 @@ def test_every_process_group_gets_the_timeout(monkeypatch):
     """tp 2 x pp 2 x dp 2 on gloo: each group created, the communication thread's duplicate
     of the DP group too, waits the grid's timeout (torch's default for a new group: 30 min)."""
     created = []
-    monkeypatch.setattr("torch.distributed.new_group",  # the control group also names its backend (gloo)
-                        lambda ranks, timeout=None, backend=None: created.append((ranks, timeout)) or object())
+    monkeypatch.setattr("torch.distributed.new_group",
+                        lambda ranks, timeout=None: created.append((ranks, timeout)) or object())
     grid = ProcessGrid(tp=2, pp=2, dp=2, rank=0, timeout_s=9.0)
     grid.build_groups()
     assert {t for _, t in created} == {datetime.timedelta(seconds=9)}
     assert sorted(r for r, _ in created).count([0, 2]) == 2  # rank 0's DP group and its duplicate
-    assert grid["control"].pg is not None  # the host-side control group (gloo, every rank)
     assert grid.dp_group.side_pg is not None
     assert {g.timeout_s for g in grid.groups.values()} == {9.0}
     assert grid.comm_errors() == {}  # gloo: errors raise where the rank waits

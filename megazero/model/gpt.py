@@ -118,11 +118,9 @@ class _HeadsOfQKV(torch.autograd.Function):
         return qkv.view(b, s, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
 
     @staticmethod
-    def backward(ctx, *grads: Optional[torch.Tensor]):
+    def backward(ctx, *grads: torch.Tensor):  # autograd materializes unused outputs' gradients as zeros
         b, s, width = ctx.shape
-        out = grads[0] if grads[0] is not None else next(g for g in grads if g is not None)
-        parts = [(g if g is not None else torch.zeros_like(out)).transpose(1, 2) for g in grads]  # [b, s, heads, d]
-        return torch.stack(parts, dim=2).view(b, s, width), None, None
+        return torch.stack([g.transpose(1, 2) for g in grads], dim=2).view(b, s, width), None, None  # [b, s, 3, h, d]
 
 
 class MLP(nn.Module):

@@ -146,8 +146,7 @@ class ProcessGrid:
         """Create every process group once, each with the grid's timeout. All ranks call
         new_group for all groups in the same order (a torch.distributed requirement), keeping
         only their own. On gloo the DP group also gets a duplicate for its asynchronous
-        reduce-scatters. `control` is every rank again, always on gloo (CPU tensors), apart
-        from the device's communicators."""
+        reduce-scatters."""
         for kind in ("tp", "dp", "pp", "mp", "embed"):
             for ranks in self.group_ranks(kind):
                 pg = _new_group(ranks, self.world_size, self.timeout)
@@ -161,11 +160,6 @@ class ProcessGrid:
                 side = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     self.groups["dp"].side_pg = side
-        # Host-side agreements (errors every rank must hear of, small flags): a gloo communicator
-        # of their own, so they never queue behind the device collectives still in flight (e.g.
-        # the post-step all-gathers of stages 1-2). Its tensors live on the CPU, whatever the device.
-        control = dist.new_group(world, backend="gloo", timeout=self.timeout) if self.world_size > 1 else None
-        self.groups["control"] = Group("control", control, world, self.rank, timeout_s=self.timeout_s)
 
     def comm_errors(self) -> dict[str, str]:
         """This rank's groups whose NCCL watchdog has seen a collective time out or a peer fail,
