@@ -73,12 +73,10 @@ train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.st
   --optim.min_lr "${MIN_LR:-3e-5}" --optim.warmup_iters "${WARMUP:-10}" "${extra[@]}" "$@")
 python -m megazero.train --validate-only --world-size "$NPROC" "${train_args[@]}"
 echo "== fine-tuning: $NPROC processes, tp $TP x pp $PP, ZeRO-$ZERO_STAGE, from $HF_DIR; outputs in $RUN_DIR"
-# A user error (config, data, checkpoint) exits 2 here as it does in megazero (torchrun says 1).
-MEGAZERO_USER_ERROR_FILE=$(mktemp -u "${TMPDIR:-/tmp}/megazero-user-error.XXXXXX")
-export MEGAZERO_USER_ERROR_FILE
-torchrun --nproc_per_node "$NPROC" --max-restarts "${RESTARTS:-3}" --rdzv-backend c10d \
-  --rdzv-endpoint "127.0.0.1:${MASTER_PORT:-29500}" --rdzv-id megazero-finetune -m megazero.train "${train_args[@]}" || {
-  rc=$?; [[ -e $MEGAZERO_USER_ERROR_FILE ]] && { rm -f "$MEGAZERO_USER_ERROR_FILE"; exit 2; }; exit $rc; }
+# megazero.launch is torchrun (same arguments) that exits 2 for a user error (config, data,
+# checkpoint) as megazero does, and ends any other failure in one line instead of a traceback.
+python -m megazero.launch --nproc_per_node "$NPROC" --max-restarts "${RESTARTS:-3}" --rdzv-backend c10d \
+  --rdzv-endpoint "127.0.0.1:${MASTER_PORT:-29500}" --rdzv-id megazero-finetune -m megazero.train "${train_args[@]}"
 
 latest="$RUN_DIR/checkpoints/$(cat "$RUN_DIR/checkpoints/latest")"
 echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: ${latest##*/})"

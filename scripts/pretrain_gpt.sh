@@ -74,13 +74,11 @@ fi
 python -m megazero.train --validate-only --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" \
   --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@" > /dev/null
 echo "== training: $NPROC processes per node, tp $TP x pp $PP, ZeRO-$ZERO_STAGE; outputs in $RUN_DIR"
-# A user error (config, data, checkpoint) exits 2 here as it does in megazero (torchrun says 1).
-MEGAZERO_USER_ERROR_FILE=$(mktemp -u "${TMPDIR:-/tmp}/megazero-user-error.XXXXXX")
-export MEGAZERO_USER_ERROR_FILE
-torchrun --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-restarts "$RESTARTS" \
+# megazero.launch is torchrun (same arguments) that exits 2 for a user error (config, data,
+# checkpoint) as megazero does, and ends any other failure in one line instead of a traceback.
+python -m megazero.launch --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-restarts "$RESTARTS" \
   --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-megazero}" \
-  -m megazero.train "${train_args[@]}" --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@" || {
-  rc=$?; [[ -e $MEGAZERO_USER_ERROR_FILE ]] && { rm -f "$MEGAZERO_USER_ERROR_FILE"; exit 2; }; exit $rc; }
+  -m megazero.train "${train_args[@]}" --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@"
 
 echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: $(cat "$RUN_DIR/checkpoints/latest"))"
 echo "   resolved config: $RUN_DIR/checkpoints/config.yaml; run again to resume. To train longer, raise ITERS and"

@@ -35,22 +35,43 @@ def test_load_equal_to_save_may_be_empty_the_scripts_resume_if_present_pattern(t
 
 
 def test_a_deterministic_error_is_not_retried_by_torchrun(tmp_path):
-    """Under `torchrun --max-restarts 3` a config/checkpoint error ends the job in its first
-    attempt's time: the restarted attempts exit at once, silently (the line was printed)."""
+    """Under `--max-restarts 3` a config/checkpoint error ends the job in its first attempt's
+    time: the restarted attempts exit at once, silently (the line was printed). torchrun would
+    follow the line with its ChildFailedError traceback and exit 1; megazero.launch (torchrun's
+    arguments, the scripts' launcher) adds nothing and exits 2."""
     import time
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from distributed import free_port
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=3",
-           f"--master_port={free_port()}", "-m", "megazero.train", "--config", os.path.join(ROOT, "configs/gpt2-tiny.yaml"),
-           "--checkpoint.load", "runs/nonexist", "--checkpoint.save", "runs/new"]
+    args = ["--nproc_per_node=2", "--max-restarts=3", f"--master_port={free_port()}", "-m", "megazero.train",
+            "--config", os.path.join(ROOT, "configs/gpt2-tiny.yaml"), "--checkpoint.load", "runs/nonexist",
+            "--checkpoint.save", "runs/new"]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     tic = time.monotonic()
-    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode != 0 and len(errors) == 1 and "checkpoint.load 'runs/nonexist'" in errors[0], proc.stderr
-    assert "torchrun restart" not in proc.stdout + proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "megazero.launch", *args], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == ["error: checkpoint.load 'runs/nonexist' does not exist (no checkpoint "
+                                        "directory near it); fix the path, or set it to checkpoint.save to resume "
+                                        "from there when a checkpoint is present"]
     assert time.monotonic() - tic < 120
+
+
+def test_a_crashed_worker_ends_the_launcher_in_one_line_naming_it(tmp_path):
+    """Not a user error: retried as torchrun would, then one line (rank, signal, restarts)
+    instead of torchrun's 40-line ChildFailedError report."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from distributed import free_port
+    script = tmp_path / "crash.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-m", "megazero.launch", "--nproc_per_node=1", "--max-restarts=1",
+                           f"--master_port={free_port()}", str(script)],
+                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors[0].startswith(f"error: {script}: worker rank 0 (local rank 0, pid ")
+    assert errors[0].endswith("ended with signal SIGKILL after 1 allowed restart(s); its output above says why")
 
 
 def test_planner_top_shows_distinct_layouts_in_one_unit_with_labelled_columns(capsys):

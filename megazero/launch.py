@@ -1,0 +1,51 @@
+"""`python -m megazero.launch`: torchrun with megazero's exit codes and one-line failures.
+
+It takes torchrun's arguments unchanged (``python -m megazero.launch --nproc_per_node 2
+--max-restarts 3 -m megazero.train ...``) and differs only in how a failed job ends. torchrun
+exits 1 whatever its workers' status and follows a worker's one-line ``error:`` with a
+40-line ChildFailedError traceback. Here a user error (config, data, checkpoint: the workers
+printed its line already) exits 2 with nothing more, and any other failure ends in one line
+naming the first worker that failed, its exit status or signal, and torchrun's restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from typing import Optional, Sequence
+
+from megazero.errors import EXIT_USER_ERROR
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # The workers leave this file when they end in a UserError (errors._remember_user_error).
+    fd, marker = tempfile.mkstemp(prefix="megazero-user-error.")
+    os.close(fd)
+    os.remove(marker)
+    os.environ["MEGAZERO_USER_ERROR_FILE"] = marker
+    # torchrun's per-worker "failed (exitcode ...)" and "closing signal" lines repeat what the
+    # summary line below says; its agent's warnings (restarts, rendezvous) stay.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        run(args)
+    except ChildFailedError as failed:
+        if os.path.exists(marker):
+            os.remove(marker)
+            return EXIT_USER_ERROR
+        rank, failure = failed.get_first_failure()
+        status = (f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}")
+        print(f"error: {failed.name}: worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
+              f"ended with {status} after {args.max_restarts} allowed restart(s); its output above says why",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
