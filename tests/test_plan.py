@@ -315,3 +315,23 @@ def test_zbh1_plans_its_own_bubble():
     assert zb.bubble < one_f.bubble
     assert zb.rank(0).activations == one_f.rank(0).activations
     assert zb.rank(3).activations > one_f.rank(3).activations
+
+
+@pytest.mark.parametrize("optimizer, param, expected", [
+    ("none", "none", "model states 3.62 MiB = params 925.50 KiB + grads 925.50 KiB + optimizer 1.81 MiB per rank"),
+    ("cpu", "none", "model states 1.81 MiB on the device = params 925.50 KiB + grads 925.50 KiB, 1.81 MiB in host "
+                    "memory = optimizer 1.81 MiB (zero.offload_optimizer cpu) per rank"),
+    ("nvme", "cpu", "model states 925.50 KiB on the device = grads 925.50 KiB, 925.50 KiB in host memory = params "
+                    "925.50 KiB, 1.81 MiB on NVMe = optimizer 1.81 MiB (zero.offload_optimizer nvme, "
+                    "zero.offload_param cpu: the device holds only the gathered units in flight) per rank"),
+])
+def test_startup_plan_line_says_where_each_kind_of_state_lives(optimizer, param, expected):
+    """Under offload the start-up line groups params, grads and optimizer states by where they
+    are (device / host memory / NVMe), instead of one sum that mixes them (issue 25)."""
+    from megazero.plan.planner import Cluster, ParallelLayout, predict
+    from megazero.train.summary import plan_line
+    cfg = make_config(["--zero.stage", "3", "--zero.offload_optimizer", optimizer, "--zero.offload_param", param,
+                       "--zero.nvme_path", "/tmp"], world=1)
+    layout = ParallelLayout(1, 1, 1, 1, 3, cfg.train.micro_batch_size, "none", False, optimizer != "none")
+    plan = predict(cfg, layout, Cluster(1, 1, 0.0, None, 1.0, 1.0), ranks=[0], device="cpu")
+    assert plan_line(plan, "cpu", False, optimizer, param).startswith(f"plan: {expected} (pp rank 0)")

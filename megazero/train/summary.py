@@ -59,7 +59,7 @@ def startup_summary(cfg: Config, grid: ProcessGrid, rank_params_numel: int, data
                      f"{trainable:,} trainable parameters ({100 * trainable / total:.2f}% of the model; the rest "
                      f"frozen; the memory plan below assumes every weight trains)")
     lines += data_lines(cfg, *datasets)
-    lines.append(plan_line(plan, device_name, grid.device.type == "cuda", cfg.zero.offload_optimizer))
+    lines.append(plan_line(plan, device_name, grid.device.type == "cuda", z.offload_optimizer, z.offload_param))
     return "\n".join(lines)
 
 
@@ -101,16 +101,28 @@ def size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def plan_line(plan: Prediction, device_name: str, cuda: bool = True, offload: str = "none") -> str:
-    """The planner's prediction in one line: model states by where they live (the device, and
-    host memory or NVMe under zero.offload_optimizer), and on GPUs the peak memory per GPU and
-    tokens/s. On CPUs there is no GPU to predict for: the states alone."""
+_WHERE = {"none": "on the device", "cpu": "in host memory", "nvme": "on NVMe"}
+
+
+def plan_line(plan: Prediction, device_name: str, cuda: bool = True, offload_optimizer: str = "none",
+              offload_param: str = "none") -> str:
+    """The planner's prediction in one line: model states grouped by where they live (the
+    device; host memory or NVMe under zero.offload_optimizer / zero.offload_param), and on GPUs
+    the peak memory per GPU and tokens/s. On CPUs there is no GPU to predict for: the states alone."""
     worst = plan.worst
     s = worst.states
-    if worst.host:  # offloaded optimizer states: apart from the device's sum
-        where = "on NVMe" if offload == "nvme" else "in host memory"
-        states = (f"model states {size(s['total'])} on the device = params {size(s['params'])} + grads "
-                  f"{size(s['grads'])}, optimizer {size(worst.host)} {where} (zero.offload_optimizer {offload})")
+    if worst.host or offload_param != "none":
+        optimizer = worst.host or s["optimizer"]
+        where = {"params": _WHERE[offload_param], "grads": _WHERE["none"],
+                 "optimizer": _WHERE[offload_optimizer if worst.host else "none"]}
+        sizes = {"params": s["params"], "grads": s["grads"], "optimizer": optimizer}
+        groups = [(place, [k for k in sizes if where[k] == place]) for place in _WHERE.values()]
+        states = "model states " + ", ".join(
+            f"{size(sum(sizes[k] for k in keys))} {place} = " + " + ".join(f"{k} {size(sizes[k])}" for k in keys)
+            for place, keys in groups if keys)
+        keys = ", ".join(f"zero.offload_{k} {v}" for k, v in (("optimizer", offload_optimizer), ("param", offload_param))
+                         if v != "none")
+        states += f" ({keys}" + (": the device holds only the gathered units in flight)" if offload_param != "none" else ")")
     else:
         states = (f"model states {size(s['total'])} = params {size(s['params'])} + grads {size(s['grads'])} + "
                   f"optimizer {size(s['optimizer'])}")
