@@ -280,9 +280,11 @@ def test_workers_die_with_their_launcher_and_leave_the_checkpoints_alone(tmp_pat
 
 
 def test_sigusr1_on_one_worker_saves_and_every_worker_exits_0(tmp_path):
-    """Slurm's --signal reaches some processes first: every rank agrees, saves once, exits 0."""
-    save = str(tmp_path / "ck")
-    proc = _launch(2, ["--train.iters", "100000", "--checkpoint.save", save, "--zero.stage", "1"])
+    """Slurm's --signal reaches some processes first: every rank agrees, saves once, exits 0,
+    its metrics sinks complete (TensorBoard closed holding every JSONL record)."""
+    save, jsonl, tb = str(tmp_path / "ck"), str(tmp_path / "m.jsonl"), str(tmp_path / "tb")
+    proc = _launch(2, ["--train.iters", "100000", "--checkpoint.save", save, "--zero.stage", "1",
+                       "--logging.jsonl", jsonl, "--logging.tensorboard", tb])
     _wait_for(lambda: len(_children(proc.pid)) == 2 and proc.stdout.readline().startswith("iter 3/"), proc)
     os.kill(_children(proc.pid)[1], signal.SIGUSR1)
     out, err = proc.communicate(timeout=120)
@@ -290,6 +292,7 @@ def test_sigusr1_on_one_worker_saves_and_every_worker_exits_0(tmp_path):
     assert "SIGUSR1: saved and stopped cleanly at iteration" in out
     assert "Warning" not in err  # e.g. no per-rank FutureWarning from ZeRO's collectives
     assert _latest(save) >= "iter_0000003"
+    assert_tensorboard_matches(tb, read_jsonl(jsonl))
 
 
 def test_exit_duration_saves_and_exits_cleanly(tmp_path):

@@ -70,18 +70,19 @@ def _events(log_dir: str) -> list[str]:
 
 
 def _train_pp2(root: str) -> None:
-    make_trainer(["--parallel.pp", "2", "--train.iters", "2", "--train.eval_interval", "2", "--train.eval_iters", "1",
+    make_trainer(["--parallel.pp", "2", "--train.precision", "fp16", "--train.iters", "2", "--train.eval_interval", "2", "--train.eval_iters", "1",
                   "--logging.jsonl", os.path.join(root, "m.jsonl"),
                   "--logging.tensorboard", os.path.join(root, "tb")]).run()
 
 
 def test_tensorboard_scalars_equal_the_jsonl_from_one_rank_at_pp2(tmp_path):
+    """fp16 at pp 2: the loss scale is logged too, and the logging rank is rank 1 (last stage)."""
     run_distributed(_train_pp2, 2, str(tmp_path))
     records = read_jsonl(str(tmp_path / "m.jsonl"))
     assert [r["iteration"] for r in records] == [1, 2] and "val_loss" in records[1]
     tb = str(tmp_path / "tb")
     assert len(_events(tb)) == 1 and len(_events(os.path.join(tb, SAMPLES_RUN))) == 1  # one writer
-    assert {"lm loss", "learning-rate", "grad-norm", "batch-size", "lm loss validation ppl"} <= set(_scalars(tb))
+    assert {"lm loss", "learning-rate", "grad-norm", "batch-size", "loss-scale", "lm loss validation ppl"} <= set(_scalars(tb))
     assert_tensorboard_matches(tb, records)
 
 
