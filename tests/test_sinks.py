@@ -138,7 +138,7 @@ def test_wandb_restarts_resume_one_run_per_save_directory(tmp_path, monkeypatch)
         return Run()
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
-    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_MODE", "online")
     cfg = make_config(["--logging.wandb", "true", "--checkpoint.save", str(tmp_path / "ck")])
     for attempt in range(2):
         sink = WandbSink(cfg)
@@ -149,7 +149,9 @@ def test_wandb_restarts_resume_one_run_per_save_directory(tmp_path, monkeypatch)
                      ("init", run_id, "allow"), ("log", 5, 2.0), ("finish",)]
     calls.clear()
     WandbSink(make_config(["--logging.wandb", "true"]))  # no save directory: nothing to resume
-    assert calls == [("init", None, None)]
+    monkeypatch.delenv("WANDB_MODE")  # megazero's default, offline: W&B cannot resume there
+    WandbSink(cfg)
+    assert calls == [("init", None, None), ("init", run_id, None)]
 
 
 # ----------------------------------------------------------------------------- start-up

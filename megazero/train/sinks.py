@@ -5,9 +5,9 @@ lets nothing an earlier attempt logged past that iteration stand beside the new 
 that after a restart each iteration is there once:
 - JSONL: the records past it are dropped, the file rewritten atomically, before appending.
 - TensorBoard: the writers' purge_step hides the older events from that step on.
-- W&B: one run id per save directory, resumed; W&B ignores steps below the run's last one,
-  so an iteration logged before the restart keeps its first values (equal ones: a resume
-  at the same layout is bitwise, only the timings differ).
+- W&B: one run id per save directory, resumed (online); W&B ignores a step the run already
+  holds, so an iteration logged before the restart keeps its first values (equal ones: a
+  resume at the same layout is bitwise, only the timings differ).
 """
 
 from __future__ import annotations
@@ -143,15 +143,18 @@ def wandb_run_id(save_dir: Optional[str]) -> Optional[str]:
 
 
 class WandbSink:
-    """One W&B run per save directory, resumed on a restart (its steps are iterations)."""
+    """One W&B run per save directory, resumed on a restart when online (its steps are iterations)."""
 
     def __init__(self, cfg: Config):
         import wandb  # presence checked at start-up, before any process group exists
 
-        os.environ.setdefault("WANDB_MODE", "offline")  # no network here: sync later with `wandb sync`
+        mode = os.environ.setdefault("WANDB_MODE", "offline")  # no network here: sync later with `wandb sync`
         run_id = wandb_run_id(cfg.checkpoint.save)
+        # Offline, W&B cannot resume (it would warn at every start): each attempt is an offline
+        # run of its own under the same id.
+        online = mode not in ("offline", "dryrun", "disabled")
         self.run = wandb.init(project=cfg.logging.wandb_project, config=cfg.to_dict(), id=run_id,
-                              resume="allow" if run_id else None)
+                              resume="allow" if run_id and online else None)
 
     def write(self, rec: dict) -> None:
         self.run.log({k: v for k, v in rec.items() if k != "iteration"}, step=rec["iteration"])
