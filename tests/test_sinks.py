@@ -29,6 +29,7 @@ TAGS = {
     "grad-norm": ("grad_norm", 1, True),
     "lm loss validation": ("val_loss", 1, True),
     "lm loss validation ppl": ("val_ppl", 1, True),
+    "iteration-time": ("iteration_time_s", 1, False),
     "throughput": ("tflops_per_device", 1, False),
     "mem-max-allocated-bytes": ("peak_mem_gib", 2**30, False),
     "tokens-per-sec": ("tokens_per_sec", 1, False),
@@ -88,7 +89,7 @@ def test_tensorboard_scalars_equal_the_jsonl_from_one_rank_at_pp2(tmp_path):
 
 def _record(iteration: int, loss: float) -> dict:
     return {"iteration": iteration, "loss": loss, "lr": 1e-3 * iteration, "grad_norm": 0.5, "tokens_per_sec": 1e4,
-            "tflops_per_device": 0.01, "mfu": None, "peak_mem_gib": 0.25, "consumed_samples": 16 * iteration,
+            "tflops_per_device": 0.01, "iteration_time_s": 0.1, "mfu": None, "peak_mem_gib": 0.25, "consumed_samples": 16 * iteration,
             "batch_size": 16, "skipped_iters": 0}
 
 

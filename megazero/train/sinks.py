@@ -72,9 +72,10 @@ class JsonlSink:
 
 # ----------------------------------------------------------------------------- TensorBoard
 
-# (Megatron-LM's tag, JSONL field, bytes per unit, also "TAG vs samples"). The tags are
+# (tag, JSONL field, factor to the tag's unit, also "TAG vs samples"). The tags are
 # Megatron's (training_log, evaluate_and_print_results) where it has one: 'throughput' is its
-# TFLOP/s per GPU, 'mem-max-allocated-bytes' its peak allocated memory (peak RSS on a CPU,
+# TFLOP/s per GPU, 'iteration-time' its seconds per iteration (both with --log-timers-to-
+# tensorboard), 'mem-max-allocated-bytes' its peak allocated memory (peak RSS on a CPU,
 # as in the JSONL). tokens-per-sec, mfu and skipped-iterations are megazero's.
 TENSORBOARD_SCALARS = (
     ("lm loss", "loss", 1, True),
@@ -84,6 +85,7 @@ TENSORBOARD_SCALARS = (
     ("grad-norm", "grad_norm", 1, True),
     ("lm loss validation", "val_loss", 1, True),
     ("lm loss validation ppl", "val_ppl", 1, True),
+    ("iteration-time", "iteration_time_s", 1, False),
     ("throughput", "tflops_per_device", 1, False),
     ("tokens-per-sec", "tokens_per_sec", 1, False),
     ("mfu", "mfu", 1, False),

@@ -339,6 +339,7 @@ class Trainer:
                "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                "peak_mem_gib": peak_memory_gib(), "consumed_samples": self.consumed_samples,
                "batch_size": self.cfg.train.global_batch_size,
+               "iteration_time_s": self.cfg.train.global_batch_size * self.cfg.model.seq_length / tokens_per_sec,
                "skipped_iters": self.skipped_iters}
         if out.get("loss_scale") is not None:
             rec["loss_scale"] = out["loss_scale"]
