@@ -17,6 +17,7 @@ import inspect
 import math
 import os
 import textwrap
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Literal, Optional, Union
@@ -249,6 +250,8 @@ class LoggingConfig:
     print_config: bool = False
     """Print the full resolved config at start-up (`--print-config`); it is always written to
     the run directory as config.yaml."""
+    tensorboard: str | None = None
+    """TensorBoard log directory: Megatron-LM's scalars under its tag names (`pip install tensorboard`)."""
 
 
 @dataclass
@@ -273,10 +276,13 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 # ---------------------------------------------------------------------------- typing
 
 
+_UNIONS = (typing.Union, types.UnionType)  # Optional[X] and the `X | None` spelling
+
+
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check `value` against a field annotation (given as a string or a type)."""
     origin = typing.get_origin(annotation)
-    if origin is typing.Union:  # Optional[X], or int | Literal["auto"]
+    if origin in _UNIONS:  # Optional[X], str | None, or int | Literal["auto"]
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value is None and len(options) < len(typing.get_args(annotation)):
             return None
@@ -332,7 +338,7 @@ def type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     if origin is Literal:
         return "|".join(map(str, typing.get_args(annotation)))
-    if origin is typing.Union:
+    if origin in _UNIONS:
         return "|".join(type_name(a) for a in typing.get_args(annotation) if a is not type(None))
     return annotation.__name__
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from megazero.parallel.comm import CollectiveTimeout, Group
 from megazero.parallel.grid import ProcessGrid
 from megazero.train.__main__ import main as train_main
 from megazero.train.lifecycle import NcclErrorWatch, describe_comm_failure
+from test_sinks import assert_tensorboard_matches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true"]
@@ -83,25 +85,47 @@ def _kill_worker_and_finish(tmp_path, nproc: int, args: list[str], kill_when, na
     return out, read_jsonl(jsonl)
 
 
-def _final_loss_uninterrupted(tmp_path, nproc: int, args: list[str]) -> float:
+def _records_uninterrupted(tmp_path, nproc: int, args: list[str]) -> list[dict]:
     jsonl = str(tmp_path / "reference.jsonl")
     proc = torchrun(nproc, [*BASE, *args, "--logging.jsonl", jsonl], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return read_jsonl(jsonl)[-1]["loss"]
+    return read_jsonl(jsonl)
+
+
+def _final_loss_uninterrupted(tmp_path, nproc: int, args: list[str]) -> float:
+    return _records_uninterrupted(tmp_path, nproc, args)[-1]["loss"]
+
+
+def _logged_past(jsonl: str, iteration: int) -> bool:
+    try:
+        return any(r["iteration"] > iteration for r in read_jsonl(jsonl))
+    except (OSError, ValueError):  # not there yet, or a line being written
+        return False
 
 
 RESTART_ARGS = ["--train.iters", "12", "--zero.stage", "1", "--checkpoint.interval", "4"]
+# Fields a resumed run reproduces exactly (same-layout resume is bitwise); timings are not among them.
+EXACT = ("iteration", "loss", "lr", "grad_norm", "consumed_samples", "batch_size", "skipped_iters")
 
 
 def test_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
-    out, records = _kill_worker_and_finish(tmp_path, 2, RESTART_ARGS, lambda s: _latest(s) == "iter_0000004", "ck")
+    """Killed after logging past its latest checkpoint: the restart resumes from it and
+    drops the records past it, so the JSONL and TensorBoard hold each iteration once, with the
+    uninterrupted run's values."""
+    tb = str(tmp_path / "tb")
+    args = [*RESTART_ARGS, "--logging.tensorboard", tb]
+    jsonl = str(tmp_path / "ck.jsonl")
+    out, records = _kill_worker_and_finish(
+        tmp_path, 2, args, lambda s: _latest(s) != "" and _logged_past(jsonl, int(_latest(s)[len("iter_"):])), "ck")
     restart = out.index("torchrun restart 1 of 1: resuming from the latest checkpoint in")
-    assert "resumed from" in out[restart:]
-    assert records[-1]["iteration"] == 12
-    # Same-layout resume is bitwise: the final loss equals the uninterrupted run's exactly.
-    assert records[-1]["loss"] == _final_loss_uninterrupted(tmp_path, 2, RESTART_ARGS)
-
-
+    resumed = re.search(r"resumed from \S+ at iteration (\d+)", out[restart:])
+    assert resumed, out[restart:]
+    assert f"past iteration {resumed[1]}, where this run starts" in out[restart:], out[restart:]
+    iterations = [r["iteration"] for r in records]
+    assert iterations == list(range(1, 13)), iterations  # each once, in order
+    reference = _records_uninterrupted(tmp_path, 2, RESTART_ARGS)
+    assert [{k: r.get(k) for k in EXACT} for r in records] == [{k: r.get(k) for k in EXACT} for r in reference]
+    assert_tensorboard_matches(tb, records)
 @pytest.mark.slow
 def test_worker_killed_at_random_moments_never_changes_the_result(tmp_path):
     """tp 2 x dp 2, ZeRO-2, a save every iteration: kills land before, during and after saves."""
@@ -118,7 +142,8 @@ def test_worker_killed_at_random_moments_never_changes_the_result(tmp_path):
             return True
 
         _, records = _kill_worker_and_finish(tmp_path, 4, args, kill_when, f"trial{trial}")
-        assert records[-1]["iteration"] == 16 and records[-1]["loss"] == reference, (trial, first_save, delay)
+        assert [r["iteration"] for r in records] == list(range(1, 17)), (trial, first_save, delay)  # each once
+        assert records[-1]["loss"] == reference, (trial, first_save, delay)
 
 
 def test_a_killed_worker_ends_the_job_with_a_line_naming_rank_and_operation(tmp_path):
@@ -258,9 +283,11 @@ def test_workers_die_with_their_launcher_and_leave_the_checkpoints_alone(tmp_pat
 
 
 def test_sigusr1_on_one_worker_saves_and_every_worker_exits_0(tmp_path):
-    """Slurm's --signal reaches some processes first: every rank agrees, saves once, exits 0."""
-    save = str(tmp_path / "ck")
-    proc = _launch(2, ["--train.iters", "100000", "--checkpoint.save", save, "--zero.stage", "1"])
+    """Slurm's --signal reaches some processes first: every rank agrees, saves once, exits 0,
+    its metrics sinks complete (TensorBoard closed holding every JSONL record)."""
+    save, jsonl, tb = str(tmp_path / "ck"), str(tmp_path / "m.jsonl"), str(tmp_path / "tb")
+    proc = _launch(2, ["--train.iters", "100000", "--checkpoint.save", save, "--zero.stage", "1",
+                       "--logging.jsonl", jsonl, "--logging.tensorboard", tb])
     _wait_for(lambda: len(_children(proc.pid)) == 2 and proc.stdout.readline().startswith("iter 3/"), proc)
     os.kill(_children(proc.pid)[1], signal.SIGUSR1)
     out, err = proc.communicate(timeout=120)
@@ -268,6 +295,7 @@ def test_sigusr1_on_one_worker_saves_and_every_worker_exits_0(tmp_path):
     assert "SIGUSR1: saved and stopped cleanly at iteration" in out
     assert "Warning" not in err  # e.g. no per-rank FutureWarning from ZeRO's collectives
     assert _latest(save) >= "iter_0000003"
+    assert_tensorboard_matches(tb, read_jsonl(jsonl))
 
 
 def test_exit_duration_saves_and_exits_cleanly(tmp_path):

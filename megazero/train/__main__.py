@@ -47,9 +47,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     with report_errors():
         cfg = load_config(args.config, args.deepspeed_config, overrides, int(os.environ.get("RANK", "0")),
                           args.world_size)
-        if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
-            raise ConfigError("logging.wandb is true but wandb is not installed; "
-                              "pip install -e '.[wandb]' or pass --logging.wandb false")
+        require_logging_packages(cfg)
         lifecycle.refuse_missing_load(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         for line in schedule_warnings(cfg):
@@ -96,6 +94,17 @@ def train(cfg: Config) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def require_logging_packages(cfg: Config) -> None:
+    """A sink the config asks for needs its package: refuse at start-up, before any process
+    group exists, rather than at the first log line."""
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb is true but wandb is not installed; "
+                          "pip install -e '.[wandb]' or pass --logging.wandb false")
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(f"logging.tensorboard ({cfg.logging.tensorboard}) is set but tensorboard is not installed; "
+                          f"pip install tensorboard (or pip install -e '.[tensorboard]'), or drop --logging.tensorboard")
 
 
 def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[str], rank: int = 0,

@@ -2,7 +2,8 @@
 
 - Restart: torchrun's `--max-restarts` starts every worker again after one fails
   (TORCHELASTIC_RESTART_COUNT > 0); `resume_on_restart` points the run at its own save
-  directory so that every restart resumes from the latest complete checkpoint.
+  directory so that every restart resumes from the latest complete checkpoint; the metrics
+  sinks then drop what the failed attempt logged past it (train/sinks.py).
 - Orphans: torchrun starts each worker in a session of its own, so a SIGKILLed launcher
   leaves its workers training on and writing checkpoints. `die_with_launcher` ends a worker
   the moment its launcher goes (the kernel's parent-death signal, and a parent-pid watchdog

@@ -1,11 +1,9 @@
 """Throughput accounting (model FLOPs, MFU) and the run's outputs: one fixed log line per
-logged iteration, the same numbers as JSONL, and optionally Weights & Biases."""
+logged iteration, and the same numbers to the sinks (JSONL, TensorBoard, W&B)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
 from typing import Iterator, Optional
 
@@ -13,6 +11,7 @@ import torch
 
 from megazero.config import Config
 from megazero.plan.formulas import PEAK_FLOPS
+from megazero.train.sinks import JsonlSink, Sink, TensorBoardSink, WandbSink, drop_records_after
 
 
 def device_peak_flops() -> tuple[str, Optional[float]]:
@@ -101,38 +100,37 @@ def peak_memory_gib() -> float:
 
 
 class MetricsWriter:
-    """JSONL records (appended, one object per line) and optional W&B, on the logging rank."""
+    """The one place a logged iteration's record is fanned out to its sinks (JSONL,
+    TensorBoard, W&B: train/sinks.py), on the logging rank alone."""
 
     def __init__(self, cfg: Config, enabled: bool):
-        self.enabled = enabled
-        self.jsonl = None
-        self.wandb = None
-        if not enabled:
-            return
-        if cfg.logging.jsonl:
-            os.makedirs(os.path.dirname(os.path.abspath(cfg.logging.jsonl)), exist_ok=True)
-            self.jsonl = open(cfg.logging.jsonl, "a")
-        if cfg.logging.wandb:
-            self.wandb = _start_wandb(cfg)
+        self.cfg, self.enabled = cfg, enabled
+        self.sinks: list[Sink] = []
+
+    def open(self, iteration: int, consumed_samples: int) -> list[str]:
+        """Open the sinks for a run that starts after `iteration` (0, or the checkpoint it
+        resumed): what an earlier attempt logged past it is dropped. Returns lines to print."""
+        self.close()
+        if not self.enabled:
+            return []
+        lg, notes = self.cfg.logging, []
+        if lg.jsonl:
+            dropped = drop_records_after(lg.jsonl, iteration)
+            if dropped:
+                notes.append(f"logging.jsonl: dropped {dropped} record(s) past iteration {iteration}, where this run "
+                             f"starts, from {lg.jsonl} (logged before a restart; they are logged again)")
+            self.sinks.append(JsonlSink(lg.jsonl))
+        if lg.tensorboard:
+            self.sinks.append(TensorBoardSink(lg.tensorboard, iteration, consumed_samples))
+        if lg.wandb:
+            self.sinks.append(WandbSink(self.cfg))
+        return notes
 
     def write(self, rec: dict) -> None:
-        if not self.enabled:
-            return
-        if self.jsonl:
-            self.jsonl.write(json.dumps(rec) + "\n")
-            self.jsonl.flush()
-        if self.wandb:
-            self.wandb.log({k: v for k, v in rec.items() if k != "iteration"}, step=rec["iteration"])
+        for sink in self.sinks:
+            sink.write(rec)
 
     def close(self) -> None:
-        if self.jsonl:
-            self.jsonl.close()
-        if self.wandb:
-            self.wandb.finish()
-
-
-def _start_wandb(cfg: Config):
-    import wandb  # presence checked at start-up, before any process group exists
-
-    os.environ.setdefault("WANDB_MODE", "offline")  # no network here: sync later with `wandb sync`
-    return wandb.init(project=cfg.logging.wandb_project, config=cfg.to_dict())
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()

@@ -273,6 +273,14 @@ class Trainer:
 
     def run(self) -> list[dict]:
         """Train until train.iters (or an agreed early stop), logging, evaluating and saving on schedule."""
+        for line in self.metrics.open(self.iteration, self.consumed_samples):
+            print(line, flush=True)
+        try:
+            return self._train_loop()
+        finally:  # the sinks are flushed and closed however the loop ends (a stop request, an error)
+            self.metrics.close()
+
+    def _train_loop(self) -> list[dict]:
         t, c = self.cfg.train, self.cfg.checkpoint
         tokens_per_iter = t.global_batch_size * self.cfg.model.seq_length
         records, step_seconds, steps = [], 0.0, 0  # throughput counts training steps only
@@ -291,7 +299,6 @@ class Trainer:
                     print(f"{self.stop.reason(stop)}: {'saved and ' if c.save else ''}stopped cleanly at iteration "
                           f"{self.iteration}", flush=True)
                 break
-        self.metrics.close()
         return records
 
     def eval_due(self) -> bool:
@@ -331,6 +338,8 @@ class Trainer:
                "tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
                "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                "peak_mem_gib": peak_memory_gib(), "consumed_samples": self.consumed_samples,
+               "batch_size": self.cfg.train.global_batch_size,
+               "iteration_time_s": self.cfg.train.global_batch_size * self.cfg.model.seq_length / tokens_per_sec,
                "skipped_iters": self.skipped_iters}
         if out.get("loss_scale") is not None:
             rec["loss_scale"] = out["loss_scale"]

@@ -1,0 +1,165 @@
+"""Where a logged iteration's record goes: the JSONL file, TensorBoard, Weights & Biases.
+
+Each sink opens at the iteration the run starts from (0, or the checkpoint it resumed) and
+lets nothing an earlier attempt logged past that iteration stand beside the new records, so
+that after a restart each iteration is there once:
+- JSONL: the records past it are dropped, the file rewritten atomically, before appending.
+- TensorBoard: the writers' purge_step hides the older events from that step on.
+- W&B: one run id per save directory, resumed (online); W&B ignores a step the run already
+  holds, so an iteration logged before the restart keeps its first values (equal ones: a
+  resume at the same layout is bitwise, only the timings differ).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from typing import Optional, Protocol
+
+from megazero.atomic import atomic_write, write_text
+from megazero.config import Config
+
+
+class Sink(Protocol):
+    def write(self, rec: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------- JSONL
+
+
+def drop_records_after(path: str, iteration: int) -> int:
+    """Keep the records of iterations <= `iteration` (and drop a line a killed writer left
+    unfinished); rewrite the file atomically when anything goes. Returns the lines dropped."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if _iteration_of(line) <= iteration]
+    if len(kept) < len(lines):
+        with atomic_write(path, "w", encoding="utf-8") as f:
+            f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
+    return len(lines) - len(kept)
+
+
+def _iteration_of(line: str) -> float:
+    """The record's iteration; infinity for a line that is no record (dropped with the rest)."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return math.inf
+    iteration = rec.get("iteration") if isinstance(rec, dict) else None
+    return iteration if isinstance(iteration, int) else math.inf
+
+
+class JsonlSink:
+    """One JSON object per line, appended and flushed per record."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, rec: dict) -> None:
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# ----------------------------------------------------------------------------- TensorBoard
+
+# (tag, JSONL field, factor to the tag's unit, also "TAG vs samples"). The tags are
+# Megatron's (training_log, evaluate_and_print_results) where it has one: 'throughput' is its
+# TFLOP/s per GPU, 'iteration-time' its seconds per iteration (both with --log-timers-to-
+# tensorboard), 'mem-max-allocated-bytes' its peak allocated memory (peak RSS on a CPU,
+# as in the JSONL). tokens-per-sec, mfu and skipped-iterations are megazero's.
+TENSORBOARD_SCALARS = (
+    ("lm loss", "loss", 1, True),
+    ("learning-rate", "lr", 1, True),
+    ("batch-size", "batch_size", 1, True),
+    ("loss-scale", "loss_scale", 1, True),
+    ("grad-norm", "grad_norm", 1, True),
+    ("lm loss validation", "val_loss", 1, True),
+    ("lm loss validation ppl", "val_ppl", 1, True),
+    ("iteration-time", "iteration_time_s", 1, False),
+    ("throughput", "tflops_per_device", 1, False),
+    ("tokens-per-sec", "tokens_per_sec", 1, False),
+    ("mfu", "mfu", 1, False),
+    ("mem-max-allocated-bytes", "peak_mem_gib", 2**30, False),
+    ("skipped-iterations", "skipped_iters", 1, False),
+)
+SAMPLES_RUN = "vs_samples"  # the "vs samples" scalars: a run of their own, purged on their own step axis
+
+
+def tensorboard_scalars(rec: dict) -> list[tuple[str, float, bool]]:
+    """(tag, value, also vs samples) for every scalar of `rec` TensorBoard gets."""
+    return [(tag, rec[field] * unit, vs_samples) for tag, field, unit, vs_samples in TENSORBOARD_SCALARS
+            if rec.get(field) is not None]
+
+
+class TensorBoardSink:
+    """Scalars by iteration in DIR, and by consumed samples in DIR/vs_samples (Megatron writes
+    both into one run; apart, each has its own purge step: a purge hides every event from its
+    step on, whatever the tag, and sample counts are not iterations)."""
+
+    def __init__(self, log_dir: str, iteration: int, consumed_samples: int):
+        from torch.utils.tensorboard import SummaryWriter  # presence checked at start-up
+
+        self.by_iteration = SummaryWriter(log_dir, purge_step=iteration + 1)
+        self.by_samples = SummaryWriter(os.path.join(log_dir, SAMPLES_RUN), purge_step=consumed_samples + 1)
+
+    def write(self, rec: dict) -> None:
+        for tag, value, vs_samples in tensorboard_scalars(rec):
+            self.by_iteration.add_scalar(tag, value, rec["iteration"])
+            if vs_samples:
+                self.by_samples.add_scalar(f"{tag} vs samples", value, rec["consumed_samples"])
+        self.by_iteration.flush()  # flushed at every log interval, as the JSONL is
+        self.by_samples.flush()
+
+    def close(self) -> None:
+        self.by_iteration.close()
+        self.by_samples.close()
+
+
+# ----------------------------------------------------------------------------- W&B
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(save_dir: Optional[str]) -> Optional[str]:
+    """The W&B run id of the run saving to `save_dir`, kept there so that a restart or a
+    resume logs into the same W&B run; None without a save directory (nothing to resume)."""
+    if not save_dir:
+        return None
+    path = os.path.join(save_dir, WANDB_ID_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            return f.read().strip()
+    run_id = uuid.uuid4().hex[:12]
+    write_text(path, run_id)
+    return run_id
+
+
+class WandbSink:
+    """One W&B run per save directory, resumed on a restart when online (its steps are iterations)."""
+
+    def __init__(self, cfg: Config):
+        import wandb  # presence checked at start-up, before any process group exists
+
+        mode = os.environ.setdefault("WANDB_MODE", "offline")  # no network here: sync later with `wandb sync`
+        run_id = wandb_run_id(cfg.checkpoint.save)
+        # Offline, W&B cannot resume (it would warn at every start): each attempt is an offline
+        # run of its own under the same id.
+        online = mode not in ("offline", "dryrun", "disabled")
+        self.run = wandb.init(project=cfg.logging.wandb_project, config=cfg.to_dict(), id=run_id,
+                              resume="allow" if run_id and online else None)
+
+    def write(self, rec: dict) -> None:
+        self.run.log({k: v for k, v in rec.items() if k != "iteration"}, step=rec["iteration"])
+
+    def close(self) -> None:
+        self.run.finish()
