@@ -17,6 +17,7 @@ import inspect
 import math
 import os
 import textwrap
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable, Literal, Optional, Union
@@ -138,6 +139,10 @@ class TrainConfig:
     """Batches per validation run."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
+    rampup_batch_size: Optional[list] = None
+    """Batch-size ramp-up as Megatron's --rampup-batch-size: START INCREMENT SAMPLES. The global batch starts
+    at START and grows by INCREMENT in equal steps over the first SAMPLES samples, up to global_batch_size
+    (START and INCREMENT multiples of micro_batch_size x dp); the LR schedule then counts samples."""
     compile: bool = False
     """torch.compile each transformer block (fuses its elementwise work; the first steps compile)."""
     max_skipped_steps: int = 10
@@ -162,6 +167,9 @@ class OptimConfig:
     """Global gradient-norm clip (0: off)."""
     warmup_iters: int = 0
     """Linear warmup iterations."""
+    warmup_fraction: float = 0.0
+    """Linear warmup as a fraction of the decay iterations (optim.decay_iters, else train.iters), as Megatron's
+    --lr-warmup-fraction; 0: off. Not together with optim.warmup_iters."""
     decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     """LR decay after warmup."""
     decay_iters: int = 0
@@ -249,6 +257,8 @@ class LoggingConfig:
     print_config: bool = False
     """Print the full resolved config at start-up (`--print-config`); it is always written to
     the run directory as config.yaml."""
+    tensorboard: str | None = None
+    """Directory for TensorBoard event files (Megatron's --tensorboard-dir); null: none."""
 
 
 @dataclass
@@ -276,7 +286,7 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check `value` against a field annotation (given as a string or a type)."""
     origin = typing.get_origin(annotation)
-    if origin is typing.Union:  # Optional[X], or int | Literal["auto"]
+    if origin in _UNIONS:  # Optional[X], X | None, or int | Literal["auto"]
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value is None and len(options) < len(typing.get_args(annotation)):
             return None
@@ -316,6 +326,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key} ({value!r}) must be a string")
         return str(value)
     if annotation is list:
+        if isinstance(value, str) and "," in value:  # `a,b,c`, as in --finetune.lora_targets c_attn,c_proj
+            value = split_list(value)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = [value]  # a single prefix given on the CLI
         if not isinstance(value, list):
@@ -324,6 +336,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     raise TypeError(f"unsupported annotation {annotation} for {key}")
 
 
+_UNIONS = (typing.Union, types.UnionType)  # Optional[X] and X | None are different objects before Python 3.14
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
 
 
@@ -332,7 +345,7 @@ def type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     if origin is Literal:
         return "|".join(map(str, typing.get_args(annotation)))
-    if origin is typing.Union:
+    if origin in _UNIONS:
         return "|".join(type_name(a) for a in typing.get_args(annotation) if a is not type(None))
     return annotation.__name__
 
@@ -419,9 +432,18 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
                 end = i + 2  # one value; a stray second one is reported as an unexpected argument
             raws, i = args[i + 1:end], end
         section, key = name.split(".", 1)
-        values = [_parse_value(raw) for raw in raws]
+        if _is_list_key(name):  # `a,b,c` is `a b c` (a YAML list `[a, b]` is parsed as one value)
+            values = [v for raw in raws for v in (split_list(raw) if not raw.lstrip().startswith("[") else
+                                                  [_parse_value(raw)])]
+        else:
+            values = [_parse_value(raw) for raw in raws]
         out.append((section, key, values[0] if len(values) == 1 else values))
     return out
+
+
+def split_list(raw: str) -> list:
+    """`a,b,c` as the list [a, b, c], each piece parsed as YAML (empty pieces dropped)."""
+    return [_parse_value(piece.strip()) for piece in raw.split(",") if piece.strip()]
 
 
 def _parse_value(raw: str) -> Any:
@@ -507,13 +529,14 @@ def schedule_warnings(cfg: Config) -> list[str]:
     """Lines about an LR schedule that is valid but almost surely not meant: a warm-up that
     lasts the whole run or leaves no decay phase."""
     t, o = cfg.train, cfg.optim
-    if not o.warmup_iters or not t.iters:
+    warmup = warmup_length(o, t.iters)
+    if not warmup or not t.iters:
         return []
-    if o.warmup_iters >= t.iters:
-        return [f"warning: optim.warmup_iters ({o.warmup_iters}) >= train.iters ({t.iters}): the whole run warms up "
+    if warmup >= t.iters:
+        return [f"warning: optim.warmup_iters ({warmup:g}) >= train.iters ({t.iters}): the whole run warms up "
                 f"and the LR never decays; lower optim.warmup_iters or raise train.iters"]
-    if o.decay_iters and o.warmup_iters >= o.decay_iters:
-        return [f"warning: optim.warmup_iters ({o.warmup_iters}) >= optim.decay_iters ({o.decay_iters}): the LR "
+    if o.decay_iters and warmup >= o.decay_iters:
+        return [f"warning: optim.warmup_iters ({warmup:g}) >= optim.decay_iters ({o.decay_iters}): the LR "
                 f"jumps to min_lr after the warm-up, with no decay; raise optim.decay_iters"]
     return []
 
@@ -549,6 +572,7 @@ def validate(cfg: Config, world_size: int) -> int:
         raise ConfigError(f"model.dropout ({m.dropout}) must be in [0, 1)")
     if o.min_lr > o.lr:
         raise ConfigError(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
+    _validate_warmup(o)
     _validate_zero(cfg)
     _validate_finetune(cfg.finetune)
     if m.hidden_size % m.num_heads:
@@ -564,6 +588,8 @@ def validate(cfg: Config, world_size: int) -> int:
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                           f"micro_batch_size x dp ({t.micro_batch_size} x {dp} = {t.micro_batch_size * dp})")
+    if t.rampup_batch_size is not None:
+        rampup_steps(t, dp)  # its one-line errors
     _validate_pipeline(cfg, dp)
     if p.sequence_parallel and p.tp > 1:
         _validate_sequence_parallel(cfg)
@@ -598,6 +624,54 @@ def tokenizer_size(spec: str) -> int:
         return build_tokenizer(spec).vocab_size
     except DataError as e:
         raise ConfigError(f"data.tokenizer: {e}") from None
+
+
+def _validate_warmup(o: OptimConfig) -> None:
+    if not 0.0 <= o.warmup_fraction <= 1.0:
+        raise ConfigError(f"optim.warmup_fraction ({o.warmup_fraction:g}) must be in [0, 1], e.g. 0.01")
+    if o.warmup_fraction and o.warmup_iters:
+        raise ConfigError(f"optim.warmup_iters ({o.warmup_iters}) and optim.warmup_fraction ({o.warmup_fraction:g}) "
+                          f"both set the warm-up (--lr-warmup-iters, --lr-warmup-fraction); keep one, set the other to 0")
+
+
+def warmup_length(o: OptimConfig, train_iters: int) -> float:
+    """The warm-up in iterations: optim.warmup_iters, or optim.warmup_fraction of the decay
+    iterations (as Megatron, possibly fractional)."""
+    return o.warmup_fraction * (o.decay_iters or train_iters) if o.warmup_fraction else float(o.warmup_iters)
+
+
+def rampup_steps(t: TrainConfig, dp: int) -> tuple[int, int, float]:
+    """train.rampup_batch_size checked for `dp` ranks, as (START, INCREMENT, samples per increment):
+    Megatron's ramp-up, where the global batch is START + INCREMENT x floor(consumed / samples
+    per increment) until SAMPLES samples are consumed, then global_batch_size."""
+    r, unit = t.rampup_batch_size or [], t.micro_batch_size * dp
+    if len(r) != 3 or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 0 for v in r):
+        raise ConfigError(f"train.rampup_batch_size ({r}) must be three non-negative integers START INCREMENT "
+                          f"SAMPLES, e.g. --train.rampup_batch_size 16 16 5859375")
+    start, increment, samples = (int(v) for v in r)
+    if not 0 < start <= t.global_batch_size or increment < 1:
+        raise ConfigError(f"train.rampup_batch_size START ({start}) must be in 1..global_batch_size "
+                          f"({t.global_batch_size}) and INCREMENT ({increment}) at least 1")
+    if (t.global_batch_size - start) % increment:
+        raise ConfigError(f"train.rampup_batch_size: global_batch_size - START ({t.global_batch_size} - {start}) must "
+                          f"be a multiple of INCREMENT ({increment})")
+    for name, value in (("START", start), ("INCREMENT", increment)):
+        if value % unit:
+            raise ConfigError(f"train.rampup_batch_size {name} ({value}) must be a multiple of micro_batch_size x dp "
+                              f"({t.micro_batch_size} x {dp} = {unit}), so every step's batch splits over the ranks")
+    increments = (t.global_batch_size - start) // increment
+    return start, increment, samples / increments if increments else 0.0
+
+
+def rampup_batch(t: TrainConfig, dp: int, consumed_samples: int) -> int:
+    """The global batch of the step that starts after `consumed_samples` samples."""
+    if t.rampup_batch_size is None:
+        return t.global_batch_size
+    start, increment, per_increment = rampup_steps(t, dp)
+    samples = int(t.rampup_batch_size[2])
+    if not per_increment or consumed_samples > samples:
+        return t.global_batch_size
+    return min(t.global_batch_size, start + increment * int(consumed_samples / per_increment))
 
 
 def _validate_zero(cfg: Config) -> None:
