@@ -1,5 +1,8 @@
 """`python -m megazero.train --config FILE [--section.key value ...]` (under torchrun for N processes).
 
+Megatron-LM's GPT pretraining flags (--num-layers 24 --fp16 --data-path ...) are accepted as
+aliases of the config keys (train/megatron_flags.py; README's "Coming from Megatron-LM").
+
 Precedence: defaults < the YAML --config < a DeepSpeed config (--deepspeed-config FILE, or a
 .json --config) < command-line overrides."""
 
@@ -15,6 +18,7 @@ from megazero.config import Config, ConfigError, build_config, load_yaml, refere
 from megazero.deepspeed_config import load_deepspeed_config
 from megazero.errors import exit_if_failed_before, report_errors
 from megazero.train import lifecycle
+from megazero.train.megatron_flags import translate
 from megazero.train.run_config import preflight, resolve_and_validate
 
 
@@ -106,7 +110,9 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
         if deepspeed:
             raise ConfigError(f"two DeepSpeed configs: --config {path} and --deepspeed-config {deepspeed}; pass one")
         path, deepspeed = None, path
-    file_data = load_yaml(path) if path else {}
+    megatron = translate(overrides)  # Megatron-LM flags -> --section.key overrides (the rest unchanged)
+    overrides = megatron.overrides
+    file_data = megatron.defaults_under(load_yaml(path) if path else {})
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     cfg = build_config(file_data, overrides)
     if deepspeed:
@@ -115,6 +121,9 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
         cfg = build_config(merged, overrides)
         if rank == 0 and imported.warning(deepspeed):
             print(imported.warning(deepspeed), file=sys.stderr, flush=True)
+    megatron.apply(cfg)
+    if rank == 0 and megatron.warning():
+        print(megatron.warning(), file=sys.stderr, flush=True)
     resolve_and_validate(cfg, world_size)
     return cfg
 
