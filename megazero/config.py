@@ -110,8 +110,8 @@ class ZeroConfig:
     is read one unit before its all-gather is due (in the prefetch order), all-gathered at
     that fixed point and dropped after."""
     nvme_path: str = ""
-    """offload_optimizer / offload_param nvme: an existing, writable directory on a fast
-    local disk."""
+    """offload_optimizer / offload_param nvme: a directory on a fast local disk (created when
+    missing)."""
     pin_memory: bool = True
     """Page-lock offloaded host buffers when a GPU is present (faster device<->host copies)."""
     buffer_count: int = 4
@@ -729,11 +729,24 @@ def _validate_offload(z: ZeroConfig) -> None:
     if not z.nvme_path:
         raise ConfigError(f"{nvme[0]} needs zero.nvme_path: a directory on a local disk, "
                           "e.g. --zero.nvme_path /local_nvme")
-    if not os.path.isdir(z.nvme_path):
-        raise ConfigError(f"zero.nvme_path {z.nvme_path} is not an existing directory; create it or point "
-                          f"--zero.nvme_path at one")
-    if not os.access(z.nvme_path, os.W_OK | os.X_OK):
-        raise ConfigError(f"zero.nvme_path {z.nvme_path} is not writable by this user; choose another directory")
+    why = nvme_path_problem(z.nvme_path)
+    if why:
+        raise ConfigError(why)
+
+
+def nvme_path_problem(path: str) -> Optional[str]:
+    """Why zero.nvme_path cannot hold swap files (None when it can). A missing directory is
+    fine when it can be created (the run creates it, as DeepSpeed does its swap folders)."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        what = "is not a directory" if parent == os.path.abspath(path) else f"cannot be created: {parent} is a file"
+        return f"zero.nvme_path {path} {what}; point --zero.nvme_path at a directory on a local disk"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        what = "is" if parent == os.path.abspath(path) else f"cannot be created: {parent} is"
+        return f"zero.nvme_path {path} {what} not writable by this user; choose another directory"
+    return None
 
 
 def _validate_sequence_parallel(cfg: Config) -> None:
