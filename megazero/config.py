@@ -663,17 +663,6 @@ def rampup_steps(t: TrainConfig, dp: int) -> tuple[int, int, float]:
     return start, increment, samples / increments if increments else 0.0
 
 
-def rampup_batch(t: TrainConfig, dp: int, consumed_samples: int) -> int:
-    """The global batch of the step that starts after `consumed_samples` samples."""
-    if t.rampup_batch_size is None:
-        return t.global_batch_size
-    start, increment, per_increment = rampup_steps(t, dp)
-    samples = int(t.rampup_batch_size[2])
-    if not per_increment or consumed_samples > samples:
-        return t.global_batch_size
-    return min(t.global_batch_size, start + increment * int(consumed_samples / per_increment))
-
-
 def _validate_zero(cfg: Config) -> None:
     z, precision = cfg.zero, cfg.train.precision
     if z.stage not in (0, 1, 2, 3):

@@ -11,7 +11,8 @@ import pytest
 
 from conftest import make_config, make_trainer
 from distributed import run_distributed
-from megazero.config import ConfigError, OptimConfig, TrainConfig, rampup_batch
+from megazero.config import ConfigError, OptimConfig, TrainConfig
+from megazero.train.batch_rampup import rampup_batch
 from megazero.train.lr import LRSchedule
 
 # micro 2, global 16: the batch starts at 4 and grows by 4 every 24 / 3 = 8 samples.

@@ -23,7 +23,7 @@ from megazero.checkpoint.gathered import save_model_16bit
 from megazero.checkpoint.resume import RESUME, resume_state, starting_point
 from megazero.checkpoint.save import save_sharded
 from megazero.checkpoint.tensors import encode_rng
-from megazero.config import Config, describe, rampup_batch
+from megazero.config import Config, describe
 from megazero.data import DataError
 from megazero.data.gpt_dataset import build_train_valid_test_datasets, check_compatibility, inputs_and_labels
 from megazero.data.mock import MockGPTDataset
@@ -33,6 +33,7 @@ from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining, untimed
 from megazero.plan.formulas import model_flops_per_token
+from megazero.train.batch_rampup import rampup_batch
 from megazero.train.lifecycle import StopRequest
 from megazero.train.lr import LRSchedule
 from megazero.train.metrics import (
