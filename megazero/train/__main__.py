@@ -3,8 +3,9 @@
 Megatron-LM's GPT pretraining flags (--num-layers 24 --fp16 --data-path ...) are accepted as
 aliases of the config keys (train/megatron_flags.py; README's "Coming from Megatron-LM").
 
-Precedence: defaults < the YAML --config < a DeepSpeed config (--deepspeed-config FILE, or a
-.json --config) < command-line overrides."""
+Precedence: defaults < Megatron-LM's defaults (only when Megatron flags are given) < the YAML
+--config < a DeepSpeed config (--deepspeed-config FILE, or a .json --config) < command-line
+overrides and Megatron flags (in the order given)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="megazero-train", description=__doc__, allow_abbrev=False, formatter_class=argparse.RawTextHelpFormatter,
         epilog="config keys: override any as --section.key value or --section.key=value;\n"
-               "a list key takes every value up to the next --flag (--data.prefix 0.3 A 0.7 B)\n" + reference())
+               "a list key takes every value up to the next --flag (--data.prefix 0.3 A 0.7 B) or a,b,c;\n"
+               "Megatron-LM's flags are accepted too (--num-layers 24 --fp16 ...: README, 'Coming from Megatron-LM')\n"
+               + reference())
     parser.add_argument("--config", help="YAML config file (configs/gpt2-tiny.yaml, ...); a .json file is read as "
                                          "a DeepSpeed config")
     parser.add_argument("--deepspeed-config", "--deepspeed_config", metavar="FILE",
