@@ -778,6 +778,13 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
         if microbatches % p.pp:
             raise ConfigError(f"interleaved schedule needs micro-batches per iteration ({microbatches}) to be a "
                               f"multiple of parallel.pp ({p.pp}); change train.global_batch_size")
+        if t.rampup_batch_size is not None:  # every batch of the ramp too: START and INCREMENT in micro-batches
+            unit = t.micro_batch_size * dp * p.pp
+            if any(int(v) % unit for v in t.rampup_batch_size[:2]):
+                raise ConfigError(f"interleaved schedule needs every ramp-up batch in whole rounds of parallel.pp "
+                                  f"micro-batches: train.rampup_batch_size START and INCREMENT "
+                                  f"({t.rampup_batch_size[0]}, {t.rampup_batch_size[1]}) must be multiples of "
+                                  f"micro_batch_size x dp x pp ({t.micro_batch_size} x {dp} x {p.pp} = {unit})")
     elif p.schedule == "interleaved":
         raise ConfigError("parallel.schedule interleaved needs parallel.vpp > 1")
 

@@ -37,9 +37,12 @@ def test_batch_sequence_follows_megatron():
     ([6, 4, 24], 1, "global_batch_size - START (16 - 6) must be a multiple of INCREMENT (4)"),
     ([4, 4, 24], 4, "START (4) must be a multiple of micro_batch_size x dp (2 x 4 = 8)"),
     ([32, 4, 24], 1, "START (32) must be in 1..global_batch_size (16)"),
+    ([2, 2, 24], "vpp", "START and INCREMENT (2, 2) must be multiples of micro_batch_size x dp x pp (2 x 1 x 2 = 4)"),
 ])
 def test_bad_rampup_is_one_line(ramp, dp, message):
     args = ["--train.micro_batch_size", "2", "--train.rampup_batch_size", *map(str, ramp)]
+    if dp == "vpp":  # interleaved: every batch in whole rounds of pp micro-batches
+        args, dp = args + ["--parallel.pp", "2", "--parallel.vpp", "2"], 2
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make_config(args, world=dp)
 
