@@ -258,7 +258,7 @@ class LoggingConfig:
     """Print the full resolved config at start-up (`--print-config`); it is always written to
     the run directory as config.yaml."""
     tensorboard: str | None = None
-    """Directory for TensorBoard event files (Megatron's --tensorboard-dir); null: none."""
+    """TensorBoard log directory: Megatron-LM's scalars under its tag names (`pip install tensorboard`)."""
 
 
 @dataclass
@@ -283,10 +283,13 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 # ---------------------------------------------------------------------------- typing
 
 
+_UNIONS = (typing.Union, types.UnionType)  # Optional[X] and the `X | None` spelling
+
+
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check `value` against a field annotation (given as a string or a type)."""
     origin = typing.get_origin(annotation)
-    if origin in _UNIONS:  # Optional[X], X | None, or int | Literal["auto"]
+    if origin in _UNIONS:  # Optional[X], str | None, or int | Literal["auto"]
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value is None and len(options) < len(typing.get_args(annotation)):
             return None
@@ -336,7 +339,6 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     raise TypeError(f"unsupported annotation {annotation} for {key}")
 
 
-_UNIONS = (typing.Union, types.UnionType)  # Optional[X] and X | None are different objects before Python 3.14
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
 
 

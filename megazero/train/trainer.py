@@ -344,8 +344,7 @@ class Trainer:
                "skipped_iters": self.skipped_iters}
         if out.get("loss_scale") is not None:
             rec["loss_scale"] = out["loss_scale"]
-        if self.cfg.train.rampup_batch_size is not None:  # the global batch of this step
-            rec["batch_size"] = out["batch_size"]
+        rec["batch_size"] = out["batch_size"]  # the global batch of this step (smaller during a ramp-up)
         if self.timers is not None:
             rec.update(self.timers.take(steps))
             rec.update(bytes_per_iteration(self.grid.bytes_moved(), steps))
