@@ -74,14 +74,6 @@ def _run(args: list[str]) -> list[dict]:
         return [{k: r[k] for k in ("loss", "lr", "batch_size", "consumed_samples")} for r in trainer.run()]
 
 
-def test_rampup_over_two_dp_ranks_equals_one():
-    one = run_distributed(_run, 1, RAMP)[0]
-    two = run_distributed(_run, 2, RAMP)[0]
-    assert [r["batch_size"] for r in one] == BATCHES == [r["batch_size"] for r in two]
-    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one, two, strict=True)) <= 1e-5
-    assert [r["lr"] for r in one] == [r["lr"] for r in two]
-
-
 def _interrupted(args: list[str], ckpt: str) -> tuple[list[dict], list[dict]]:
     """The whole run, and the same run stopped after 3 iterations and resumed (one process)."""
     save = ["--checkpoint.save", ckpt]
@@ -90,7 +82,19 @@ def _interrupted(args: list[str], ckpt: str) -> tuple[list[dict], list[dict]]:
     return whole, first + _run(args + save + ["--checkpoint.load", ckpt])
 
 
-def test_resume_in_the_middle_of_the_ramp_is_bitwise(tmp_path):
-    whole, resumed = run_distributed(_interrupted, 1, RAMP, str(tmp_path / "ckpt"))[0]
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> tuple[list[dict], list[dict]]:
+    return run_distributed(_interrupted, 1, RAMP, str(tmp_path_factory.mktemp("ramp") / "ckpt"))[0]
+
+
+def test_resume_in_the_middle_of_the_ramp_is_bitwise(one_rank):
+    whole, resumed = one_rank
     assert [r["batch_size"] for r in resumed] == BATCHES
     assert resumed == whole
+
+
+def test_rampup_over_two_dp_ranks_equals_one(one_rank):
+    one, two = one_rank[0], run_distributed(_run, 2, RAMP)[0]
+    assert [r["batch_size"] for r in one] == BATCHES == [r["batch_size"] for r in two]
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one, two, strict=True)) <= 1e-5
+    assert [r["lr"] for r in one] == [r["lr"] for r in two]
