@@ -68,6 +68,22 @@ def test_example_line_maps_to_megazero_keys(corpus, tmp_path, capsys):
         "itself): --attention-backend"]
 
 
+def test_gpt2_example_line_maps(corpus, tmp_path, capsys):
+    """examples/pretrain_gpt_distributed_with_mp.sh (the 345M GPT-2), shrunk: its older flags too."""
+    line = ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 "
+            "--num-attention-heads 4 --micro-batch-size 2 --global-batch-size 8 --seq-length 32 "
+            "--max-position-embeddings 32 --train-iters 20 --lr-decay-iters 16 "
+            f"--save {tmp_path} --load {tmp_path} --data-path {corpus[0]} --vocab-file {corpus[1]}/vocab.json "
+            f"--merge-file {corpus[1]}/merges.txt --data-impl mmap --split 949,50,1 --distributed-backend nccl "
+            "--lr 0.00015 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --clip-grad 1.0 "
+            "--lr-warmup-fraction .01 --checkpoint-activations --log-interval 100 --save-interval 10000 "
+            "--eval-interval 1000 --eval-iters 10 --fp16").split()
+    cfg = load_config(None, None, line, 0, 4)
+    assert (cfg.train.recompute, cfg.train.precision, cfg.optim.warmup_fraction, cfg.optim.weight_decay) == (
+        "full", "fp16", 0.01, 0.01)
+    assert capsys.readouterr().err.strip().endswith("makes itself): --data-impl, --distributed-backend")
+
+
 @pytest.mark.parametrize("args, message", [
     ("--num-layer 2", "unknown flag --num-layer: neither a megazero key nor a Megatron-LM flag megazero reads; "
                       "did you mean --num-layers (megazero's model.num_layers)?"),
