@@ -64,6 +64,7 @@ def test_example_line_maps_to_megazero_keys(corpus, tmp_path, capsys):
     assert (cfg.checkpoint.save, cfg.checkpoint.load, cfg.checkpoint.interval) == (str(tmp_path / "ckpt"),) * 2 + (2,)
     assert cfg.logging.tensorboard == str(tmp_path / "ckpt" / "tb")
     assert capsys.readouterr().err.strip().splitlines() == [
+        "Megatron-LM launch line: Megatron's defaults for what it leaves out: model.dropout 0.1",
         "warning: Megatron-LM flags accepted with no effect here (kernel and implementation choices megazero makes "
         "itself): --attention-backend"]
 
@@ -122,15 +123,20 @@ def test_flags_that_need_the_whole_config():
     assert (cfg.parallel.vpp, cfg.parallel.schedule, cfg.zero.stage) == (2, "interleaved", 2)
 
 
-def test_megatron_defaults_sit_under_the_config_file(tmp_path):
-    """A Megatron line trains with Megatron's dropout, weight decay, beta2 and decay; a --config file wins."""
-    cfg = load_config(None, None, ["--mock-data"], 0, 1)
+def test_megatron_defaults_for_a_megatron_launch_line_only(tmp_path, capsys):
+    """Megatron flags without a config file train with Megatron's dropout, weight decay, beta2 and
+    decay (and say so); with a --config file, or without Megatron flags, megazero's defaults stay."""
+    cfg = load_config(None, None, ["--mock-data", "--adam-beta2", "0.9"], 0, 1)
     assert (cfg.model.dropout, cfg.optim.weight_decay, cfg.optim.beta2, cfg.optim.decay_style) == (
-        0.1, 0.01, 0.999, "linear")
-    (tmp_path / "c.yaml").write_text("model:\n  dropout: 0.0\n")
-    cfg = load_config(str(tmp_path / "c.yaml"), None, ["--mock-data", "--adam-beta2", "0.9"], 0, 1)
-    assert (cfg.model.dropout, cfg.optim.beta2, cfg.optim.weight_decay) == (0.0, 0.9, 0.01)
+        0.1, 0.01, 0.9, "linear")
+    assert capsys.readouterr().err == ("Megatron-LM launch line: Megatron's defaults for what it leaves out: "
+                                       "model.dropout 0.1, optim.weight_decay 0.01, optim.decay_style linear, "
+                                       "optim.min_lr 0\n")
+    (tmp_path / "c.yaml").write_text("model:\n  num_layers: 2\n")
+    cfg = load_config(str(tmp_path / "c.yaml"), None, ["--mock-data"], 0, 1)
+    assert (cfg.model.dropout, cfg.optim.weight_decay, cfg.optim.beta2) == (0.0, 0.1, 0.95)
     assert load_config(None, None, ["--data.mock", "true"], 0, 1).model.dropout == 0.0  # megazero's own line
+    assert capsys.readouterr().err == ""
 
 
 def test_readme_migration_table_is_current():

@@ -3,9 +3,9 @@
 Megatron-LM's GPT pretraining flags (--num-layers 24 --fp16 --data-path ...) are accepted as
 aliases of the config keys (train/megatron_flags.py; README's "Coming from Megatron-LM").
 
-Precedence: defaults < Megatron-LM's defaults (only when Megatron flags are given) < the YAML
---config < a DeepSpeed config (--deepspeed-config FILE, or a .json --config) < command-line
-overrides and Megatron flags (in the order given)."""
+Precedence: defaults (Megatron-LM's where they differ, for Megatron flags without a config file)
+< the YAML --config < a DeepSpeed config (--deepspeed-config FILE, or a .json --config) <
+command-line overrides and Megatron flags (in the order given)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
         path, deepspeed = None, path
     megatron = translate(overrides)  # Megatron-LM flags -> --section.key overrides (the rest unchanged)
     overrides = megatron.overrides
-    file_data = megatron.defaults_under(load_yaml(path) if path else {})
+    file_data = load_yaml(path) if path else megatron.defaults(has_config_file=bool(deepspeed))
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     cfg = build_config(file_data, overrides)
     if deepspeed:
@@ -125,8 +125,10 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
         if rank == 0 and imported.warning(deepspeed):
             print(imported.warning(deepspeed), file=sys.stderr, flush=True)
     megatron.apply(cfg)
-    if rank == 0 and megatron.warning():
-        print(megatron.warning(), file=sys.stderr, flush=True)
+    if rank == 0:
+        for line in (megatron.defaults_note(bool(path or deepspeed)), megatron.warning()):
+            if line:
+                print(line, file=sys.stderr, flush=True)
     resolve_and_validate(cfg, world_size)
     return cfg
 

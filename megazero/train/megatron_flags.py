@@ -192,9 +192,10 @@ MEGATRON_DEFAULTS: dict[str, dict[str, object]] = {
     "model": {"dropout": 0.1},
     "optim": {"weight_decay": 0.01, "beta2": 0.999, "decay_style": "linear", "min_lr": 0.0},
 }
-"""Megatron's defaults where they differ from megazero's and change the training: a command line
-with Megatron flags gets them for the keys it leaves out, so the same launch line trains the same
-model (precedence: megazero's defaults < these < --config file < command line)."""
+"""Megatron's defaults where they differ from megazero's and change the training: a Megatron launch
+line (Megatron flags and no --config file) gets them for the keys it leaves out, so it trains the
+same model as under Megatron. With a --config file megazero's defaults stay: one Megatron alias in
+a megazero command line changes nothing else."""
 
 
 # ---------------------------------------------------------------------------- translation
@@ -215,12 +216,18 @@ class Translation:
     setters: dict[str, tuple[str, str, list[str]]] = field(default_factory=dict)
     """megazero key -> (the Megatron flag that set it, as written, the value): two flags must agree on a key."""
 
-    def defaults_under(self, file_data: dict) -> dict:
-        """`file_data` (a config file's sections) over MEGATRON_DEFAULTS when Megatron flags were given."""
-        if not self.used:
-            return file_data
-        sections = {*MEGATRON_DEFAULTS, *file_data}
-        return {s: {**MEGATRON_DEFAULTS.get(s, {}), **file_data.get(s, {})} for s in sections}
+    def defaults(self, has_config_file: bool) -> dict:
+        """The sections a Megatron launch line starts from: MEGATRON_DEFAULTS when Megatron flags
+        were given without a config file, else none."""
+        return MEGATRON_DEFAULTS if self.used and not has_config_file else {}
+
+    def defaults_note(self, has_config_file: bool) -> Optional[str]:
+        """One line naming the Megatron defaults in effect (those the command line left alone)."""
+        given = {arg[2:].split("=", 1)[0] for arg in self.overrides if arg.startswith("--")}
+        kept = [f"{section}.{key} {show_value(value)}" for section, values in self.defaults(has_config_file).items()
+                for key, value in values.items() if f"{section}.{key}" not in given]
+        return (f"Megatron-LM launch line: Megatron's defaults for what it leaves out: {', '.join(kept)}"
+                if kept else None)
 
     def apply(self, cfg: Config) -> None:
         """The flags that need the built config (every other key at its final value)."""
