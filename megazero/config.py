@@ -110,8 +110,8 @@ class ZeroConfig:
     is read one unit before its all-gather is due (in the prefetch order), all-gathered at
     that fixed point and dropped after."""
     nvme_path: str = ""
-    """offload_optimizer / offload_param nvme: an existing, writable directory on a fast
-    local disk."""
+    """offload_optimizer / offload_param nvme: a directory on a fast local disk (created when
+    missing)."""
     pin_memory: bool = True
     """Page-lock offloaded host buffers when a GPU is present (faster device<->host copies)."""
     buffer_count: int = 4
@@ -139,6 +139,10 @@ class TrainConfig:
     """Batches per validation run."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation."""
+    rampup_batch_size: Optional[list] = None
+    """Batch-size ramp-up as Megatron's --rampup-batch-size: START INCREMENT SAMPLES. The global batch starts
+    at START and grows by INCREMENT in equal steps over the first SAMPLES samples, up to global_batch_size
+    (START and INCREMENT multiples of micro_batch_size x dp); the LR schedule then counts samples."""
     compile: bool = False
     """torch.compile each transformer block (fuses its elementwise work; the first steps compile)."""
     max_skipped_steps: int = 10
@@ -163,6 +167,9 @@ class OptimConfig:
     """Global gradient-norm clip (0: off)."""
     warmup_iters: int = 0
     """Linear warmup iterations."""
+    warmup_fraction: float = 0.0
+    """Linear warmup as a fraction of the decay iterations (optim.decay_iters, else train.iters), as Megatron's
+    --lr-warmup-fraction; 0: off. Not together with optim.warmup_iters."""
     decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     """LR decay after warmup."""
     decay_iters: int = 0
@@ -322,6 +329,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{key} ({value!r}) must be a string")
         return str(value)
     if annotation is list:
+        if isinstance(value, str) and "," in value:  # `a,b,c`, as in --finetune.lora_targets c_attn,c_proj
+            value = split_list(value)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = [value]  # a single prefix given on the CLI
         if not isinstance(value, list):
@@ -425,9 +434,18 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
                 end = i + 2  # one value; a stray second one is reported as an unexpected argument
             raws, i = args[i + 1:end], end
         section, key = name.split(".", 1)
-        values = [_parse_value(raw) for raw in raws]
+        if _is_list_key(name):  # `a,b,c` is `a b c` (a YAML list `[a, b]` is parsed as one value)
+            values = [v for raw in raws for v in (split_list(raw) if not raw.lstrip().startswith("[") else
+                                                  [_parse_value(raw)])]
+        else:
+            values = [_parse_value(raw) for raw in raws]
         out.append((section, key, values[0] if len(values) == 1 else values))
     return out
+
+
+def split_list(raw: str) -> list:
+    """`a,b,c` as the list [a, b, c], each piece parsed as YAML (empty pieces dropped)."""
+    return [_parse_value(piece.strip()) for piece in raw.split(",") if piece.strip()]
 
 
 def _parse_value(raw: str) -> Any:
@@ -513,13 +531,14 @@ def schedule_warnings(cfg: Config) -> list[str]:
     """Lines about an LR schedule that is valid but almost surely not meant: a warm-up that
     lasts the whole run or leaves no decay phase."""
     t, o = cfg.train, cfg.optim
-    if not o.warmup_iters or not t.iters:
+    warmup = warmup_length(o, t.iters)
+    if not warmup or not t.iters:
         return []
-    if o.warmup_iters >= t.iters:
-        return [f"warning: optim.warmup_iters ({o.warmup_iters}) >= train.iters ({t.iters}): the whole run warms up "
+    if warmup >= t.iters:
+        return [f"warning: optim.warmup_iters ({warmup:g}) >= train.iters ({t.iters}): the whole run warms up "
                 f"and the LR never decays; lower optim.warmup_iters or raise train.iters"]
-    if o.decay_iters and o.warmup_iters >= o.decay_iters:
-        return [f"warning: optim.warmup_iters ({o.warmup_iters}) >= optim.decay_iters ({o.decay_iters}): the LR "
+    if o.decay_iters and warmup >= o.decay_iters:
+        return [f"warning: optim.warmup_iters ({warmup:g}) >= optim.decay_iters ({o.decay_iters}): the LR "
                 f"jumps to min_lr after the warm-up, with no decay; raise optim.decay_iters"]
     return []
 
@@ -555,6 +574,7 @@ def validate(cfg: Config, world_size: int) -> int:
         raise ConfigError(f"model.dropout ({m.dropout}) must be in [0, 1)")
     if o.min_lr > o.lr:
         raise ConfigError(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
+    _validate_warmup(o)
     _validate_zero(cfg)
     _validate_finetune(cfg.finetune)
     if m.hidden_size % m.num_heads:
@@ -570,6 +590,8 @@ def validate(cfg: Config, world_size: int) -> int:
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                           f"micro_batch_size x dp ({t.micro_batch_size} x {dp} = {t.micro_batch_size * dp})")
+    if t.rampup_batch_size is not None:
+        rampup_steps(t, dp)  # its one-line errors
     _validate_pipeline(cfg, dp)
     if p.sequence_parallel and p.tp > 1:
         _validate_sequence_parallel(cfg)
@@ -604,6 +626,43 @@ def tokenizer_size(spec: str) -> int:
         return build_tokenizer(spec).vocab_size
     except DataError as e:
         raise ConfigError(f"data.tokenizer: {e}") from None
+
+
+def _validate_warmup(o: OptimConfig) -> None:
+    if not 0.0 <= o.warmup_fraction <= 1.0:
+        raise ConfigError(f"optim.warmup_fraction ({o.warmup_fraction:g}) must be in [0, 1], e.g. 0.01")
+    if o.warmup_fraction and o.warmup_iters:
+        raise ConfigError(f"optim.warmup_iters ({o.warmup_iters}) and optim.warmup_fraction ({o.warmup_fraction:g}) "
+                          f"both set the warm-up (--lr-warmup-iters, --lr-warmup-fraction); keep one, set the other to 0")
+
+
+def warmup_length(o: OptimConfig, train_iters: int) -> float:
+    """The warm-up in iterations: optim.warmup_iters, or optim.warmup_fraction of the decay
+    iterations (as Megatron, possibly fractional)."""
+    return o.warmup_fraction * (o.decay_iters or train_iters) if o.warmup_fraction else float(o.warmup_iters)
+
+
+def rampup_steps(t: TrainConfig, dp: int) -> tuple[int, int, float]:
+    """train.rampup_batch_size checked for `dp` ranks, as (START, INCREMENT, samples per increment):
+    Megatron's ramp-up, where the global batch is START + INCREMENT x floor(consumed / samples
+    per increment) until SAMPLES samples are consumed, then global_batch_size."""
+    r, unit = t.rampup_batch_size or [], t.micro_batch_size * dp
+    if len(r) != 3 or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 0 for v in r):
+        raise ConfigError(f"train.rampup_batch_size ({r}) must be three non-negative integers START INCREMENT "
+                          f"SAMPLES, e.g. --train.rampup_batch_size 16 16 5859375")
+    start, increment, samples = (int(v) for v in r)
+    if not 0 < start <= t.global_batch_size or increment < 1:
+        raise ConfigError(f"train.rampup_batch_size START ({start}) must be in 1..global_batch_size "
+                          f"({t.global_batch_size}) and INCREMENT ({increment}) at least 1")
+    if (t.global_batch_size - start) % increment:
+        raise ConfigError(f"train.rampup_batch_size: global_batch_size - START ({t.global_batch_size} - {start}) must "
+                          f"be a multiple of INCREMENT ({increment})")
+    for name, value in (("START", start), ("INCREMENT", increment)):
+        if value % unit:
+            raise ConfigError(f"train.rampup_batch_size {name} ({value}) must be a multiple of micro_batch_size x dp "
+                              f"({t.micro_batch_size} x {dp} = {unit}), so every step's batch splits over the ranks")
+    increments = (t.global_batch_size - start) // increment
+    return start, increment, samples / increments if increments else 0.0
 
 
 def _validate_zero(cfg: Config) -> None:
@@ -661,11 +720,24 @@ def _validate_offload(z: ZeroConfig) -> None:
     if not z.nvme_path:
         raise ConfigError(f"{nvme[0]} needs zero.nvme_path: a directory on a local disk, "
                           "e.g. --zero.nvme_path /local_nvme")
-    if not os.path.isdir(z.nvme_path):
-        raise ConfigError(f"zero.nvme_path {z.nvme_path} is not an existing directory; create it or point "
-                          f"--zero.nvme_path at one")
-    if not os.access(z.nvme_path, os.W_OK | os.X_OK):
-        raise ConfigError(f"zero.nvme_path {z.nvme_path} is not writable by this user; choose another directory")
+    why = nvme_path_problem(z.nvme_path)
+    if why:
+        raise ConfigError(why)
+
+
+def nvme_path_problem(path: str) -> Optional[str]:
+    """Why zero.nvme_path cannot hold swap files (None when it can). A missing directory is
+    fine when it can be created (the run creates it, as DeepSpeed does its swap folders)."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        what = "is not a directory" if parent == os.path.abspath(path) else f"cannot be created: {parent} is a file"
+        return f"zero.nvme_path {path} {what}; point --zero.nvme_path at a directory on a local disk"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        what = "is" if parent == os.path.abspath(path) else f"cannot be created: {parent} is"
+        return f"zero.nvme_path {path} {what} not writable by this user; choose another directory"
+    return None
 
 
 def _validate_sequence_parallel(cfg: Config) -> None:
@@ -708,6 +780,13 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
         if microbatches % p.pp:
             raise ConfigError(f"interleaved schedule needs micro-batches per iteration ({microbatches}) to be a "
                               f"multiple of parallel.pp ({p.pp}); change train.global_batch_size")
+        if t.rampup_batch_size is not None:  # every batch of the ramp too: START and INCREMENT in micro-batches
+            unit = t.micro_batch_size * dp * p.pp
+            if any(int(v) % unit for v in t.rampup_batch_size[:2]):
+                raise ConfigError(f"interleaved schedule needs every ramp-up batch in whole rounds of parallel.pp "
+                                  f"micro-batches: train.rampup_batch_size START and INCREMENT "
+                                  f"({t.rampup_batch_size[0]}, {t.rampup_batch_size[1]}) must be multiples of "
+                                  f"micro_batch_size x dp x pp ({t.micro_batch_size} x {dp} x {p.pp} = {unit})")
     elif p.schedule == "interleaved":
         raise ConfigError("parallel.schedule interleaved needs parallel.vpp > 1")
 

@@ -19,7 +19,8 @@
 #   PREPARE_ONLY [unset; 1: build the tokenizer and dataset, then stop (Slurm does this once)]
 #   NNODES [1, or MIN:MAX]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29500]  RDZV_ID [megazero]
 #   RESTARTS [3]  (passed to torchrun: c10d rendezvous at MASTER_ADDR:MASTER_PORT, --max-restarts)
-# Arguments are passed on to megazero.train as overrides, e.g. --train.precision bf16.
+# Arguments are passed on to megazero.train as overrides, e.g. --train.precision bf16, or as
+# Megatron-LM flags (--tensor-model-parallel-size 2 --lr 3e-4 ...), which megazero.train translates.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -1,9 +1,10 @@
-"""Regenerate README.md's config-key table from the config dataclasses' field docstrings.
+"""Regenerate README.md's generated blocks: the config-key table (from the config dataclasses'
+field docstrings) and the Megatron-LM migration table and defaults (megazero/train/megatron_flags.py).
 
     python scripts/update_readme_config.py
 
-Run it after adding or changing a config key; tests/test_config.py fails while the table
-and the dataclasses disagree.
+Run it after adding or changing a config key or a Megatron flag; tests/test_config.py and
+tests/test_megatron_flags.py fail while README and the code disagree.
 """
 
 from __future__ import annotations
@@ -16,21 +17,35 @@ sys.path.insert(0, ROOT)
 
 from megazero.atomic import atomic_write  # noqa: E402
 from megazero.config import markdown_table  # noqa: E402
+from megazero.train import megatron_flags  # noqa: E402
 
-START, END = "<!-- config-keys:start (scripts/update_readme_config.py) -->", "<!-- config-keys:end -->"
+BLOCKS = (  # (start marker, end marker, text between them, whether it stands on lines of its own)
+    ("<!-- config-keys:start (scripts/update_readme_config.py) -->", "<!-- config-keys:end -->", markdown_table, True),
+    ("<!-- megatron-flags:start (scripts/update_readme_config.py) -->", "<!-- megatron-flags:end -->",
+     megatron_flags.markdown_table, True),
+    ("<!-- megatron-defaults:start -->", "<!-- megatron-defaults:end -->", megatron_flags.defaults_table, False),
+)
+
+
+def fill(text: str) -> str:
+    """README's text with every generated block replaced by its current content."""
+    for start, end, content, own_lines in BLOCKS:
+        if start not in text or end not in text:
+            sys.exit(f"error: README.md has no {start} ... {end} block to fill; add the two markers where it goes")
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        sep = "\n" if own_lines else ""
+        text = f"{head}{start}{sep}{content()}{sep}{end}{tail}"
+    return text
 
 
 def main() -> None:
     path = os.path.join(ROOT, "README.md")
     with open(path) as f:
         text = f.read()
-    if START not in text or END not in text:
-        sys.exit(f"error: README.md has no {START} ... {END} block to fill; add the two markers where the table goes")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
     with atomic_write(path, "w") as f:
-        f.write(f"{head}{START}\n{markdown_table()}\n{END}{tail}")
-    print(f"updated the config-key table in {path}")
+        f.write(fill(text))
+    print(f"updated the generated tables in {path}")
 
 
 if __name__ == "__main__":

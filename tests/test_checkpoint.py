@@ -87,7 +87,8 @@ def test_crashed_save_keeps_previous_checkpoint(tmp_path):
     proc, recs = _train(tmp_path, 1, "b", ["--train.iters", "4", "--checkpoint.save", ckpt, "--checkpoint.load", ckpt])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resumed from" in proc.stdout and [r["iteration"] for r in recs] == [3, 4]
-    assert sorted(os.listdir(ckpt)) == ["config.yaml", "iter_0000002", "iter_0000004", "latest"]
+    assert sorted(os.listdir(ckpt)) == ["config.yaml", "iter_0000002", "iter_0000004", "latest",
+                                        "latest_checkpointed_iteration.txt"]  # Megatron-LM's name for latest
 
 
 def test_corrupt_and_incomplete_checkpoints_are_refused(tmp_path):

@@ -28,6 +28,16 @@ def test_override_parsing():
         ("a", "b", 1), ("c", "d", "x"), ("e", "f", [1, 2])]
 
 
+def test_list_keys_accept_commas():
+    """`a,b,c` is `a b c` for list keys, on the command line and in a file; a YAML list stays one value."""
+    cfg = build_config({"parallel": {"pp_layers": "3,5"}},
+                       ["--finetune.lora_targets", "c_attn,c_proj", "--data.prefix=0.3,A,0.7,B"])
+    assert cfg.finetune.lora_targets == ["c_attn", "c_proj"] and cfg.parallel.pp_layers == [3, 5]
+    assert cfg.data.prefix == [0.3, "A", 0.7, "B"]
+    assert build_config(None, ["--data.prefix", "[0.3, A, 0.7, B]"]).data.prefix == [0.3, "A", 0.7, "B"]
+    assert build_config(None, ["--data.split", "949,50,1"]).data.split == "949,50,1"  # not a list key
+
+
 def test_data_prefix_accepts_single_value():
     cfg = build_config(None, ["--data.prefix", "data/x_text_document"])
     assert cfg.data.prefix == ["data/x_text_document"]

@@ -258,7 +258,9 @@ def test_full_disk_during_a_save(tmp_path):
         assert stop.endswith("the previous checkpoint and 'latest' are untouched; free disk space or fix the "
                              "directory (checkpoint.save) and resume with --checkpoint.load")
         assert out["stop_latest"] == "iter_0000002" and out["stop_intact"]
-        assert out["stop_listing"] == ["config.yaml", "iter_0000001", "iter_0000002", "latest"]
+        assert out["stop_listing"] == ["config.yaml", "iter_0000001", "iter_0000002", "latest",
+                                       "latest_checkpointed_iteration.txt"]
         assert out["continue_last"].startswith(f"saving iteration 5 to {tmp_path}/continue failed on rank 1")
         assert out["continue_iteration"] == 5 and out["continue_latest"] == "iter_0000002"
-        assert out["continue_listing"] == ["config.yaml", "iter_0000002", "iter_0000006", "latest"]
+        assert out["continue_listing"] == ["config.yaml", "iter_0000002", "iter_0000006", "latest",
+                                           "latest_checkpointed_iteration.txt"]

@@ -237,8 +237,8 @@ def test_nvme_store_refuses_a_disk_without_room(tmp_path, monkeypatch):
     (["--zero.stage", "2", "--zero.offload_param", "cpu"], r"offload_param cpu .* needs zero.stage 3 \(got 2\)"),
     (["--zero.stage", "3", "--zero.offload_param", "nvme"], r"zero.offload_param nvme needs zero.nvme_path"),
     (["--zero.stage", "1", "--zero.offload_optimizer", "nvme"], r"needs zero.nvme_path"),
-    (["--zero.stage", "1", "--zero.offload_optimizer", "nvme", "--zero.nvme_path", "/no/such/dir"],
-     r"/no/such/dir is not an existing directory"),
+    (["--zero.stage", "1", "--zero.offload_optimizer", "nvme", "--zero.nvme_path", "setup.cfg/swap"],
+     r"zero.nvme_path setup.cfg/swap cannot be created: .*setup.cfg is a file"),
     (["--zero.stage", "1", "--zero.offload_optimizer", "nvme", "--zero.nvme_path", "/tmp", "--zero.buffer_count",
       "1"], r"zero.buffer_count \(1\) must be at least 2"),
 ])
@@ -262,3 +262,17 @@ def _offload_3d_world(nvme: str) -> dict:
 def test_parameter_and_optimizer_nvme_offload_equal_in_memory_at_tp2_pp2_dp2(tmp_path):
     for out in run_distributed(_offload_3d_world, 8, str(tmp_path)):
         assert out["dloss"] <= 1e-6 and out["params_equal"], out
+
+
+def _nvme_folder_made(nvme: str) -> bool:
+    make_trainer(TINY + ["--zero.stage", "1", "--zero.offload_optimizer", "nvme", "--zero.nvme_path", nvme,
+                         "--zero.buffer_count", "2"])
+    return os.path.isdir(nvme)
+
+
+def test_missing_nvme_path_is_created(tmp_path):
+    """As DeepSpeed makes its swap folders: a missing zero.nvme_path (and its parents) is created."""
+    nvme = str(tmp_path / "not" / "yet")
+    assert make_config(TINY + ["--zero.stage", "1", "--zero.offload_optimizer", "nvme", "--zero.nvme_path", nvme],
+                       world=1).zero.nvme_path == nvme  # valid before it exists
+    assert run_distributed(_nvme_folder_made, 1, nvme) == [True]

@@ -251,6 +251,18 @@ def test_plan_command_refuses_bad_input_in_one_line(capsys, args, message):
     assert err.startswith("error: ") and message in err, err
 
 
+def test_plan_command_honours_training_layout_overrides(capsys):
+    """--parallel.tp/pp/dp/vpp and --zero.stage, as training spells them, fix the layout like --tp/--pp/..."""
+    import json
+    base = ["--config", "configs/gpt2-124m.yaml", "--gpus", "16", "--json", "--top", "0"]
+    code, out, err = _plan(capsys, *base, "--parallel.tp", "2", "--parallel.pp=2", "--zero.stage", "1")
+    assert code == 0, err
+    labels = [lay["label"] for lay in json.loads(out)["layouts"]]
+    assert labels and all(label.startswith("tp2 pp2 ") and " dp4 z1 " in label for label in labels), labels
+    code, _, err = _plan(capsys, *base, "--parallel.dp", "4", "--dp", "2")
+    assert code == 2 and "error: --parallel.dp 4 and --dp 2 disagree; pass one of them" in err
+
+
 def test_plan_module_exits_2_on_bad_input():
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, "-m", "megazero.plan", "--config", "configs/gpt2-1.5b.yaml", "--gpus", "8",

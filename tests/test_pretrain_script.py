@@ -54,6 +54,21 @@ def test_bad_layout_is_refused_before_anything_is_prepared_or_launched(tmp_path)
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
 
+def test_megatron_flags_reach_the_config_check(tmp_path):
+    """The script passes Megatron-LM flags on: its config check (before anything is prepared)
+    reads them as megazero.train does, an unknown one included."""
+    env = {**os.environ, "DATA_DIR": str(tmp_path / "data"), "RUN_DIR": str(tmp_path / "run"), "NPROC": "3"}
+    for args, error in (
+            (["--tensor-model-parallel-size", "3", "--pipeline-model-parallel-size", "1"],
+             "error: model.num_heads (4) must be divisible by parallel.tp (3)\n"),
+            (["--num-layer", "4"], "error: unknown flag --num-layer: neither a megazero key nor a Megatron-LM flag "
+                                   "megazero reads; did you mean --num-layers (megazero's model.num_layers)?\n")):
+        proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr == error
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
+
+
 def test_slurm_example_creates_its_log_folder_and_submits_itself(tmp_path):
     """Outside a job, `bash scripts/pretrain_gpt.slurm ARGS` makes runs/ (Slurm opens
     runs/%x-%j.out before the script runs) and hands itself to sbatch (a stand-in here)."""

@@ -1,7 +1,8 @@
 """The one dispatcher: `open_checkpoint(path)` opens every checkpoint kind a tool is given
 with its reader, as a `Checkpoint` (base.py).
 
-    save directory        SAVE/ with a `latest` file (or `iteration` picks SAVE/iter_N)   sharded.py
+    save directory        SAVE/ with a `latest` file, or Megatron's                       sharded.py
+                          latest_checkpointed_iteration.txt (or `iteration` picks SAVE/iter_N)
     iter_ directory       SAVE/iter_NNNNNNN with metadata.json and the rank files          sharded.py
     universal checkpoint  DIR/universal.json + {master,exp_avg,exp_avg_sq}.safetensors   universal.py
     torch export          FILE (one state_dict) with FILE.config.json beside it; also the  plain.py
@@ -15,7 +16,7 @@ import os
 
 from megazero.checkpoint.base import Checkpoint, CheckpointError, complete_checkpoints, not_a_checkpoint
 from megazero.checkpoint.hf import open_hf
-from megazero.checkpoint.meta import LATEST
+from megazero.checkpoint.meta import LATEST, MEGATRON_LATEST
 from megazero.checkpoint.plain import open_model_16bit, open_torch_export
 from megazero.checkpoint.sharded import open_sharded, resolve
 from megazero.checkpoint.universal import open_universal
@@ -36,7 +37,7 @@ def open_checkpoint(path: str, iteration: int = 0) -> Checkpoint:
         return open_universal(path)
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return open_sharded(path, "iter_ directory")
-    if os.path.isfile(os.path.join(path, LATEST)):
+    if any(os.path.isfile(os.path.join(path, name)) for name in (LATEST, MEGATRON_LATEST)):
         return open_sharded(resolve(path), "save directory")
     if os.path.isfile(os.path.join(path, "config.json")):
         return open_hf(path)

@@ -9,21 +9,36 @@ import os
 from typing import Optional
 
 from megazero.config import Config
+from megazero.errors import UserError
 
 LATEST = "latest"
+MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
+"""Megatron-LM's name for `latest`: the iteration number (or `release`), written beside it."""
 MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size")
 
 
 def resume_dir(load_dir: str, iteration: int = 0) -> Optional[str]:
-    """The iter_ directory a resume from `load_dir` reads (`latest`, or iter_{iteration}); None
-    when `load_dir` has no `latest` to follow."""
+    """The iter_ directory a resume from `load_dir` reads (`latest`, else Megatron's
+    latest_checkpointed_iteration.txt, or iter_{iteration}); None when there is neither to follow."""
     if iteration:
         return os.path.join(load_dir, f"iter_{iteration:07d}")
     latest = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(latest):
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return os.path.join(load_dir, f.read().strip())
+    megatron = os.path.join(load_dir, MEGATRON_LATEST)
+    if not os.path.isfile(megatron):
         return None
-    with open(latest) as f:
-        return os.path.join(load_dir, f.read().strip())
+    with open(megatron) as f:  # Megatron-LM's save directory: "100" names iter_0000100, "release" release/
+        text = f.read().strip()
+    if text != "release" and not text.isdigit():
+        raise PointerError(f"'{megatron}' holds {text!r}, not an iteration number; write the iteration to resume "
+                           f"(e.g. 100) or pass --checkpoint.iteration")
+    return os.path.join(load_dir, "release" if text == "release" else f"iter_{int(text):07d}")
+
+
+class PointerError(UserError, ValueError):
+    """latest_checkpointed_iteration.txt names no iteration."""
 
 
 def model_mismatch(saved: dict, cfg: Config, ckpt: str) -> Optional[str]:

@@ -23,7 +23,7 @@ import torch
 
 from megazero.checkpoint.base import KINDS, CheckpointError, last_good_hint
 from megazero.checkpoint.load import open_checkpoint
-from megazero.checkpoint.meta import LATEST
+from megazero.checkpoint.meta import LATEST, MEGATRON_LATEST
 from megazero.checkpoint.save import layout_of
 from megazero.checkpoint.sharded import check_model, load_rank_state, read_metadata, resolve
 from megazero.checkpoint.tensors import decode_rng, fit_vocab
@@ -37,7 +37,8 @@ FRESH, HF, RESUME = "fresh", "hf", "resume"
 
 def starting_point(load: Optional[str], iteration: int = 0, init_from_hf: Optional[str] = "") -> str:
     """FRESH, HF or RESUME (see above), from the files alone: every rank decides alike."""
-    if load and (iteration or any(os.path.isfile(os.path.join(load, n)) for n in ("universal.json", LATEST))):
+    if load and (iteration or any(os.path.isfile(os.path.join(load, n))
+                                  for n in ("universal.json", LATEST, MEGATRON_LATEST))):
         return RESUME
     return HF if init_from_hf else FRESH
 

@@ -29,7 +29,7 @@ from megazero.checkpoint.base import (
     iter_dir_name,
     rank_file_name,
 )
-from megazero.checkpoint.meta import LATEST
+from megazero.checkpoint.meta import LATEST, MEGATRON_LATEST
 from megazero.config import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
@@ -79,10 +79,12 @@ def _write_rank_file(path: str, rank_state: dict) -> dict:
 
 
 def _seal(save_dir: str, final: str, meta: dict, keep_last: int) -> None:
-    """Rank 0: metadata, the directory renamed into place, then `latest` (each fsynced)."""
+    """Rank 0: metadata, the directory renamed into place, then `latest` and Megatron-LM's name
+    for it (each written atomically and fsynced; either names a complete checkpoint)."""
     write_bytes(os.path.join(final + TMP_SUFFIX, "metadata.json"), json.dumps(meta, indent=1).encode())
     commit_dir(final)
     write_bytes(os.path.join(save_dir, LATEST), os.path.basename(final).encode())
+    write_bytes(os.path.join(save_dir, MEGATRON_LATEST), str(meta["iteration"]).encode())
     prune(save_dir, keep_last)
 
 

@@ -32,7 +32,7 @@ from megazero.checkpoint.base import (
     rank_file_name,
     verified,
 )
-from megazero.checkpoint.meta import LATEST, model_mismatch, resume_dir
+from megazero.checkpoint.meta import LATEST, PointerError, model_mismatch, resume_dir
 from megazero.config import Config, ModelConfig, build_config
 from megazero.model.layers import unshard
 from megazero.parallel.grid import ProcessGrid
@@ -40,11 +40,20 @@ from megazero.parallel.grid import ProcessGrid
 
 def resolve(load_dir: str, iteration: int = 0) -> str:
     """The checkpoint directory to resume from: `latest`, or iter_{iteration} when given."""
-    path = resume_dir(load_dir, iteration)
+    try:
+        path = resume_dir(load_dir, iteration)
+    except PointerError as e:  # every rank reads the same file: the same error everywhere
+        raise CheckpointError(str(e)) from None
     if path is None:
         raise CheckpointError(f"no checkpoint in '{load_dir}' (no '{LATEST}' file); "
                               f"unset checkpoint.load to start from scratch")
-    return existing_dir(path)  # a kill while an iteration was being re-saved left it as PATH.old
+    path = existing_dir(path)  # a kill while an iteration was being re-saved left it as PATH.old
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "metadata.json")) and any(
+            name.startswith("mp_rank_") for name in os.listdir(path)):
+        raise CheckpointError(f"'{path}' is a Megatron-LM checkpoint (mp_rank_* files), which megazero does not read; "
+                              f"resume from a megazero checkpoint, or start from a Hugging Face export of the model "
+                              f"with --checkpoint.init_from_hf")
+    return path
 
 
 def read_metadata(ckpt: str) -> dict:

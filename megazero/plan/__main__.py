@@ -3,8 +3,9 @@
 Predicts, per GPU, model states (ZeRO), saved activations (recompute, sequence parallelism,
 in-flight micro-batches), peak memory, bytes moved per step by TP, PP and DP, the pipeline
 bubble, step time, tokens/s and MFU, for every layout the model and cluster allow (or the
-one you fix with --tp/--pp/--dp/--zero-stage/...), and ranks those that fit. Config keys can
-be overridden as in training (--train.global_batch_size 1024).
+one you fix with --tp/--pp/--dp/--zero-stage/..., or training's --parallel.tp/pp/dp/vpp and
+--zero.stage), and ranks those that fit. Config keys can be overridden as in training
+(--train.global_batch_size 1024).
 """
 
 from __future__ import annotations
@@ -45,6 +46,32 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     ap.add_argument("--top", type=int, default=10, help="layouts to show (0: every valid one, fitting or not)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return ap.parse_known_args(argv)
+
+
+LAYOUT_KEYS = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.dp": "dp", "parallel.vpp": "vpp",
+               "zero.stage": "zero_stage"}
+"""Config overrides that fix the layout, as training reads them: --parallel.tp 2 is --tp 2 here."""
+
+
+def take_layout_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """Move --parallel.tp/pp/dp/vpp and --zero.stage (VALUE or =VALUE) from `overrides` into the
+    fixed layout of `args`; the other overrides are returned. One given both ways must agree."""
+    rest, i = [], 0
+    while i < len(overrides):
+        name, has_value, inline = overrides[i][2:].partition("=")
+        if not overrides[i].startswith("--") or name not in LAYOUT_KEYS:
+            rest.append(overrides[i])
+            i += 1
+            continue
+        raw = inline if has_value else (overrides[i + 1] if i + 1 < len(overrides) else "")
+        i += 1 if has_value else 2
+        attr, flag = LAYOUT_KEYS[name], "--" + LAYOUT_KEYS[name].replace("_", "-")
+        if not raw.isdigit():
+            raise PlanError(f"--{name} ({raw!r}) must be a whole number, e.g. --{name} 2 (or {flag} 2)")
+        if getattr(args, attr) not in (None, int(raw)):
+            raise PlanError(f"--{name} {raw} and {flag} {getattr(args, attr)} disagree; pass one of them")
+        setattr(args, attr, int(raw))
+    return rest
 
 
 def cluster_from(args: argparse.Namespace) -> Cluster:
@@ -154,6 +181,7 @@ def print_table(cfg, cluster: Cluster, preds: list[Prediction], top: int) -> Non
 def main(argv: Optional[list[str]] = None) -> None:
     args, overrides = parse_args(argv)
     with report_errors(ConfigError):
+        overrides = take_layout_overrides(args, overrides)
         cfg = build_config(load_yaml(args.config), overrides)
         cfg.model.vocab_size = resolve_vocab_size(cfg)
         cluster = cluster_from(args)

@@ -1,7 +1,11 @@
 """`python -m megazero.train --config FILE [--section.key value ...]` (under torchrun for N processes).
 
-Precedence: defaults < the YAML --config < a DeepSpeed config (--deepspeed-config FILE, or a
-.json --config) < command-line overrides."""
+Megatron-LM's GPT pretraining flags (--num-layers 24 --fp16 --data-path ...) are accepted as
+aliases of the config keys (train/megatron_flags.py; README's "Coming from Megatron-LM").
+
+Precedence: defaults (Megatron-LM's where they differ, for Megatron flags without a config file)
+< the YAML --config < a DeepSpeed config (--deepspeed-config FILE, or a .json --config) <
+command-line overrides and Megatron flags (in the order given)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from megazero.config import Config, ConfigError, build_config, load_yaml, refere
 from megazero.deepspeed_config import load_deepspeed_config
 from megazero.errors import exit_if_failed_before, report_errors
 from megazero.train import lifecycle
+from megazero.train.megatron_flags import translate
 from megazero.train.run_config import preflight, resolve_and_validate
 
 
@@ -23,7 +28,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="megazero-train", description=__doc__, allow_abbrev=False, formatter_class=argparse.RawTextHelpFormatter,
         epilog="config keys: override any as --section.key value or --section.key=value;\n"
-               "a list key takes every value up to the next --flag (--data.prefix 0.3 A 0.7 B)\n" + reference())
+               "a list key takes every value up to the next --flag (--data.prefix 0.3 A 0.7 B) or a,b,c;\n"
+               "Megatron-LM's flags are accepted too (--num-layers 24 --fp16 ...: README, 'Coming from Megatron-LM')\n"
+               + reference())
     parser.add_argument("--config", help="YAML config file (configs/gpt2-tiny.yaml, ...); a .json file is read as "
                                          "a DeepSpeed config")
     parser.add_argument("--deepspeed-config", "--deepspeed_config", metavar="FILE",
@@ -115,7 +122,9 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
         if deepspeed:
             raise ConfigError(f"two DeepSpeed configs: --config {path} and --deepspeed-config {deepspeed}; pass one")
         path, deepspeed = None, path
-    file_data = load_yaml(path) if path else {}
+    megatron = translate(overrides)  # Megatron-LM flags -> --section.key overrides (the rest unchanged)
+    overrides = megatron.overrides
+    file_data = load_yaml(path) if path else megatron.defaults(has_config_file=bool(deepspeed))
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     cfg = build_config(file_data, overrides)
     if deepspeed:
@@ -124,6 +133,11 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
         cfg = build_config(merged, overrides)
         if rank == 0 and imported.warning(deepspeed):
             print(imported.warning(deepspeed), file=sys.stderr, flush=True)
+    megatron.apply(cfg)
+    if rank == 0:
+        for line in (megatron.defaults_note(bool(path or deepspeed)), megatron.warning()):
+            if line:
+                print(line, file=sys.stderr, flush=True)
     resolve_and_validate(cfg, world_size)
     return cfg
 

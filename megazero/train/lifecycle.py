@@ -93,7 +93,8 @@ def nearest_checkpoints(path: str, limit: int = 3, depth: int = 3) -> list[str]:
         if here[len(root):].count(os.sep) >= depth:
             dirs.clear()
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        if {"latest", "universal.json"} & set(files) or os.path.basename(here).startswith("iter_"):
+        if {"latest", "latest_checkpointed_iteration.txt", "universal.json"} & set(files) or \
+                os.path.basename(here).startswith("iter_"):
             found.append(os.path.relpath(here))
             dirs.clear()
     return sorted(found, key=lambda d: -difflib.SequenceMatcher(None, d, os.path.normpath(path)).ratio())[:limit]

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megazero.config import OptimConfig
+from megazero.config import OptimConfig, TrainConfig, warmup_length
 
 SHAPE = ("lr", "min_lr", "warmup_iters", "decay_iters", "decay_style")
 """What defines the curve; a change of any of them on resume is reported."""
@@ -23,35 +23,46 @@ SHAPE = ("lr", "min_lr", "warmup_iters", "decay_iters", "decay_style")
 class LRSchedule:
     lr: float
     min_lr: float
-    warmup_iters: int
+    warmup_iters: float
+    """Warm-up length in iterations (fractional with optim.warmup_fraction, as Megatron's)."""
     decay_iters: int
     decay_style: str
     steps: int = 0
-    """Applied optimizer steps so far (skipped steps excluded)."""
+    """Applied optimizer steps so far (skipped steps excluded), or applied samples when unit > 1."""
+    unit: int = 1
+    """1: the schedule counts iterations. With a batch-size ramp-up, the global batch size: it counts
+    samples (each applied step adds its own batch) against warmup_iters x unit and decay_iters x unit
+    samples, as Megatron's scheduler does."""
 
     @classmethod
-    def from_config(cls, optim: OptimConfig, train_iters: int) -> "LRSchedule":
-        return cls(optim.lr, optim.min_lr, optim.warmup_iters, optim.decay_iters or train_iters, optim.decay_style)
+    def from_config(cls, optim: OptimConfig, train: TrainConfig | int) -> "LRSchedule":
+        iters = train if isinstance(train, int) else train.iters
+        unit = 1 if isinstance(train, int) or train.rampup_batch_size is None else train.global_batch_size
+        return cls(optim.lr, optim.min_lr, warmup_length(optim, iters), optim.decay_iters or iters,
+                   optim.decay_style, unit=unit)
 
-    def at(self, step: int) -> float:
-        """LR of 0-based step `step` (the step that produces applied step step + 1)."""
-        if self.warmup_iters and step < self.warmup_iters:
-            return self.lr * (step + 1) / self.warmup_iters
+    def at(self, step: int, increment: int = 1) -> float:
+        """LR of the step that starts at `step` (0-based: iterations, or samples when unit > 1) and
+        applies `increment` (1 iteration, or its batch of samples)."""
+        done = (step + increment) / self.unit  # iterations done once this step is applied
+        if self.warmup_iters and done <= self.warmup_iters:
+            return self.lr * done / self.warmup_iters
         if self.decay_style == "constant":
             return self.lr
         span = max(1, self.decay_iters - self.warmup_iters)
-        progress = min(1.0, (step - self.warmup_iters) / span)
+        progress = min(1.0, max(0.0, (step / self.unit - self.warmup_iters) / span))  # a step across the warm-up's end: 0
         if self.decay_style == "linear":
             coeff = 1.0 - progress
         else:
             coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr + coeff * (self.lr - self.min_lr)
 
-    def current(self) -> float:
-        return self.at(self.steps)
+    def current(self, batch: int = 1) -> float:
+        """LR of the next step; `batch`: its global batch (counted when unit > 1)."""
+        return self.at(self.steps, batch if self.unit > 1 else 1)
 
-    def step(self) -> None:
-        self.steps += 1
+    def step(self, batch: int = 1) -> None:
+        self.steps += batch if self.unit > 1 else 1
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -60,6 +71,7 @@ class LRSchedule:
         """Continue from a checkpoint's schedule: its step count always; its shape unless
         `override`. Returns one line describing a shape change (None when nothing changed)."""
         self.steps = int(saved["steps"])
+        self.unit = int(saved.get("unit", 1))  # what `steps` counts is the checkpoint's
         changed = [k for k in SHAPE if saved[k] != getattr(self, k)]
         if not changed:
             return None

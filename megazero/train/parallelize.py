@@ -34,6 +34,7 @@ this rank's trainable share of the model:
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, Optional
 
 import torch
@@ -53,6 +54,9 @@ from megazero.zero.shard import ShardedParameters
 
 def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[list[GPT], ZeroOptimizer]:
     """This rank's model chunks and the ZeRO optimizer on their sharded parameters (see above)."""
+    z = cfg.zero
+    if "nvme" in (z.offload_optimizer, z.offload_param):  # a missing swap folder is made (validated creatable)
+        os.makedirs(z.nvme_path, exist_ok=True)
     chunks = build_model_chunks(cfg, grid, tracker)
     for chunk in chunks:
         apply_tensor_parallel(chunk, grid.tp_group)

@@ -4,11 +4,9 @@ config.json, LoRA's projections, ZeRO's alignment). Torch-free: --validate-only 
 
 from __future__ import annotations
 
-import os
-
 from megazero.checkpoint.hf_config import resolve_init_from_hf
 from megazero.checkpoint.meta import model_mismatch, resume_dir, saved_config
-from megazero.config import Config, ConfigError, resolve, validate
+from megazero.config import Config, ConfigError, nvme_path_problem, resolve, validate
 from megazero.data.gpt_dataset import parse_blend
 from megazero.data.indexed import IndexedDataset
 from megazero.errors import UserError
@@ -53,6 +51,6 @@ def preflight(cfg: Config) -> None:
     if why:
         raise PreflightError(why)
     z = cfg.zero
-    if "nvme" in (z.offload_optimizer, z.offload_param) and not os.access(z.nvme_path or "", os.W_OK | os.X_OK):
-        raise PreflightError(f"zero.nvme_path '{z.nvme_path}' is not a writable directory; create it or point it at "
-                             f"a local NVMe mount")
+    why = nvme_path_problem(z.nvme_path) if "nvme" in (z.offload_optimizer, z.offload_param) else None
+    if why:
+        raise PreflightError(why)

@@ -52,6 +52,10 @@ def startup_summary(cfg: Config, grid: ProcessGrid, rank_params_numel: int, data
              f"batch: global {t.global_batch_size} = micro-batch {t.micro_batch_size} x accumulation {accumulation} "
              f"x dp {grid.dp}; {t.global_batch_size * m.seq_length:,} tokens/iteration, {t.iters:,} iterations = "
              f"{t.iters * t.global_batch_size * m.seq_length:,} tokens"]
+    if t.rampup_batch_size is not None:  # Megatron's --rampup-batch-size
+        start, increment, samples = t.rampup_batch_size
+        lines.append(f"batch ramp-up: global batch {start} growing by {increment} up to {t.global_batch_size} over the "
+                     f"first {samples:,} samples (fewer tokens in all than above); the LR schedule counts samples")
     f = cfg.finetune
     if f.lora_rank:
         trainable = sum(math.prod(s) for s in adapter_shapes(m, f).values())

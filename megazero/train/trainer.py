@@ -33,6 +33,7 @@ from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining, untimed
 from megazero.plan.formulas import model_flops_per_token
+from megazero.train.batch_rampup import rampup_batch
 from megazero.train.lifecycle import StopRequest
 from megazero.train.lr import LRSchedule
 from megazero.train.metrics import (
@@ -57,7 +58,6 @@ class Trainer:
         t = cfg.train
         self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device)
         self.chunks, self.optimizer = parallelize(cfg, grid, self.tracker)
-        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * grid.dp)
         self.train_ds, self.valid_ds = build_datasets(cfg, grid)
         # Fine-tuning data: some labels count nothing, so the loss divides by a count of the rest.
         self.loss_masked = self.train_ds.loss_masked
@@ -65,7 +65,7 @@ class Trainer:
         self.consumed_samples = 0
         self.skipped_iters = 0
         self.skipped_in_a_row = 0
-        self.schedule = LRSchedule.from_config(cfg.optim, t.iters)
+        self.schedule = LRSchedule.from_config(cfg.optim, t)
         # The rank that holds the loss and speaks for the run: last stage, first TP/DP rank.
         self.is_logger = grid.rank == grid.rank_of(0, 0, grid.pp - 1)
         self.metrics = MetricsWriter(cfg, self.is_logger)
@@ -169,11 +169,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
 
-    def microbatches(self, dataset, first_sample: int) -> list[Microbatch]:
-        """This DP rank's micro-batches of the global batch starting at `first_sample`."""
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per DP rank of a full global batch (fewer during a batch-size ramp-up)."""
+        t = self.cfg.train
+        return t.global_batch_size // (t.micro_batch_size * self.grid.dp)
+
+    def microbatches(self, dataset, first_sample: int, batch: Optional[int] = None) -> list[Microbatch]:
+        """This DP rank's micro-batches of the global batch of `batch` samples (default
+        train.global_batch_size) starting at `first_sample`."""
         t, g = self.cfg.train, self.grid
         out = []
-        for j in range(self.num_microbatches):
+        for j in range(self.num_microbatches if batch is None else batch // (t.micro_batch_size * g.dp)):
             base = first_sample + j * t.micro_batch_size * g.dp + g.dp_rank * t.micro_batch_size
             inputs, labels = inputs_and_labels([dataset[(base + k) % len(dataset)] for k in range(t.micro_batch_size)])
             out.append((_to_device(inputs, g.device), _to_device(labels, g.device)))
@@ -195,7 +202,9 @@ class Trainer:
     def run_schedule(self, batches: list[Microbatch], forward_only: bool) -> Optional[torch.Tensor]:
         """Forward (and backward) of this DP rank's micro-batches; this rank's loss share on
         the last pipeline stage, None elsewhere."""
-        num_tokens: int | torch.Tensor = self.cfg.train.global_batch_size * self.cfg.model.seq_length
+        # Every DP rank holds as many micro-batches (of the same size) of the global batch.
+        samples = len(batches) * self.cfg.train.micro_batch_size * self.grid.dp
+        num_tokens: int | torch.Tensor = samples * self.cfg.model.seq_length
         if self.loss_masked:
             num_tokens = self.counted_tokens(batches)
         timers = self.timers if self.timers is not None and not forward_only else untimed
@@ -219,11 +228,12 @@ class Trainer:
         return float(local)
 
     def train_step(self) -> dict:
-        lr = self.schedule.current()
+        batch = rampup_batch(self.cfg.train, self.grid.dp, self.consumed_samples)  # global_batch_size without ramp-up
+        lr = self.schedule.current(batch)
         for c in self.chunks:
             c.train()
         self.optimizer.zero_grad()
-        batches = self.microbatches(self.train_ds, self.consumed_samples)
+        batches = self.microbatches(self.train_ds, self.consumed_samples, batch)
         loss = self.run_schedule(batches, forward_only=False)
         with self._phase("comm_wait"):  # the DP reductions still in flight after the last backward
             self.optimizer.finish_grad_sync()
@@ -231,12 +241,12 @@ class Trainer:
             result = self.optimizer.step(lr, loss, self.stop.votes())
         self.stop_code = StopRequest.agreed(result.votes)
         if not result.skipped:  # a skipped step leaves the schedule where it was (Megatron)
-            self.schedule.step()
+            self.schedule.step(batch)
         self.iteration += 1
-        self.consumed_samples += self.cfg.train.global_batch_size
+        self.consumed_samples += batch
         # The global loss came with the step's sums; it is reported where the loss is computed.
         out = {"loss": result.loss if loss is not None else None, "lr": lr, "grad_norm": result.grad_norm,
-               "loss_scale": result.loss_scale}
+               "loss_scale": result.loss_scale, "batch_size": batch}
         self._count_skip(result.skipped, out)
         return out
 
@@ -282,15 +292,15 @@ class Trainer:
 
     def _train_loop(self) -> list[dict]:
         t, c = self.cfg.train, self.cfg.checkpoint
-        tokens_per_iter = t.global_batch_size * self.cfg.model.seq_length
-        records, step_seconds, steps = [], 0.0, 0  # throughput counts training steps only
+        records, step_seconds, steps, tokens = [], 0.0, 0, 0  # throughput counts training steps only
         while self.iteration < t.iters:
             tic = time.perf_counter()
             out = self.train_step()
             step_seconds, steps = step_seconds + time.perf_counter() - tic, steps + 1
+            tokens += out["batch_size"] * self.cfg.model.seq_length  # smaller during a batch-size ramp-up
             if self.iteration % t.log_interval == 0 or self.iteration == t.iters or self.eval_due():
-                records.append(self.log(out, tokens_per_iter * steps / step_seconds, steps))
-                step_seconds, steps = 0.0, 0
+                records.append(self.log(out, tokens / step_seconds, steps))
+                step_seconds, steps, tokens = 0.0, 0, 0
             stop = self.stop_code
             if c.save and (stop or self.iteration == t.iters or (c.interval and self.iteration % c.interval == 0)):
                 self.save_checkpoint(last=bool(stop) or self.iteration == t.iters)
@@ -343,6 +353,7 @@ class Trainer:
                "skipped_iters": self.skipped_iters}
         if out.get("loss_scale") is not None:
             rec["loss_scale"] = out["loss_scale"]
+        rec["batch_size"] = out["batch_size"]  # the global batch of this step (smaller during a ramp-up)
         if self.timers is not None:
             rec.update(self.timers.take(steps))
             rec.update(bytes_per_iteration(self.grid.bytes_moved(), steps))

@@ -1,0 +1,19 @@
+"""Megatron's batch-size ramp-up (train.rampup_batch_size START INCREMENT SAMPLES): the global
+batch of each step, a pure function of the samples consumed before it, so a resumed run (which
+restores consumed_samples) and every DP layout see the same sequence of batches. Checked by
+config.rampup_steps before any process group exists."""
+
+from __future__ import annotations
+
+from megazero.config import TrainConfig, rampup_steps
+
+
+def rampup_batch(t: TrainConfig, dp: int, consumed_samples: int) -> int:
+    """The global batch of the step that starts after `consumed_samples` samples."""
+    if t.rampup_batch_size is None:
+        return t.global_batch_size
+    start, increment, per_increment = rampup_steps(t, dp)
+    samples = int(t.rampup_batch_size[2])
+    if not per_increment or consumed_samples > samples:
+        return t.global_batch_size
+    return min(t.global_batch_size, start + increment * int(consumed_samples / per_increment))
