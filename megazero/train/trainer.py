@@ -299,7 +299,7 @@ class Trainer:
             step_seconds, steps = step_seconds + time.perf_counter() - tic, steps + 1
             tokens += out["batch_size"] * self.cfg.model.seq_length  # smaller during a batch-size ramp-up
             if self.iteration % t.log_interval == 0 or self.iteration == t.iters or self.eval_due():
-                records.append(self.log(out, tokens / step_seconds, steps))
+                records.append(self.log(out, tokens / step_seconds, steps, step_seconds / steps))
                 step_seconds, steps, tokens = 0.0, 0, 0
             stop = self.stop_code
             if c.save and (stop or self.iteration == t.iters or (c.interval and self.iteration % c.interval == 0)):
@@ -318,10 +318,10 @@ class Trainer:
         return bool(t.eval_interval) and self.valid_ds is not None and (
             self.iteration % t.eval_interval == 0 or self.iteration == t.iters)
 
-    def log(self, out: dict, tokens_per_sec: float, steps: int = 1) -> dict:
+    def log(self, out: dict, tokens_per_sec: float, steps: int = 1, step_seconds: float = 0.0) -> dict:
         """Record one logged iteration (with validation when due) and print/write it; `steps`
-        training steps since the last record."""
-        rec = self.record(out, tokens_per_sec, steps)
+        training steps since the last record, `step_seconds` their mean time."""
+        rec = self.record(out, tokens_per_sec, steps, step_seconds)
         t = self.cfg.train
         if self.eval_due():
             val = self.evaluate()
@@ -342,18 +342,17 @@ class Trainer:
                   flush=True)
         self.plan = None
 
-    def record(self, out: dict, tokens_per_sec: float, steps: int = 1) -> dict:
+    def record(self, out: dict, tokens_per_sec: float, steps: int = 1, step_seconds: float = 0.0) -> dict:
         tflops = self.flops_per_token * tokens_per_sec / self.grid.world_size / 1e12
         rec = {"iteration": self.iteration, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                "tokens_per_sec": tokens_per_sec, "tflops_per_device": tflops,
                "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                "peak_mem_gib": peak_memory_gib(), "consumed_samples": self.consumed_samples,
-               "batch_size": self.cfg.train.global_batch_size,
-               "iteration_time_s": self.cfg.train.global_batch_size * self.cfg.model.seq_length / tokens_per_sec,
+               "batch_size": out["batch_size"],  # the global batch of this step (smaller during a ramp-up)
+               "iteration_time_s": step_seconds,
                "skipped_iters": self.skipped_iters}
         if out.get("loss_scale") is not None:
             rec["loss_scale"] = out["loss_scale"]
-        rec["batch_size"] = out["batch_size"]  # the global batch of this step (smaller during a ramp-up)
         if self.timers is not None:
             rec.update(self.timers.take(steps))
             rec.update(bytes_per_iteration(self.grid.bytes_moved(), steps))
