@@ -24,7 +24,7 @@ from megazero.model.layers import shard_of
 
 MICRO, DP, SAVED_AT, SEED = 4, 2, 3, 1234
 MODEL = {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "seq_length": 64, "vocab_size": 512}
-DS_OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0,
+DS_OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
                                             "torch_adam": True}}  # torch's AdamW: no C++ op to build
 # DeepSpeed's WarmupLR sets step k's LR from k - 1 (step 0 at warmup_min_lr), megazero's linear warm-up
 # from k + 1: after two warm-up steps (DeepSpeed's least) both are at warmup_max_lr from step 3 on.
@@ -53,7 +53,11 @@ def train_deepspeed(out: str, stage: int, precision: str, steps_after: int) -> l
               "steps_per_print": 10_000}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    # Two parameter groups, as the Hugging Face Trainer makes them (and as megazero decays): 1-D
+    # parameters (biases, LayerNorm) without weight decay.
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2]},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     data = MockGPTDataset(10_000, MODEL["seq_length"], MODEL["vocab_size"], SEED)
     losses = []
     for step in range(SAVED_AT + steps_after):
@@ -80,7 +84,7 @@ def continue_in_megazero(ds_dir: str, iters: int) -> dict:
         "--parallel.tp=2", "--parallel.pp=2", f"--checkpoint.load={ds_dir}",
         f"--train.iters={iters}", f"--train.micro_batch_size={MICRO}", f"--train.global_batch_size={MICRO * DP}",
         f"--train.seed={SEED}", "--optim.lr=1e-3", "--optim.min_lr=0", "--optim.warmup_iters=2",
-        "--optim.decay_style=constant", "--optim.weight_decay=0", "--optim.beta2=0.95", "--optim.clip_grad=1.0"]
+        "--optim.decay_style=constant", "--optim.weight_decay=0.1", "--optim.beta2=0.95", "--optim.clip_grad=1.0"]
     trainer = make_trainer(args)
     resumed = {"iteration": trainer.iteration, "schedule_steps": trainer.schedule.steps,
                "adam_step": trainer.optimizer.step_count}
@@ -193,4 +197,16 @@ def test_a_deepspeed_checkpoint_without_the_models_config_names_the_fix(tmp_path
                folder / "mp_rank_00_model_states.pt")
     (tmp_path / "latest").write_text("global_step1")
     with pytest.raises(CheckpointError, match=r"has no config.json beside it .*model.config.save_pretrained\(DIR\)"):
+        open_checkpoint(str(tmp_path))
+
+
+def test_a_checkpoint_saved_without_zero_is_refused_with_the_fix(tmp_path):
+    folder = tmp_path / "global_step1"
+    folder.mkdir()
+    torch.save({"module": {}, "optimizer": {"state": {}}, "param_shapes": [{}], "global_steps": 1,
+                "dp_world_size": 1}, folder / "mp_rank_00_model_states.pt")
+    (tmp_path / "latest").write_text("global_step1")
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, '
+                                          '"n_positions": 8, "vocab_size": 16}')
+    with pytest.raises(CheckpointError, match=r"saved without ZeRO \(stage 0\); ZeRO stages 1, 2 and 3 are read"):
         open_checkpoint(str(tmp_path))

@@ -166,6 +166,10 @@ class DeepSpeedReader:
 
     def _optim_file(self, rank: int) -> str:
         found = glob.glob(os.path.join(self.folder, f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+        if not found and not glob.glob(os.path.join(self.folder, "*optim_states.pt")):
+            raise CheckpointError(f"{KIND} '{self.folder}' has no *optim_states.pt files: it was saved without ZeRO "
+                                  f"(stage 0); ZeRO stages 1, 2 and 3 are read (save it with zero_optimization.stage "
+                                  f"1 or more)")
         if not found:
             raise CheckpointError(f"{KIND} '{self.folder}' lacks DP rank {rank}'s optimizer file "
                                   f"(zero_pp_rank_{rank}_mp_rank_00_optim_states.pt) of its {self.dp} ranks")
