@@ -195,6 +195,7 @@ def test_a_deepspeed_checkpoint_without_the_models_config_names_the_fix(tmp_path
     folder.mkdir()
     torch.save({"module": {}, "param_shapes": [{}], "global_steps": 1, "dp_world_size": 1},
                folder / "mp_rank_00_model_states.pt")
+    torch.save({}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     (tmp_path / "latest").write_text("global_step1")
     with pytest.raises(CheckpointError, match=r"has no config.json beside it .*model.config.save_pretrained\(DIR\)"):
         open_checkpoint(str(tmp_path))

@@ -134,10 +134,17 @@ class DeepSpeedReader:
         if not states:
             raise CheckpointError(f"{KIND} '{folder}' has no *model_states.pt file")
         self.model_states = load_ds_file(states[0])
+        if not isinstance(self.model_states, dict) or "param_shapes" not in self.model_states:
+            raise CheckpointError(f"{KIND} '{folder}': {os.path.basename(states[0])} has no param_shapes; only ZeRO "
+                                  f"checkpoints of a Hugging Face GPT-2 are read (not pipeline-module layer files)")
         if self.model_states.get("mp_world_size", 1) != 1:
             raise CheckpointError(f"{KIND} '{folder}' was saved with model parallelism ({self.model_states['mp_world_size']} "
                                   f"ranks); only data-parallel (ZeRO) checkpoints of a Hugging Face GPT-2 are read")
         self.dp = int(self.model_states.get("dp_world_size", 1))
+        if not self.universal and not glob.glob(os.path.join(folder, "*optim_states.pt")):
+            raise CheckpointError(f"{KIND} '{folder}' has no *optim_states.pt files: it was saved without ZeRO "
+                                  f"(stage 0); ZeRO stages 1, 2 and 3 are read (save it with zero_optimization.stage "
+                                  f"1 or more)")
         groups = self.model_states["param_shapes"]
         self.group_shapes = [dict(g) for g in (groups if isinstance(groups, list) else [groups])]
         self.names = {self._megazero_name(n): n for g in self.group_shapes for n in g}
@@ -166,10 +173,6 @@ class DeepSpeedReader:
 
     def _optim_file(self, rank: int) -> str:
         found = glob.glob(os.path.join(self.folder, f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
-        if not found and not glob.glob(os.path.join(self.folder, "*optim_states.pt")):
-            raise CheckpointError(f"{KIND} '{self.folder}' has no *optim_states.pt files: it was saved without ZeRO "
-                                  f"(stage 0); ZeRO stages 1, 2 and 3 are read (save it with zero_optimization.stage "
-                                  f"1 or more)")
         if not found:
             raise CheckpointError(f"{KIND} '{self.folder}' lacks DP rank {rank}'s optimizer file "
                                   f"(zero_pp_rank_{rank}_mp_rank_00_optim_states.pt) of its {self.dp} ranks")
@@ -348,5 +351,5 @@ def open_deepspeed(path: str) -> Checkpoint:
         return ((n, reader.full(n, kind)) for n in shapes)
 
     kind = "DeepSpeed universal checkpoint" if reader.universal else KIND
-    return Checkpoint(folder, kind, m, reader.config.data.tokenizer, reader.trainer_state()["iteration"], shapes,
-                      stream, training=reader)
+    return Checkpoint(folder, kind, m, reader.config.data.tokenizer, reader.meta["iteration"], shapes, stream,
+                      training=reader)
