@@ -211,3 +211,37 @@ def test_a_checkpoint_saved_without_zero_is_refused_with_the_fix(tmp_path):
                                           '"n_positions": 8, "vocab_size": 16}')
     with pytest.raises(CheckpointError, match=r"saved without ZeRO \(stage 0\); ZeRO stages 1, 2 and 3 are read"):
         open_checkpoint(str(tmp_path))
+
+
+def test_deepspeeds_own_types_read_through_the_allow_list(tmp_path):
+    """A ZeRO-2 file written with DeepSpeed's real DynamicLossScaler (fp16, dtype attribute and
+    all), ZeroStageEnum and fragment_address, without training: each is read into its stand-in,
+    and the dynamic loss scale becomes megazero's (scale, clean steps since the last change,
+    hysteresis left)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from megazero.checkpoint.deepspeed import DeepSpeedReader
+    scaler = DynamicLossScaler(2.0 ** 12, 100, 1, 2, False)
+    scaler.cur_scale, scaler.cur_iter, scaler.last_overflow_iter, scaler.cur_hysteresis = 1024.0, 250, 120, 1
+    folder = tmp_path / "global_step7"
+    folder.mkdir()
+    torch.save({"module": {}, "param_shapes": [{"wte.weight": torch.Size([16, 8])}], "global_steps": 7,
+                "global_samples": 56, "skipped_steps": 2, "dp_world_size": 1, "lr_scheduler": {},
+                "ds_config": {"fp16": {"enabled": True}}}, folder / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": {
+        "loss_scaler": scaler, "zero_stage": ZeroStageEnum.gradients, "single_partition_of_fp32_groups": [
+            torch.arange(128.0)], "param_slice_mappings": [{"wte.weight": fragment_address(numel=128, start=0)}],
+        "base_optimizer_state": {"state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.ones(128)}}}}},
+        folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2, '
+                                          '"n_positions": 8, "vocab_size": 16}')
+    reader = DeepSpeedReader(str(folder))
+    assert reader.trainer_state() == {
+        "iteration": 7, "consumed_samples": 56, "skipped_iters": 2, "step": 5, "lr_schedule": None,
+        "loss_scaler": {"scale": 1024.0, "clean_steps": 29, "hysteresis_left": 1}}  # (250 - 120 - 1) % 100
+    assert torch.equal(reader.full("transformer.wte.weight"), torch.arange(128.0).view(16, 8))  # a bare GPT2Model
+    assert torch.equal(reader.full("lm_head.weight", "exp_avg"), torch.ones(16, 8))  # the tied head
+    assert reader.config.train.precision == "fp16"
