@@ -13,7 +13,8 @@ adapters in instead (W + alpha/r B A), giving a plain GPT-2.
 
 CKPT is any checkpoint kind: a save directory (its `latest`, or --iteration N), an
 iter_NNNNNNN directory, a universal checkpoint, a torch export (FILE + FILE.config.json, or
-model_16bit.safetensors) or a Hugging Face GPT-2 directory.
+model_16bit.safetensors), a Hugging Face GPT-2 directory, or a DeepSpeed checkpoint of one
+(DIR whose `latest` names global_stepN/, a global_stepN/ folder, or a ds_to_universal folder).
 Every output is written under a temporary name and renamed when complete; missing parent
 folders are created.
 """

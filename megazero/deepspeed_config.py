@@ -6,7 +6,9 @@ units where they differ), accepted because megazero always behaves that way (e.g
 `overlap_comm: true`), or listed by name in one warning line as unsupported: nothing is
 dropped silently. A key whose megazero counterpart does not exist in this version (e.g.
 `zero.offload_optimizer` before offload lands) is reported, never invented. The value
-"auto" (Hugging Face's placeholder) leaves megazero's value in place. Contradictions
+"auto" (Hugging Face's placeholder) leaves megazero's value in place. Batch sizes given on
+the command line win over the file's (a config written for another world size then runs: its
+gradient_accumulation_steps is re-derived, with a note). Contradictions
 (bf16 and fp16 both on, batch sizes that do not multiply out, another optimizer) are a
 `ConfigError`.
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import AbstractSet, Any, Optional
 
 from megazero.config import Config, ConfigError, check_value, has_key, read_mapping, show_value
 
@@ -35,6 +37,8 @@ SIMPLE = {
     "zero_optimization.reduce_bucket_size": "zero.bucket_size",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "checkpoint.save_model_16bit",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": "checkpoint.save_model_16bit",
+    "zero_optimization.gather_16bit_weights_on_model_save": "checkpoint.save_model_16bit",  # the current name
+    "tensor_parallel.autotp_size": "parallel.tp",
     "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
     "zero_optimization.offload_optimizer.nvme_path": "zero.nvme_path",
     "zero_optimization.offload_optimizer.pin_memory": "zero.pin_memory",
@@ -91,6 +95,8 @@ class DeepSpeedImport:
 
     sections: dict = field(default_factory=dict)
     unsupported: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    """Lines about values re-derived for this run (gradient_accumulation_steps)."""
 
     def warning(self, path: str) -> Optional[str]:
         if not self.unsupported:
@@ -99,20 +105,24 @@ class DeepSpeedImport:
                 f"ignored: {', '.join(self.unsupported)}")
 
 
-def load_deepspeed_config(path: str, base: Config, world_size: int) -> DeepSpeedImport:
-    """Read a ds_config.json; `base` (the config without it) supplies the layout and model
-    that unit conversions need."""
+def load_deepspeed_config(path: str, base: Config, world_size: int,
+                          command_line: AbstractSet[str] = frozenset()) -> DeepSpeedImport:
+    """Read a ds_config.json; `base` (the config without it, command-line overrides included)
+    supplies the layout and model that unit conversions need; `command_line` names the keys
+    the command line sets (they win over the file)."""
     data = read_mapping(path, "DeepSpeed config", "JSON", json.load, "pass the path of your ds_config.json")
-    return import_deepspeed(data, base, world_size)
+    return import_deepspeed(data, base, world_size, command_line)
 
 
-def import_deepspeed(ds: dict, base: Config, world_size: int) -> DeepSpeedImport:
-    out = _Importer(base, world_size)
+def import_deepspeed(ds: dict, base: Config, world_size: int,
+                     command_line: AbstractSet[str] = frozenset()) -> DeepSpeedImport:
+    out = _Importer(base, world_size, command_line)
     precision = [k for k in ("bf16", "bfloat16", "fp16") if _enabled(ds.get(k))]
     if len(precision) > 1:
         raise ConfigError(f"DeepSpeed config enables both {precision[0]} and {precision[1]}; enable one")
     sections = {"optimizer": out.optimizer, "scheduler": out.scheduler, "zero_optimization": out.zero_optimization,
-                "bf16": out.precision, "bfloat16": out.precision, "fp16": out.precision}
+                "bf16": out.precision, "bfloat16": out.precision, "fp16": out.precision,
+                "tensor_parallel": out.tensor_parallel}
     for key, value in sorted(ds.items(), key=lambda item: item[0] == "scheduler"):  # it reads optim.lr
         if key in sections and isinstance(value, dict):
             sections[key](value, key)
@@ -123,9 +133,18 @@ def import_deepspeed(ds: dict, base: Config, world_size: int) -> DeepSpeedImport
 
 
 class _Importer:
-    def __init__(self, base: Config, world_size: int) -> None:
+    def __init__(self, base: Config, world_size: int, command_line: AbstractSet[str]) -> None:
         self.base, self.result = base, DeepSpeedImport()
-        self.dp = max(1, world_size // (base.parallel.tp * base.parallel.pp))
+        self.world_size, self.command_line = world_size, command_line
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree at this world size, with the tp the run will have (the
+        command line's, else the file's autotp_size, else the YAML's)."""
+        tp = self.base.parallel.tp
+        if "parallel.tp" not in self.command_line:
+            tp = self.result.sections.get("parallel", {}).get("tp", tp)
+        return max(1, self.world_size // (tp * self.base.parallel.pp))
 
     # -- generic keys
 
@@ -171,15 +190,24 @@ class _Importer:
     # -- sections with conversions
 
     def precision(self, section: dict, key: str) -> None:
-        if not _enabled(section):
+        mode = "fp16" if key == "fp16" else "bf16"
+        # "enabled": "auto" (Hugging Face) keeps megazero's precision; the section's other keys
+        # then apply when that precision is this section's.
+        if not _enabled(section) and not (section.get("enabled") == "auto" and self.base.train.precision == mode):
             return
-        self.set("train.precision", "fp16" if key == "fp16" else "bf16", f"{key}.enabled")
+        self.set("train.precision", mode, f"{key}.enabled")
         for name, value in section.items():
             if name == "initial_scale_power" and value != "auto":
                 power = check_value("zero.hysteresis", _whole(value), f"DeepSpeed {key}.{name}")  # an integer
                 self.set("zero.initial_loss_scale", 2.0 ** power, f"{key}.{name}")
             elif name != "enabled":
                 self.walk(f"{key}.{name}", value)
+
+    def tensor_parallel(self, section: dict, _: str) -> None:
+        for name, value in section.items():
+            if name == "autotp_size" and value == 0:
+                continue  # 0: AutoTP off (DeepSpeed's default)
+            self.walk(f"tensor_parallel.{name}", value)
 
     def zero_optimization(self, section: dict, _: str) -> None:
         reduce_bucket = section.get("reduce_bucket_size")
@@ -230,13 +258,14 @@ class _Importer:
         params = {**SCHEDULER_DEFAULTS, **written}
         known = {"warmup_num_steps", "warmup_type", "total_num_steps", "last_batch_iteration"}
         self.set("optim.warmup_iters", params["warmup_num_steps"], "scheduler.params.warmup_num_steps")
-        if written.get("warmup_type", "linear") != "linear":  # megazero warms up linearly; defaults are not listed
-            self.unsupported("scheduler.params.warmup_type", written["warmup_type"])
+        if written.get("warmup_type", "linear") not in ("linear", "auto"):  # megazero warms up linearly; defaults
+            self.unsupported("scheduler.params.warmup_type", written["warmup_type"])  # are not listed
         if kind == "WarmupCosineLR":
             known |= {"warmup_min_ratio", "cos_min_ratio"}
             lr = self.result.sections.get("optim", {}).get("lr", self.base.optim.lr)
-            self.set("optim.min_lr", lr * params["cos_min_ratio"], "scheduler.params.cos_min_ratio")
-            if params["warmup_min_ratio"]:
+            if params["cos_min_ratio"] != "auto":
+                self.set("optim.min_lr", lr * params["cos_min_ratio"], "scheduler.params.cos_min_ratio")
+            if params["warmup_min_ratio"] not in (0, "auto"):
                 self.unsupported("scheduler.params.warmup_min_ratio", params["warmup_min_ratio"])
         else:
             known |= {"warmup_min_lr", "warmup_max_lr"}
@@ -250,30 +279,56 @@ class _Importer:
                 raise ConfigError(f"DeepSpeed scheduler {kind} needs params.total_num_steps (the decay length)")
             self.set("optim.decay_iters", params["total_num_steps"], "scheduler.params.total_num_steps")
         for name in sorted(set(params) - known - set(SCHEDULER_DEFAULTS)):
-            self.unsupported(f"scheduler.params.{name}", params[name])
+            if params[name] != "auto":
+                self.unsupported(f"scheduler.params.{name}", params[name])
 
     def batch(self, ds: dict) -> None:
-        """train_batch_size = micro x accumulation x dp, as in DeepSpeed: any two give the third."""
-        sections = self.result.sections.get("train", {})
+        """train_batch_size = micro x accumulation x dp, as in DeepSpeed: any two give the third.
+        Batch sizes on the command line win: the file's gradient_accumulation_steps (written for
+        its own world size) is then re-derived from them, with a note."""
+        train = self.result.sections.get("train", {})
+        given = [k for k in ("micro_batch_size", "global_batch_size") if f"train.{k}" in self.command_line]
+        for key in given:
+            train.pop(key, None)
+        known = {k: train.get(k, getattr(self.base.train, k)) for k in ("micro_batch_size", "global_batch_size")
+                 if k in train or k in given}
         accumulation = ds.get("gradient_accumulation_steps", "auto")
+        if accumulation != "auto":
+            accumulation = check_value("train.micro_batch_size", _whole(accumulation),
+                                       "DeepSpeed gradient_accumulation_steps")
+        if given and len(known) == 2:
+            self._rederived(accumulation, known["micro_batch_size"], known["global_batch_size"])
+            return
         if accumulation == "auto":
             return
-        accumulation = check_value("train.micro_batch_size", _whole(accumulation),
-                                   "DeepSpeed gradient_accumulation_steps")
-        micro = sections.get("micro_batch_size", self.base.train.micro_batch_size)
-        if "global_batch_size" not in sections:
+        micro, total = known.get("micro_batch_size"), known.get("global_batch_size")
+        label = "train.global_batch_size" if "global_batch_size" in given else "DeepSpeed train_batch_size"
+        if total is None:
+            micro = self.base.train.micro_batch_size if micro is None else micro
             self.set("train.global_batch_size", micro * accumulation * self.dp, "gradient_accumulation_steps")
-            return
-        total = sections["global_batch_size"]
-        if "micro_batch_size" not in sections:
+        elif micro is None:
             if total % (accumulation * self.dp):
-                raise ConfigError(f"DeepSpeed train_batch_size ({total}) must be divisible by "
-                                  f"gradient_accumulation_steps x dp ({accumulation} x {self.dp}); fix one of them")
+                raise ConfigError(f"{label} ({total}) must be divisible by DeepSpeed gradient_accumulation_steps x "
+                                  f"dp ({accumulation} x {self.dp}){MOVED}")
             self.set("train.micro_batch_size", total // (accumulation * self.dp), "gradient_accumulation_steps")
         elif total != micro * accumulation * self.dp:
             raise ConfigError(f"DeepSpeed train_batch_size ({total}) must equal train_micro_batch_size_per_gpu x "
                               f"gradient_accumulation_steps x dp ({micro} x {accumulation} x {self.dp} = "
-                              f"{micro * accumulation * self.dp}); fix one of them")
+                              f"{micro * accumulation * self.dp}){MOVED}")
+
+    def _rederived(self, accumulation: Any, micro: int, total: int) -> None:
+        """The note saying what the file's gradient_accumulation_steps becomes with the command
+        line's batch sizes (an indivisible total is validate()'s error, not a note)."""
+        if accumulation == "auto" or total % (micro * self.dp):
+            return
+        now = total // (micro * self.dp)
+        self.result.notes.append(f"note: DeepSpeed gradient_accumulation_steps ({accumulation}) is re-derived as {now} "
+                                 f"from the command line's batch sizes: train.global_batch_size {total} = "
+                                 f"train.micro_batch_size {micro} x {now} x dp {self.dp}")
+
+
+MOVED = ("; fix one of them, or, for another world size than the file's, give the batch sizes on the command "
+         "line (--train.micro_batch_size, --train.global_batch_size): they win over the file")
 
 
 def misspelt(path: str) -> Optional[str]:

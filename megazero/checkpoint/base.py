@@ -103,7 +103,8 @@ def verified(path: str, expected: dict, what: str, fix: str = "", bad_checkpoint
 
 ACCEPTED = ("a save directory (with a 'latest' file), an iter_NNNNNNN directory, a universal checkpoint "
             "(universal.json), a torch export (FILE with FILE.config.json beside it, or model_16bit.safetensors) "
-            "or a Hugging Face GPT-2 directory (config.json + model.safetensors)")
+            "a Hugging Face GPT-2 directory (config.json + model.safetensors) or a DeepSpeed checkpoint of one "
+            "(DIR with latest naming global_stepN, a global_stepN folder or a universal one)")
 
 
 def not_a_checkpoint(path: str, why: str) -> CheckpointError:

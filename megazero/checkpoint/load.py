@@ -8,6 +8,8 @@ with its reader, as a `Checkpoint` (base.py).
     torch export          FILE (one state_dict) with FILE.config.json beside it; also the  plain.py
                           model_16bit.safetensors written during training
     Hugging Face GPT-2    DIR/config.json + model.safetensors                              hf.py
+    DeepSpeed checkpoint  DIR with `latest` naming global_stepN/, a global_stepN/ folder   deepspeed.py
+                          or a universal folder (ds_to_universal.py), of an HF GPT-2
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 
 from megazero.checkpoint.base import Checkpoint, CheckpointError, complete_checkpoints, not_a_checkpoint
+from megazero.checkpoint.deepspeed import is_deepspeed, open_deepspeed
 from megazero.checkpoint.hf import open_hf
 from megazero.checkpoint.meta import LATEST, MEGATRON_LATEST
 from megazero.checkpoint.plain import open_model_16bit, open_torch_export
@@ -37,6 +40,8 @@ def open_checkpoint(path: str, iteration: int = 0) -> Checkpoint:
         return open_universal(path)
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return open_sharded(path, "iter_ directory")
+    if is_deepspeed(path):  # before `latest` and config.json: DeepSpeed's folders have both
+        return open_deepspeed(path)
     if any(os.path.isfile(os.path.join(path, name)) for name in (LATEST, MEGATRON_LATEST)):
         return open_sharded(resolve(path), "save directory")
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -45,7 +50,8 @@ def open_checkpoint(path: str, iteration: int = 0) -> Checkpoint:
     if complete:
         raise CheckpointError(f"save directory '{path}' has no '{LATEST}' file; pass one of its "
                               f"checkpoints, e.g. {os.path.join(path, complete[-1])}")
-    raise not_a_checkpoint(path, "a directory without latest, metadata.json, universal.json or config.json")
+    raise not_a_checkpoint(path, "a directory without latest, metadata.json, universal.json, config.json or "
+                                 "*model_states.pt")
 
 
 def _iteration_dir(save_dir: str, iteration: int) -> str:

@@ -3,8 +3,8 @@ materializes) and the trainer (which state it loads):
 
     fresh   nothing to resume (an empty save directory too): the model's own init
     hf      checkpoint.init_from_hf and nothing to resume: each rank reads its TP shards
-    resume  checkpoint.load holds a checkpoint (its `latest`, iter_{checkpoint.iteration}, or a
-            universal checkpoint; also on a torchrun restart): it replaces every value
+    resume  checkpoint.load holds a checkpoint (its `latest`, iter_{checkpoint.iteration}, a
+            universal checkpoint, or a DeepSpeed one; also on a torchrun restart): it replaces every value
 
 At the checkpoint's own layout each rank reads its own file (bitwise; at ZeRO-0 the
 replicated optimizer state is in DP rank 0's file alone). Any other layout, or a universal
@@ -22,6 +22,7 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from megazero.checkpoint.base import KINDS, CheckpointError, last_good_hint
+from megazero.checkpoint.deepspeed import is_deepspeed
 from megazero.checkpoint.load import open_checkpoint
 from megazero.checkpoint.meta import LATEST, MEGATRON_LATEST
 from megazero.checkpoint.save import layout_of
@@ -38,7 +39,7 @@ FRESH, HF, RESUME = "fresh", "hf", "resume"
 def starting_point(load: Optional[str], iteration: int = 0, init_from_hf: Optional[str] = "") -> str:
     """FRESH, HF or RESUME (see above), from the files alone: every rank decides alike."""
     if load and (iteration or any(os.path.isfile(os.path.join(load, n))
-                                  for n in ("universal.json", LATEST, MEGATRON_LATEST))):
+                                  for n in ("universal.json", LATEST, MEGATRON_LATEST)) or is_deepspeed(load)):
         return RESUME
     return HF if init_from_hf else FRESH
 
@@ -50,15 +51,16 @@ def resume_state(load: str, iteration: int, cfg: Config, grid: ProcessGrid,
     partition map and keys when resharding), loop position, LR schedule and, at the same
     layout, RNG streams. A bad checkpoint raises the same CheckpointError on every rank."""
     def read() -> tuple[str, dict]:
-        universal = os.path.isfile(os.path.join(load, "universal.json"))
-        ckpt = load if universal else resolve(load, iteration)
-        if not universal:
+        # A universal or DeepSpeed checkpoint is always resharded; a megazero save only when its layout differs.
+        whole = os.path.isfile(os.path.join(load, "universal.json")) or is_deepspeed(load)
+        ckpt = load if whole else resolve(load, iteration)
+        if not whole:
             meta = read_metadata(ckpt)
             check_model(meta, cfg, ckpt)
             if meta["layout"] == layout_of(cfg, grid):
                 return ckpt, _own_files(ckpt, meta, grid)
         reader = open_checkpoint(ckpt).training
-        assert reader is not None  # a megazero checkpoint
+        assert reader is not None  # a megazero or DeepSpeed checkpoint: it has the optimizer state
         check_model(reader.meta, cfg, ckpt)
         return ckpt, {**reader.trainer_state(),
                       "optimizer": reshard_optimizer_state(reader, template(), grid.tp_rank, grid.tp)}

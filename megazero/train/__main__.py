@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Optional
 
-from megazero.config import Config, ConfigError, build_config, load_yaml, reference, schedule_warnings
+from megazero.config import Config, ConfigError, build_config, load_yaml, parse_overrides, reference, schedule_warnings
 from megazero.deepspeed_config import load_deepspeed_config
 from megazero.errors import exit_if_failed_before, report_errors
 from megazero.train import lifecycle
@@ -128,11 +128,13 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     cfg = build_config(file_data, overrides)
     if deepspeed:
-        imported = load_deepspeed_config(deepspeed, cfg, world_size)
+        given = {f"{section}.{key}" for section, key, _ in parse_overrides(overrides)}
+        imported = load_deepspeed_config(deepspeed, cfg, world_size, given)
         merged = {s: {**file_data.get(s, {}), **imported.sections.get(s, {})} for s in {*file_data, *imported.sections}}
         cfg = build_config(merged, overrides)
-        if rank == 0 and imported.warning(deepspeed):
-            print(imported.warning(deepspeed), file=sys.stderr, flush=True)
+        for line in (*imported.notes, imported.warning(deepspeed)) if rank == 0 else ():
+            if line:
+                print(line, file=sys.stderr, flush=True)
     megatron.apply(cfg)
     if rank == 0:
         for line in (megatron.defaults_note(bool(path or deepspeed)), megatron.warning()):
