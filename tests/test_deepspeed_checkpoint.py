@@ -135,6 +135,7 @@ def _check_conversions(tmp_path, ds_dir: str) -> None:
     assert all(torch.equal(t, dict(source.tensors("exp_avg"))[n]) for n, t in universal.tensors("exp_avg"))
 
 
+@pytest.mark.slow  # ~70 s (DeepSpeed at dp 2, then megazero on 4 ranks); the reader's fast tests run by default
 def test_deepspeed_zero3_continues_in_megazero_at_tp2_pp2(tmp_path):
     ds_dir, losses = _deepspeed_run(tmp_path, stage=3, steps_after=1)
     _check_continuation(ds_dir, losses)
