@@ -101,8 +101,8 @@ class Trainer:
     def rank_state(self) -> dict:
         """What this rank owns: its optimizer shard (master weights, moments, partition map,
         loss scaler), its RNG streams, and the loop position. At ZeRO stage 0 the optimizer
-        state is replicated over DP, so only DP rank 0 writes it."""
-        owns_optimizer = self.cfg.zero.stage > 0 or self.grid.dp_rank == 0
+        state is replicated over dp x cp, so only its rank 0 writes it."""
+        owns_optimizer = self.cfg.zero.stage > 0 or self.grid.dp_cp_group.rank == 0
         return {"optimizer": self.optimizer.state_dict() if owns_optimizer else None,
                 "rng": encode_rng(get_rng_states(self.tracker)),
                 "iteration": self.iteration, "consumed_samples": self.consumed_samples,
@@ -181,13 +181,14 @@ class Trainer:
 
     def counted_tokens(self, batches: list[Microbatch]) -> torch.Tensor:
         """Labels that count in the loss in the whole global batch: all micro-batches of all DP
-        ranks (every pipeline stage holds the labels, so every stage can count). The loss is
+        ranks, each context-parallel rank its chunks (every pipeline stage holds the labels, so
+        every stage can count). The loss is
         normalised once, by this number, so every layout computes the same gradient. It stays
         on the device: the losses divide by it there, and nothing waits for it."""
         count = torch.zeros((), dtype=torch.int64, device=self.grid.device)
         for _, labels in batches:
             count += (labels >= 0).sum()
-        comm.all_reduce(count, self.grid.dp_group)
+        comm.all_reduce(count, self.grid.dp_cp_group)
         return count.clamp(min=1)  # a batch of prompts alone: loss 0, not 0 / 0
 
     # ------------------------------------------------------------------ steps
@@ -211,11 +212,11 @@ class Trainer:
         return loss
 
     def global_loss(self, local: Optional[torch.Tensor]) -> Optional[float]:
-        """Sum the per-rank shares over DP (on the last stage, where the loss exists)."""
+        """Sum the per-rank shares over dp x cp (on the last stage, where the loss exists)."""
         if local is None:
             return None
         local = local.clone()
-        comm.all_reduce(local, self.grid.dp_group)
+        comm.all_reduce(local, self.grid.dp_cp_group)
         return float(local)
 
     def train_step(self) -> dict:

@@ -1,0 +1,120 @@
+"""Context parallelism (parallel.cp): the zig-zag layout, ring attention and Ulysses against
+full-sequence causal attention (forward and gradients), the grid's cp groups, and training
+that reproduces the single-process fp32 run (losses and gradient norms within 1e-5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from distributed import run_distributed
+
+# ----------------------------------------------------------------------------- layout and grid
+
+
+def test_zigzag_positions_cover_the_sequence_once_with_even_causal_work():
+    from megazero.parallel.context import shard_sequence, zigzag_positions
+    for cp in (1, 2, 4):
+        held = [zigzag_positions(32, r, cp) for r in range(cp)]
+        assert sorted(np.concatenate(held).tolist()) == list(range(32))
+        # Causal work of a rank: the keys its queries see, the same on every rank.
+        assert len({int((p + 1).sum()) for p in held}) == 1
+    assert zigzag_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    tokens = np.arange(16).reshape(2, 8)
+    assert shard_sequence(tokens, 0, 2).tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
+
+
+def test_grid_rank_order_and_cp_groups():
+    """tp fastest, then cp, then dp, then pp; ZeRO's dp x cp group dp-major."""
+    from megazero.parallel.grid import ProcessGrid
+    grid = ProcessGrid(tp=2, pp=2, dp=2, cp=2)
+    assert grid.world_size == 16
+    c = grid.coords(1 + 2 * 1 + 4 * 1 + 8 * 1)
+    assert (c.tp, c.cp, c.dp, c.pp) == (1, 1, 1, 1)
+    assert all(grid.rank_of(**vars(grid.coords(r))) == r for r in range(16))
+    assert grid.group_ranks("cp")[0] == [0, 2]
+    assert grid.group_ranks("dp")[0] == [0, 4]
+    assert grid.group_ranks("dp_cp")[0] == [0, 2, 4, 6]
+    assert grid.group_ranks("pp")[0] == [0, 8]
+    assert grid.dp_cp_index(grid.coords(6)) == 3
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _full_attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _inputs(seq: int, heads: int = 4):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, upstream = (torch.randn(2, heads, seq, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    return q, k, v, upstream
+
+
+def _check_attention(grid, impl: str, kernel: str) -> float:
+    """This rank's output and gradients against full causal attention (on the rank's zig-zag
+    positions); the largest difference."""
+    from megazero.parallel.context import ulysses_attention, zigzag_positions
+    from megazero.parallel.ring_attention import ring_attention
+    n, r = grid.cp, grid.cp_rank
+    seq = 8 * n
+    q, k, v, upstream = _inputs(seq)
+    dtype = torch.float64 if kernel == "reference" else torch.float32  # the CPU flash kernel: fp32
+    full = [t.clone().to(dtype).requires_grad_() for t in (q, k, v)]
+    ref = _full_attention(*full)
+    ref.backward(upstream.to(dtype))
+    mine = zigzag_positions(seq, r, n)
+    local = [t.detach()[:, :, mine].clone().requires_grad_() for t in full]
+    if impl == "ring":
+        out = ring_attention(*local, grid.cp_group, kernel=kernel)
+    else:
+        out = ulysses_attention(*local, grid.cp_group, _full_attention)
+    out.backward(upstream.to(dtype)[:, :, mine])
+    diffs = [(out - ref[:, :, mine]).abs().max()]
+    diffs += [(a.grad - b.grad[:, :, mine]).abs().max() for a, b in zip(local, full, strict=True)]
+    return float(max(diffs))
+
+
+ATTENTION_CASES = {("ring", "reference"): 1e-10, ("ring", "cpu_flash"): 1e-5, ("ulysses", "reference"): 1e-10}
+
+
+def _check_attention_cases(cps: tuple[int, ...]) -> dict:
+    """In one world: each cp of `cps` (cp x dp = the world), each case; this rank's differences."""
+    import torch.distributed as dist
+
+    from megazero.parallel.grid import ProcessGrid
+    out = {}
+    for cp in cps:
+        grid = ProcessGrid(tp=1, pp=1, dp=dist.get_world_size() // cp, cp=cp, rank=dist.get_rank())
+        grid.build_groups()
+        for impl, kernel in ATTENTION_CASES:
+            out[(cp, impl, kernel)] = _check_attention(grid, impl, kernel)
+    return out
+
+
+def test_ring_attention_and_ulysses_match_full_causal_attention():
+    """Forward and gradients of every rank's positions at cp 2 (two groups of a world of 4)
+    and cp 4, ring with the reference and the CPU flash block kernels, and Ulysses."""
+    for per_rank in run_distributed(_check_attention_cases, 4, (2, 4)):
+        for (cp, impl, kernel), diff in per_rank.items():
+            assert diff <= ATTENTION_CASES[(impl, kernel)], (cp, impl, kernel, diff)
+
+
+def test_block_kernels_agree_with_the_reference():
+    """Each block kernel's output, log-sum-exp and backward (given the final output and
+    log-sum-exp) against the reference, causal and not, with fewer queries than keys."""
+    from megazero.parallel.attention_block import REFERENCE, pick
+    kernel = pick(torch.device("cpu"), torch.float32)
+    assert kernel.name == "cpu_flash"
+    g = torch.Generator().manual_seed(1)
+    for causal, (sq, sk) in ((True, (16, 16)), (False, (8, 16))):
+        q, k, v, dout = (torch.randn(2, 3, s, 8, generator=g) for s in (sq, sk, sk, sq))
+        want = REFERENCE.forward(q, k, v, causal, 0.35)
+        got = kernel.forward(q, k, v, causal, 0.35)
+        for a, b in zip(got[:2], want[:2], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        grads = kernel.backward(dout, q, k, v, want[0], want[1], got[2], causal, 0.35)
+        for a, b in zip(grads, REFERENCE.backward(dout, q, k, v, want[0], want[1], (), causal, 0.35), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
