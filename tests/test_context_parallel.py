@@ -4,11 +4,16 @@ that reproduces the single-process fp32 run (losses and gradient norms within 1e
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import run_distributed
+from conftest import make_trainer
+from distributed import assert_parity, logged_by_layout, run_distributed
 
 # ----------------------------------------------------------------------------- layout and grid
 
@@ -118,3 +123,47 @@ def test_block_kernels_agree_with_the_reference():
         grads = kernel.backward(dout, q, k, v, want[0], want[1], got[2], causal, 0.35)
         for a, b in zip(grads, REFERENCE.backward(dout, q, k, v, want[0], want[1], (), causal, 0.35), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- training parity
+
+ITERS = 4
+SHORT = ["--data.mock", "true", "--train.iters", str(ITERS), "--model.seq_length", "32"]
+
+
+def _records(extra: list[str]) -> list[tuple[float, float]]:
+    """(loss, grad norm) of each iteration, on the logging rank (empty elsewhere)."""
+    tr = make_trainer(SHORT + extra)
+    assert all(c.cp.size == tr.grid.cp for c in tr.chunks)
+    with contextlib.redirect_stdout(io.StringIO()):
+        records = tr.run()
+    return [(r["loss"], r["grad_norm"]) for r in records] if tr.is_logger else []
+
+
+def _layouts(layouts: dict[str, list[str]]) -> dict[str, list[tuple[float, float]]]:
+    return logged_by_layout(_records, layouts)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[tuple[float, float]]:
+    return run_distributed(_records, 1, [])[0]
+
+
+def _assert_parity(runs: dict, reference: list) -> None:
+    assert_parity(runs, reference, ITERS)
+
+
+RING, ULYSSES = ["--parallel.cp", "2"], ["--parallel.cp", "2", "--parallel.cp_impl", "ulysses"]
+LAYOUTS_2 = {"cp2-ring": RING, "cp2-ulysses-selective": ULYSSES + ["--train.recompute", "selective"]}
+LAYOUTS_4 = {"cp2-dp2-zero3-ring": RING + ["--zero.stage", "3"],
+             "cp2-dp2-zero3-ulysses-full": ULYSSES + ["--zero.stage", "3", "--train.recompute", "full"]}
+
+
+def test_context_parallel_2_ranks(reference):
+    """cp 2 alone, by ring and by Ulysses (with selective recomputation)."""
+    _assert_parity(run_distributed(_layouts, 2, LAYOUTS_2)[0], reference)
+
+
+def test_context_parallel_with_zero3_4_ranks(reference):
+    """cp 2 x dp 2 at ZeRO-3 (sharded over dp x cp), ring and Ulysses (full recomputation)."""
+    _assert_parity(run_distributed(_layouts, 4, LAYOUTS_4)[0], reference)

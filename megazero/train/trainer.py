@@ -29,6 +29,7 @@ from megazero.data.gpt_dataset import build_train_valid_test_datasets, check_com
 from megazero.data.mock import MockGPTDataset
 from megazero.errors import UserError
 from megazero.parallel import comm
+from megazero.parallel.context import shard_sequence
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining, untimed
@@ -55,7 +56,7 @@ class Trainer:
     def __init__(self, cfg: Config, grid: ProcessGrid):
         self.cfg, self.grid = cfg, grid
         t = cfg.train
-        self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device)
+        self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device, cp_rank=grid.cp_rank)
         self.chunks, self.optimizer = parallelize(cfg, grid, self.tracker)
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * grid.dp)
         self.train_ds, self.valid_ds = build_datasets(cfg, grid)
@@ -160,7 +161,7 @@ class Trainer:
             set_rng_states(state["rng"], self.tracker)
         else:  # RNG streams do not map across layouts: reseed them from (seed, iteration)
             seed_everything(self.cfg.train.seed + self.iteration, self.grid.pp_rank, self.grid.tp_rank,
-                            self.grid.device, self.tracker)
+                            self.grid.device, self.tracker, self.grid.cp_rank)
         if self.grid.rank == 0:
             how = "" if "rng" in state else " (resharded to this layout)"
             print(f"resumed from {ckpt} at iteration {self.iteration}{how}", flush=True)
@@ -170,12 +171,14 @@ class Trainer:
     # ------------------------------------------------------------------ data
 
     def microbatches(self, dataset, first_sample: int) -> list[Microbatch]:
-        """This DP rank's micro-batches of the global batch starting at `first_sample`."""
+        """This DP rank's micro-batches of the global batch starting at `first_sample`; under
+        context parallelism this cp rank's zig-zag positions of their sequences."""
         t, g = self.cfg.train, self.grid
         out = []
         for j in range(self.num_microbatches):
             base = first_sample + j * t.micro_batch_size * g.dp + g.dp_rank * t.micro_batch_size
             inputs, labels = inputs_and_labels([dataset[(base + k) % len(dataset)] for k in range(t.micro_batch_size)])
+            inputs, labels = (shard_sequence(a, g.cp_rank, g.cp) for a in (inputs, labels))
             out.append((_to_device(inputs, g.device), _to_device(labels, g.device)))
         return out
 
