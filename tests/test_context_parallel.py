@@ -167,3 +167,68 @@ def test_context_parallel_2_ranks(reference):
 def test_context_parallel_with_zero3_4_ranks(reference):
     """cp 2 x dp 2 at ZeRO-3 (sharded over dp x cp), ring and Ulysses (full recomputation)."""
     _assert_parity(run_distributed(_layouts, 4, LAYOUTS_4)[0], reference)
+
+
+TP2 = ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]
+LAYOUTS_4_SLOW = {"cp4-ring": ["--parallel.cp", "4"],
+                  "cp4-ulysses": ["--parallel.cp", "4", "--parallel.cp_impl", "ulysses"],
+                  "cp2-tp2-sp-ring": RING + TP2,
+                  "cp2-tp2-sp-ulysses": ULYSSES + ["--parallel.tp", "2"],
+                  "cp2-pp2-ring-1f1b": RING + ["--parallel.pp", "2"],
+                  "cp2-pp2-ulysses-interleaved": ULYSSES + ["--parallel.pp", "2", "--parallel.vpp", "2"]}
+LAYOUTS_8_SLOW = {"tp2-cp2-pp2-ring-zero1": RING + TP2 + ["--parallel.pp", "2", "--zero.stage", "1"],
+                  "tp2-cp2-pp2-ulysses-zero3": ULYSSES + ["--parallel.tp", "2", "--parallel.pp", "2",
+                                                          "--zero.stage", "3"],
+                  "cp2-dp4-zero2-offload": RING + ["--zero.stage", "2", "--zero.offload_optimizer", "cpu"]}
+
+
+@pytest.mark.slow
+def test_context_parallel_4_ranks_slow(reference):
+    """cp 4 (ring, Ulysses), cp 2 x tp 2 (with sequence parallelism), cp 2 x pp 2 (1F1B, interleaved)."""
+    _assert_parity(run_distributed(_layouts, 4, LAYOUTS_4_SLOW)[0], reference)
+
+
+@pytest.mark.slow
+def test_context_parallel_8_ranks_slow(reference):
+    """tp 2 x cp 2 x pp 2 (ring at ZeRO-1, Ulysses at ZeRO-3) and cp 2 x dp 4 with the optimizer offloaded."""
+    _assert_parity(run_distributed(_layouts, 8, LAYOUTS_8_SLOW)[0], reference)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _save_at_cp2_then_resume(save: str, universal: str) -> dict:
+    """cp 2 x dp 2 at ZeRO-1: train ITERS, saving after 2; resume that checkpoint at the same
+    layout, at cp 1 (dp 4) and cp 4 (dp 1), and from its universal export at cp 4."""
+    import torch.distributed as dist
+
+    from megazero.convert import main as convert_main
+    common = SHORT + ["--zero.stage", "1"]
+    t = make_trainer(common + RING + ["--checkpoint.save", save])
+    out = {"straight": []}
+    for i in range(ITERS):
+        out["straight"].append(t.train_step()["loss"])
+        if i == 1:
+            t.save_checkpoint(last=False)
+    if dist.get_rank() == 0:
+        with contextlib.redirect_stdout(io.StringIO()):
+            convert_main(["--load", save, "--to", "universal", "--output", universal])
+    dist.barrier()
+    for name, layout, load in [("same", RING, save), ("cp1", [], save), ("cp4", ["--parallel.cp", "4"], save),
+                               ("universal-cp4", ["--parallel.cp", "4", "--parallel.cp_impl", "ulysses"], universal)]:
+        t = make_trainer(common + layout + ["--checkpoint.load", load])
+        out[name] = [t.train_step()["loss"] for _ in range(ITERS - 2)]
+    return out if t.is_logger else {}
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(tmp_path, reference):
+    """Exactly: the same layout bitwise, cp 1 and cp 4 (resharded) and the universal export
+    within 1e-5 of the uninterrupted run, which equals the single process."""
+    out = next(r for r in run_distributed(_save_at_cp2_then_resume, 4, str(tmp_path / "save"), str(tmp_path / "uni"))
+               if r)
+    losses = [loss for loss, _ in reference]
+    assert max(abs(a - b) for a, b in zip(out["straight"], losses, strict=True)) <= 1e-5
+    assert out["same"] == out["straight"][2:]
+    for name in ("cp1", "cp4", "universal-cp4"):
+        assert max(abs(a - b) for a, b in zip(out[name], losses[2:], strict=True)) <= 1e-5, (name, out)

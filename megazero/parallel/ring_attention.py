@@ -86,7 +86,10 @@ class _RingAttention(torch.autograd.Function):
         ring, n = _Ring(group), group.size
         kv = torch.stack([k, v]).contiguous()
         acc = accumulation_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # Laid out [b, s, h, d] as SDPA's output is, so that the caller's merge of the heads into
+        # [b, s, h x d] is a view (in fp32 the output *is* this buffer: no second copy kept).
+        b, h, sq, d = q.shape
+        out = torch.zeros(b, sq, h, d, dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         extras = []
         for step in range(n):
