@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_trainer
+from conftest import make_config, make_trainer
 from distributed import assert_parity, logged_by_layout, run_distributed
 
 # ----------------------------------------------------------------------------- layout and grid
@@ -232,3 +232,45 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(tmp_path, reference):
     assert out["same"] == out["straight"][2:]
     for name in ("cp1", "cp4", "universal-cp4"):
         assert max(abs(a - b) for a, b in zip(out[name], losses[2:], strict=True)) <= 1e-5, (name, out)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD = [
+    (["--parallel.cp", "3"], 3, "parallel.cp (3) cuts model.seq_length (64) into 2 x cp = 6 equal chunks: make "
+                                "seq_length a multiple of 6 or change parallel.cp"),
+    (["--parallel.cp", "0"], 1, "parallel.cp (0) must be at least 1"),
+    (["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.cp_impl", "ulysses", "--model.num_heads", "2",
+      "--model.hidden_size", "64"], 4,
+     "parallel.cp_impl ulysses gives each rank num_heads / (tp x cp) heads, but model.num_heads (2) is not divisible "
+     "by 2 x 2 = 4; change parallel.cp or use parallel.cp_impl ring"),
+    (["--parallel.cp", "2", "--model.dropout", "0.1"], 2,
+     "parallel.cp_impl ring has no attention dropout yet, but model.dropout is 0.1; set --model.dropout 0 or use "
+     "--parallel.cp_impl ulysses"),
+    (["--parallel.cp", "2", "--train.compile", "true"], 2, "train.compile cannot be combined with parallel.cp (2)"),
+    (["--parallel.cp", "2", "--parallel.tp", "2"], 6, "world size (6) must be divisible by parallel.tp x parallel.pp "
+                                                      "x parallel.cp (2 x 1 x 2 = 4)"),
+    (["--parallel.cp", "4", "--parallel.tp", "4", "--parallel.sequence_parallel", "true", "--model.seq_length",
+      "40"], 16, "parallel.sequence_parallel splits model.seq_length / parallel.cp (4) (40) over parallel.tp (4)"),
+    (["--parallel.cp_impl", "rings"], 1, "parallel.cp_impl ('rings') must be one of ring, ulysses"),
+]
+
+
+@pytest.mark.parametrize("args, world, message", BAD)
+def test_bad_context_parallel_config_is_refused_with_the_fix(args, world, message):
+    from megazero.errors import UserError
+    with pytest.raises(UserError) as err:
+        make_config(args, world=world)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_cp_stops_the_command_with_one_line():
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    proc = subprocess.run([sys.executable, "-m", "megazero.train", "--config", "configs/gpt2-tiny.yaml",
+                           "--parallel.cp", "3", "--world-size", "3", "--validate-only", "--config-only"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == ["error: " + BAD[0][2]]

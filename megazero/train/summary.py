@@ -45,8 +45,9 @@ def startup_summary(cfg: Config, grid: ProcessGrid, rank_params_numel: int, data
     total = rank_params(m, 1, 1, 1, 0, False, z.bucket_size).param_numel
     accumulation = t.global_batch_size // (t.micro_batch_size * grid.dp)
     chunks = f" x vpp {p.vpp}" if p.vpp > 1 else ""
+    cp = f" x cp {grid.cp} ({p.cp_impl})" if grid.cp > 1 else ""
     lines = [f"megazero: GPT-2 {total / 1e6:,.1f}M parameters ({rank_params_numel / 1e6:,.1f}M on rank 0); "
-             f"world {grid.world_size} = tp {grid.tp} x pp {grid.pp}{chunks} x dp {grid.dp} ({grid.backend}), "
+             f"world {grid.world_size} = tp {grid.tp}{cp} x pp {grid.pp}{chunks} x dp {grid.dp} ({grid.backend}), "
              f"ZeRO-{z.stage}, {t.precision}, recompute {t.recompute}" +
              (f", schedule {p.schedule}" if grid.pp > 1 else ""),
              f"batch: global {t.global_batch_size} = micro-batch {t.micro_batch_size} x accumulation {accumulation} "
