@@ -274,3 +274,26 @@ def test_bad_cp_stops_the_command_with_one_line():
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == ["error: " + BAD[0][2]]
+
+
+# ----------------------------------------------------------------------------- planner
+
+
+def test_planner_searches_cp_and_divides_activations_by_it():
+    from megazero.plan import formulas as F
+    from megazero.plan.planner import Cluster, ParallelLayout, PlanError, plan, predict
+    cfg = make_config(["--model.seq_length", "32768", "--train.global_batch_size", "8"], world=1)
+    cluster = Cluster(8, 8, 80.0, 989e12)
+    preds = plan(cfg, cluster, {})
+    assert {p.layout.cp for p in preds} == {1, 2, 4, 8}
+    one, four = (predict(cfg, ParallelLayout(1, 1, 8 // cp, cp=cp, zero_stage=1), cluster) for cp in (1, 4))
+    layer = [F.layer_activation_bytes(shape) for shape in
+             (F.ActivationShape(1, 32768 // cp, 64, 4, 256, 512, cp=cp) for cp in (1, 4))]
+    assert layer[0] == 4 * layer[1]
+    assert four.worst.bytes["cp"] > 0 == one.worst.bytes["cp"]
+    assert four.worst.states["optimizer"] == one.worst.states["optimizer"]  # ZeRO shards over dp x cp: 8 either way
+    assert "cp4" in four.layout.label()
+    fixed = plan(cfg, cluster, {"cp": 4, "cp_impl": "ulysses"})
+    assert {(p.layout.cp, p.layout.cp_impl) for p in fixed} == {(4, "ulysses")}
+    with pytest.raises(PlanError, match=r"--cp 3 must cut model.seq_length \(32768\) into 2 x cp chunks"):
+        plan(cfg, cluster, {"cp": 3})
