@@ -297,3 +297,14 @@ def test_planner_searches_cp_and_divides_activations_by_it():
     assert {(p.layout.cp, p.layout.cp_impl) for p in fixed} == {(4, "ulysses")}
     with pytest.raises(PlanError, match=r"--cp 3 must cut model.seq_length \(32768\) into 2 x cp chunks"):
         plan(cfg, cluster, {"cp": 3})
+
+
+LORA = ["--finetune.lora_rank", "4"]
+
+
+@pytest.mark.slow
+def test_context_parallel_with_lora():
+    """LoRA adapters (everything else frozen) at cp 2, ring and Ulysses, against the single process with LoRA."""
+    lora_reference = run_distributed(_records, 1, LORA)[0]
+    _assert_parity(run_distributed(_layouts, 2, {"cp2-ring-lora": RING + LORA,
+                                                 "cp2-ulysses-lora": ULYSSES + LORA})[0], lora_reference)

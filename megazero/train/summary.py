@@ -29,7 +29,7 @@ def run_prediction(cfg: Config, grid: ProcessGrid, peak_flops: Optional[float]) 
     p, z, t = cfg.parallel, cfg.zero, cfg.train
     layout = ParallelLayout(p.tp, p.pp, grid.dp, p.vpp, z.stage, t.micro_batch_size, t.recompute,
                             p.sequence_parallel,
-                            getattr(z, "offload_optimizer", "none") not in ("none", False))
+                            getattr(z, "offload_optimizer", "none") not in ("none", False), grid.cp, p.cp_impl)
     memory = torch.cuda.get_device_properties(grid.device).total_memory / F.GiB if grid.device.type == "cuda" else 0.0
     # Bandwidths of the preset with this peak (H100's when none matches).
     gpu = next((g for g in F.GPUS.values() if peak_flops and g.peak_flops == peak_flops), F.GPUS["h100"])
