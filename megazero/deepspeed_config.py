@@ -125,7 +125,7 @@ def import_deepspeed(ds: dict, base: Config, world_size: int) -> DeepSpeedImport
 class _Importer:
     def __init__(self, base: Config, world_size: int) -> None:
         self.base, self.result = base, DeepSpeedImport()
-        self.dp = max(1, world_size // (base.parallel.tp * base.parallel.pp))
+        self.dp = max(1, world_size // (base.parallel.tp * base.parallel.pp * base.parallel.cp))
 
     # -- generic keys
 

@@ -107,22 +107,34 @@ def test_ring_attention_and_ulysses_match_full_causal_attention():
             assert diff <= ATTENTION_CASES[(impl, kernel)], (cp, impl, kernel, diff)
 
 
-def test_block_kernels_agree_with_the_reference():
-    """Each block kernel's output, log-sum-exp and backward (given the final output and
-    log-sum-exp) against the reference, causal and not, with fewer queries than keys."""
+def _check_block_kernel(device: str, dtype: torch.dtype, name: str, tol: float) -> None:
+    """A block kernel's output, log-sum-exp and backward (given the final output and
+    log-sum-exp) against the reference in fp32, causal and not, with fewer queries than keys."""
     from megazero.parallel.attention_block import REFERENCE, pick
-    kernel = pick(torch.device("cpu"), torch.float32)
-    assert kernel.name == "cpu_flash"
+    kernel = pick(torch.device(device), dtype)
+    assert kernel.name == name
     g = torch.Generator().manual_seed(1)
-    for causal, (sq, sk) in ((True, (16, 16)), (False, (8, 16))):
-        q, k, v, dout = (torch.randn(2, 3, s, 8, generator=g) for s in (sq, sk, sk, sq))
-        want = REFERENCE.forward(q, k, v, causal, 0.35)
-        got = kernel.forward(q, k, v, causal, 0.35)
+    for causal, (sq, sk) in ((True, (128, 128)), (False, (64, 128))):
+        q, k, v, dout = (torch.randn(2, 3, s, 64, generator=g).to(device, dtype) for s in (sq, sk, sk, sq))
+        want = REFERENCE.forward(*(t.float() for t in (q, k, v)), causal, 0.125)
+        got = kernel.forward(q, k, v, causal, 0.125)
         for a, b in zip(got[:2], want[:2], strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        grads = kernel.backward(dout, q, k, v, want[0], want[1], got[2], causal, 0.35)
-        for a, b in zip(grads, REFERENCE.backward(dout, q, k, v, want[0], want[1], (), causal, 0.35), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol)
+        grads = kernel.backward(dout, q, k, v, want[0].to(dtype), want[1], got[2], causal, 0.125)
+        wanted = REFERENCE.backward(*(t.float() for t in (dout, q, k, v)), want[0], want[1], (), causal, 0.125)
+        for a, b in zip(grads, wanted, strict=True):
+            torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol)
+
+
+def test_cpu_flash_block_kernel_agrees_with_the_reference():
+    _check_block_kernel("cpu", torch.float32, "cpu_flash", 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+def test_cuda_flash_block_kernel_agrees_with_the_reference():
+    """Ring attention's CUDA block kernel (flash, bf16): the contract the ring relies on."""
+    _check_block_kernel("cuda", torch.bfloat16, "cuda_flash", 3e-2)
 
 
 # ----------------------------------------------------------------------------- training parity
