@@ -1,7 +1,8 @@
 """ZeRO's sharded parameters, applied from outside the model like FSDP2's `fully_shard`
 (train/parallelize.py): flat buckets take over the model's parameters, hooks reduce their
 gradients over DP and, at stage 3, gather and release them; ZeroOptimizer (optimizer.py)
-steps the shard.
+steps the shard. "DP" here is the grid's dp x cp group: context-parallel ranks hold the same
+parameters, so ZeRO shards and reduces over them too (at cp 1 it is the DP group).
 
     stage 0  every rank keeps everything; gradient buckets are all-reduced (async) as they
              become ready during the last backward of the iteration
