@@ -166,13 +166,13 @@ def _assert_parity(runs: dict, reference: list) -> None:
 
 
 RING, ULYSSES = ["--parallel.cp", "2"], ["--parallel.cp", "2", "--parallel.cp_impl", "ulysses"]
-LAYOUTS_2 = {"cp2-ring": RING, "cp2-ulysses-selective": ULYSSES + ["--train.recompute", "selective"]}
+LAYOUTS_2 = {"cp2-ring-selective": RING + ["--train.recompute", "selective"], "cp2-ulysses": ULYSSES}
 LAYOUTS_4 = {"cp2-dp2-zero3-ring": RING + ["--zero.stage", "3"],
              "cp2-dp2-zero3-ulysses-full": ULYSSES + ["--zero.stage", "3", "--train.recompute", "full"]}
 
 
 def test_context_parallel_2_ranks(reference):
-    """cp 2 alone, by ring and by Ulysses (with selective recomputation)."""
+    """cp 2 alone, by ring (with selective recomputation: the ring runs again in backward) and by Ulysses."""
     _assert_parity(run_distributed(_layouts, 2, LAYOUTS_2)[0], reference)
 
 
@@ -186,7 +186,7 @@ LAYOUTS_4_SLOW = {"cp4-ring": ["--parallel.cp", "4"],
                   "cp4-ulysses": ["--parallel.cp", "4", "--parallel.cp_impl", "ulysses"],
                   "cp2-tp2-sp-ring": RING + TP2,
                   "cp2-tp2-sp-ulysses": ULYSSES + ["--parallel.tp", "2"],
-                  "cp2-pp2-ring-1f1b": RING + ["--parallel.pp", "2"],
+                  "cp2-pp2-ring-1f1b-full": RING + ["--parallel.pp", "2", "--train.recompute", "full"],
                   "cp2-pp2-ulysses-interleaved": ULYSSES + ["--parallel.pp", "2", "--parallel.vpp", "2"]}
 LAYOUTS_8_SLOW = {"tp2-cp2-pp2-ring-zero1": RING + TP2 + ["--parallel.pp", "2", "--zero.stage", "1"],
                   "tp2-cp2-pp2-ulysses-zero3": ULYSSES + ["--parallel.tp", "2", "--parallel.pp", "2",
@@ -196,7 +196,8 @@ LAYOUTS_8_SLOW = {"tp2-cp2-pp2-ring-zero1": RING + TP2 + ["--parallel.pp", "2", 
 
 @pytest.mark.slow
 def test_context_parallel_4_ranks_slow(reference):
-    """cp 4 (ring, Ulysses), cp 2 x tp 2 (with sequence parallelism), cp 2 x pp 2 (1F1B, interleaved)."""
+    """cp 4 (ring, Ulysses), cp 2 x tp 2 (with sequence parallelism), cp 2 x pp 2 (1F1B with full
+    recomputation, interleaved)."""
     _assert_parity(run_distributed(_layouts, 4, LAYOUTS_4_SLOW)[0], reference)
 
 
