@@ -321,3 +321,37 @@ def test_context_parallel_with_lora():
     lora_reference = run_distributed(_records, 1, LORA)[0]
     _assert_parity(run_distributed(_layouts, 2, {"cp2-ring-lora": RING + LORA,
                                                  "cp2-ulysses-lora": ULYSSES + LORA})[0], lora_reference)
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+def test_dropout_streams_differ_per_cp_rank_and_cp_rank_0_keeps_the_seed():
+    """cp ranks hold different positions: their dropout masks (both streams) must be independent;
+    cp rank 0 draws what a run without context parallelism draws."""
+    (d0, t0), (d1, t1), (plain, plain_tp) = _draws(cp_rank=0), _draws(cp_rank=1), _draws()
+    assert not torch.equal(d0, d1) and not torch.equal(t0, t1)
+    assert torch.equal(d0, plain) and torch.equal(t0, plain_tp)
+
+
+def _draws(**cp_rank) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draw from the default stream and one from the TP stream after seeding stage 0, TP rank 0."""
+    from megazero.parallel.random import seed_everything
+    tracker = seed_everything(7, 0, 0, torch.device("cpu"), **cp_rank)
+    with tracker.fork("tp"):
+        tp_draw = torch.rand(4)
+    return torch.rand(4), tp_draw
+
+
+DROPOUT = ULYSSES + ["--model.dropout", "0.1"]
+
+
+@pytest.mark.slow
+def test_ulysses_dropout_replayed_by_recompute():
+    """With dropout (per-cp-rank streams; attention dropout per rank's heads): full and
+    selective recomputation replay the masks exactly (the same losses as no recomputation)."""
+    runs = run_distributed(_layouts, 2, {mode: DROPOUT + ["--train.recompute", mode]
+                                         for mode in ("none", "full", "selective")})[0]
+    for mode in ("full", "selective"):
+        for got, want in zip(runs[mode], runs["none"], strict=True):
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-6, (mode, runs)
