@@ -171,13 +171,13 @@ class Trainer:
     # ------------------------------------------------------------------ data
 
     def microbatches(self, dataset, first_sample: int) -> list[Microbatch]:
-        """This DP rank's micro-batches of the global batch starting at `first_sample`; under
-        context parallelism this cp rank's zig-zag positions of their sequences."""
+        """This DP rank's micro-batches of the global batch starting at `first_sample`."""
         t, g = self.cfg.train, self.grid
         out = []
         for j in range(self.num_microbatches):
             base = first_sample + j * t.micro_batch_size * g.dp + g.dp_rank * t.micro_batch_size
             inputs, labels = inputs_and_labels([dataset[(base + k) % len(dataset)] for k in range(t.micro_batch_size)])
+            # Context parallelism: this cp rank's zig-zag positions of the same samples.
             inputs, labels = (shard_sequence(a, g.cp_rank, g.cp) for a in (inputs, labels))
             out.append((_to_device(inputs, g.device), _to_device(labels, g.device)))
         return out
