@@ -1,10 +1,9 @@
 """`python -m megazero.plan --config C --gpus N [--gpus-per-node G] [--gpu h100 | --gpu-memory GiB ...]`
 
-Predicts, per GPU, model states (ZeRO), saved activations (recompute, sequence and context
-parallelism, in-flight micro-batches), peak memory, bytes moved per step by TP, context
-parallelism, PP and DP, the pipeline bubble, step time, tokens/s and MFU, for every layout the
-model and cluster allow, context parallelism (cp) included (or the one you fix with
---tp/--cp/--pp/--dp/--zero-stage/...), and ranks those that fit. Config keys can
+Predicts, per GPU, model states (ZeRO), saved activations (recompute, sequence parallelism,
+in-flight micro-batches), peak memory, bytes moved per step by TP, PP and DP, the pipeline
+bubble, step time, tokens/s and MFU, for every layout the model and cluster allow (or the
+one you fix with --tp/--pp/--dp/--zero-stage/...), and ranks those that fit. Config keys can
 be overridden as in training (--train.global_batch_size 1024).
 """
 
