@@ -176,9 +176,38 @@ def test_context_parallel_2_ranks(reference):
     _assert_parity(run_distributed(_layouts, 2, LAYOUTS_2)[0], reference)
 
 
+def _model_states(extra: list[str]) -> tuple[dict, dict]:
+    """This rank's model-state bytes on the device, measured and as the planner predicts them."""
+    import torch.distributed as dist
+
+    from megazero.plan.planner import Cluster, ParallelLayout, predict
+    tr = make_trainer(SHORT + extra)
+    measured = {k: v for k, v in tr.optimizer.model_state_bytes().items() if not k.startswith("offloaded")}
+    p, z, t, g = tr.cfg.parallel, tr.cfg.zero, tr.cfg.train, tr.grid
+    layout = ParallelLayout(p.tp, p.pp, g.dp, p.vpp, z.stage, t.micro_batch_size, t.recompute, p.sequence_parallel,
+                            False, p.cp, p.cp_impl)
+    cluster = Cluster(dist.get_world_size(), 8, 1.0, None)
+    return measured, predict(tr.cfg, layout, cluster, ranks=[g.pp_rank], device="cpu").rank(g.pp_rank).states
+
+
+def _parity_and_states(layouts: dict[str, list[str]], states: dict[str, list[str]]) -> tuple[dict, dict]:
+    return _layouts(layouts), {name: _model_states(extra) for name, extra in states.items()}
+
+
+STATES_4 = {"cp2-dp2-zero3": RING + ["--zero.stage", "3"], "dp4-zero3": ["--zero.stage", "3"],
+            "cp2-dp2-zero1": RING + ["--zero.stage", "1"], "dp4-zero1": ["--zero.stage", "1"]}
+
+
 def test_context_parallel_with_zero3_4_ranks(reference):
-    """cp 2 x dp 2 at ZeRO-3 (sharded over dp x cp), ring and Ulysses (full recomputation)."""
-    _assert_parity(run_distributed(_layouts, 4, LAYOUTS_4)[0], reference)
+    """cp 2 x dp 2 at ZeRO-3 (sharded over dp x cp), ring and Ulysses (full recomputation); the
+    model states of cp 2 x dp 2 equal dp 4's (ZeRO-1 and 3: shards over all 4) and the planner's."""
+    out = run_distributed(_parity_and_states, 4, LAYOUTS_4, STATES_4)
+    _assert_parity(out[0][0], reference)
+    for _, states in out:
+        for name, (measured, predicted) in states.items():
+            assert measured == predicted, (name, measured, predicted)
+        for stage in (1, 3):
+            assert states[f"cp2-dp2-zero{stage}"][0] == states[f"dp4-zero{stage}"][0]
 
 
 TP2 = ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]
