@@ -77,6 +77,14 @@ class ParallelConfig:
     """Megatron's sequence parallelism: LayerNorm, dropout and the residual stream split along
     the sequence over the TP ranks (activation memory / tp); TP all-reduces become
     all-gather / reduce-scatter pairs. A no-op at tp 1; seq_length divisible by tp; no LoRA."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split each sequence (each holds 2 of 2 x cp chunks,
+    zig-zag, so causal work is even); world = tp x cp x pp x dp; ZeRO shards over dp x cp.
+    Megatron's --context-parallel-size; DeepSpeed's Ulysses sequence-parallel size."""
+    cp_impl: Literal["ring", "ulysses"] = "ring"
+    """How attention sees the whole sequence under cp > 1: ring (K/V blocks passed around the
+    cp ranks, merged by log-sum-exp) or ulysses (all-to-all to whole sequences of heads / cp;
+    num_heads divisible by tp x cp)."""
 
 
 @dataclass
@@ -583,10 +591,13 @@ def validate(cfg: Config, world_size: int) -> int:
         raise ConfigError(f"model.num_heads ({m.num_heads}) must be divisible by parallel.tp ({p.tp})")
     if m.ffn_size % p.tp:
         raise ConfigError(f"MLP width ({m.ffn_size}) must be divisible by parallel.tp ({p.tp})")
-    if world_size % (p.tp * p.pp):
-        raise ConfigError(f"world size ({world_size}) must be divisible by parallel.tp x parallel.pp "
-                          f"({p.tp} x {p.pp} = {p.tp * p.pp}); change --nproc_per_node or the layout")
-    dp = world_size // (p.tp * p.pp)
+    _validate_context_parallel(cfg)
+    if world_size % (p.tp * p.pp * p.cp):
+        names, sizes = ("parallel.tp x parallel.pp", f"{p.tp} x {p.pp}") if p.cp == 1 else \
+            ("parallel.tp x parallel.pp x parallel.cp", f"{p.tp} x {p.pp} x {p.cp}")
+        raise ConfigError(f"world size ({world_size}) must be divisible by {names} ({sizes} = {p.tp * p.pp * p.cp}); "
+                          f"change --nproc_per_node or the layout")
+    dp = world_size // (p.tp * p.pp * p.cp)
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                           f"micro_batch_size x dp ({t.micro_batch_size} x {dp} = {t.micro_batch_size * dp})")
@@ -742,12 +753,35 @@ def nvme_path_problem(path: str) -> Optional[str]:
 
 def _validate_sequence_parallel(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
-    if m.seq_length % p.tp:
-        raise ConfigError(f"parallel.sequence_parallel splits model.seq_length ({m.seq_length}) over parallel.tp "
-                          f"({p.tp}): make it a multiple of {p.tp} or turn sequence_parallel off")
+    if m.seq_length % (p.tp * p.cp):
+        what = "model.seq_length" + (f" / parallel.cp ({p.cp})" if p.cp > 1 else "")
+        raise ConfigError(f"parallel.sequence_parallel splits {what} ({m.seq_length}) over parallel.tp ({p.tp}): "
+                          f"make it a multiple of {p.tp * p.cp} or turn sequence_parallel off")
     if cfg.finetune.lora_rank:
         raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
                           f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
+
+
+def _validate_context_parallel(cfg: Config) -> None:
+    """parallel.cp: the sequence cut into 2 x cp equal chunks; Ulysses' heads; what cannot compose yet."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp < 1:
+        raise ConfigError(f"parallel.cp ({p.cp}) must be at least 1 (1 turns context parallelism off)")
+    if p.cp == 1:
+        return
+    if m.seq_length % (2 * p.cp):
+        raise ConfigError(f"parallel.cp ({p.cp}) cuts model.seq_length ({m.seq_length}) into 2 x cp = {2 * p.cp} "
+                          f"equal chunks: make seq_length a multiple of {2 * p.cp} or change parallel.cp")
+    if p.cp_impl == "ulysses" and m.num_heads % (p.tp * p.cp):
+        raise ConfigError(f"parallel.cp_impl ulysses gives each rank num_heads / (tp x cp) heads, but model.num_heads "
+                          f"({m.num_heads}) is not divisible by {p.tp} x {p.cp} = {p.tp * p.cp}; change parallel.cp "
+                          f"or use parallel.cp_impl ring")
+    if p.cp_impl == "ring" and m.dropout > 0:
+        raise ConfigError(f"parallel.cp_impl ring has no attention dropout yet, but model.dropout is {m.dropout:g}; "
+                          f"set --model.dropout 0 or use --parallel.cp_impl ulysses")
+    if cfg.train.compile:
+        raise ConfigError(f"train.compile cannot be combined with parallel.cp ({p.cp}) yet: the context-parallel "
+                          f"attention's collectives do not trace; set --train.compile false")
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:

@@ -144,7 +144,7 @@ class _Importer:
         tp = self.base.parallel.tp
         if "parallel.tp" not in self.command_line:
             tp = self.result.sections.get("parallel", {}).get("tp", tp)
-        return max(1, self.world_size // (tp * self.base.parallel.pp))
+        return max(1, self.world_size // (tp * self.base.parallel.pp * self.base.parallel.cp))
 
     # -- generic keys
 

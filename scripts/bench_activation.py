@@ -7,6 +7,22 @@ Transformer Models", Sec. 4):
     tensor + sequence parallelism     sbh (34 + 5as/h) / t
 
     python scripts/bench_activation.py [--tp 1 2 4] [--seq 256] [--hidden 256] [--heads 8] [--micro-batch 2]
+    python scripts/bench_activation.py --cp 1 2 4 [--tp 1 2] [--seq 1024]     # context parallelism
+
+With --cp, each tp x cp runs in a world of tp x cp processes with both parallel.cp_impl
+(ring, Ulysses), dropout 0 and flash-style attention (the CPU flash kernel at cp 1, per block
+under ring): activation MiB per layer per rank against the planner's formula, which divides
+every term by cp, and the bytes each rank sends over its cp group per layer, forward and
+backward, against theory: ring forward (cp-1) K/V blocks of 2 (s/cp) h (= 2 (cp-1)/cp of the
+whole K and V), backward as many again plus cp fp32 K/V gradient blocks; Ulysses four
+all-to-alls each way of (cp-1)/cp of an (s/cp) h tensor (q, k, v, the output).
+
+    python scripts/bench_activation.py --long [--long-seq 16384] [--cp 1 4] [--layers 12]
+
+trains GPT-2 124M's shape (configs/gpt2-124m.yaml: h 768, 12 heads, vocab 50257; the position
+table sized to --long-seq) on mock data for 2 iterations of one sequence at each cp, in a world of
+cp processes (ring attention, ZeRO-1 over the cp ranks, fp32, no recompute), and prints each
+world's peak RSS per rank (the largest of its ranks) and the losses.
 
 For each tp, a world of tp spawned gloo processes builds the model through the training
 path (megazero.train.parallelize: TP, then parallel.sequence_parallel) with dropout 0.1 and
@@ -28,7 +44,10 @@ planner's figure (megazero.plan.formulas) is printed too.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
+import resource
 import socket
 import sys
 from pathlib import Path
@@ -42,7 +61,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megazero.config import build_config  # noqa: E402
+from megazero.config import build_config, load_yaml  # noqa: E402
+from megazero.parallel.context import shard_sequence  # noqa: E402
 from megazero.parallel.grid import ProcessGrid  # noqa: E402
 from megazero.parallel.random import seed_everything  # noqa: E402
 from megazero.plan.formulas import ActivationShape, layer_activation_bytes  # noqa: E402
@@ -53,19 +73,21 @@ from megazero.train.run_config import resolve_and_validate  # noqa: E402
 ACT_BYTES, MASK_BYTES = 4, 4  # fp32 activations; torch's CPU dropout keeps an fp32 mask
 
 
-def bench_config(args, tp: int, sequence_parallel: bool):
+def bench_config(args, tp: int, sequence_parallel: bool, cp: int = 1, cp_impl: str = "ring"):
     return build_config({"model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_heads": args.heads,
-                                   "seq_length": args.seq, "vocab_size": 512, "dropout": 0.1},
-                         "parallel": {"tp": tp, "sequence_parallel": sequence_parallel},
+                                   "seq_length": args.seq, "vocab_size": 512, "dropout": 0.0 if args.cp else 0.1},
+                         "parallel": {"tp": tp, "sequence_parallel": sequence_parallel, "cp": cp, "cp_impl": cp_impl},
                          "train": {"micro_batch_size": args.micro_batch, "global_batch_size": args.micro_batch},
                          "data": {"mock": True}})
 
 
-def layer_bytes(args, grid: ProcessGrid, sequence_parallel: bool) -> float:
-    """Bytes one layer saves for backward on this rank, averaged over the layers."""
-    cfg = bench_config(args, grid.tp, sequence_parallel)
+def layer_bytes(args, grid: ProcessGrid, sequence_parallel: bool, cp_impl: str = "ring",
+                backward: bool = False) -> tuple[float, float, float]:
+    """Bytes one layer saves for backward on this rank, averaged over the layers; and the bytes
+    this rank sends over its cp group per layer in forward and (with `backward`) backward."""
+    cfg = bench_config(args, grid.tp, sequence_parallel, grid.cp, cp_impl)
     resolve_and_validate(cfg, grid.world_size)
-    tracker = seed_everything(cfg.train.seed, grid.pp_rank, grid.tp_rank, grid.device)
+    tracker = seed_everything(cfg.train.seed, grid.pp_rank, grid.tp_rank, grid.device, cp_rank=grid.cp_rank)
     (chunk,), _ = parallelize(cfg, grid, tracker)
     chunk.train()
     meter = ActivationMeter({p.untyped_storage().data_ptr() for p in chunk.parameters()})
@@ -74,11 +96,25 @@ def layer_bytes(args, grid: ProcessGrid, sequence_parallel: bool) -> float:
         block.register_forward_pre_hook(lambda *_: starts.append(meter.current))
         block.register_forward_hook(lambda *_: ends.append(meter.current))
     tokens = torch.randint(0, 512, (args.micro_batch, args.seq), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), sdpa_kernel(SDPBackend.MATH):
+    tokens = torch.from_numpy(shard_sequence(tokens.numpy(), grid.cp_rank, grid.cp))
+    kernel = SDPBackend.FLASH_ATTENTION if args.cp else SDPBackend.MATH
+    grid.reset_counters()
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), sdpa_kernel(kernel):
         logits = chunk(tokens)
     per_layer = sum(e - s for s, e in zip(starts, ends)) / len(starts)
+    sent = [cp_sent(grid) / len(starts)]
+    if backward:
+        with sdpa_kernel(kernel):
+            logits.float().pow(2).mean().backward()
+        sent.append(cp_sent(grid) / len(starts) - sent[0])
     del logits
-    return per_layer
+    return per_layer, *sent, *([0.0] if not backward else [])
+
+
+def cp_sent(grid: ProcessGrid) -> float:
+    """Bytes this rank has sent over its cp group since the counters were reset."""
+    counter = grid.cp_group.counter
+    return float(counter["send"] + counter["all_to_all"])
 
 
 def korthikanti(args, t: int, sequence_parallel: bool, e: float = 2, m: float = 1) -> float:
@@ -88,27 +124,124 @@ def korthikanti(args, t: int, sequence_parallel: bool, e: float = 2, m: float = 
     return s * b * h * ((4 * e + 2 * m) / c + 12 * e / t) + a * s * s * b * (2 * e + m) / t
 
 
-def planner(args, t: int, sequence_parallel: bool) -> int:
+def planner(args, t: int, sequence_parallel: bool, cp: int = 1, cp_impl: str = "ring") -> int:
     return layer_activation_bytes(ActivationShape(
-        args.micro_batch, args.seq, args.hidden, args.heads, 4 * args.hidden, 512, tp=t,
+        args.micro_batch, args.seq // cp, args.hidden, args.heads, 4 * args.hidden, 512, tp=t,
         sequence_parallel=sequence_parallel, act_bytes=ACT_BYTES, mask_bytes=MASK_BYTES, stats_bytes=ACT_BYTES,
-        attention="math"))
+        attention="flash" if args.cp else "math", dropout=not args.cp, cp=cp, cp_impl=cp_impl))
 
 
-def worker(rank: int, tp: int, port: int, args, queue) -> None:
-    """One TP rank: both figures of this tp (rank 0 reports them; every rank holds the same)."""
+def cp_theory(args, t: int, cp: int, cp_impl: str) -> tuple[float, float]:
+    """Bytes one rank sends over its cp group per layer, forward and backward (see above)."""
+    local = args.micro_batch * (args.seq // cp) * args.hidden // t * ACT_BYTES  # one (s/cp) x h/t tensor
+    if cp_impl == "ring":
+        return 2 * (cp - 1) * local, 2 * (cp - 1) * local + 2 * cp * local * 4 // ACT_BYTES
+    return 4 * (cp - 1) / cp * local, 4 * (cp - 1) / cp * local
+
+
+def cases(args, tp: int, cp: int) -> list[tuple[bool, str]]:
+    """(sequence parallel, cp_impl) measured in one world: with --cp both impls (one at cp 1),
+    sequence parallelism on at tp > 1; otherwise without and with it."""
+    if args.cp:
+        return [(tp > 1, impl) for impl in (["ring", "ulysses"] if cp > 1 else ["ring"])]
+    return [(sp, "ring") for sp in ([False, True] if tp > 1 else [False])]
+
+
+def worker(rank: int, tp: int, cp: int, port: int, args, queue) -> None:
+    """One rank of tp x cp: each case's figures (rank 0 reports them; every rank holds the same)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
-    grid = ProcessGrid(tp=tp, pp=1, dp=1, rank=rank)
+    dist.init_process_group("gloo", rank=rank, world_size=tp * cp)
+    grid = ProcessGrid(tp=tp, pp=1, dp=1, cp=cp, rank=rank)
     grid.build_groups()
     try:
-        for sp in ([False, True] if tp > 1 else [False]):
-            per_layer = layer_bytes(args, grid, sp)
+        for sp, impl in cases(args, tp, cp):
+            figures = layer_bytes(args, grid, sp, impl, backward=cp > 1)
             if rank == 0:
-                queue.put((sp, per_layer))
+                queue.put((sp, impl, figures))
     finally:
         dist.destroy_process_group()
+
+
+def main_cp(args) -> None:
+    table_head(f"# torch {torch.__version__}, gloo, fp32; GPT-2 h {args.hidden}, a {args.heads}, s {args.seq}, "
+               f"b {args.micro_batch}, dropout 0, flash attention (CPU kernel), no recompute; per layer per rank "
+               f"(sequence parallelism on at tp > 1)",
+               ["tp", "cp", "impl", "measured MiB", "planner MiB", "measured / planner", "cp 1 / measured",
+                "fwd KiB sent", "theory", "bwd KiB sent", "theory"])
+    kib = 2.0 ** -10
+    for tp in args.tp:
+        base = None
+        for cp in args.cp:
+            for _, impl, (got, fwd, bwd) in measured(args, tp, cp):
+                base = got if cp == 1 else base
+                plan = planner(args, tp, tp > 1, cp, impl)
+                fwd_t, bwd_t = cp_theory(args, tp, cp, impl) if cp > 1 else (0, 0)
+                ratio = f"{base / got:.2f}" if base else "-"
+                print(f"| {tp} | {cp} | {impl if cp > 1 else '-'} | {got / 2**20:.3f} | {plan / 2**20:.3f} | "
+                      f"{got / plan:.3f} | {ratio} | {fwd * kib:.1f} | {fwd_t * kib:.1f} | {bwd * kib:.1f} | "
+                      f"{bwd_t * kib:.1f} |", flush=True)
+
+
+def measured(args, tp: int, cp: int) -> list[tuple]:
+    """Every case's figures from a world of tp x cp spawned ranks."""
+    return spawned(worker, tp * cp, tp, cp, args)
+
+
+def spawned(fn, nprocs: int, *fn_args) -> list:
+    """What fn(rank, *fn_args, port, args, queue) put on the queue in each of `nprocs` spawned
+    ranks (mp.spawn raises with the traceback of a failed rank)."""
+    *head, args = fn_args
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(fn, args=(*head, port, args, queue), nprocs=nprocs)
+    out = []
+    while not queue.empty():
+        out.append(queue.get())
+    return out
+
+
+def table_head(title: str, columns: list[str]) -> None:
+    print(title)
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+
+
+def worker_long(rank: int, cp: int, port: int, args, queue) -> None:
+    """One rank of a cp world training the long-context config; reports its peak RSS and losses."""
+    from megazero.train.trainer import Trainer
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cp))
+    torch.set_num_threads(1)
+    cfg = build_config(load_yaml(str(REPO / "configs/gpt2-124m.yaml")), [
+        "--model.seq_length", str(args.long_seq), "--model.num_layers", str(args.layers), "--model.dropout", "0",
+        "--parallel.cp", str(cp), "--train.micro_batch_size", "1", "--train.global_batch_size", "1",
+        "--train.iters", "2", "--train.precision", "fp32", "--train.recompute", "none", "--train.eval_interval", "0",
+        "--train.log_interval", "1", "--data.mock", "true", "--data.prefix", "null", "--data.tokenizer", "null",
+        "--checkpoint.save", "null", "--checkpoint.load", "null", "--logging.jsonl", "null"])
+    resolve_and_validate(cfg, cp)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            records = Trainer(cfg, ProcessGrid.create(1, 1, cp=cp)).run()
+        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        queue.put((rank, peak_gib, [r["loss"] for r in records]))
+    finally:
+        dist.destroy_process_group()
+
+
+def main_long(args) -> None:
+    table_head(f"# GPT-2 124M shape (h 768, 12 heads, vocab 50257), {args.layers} layers, seq {args.long_seq}, "
+               f"micro-batch 1, fp32, no recompute, ZeRO-1, ring attention; 2 iterations; gloo, torch "
+               f"{torch.__version__}", ["cp", "processes", "peak RSS per rank GiB (largest)", "cp 1 / this", "losses"])
+    first = None
+    for cp in args.cp or [1, 4]:
+        reports = spawned(worker_long, cp, cp, args)
+        peak = max(r[1] for r in reports)
+        first = first or peak
+        losses = next(r[2] for r in reports if r[0] == 0)
+        print(f"| {cp} | {cp} | {peak:.2f} | {first / peak:.2f} | {', '.join(f'{x:.4f}' for x in losses)} |",
+              flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -119,21 +252,24 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--cp", type=int, nargs="+", help="context-parallel degrees to measure (with 1 first)")
+    parser.add_argument("--long", action="store_true", help="the long-context run (see above); --layers default 12")
+    parser.add_argument("--long-seq", type=int, default=16384)
     args = parser.parse_args(argv)
-    print(f"# torch {torch.__version__}, gloo, fp32; GPT-2 h {args.hidden}, a {args.heads}, s {args.seq}, "
-          f"b {args.micro_batch}, dropout 0.1, math attention, no recompute; bytes per layer per rank")
-    print("| tp | sequence parallel | measured MiB | Korthikanti 16-bit MiB | Korthikanti at e=4, m=4 MiB "
-          "| measured / Korthikanti (e=4, m=4) | planner MiB | measured / planner |")
-    print("|---|---|---|---|---|---|---|---|")
+    if args.long:
+        args.layers = args.layers if "--layers" in (argv or sys.argv) else 12
+        main_long(args)
+        return
+    if args.cp:
+        main_cp(args)
+        return
+    table_head(f"# torch {torch.__version__}, gloo, fp32; GPT-2 h {args.hidden}, a {args.heads}, s {args.seq}, "
+               f"b {args.micro_batch}, dropout 0.1, math attention, no recompute; bytes per layer per rank",
+               ["tp", "sequence parallel", "measured MiB", "Korthikanti 16-bit MiB", "Korthikanti at e=4, m=4 MiB",
+                "measured / Korthikanti (e=4, m=4)", "planner MiB", "measured / planner"])
     mib = 2.0 ** -20
     for tp in args.tp:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        queue = mp.get_context("spawn").SimpleQueue()
-        mp.spawn(worker, args=(tp, port, args, queue), nprocs=tp)  # raises with the traceback of a failed rank
-        while not queue.empty():
-            sp, got = queue.get()
+        for sp, _, (got, _, _) in measured(args, tp, 1):
             at_run = korthikanti(args, tp, sp, ACT_BYTES, MASK_BYTES)
             plan = planner(args, tp, sp)
             print(f"| {tp} | {'yes' if sp else 'no'} | {got * mib:.2f} | {korthikanti(args, tp, sp) * mib:.2f} | "

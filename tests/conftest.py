@@ -52,7 +52,7 @@ def make_trainer(args: Sequence[str] = (), base: str | dict = TINY_CONFIG):
     from megazero.train.trainer import Trainer
     cfg = make_config(args, base, world=dist.get_world_size())
     with contextlib.redirect_stdout(io.StringIO()):
-        return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
+        return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp))
 
 
 def make_grid(tp: int):

@@ -90,3 +90,24 @@ def train_records(tmp_path, nproc: int, args: list[str], name: str) -> list[dict
     proc = torchrun(nproc, args + ["--logging.jsonl", out], cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_jsonl(out)
+
+
+def logged_by_layout(records: Callable[[list[str]], list], layouts: dict[str, list[str]]) -> dict[str, list]:
+    """In a spawned rank: train each layout (`records(extra args)`, which returns its records on
+    the logging rank and nothing elsewhere) in this one world; the logging rank's records of each."""
+    import torch.distributed as dist
+    out = {}
+    for name, extra in layouts.items():
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, records(extra))
+        out[name] = next(r for r in everyone if r)
+    return out
+
+
+def assert_parity(runs: dict[str, list], reference: list, iters: int, tol: float = 1e-5) -> None:
+    """Every layout's per-iteration (loss, grad norm, ...) within `tol` of the single process's."""
+    for name, run in runs.items():
+        assert len(run) == len(reference) == iters, name
+        diffs = [max(abs(a - b) for a, b in zip(r, ref, strict=True)) for r, ref in zip(run, reference, strict=True)]
+        print(f"{name}: max |delta loss, grad norm| vs single process {max(diffs):.2e}")  # pytest -s
+        assert max(diffs) <= tol, (name, run, reference)

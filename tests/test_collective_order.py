@@ -42,6 +42,8 @@ CASES = {
                                         "--parallel.sequence_parallel", "true"],
     "tp 2 sequence parallel, stage 3, param cpu": STAGE3 + ["--zero.offload_param", "cpu", "--parallel.tp", "2",
                                                             "--parallel.sequence_parallel", "true"],
+    "cp 2 ring, stage 3": STAGE3 + ["--parallel.cp", "2"],
+    "cp 2 ulysses, stage 2": ["--zero.stage", "2", "--parallel.cp", "2", "--parallel.cp_impl", "ulysses"],
 }
 
 
@@ -99,7 +101,7 @@ def _record(names: list[str], nvme: str, seed: int) -> dict:
     out = {}
     for name in names:
         cfg = make_config(TINY + CASES[name] + ["--zero.nvme_path", nvme], world=dist.get_world_size())
-        grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp)
+        grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp)
         calls = comm.record_calls(grid.groups.values())
         trainer = Trainer(cfg, grid)
         _delay_compute(trainer.chunks, pause)
@@ -142,7 +144,7 @@ def _check_all(results: list[dict], names: list[str]) -> None:
     for name in names:
         per_rank = [r[name] for r in results]
         _check(name, per_rank)
-        dp = [c for c in per_rank[0]["calls"] if c[0] == "dp"]
+        dp = [c for c in per_rank[0]["calls"] if c[0] in ("dp", "dp_cp")]  # ZeRO's group
         assert dp, f"{name}: nothing recorded on the DP group"
 
 
@@ -152,6 +154,7 @@ def _check_all(results: list[dict], names: list[str]) -> None:
     pytest.param(4, ["pp 2 zbh1, stage 3, param + optimizer nvme", "pp 2 zbh1, stage 1",
                      "tp 2 sequence parallel, stage 2", "tp 2 sequence parallel, stage 3, param cpu"],
                  marks=pytest.mark.slow),
-], ids=["dp2-stage1-stage3nvme", "dp2-stages0-3", "dp2-pp2zbh1-tp2sp"])
+    pytest.param(4, ["cp 2 ring, stage 3", "cp 2 ulysses, stage 2"], marks=pytest.mark.slow),
+], ids=["dp2-stage1-stage3nvme", "dp2-stages0-3", "dp2-pp2zbh1-tp2sp", "dp2-cp2"])
 def test_every_rank_of_a_group_issues_the_same_collectives(tmp_path, world, names):
     _check_all(run_distributed(_record, world, names, str(tmp_path), 1), names)

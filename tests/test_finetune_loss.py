@@ -88,3 +88,11 @@ def test_masked_loss_at_tp2_pp2_dp2_every_stage_and_interleaved(prefix, referenc
     layouts["pp2-vpp2-dp4-zero3"] = ["--parallel.pp", "2", "--parallel.vpp", "2", "--zero.stage", "3",
                                      "--parallel.schedule", "interleaved", "--train.micro_batch_size", "1"]
     _assert_layouts_equal_reference(prefix, reference, 8, layouts)
+
+
+@pytest.mark.slow
+def test_masked_loss_with_context_parallelism(prefix, reference):
+    """Each cp rank counts its positions' labels; the loss is normalised once by the global count."""
+    layouts = {"cp2-dp2-zero2-ring": ["--parallel.cp", "2", "--zero.stage", "2"],
+               "cp2-pp2-ulysses": ["--parallel.cp", "2", "--parallel.cp_impl", "ulysses", "--parallel.pp", "2"]}
+    _assert_layouts_equal_reference(prefix, reference, 4, layouts)

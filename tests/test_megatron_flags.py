@@ -123,6 +123,16 @@ def test_flags_that_need_the_whole_config():
     assert (cfg.parallel.vpp, cfg.parallel.schedule, cfg.zero.stage) == (2, "interleaved", 2)
 
 
+def test_context_parallel_flags():
+    base = ("--mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --global-batch-size 4 "
+            "--hidden-dropout 0 --attention-dropout 0 ")  # ring attention has no dropout yet
+    for comm, impl in (("p2p", "ring"), ("a2a", "ulysses")):
+        cfg = load_config(None, None, (base + f"--context-parallel-size 2 --cp-comm-type {comm}").split(), 0, 2)
+        assert (cfg.parallel.cp, cfg.parallel.cp_impl) == (2, impl)
+    with pytest.raises(ConfigError, match="--cp-comm-type allgather has no megazero equivalent"):
+        load_config(None, None, (base + "--context-parallel-size 2 --cp-comm-type allgather").split(), 0, 2)
+
+
 def test_megatron_defaults_for_a_megatron_launch_line_only(tmp_path, capsys):
     """Megatron flags without a config file train with Megatron's dropout, weight decay, beta2 and
     decay (and say so); with a --config file, or without Megatron flags, megazero's defaults stay."""

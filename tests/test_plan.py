@@ -80,7 +80,7 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
         out.append({"case": " ".join(overrides), "rank": dist.get_rank(),
                     "states": (_on_device(tr.optimizer.model_state_bytes()), pred.states),
                     "bytes": ({k: sum(v for op, v in moved.get(k, {}).items() if not op.endswith("_calls"))
-                               for k in ("dp", "tp", "pp", "embed")}, pred.bytes),
+                               for k in ("dp", "tp", "cp", "pp", "embed")}, pred.bytes),
                     "activations": (meter.peak, pred.activations)})
     return out
 
@@ -233,7 +233,8 @@ def test_plan_command_ranks_layouts_and_prints_json(capsys):
     steps = [lay["step_seconds"] for lay in out["layouts"]]
     assert steps == sorted(steps) and out["explanation"].startswith("winner " + out["layouts"][0]["label"])
     code, out, err = _plan(capsys, "--config", "configs/gpt2-124m.yaml", "--gpus", "16", "--tp", "2", "--pp", "2",
-                           "--zero-stage", "1", "--micro-batch", "2", "--recompute", "selective", "--vpp", "1")
+                           "--cp", "1", "--zero-stage", "1", "--micro-batch", "2", "--recompute", "selective",
+                           "--vpp", "1")
     assert code == 0, err
     assert "tp2 pp2 dp4 z1 mb2 selective" in out and "pp rank 1:" in out
 

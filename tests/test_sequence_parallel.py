@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import make_grid, make_trainer
-from distributed import run_distributed
+from distributed import assert_parity, logged_by_layout, run_distributed
 
 ITERS = 4
 
@@ -176,14 +176,7 @@ def _records(extra: list[str]) -> list[tuple[float, float]]:
 
 
 def _layouts(layouts: dict[str, list[str]]) -> dict[str, list[tuple[float, float]]]:
-    """Each layout trained in this one world; the logger's records of each."""
-    import torch.distributed as dist
-    out = {}
-    for name, extra in layouts.items():
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, _records(extra))
-        out[name] = next(r for r in everyone if r)
-    return out
+    return logged_by_layout(_records, layouts)
 
 
 SP = ["--parallel.sequence_parallel", "true"]
@@ -209,11 +202,7 @@ def reference() -> list[tuple[float, float]]:
 
 
 def _assert_parity(runs: dict, reference: list) -> None:
-    for name, run in runs.items():
-        assert len(run) == len(reference) == ITERS, name
-        diffs = [max(abs(a - b) for a, b in zip(r, ref, strict=True)) for r, ref in zip(run, reference, strict=True)]
-        print(f"{name}: max |delta loss, grad norm| vs single process {max(diffs):.2e}")  # pytest -s
-        assert max(diffs) <= 1e-5, (name, run, reference)
+    assert_parity(runs, reference, ITERS)
 
 
 def _checks_and_layouts(tp: int, layouts: dict[str, list[str]]) -> tuple[list, dict]:

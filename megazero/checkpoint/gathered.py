@@ -76,7 +76,7 @@ def save_gathered(path: str, full_parameters: Iterator[tuple[str, nn.Parameter, 
             for _ in tensors:
                 pass
     else:
-        leader = grid.dp_rank == 0 and grid.tp_rank == 0  # speaks for its pipeline stage
+        leader = grid.dp_cp_group.rank == 0 and grid.tp_rank == 0  # speaks for its pipeline stage
         names = list(shapes)
         for name, full in own:
             if leader:
@@ -92,7 +92,7 @@ def _joined(full_parameters: Iterator, shapes: dict, grid: ProcessGrid, dtype: t
     """(name, full tensor) on the DP-rank-0 row, one at a time; other rows only take part
     in the ZeRO-3 gathers that `full_parameters` runs."""
     for name, param, value in full_parameters:
-        if name == "lm_head.weight" or name not in shapes or grid.dp_rank != 0:  # the head is wte's tied copy
+        if name == "lm_head.weight" or name not in shapes or grid.dp_cp_group.rank != 0:  # the head is wte's tied copy
             continue
         yield name, fit_vocab(name, _tp_full(value.detach(), param, grid.tp_group), shapes[name]).to(dtype)
 

@@ -49,12 +49,12 @@ def save_sharded(save_dir: str, iteration: int, rank_state: dict | Callable[[], 
     step(lambda: prepare_dir(final) if grid.rank == 0 else None)
     tmp = final + TMP_SUFFIX
     c = grid.coords()
-    name = rank_file_name(c.tp, c.pp, c.dp)
+    name = rank_file_name(c.tp, c.pp, grid.dp_cp_index(c))
     # Built inside the step when given as a callable: assembling state can fail on one rank
     # (scratch space for NVMe-swapped state) and must stop every rank alike.
     entries = step(lambda: _write_rank_file(os.path.join(tmp, name),
                                             rank_state() if callable(rank_state) else rank_state))
-    files = {rank_file_name(c.tp, c.pp, c.dp): e for c, e in zip(map(grid.coords, range(grid.world_size)), entries)}
+    files = {rank_file_name(c.tp, c.pp, grid.dp_cp_index(c)): e for c, e in zip(map(grid.coords, range(grid.world_size)), entries)}
     if extra is not None:
         def write_extra() -> dict[str, Optional[dict]]:
             written = extra(tmp)  # rank 0 writes them (by offsets: hashed once complete)
@@ -100,7 +100,12 @@ def _abandoned(final: str, iteration: int, rank: int, error: str, grid: ProcessG
 
 
 def layout_of(cfg: Config, grid: ProcessGrid) -> dict:
-    return {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "vpp": cfg.parallel.vpp,
+    """The layout a checkpoint's rank files follow. Its "dp" counts ZeRO's shards (dp x cp: rank
+    files are named by the dp x cp index), so readers need not know context parallelism; "cp"
+    appears only above 1, so that a cp change reshards (RNG streams differ) while checkpoints
+    written before cp existed keep their layout."""
+    cp = {"cp": grid.cp} if grid.cp > 1 else {}
+    return {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp * grid.cp, **cp, "vpp": cfg.parallel.vpp,
             "pp_layers": cfg.parallel.pp_layers, "zero_stage": cfg.zero.stage, "precision": cfg.train.precision}
 
 

@@ -101,7 +101,7 @@ def verify_file(ckpt: str, meta: dict, name: str) -> str:
 def load_rank_state(ckpt: str, meta: dict, grid: ProcessGrid, rank: Optional[int] = None) -> dict:
     """A rank's file (default: this rank's), read once, checksum-verified, then loaded."""
     c = grid.coords(rank)
-    return load_file(ckpt, meta, rank_file_name(c.tp, c.pp, c.dp))
+    return load_file(ckpt, meta, rank_file_name(c.tp, c.pp, grid.dp_cp_index(c)))
 
 
 class ShardedReader:

@@ -49,6 +49,7 @@ from megazero.model.layers import (
     vocab_parallel_cross_entropy,
 )
 from megazero.parallel.comm import Group, solo_group
+from megazero.parallel.context import context_attention, zigzag_positions
 from megazero.parallel.random import RNGTracker, in_stream
 from megazero.parallel.weight_grad import WeightGradStore
 
@@ -59,6 +60,7 @@ class CausalSelfAttention(nn.Module):
         self.heads = cfg.num_heads  # this rank's heads (all until tensor parallelism splits them)
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.tp_size = 1
+        self.cp, self.cp_impl = solo_group(), "ring"  # context parallelism: apply_cp
         self.dropout = cfg.dropout
         self.tracker = tracker
         # stride 3: q, k and v are each split over the TP ranks, so a rank owns whole heads.
@@ -70,6 +72,11 @@ class CausalSelfAttention(nn.Module):
         self.heads //= tp.size  # c_attn's stride-3 split hands each rank whole heads of q, k and v
         self.tp_size = tp.size
 
+    def apply_cp(self, cp: Group, impl: str) -> None:
+        """Context parallelism: this rank holds its zig-zag positions of each sequence
+        (parallel/context.py) and attends over the whole of it through the cp group."""
+        self.cp, self.cp_impl = cp, impl
+
     def attend(self, qkv: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
         """The attention core: q, k, v -> weighted values (selective recompute wraps this)."""
         b, s, _ = qkv.shape
@@ -78,18 +85,27 @@ class CausalSelfAttention(nn.Module):
         if kv is not None:  # incremental decoding: attend to every cached position as well
             k, v = kv.append(k, v, pos)
             mask = kv.mask
-        p = self.dropout if self.training else 0.0
-        # A prompt (pos 0) is causal within itself; a single new token sees all the past;
-        # left-padded prompts (a batch of several lengths) say so in their cache's mask.
-        sdpa = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=p,
-                                 is_causal=pos == 0 and mask is None)
-        if self.tracker is not None and p > 0 and self.tp_size > 1:
-            # Attention probabilities of this rank's heads are distinct per TP rank: their
-            # dropout masks come from the per-rank stream (independent and reproducible).
-            y = in_stream(self.tracker, "tp", sdpa)
+        if self.cp.size > 1 and kv is None:
+            y = context_attention(q, k, v, self.cp, self.cp_impl, self._causal_attention)
         else:
-            y = sdpa()
+            y = self._attention(q, k, v, mask, pos == 0 and mask is None)
         return y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+
+    def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._attention(q, k, v, None, True)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                   causal: bool) -> torch.Tensor:
+        """SDPA with attention dropout. A prompt is causal within itself; a single new token
+        sees all the past; left-padded prompts (a batch of several lengths) say so in `mask`."""
+        p = self.dropout if self.training else 0.0
+        sdpa = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=p,
+                                 is_causal=causal)
+        if self.tracker is not None and p > 0 and self.tp_size * self.cp.size > 1:
+            # Attention probabilities of this rank's heads are distinct per TP (and, under
+            # Ulysses, cp) rank: their dropout masks come from the per-rank stream.
+            return in_stream(self.tracker, "tp", sdpa)
+        return sdpa()
 
     def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
         y = self.attend(self.c_attn(x), kv, pos)
@@ -156,7 +172,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker] = None,
                  layers: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True):
         super().__init__()
-        self.cfg, self.tp, self.tracker = cfg, solo_group(), tracker
+        self.cfg, self.tp, self.cp, self.tracker = cfg, solo_group(), solo_group(), tracker
         self.sequence_parallel = False
         self.layers = list(range(cfg.num_layers) if layers is None else layers)
         self.pre_process, self.post_process = pre_process, post_process
@@ -212,6 +228,19 @@ class GPT(nn.Module):
             if p.tp_dim is None:  # type: ignore[attr-defined]  # TP metadata (mark_tp)
                 p.sequence_parallel = True  # type: ignore[attr-defined]  # TP metadata (mark_tp)
 
+    def apply_context_parallel(self, cp: Group, impl: str) -> None:
+        """Context parallelism (nothing to do at cp = 1): every sequence reaches this rank as
+        its zig-zag positions, [b, s/cp] (the data loader cuts them: parallel/context.py), so
+        the position ids follow that layout and attention reaches the other positions through
+        the cp group (ring or Ulysses). Parameters are whole on every cp rank; their
+        gradients are reduced over dp x cp by ZeRO."""
+        if cp.size == 1:
+            return
+        self.cp = cp
+        for module in self.modules():
+            if isinstance(module, CausalSelfAttention):
+                module.apply_cp(cp, impl)
+
     def hidden_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
         """Shape of the hidden states a stage passes on for [batch, seq] tokens."""
         return batch, seq // self.tp.size if self.sequence_parallel else seq, self.cfg.hidden_size
@@ -229,6 +258,11 @@ class GPT(nn.Module):
         if cache is not None and self.sequence_parallel:
             raise ValueError("generation with a KV cache needs a model without sequence parallelism")
         pos = torch.arange(start, start + x.shape[1], device=x.device)
+        if self.cp.size > 1:  # this rank's zig-zag positions of the whole sequence
+            if cache is not None:
+                raise ValueError("generation with a KV cache needs a model without context parallelism")
+            pos = torch.as_tensor(zigzag_positions(x.shape[1] * self.cp.size, self.cp.rank, self.cp.size),
+                                  device=x.device)
         if cache is not None:
             pos = cache.begin(start, pos)  # per-row positions and masks when the prompts are left-padded
         if self.pre_process:

@@ -252,6 +252,22 @@ def _ring_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, pg
     out.copy_(chunks[group.rank].view_as(out))
 
 
+def all_to_all_volume(nbytes: int, n: int) -> int:
+    """All-to-all of an `nbytes` tensor over n ranks: all but this rank's own 1/n leave it."""
+    return int((n - 1) / n * nbytes)
+
+
+def all_to_all(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
+    """Split `t` into n equal pieces along dim 0, piece i to member i; `out` gets member i's
+    piece for this rank at its i-th place. Gloo implements it too (all_to_all_single)."""
+    if group.size == 1:
+        out.copy_(t)
+        return
+    group.count("all_to_all", all_to_all_volume(_nbytes(t), group.size))
+    group.note("all_to_all", t)
+    dist.all_to_all_single(out, t.contiguous(), group=group.pg)
+
+
 def broadcast(t: torch.Tensor, src_index: int, group: Group) -> None:
     """Broadcast from the group member with index `src_index` (not a global rank)."""
     if group.size == 1:
@@ -453,6 +469,12 @@ class _SequencePair(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.backward_fn(grad, ctx.group), None, None, None
+
+
+def transposed_pair(x: torch.Tensor, group: Group, forward_fn: Callable, backward_fn: Callable) -> torch.Tensor:
+    """forward_fn(x, group) forward, backward_fn(grad, group) backward: a collective whose
+    transpose is another (e.g. Ulysses' two all-to-alls, parallel/context.py)."""
+    return _SequencePair.apply(x, group, forward_fn, backward_fn)
 
 
 def gather_from_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:

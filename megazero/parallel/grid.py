@@ -1,9 +1,14 @@
-"""ProcessGrid: the tp x pp x dp layout of the job and every process group, built once.
+"""ProcessGrid: the tp x cp x dp x pp layout of the job and every process group, built once.
 
 Rank order follows Megatron-LM: tensor parallel innermost (adjacent ranks, so TP traffic
-stays on one node), then data parallel, pipeline outermost:
+stays on one node), then context parallel, then data parallel, pipeline outermost. This is
+the one place that states it (`rank_of`, `coords`):
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
+
+Context parallelism (cp) splits each sequence over its ranks; they hold the same parameters,
+so ZeRO shards and reduces over dp x cp (`dp_cp_group`, members ordered dp-major: index
+dp_rank * cp + cp_rank), as Megatron does. At cp 1 that group is the DP group itself.
 
 The grid is the only place that creates process groups; everything else receives the
 `Group` objects it needs from here (no module-level state).
@@ -13,8 +18,8 @@ channel), so every tensor that meets a collective, a p2p op, the loss or a metri
 created on `grid.device`; without CUDA they are gloo's and `grid.device` is the CPU.
 Host copies for checkpoints go through `parallel/host.py`.
 
-Timeouts, stated once: every group the grid creates (tp, dp, pp, mp, embed, the world, and
-gloo's duplicate DP group for the communication thread) gets `grid.timeout_s`
+Timeouts, stated once: every group the grid creates (tp, cp, dp, dp_cp, pp, mp, embed, the
+world, and gloo's duplicate of ZeRO's group for the communication thread) gets `grid.timeout_s`
 (train.timeout_minutes), so a collective or p2p op that waits longer on a stopped or dead
 peer fails instead of hanging (torch's default for a new group is 30 minutes on gloo). Gloo
 raises the error in the thread that waits. NCCL's watchdog thread notices it; `comm_errors`
@@ -51,6 +56,7 @@ class Coords:
     tp: int
     dp: int
     pp: int
+    cp: int = 0
 
 
 @dataclass
@@ -61,13 +67,15 @@ class ProcessGrid:
     pp: int
     dp: int
     rank: int = 0
+    cp: int = 1
+    """Context-parallel degree: ranks that split each sequence (ring attention or Ulysses)."""
     backend: str = "gloo"
     timeout_s: float = 600.0
     """Every group's timeout: a collective or p2p op waiting longer on a peer fails."""
     groups: dict[str, Group] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel degree {name} ({getattr(self, name)}) must be at least 1")
         if self.timeout_s <= 0:
@@ -81,27 +89,36 @@ class ProcessGrid:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def coords(self, rank: Optional[int] = None) -> Coords:
-        """(tp, dp, pp) coordinates of `rank` (default: this process)."""
+        """(tp, dp, pp, cp) coordinates of `rank` (default: this process)."""
         r = self.rank if rank is None else rank
-        return Coords(tp=r % self.tp, dp=(r // self.tp) % self.dp, pp=r // (self.tp * self.dp))
+        return Coords(tp=r % self.tp, cp=(r // self.tp) % self.cp, dp=(r // (self.tp * self.cp)) % self.dp,
+                      pp=r // (self.tp * self.cp * self.dp))
 
-    def rank_of(self, tp: int, dp: int, pp: int) -> int:
-        return pp * self.dp * self.tp + dp * self.tp + tp
+    def rank_of(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
+    def dp_cp_index(self, c: Coords) -> int:
+        """The member index of coordinates `c` in their dp x cp group: ZeRO's shard rank."""
+        return c.dp * self.cp + c.cp
 
     def group_ranks(self, kind: str) -> list[list[int]]:
         """Every group of one kind as lists of global ranks (the same on all processes)."""
-        t, d, p = range(self.tp), range(self.dp), range(self.pp)
+        t, d, p, c = range(self.tp), range(self.dp), range(self.pp), range(self.cp)
         if kind == "tp":
-            return [[self.rank_of(i, j, k) for i in t] for k in p for j in d]
+            return [[self.rank_of(i, j, k, m) for i in t] for k in p for j in d for m in c]
+        if kind == "cp":
+            return [[self.rank_of(i, j, k, m) for m in c] for k in p for j in d for i in t]
         if kind == "dp":
-            return [[self.rank_of(i, j, k) for j in d] for k in p for i in t]
+            return [[self.rank_of(i, j, k, m) for j in d] for k in p for m in c for i in t]
+        if kind == "dp_cp":  # ZeRO's group: the replicas of one (tp, pp) shard of the parameters
+            return [[self.rank_of(i, j, k, m) for j in d for m in c] for k in p for i in t]
         if kind == "pp":
-            return [[self.rank_of(i, j, k) for k in p] for j in d for i in t]
-        if kind == "mp":  # tensor x pipeline: one model replica
-            return [[self.rank_of(i, j, k) for k in p for i in t] for j in d]
+            return [[self.rank_of(i, j, k, m) for k in p] for j in d for m in c for i in t]
+        if kind == "mp":  # tensor x pipeline: one model replica's parameters
+            return [[self.rank_of(i, j, k, m) for k in p for i in t] for j in d for m in c]
         if kind == "embed":  # first and last stage hold the tied embedding
             return [sorted({g[0], g[-1]}) for g in self.group_ranks("pp")]
         raise KeyError(kind)
@@ -119,6 +136,10 @@ class ProcessGrid:
         return self.coords().pp
 
     @property
+    def cp_rank(self) -> int:
+        return self.coords().cp
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -127,9 +148,9 @@ class ProcessGrid:
         return self.pp_rank == self.pp - 1
 
     def stage_rank(self, pp_rank: int) -> int:
-        """Global rank of the given pipeline stage that shares this rank's tp and dp coordinates."""
+        """Global rank of the given pipeline stage that shares this rank's tp, cp and dp coordinates."""
         c = self.coords()
-        return self.rank_of(c.tp, c.dp, pp_rank % self.pp)
+        return self.rank_of(c.tp, c.dp, pp_rank % self.pp, c.cp)
 
     # ------------------------------------------------------------------ groups
 
@@ -138,6 +159,8 @@ class ProcessGrid:
 
     tp_group = _GroupOf("tp")
     dp_group = _GroupOf("dp")
+    cp_group = _GroupOf("cp")
+    dp_cp_group = _GroupOf("dp_cp")  # what ZeRO shards and reduces over
     pp_group = _GroupOf("pp")
     mp_group = _GroupOf("mp")  # tensor x pipeline: one model replica
     embed_group = _GroupOf("embed")
@@ -145,9 +168,10 @@ class ProcessGrid:
     def build_groups(self) -> None:
         """Create every process group once, each with the grid's timeout. All ranks call
         new_group for all groups in the same order (a torch.distributed requirement), keeping
-        only their own. On gloo the DP group also gets a duplicate for its asynchronous
-        reduce-scatters."""
-        for kind in ("tp", "dp", "pp", "mp", "embed"):
+        only their own. At cp 1 the dp x cp group is the DP group (no second communicator).
+        On gloo ZeRO's group also gets a duplicate for its asynchronous reduce-scatters."""
+        kinds = ("tp", "dp", "pp", "mp", "embed") + (("cp", "dp_cp") if self.cp > 1 else ())
+        for kind in kinds:
             for ranks in self.group_ranks(kind):
                 pg = _new_group(ranks, self.world_size, self.timeout)
                 if self.rank in ranks:
@@ -155,11 +179,14 @@ class ProcessGrid:
         world = list(range(self.world_size))
         self.groups["world"] = Group("world", _new_group(world, self.world_size, self.timeout), world, self.rank,
                                      timeout_s=self.timeout_s)
-        if self.backend == "gloo":  # the DP group's comm thread gets a communicator of its own (see comm.py)
-            for ranks in self.group_ranks("dp"):
+        if self.cp == 1:
+            self.groups["cp"] = Group("cp", None, [self.rank], 0, timeout_s=self.timeout_s)
+            self.groups["dp_cp"] = self.groups["dp"]
+        if self.backend == "gloo":  # ZeRO's comm thread gets a communicator of its own (see comm.py)
+            for ranks in self.group_ranks("dp_cp"):
                 side = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
-                    self.groups["dp"].side_pg = side
+                    self.groups["dp_cp"].side_pg = side
 
     def comm_errors(self) -> dict[str, str]:
         """This rank's groups whose NCCL watchdog has seen a collective time out or a peer fail,
@@ -176,17 +203,19 @@ class ProcessGrid:
         return errors
 
     @classmethod
-    def create(cls, tp: int, pp: int, timeout_s: float = 600, store: Optional[dist.Store] = None) -> "ProcessGrid":
+    def create(cls, tp: int, pp: int, timeout_s: float = 600, store: Optional[dist.Store] = None,
+               cp: int = 1) -> "ProcessGrid":
         """Join torch.distributed from torchrun's environment (or as a lone process) and
         build the grid; dp is inferred from the world size; every group waits `timeout_s` on a
         peer at most. `store`: rendezvous through it instead of torchrun's (a restart's own
         namespace, see train/lifecycle.py)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
-        if world_size % (tp * pp):
-            raise ValueError(f"world size ({world_size}) must be divisible by tp x pp ({tp} x {pp})")
+        if world_size % (tp * pp * cp):
+            raise ValueError(f"world size ({world_size}) must be divisible by tp x cp x pp ({tp} x {cp} x {pp})")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        grid = cls(tp=tp, pp=pp, dp=world_size // (tp * pp), rank=rank, backend=backend, timeout_s=timeout_s)
+        grid = cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), rank=rank, backend=backend, timeout_s=timeout_s,
+                   cp=cp)
         options = _bind_cuda_device() if backend == "nccl" else {}
         if not dist.is_initialized():
             if store is not None:

@@ -7,6 +7,8 @@ Two streams, as in Megatron-LM:
 - the tracker's "tp" stream, seeded differently per TP rank, drives dropout inside TP
   regions (attention probabilities of this rank's heads), where each rank holds distinct
   activations that need independent masks.
+Context-parallel ranks hold different positions of a sequence, so both streams differ per
+cp rank as well (cp rank 0 keeps the seeds of a run without context parallelism).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 TP_STREAM_OFFSET = 2718
+CP_SEED_OFFSET = 7919  # per cp rank; stages are 100 apart, so no cp rank of a stage meets another stage's seed
 
 
 class RNGTracker:
@@ -84,10 +87,11 @@ def _eager_in_stream() -> Callable:
 
 
 def seed_everything(seed: int, pp_rank: int, tp_rank: int, device: torch.device,
-                    tracker: Optional[RNGTracker] = None) -> RNGTracker:
-    """Seed the default streams (same on all TP ranks of a stage) and the tracker's TP
-    stream (a new tracker, or `tracker` reseeded in place for the modules that hold it)."""
-    stage_seed = seed + 100 * pp_rank
+                    tracker: Optional[RNGTracker] = None, cp_rank: int = 0) -> RNGTracker:
+    """Seed the default streams (same on all TP ranks of a stage and cp rank) and the
+    tracker's TP stream (a new tracker, or `tracker` reseeded in place for the modules that
+    hold it)."""
+    stage_seed = seed + 100 * pp_rank + CP_SEED_OFFSET * cp_rank
     random.seed(stage_seed)
     np.random.seed(stage_seed % 2**32)
     torch.manual_seed(stage_seed)

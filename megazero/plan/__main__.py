@@ -38,8 +38,10 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     ap.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free (0.1)")
     ap.add_argument("--attention", choices=["flash", "math"], default="flash",
                     help="fused attention (no s x s scores kept) or the unfused math kernel")
-    for name in ("tp", "pp", "dp", "vpp", "zero-stage", "micro-batch"):
+    for name in ("tp", "cp", "pp", "dp", "vpp", "zero-stage", "micro-batch"):
         ap.add_argument(f"--{name}", type=int, help=f"fix {name.replace('-', ' ')}")
+    ap.add_argument("--cp-impl", choices=["ring", "ulysses"], help="context parallelism by ring attention "
+                                                                   "(default) or Ulysses")
     ap.add_argument("--recompute", choices=RECOMPUTE, help="fix the recompute policy")
     ap.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism where tp > 1")
     ap.add_argument("--offload-optimizer", action="store_true", help="optimizer states in host memory")
@@ -90,12 +92,12 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
 
 
 def fixed_from(args: argparse.Namespace) -> dict:
-    names = {"tp": "tp", "pp": "pp", "dp": "dp", "vpp": "vpp", "zero_stage": "zero_stage",
-             "micro_batch": "micro_batch", "recompute": "recompute"}
+    names = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "vpp": "vpp", "zero_stage": "zero_stage",
+             "micro_batch": "micro_batch", "recompute": "recompute", "cp_impl": "cp_impl"}
     fixed = {field: getattr(args, attr) for field, attr in names.items() if getattr(args, attr) is not None}
     if "zero_stage" in fixed and fixed["zero_stage"] not in (0, 1, 2, 3):
         raise PlanError(f"--zero-stage ({fixed['zero_stage']}) must be 0, 1, 2 or 3")
-    for key in ("tp", "pp", "dp", "vpp", "micro_batch"):
+    for key in ("tp", "cp", "pp", "dp", "vpp", "micro_batch"):
         if key in fixed and fixed[key] < 1:
             raise PlanError(f"--{key.replace('_', '-')} ({fixed[key]}) must be at least 1")
     if args.sequence_parallel:
@@ -112,20 +114,24 @@ def gib(n: float) -> str:
     return f"{n / F.GiB:.1f}"
 
 
-HEADER = ("| # | tp | pp | vpp | dp | ZeRO | micro-batch | recompute | params/GPU | states GiB | activations GiB "
-          "| peak GiB | fits | TP GiB/step | PP GiB/step | DP GiB/step | bubble | step s | tokens/s | MFU |")
+HEADER = ("| # | tp | pp | vpp | dp | ZeRO | micro-batch | recompute | cp | params/GPU | states GiB | activations GiB "
+          "| peak GiB | fits | TP GiB/step | CP GiB/step | PP GiB/step | DP GiB/step | bubble | step s | tokens/s "
+          "| MFU |")
 
 
 def row(i: int, p: Prediction, variants: int = 1) -> str:
     w, lay = p.worst, p.layout
-    moved = {k: max(r.bytes[k] + (r.bytes["embed"] if k == "pp" else 0) for r in p.ranks) for k in ("tp", "pp", "dp")}
+    moved = {k: max(r.bytes[k] + (r.bytes["embed"] if k == "pp" else 0) for r in p.ranks)
+             for k in ("tp", "cp", "pp", "dp")}
     time = (f"{p.step_seconds:.2f} | {p.tokens_per_sec / 1e3:,.1f}k | {100 * p.mfu:.1f}%" if p.step_seconds and p.tokens_per_sec is not None and p.mfu is not None
             else "- | - | -")
     micro = f"{lay.micro_batch}" + (f" (best of {variants})" if variants > 1 else "")
     recompute = lay.recompute + (" + sp" if lay.sequence_parallel else "") + (" + offload" if lay.offload_optimizer else "")
-    return (f"| {i} | {lay.tp} | {lay.pp} | {lay.vpp} | {lay.dp} | {lay.zero_stage} | {micro} | {recompute} "
+    cp = f"{lay.cp}" + (f" {lay.cp_impl}" if lay.cp > 1 else "")
+    return (f"| {i} | {lay.tp} | {lay.pp} | {lay.vpp} | {lay.dp} | {lay.zero_stage} | {micro} | {recompute} | {cp} "
             f"| {w.params / 1e6:,.1f}M | {gib(w.states['total'])} | {gib(w.activations)} | {gib(w.peak)} "
-            f"| {'yes' if p.fits else 'no'} | {gib(moved['tp'])} | {gib(moved['pp'])} | {gib(moved['dp'])} "
+            f"| {'yes' if p.fits else 'no'} | {gib(moved['tp'])} | {gib(moved['cp'])} | {gib(moved['pp'])} "
+            f"| {gib(moved['dp'])} "
             f"| {100 * p.bubble:.1f}% | {time} |")
 
 
@@ -135,7 +141,7 @@ def distinct(preds: list[Prediction]) -> list[tuple[Prediction, int]]:
     groups: dict[tuple, list[Prediction]] = {}
     for p in preds:
         lay = p.layout
-        key = (lay.tp, lay.pp, lay.vpp, lay.dp, lay.zero_stage, lay.recompute, lay.sequence_parallel,
+        key = (lay.tp, lay.cp, lay.pp, lay.vpp, lay.dp, lay.zero_stage, lay.recompute, lay.sequence_parallel,
                lay.offload_optimizer)
         groups.setdefault(key, []).append(p)
     return [(group[0], len(group)) for group in groups.values()]
@@ -150,7 +156,7 @@ def detail(p: Prediction) -> list[str]:
         lines.append(f"  pp rank {r.pp_rank}: {r.params / 1e6:,.1f}M params | params {gib(s['params'])} + grads "
                      f"{gib(s['grads'])} + optimizer {gib(s['optimizer'])} + activations {gib(r.activations)} + "
                      f"buffers {gib(r.buffers)} = {gib(r.peak)} GiB" + (f" (+{gib(r.host)} GiB host)" if r.host else "")
-                     + f" | sends TP {gib(r.bytes['tp'])} PP {gib(r.bytes['pp'] + r.bytes['embed'])} "
+                     + f" | sends TP {gib(r.bytes['tp'])} CP {gib(r.bytes['cp'])} PP {gib(r.bytes['pp'] + r.bytes['embed'])} "
                      f"DP {gib(r.bytes['dp'])} GiB")
         if r.times:
             lines.append("    step " + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in r.times.items()))

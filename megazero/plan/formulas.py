@@ -107,6 +107,7 @@ class ActivationShape:
 
     micro_batch: int
     seq: int
+    """Positions this rank holds: seq_length / cp."""
     hidden: int
     heads: int
     ffn: int
@@ -127,6 +128,12 @@ class ActivationShape:
     """flash: fused attention keeps only its log-sum-exp beyond q, k, v and its output; math:
     the s x s scores, their dropout mask and the dropped-out scores (Korthikanti et al.'s
     5 a s^2 b)."""
+    cp: int = 1
+    """Context-parallel degree (`seq` is already this rank's share)."""
+    cp_impl: str = "ring"
+    """ring: the ring keeps q, k, v, its output and log-sum-exp, the same tensors as flash
+    attention; ulysses: also the head-sharded output of its whole-sequence attention and two
+    int64 orderings of the whole sequence."""
 
 
 def layer_activation_bytes(x: ActivationShape) -> int:
@@ -143,7 +150,9 @@ def layer_activation_bytes(x: ActivationShape) -> int:
     16-bit with dropout, math attention: sbh (34 + 5 as/h) + 16 bs (the paper omits the
     LayerNorm statistics); with TP: sbh (10 + 24/t + 5 as/(ht)). Sequence parallelism also
     divides the replicated part by t; selective recomputation drops the attention core;
-    full recomputation keeps only the layer input (sbh x bytes, over t with SP)."""
+    full recomputation keeps only the layer input (sbh x bytes, over t with SP). Context
+    parallelism divides s by cp everywhere (`seq` is this rank's share); Ulysses adds its
+    attention's output and the sequence orderings."""
     b, s, h, t, e = x.micro_batch, x.seq, x.hidden, x.tp, x.act_bytes
     sbh = s * b * h
     seq_split = t if x.sequence_parallel else 1
@@ -152,13 +161,16 @@ def layer_activation_bytes(x: ActivationShape) -> int:
     mask = x.mask_bytes if x.dropout else 0
     replicated = e * 4 * sbh + mask * 2 * sbh + 4 * b * s * x.stats_bytes
     split = e * (4 * sbh + 2 * s * b * x.ffn)
-    core = 0
+    core = orderings = 0
     if x.recompute == "none":
-        if x.attention == "flash":
+        if x.attention == "flash" or x.cp > 1:  # context parallelism attends by flash-style blocks
             core = 4 * x.heads * s * b
         else:
             core = (2 * e + mask if x.dropout else e) * x.heads * s * s * b
-    return replicated // seq_split + (split + core) // t
+        if x.cp > 1 and x.cp_impl == "ulysses":
+            core += e * sbh  # its attention's own output (the all-to-all back copies it)
+            orderings = 2 * 8 * s * x.cp  # int64 gathered <-> natural order of the whole sequence
+    return replicated // seq_split + (split + core) // t + orderings
 
 
 def embedding_activation_bytes(x: ActivationShape) -> int:
@@ -263,6 +275,21 @@ def pp_bytes(pp: int, vpp: int, pp_rank: int, m: int, x: ActivationShape) -> int
     return m * sends * x.micro_batch * x.seq * x.hidden * x.act_bytes // seq_split
 
 
+def cp_bytes(x: ActivationShape, layers: int, m: int) -> int:
+    """Bytes one rank sends over its context-parallel group per iteration: per layer and
+    micro-batch, of one (s/cp) x h/t tensor L, ring: forward 2 (cp-1) L (the K/V blocks),
+    backward as many plus 2 cp L of fp32 K/V gradients; Ulysses: (cp-1)/cp of 4 L each way
+    (q, k, v, the output). Recomputation (selective or full) runs the forward's again."""
+    if x.cp == 1:
+        return 0
+    local = x.micro_batch * x.seq * x.hidden // x.tp * x.act_bytes
+    if x.cp_impl == "ring":
+        forward, backward = 2 * (x.cp - 1) * local, 2 * (x.cp - 1) * local + 2 * x.cp * local * 4 // x.act_bytes
+    else:
+        forward = backward = 4 * (x.cp - 1) * local // x.cp
+    return m * layers * (forward * (2 if x.recompute != "none" else 1) + backward)
+
+
 def embed_bytes(tied_numel: int, pp: int) -> int:
     """The tied embedding's fp32 gradient (this rank's part of it) summed over the first and
     last pipeline stage."""
@@ -311,13 +338,14 @@ def simulated_bubble(pp: int, vpp: int, m: int, schedule: str) -> float:
 
 
 def step_seconds(flops: float, peak_flops: float, efficiency: float, bubble: float, tp_s: float, pp_s: float,
-                 dp_s: float, dp_overlap: float) -> dict[str, float]:
-    """One iteration of one rank: compute at `efficiency` x peak stretched by the bubble, TP
-    and PP transfers on the critical path, DP communication hidden behind backward except
+                 dp_s: float, dp_overlap: float, cp_s: float = 0.0) -> dict[str, float]:
+    """One iteration of one rank: compute at `efficiency` x peak stretched by the bubble, TP,
+    PP and context-parallel transfers on the critical path (a bound: ring attention overlaps
+    its transfers with the blocks), DP communication hidden behind backward except
     (1 - dp_overlap) of it."""
     compute = flops / (peak_flops * efficiency)
     parts = {"compute": compute, "bubble": compute * bubble / (1 - bubble), "tp": tp_s, "pp": pp_s,
-             "dp": dp_s * (1 - dp_overlap)}
+             "dp": dp_s * (1 - dp_overlap), "cp": cp_s}
     parts["total"] = sum(parts.values())
     return parts
 

@@ -1,7 +1,7 @@
 """Predict one layout on one cluster, enumerate the layouts a model and cluster allow, rank
 the ones that fit, and say why the winner wins.
 
-A layout is tp x pp x dp (x vpp chunks), a ZeRO stage, a micro-batch size, a recompute
+A layout is tp x cp x pp x dp (x vpp chunks), a ZeRO stage, a micro-batch size, a recompute
 policy and sequence parallelism; the global batch comes from the config. Predictions are
 per pipeline rank (first, middle and last ranks differ: embedding, head, in-flight
 micro-batches) and the layout is judged by its worst rank.
@@ -58,12 +58,15 @@ class ParallelLayout:
     recompute: str = "none"
     sequence_parallel: bool = False
     offload_optimizer: bool = False
+    cp: int = 1
+    cp_impl: str = "ring"
 
     def label(self) -> str:
         chunks = f" v{self.vpp}" if self.vpp > 1 else ""
         sp = " sp" if self.sequence_parallel else ""
         off = " offload" if self.offload_optimizer else ""
-        return (f"tp{self.tp} pp{self.pp}{chunks} dp{self.dp} z{self.zero_stage} mb{self.micro_batch} "
+        cp = f" cp{self.cp}" + (" ulysses" if self.cp_impl == "ulysses" else "") if self.cp > 1 else ""
+        return (f"tp{self.tp}{cp} pp{self.pp}{chunks} dp{self.dp} z{self.zero_stage} mb{self.micro_batch} "
                 f"{self.recompute}{sp}{off}")
 
 
@@ -80,7 +83,7 @@ class RankPrediction:
     buffers: int
     """Communication and loss workspace: stage-2/3 gradient bucket, stage-3 gathered units, logits."""
     bytes: dict[str, int]
-    """Bytes this rank sends per iteration over its dp, tp, pp and embedding groups."""
+    """Bytes this rank sends per iteration over its dp (ZeRO's dp x cp), tp, cp, pp and embedding groups."""
     times: Optional[dict[str, float]] = None
 
     @property
@@ -134,11 +137,12 @@ def activation_shape(cfg: Config, layout: ParallelLayout, attention: str = "flas
     m = cfg.model
     assert isinstance(m.vocab_size, int)
     act = 4 if cfg.train.precision == "fp32" else 2
-    return F.ActivationShape(micro_batch=layout.micro_batch, seq=m.seq_length, hidden=m.hidden_size,
+    return F.ActivationShape(micro_batch=layout.micro_batch, seq=m.seq_length // layout.cp, hidden=m.hidden_size,
                              heads=m.num_heads, ffn=m.ffn_size, vocab=padded_vocab_size(m.vocab_size, layout.tp),
                              tp=layout.tp, sequence_parallel=layout.sequence_parallel and layout.tp > 1,
                              recompute=layout.recompute, act_bytes=act, dropout=m.dropout > 0, attention=attention,
-                             mask_bytes=act if device == "cpu" else 1, stats_bytes=act if device == "cpu" else 4)
+                             mask_bytes=act if device == "cpu" else 1, stats_bytes=act if device == "cpu" else 4,
+                             cp=layout.cp, cp_impl=layout.cp_impl)
 
 
 def schedule_of(cfg: Config, layout: ParallelLayout) -> str:
@@ -177,7 +181,8 @@ def predict(cfg: Config, layout: ParallelLayout, cluster: Cluster, attention: st
 
 def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: F.ActivationShape, schedule: str,
                     pp_layers: Optional[list[int]]) -> RankPrediction:
-    stage, dp, pp, vpp = layout.zero_stage, layout.dp, layout.pp, layout.vpp
+    stage, pp, vpp = layout.zero_stage, layout.pp, layout.vpp
+    dp = layout.dp * layout.cp  # ZeRO shards and reduces over dp x cp
     elem = F.STATE_BYTES[cfg.train.precision]
     rp = rank_params(cfg.model, layout.tp, pp, vpp, r, stage == 3, cfg.zero.bucket_size, pp_layers)
     shards = dp if stage else 1
@@ -192,6 +197,7 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
              # Partial LayerNorm/bias gradients are all-reduced on this rank's ZeRO shard (about 1/dp of them).
              "tp": F.tp_bytes(list(rp.chunks), shape, m, rp.replicated_numel // shards),
              "pp": F.pp_bytes(pp, vpp, r, m, shape),
+             "cp": F.cp_bytes(shape, sum(c.layers for c in rp.chunks), m),
              "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
     return RankPrediction(r, rp.param_numel, states, host, F.peak_in_flight_bytes(order, sizes),
                           buffer_bytes(padded, rp.tied, stage, elem[0], cfg.zero.prefetch, rp.chunks[-1].post, shape),
@@ -226,12 +232,13 @@ def add_times(out: Prediction, cfg: Config, cluster: Cluster) -> None:
     assert cluster.peak_flops is not None  # times are estimated only with a peak
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     flops = F.executed_flops_per_token(cfg.model, lay.recompute) * tokens / cluster.gpus
-    spans = {"tp": lay.tp, "dp": lay.tp * lay.dp, "pp": lay.tp * lay.dp * lay.pp}
+    spans = {"tp": lay.tp, "cp": lay.tp * lay.cp, "dp": lay.tp * lay.cp * lay.dp,
+             "pp": lay.tp * lay.cp * lay.dp * lay.pp}
     for r in out.ranks:
         secs = {k: (r.bytes[k] + (r.bytes["embed"] if k == "pp" else 0)) / (link_gbps(cluster, spans[k]) * 1e9)
                 for k in spans}
         r.times = F.step_seconds(flops, cluster.peak_flops, cluster.efficiency, out.bubble, secs["tp"], secs["pp"],
-                                 secs["dp"], cluster.dp_overlap)
+                                 secs["dp"], cluster.dp_overlap, secs["cp"])
     times = out.slowest.times
     assert times is not None
     out.step_seconds = times["total"]
@@ -246,17 +253,19 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_problem(cfg: Config, gpus: int, tp: int, pp: int, vpp: int = 1, micro_batch: Optional[int] = None) -> \
-        Optional[str]:
-    """Why tp x pp (x vpp, micro-batch) cannot be formed for this model on `gpus` GPUs, or None."""
+def layout_problem(cfg: Config, gpus: int, tp: int, pp: int, vpp: int = 1, micro_batch: Optional[int] = None,
+                   cp: int = 1) -> Optional[str]:
+    """Why tp x cp x pp (x vpp, micro-batch) cannot be formed for this model on `gpus` GPUs, or None."""
     m, gbs = cfg.model, cfg.train.global_batch_size
     if m.num_heads % tp or m.ffn_size % tp:
         return f"tp {tp} must divide model.num_heads ({m.num_heads}) and the MLP width ({m.ffn_size})"
-    if gpus % (tp * pp):
-        return f"tp x pp ({tp} x {pp} = {tp * pp}) must divide the GPU count ({gpus})"
+    if gpus % (tp * pp * cp):
+        return f"tp x cp x pp ({tp} x {cp} x {pp} = {tp * cp * pp}) must divide the GPU count ({gpus})"
+    if m.seq_length % (2 * cp):
+        return f"cp {cp} cuts model.seq_length ({m.seq_length}) into 2 x cp chunks: it must divide into {2 * cp}"
     if m.num_layers % (pp * vpp):
         return f"pp x vpp ({pp} x {vpp}) must divide model.num_layers ({m.num_layers})"
-    dp = gpus // (tp * pp)
+    dp = gpus // (tp * pp * cp)
     if micro_batch is not None and gbs % (micro_batch * dp):
         return (f"micro-batch x dp ({micro_batch} x {dp}) must divide train.global_batch_size ({gbs})")
     if vpp > 1 and (pp == 1 or micro_batch is not None and (gbs // (micro_batch * dp)) % pp):
@@ -266,25 +275,37 @@ def layout_problem(cfg: Config, gpus: int, tp: int, pp: int, vpp: int = 1, micro
 
 def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[ParallelLayout]:
     """Every layout the model, batch and cluster allow, within the `fixed` choices (ParallelLayout
-    field -> value). TP stays inside a node unless tp is fixed."""
-    gpus, gbs = cluster.gpus, cfg.train.global_batch_size
-
-    def options(key: str, default) -> list:
-        return [fixed[key]] if key in fixed else list(default)
+    field -> value). TP stays inside a node unless tp is fixed; so does tp x cp unless cp is."""
+    gpus = cluster.gpus
     out = []
-    for tp in options("tp", [d for d in divisors(gpus) if d <= cluster.gpus_per_node]):
-        for pp in options("pp", divisors(gpus // tp) if gpus % tp == 0 else []):
-            dp = gpus // (tp * pp) if gpus % (tp * pp) == 0 else 0
-            if not dp or fixed.get("dp", dp) != dp:
-                continue
-            # With one DP rank every ZeRO stage holds the same: keep stage 0.
-            rest = itertools.product(options("micro_batch", [b for b in (1, 2, 4, 8, 16, 32) if b * dp <= gbs]),
-                                     options("vpp", [1] if pp == 1 else [1, 2, 4]),
-                                     options("zero_stage", range(4 if dp > 1 else 1)), options("recompute", RECOMPUTE))
-            out += [ParallelLayout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False) and tp > 1,
-                                   fixed.get("offload_optimizer", False))
-                    for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb)]
+    for tp in _options(fixed, "tp", [d for d in divisors(gpus) if d <= cluster.gpus_per_node]):
+        # cp's ring or all-to-all is on the critical path, like TP's all-reduces: inside a node.
+        for cp in _options(fixed, "cp", [d for d in divisors(gpus // tp) if tp * d <= cluster.gpus_per_node]
+                           if gpus % tp == 0 else []):
+            for pp in _options(fixed, "pp", divisors(gpus // (tp * cp)) if gpus % (tp * cp) == 0 else []):
+                out += _layouts_of(cfg, cluster, fixed, tp, cp, pp)
     return out
+
+
+def _options(fixed: dict, key: str, default) -> list:
+    return [fixed[key]] if key in fixed else list(default)
+
+
+def _layouts_of(cfg: Config, cluster: Cluster, fixed: dict, tp: int, cp: int, pp: int) -> list[ParallelLayout]:
+    """candidates() of one tp x cp x pp."""
+    gpus, gbs = cluster.gpus, cfg.train.global_batch_size
+    dp = gpus // (tp * pp * cp) if gpus % (tp * pp * cp) == 0 else 0
+    impl = fixed.get("cp_impl", "ring")
+    if not dp or fixed.get("dp", dp) != dp or (impl == "ulysses" and cfg.model.num_heads % (tp * cp)):
+        return []
+    # With one ZeRO rank (dp x cp) every ZeRO stage holds the same: keep stage 0.
+    rest = itertools.product(_options(fixed, "micro_batch", [b for b in (1, 2, 4, 8, 16, 32) if b * dp <= gbs]),
+                             _options(fixed, "vpp", [1] if pp == 1 else [1, 2, 4]),
+                             _options(fixed, "zero_stage", range(4 if dp * cp > 1 else 1)),
+                             _options(fixed, "recompute", RECOMPUTE))
+    return [ParallelLayout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False) and tp > 1,
+                           fixed.get("offload_optimizer", False), cp, impl)
+            for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb, cp)]
 
 
 def check_fixed(cfg: Config, cluster: Cluster, fixed: dict) -> None:
@@ -299,12 +320,17 @@ def check_fixed(cfg: Config, cluster: Cluster, fixed: dict) -> None:
         ok = [d for d in divisors(gpus // tp) if m.num_layers % (d * vpp) == 0] if gpus % tp == 0 else [1]
         raise PlanError(f"--pp {pp} (x vpp {vpp}) must divide model.num_layers ({m.num_layers}) and tp x pp must "
                         f"divide --gpus ({gpus}); closest that fits: pp {closest(ok, pp)}")
-    if "dp" in fixed and "tp" in fixed and "pp" in fixed and fixed["dp"] * tp * pp != gpus:
-        raise PlanError(f"tp x pp x dp ({tp} x {pp} x {fixed['dp']} = {tp * pp * fixed['dp']}) must equal --gpus "
-                        f"({gpus}); closest that fits: dp {gpus // (tp * pp)}")
+    cp = fixed.get("cp", 1)
+    if "cp" in fixed and (cp < 1 or m.seq_length % (2 * cp) or gpus % (tp * pp * cp)):
+        ok = [d for d in divisors(gpus // (tp * pp)) if m.seq_length % (2 * d) == 0] if gpus % (tp * pp) == 0 else [1]
+        raise PlanError(f"--cp {cp} must cut model.seq_length ({m.seq_length}) into 2 x cp chunks and tp x cp x pp "
+                        f"must divide --gpus ({gpus}); closest that fits: cp {closest(ok, cp)}")
+    if "dp" in fixed and "tp" in fixed and "pp" in fixed and fixed["dp"] * tp * pp * cp != gpus:
+        raise PlanError(f"tp x cp x pp x dp ({tp} x {cp} x {pp} x {fixed['dp']} = {tp * cp * pp * fixed['dp']}) "
+                        f"must equal --gpus ({gpus}); closest that fits: dp {gpus // (tp * cp * pp)}")
     if "micro_batch" in fixed or "vpp" in fixed:
-        dp = fixed.get("dp", gpus // (tp * pp))
-        problem = layout_problem(cfg, gpus, tp, pp, vpp, fixed.get("micro_batch", cfg.train.micro_batch_size))
+        dp = fixed.get("dp", gpus // (tp * pp * cp))
+        problem = layout_problem(cfg, gpus, tp, pp, vpp, fixed.get("micro_batch", cfg.train.micro_batch_size), cp)
         if problem:
             gbs = cfg.train.global_batch_size
             ok = [b for b in divisors(gbs // dp) if gbs % (b * dp) == 0] if gbs % dp == 0 else [1]
@@ -377,9 +403,9 @@ def explain(preds: list[Prediction]) -> str:
         return f"{head}; as fast as {second.layout.label()} by this model, chosen for {why}"
     a, b = win.slowest.times, second.slowest.times
     assert a is not None and b is not None and second.step_seconds is not None
-    part = max(("compute", "bubble", "tp", "pp", "dp"), key=lambda k: b[k] - a[k])
+    part = max(("compute", "bubble", "tp", "pp", "dp", "cp"), key=lambda k: b[k] - a[k])
     words = {"compute": "computes more (recomputation)", "bubble": "idles longer in the pipeline bubble",
              "tp": "waits longer on TP all-reduces", "pp": "waits longer on pipeline transfers",
-             "dp": "waits longer on DP communication"}[part]
+             "dp": "waits longer on DP communication", "cp": "waits longer on context-parallel attention"}[part]
     return (f"{head}; {100 * (second.step_seconds / win.step_seconds - 1):.1f}% faster than "
             f"{second.layout.label()}, which {words} (+{1e3 * (b[part] - a[part]):.0f} ms/step)")

@@ -79,7 +79,8 @@ def train(cfg: Config) -> None:
     from megazero.train.trainer import Trainer
 
     timeout_s = cfg.train.timeout_minutes * 60
-    grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, timeout_s, lifecycle.attempt_store(timeout_s))
+    grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, timeout_s, lifecycle.attempt_store(timeout_s),
+                              cp=cfg.parallel.cp)
     lost_peer = lifecycle.LostPeerExit()  # a lost peer: one line per surviving rank, exit 1, not a traceback
     watch = lifecycle.NcclErrorWatch(grid, lost_peer)
     with report_errors():  # a checkpoint, data or training error: the same on every rank

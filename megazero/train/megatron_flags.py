@@ -85,6 +85,18 @@ def _max_positions(cfg: Config, values: list[str]) -> None:
                           f"set both to the same value")
 
 
+_CP_COMM = {"p2p": "ring", "a2a": "ulysses"}
+
+
+def _cp_comm_type(cfg: Config, values: list[str]) -> None:
+    """--cp-comm-type: Megatron's p2p ring is parallel.cp_impl ring; its a2a (all-to-all over
+    heads, DeepSpeed-Ulysses' scheme) is ulysses; the hybrids have no equivalent here."""
+    if values[0] not in _CP_COMM:
+        raise ConfigError(f"--cp-comm-type {values[0]} has no megazero equivalent; use p2p (parallel.cp_impl ring) "
+                          f"or a2a (parallel.cp_impl ulysses)")
+    cfg.parallel.cp_impl = _CP_COMM[values[0]]  # type: ignore[assignment]  # checked against the Literal above
+
+
 def _int(flag: str, raw: str) -> int:
     try:
         return int(raw)
@@ -115,7 +127,9 @@ FLAGS: tuple[Flag, ...] = (
     _switch("--sequence-parallel", "parallel.sequence_parallel", "true"),
     Flag("--use-distributed-optimizer", 0, note="`zero.stage 1` when `zero.stage` is 0 (2 and 3 shard further)",
          after=_distributed_optimizer),
-    # context parallelism: --context-parallel-size -> parallel.cp once that key lands (it is not in this version).
+    _key("--context-parallel-size", "parallel.cp", "`parallel.cp X` (ring attention in Megatron's load-balanced "
+         "order by default)"),
+    Flag("--cp-comm-type", 1, note="`parallel.cp_impl`: p2p is `ring`, a2a is `ulysses`", after=_cp_comm_type),
     # batch and iterations
     _key("--micro-batch-size", "train.micro_batch_size"),
     _key("--global-batch-size", "train.global_batch_size"),

@@ -39,14 +39,14 @@ def format_line(rec: dict, total_iters: int) -> str:
         parts.append(f"skipped {rec['skipped_iters']}")
     if "time_forward_s" in rec:
         parts.append(" ".join(f"{label} {1e3 * rec['time_' + key + '_s']:.1f} ms" for key, label in PHASES.items()))
-        parts.append("sent " + " ".join(f"{g} {rec['bytes_' + g] / 2**20:.2f} MiB" for g in MOVED))
+        parts.append("sent " + " ".join(f"{g} {rec['bytes_' + g] / 2**20:.2f} MiB" for g in MOVED if 'bytes_' + g in rec))
     if "val_loss" in rec:
         parts.append(f"val {rec['val_loss']:.4f} (ppl {rec['val_ppl']:.1f})")
     return " | ".join(parts)
 
 
 PHASES = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "comm_wait": "wait"}
-MOVED = ("dp", "tp", "pp")
+MOVED = ("dp", "tp", "pp", "cp")
 
 
 class PhaseTimers:
@@ -82,11 +82,13 @@ class PhaseTimers:
 
 
 def bytes_per_iteration(moved: dict[str, dict[str, int]], steps: int) -> dict[str, float]:
-    """JSONL fields bytes_dp/tp/pp: bytes this rank sent per iteration over each group (the
-    tied embedding's sum counts with pp), from the comm counters."""
+    """JSONL fields bytes_dp/tp/pp (and bytes_cp under context parallelism): bytes this rank
+    sent per iteration over each group (dp: ZeRO's dp x cp group; the tied embedding's sum
+    counts with pp), from the comm counters."""
     def total(group: str) -> int:
         return sum(v for op, v in moved.get(group, {}).items() if not op.endswith("_calls"))
-    out = {f"bytes_{g}": total(g) / max(1, steps) for g in MOVED}
+    counted = {"dp": "dp_cp" if "dp_cp" in moved else "dp", "tp": "tp", "pp": "pp", "cp": "cp"}
+    out = {f"bytes_{g}": total(counted[g]) / max(1, steps) for g in MOVED if g != "cp" or total("cp")}
     out["bytes_pp"] += total("embed") / max(1, steps)
     return out
 

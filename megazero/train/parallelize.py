@@ -10,7 +10,9 @@ this rank's trainable share of the model:
    parallel linears, the vocab-parallel embedding, attention's head count, the model's
    head and loss) keeps this rank's shard; on the meta device only shapes change.
    With `parallel.sequence_parallel` the activations between TP regions are split along
-   the sequence as well (GPT.apply_sequence_parallel).
+   the sequence as well (GPT.apply_sequence_parallel). With `parallel.cp` each rank holds
+   its zig-zag positions of every sequence and attention spans the cp group by ring or
+   Ulysses (GPT.apply_context_parallel).
 3. LoRA (`finetune.lora_rank` > 0): every parameter is frozen and the targeted projections
    get trainable adapters, sharded like their base layers (megazero.model.lora); ZeRO then
    keeps gradients and optimizer state for the adapters alone.
@@ -62,6 +64,7 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
         apply_tensor_parallel(chunk, grid.tp_group)
         if cfg.parallel.sequence_parallel:
             chunk.apply_sequence_parallel()
+        chunk.apply_context_parallel(grid.cp_group, cfg.parallel.cp_impl)
         apply_lora(chunk, cfg.finetune, tracker)
         if cfg.train.compile:
             apply_compile(chunk)

@@ -29,7 +29,7 @@ def run_prediction(cfg: Config, grid: ProcessGrid, peak_flops: Optional[float]) 
     p, z, t = cfg.parallel, cfg.zero, cfg.train
     layout = ParallelLayout(p.tp, p.pp, grid.dp, p.vpp, z.stage, t.micro_batch_size, t.recompute,
                             p.sequence_parallel,
-                            getattr(z, "offload_optimizer", "none") not in ("none", False))
+                            getattr(z, "offload_optimizer", "none") not in ("none", False), grid.cp, p.cp_impl)
     memory = torch.cuda.get_device_properties(grid.device).total_memory / F.GiB if grid.device.type == "cuda" else 0.0
     # Bandwidths of the preset with this peak (H100's when none matches).
     gpu = next((g for g in F.GPUS.values() if peak_flops and g.peak_flops == peak_flops), F.GPUS["h100"])
@@ -45,8 +45,9 @@ def startup_summary(cfg: Config, grid: ProcessGrid, rank_params_numel: int, data
     total = rank_params(m, 1, 1, 1, 0, False, z.bucket_size).param_numel
     accumulation = t.global_batch_size // (t.micro_batch_size * grid.dp)
     chunks = f" x vpp {p.vpp}" if p.vpp > 1 else ""
+    cp = f" x cp {grid.cp} ({p.cp_impl})" if grid.cp > 1 else ""
     lines = [f"megazero: GPT-2 {total / 1e6:,.1f}M parameters ({rank_params_numel / 1e6:,.1f}M on rank 0); "
-             f"world {grid.world_size} = tp {grid.tp} x pp {grid.pp}{chunks} x dp {grid.dp} ({grid.backend}), "
+             f"world {grid.world_size} = tp {grid.tp}{cp} x pp {grid.pp}{chunks} x dp {grid.dp} ({grid.backend}), "
              f"ZeRO-{z.stage}, {t.precision}, recompute {t.recompute}" +
              (f", schedule {p.schedule}" if grid.pp > 1 else ""),
              f"batch: global {t.global_batch_size} = micro-batch {t.micro_batch_size} x accumulation {accumulation} "

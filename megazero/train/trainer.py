@@ -29,6 +29,7 @@ from megazero.data.gpt_dataset import build_train_valid_test_datasets, check_com
 from megazero.data.mock import MockGPTDataset
 from megazero.errors import UserError
 from megazero.parallel import comm
+from megazero.parallel.context import shard_sequence
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining, untimed
@@ -56,7 +57,7 @@ class Trainer:
     def __init__(self, cfg: Config, grid: ProcessGrid):
         self.cfg, self.grid = cfg, grid
         t = cfg.train
-        self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device)
+        self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device, cp_rank=grid.cp_rank)
         self.chunks, self.optimizer = parallelize(cfg, grid, self.tracker)
         self.train_ds, self.valid_ds = build_datasets(cfg, grid)
         # Fine-tuning data: some labels count nothing, so the loss divides by a count of the rest.
@@ -101,8 +102,8 @@ class Trainer:
     def rank_state(self) -> dict:
         """What this rank owns: its optimizer shard (master weights, moments, partition map,
         loss scaler), its RNG streams, and the loop position. At ZeRO stage 0 the optimizer
-        state is replicated over DP, so only DP rank 0 writes it."""
-        owns_optimizer = self.cfg.zero.stage > 0 or self.grid.dp_rank == 0
+        state is replicated over dp x cp, so only its rank 0 writes it."""
+        owns_optimizer = self.cfg.zero.stage > 0 or self.grid.dp_cp_group.rank == 0
         return {"optimizer": self.optimizer.state_dict() if owns_optimizer else None,
                 "rng": encode_rng(get_rng_states(self.tracker)),
                 "iteration": self.iteration, "consumed_samples": self.consumed_samples,
@@ -160,7 +161,7 @@ class Trainer:
             set_rng_states(state["rng"], self.tracker)
         else:  # RNG streams do not map across layouts: reseed them from (seed, iteration)
             seed_everything(self.cfg.train.seed + self.iteration, self.grid.pp_rank, self.grid.tp_rank,
-                            self.grid.device, self.tracker)
+                            self.grid.device, self.tracker, self.grid.cp_rank)
         if self.grid.rank == 0:
             how = "" if "rng" in state else " (resharded to this layout)"
             print(f"resumed from {ckpt} at iteration {self.iteration}{how}", flush=True)
@@ -183,18 +184,21 @@ class Trainer:
         for j in range(self.num_microbatches if batch is None else batch // (t.micro_batch_size * g.dp)):
             base = first_sample + j * t.micro_batch_size * g.dp + g.dp_rank * t.micro_batch_size
             inputs, labels = inputs_and_labels([dataset[(base + k) % len(dataset)] for k in range(t.micro_batch_size)])
+            # Context parallelism: this cp rank's zig-zag positions of the same samples.
+            inputs, labels = (shard_sequence(a, g.cp_rank, g.cp) for a in (inputs, labels))
             out.append((_to_device(inputs, g.device), _to_device(labels, g.device)))
         return out
 
     def counted_tokens(self, batches: list[Microbatch]) -> torch.Tensor:
         """Labels that count in the loss in the whole global batch: all micro-batches of all DP
-        ranks (every pipeline stage holds the labels, so every stage can count). The loss is
+        ranks, each context-parallel rank its chunks (every pipeline stage holds the labels, so
+        every stage can count). The loss is
         normalised once, by this number, so every layout computes the same gradient. It stays
         on the device: the losses divide by it there, and nothing waits for it."""
         count = torch.zeros((), dtype=torch.int64, device=self.grid.device)
         for _, labels in batches:
             count += (labels >= 0).sum()
-        comm.all_reduce(count, self.grid.dp_group)
+        comm.all_reduce(count, self.grid.dp_cp_group)
         return count.clamp(min=1)  # a batch of prompts alone: loss 0, not 0 / 0
 
     # ------------------------------------------------------------------ steps
@@ -220,11 +224,11 @@ class Trainer:
         return loss
 
     def global_loss(self, local: Optional[torch.Tensor]) -> Optional[float]:
-        """Sum the per-rank shares over DP (on the last stage, where the loss exists)."""
+        """Sum the per-rank shares over dp x cp (on the last stage, where the loss exists)."""
         if local is None:
             return None
         local = local.clone()
-        comm.all_reduce(local, self.grid.dp_group)
+        comm.all_reduce(local, self.grid.dp_cp_group)
         return float(local)
 
     def train_step(self) -> dict:

@@ -126,8 +126,8 @@ class ZeroOptimizer:
         over TP, PP and DP, each element once (still scaled by any fp16 loss scale); whether
         any rank saw inf/NaN in a gradient or in its `loss` share; the global loss (one TP
         rank per loss replica adds its share); the summed `votes`. At stage 0 DP replicas
-        hold the same reduced gradients, so only DP rank 0 adds them."""
-        mine = self.stage > 0 or self.grid.dp_rank == 0
+        hold the same reduced gradients, so only rank 0 of dp x cp adds them."""
+        mine = self.stage > 0 or self.grid.dp_cp_group.rank == 0
         pieces = ((self.grads.view(r), r.counted) for r in (self.ranges if mine else ()))
         count_loss = loss is not None and self.grid.tp_rank == 0
         return reduce_step_sums(pieces, loss, count_loss, votes, self.grid["world"], self.grid.device)
@@ -170,7 +170,7 @@ class ZeroOptimizer:
         self.params.flush()
         if self.stage in (1, 2):  # stage 0 stepped everything, stage 3 keeps shards
             # In forward order (buckets are laid out in reverse), so the first unit's arrive first.
-            self.params.all_gather(self.grid.dp_group, reversed(self.layout.trainable_buckets()))
+            self.params.all_gather(self.grid.dp_cp_group, reversed(self.layout.trainable_buckets()))
         return result
 
     def all_finite(self) -> bool:
@@ -238,7 +238,7 @@ class ZeroOptimizer:
         self.state.flush()
         self.params.flush()
         if self.stage in (1, 2):
-            self.params.all_gather(self.grid.dp_group, self.layout.buckets)
+            self.params.all_gather(self.grid.dp_cp_group, self.layout.buckets)
             self.params.wait_all()
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:

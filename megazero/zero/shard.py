@@ -1,7 +1,8 @@
 """ZeRO's sharded parameters, applied from outside the model like FSDP2's `fully_shard`
 (train/parallelize.py): flat buckets take over the model's parameters, hooks reduce their
 gradients over DP and, at stage 3, gather and release them; ZeroOptimizer (optimizer.py)
-steps the shard.
+steps the shard. "DP" here is the grid's dp x cp group: context-parallel ranks hold the same
+parameters, so ZeRO shards and reduces over them too (at cp 1 it is the DP group).
 
     stage 0  every rank keeps everything; gradient buckets are all-reduced (async) as they
              become ready during the last backward of the iteration
@@ -69,8 +70,10 @@ class ShardedParameters:
         self.sharded_init = replace_meta_parameters(chunks, grid.device, hollow=True)
         z = cfg.zero
         self.stage, self.compute_dtype = z.stage, COMPUTE_DTYPE[cfg.train.precision]
-        # Stage 0 is the same machinery with a single shard: every rank owns everything.
-        shards, rank = (1, 0) if self.stage == 0 else (grid.dp, grid.dp_rank)
+        # Stage 0 is the same machinery with a single shard: every rank owns everything. Context-
+        # parallel ranks hold the same parameters: ZeRO shards and reduces over dp x cp.
+        zero = grid.dp_cp_group
+        shards, rank = (1, 0) if self.stage == 0 else (zero.size, zero.rank)
         units, groups = (fetch_units(chunks) if self.stage == 3
                          else (None, split_frozen(bucket_groups(chunks, z.bucket_size))))
         self.layout: FlatLayout = build_layout(groups, shards, rank)
@@ -80,11 +83,11 @@ class ShardedParameters:
         self.params = ParamStore(self.layout, home=self._shard_home() if self.stage == 3 else None,
                                  dtype=self.compute_dtype, device=grid.device)
         stores = [getattr(c, "weight_grads", None) for c in chunks]  # zbh1's deferred weight gradients
-        self.gatherer = (ParamGatherer(self.layout, self.params.home, units, grid.dp_group, z.prefetch,  # type: ignore[arg-type]  # stage 3: home and units set
+        self.gatherer = (ParamGatherer(self.layout, self.params.home, units, zero, z.prefetch,  # type: ignore[arg-type]  # stage 3: home and units set
                                        self.compute_dtype, grid.device, stores)
                          if self.stage == 3 else None)
         self.grads = GradientSync(self.layout, stage=self.stage, model_dtype=self.compute_dtype,
-                                  reduce_dtype=COMPUTE_DTYPE[z.reduce_dtype], dp=grid.dp_group,
+                                  reduce_dtype=COMPUTE_DTYPE[z.reduce_dtype], dp=zero,
                                   embed=grid.embed_group if self.tied_buckets else None, tied_buckets=self.tied_buckets,
                                   device=grid.device)
         if self.stage in (1, 2):
