@@ -253,10 +253,10 @@ def test_plan_command_refuses_bad_input_in_one_line(capsys, args, message):
 
 
 def test_plan_command_honours_training_layout_overrides(capsys):
-    """--parallel.tp/pp/dp/vpp and --zero.stage, as training spells them, fix the layout like --tp/--pp/..."""
+    """--parallel.tp/cp/pp/dp/vpp and --zero.stage, as training spells them, fix the layout like --tp/--pp/..."""
     import json
     base = ["--config", "configs/gpt2-124m.yaml", "--gpus", "16", "--json", "--top", "0"]
-    code, out, err = _plan(capsys, *base, "--parallel.tp", "2", "--parallel.pp=2", "--zero.stage", "1")
+    code, out, err = _plan(capsys, *base, "--parallel.tp", "2", "--parallel.pp=2", "--parallel.cp", "1", "--zero.stage", "1")
     assert code == 0, err
     labels = [lay["label"] for lay in json.loads(out)["layouts"]]
     assert labels and all(label.startswith("tp2 pp2 ") and " dp4 z1 " in label for label in labels), labels

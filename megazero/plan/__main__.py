@@ -3,7 +3,7 @@
 Predicts, per GPU, model states (ZeRO), saved activations (recompute, sequence parallelism,
 in-flight micro-batches), peak memory, bytes moved per step by TP, PP and DP, the pipeline
 bubble, step time, tokens/s and MFU, for every layout the model and cluster allow (or the
-one you fix with --tp/--pp/--dp/--zero-stage/..., or training's --parallel.tp/pp/dp/vpp and
+one you fix with --tp/--pp/--dp/--zero-stage/..., or training's --parallel.tp/cp/pp/dp/vpp and
 --zero.stage), and ranks those that fit. Config keys can be overridden as in training
 (--train.global_batch_size 1024).
 """
@@ -50,13 +50,13 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     return ap.parse_known_args(argv)
 
 
-LAYOUT_KEYS = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.dp": "dp", "parallel.vpp": "vpp",
-               "zero.stage": "zero_stage"}
+LAYOUT_KEYS = {"parallel.tp": "tp", "parallel.cp": "cp", "parallel.pp": "pp", "parallel.dp": "dp",
+               "parallel.vpp": "vpp", "zero.stage": "zero_stage"}
 """Config overrides that fix the layout, as training reads them: --parallel.tp 2 is --tp 2 here."""
 
 
 def take_layout_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
-    """Move --parallel.tp/pp/dp/vpp and --zero.stage (VALUE or =VALUE) from `overrides` into the
+    """Move --parallel.tp/cp/pp/dp/vpp and --zero.stage (VALUE or =VALUE) from `overrides` into the
     fixed layout of `args`; the other overrides are returned. One given both ways must agree."""
     rest, i = [], 0
     while i < len(overrides):
