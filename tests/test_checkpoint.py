@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import signal
 import subprocess
@@ -10,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from distributed import read_jsonl, torchrun
+from conftest import make_trainer
+from distributed import read_jsonl, run_distributed, torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--model.dropout", "0.1",
@@ -73,6 +77,46 @@ def test_resume_is_bitwise_identical(tmp_path, layout):
     assert [r["loss"] for r in first + second] == [r["loss"] for r in full]
     assert [r["grad_norm"] for r in first + second] == [r["grad_norm"] for r in full]
     _assert_bitwise_equal(_final_state(straight), _final_state(resumed))
+
+
+def _async_and_sync_runs(root: str, stage: int) -> dict:
+    """The same run saved synchronously and asynchronously, then resumed from the
+    asynchronous checkpoint halfway; the losses of each, and what the logger printed."""
+    args = ["--data.mock", "true", "--model.dropout", "0.1", "--zero.stage", str(stage), "--train.iters", "4",
+            "--checkpoint.interval", "2"]
+    runs = {"sync": [], "async": ["--checkpoint.async_save", "true"],
+            "resumed": ["--checkpoint.async_save", "true", "--checkpoint.load", f"{root}/async",
+                        "--checkpoint.iteration", "2"]}
+    out = {}
+    for name, extra in runs.items():
+        trainer = make_trainer(args + extra + ["--checkpoint.save", f"{root}/{name}"])
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            records = trainer.run()
+        out[name] = {"losses": [r["loss"] for r in records], "printed": printed.getvalue()}
+    return out
+
+
+def _digests(ckpt: str) -> dict:
+    with open(os.path.join(ckpt, "metadata.json")) as f:
+        return json.load(f)["files"]
+
+
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_async_save_writes_and_resumes_exactly_as_sync(tmp_path, stage):
+    """2 ranks: every rank file of an asynchronous save is byte for byte the synchronous one's,
+    and a resume from it continues bitwise as the uninterrupted run."""
+    per_rank = run_distributed(_async_and_sync_runs, 2, str(tmp_path), stage)
+    for it in ("iter_0000002", "iter_0000004"):
+        assert _digests(str(tmp_path / "sync" / it)) == _digests(str(tmp_path / "async" / it)), it
+    assert _digests(str(tmp_path / "sync" / "iter_0000004")) == _digests(str(tmp_path / "resumed" / "iter_0000004"))
+    _assert_bitwise_equal(_final_state(str(tmp_path / "sync")), _final_state(str(tmp_path / "resumed")))
+    logger = per_rank[0]
+    assert logger["async"]["losses"] == logger["sync"]["losses"]
+    assert logger["resumed"]["losses"] == logger["sync"]["losses"][2:]
+    assert f"saved checkpoint {tmp_path}/async/iter_0000002 (written in the background since iteration 2)" in \
+        logger["async"]["printed"]
+    for name in ("sync", "async", "resumed"):
+        assert open(tmp_path / name / "latest").read() == "iter_0000004"
 
 
 def test_crashed_save_keeps_previous_checkpoint(tmp_path):
