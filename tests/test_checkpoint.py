@@ -163,9 +163,13 @@ def test_other_model_shape_is_refused(tmp_path):
     assert "holds a model with model.hidden_size = 64, but this run has 128" in proc.stderr
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("saving", ["sync", "async"])
+def test_sigterm_saves_and_exits_cleanly(tmp_path, saving):
+    """async: a save every iteration, so that the signal's save first waits for one in flight."""
     ckpt = str(tmp_path / "ck")
     cmd = [sys.executable, "-m", "megazero.train", *BASE, "--train.iters", "100000", "--checkpoint.save", ckpt]
+    if saving == "async":
+        cmd += ["--checkpoint.async_save", "true", "--checkpoint.interval", "1", "--checkpoint.keep_last", "2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("iter 3/"):
@@ -176,3 +180,6 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert "SIGTERM: saved and stopped cleanly" in out
     latest = open(os.path.join(ckpt, "latest")).read()
     assert int(latest.split("_")[1]) >= 3
+    listing = sorted(os.listdir(ckpt))  # nothing left half-written; async: keep_last 2 applied
+    kept = [latest] if saving == "sync" else [f"iter_{int(latest.split('_')[1]) - 1:07d}", latest]
+    assert listing == ["config.yaml", *kept, "latest"], listing
