@@ -58,7 +58,7 @@ class SaveClock:
         self.iters, self.starts = iters, []
         self.saving_s = 0.0  # in saves started inside the window
         self.tail_s = 0.0
-        self._inside, self._tail_open = False, True
+        self._inside = False
         step, save, finish = trainer.train_step, trainer.save_checkpoint, trainer.finish_save
 
         def timed_step():
@@ -70,9 +70,8 @@ class SaveClock:
 
         def timed_finish(*args, **kwargs):
             if self._last():
-                if not self._tail_open:  # the last save's own finish
+                if trainer.pending_save.iteration >= iters:  # the last save's own finish: not counted
                     return finish(*args, **kwargs)
-                self._tail_open = False
                 tic = time.perf_counter()
                 result = finish(*args, **kwargs)
                 self.tail_s = time.perf_counter() - tic
