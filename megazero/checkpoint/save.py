@@ -8,6 +8,8 @@ then `latest`, fsyncing the directory after each rename. A crash or kill at any 
 leaves `latest` naming a complete checkpoint. A failed write on any rank (disk full, no
 permission) is agreed on by all ranks (comm.agreed): the save is abandoned, the previous
 checkpoint and `latest` stay as they were, every rank raises the same CheckpointSaveError.
+`Save` holds these phases; with checkpoint.async_save the rank files are written between
+them by a background thread (background.py).
 """
 
 from __future__ import annotations
