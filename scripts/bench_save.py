@@ -9,7 +9,9 @@ seq 128, micro-batch 1 unless overridden, in three modes: no saves, a synchronou
 that a machine whose load changes treats them alike. Per mode it prints:
   step      median seconds of an iteration without a save in it;
   blocked   seconds per save the training loop spent inside the save (sync: the whole save;
-            async: copying the shard to host memory and sealing the previous checkpoint);
+            async: copying the shard to host memory, sealing the checkpoint, and waiting for
+            a write still running at the next save), and of that: copy (taking the rank's
+            state: sync copies it to fresh host memory too) and wait (async only);
   stall     seconds per save the run took longer than the no-save run over the same
             iterations (what training really lost, including the background writer's use of
             the CPU and disk while training went on);
@@ -39,6 +41,8 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megazero.checkpoint.background import BackgroundSave  # noqa: E402  (after the path: runs from a checkout)
+
 MODES = ("none", "sync", "async")
 DEFAULTS = ["--data.mock", "true", "--train.precision", "fp32", "--model.seq_length", "128",
             "--train.micro_batch_size", "1", "--train.global_batch_size", "1", "--model.dropout", "0.0",
@@ -58,8 +62,12 @@ class SaveClock:
         self.iters, self.starts = iters, []
         self.saving_s = 0.0  # in saves started inside the window
         self.tail_s = 0.0
-        self._inside = False
+        self._inside = self._tail = False
+        self.copy_s = 0.0  # of saving_s: taking the rank's state (async: into the host snapshot)
+        self.wait_s = 0.0  # of saving_s: async, waiting for a background write to end
         step, save, finish = trainer.train_step, trainer.save_checkpoint, trainer.finish_save
+        trainer.rank_state = self._part(trainer.rank_state, "copy_s")
+        BackgroundSave.wait = self._part(BackgroundSave.wait, "wait_s")  # this process's own class: a benchmark
 
         def timed_step():
             self.starts.append(time.perf_counter())
@@ -72,12 +80,26 @@ class SaveClock:
             if self._last():
                 if trainer.pending_save.iteration >= iters:  # the last save's own finish: not counted
                     return finish(*args, **kwargs)
+                self._tail = True
                 tic = time.perf_counter()
-                result = finish(*args, **kwargs)
-                self.tail_s = time.perf_counter() - tic
-                return result
+                try:
+                    return finish(*args, **kwargs)
+                finally:
+                    self._tail = False
+                    self.tail_s = time.perf_counter() - tic
             return finish(*args, **kwargs) if self._inside else self._count(finish, *args, **kwargs)
         trainer.train_step, trainer.save_checkpoint, trainer.finish_save = timed_step, timed_save, timed_finish
+
+    def _part(self, fn: Callable, field: str) -> Callable:
+        """fn, its seconds added to `field` when they fall in a counted save."""
+        def timed(*args, **kwargs):
+            tic = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self._inside or (self._last() and field == "wait_s" and self._tail):
+                    setattr(self, field, getattr(self, field) + time.perf_counter() - tic)
+        return timed
 
     def _last(self) -> bool:
         return len(self.starts) >= self.iters
@@ -92,7 +114,8 @@ class SaveClock:
             self.saving_s += time.perf_counter() - tic
 
     def result(self) -> dict:
-        return {"starts": self.starts, "blocked_s": self.saving_s + self.tail_s,
+        return {"starts": self.starts, "blocked_s": self.saving_s + self.tail_s, "copy_s": self.copy_s,
+                "wait_s": self.wait_s,
                 "window_s": self.starts[-1] - self.starts[0] + self.tail_s}
 
 
@@ -132,17 +155,17 @@ def summarize(runs: dict[str, list[dict]], interval: int, iters: int) -> list[st
     """The table: per mode, medians over rounds."""
     saves = (iters - 1) // interval  # the saves started before the last iteration
     none = statistics.median(r["window_s"] for r in runs["none"])
-    lines = [f"{'mode':<6} {'step s':>7} {'blocked s/save':>15} {'stall s/save':>13} {'window s':>9} "
-             f"{'peak RSS GiB':>13}"]
+    lines = [f"{'mode':<6} {'step s':>7} {'blocked s/save':>15} {'(copy':>7} {'wait)':>7} {'stall s/save':>13} "
+             f"{'window s':>9} {'peak RSS GiB':>13}"]
     for mode, rs in runs.items():
         # Iteration i's interval (its start to the next one's) holds a save when interval divides i.
         plain = [b - a for r in rs for i, (a, b) in enumerate(zip(r["starts"], r["starts"][1:]), start=1)
                  if mode == "none" or i % interval]
         window = statistics.median(r["window_s"] for r in rs)
-        blocked = statistics.median(r["blocked_s"] for r in rs) / saves if mode != "none" else 0.0
+        blocked, copy, wait = (statistics.median(r[k] for r in rs) / saves for k in ("blocked_s", "copy_s", "wait_s"))
         stall = (window - none) / saves if mode != "none" else 0.0
-        lines.append(f"{mode:<6} {statistics.median(plain):>7.2f} {blocked:>15.2f} {stall:>13.2f} {window:>9.1f} "
-                     f"{max(r['peak_rss_gib'] for r in rs):>13.2f}")
+        lines.append(f"{mode:<6} {statistics.median(plain):>7.2f} {blocked:>15.2f} {copy:>7.2f} {wait:>7.2f} "
+                     f"{stall:>13.2f} {window:>9.1f} {max(r['peak_rss_gib'] for r in rs):>13.2f}")
     lines.append(f"({saves} saves, every {interval} iterations, in a window of iterations 1..{iters - 1}; medians "
                  f"over {len(runs['none'])} round(s))")
     return lines
