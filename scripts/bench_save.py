@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import io
 import os
+import queue as queue_module
 import resource
 import shutil
 import statistics
@@ -146,7 +147,14 @@ def run_fresh(*args) -> dict:
     queue = ctx.Queue()
     proc = ctx.Process(target=_worker, args=(queue, *args))
     proc.start()
-    result = queue.get()
+    while True:  # a child killed from outside (the OOM killer) sends nothing: say so instead of waiting
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queue_module.Empty:
+            if not proc.is_alive():
+                raise SystemExit(f"error: the benchmark process died (exit code {proc.exitcode}); on a shared "
+                                 f"machine, check the free memory and run it again") from None
     proc.join()
     return result
 
@@ -192,7 +200,9 @@ def main() -> None:
                 runs[mode].append(run_fresh(mode, os.path.join(ROOT, args.config), overrides, iters, args.interval,
                                             save_dir))
                 shutil.rmtree(save_dir, ignore_errors=True)
-                print(f"round {r + 1}/{args.rounds} {mode}: window {runs[mode][-1]['window_s']:.1f} s", flush=True)
+                done = runs[mode][-1]
+                print(f"round {r + 1}/{args.rounds} {mode}: window {done['window_s']:.1f} s, in saves "
+                      f"{done['blocked_s']:.1f} s (copy {done['copy_s']:.1f} s, wait {done['wait_s']:.1f} s)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print("\n".join(summarize(runs, args.interval, iters)))
