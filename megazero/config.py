@@ -229,6 +229,12 @@ class CheckpointConfig:
     on_save_error: Literal["stop", "continue"] = "stop"
     """A save that fails (disk full, unwritable directory): stop the run, or keep training and retry at the next
     interval (the last save of a run always stops it). Either way the previous checkpoint stays intact."""
+    async_save: bool = False
+    """Write checkpoints in the background: at a save each rank copies its shard to host memory
+    (kept for the next save: 12 bytes per parameter of its shard more) and a thread writes it
+    while training goes on; the checkpoint is sealed and `latest` advanced at the first
+    iteration after every rank finished. The next save, a signal's save and the end of the run
+    wait for it."""
     init_from_hf: Optional[str] = None
     """Start from a Hugging Face GPT-2 directory (config.json + model.safetensors or
     pytorch_model.bin) at any layout; each rank reads only its slices. The model section must

@@ -4,8 +4,8 @@ position on a communicator, so two ranks that differ hang or mix buffers; gloo's
 communicator for the DP reduce-scatters hides it, the recorder does not).
 
 Each rank trains (two steps and an evaluation) with random sleeps from its own seed in
-NVMe reads, host loads and copies, and compute (every module's forward, every gradient's
-accumulation), records every call (comm.record_calls), and every member of a group must
+NVMe reads, host loads and copies, background checkpoint writes, and compute (every
+module's forward, every gradient's accumulation), records every call (comm.record_calls), and every member of a group must
 have recorded the same sequence on it; the sends one rank recorded to a peer must be that
 peer's receives. Before stage 3 had fixed issue points, the NVMe case failed every time: a
 prefetch all-gather went out before or after a gradient reduce-scatter depending on
@@ -44,6 +44,9 @@ CASES = {
                                                             "--parallel.sequence_parallel", "true"],
     "cp 2 ring, stage 3": STAGE3 + ["--parallel.cp", "2"],
     "cp 2 ulysses, stage 2": ["--zero.stage", "2", "--parallel.cp", "2", "--parallel.cp_impl", "ulysses"],
+    # Each rank's background write ends when it ends: sealing must wait for the step's sums.
+    "stage 1, async saves every iteration": ["--zero.stage", "1", "--checkpoint.save", "{tmp}/async_saves",
+                                             "--checkpoint.interval", "1", "--checkpoint.async_save", "true"],
 }
 
 
@@ -56,6 +59,7 @@ def _inject_delays(seed: int):
 
     import torch.distributed as dist
 
+    from megazero.checkpoint import background
     from megazero.zero import host_grads, shard_home, swap
     rng = random.Random(seed * 1000 + dist.get_rank())
 
@@ -76,6 +80,7 @@ def _inject_delays(seed: int):
     swap.SwapFile.io = read_late
     shard_home.MemoryShard.load = delayed(shard_home.MemoryShard.load, 2)
     host_grads.HostGradients.copy = delayed(host_grads.HostGradients.copy, 2)
+    background.write_rank_file = delayed(background.write_rank_file, 400)  # on the writer thread
     return pause
 
 
@@ -89,7 +94,7 @@ def _delay_compute(chunks, pause) -> None:
                 p.register_post_accumulate_grad_hook(lambda p: pause(2))
 
 
-def _record(names: list[str], nvme: str, seed: int) -> dict:
+def _record(names: list[str], tmp: str, seed: int) -> dict:
     """Train each case for two iterations, recording every call; per case, this rank's calls
     and the members of each of its groups."""
     import torch.distributed as dist
@@ -100,7 +105,8 @@ def _record(names: list[str], nvme: str, seed: int) -> dict:
     pause = _inject_delays(seed)
     out = {}
     for name in names:
-        cfg = make_config(TINY + CASES[name] + ["--zero.nvme_path", nvme], world=dist.get_world_size())
+        args = [a.format(tmp=tmp) for a in CASES[name]]
+        cfg = make_config(TINY + args + ["--zero.nvme_path", tmp], world=dist.get_world_size())
         grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp)
         calls = comm.record_calls(grid.groups.values())
         trainer = Trainer(cfg, grid)
@@ -149,7 +155,7 @@ def _check_all(results: list[dict], names: list[str]) -> None:
 
 
 @pytest.mark.parametrize("world,names", [
-    (2, ["stage 3, param + optimizer nvme", "stage 1"]),
+    (2, ["stage 3, param + optimizer nvme", "stage 1", "stage 1, async saves every iteration"]),
     pytest.param(2, ["stage 0", "stage 2", "stage 3", "stage 3, param cpu"], marks=pytest.mark.slow),
     pytest.param(4, ["pp 2 zbh1, stage 3, param + optimizer nvme", "pp 2 zbh1, stage 1",
                      "tp 2 sequence parallel, stage 2", "tp 2 sequence parallel, stage 3, param cpu"],

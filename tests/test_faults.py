@@ -3,6 +3,9 @@ a disk that fills (or refuses writes) during a save."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import io
 import os
 import random
 import resource
@@ -10,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -94,6 +98,42 @@ def test_kill_9_while_saving_never_corrupts(tmp_path):
 @pytest.mark.slow
 def test_kill_9_of_a_distributed_job_while_saving_never_corrupts(tmp_path):
     _kill_trials(tmp_path, nproc=4, trials=8, seed=1)
+
+
+def _wait_for_a_background_write(save: str, proc: subprocess.Popen, timeout: float = 240) -> str:
+    """The iter_ directory whose rank file is being written, once `save` also holds a sealed
+    checkpoint (polled: the write lasts a sizeable share of an iteration here)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.isfile(os.path.join(save, "latest")):
+            writing = glob.glob(os.path.join(save, "iter_*.tmp", "rank_*.pt.tmp*"))
+            if writing:
+                return os.path.basename(os.path.dirname(writing[0])).removesuffix(".tmp")
+        time.sleep(0.002)
+    _kill_job(proc)
+    raise AssertionError(f"no background write seen: {proc.communicate()[0][-3000:]}")
+
+
+def test_kill_9_during_a_background_write_leaves_latest_complete(tmp_path):
+    """checkpoint.async_save: SIGKILL while a rank file is being written behind training; the
+    checkpoint being written never becomes `latest`, the one before it is complete, and the
+    run resumes from it."""
+    save = str(tmp_path / "ck")
+    args = TINY + ["--model.hidden_size", "256", "--checkpoint.async_save", "true", "--checkpoint.interval", "1",
+                   "--checkpoint.save", save, "--checkpoint.load", save]
+    proc = _launch(1, args + ["--train.iters", "100000"])
+    in_flight = _wait_for_a_background_write(save, proc)
+    _kill_job(proc)
+    proc.communicate()
+    latest = _assert_consistent(save)
+    assert latest < in_flight and not os.path.exists(os.path.join(save, in_flight)), (latest, in_flight)
+    resume_to = int(latest.split("_")[1]) + 2
+    done = subprocess.run([sys.executable, "-m", "megazero.train", *args, "--train.iters", str(resume_to)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {os.path.join(save, latest)} at iteration" in done.stdout
+    assert _assert_consistent(save) == f"iter_{resume_to:07d}"
+    assert not [n for n in os.listdir(save) if n.endswith(".tmp")]  # the killed save's leftovers are gone
 
 
 # ----------------------------------------------------------------------------- damaged files
@@ -262,5 +302,66 @@ def test_full_disk_during_a_save(tmp_path):
                                        "latest_checkpointed_iteration.txt"]
         assert out["continue_last"].startswith(f"saving iteration 5 to {tmp_path}/continue failed on rank 1")
         assert out["continue_iteration"] == 5 and out["continue_latest"] == "iter_0000002"
+        assert out["continue_listing"] == ["config.yaml", "iter_0000002", "iter_0000006", "latest",
+                                           "latest_checkpointed_iteration.txt"]
+
+
+def _background_save_failures(root: str) -> dict:
+    """checkpoint.async_save: rank 1 alone runs out of space while its file is written in the
+    background. At the first iteration after that, every rank stops with the synchronous
+    save's error (or, with on_save_error continue, all go on), and the previous checkpoint and
+    latest stay as they were."""
+    import torch.distributed as dist
+
+    from megazero.checkpoint.background import BackgroundSave
+    from megazero.checkpoint.base import CheckpointSaveError
+
+    rank = dist.get_rank()
+    if rank == 1:  # its write has surely failed by its next vote (on a busy machine it could take longer)
+        votes = BackgroundSave.votes
+        BackgroundSave.votes = lambda self: (self.wait(), votes(self))[1]
+    out = {}
+    for mode in ("stop", "continue"):
+        directory = os.path.join(root, mode)
+        trainer = make_trainer(ZERO1 + ["--checkpoint.save", directory, "--train.iters", "2", "--checkpoint.interval",
+                                        "2", "--checkpoint.async_save", "true", "--checkpoint.on_save_error", mode])
+        trainer.run()  # iteration 2 saved: the run's last save is waited for
+        if rank == 1:
+            _limit_file_size(4096)  # smaller than a rank file
+        trainer.cfg.train.iters = 6 if mode == "stop" else 5  # the save at 4 fails in the background
+        with contextlib.redirect_stderr(io.StringIO()) as warned:
+            try:
+                trainer.run()  # continue: the warning at 5, then the run's last save (5) fails and stops it
+                out[mode] = None
+            except CheckpointSaveError as e:
+                out[mode] = str(e)
+        out[f"{mode}_warned"] = warned.getvalue()
+        out[f"{mode}_iteration"] = trainer.iteration
+        out[f"{mode}_latest"] = open(os.path.join(directory, "latest")).read()
+        out[f"{mode}_intact"] = base.is_intact(os.path.join(directory, "iter_0000002"))
+        if rank == 1:
+            _limit_file_size(resource.RLIM_INFINITY)  # space again: the next save works
+        if mode == "continue":
+            trainer.cfg.train.iters = 6
+            trainer.run()
+        out[f"{mode}_listing"] = sorted(os.listdir(directory))
+    return out
+
+
+def test_full_disk_during_a_background_save(tmp_path):
+    per_rank = run_distributed(_background_save_failures, 2, str(tmp_path))
+    failed = "failed on rank 1: [Errno 27] File too large"
+    untouched = ("the previous checkpoint and 'latest' are untouched; free disk space or fix the directory "
+                 "(checkpoint.save) and resume with --checkpoint.load")
+    for rank, out in enumerate(per_rank):
+        assert out["stop"] == f"saving iteration 4 to {tmp_path}/stop {failed}; {untouched}", out["stop"]
+        assert out["stop_iteration"] == 5  # the first iteration after the failed write
+        assert out["stop_latest"] == "iter_0000002" and out["stop_intact"]
+        assert out["stop_listing"] == ["config.yaml", "iter_0000002", "latest", "latest_checkpointed_iteration.txt"]
+        assert out["continue"] == f"saving iteration 5 to {tmp_path}/continue {failed}; {untouched}"
+        assert out["continue_iteration"] == 5 and out["continue_latest"] == "iter_0000002" and out["continue_intact"]
+        warning = (f"warning: saving iteration 4 to {tmp_path}/continue {failed}; {untouched} "
+                   "(checkpoint.on_save_error continue: training on, retrying at the next interval)\n")
+        assert out["continue_warned"] == (warning if rank == 0 else "")  # rank 0 logs
         assert out["continue_listing"] == ["config.yaml", "iter_0000002", "iter_0000006", "latest",
                                            "latest_checkpointed_iteration.txt"]

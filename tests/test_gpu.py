@@ -9,6 +9,7 @@ group (the paths where tensors cross ranks by NCCL p2p and all-gather).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -178,6 +179,29 @@ def test_host_staging_copies_device_tensors_in_pieces(tmp_path):
     save_safetensors_streaming(path, {n: tuple(v.shape) for n, v in tensors.items()}, torch.bfloat16,
                                iter(tensors.items()))
     assert all(torch.equal(v, tensors[n].to(torch.bfloat16).cpu()) for n, v in load_file(path).items())
+
+
+def test_snapshot_copies_device_tensors_into_reused_pinned_memory():
+    from megazero.parallel.host import HostSnapshot
+
+    t = torch.randn(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.max_memory_allocated()
+    snapshot = HostSnapshot()
+    host = snapshot.concat("master", [t[:1000], t[1000:]])
+    assert host.device.type == "cpu" and host.is_pinned() and torch.equal(host, t.cpu())
+    assert torch.cuda.max_memory_allocated() == before  # no staging copy on the device
+    t.mul_(2.0)
+    assert snapshot.concat("master", [t]).data_ptr() == host.data_ptr() and torch.equal(host, t.cpu())
+
+
+def test_async_save_on_gpu_resumes_as_the_sync_save(tmp_path):
+    for mode in ("false", "true"):
+        _train(tmp_path, f"{mode}_a", BF16 + ["--train.iters", "4", "--checkpoint.interval", "2", "--checkpoint.save",
+                                            str(tmp_path / mode), "--checkpoint.async_save", mode])
+    for it in ("iter_0000002", "iter_0000004"):
+        with open(tmp_path / "false" / it / "metadata.json") as a, open(tmp_path / "true" / it / "metadata.json") as b:
+            assert json.load(a)["files"] == json.load(b)["files"], it
 
 
 def test_nccl_grid_binds_its_device_and_can_report_watchdog_errors():

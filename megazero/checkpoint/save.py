@@ -8,6 +8,8 @@ then `latest`, fsyncing the directory after each rename. A crash or kill at any 
 leaves `latest` naming a complete checkpoint. A failed write on any rank (disk full, no
 permission) is agreed on by all ranks (comm.agreed): the save is abandoned, the previous
 checkpoint and `latest` stay as they were, every rank raises the same CheckpointSaveError.
+`Save` holds these phases; with checkpoint.async_save the rank files are written between
+them by a background thread (background.py).
 """
 
 from __future__ import annotations
@@ -41,32 +43,61 @@ def save_sharded(save_dir: str, iteration: int, rank_state: dict | Callable[[], 
     `extra(directory)`, when given, is a collective writing more files (their paths relative
     to the directory are its return value) into the checkpoint before it is sealed. Raises CheckpointSaveError on
     every rank when any rank's write failed (nothing of the new checkpoint is kept)."""
-    final = os.path.join(save_dir, iter_dir_name(iteration))
-
-    def step(fn: Callable[[], Any]) -> list[Any]:  # fn() on every rank; a failed write on any stops all here
-        return comm.agreed(fn, grid["world"], (OSError,), lambda rank, e: _abandoned(final, iteration, rank, e, grid),
-                           gather=True)
-    step(lambda: prepare_dir(final) if grid.rank == 0 else None)
-    tmp = final + TMP_SUFFIX
-    c = grid.coords()
-    name = rank_file_name(c.tp, c.pp, grid.dp_cp_index(c))
+    save = Save(save_dir, iteration, cfg, grid, keep_last)
+    save.open()
     # Built inside the step when given as a callable: assembling state can fail on one rank
     # (scratch space for NVMe-swapped state) and must stop every rank alike.
-    entries = step(lambda: _write_rank_file(os.path.join(tmp, name),
-                                            rank_state() if callable(rank_state) else rank_state))
-    files = {rank_file_name(c.tp, c.pp, grid.dp_cp_index(c)): e for c, e in zip(map(grid.coords, range(grid.world_size)), entries)}
+    save.record_rank_files(lambda: write_rank_file(save.rank_file,
+                                                   rank_state() if callable(rank_state) else rank_state))
     if extra is not None:
+        save.add_extra(extra)
+    return save.seal()
+
+
+class Save:
+    """One checkpoint being written, in collective phases that every rank runs in the same
+    order (a failed write on any rank stops them all at the phase it failed in):
+    open() makes ITER.tmp, each rank writes its file into it (write_rank_file, now or on a
+    background thread: background.py), record_rank_files() collects their digests,
+    add_extra() writes the optional gathered files, seal() renames it into place."""
+
+    def __init__(self, save_dir: str, iteration: int, cfg: Config, grid: ProcessGrid, keep_last: int):
+        self.save_dir, self.iteration, self.cfg, self.grid, self.keep_last = save_dir, iteration, cfg, grid, keep_last
+        self.final = os.path.join(save_dir, iter_dir_name(iteration))
+        self.tmp = self.final + TMP_SUFFIX
+        c = grid.coords()
+        self.rank_file = os.path.join(self.tmp, rank_file_name(c.tp, c.pp, grid.dp_cp_index(c)))
+        self.files: dict[str, Optional[dict]] = {}
+
+    def step(self, fn: Callable[[], Any], gather: bool = False) -> Any:
+        """fn() on every rank; a failed write on any stops all here with CheckpointSaveError."""
+        return comm.agreed(fn, self.grid["world"], (OSError,),
+                           lambda rank, e: _abandoned(self.final, self.iteration, rank, e, self.grid), gather=gather)
+
+    def open(self) -> None:
+        self.step(lambda: prepare_dir(self.final) if self.grid.rank == 0 else None)
+
+    def record_rank_files(self, entry: Callable[[], dict]) -> None:
+        """entry() is this rank's file's digest entry (raising OSError if writing it failed)."""
+        entries = self.step(entry, gather=True)
+        coords = map(self.grid.coords, range(self.grid.world_size))
+        self.files.update({rank_file_name(c.tp, c.pp, self.grid.dp_cp_index(c)): e for c, e in zip(coords, entries)})
+
+    def add_extra(self, extra: Callable[[str], list[str]]) -> None:
         def write_extra() -> dict[str, Optional[dict]]:
-            written = extra(tmp)  # rank 0 writes them (by offsets: hashed once complete)
-            return {n: digest.file_entry(os.path.join(tmp, n)) if grid.rank == 0 else None for n in written}
-        files.update(step(write_extra)[0])
-    meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
-            "layout": layout_of(cfg, grid), "config": cfg.to_dict(), "files": files}
-    step(lambda: _seal(save_dir, final, meta, keep_last) if grid.rank == 0 else None)
-    return final
+            written = extra(self.tmp)  # rank 0 writes them (by offsets: hashed once complete)
+            return {n: digest.file_entry(os.path.join(self.tmp, n)) if self.grid.rank == 0 else None for n in written}
+        self.files.update(self.step(write_extra, gather=True)[0])
+
+    def seal(self) -> str:
+        meta = {"format_version": FORMAT_VERSION, "iteration": self.iteration,
+                "layout": layout_of(self.cfg, self.grid), "config": self.cfg.to_dict(), "files": self.files}
+        self.step(lambda: _seal(self.save_dir, self.final, meta, self.keep_last) if self.grid.rank == 0 else None)
+        return self.final
 
 
-def _write_rank_file(path: str, rank_state: dict) -> dict:
+def write_rank_file(path: str, rank_state: dict) -> dict:
+    """Write one rank's state atomically, hashed as it is written; its digest entry."""
     with atomic_write(path) as f:
         writer = digest.HashingWriter(f)
         try:

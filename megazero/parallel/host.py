@@ -74,3 +74,36 @@ class HostStaging:
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of `t` (a new tensor even on CPU, so later in-place updates don't reach it)."""
         return self.concat([t], t.dtype).view(t.shape)
+
+
+class HostSnapshot:
+    """Host tensors kept from one save to the next, by name (pinned when CUDA is present).
+
+    An asynchronous save copies this rank's shard into them at the save iteration and a
+    background thread writes them out while training changes the originals. Keeping them
+    means each save after the first allocates (and, on GPUs, page-locks) nothing, and the
+    copy from the device goes straight into page-locked memory: no staging copy on the
+    device, no second host buffer. The caller must not refill them before the write of
+    their previous contents has ended (the next save first waits for the last one)."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def concat(self, name: str, pieces: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The host tensor `name`: `pieces` end to end, as `dtype` (allocated on first use, or
+        when the size changed)."""
+        numel = sum(p.numel() for p in pieces)
+        out = self._tensors.get(name)
+        if out is None or out.numel() != numel or out.dtype != dtype:
+            out = torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+            self._tensors[name] = out
+        offset = 0
+        for p in pieces:
+            # One piece's dtype conversion at most is made on its device; copy_ then moves it.
+            out[offset: offset + p.numel()].copy_(p.reshape(-1).to(dtype))
+            offset += p.numel()
+        return out
+
+    def nbytes(self) -> int:
+        """Host bytes held."""
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())

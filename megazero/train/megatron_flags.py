@@ -176,6 +176,7 @@ FLAGS: tuple[Flag, ...] = (
     _key("--load", "checkpoint.load", "`checkpoint.load` (also a Megatron save directory: its "
                                       "`latest_checkpointed_iteration.txt`)"),
     _key("--save-interval", "checkpoint.interval"),
+    _switch("--async-save", "checkpoint.async_save", "true"),
     _key("--ckpt-step", "checkpoint.iteration"),
     # logging, evaluation, lifecycle
     _key("--log-interval", "train.log_interval"),

@@ -28,7 +28,7 @@ import torch
 from megazero.config import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
-from megazero.parallel.host import HostStaging
+from megazero.parallel.host import HostSnapshot, HostStaging
 from megazero.zero.adamw import adamw_
 from megazero.zero.clip import StepSums, clip_coefficient, reduce_step_sums
 from megazero.zero.host_grads import HostGradients
@@ -197,21 +197,26 @@ class ZeroOptimizer:
             return self.params.own_slices()
         return [self.state.read("master"), *self.params.own_slices(frozen_only=True)]
 
-    def state_dict(self) -> dict:
+    def state_dict(self, snapshot: Optional[HostSnapshot] = None) -> dict:
         """Only this rank's shard (fp32 master, Adam moments, step, loss scaler) and the
         partition map that says where each element belongs, in host memory: copied out one
         tensor at a time through a pinned buffer, never cloned on the device (state swapped
-        to NVMe comes back in scratch-file-backed host tensors, never wholly in memory)."""
+        to NVMe comes back in scratch-file-backed host tensors, never wholly in memory).
+        With `snapshot` the tensors are copied into its reused host tensors instead
+        (asynchronous saves: they stay unchanged while training goes on)."""
         self.params.wait_all()
         host = HostStaging()
 
-        def on_host(pieces: list[torch.Tensor]) -> torch.Tensor:
+        def on_host(kind: str, pieces: list[torch.Tensor]) -> torch.Tensor:
             # An NVMe store's reads are already private host copies (file-backed): no second one.
-            return pieces[0] if len(pieces) == 1 and self.state.reads_are_copies else host.concat(pieces)
+            if len(pieces) == 1 and self.state.reads_are_copies:
+                return pieces[0]
+            return snapshot.concat(kind, pieces) if snapshot is not None else host.concat(pieces)
         return {"stage": self.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
                 "precision": self.cfg.train.precision, "step": self.step_count,
-                "master": on_host(self._shard_values()), "exp_avg": on_host([self.state.read("exp_avg")]),
-                "exp_avg_sq": on_host([self.state.read("exp_avg_sq")]),
+                "master": on_host("master", self._shard_values()),
+                "exp_avg": on_host("exp_avg", [self.state.read("exp_avg")]),
+                "exp_avg_sq": on_host("exp_avg_sq", [self.state.read("exp_avg_sq")]),
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "partition": self.layout.param_map()}
 
