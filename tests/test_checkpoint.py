@@ -183,4 +183,4 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, saving):
     assert int(latest.split("_")[1]) >= 3
     listing = sorted(os.listdir(ckpt))  # nothing left half-written; async: keep_last 2 applied
     kept = [latest] if saving == "sync" else [f"iter_{int(latest.split('_')[1]) - 1:07d}", latest]
-    assert listing == ["config.yaml", *kept, "latest"], listing
+    assert listing == ["config.yaml", *kept, "latest", "latest_checkpointed_iteration.txt"], listing
