@@ -30,6 +30,7 @@ from megazero.data.mock import MockGPTDataset
 from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.heap import fix_mmap_threshold
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining, untimed
 from megazero.plan.formulas import model_flops_per_token
@@ -54,6 +55,7 @@ class TrainingError(UserError, RuntimeError):
 class Trainer:
     def __init__(self, cfg: Config, grid: ProcessGrid):
         self.cfg, self.grid = cfg, grid
+        fix_mmap_threshold()  # before the model's memory is allocated: resident memory = memory held
         t = cfg.train
         self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device)
         self.chunks, self.optimizer = parallelize(cfg, grid, self.tracker)

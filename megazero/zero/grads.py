@@ -200,7 +200,9 @@ class GradientSync:
         if wire is full and not add:  # stage 1 in fp32: reduced in place, into full's own slice
             return comm.reduce_scatter_into(into, full, self.dp, async_op=True), None, full
         out = torch.empty(b.shard_numel, dtype=wire.dtype, device=wire.device)
-        handle = comm.reduce_scatter_into(out, wire, self.dp, async_op=True)
+        # The wire is a temporary (the stage-2/3 bucket being filled, or a 16-bit copy): the
+        # reduction may sum in it rather than in a second full-size buffer.
+        handle = comm.reduce_scatter_into(out, wire, self.dp, async_op=True, consume=add or wire is not full)
         return handle, (lambda: into.add_(out)) if add else (lambda: into.copy_(out)), wire
 
     def _launched(self, f: _InFlight) -> None:
