@@ -77,11 +77,16 @@ class RankPrediction:
     host: int
     """Bytes offloaded to host memory."""
     activations: int
-    buffers: int
-    """Communication and loss workspace: stage-2/3 gradient bucket, stage-3 gathered units, logits."""
+    items: dict[str, int]
+    """Transient bytes beside states and activations, by item (formulas.transient_items):
+    gathered units, gradients in flight, communication buffers, logits."""
     bytes: dict[str, int]
     """Bytes this rank sends per iteration over its dp, tp, pp and embedding groups."""
     times: Optional[dict[str, float]] = None
+
+    @property
+    def buffers(self) -> int:
+        return sum(self.items.values())
 
     @property
     def peak(self) -> int:
@@ -121,7 +126,7 @@ class Prediction:
                 "microbatches": self.microbatches, "bubble": self.bubble, "fits": self.fits,
                 "peak_bytes": self.worst.peak, "memory_limit_bytes": self.memory_limit,
                 "step_seconds": self.step_seconds, "tokens_per_sec": self.tokens_per_sec, "mfu": self.mfu,
-                "ranks": [{**dataclasses.asdict(r), "peak": r.peak} for r in self.ranks], "notes": self.notes}
+                "ranks": [{**dataclasses.asdict(r), "buffers": r.buffers, "peak": r.peak} for r in self.ranks], "notes": self.notes}
 
 
 # ---------------------------------------------------------------------------- one layout
@@ -193,26 +198,10 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
              "tp": F.tp_bytes(list(rp.chunks), shape, m, rp.replicated_numel // shards),
              "pp": F.pp_bytes(pp, vpp, r, m, shape),
              "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
+    tied_twice = any(c.pre and c.post for c in rp.chunks)
+    buffers = F.BufferShape(tuple(padded), rp.tied, tied_twice, stage, dp, cfg.zero.prefetch, elem[0], wire)
     return RankPrediction(r, rp.param_numel, states, host, F.peak_in_flight_bytes(order, sizes),
-                          buffer_bytes(padded, rp.tied, stage, elem[0], cfg.zero.prefetch, rp.chunks[-1].post, shape),
-                          moved)
-
-
-def buffer_bytes(padded: list[int], tied: tuple[int, ...], stage: int, param_bytes: int, prefetch: int, last: bool,
-                 shape: F.ActivationShape) -> int:
-    """Transient buffers beside the model states and saved activations (an estimate): at
-    stages 2/3 the fp32 gradient of the bucket being filled; at stage 3 the gathered unit
-    and the prefetched ones, beside the tied embedding (held from the embedding's forward to
-    the head's on a single stage; a bound elsewhere); on the last stage the fp32 logits and
-    their exponentials."""
-    largest = max(padded)
-    out = 4 * largest if stage >= 2 else 0
-    if stage == 3:
-        unit = max((n for i, n in enumerate(padded) if i not in tied), default=0)
-        out += (sum(padded[i] for i in tied) + (1 + prefetch) * unit) * param_bytes
-    if last:
-        out += 2 * 4 * shape.micro_batch * shape.seq * shape.vocab // shape.tp
-    return out
+                          F.transient_items(buffers, shape, rp.chunks[-1].post), moved)
 
 
 def link_gbps(cluster: Cluster, span: int) -> float:
