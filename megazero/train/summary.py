@@ -107,10 +107,11 @@ def plan_line(plan: Prediction, device_name: str, cuda: bool = True, offload: st
     tokens/s. On CPUs there is no GPU to predict for: the states alone."""
     worst = plan.worst
     s = worst.states
-    if worst.host:  # offloaded optimizer states: apart from the device's sum
+    if offload != "none":  # offloaded optimizer states: apart from the device's sum
         where = "on NVMe" if offload == "nvme" else "in host memory"
         states = (f"model states {size(s['total'])} on the device = params {size(s['params'])} + grads "
-                  f"{size(s['grads'])}, optimizer {size(worst.host)} {where} (zero.offload_optimizer {offload})")
+                  f"{size(s['grads'])}, optimizer {size(s['optimizer'])} {where} (zero.offload_optimizer {offload}); "
+                  f"host memory for offloading {size(worst.host)}")
     else:
         states = (f"model states {size(s['total'])} = params {size(s['params'])} + grads {size(s['grads'])} + "
                   f"optimizer {size(s['optimizer'])}")
