@@ -243,7 +243,6 @@ def main() -> None:
     print(f"| layout | rank | build {unit} | train {unit} | predicted | measured / predicted | "
           + " | ".join(ITEMS) + " |")
     print("|---|---:|" + "---:|" * (4 + len(ITEMS)))
-    peers = {}
     for dp in dps:
         world = dp * opts.tp * opts.pp
         for stage in stages:
@@ -251,11 +250,10 @@ def main() -> None:
             print_rank_rows(f"dp {dp} ZeRO-{stage}", launch(megazero_rank, opts, world))
             sys.stdout.flush()
         if opts.deepspeed:
-            peers[dp] = launch(deepspeed_rank, opts, world)
-    for dp, outs in peers.items():
-        print(f"\nDeepSpeed ZeRO-3, dp {dp}: " + ", ".join(
-            f"rank {r}: build {measured(o, 'built') / MiB:.0f}, train {measured(o, 'trained') / MiB:.0f} "
-            f"(runtime {o['runtime'] / MiB:.0f})" for r, o in enumerate(outs)) + " MiB")
+            for rank, out in enumerate(launch(deepspeed_rank, opts, world)):
+                print(f"| dp {dp} DeepSpeed ZeRO-3 | {rank} | {measured(out, 'built') / MiB:.0f} | "
+                      f"{measured(out, 'trained') / MiB:.0f} | - | - | {out['runtime'] / MiB:.0f} |" + " - |" * 9)
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -61,6 +61,14 @@ class _InFlight:
     final: Optional[Bucket]  # its gradient slice is final for the iteration once completed (on_final)
 
 
+def add_gradient(into: torch.Tensor, grad: torch.Tensor) -> None:
+    """into += grad, in into's dtype; a sparse gradient (an embedding's looked-up rows) row by row."""
+    if grad.is_sparse:
+        into.index_add_(0, grad._indices()[0], grad._values().to(into.dtype))
+    else:
+        into.add_(grad)
+
+
 class GradientSync:
     """fp32 gradients of one model-parallel rank's buckets and their DP reduction."""
 
@@ -138,21 +146,29 @@ class GradientSync:
         self._add_sharded(b, s, grad)
         self._mark_ready(b, s)
 
-    def _add_sharded(self, b: Bucket, s: FlatSlot, grad: torch.Tensor) -> None:
+    def _add_sharded(self, b: Bucket, s: FlatSlot, grad: torch.Tensor, owned: bool = False) -> None:
+        """Add p's gradient into bucket b's full fp32 gradient being filled. An `owned` gradient
+        (autograd's, already dropped by p) that is the whole bucket becomes that buffer itself:
+        no second copy of the largest gradient (the tied embedding's) while it waits to be reduced."""
         buf = self._pending.get(b.index)
         if buf is None:
+            whole = (owned and len(b.slots) == 1 and grad.numel() == b.numel and grad.dtype == torch.float32
+                     and grad.layout == torch.strided and grad.is_contiguous())
+            if whole:
+                self._pending[b.index] = grad.view(-1)
+                return
             buf = self._pending[b.index] = torch.zeros(b.numel, device=self.device)
-        buf[s.offset: s.offset + s.numel].view(s.shape).add_(grad)
+        add_gradient(buf[s.offset: s.offset + s.numel].view(s.shape), grad)
 
     def _grad_ready(self, b: Bucket, s: FlatSlot, p: nn.Parameter) -> None:
         """Called by autograd once p's gradient of this backward pass is accumulated."""
         if self.sharded:
-            assert p.grad is not None
-            self._add_sharded(b, s, p.grad)
-            p.grad = None  # the full gradient lives on only in the bucket until it is reduced
+            grad, p.grad = p.grad, None  # the full gradient lives on only in the bucket until it is reduced
+            assert grad is not None
+            self._add_sharded(b, s, grad, owned=True)
         else:
             if p.grad is not None and p.grad.dtype != torch.float32:
-                self.bucket_view(b, s).add_(p.grad)  # fp32 accumulation of a 16-bit gradient
+                add_gradient(self.bucket_view(b, s), p.grad)  # fp32 accumulation of a 16-bit gradient
                 p.grad = None
             if not self._sync:
                 return
@@ -196,7 +212,11 @@ class GradientSync:
         """Launch the sum of fp32 bucket `full` over DP in the reduce dtype: (handle, what
         completes it, tensor on the wire). Once waited, it writes (stage 1) or adds (stages
         2/3, once per micro-batch) this rank's slice into its fp32 gradient slice."""
-        into, wire = self.own_slice(b), self._on_wire(full)
+        into = self.own_slice(b)
+        if self.dp.size == 1:  # nothing to sum with: no wire, no second full-size buffer kept in flight
+            (into.add_ if add else into.copy_)(self._on_wire(full).to(into.dtype))
+            return None, None, into[:0]
+        wire = self._on_wire(full)
         if wire is full and not add:  # stage 1 in fp32: reduced in place, into full's own slice
             return comm.reduce_scatter_into(into, full, self.dp, async_op=True), None, full
         out = torch.empty(b.shard_numel, dtype=wire.dtype, device=wire.device)
