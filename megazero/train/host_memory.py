@@ -93,9 +93,11 @@ def fit_sub_group_size(need: HostNeed, ranks: int, available: int, requested: in
     gib = f"{size(available)} available (MemAvailable or the cgroup limit; {USABLE:.0%} of it usable)"
     per_rank = f" x {ranks} ranks on this node" if ranks > 1 else ""
     if largest < ALIGN:
-        held = ", ".join(f"{k.replace('_', ' ')} {size(v)}" for k, v in need.items.items() if v)
-        raise HostMemoryError(f"host memory: this run needs {size(total)} ({held} per rank{per_rank}) "
-                              f"but {gib}; use more ranks or nodes, offload_param/offload_optimizer nvme, or free memory")
+        held = ", ".join(f"{k.replace('_', ' ')} {size(v)}" for k, v in need.items.items()
+                         if v and k != "nvme_step_buffers")
+        raise HostMemoryError(f"host memory: this run needs {size(ranks * need.fixed)} before any NVMe step buffer "
+                              f"({held} per rank{per_rank}) but {gib}; use more ranks or nodes (each holds less), "
+                              f"a smaller train.micro_batch_size, offloading to nvme, or free memory")
     if explicit:
         raise HostMemoryError(f"zero.sub_group_size {requested} needs {size(total)} of host memory "
                               f"(NVMe step buffers {need.per_element} B per element{per_rank}) but {gib}; the "
