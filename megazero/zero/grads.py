@@ -23,6 +23,11 @@ Gradients accumulate in fp32 whatever the compute dtype (Megatron's main_grad: s
 bf16 micro-batch gradients in bf16 would lose ~4 bits); `reduce_dtype` is only the dtype
 they travel in. The tied embedding's gradient is summed over the embedding group last.
 
+Under ZeRO the token embedding's gradient arrives as the rows looked up (a sparse tensor:
+VocabParallelEmbedding.sparse_grad) and is added into its bucket row by row, so no dense
+V x h gradient exists beside the bucket; a gradient that is a whole bucket by itself (the tied
+embedding's, once autograd has summed the head's part into it) becomes the bucket to reduce.
+
 Only trainable buckets take part: frozen parameters (the base model under LoRA) have no
 gradient buffer, no hook and no DP traffic. `reduced_numel` counts the gradient elements
 this rank has put into DP reductions (trainable buckets only, by construction), beside the
