@@ -92,7 +92,10 @@ class ZeroConfig:
     stage: int = 0
     """0: DP all-reduce; 1: + sharded optimizer states; 2: + sharded gradients; 3: + sharded parameters."""
     sub_group_size: int = 1_000_000_000
-    """Largest number of elements one optimizer sub-group step touches."""
+    """Largest number of elements one optimizer sub-group step touches. With offload_optimizer nvme
+    the step holds buffer_count x sub_group_size x 12 bytes of host memory: left at this default,
+    it is lowered at start-up to what the memory available allows (one line says so); a value set
+    that cannot fit is refused, naming the largest that does."""
     bucket_size: int = 25_000_000
     """Elements per gradient-communication bucket (stages 0-2; stage 3 communicates per module)."""
     prefetch: int = 1

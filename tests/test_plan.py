@@ -333,10 +333,11 @@ def test_zbh1_plans_its_own_bubble():
 @pytest.mark.parametrize("optimizer, param, expected", [
     ("none", "none", "model states 3.62 MiB = params 925.50 KiB + grads 925.50 KiB + optimizer 1.81 MiB per rank"),
     ("cpu", "none", "model states 1.81 MiB on the device = params 925.50 KiB + grads 925.50 KiB, 1.81 MiB in host "
-                    "memory = optimizer 1.81 MiB (zero.offload_optimizer cpu) per rank"),
+                    "memory = optimizer 1.81 MiB (zero.offload_optimizer cpu); host memory for offloading 2.71 MiB per rank"),
     ("nvme", "cpu", "model states 925.50 KiB on the device = grads 925.50 KiB, 925.50 KiB in host memory = params "
                     "925.50 KiB, 1.81 MiB on NVMe = optimizer 1.81 MiB (zero.offload_optimizer nvme, "
-                    "zero.offload_param cpu: the device holds only the gathered units in flight) per rank"),
+                    "zero.offload_param cpu: the device holds only the gathered units in flight); host memory for "
+                    "offloading 11.75 MiB per rank"),
 ])
 def test_startup_plan_line_says_where_each_kind_of_state_lives(optimizer, param, expected):
     """Under offload the start-up line groups params, grads and optimizer states by where they

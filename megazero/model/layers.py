@@ -150,6 +150,9 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = solo_group()
         self.sequence_parallel = False  # the output leaves split along the sequence
+        # The weight's gradient as the rows looked up (a sparse tensor) instead of a dense
+        # V x h one that is almost all zeros: for gradient sinks that add rows (ZeRO's buckets).
+        self.sparse_grad = False
         self.per_rank, self.start = num_embeddings, 0
         self.weight = mark_tp(nn.Parameter(torch.empty(num_embeddings, dim)), 0, 1, (num_embeddings, dim))
 
@@ -162,10 +165,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight, sparse=self.sparse_grad)
         outside = (ids < self.start) | (ids >= self.start + self.per_rank)
         local = (ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = F.embedding(local, self.weight, sparse=self.sparse_grad).masked_fill(outside.unsqueeze(-1), 0.0)
         # Each id's row lives on exactly one rank; the sum puts it everywhere (or, under
         # sequence parallelism, each rank's positions on that rank).
         return leave_tp(out, self.tp, self.sequence_parallel)

@@ -213,9 +213,11 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group,
 
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group,
-                        async_op: bool = False) -> Optional[Handle]:
+                        async_op: bool = False, consume: bool = False) -> Optional[Handle]:
     """Sum `full` over the group and keep this rank's 1/n slice of dim 0 in `out`. With
     `async_op` it returns a handle: `out` is final, and `full` free to change, after wait().
+    With `consume` the caller gives `full` up (a temporary it drops after): gloo's ring then
+    sums in it instead of in a copy, so a reduction holds no second full-size buffer.
 
     NCCL has a true reduce-scatter. Gloo's reduce_scatter_tensor is an all-reduce
     underneath (2x the traffic), so on gloo we run a ring of point-to-point exchanges that
@@ -230,15 +232,18 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group,
     if dist.get_backend(group.pg) != "gloo":
         return _REDUCE_SCATTER(out, full.contiguous(), group=group.pg, async_op=async_op)
     if async_op:
-        return group.submit(_ring_reduce_scatter, out, full, group)
-    _ring_reduce_scatter(out, full, group, pg=group.pg)
+        return group.submit(_ring_reduce_scatter, out, full, group, consume)
+    _ring_reduce_scatter(out, full, group, consume, pg=group.pg)
     return None
 
 
-def _ring_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, pg: Optional[dist.ProcessGroup]) -> None:
-    """Gloo's reduce-scatter over `pg` (the group's own, or its duplicate on the comm thread)."""
+def _ring_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, consume: bool,
+                         pg: Optional[dist.ProcessGroup]) -> None:
+    """Gloo's reduce-scatter over `pg` (the group's own, or its duplicate on the comm thread);
+    partial sums go into `full` itself when the caller gave it up (`consume`), else into a copy."""
     n = group.size
-    chunks = list(full.reshape(n, -1).clone().unbind(0))
+    rows = full.reshape(n, -1)
+    chunks = list((rows if consume else rows.clone()).unbind(0))
     nxt, prv = group.ranks[(group.rank + 1) % n], group.ranks[(group.rank - 1) % n]
     incoming = torch.empty_like(chunks[0])
     for step in range(n - 1):

@@ -19,6 +19,7 @@ from typing import Iterable
 from megazero.config import ModelConfig
 from megazero.parallel.comm import all_gather_volume, all_reduce_volume, reduce_scatter_volume
 from megazero.pipeline.schedules import ORDERS, message_target
+from megazero.zero.grads import BOUNDED_IN_FLIGHT
 
 GiB = 2 ** 30
 
@@ -216,6 +217,133 @@ def peak_in_flight_bytes(order: Iterable[tuple[bool, int]], sizes: list[int]) ->
         alive += sizes[chunk] if forward else -sizes[chunk]
         peak = max(peak, alive)
     return peak
+
+
+# ---------------------------------------------------------------------------- transient memory
+# What a rank holds beside its model states and saved activations, item by item; the planner
+# sums them (planner.rank_prediction) and scripts/bench_memory.py prints them beside the
+# measured peak. Each is the item's size at the iteration's peak, the start of backward: the
+# activations are all alive, the logits' gradient is made and the head's backward has run.
+
+
+@dataclass(frozen=True)
+class BufferShape:
+    """One rank's buckets as the transient items see them."""
+
+    padded: tuple[int, ...]
+    """Padded elements per bucket (zero.bucket_size groups at stages 0-2, fetch units at 3)."""
+    tied: tuple[int, ...]
+    """Buckets holding the tied embedding."""
+    tied_twice: bool
+    """The embedding and the head are both on this rank: the tied weight's gradient from the
+    head waits inside autograd for the embedding's backward."""
+    stage: int
+    dp: int
+    prefetch: int
+    param_bytes: int
+    wire_bytes: int
+    """Bytes per gradient element on the wire (zero.reduce_dtype)."""
+    gloo: bool = False
+    """CPU ranks: gloo's reduce-scatter is megazero's ring, which sums a stage-1 bucket in a copy."""
+
+    def largest_unit(self) -> int:
+        """The largest bucket apart from a tied weight held on its own (see `tied_twice`)."""
+        return max((n for i, n in enumerate(self.padded) if not (self.tied_twice and i in self.tied)), default=0)
+
+
+def gathered_units_bytes(x: BufferShape) -> int:
+    """Stage 3: the unit running and the `prefetch` next ones gathered whole, beside the tied
+    weight, gathered from the embedding's forward to its backward (zero/stage3.py)."""
+    if x.stage < 3:
+        return 0
+    tied = sum(x.padded[i] for i in x.tied) if x.tied_twice else 0
+    return (tied + (1 + x.prefetch) * x.largest_unit()) * x.param_bytes
+
+
+def grads_in_flight_bytes(x: BufferShape) -> int:
+    """fp32 gradients beside the persistent buffers: the tied weight's gradient from the head,
+    held until the embedding's backward adds its own (4 V h / t); at stages 2/3 also the
+    bucket being filled and the BOUNDED_IN_FLIGHT launched ones, full size until reduced."""
+    tied = 4 * sum(x.padded[i] for i in x.tied) if x.tied_twice else 0
+    launched = BOUNDED_IN_FLIGHT if x.dp > 1 else 0  # one rank reduces at once (zero/grads.py)
+    filling = (1 + launched) * 4 * x.largest_unit() if x.stage >= 2 else 0
+    return tied + filling
+
+
+def comm_buffer_bytes(x: BufferShape) -> int:
+    """Stages 2/3: each launched reduce-scatter's output slice and the ring's incoming slice.
+    Stage 1 on gloo: the ring's working copy of the bucket being reduced (the persistent
+    fp32 bucket itself must keep its values; parallel/comm.py)."""
+    if x.dp == 1 or x.stage == 0:
+        return 0
+    if x.stage == 1:
+        return 4 * x.largest_unit() + x.wire_bytes * x.largest_unit() // x.dp if x.gloo else 0
+    return (BOUNDED_IN_FLIGHT + 1) * x.largest_unit() // x.dp * x.wire_bytes
+
+
+def logits_bytes(x: ActivationShape) -> int:
+    """The head's fp32 logits (this rank's V/t of them) and, in backward, their gradient."""
+    return 2 * 4 * x.micro_batch * x.seq * x.vocab // x.tp
+
+
+def transient_items(x: BufferShape, shape: ActivationShape, last: bool) -> dict[str, int]:
+    """Every transient item of one rank at the peak (bytes): gathered units, gradients in
+    flight, communication buffers, logits (on the last stage). The optimizer step comes after
+    that peak and adds little to the model states (its fused AdamW updates in place, its norm
+    goes piece by piece: zero/clip.py's NORM_CHUNK)."""
+    return {"gathered_units": gathered_units_bytes(x), "grads_in_flight": grads_in_flight_bytes(x),
+            "comm_buffers": comm_buffer_bytes(x), "logits": logits_bytes(shape) if last else 0}
+
+
+# ---------------------------------------------------------------------------- host memory
+# What offloading puts in host memory, item by item: the planner's host figure, and what
+# train/host_memory.py weighs against the memory available at start-up.
+
+NVME_STEP_BYTES = 12
+"""Host bytes per sub-group element in one NVMe step buffer: fp32 master, exp_avg, exp_avg_sq."""
+
+
+@dataclass(frozen=True)
+class HostShape:
+    """One rank's share of what offloading keeps in host memory."""
+
+    shard: int
+    """Elements of this rank's parameter shard (padded; Ψ/N at stage 3)."""
+    trainable: int
+    """Of which trainable: what gradients and optimizer states cover."""
+    largest_slice: int
+    """This rank's slice of its largest bucket (a stage-3 fetch unit)."""
+    offload_optimizer: str
+    offload_param: str
+    accelerator: bool
+    """The compute device is not the host (gradients are copied out for an offloaded step)."""
+    param_bytes: int
+    sub_group_size: int
+    buffer_count: int
+    prefetch: int
+    staging: int
+    """Bytes of the checkpoint writer's host staging buffer (0 when nothing is saved)."""
+
+
+def nvme_step_buffer_bytes(x: HostShape) -> int:
+    """offload_optimizer nvme: buffer_count sub-group buffers of master and moments; a
+    sub-group holds at most zero.sub_group_size elements, and never more than the shard."""
+    if x.offload_optimizer != "nvme":
+        return 0
+    return x.buffer_count * NVME_STEP_BYTES * min(x.sub_group_size, x.trainable)
+
+
+def host_items(x: HostShape) -> dict[str, int]:
+    """Host bytes by item: optimizer states (offload_optimizer cpu: master and moments, 12 B
+    per element), NVMe step buffers, the fp32 gradient shard copied out of an accelerator,
+    the parameter shard (offload_param cpu) or its fetch window (nvme: `prefetch` + 2 slices
+    read ahead and in use, at least the step's 3: staged, read ahead, written back), staging."""
+    window = max(x.prefetch + 2, 3) * x.largest_slice * x.param_bytes
+    params = {"cpu": x.param_bytes * x.shard, "nvme": window}.get(x.offload_param, 0)
+    return {"optimizer_states": NVME_STEP_BYTES * x.trainable if x.offload_optimizer == "cpu" else 0,
+            "nvme_step_buffers": nvme_step_buffer_bytes(x),
+            "grad_shard": 4 * x.trainable if x.accelerator and x.offload_optimizer != "none" else 0,
+            "param_shard": params, "staging": x.staging}
 
 
 # ---------------------------------------------------------------------------- communication

@@ -18,6 +18,7 @@ from typing import Optional
 from megazero.config import Config
 from megazero.errors import UserError
 from megazero.model.layers import padded_vocab_size
+from megazero.parallel.host import PIECE_BYTES
 from megazero.pipeline.schedules import ORDERS, activation_events
 from megazero.plan import formulas as F
 from megazero.plan.ranks import rank_params
@@ -77,14 +78,24 @@ class RankPrediction:
     """This rank's parameter elements (unpadded)."""
     states: dict[str, int]
     """Model-state bytes on the device: params, grads, optimizer, total."""
-    host: int
-    """Bytes offloaded to host memory."""
+    host_items: dict[str, int]
+    """Host-memory bytes of offloading, by item (formulas.host_items)."""
     activations: int
-    buffers: int
-    """Communication and loss workspace: stage-2/3 gradient bucket, stage-3 gathered units, logits."""
+    items: dict[str, int]
+    """Transient bytes beside states and activations, by item (formulas.transient_items):
+    gathered units, gradients in flight, communication buffers, logits."""
     bytes: dict[str, int]
     """Bytes this rank sends per iteration over its dp (ZeRO's dp x cp), tp, cp, pp and embedding groups."""
     times: Optional[dict[str, float]] = None
+
+    @property
+    def host(self) -> int:
+        """Bytes offloading keeps in host memory."""
+        return sum(self.host_items.values())
+
+    @property
+    def buffers(self) -> int:
+        return sum(self.items.values())
 
     @property
     def peak(self) -> int:
@@ -124,7 +135,8 @@ class Prediction:
                 "microbatches": self.microbatches, "bubble": self.bubble, "fits": self.fits,
                 "peak_bytes": self.worst.peak, "memory_limit_bytes": self.memory_limit,
                 "step_seconds": self.step_seconds, "tokens_per_sec": self.tokens_per_sec, "mfu": self.mfu,
-                "ranks": [{**dataclasses.asdict(r), "peak": r.peak} for r in self.ranks], "notes": self.notes}
+                "ranks": [{**dataclasses.asdict(r), "host": r.host, "buffers": r.buffers, "peak": r.peak}
+                          for r in self.ranks], "notes": self.notes}
 
 
 # ---------------------------------------------------------------------------- one layout
@@ -168,7 +180,7 @@ def predict(cfg: Config, layout: ParallelLayout, cluster: Cluster, attention: st
     shape = activation_shape(cfg, layout, attention, device)
     schedule = schedule_of(cfg, layout)
     out = Prediction(layout, schedule, m, F.pipeline_bubble(layout.pp, layout.vpp, m, schedule),
-                     [rank_prediction(cfg, layout, r, m, shape, schedule, pp_layers) for r in ranks],
+                     [rank_prediction(cfg, layout, r, m, shape, schedule, pp_layers, device != "cpu") for r in ranks],
                      int(cluster.memory_gib * F.GiB * (1 - cluster.headroom)))
     if cluster.peak_flops:
         add_times(out, cfg, cluster)
@@ -180,7 +192,7 @@ def predict(cfg: Config, layout: ParallelLayout, cluster: Cluster, attention: st
 
 
 def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: F.ActivationShape, schedule: str,
-                    pp_layers: Optional[list[int]]) -> RankPrediction:
+                    pp_layers: Optional[list[int]], accelerator: bool = True) -> RankPrediction:
     stage, pp, vpp = layout.zero_stage, layout.pp, layout.vpp
     dp = layout.dp * layout.cp  # ZeRO shards and reduces over dp x cp
     elem = F.STATE_BYTES[cfg.train.precision]
@@ -188,8 +200,10 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
     shards = dp if stage else 1
     padded = rp.padded(shards)
     states = F.model_state_bytes(sum(padded), dp, stage, elem)
-    host = states["optimizer"] if layout.offload_optimizer else 0
-    states = {**states, "total": states["total"] - host}
+    host = host_shape(cfg, layout, padded, shards, accelerator)
+    off_device = (states["optimizer"] if host.offload_optimizer != "none" else 0) + \
+        (states["params"] if host.offload_param != "none" else 0)
+    states = {**states, "total": states["total"] - off_device}
     sizes = [F.chunk_activation_bytes(c, shape) for c in rp.chunks]
     order = activation_events(ORDERS[schedule](pp, vpp, r, m)) if pp > 1 else [(True, 0), (False, 0)]
     wire = 2 if cfg.zero.reduce_dtype == "bf16" else 4
@@ -199,26 +213,24 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
              "pp": F.pp_bytes(pp, vpp, r, m, shape),
              "cp": F.cp_bytes(shape, sum(c.layers for c in rp.chunks), m),
              "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
-    return RankPrediction(r, rp.param_numel, states, host, F.peak_in_flight_bytes(order, sizes),
-                          buffer_bytes(padded, rp.tied, stage, elem[0], cfg.zero.prefetch, rp.chunks[-1].post, shape),
-                          moved)
+    tied_twice = any(c.pre and c.post for c in rp.chunks)
+    buffers = F.BufferShape(tuple(padded), rp.tied, tied_twice, stage, dp, cfg.zero.prefetch, elem[0], wire,
+                            gloo=not accelerator)
+    return RankPrediction(r, rp.param_numel, states, F.host_items(host), F.peak_in_flight_bytes(order, sizes),
+                          F.transient_items(buffers, shape, rp.chunks[-1].post), moved)
 
 
-def buffer_bytes(padded: list[int], tied: tuple[int, ...], stage: int, param_bytes: int, prefetch: int, last: bool,
-                 shape: F.ActivationShape) -> int:
-    """Transient buffers beside the model states and saved activations (an estimate): at
-    stages 2/3 the fp32 gradient of the bucket being filled; at stage 3 the gathered unit
-    and the prefetched ones, beside the tied embedding (held from the embedding's forward to
-    the head's on a single stage; a bound elsewhere); on the last stage the fp32 logits and
-    their exponentials."""
-    largest = max(padded)
-    out = 4 * largest if stage >= 2 else 0
-    if stage == 3:
-        unit = max((n for i, n in enumerate(padded) if i not in tied), default=0)
-        out += (sum(padded[i] for i in tied) + (1 + prefetch) * unit) * param_bytes
-    if last:
-        out += 2 * 4 * shape.micro_batch * shape.seq * shape.vocab // shape.tp
-    return out
+def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: int, accelerator: bool) -> F.HostShape:
+    """What offloading keeps in host memory for one rank of `layout`: the config's offload
+    modes (the planner's --offload-optimizer alone means cpu), its buffers and sub-groups."""
+    z, stage = cfg.zero, layout.zero_stage
+    optimizer = (z.offload_optimizer if z.offload_optimizer != "none" else "cpu") if layout.offload_optimizer else "none"
+    shard = sum(padded) // shards
+    return F.HostShape(shard=shard, trainable=shard, largest_slice=max(padded) // shards, offload_optimizer=optimizer,
+                       offload_param=z.offload_param if stage == 3 else "none", accelerator=accelerator,
+                       param_bytes=F.STATE_BYTES[cfg.train.precision][0], sub_group_size=z.sub_group_size,
+                       buffer_count=z.buffer_count, prefetch=z.prefetch,
+                       staging=PIECE_BYTES if cfg.checkpoint.save else 0)
 
 
 def link_gbps(cluster: Cluster, span: int) -> float:

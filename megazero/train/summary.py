@@ -116,11 +116,9 @@ def plan_line(plan: Prediction, device_name: str, cuda: bool = True, offload_opt
     the peak memory per GPU and tokens/s. On CPUs there is no GPU to predict for: the states alone."""
     worst = plan.worst
     s = worst.states
-    if worst.host or offload_param != "none":
-        optimizer = worst.host or s["optimizer"]
-        where = {"params": _WHERE[offload_param], "grads": _WHERE["none"],
-                 "optimizer": _WHERE[offload_optimizer if worst.host else "none"]}
-        sizes = {"params": s["params"], "grads": s["grads"], "optimizer": optimizer}
+    if offload_optimizer != "none" or offload_param != "none":
+        where = {"params": _WHERE[offload_param], "grads": _WHERE["none"], "optimizer": _WHERE[offload_optimizer]}
+        sizes = {"params": s["params"], "grads": s["grads"], "optimizer": s["optimizer"]}
         groups = [(place, [k for k in sizes if where[k] == place]) for place in _WHERE.values()]
         states = "model states " + ", ".join(
             f"{size(sum(sizes[k] for k in keys))} {place} = " + " + ".join(f"{k} {size(sizes[k])}" for k in keys)
@@ -128,6 +126,7 @@ def plan_line(plan: Prediction, device_name: str, cuda: bool = True, offload_opt
         keys = ", ".join(f"zero.offload_{k} {v}" for k, v in (("optimizer", offload_optimizer), ("param", offload_param))
                          if v != "none")
         states += f" ({keys}" + (": the device holds only the gathered units in flight)" if offload_param != "none" else ")")
+        states += f"; host memory for offloading {size(worst.host)}"
     else:
         states = (f"model states {size(s['total'])} = params {size(s['params'])} + grads {size(s['grads'])} + "
                   f"optimizer {size(s['optimizer'])}")

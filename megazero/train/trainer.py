@@ -32,11 +32,13 @@ from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.context import shard_sequence
 from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.heap import fix_mmap_threshold
 from megazero.parallel.host import HostSnapshot
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining, untimed
 from megazero.plan.formulas import model_flops_per_token
 from megazero.train.batch_rampup import rampup_batch
+from megazero.train.host_memory import fit_host_memory
 from megazero.train.lifecycle import StopRequest
 from megazero.train.lr import LRSchedule
 from megazero.train.metrics import (
@@ -58,6 +60,8 @@ class TrainingError(UserError, RuntimeError):
 class Trainer:
     def __init__(self, cfg: Config, grid: ProcessGrid):
         self.cfg, self.grid = cfg, grid
+        fix_mmap_threshold()  # before the model's memory is allocated: resident memory = memory held
+        fit_host_memory(cfg, grid)  # offloading's host buffers against the memory available, before any exists
         t = cfg.train
         self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device, cp_rank=grid.cp_rank)
         self.chunks, self.optimizer = parallelize(cfg, grid, self.tracker)

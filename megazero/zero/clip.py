@@ -15,6 +15,10 @@ import torch
 
 from megazero.parallel import comm
 
+# Elements per norm piece: a norm in float64 makes a float64 copy of its input (torch
+# on CPU), so a whole shard at once would cost 8 bytes per element beside it.
+NORM_CHUNK = 1 << 22
+
 
 @dataclass
 class StepSums:
@@ -38,7 +42,7 @@ def reduce_step_sums(pieces: Iterable[tuple[torch.Tensor, bool]], loss: Optional
     non-finite loss (as inf). `pieces` are (gradient, counted); `loss` is this rank's loss
     share, added to the global loss where `count_loss` (one rank per loss replica)."""
     sums = torch.zeros(3, dtype=torch.float64, device=device)
-    pieces = list(pieces)
+    pieces = [(part, counted) for grad, counted in pieces for part in grad.split(NORM_CHUNK)]
     if pieces:  # one multi-tensor pass over every piece, not a norm, a square and an add per piece
         norms = torch._foreach_norm([grad for grad, _ in pieces], 2, dtype=torch.float64)
         for slot, kept in ((0, True), (1, False)):

@@ -23,6 +23,11 @@ Gradients accumulate in fp32 whatever the compute dtype (Megatron's main_grad: s
 bf16 micro-batch gradients in bf16 would lose ~4 bits); `reduce_dtype` is only the dtype
 they travel in. The tied embedding's gradient is summed over the embedding group last.
 
+Under ZeRO the token embedding's gradient arrives as the rows looked up (a sparse tensor:
+VocabParallelEmbedding.sparse_grad) and is added into its bucket row by row, so no dense
+V x h gradient exists beside the bucket; a gradient that is a whole bucket by itself (the tied
+embedding's, once autograd has summed the head's part into it) becomes the bucket to reduce.
+
 Only trainable buckets take part: frozen parameters (the base model under LoRA) have no
 gradient buffer, no hook and no DP traffic. `reduced_numel` counts the gradient elements
 this rank has put into DP reductions (trainable buckets only, by construction), beside the
@@ -59,6 +64,14 @@ class _InFlight:
     # bucket (stages 2/3), or its final slice is awaited by on_final (ZeRO-Offload's host copy).
     bounded: bool
     final: Optional[Bucket]  # its gradient slice is final for the iteration once completed (on_final)
+
+
+def add_gradient(into: torch.Tensor, grad: torch.Tensor) -> None:
+    """into += grad, in into's dtype; a sparse gradient (an embedding's looked-up rows) row by row."""
+    if grad.is_sparse:
+        into.index_add_(0, grad._indices()[0], grad._values().to(into.dtype))
+    else:
+        into.add_(grad)
 
 
 class GradientSync:
@@ -138,21 +151,29 @@ class GradientSync:
         self._add_sharded(b, s, grad)
         self._mark_ready(b, s)
 
-    def _add_sharded(self, b: Bucket, s: FlatSlot, grad: torch.Tensor) -> None:
+    def _add_sharded(self, b: Bucket, s: FlatSlot, grad: torch.Tensor, owned: bool = False) -> None:
+        """Add p's gradient into bucket b's full fp32 gradient being filled. An `owned` gradient
+        (autograd's, already dropped by p) that is the whole bucket becomes that buffer itself:
+        no second copy of the largest gradient (the tied embedding's) while it waits to be reduced."""
         buf = self._pending.get(b.index)
         if buf is None:
+            whole = (owned and len(b.slots) == 1 and grad.numel() == b.numel and grad.dtype == torch.float32
+                     and grad.layout == torch.strided and grad.is_contiguous())
+            if whole:
+                self._pending[b.index] = grad.view(-1)
+                return
             buf = self._pending[b.index] = torch.zeros(b.numel, device=self.device)
-        buf[s.offset: s.offset + s.numel].view(s.shape).add_(grad)
+        add_gradient(buf[s.offset: s.offset + s.numel].view(s.shape), grad)
 
     def _grad_ready(self, b: Bucket, s: FlatSlot, p: nn.Parameter) -> None:
         """Called by autograd once p's gradient of this backward pass is accumulated."""
         if self.sharded:
-            assert p.grad is not None
-            self._add_sharded(b, s, p.grad)
-            p.grad = None  # the full gradient lives on only in the bucket until it is reduced
+            grad, p.grad = p.grad, None  # the full gradient lives on only in the bucket until it is reduced
+            assert grad is not None
+            self._add_sharded(b, s, grad, owned=True)
         else:
             if p.grad is not None and p.grad.dtype != torch.float32:
-                self.bucket_view(b, s).add_(p.grad)  # fp32 accumulation of a 16-bit gradient
+                add_gradient(self.bucket_view(b, s), p.grad)  # fp32 accumulation of a 16-bit gradient
                 p.grad = None
             if not self._sync:
                 return
@@ -196,11 +217,17 @@ class GradientSync:
         """Launch the sum of fp32 bucket `full` over DP in the reduce dtype: (handle, what
         completes it, tensor on the wire). Once waited, it writes (stage 1) or adds (stages
         2/3, once per micro-batch) this rank's slice into its fp32 gradient slice."""
-        into, wire = self.own_slice(b), self._on_wire(full)
+        into = self.own_slice(b)
+        if self.dp.size == 1:  # nothing to sum with: no wire, no second full-size buffer kept in flight
+            (into.add_ if add else into.copy_)(self._on_wire(full).to(into.dtype))
+            return None, None, into[:0]
+        wire = self._on_wire(full)
         if wire is full and not add:  # stage 1 in fp32: reduced in place, into full's own slice
             return comm.reduce_scatter_into(into, full, self.dp, async_op=True), None, full
         out = torch.empty(b.shard_numel, dtype=wire.dtype, device=wire.device)
-        handle = comm.reduce_scatter_into(out, wire, self.dp, async_op=True)
+        # The wire is a temporary (the stage-2/3 bucket being filled, or a 16-bit copy): the
+        # reduction may sum in it rather than in a second full-size buffer.
+        handle = comm.reduce_scatter_into(out, wire, self.dp, async_op=True, consume=add or wire is not full)
         return handle, (lambda: into.add_(out)) if add else (lambda: into.copy_(out)), wire
 
     def _launched(self, f: _InFlight) -> None:

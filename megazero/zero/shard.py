@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from megazero.config import Config
+from megazero.model.layers import VocabParallelEmbedding
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostStaging
@@ -68,6 +69,9 @@ class ShardedParameters:
         self.cfg, self.grid, self.chunks, self.initial = cfg, grid, chunks, initial
         # A model built on the meta device gets its values from its init, drawn in materialize().
         self.sharded_init = replace_meta_parameters(chunks, grid.device, hollow=True)
+        for module in (m for c in chunks for m in c.modules()):
+            if isinstance(module, VocabParallelEmbedding):  # the gradient buckets add its looked-up rows alone
+                module.sparse_grad = True
         z = cfg.zero
         self.stage, self.compute_dtype = z.stage, COMPUTE_DTYPE[cfg.train.precision]
         # Stage 0 is the same machinery with a single shard: every rank owns everything. Context-
