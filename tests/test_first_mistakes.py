@@ -121,3 +121,26 @@ def test_validate_only_checks_the_files_the_run_reads(tmp_path):
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         "error: dataset 'data/missing': data/missing.idx not found; pass the prefix without .bin/.idx, or make it "
         "with data_tools/preprocess_data.py"]
+
+
+def test_validate_only_checks_the_nvme_swap_space_as_start_up_does(tmp_path, monkeypatch):
+    """--validate-only refuses an NVMe offload whose swap files do not fit on zero.nvme_path's
+    disk (all of this node's ranks), with start-up's own line; it checks the largest shard."""
+    import shutil
+
+    import pytest
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import make_config
+    from megazero.errors import UserError
+    from megazero.train.run_config import preflight
+    cfg = make_config(["--zero.stage", "3", "--zero.offload_optimizer", "nvme", "--zero.offload_param", "nvme",
+                       "--zero.nvme_path", str(tmp_path / "swap")], world=2)  # created by the run: not yet there
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=10 * 2**20))
+    preflight(cfg, 2)  # 10 MiB hold the tiny model's swap files on 2 ranks
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=2**20))
+    with pytest.raises(UserError, match=rf"zero.nvme_path {tmp_path}/swap has 0.0 GiB free but the optimizer swap files "
+                                        r"need 0.0 GiB \(0.00 GiB x 2 ranks on this node\); free space"):
+        preflight(cfg, 2)

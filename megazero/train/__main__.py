@@ -62,7 +62,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.validate_only:
         with report_errors():
             if not args.config_only:
-                preflight(cfg)
+                preflight(cfg, args.world_size)
         print(f"config OK for {args.world_size} process(es)" + (" (files not checked)" if args.config_only else ""))
         return
     lifecycle.die_with_launcher()

@@ -1,6 +1,7 @@
 """A run's config made ready before any process group exists: auto values resolved, then checked
 without a change by config.py and by the modules that own what a check needs (a Hugging Face
-config.json, LoRA's projections, ZeRO's alignment). Torch-free: --validate-only never loads torch."""
+config.json, LoRA's projections, ZeRO's alignment). Torch-free: --validate-only loads torch only to
+size NVMe swap files."""
 
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ class PreflightError(UserError):
     """What start-up would refuse, found before any process is launched."""
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config, world_size: int = 1) -> None:
     """`--validate-only`'s checks beyond the config itself, on the files a run reads (headers and
     metadata only): the data prefixes open as Megatron datasets, the checkpoint a resume would
-    read holds this model, and zero.nvme_path is a writable directory. The tokenizer and the
+    read holds this model, and zero.nvme_path is a writable directory with room for the swap
+    files (as start-up checks it: the same line). The tokenizer and the
     init_from_hf directory were read by resolve_and_validate already."""
     if not cfg.data.mock:
         for prefix in parse_blend(cfg.data.prefix or [])[0]:
@@ -54,3 +56,24 @@ def preflight(cfg: Config) -> None:
     why = nvme_path_problem(z.nvme_path) if "nvme" in (z.offload_optimizer, z.offload_param) else None
     if why:
         raise PreflightError(why)
+    if "nvme" in (z.offload_optimizer, z.offload_param) and not cfg.finetune.lora_rank:
+        check_nvme_space(cfg, world_size)
+
+
+def check_nvme_space(cfg: Config, world_size: int) -> None:
+    """The swap files' space on zero.nvme_path, checked as start-up will (zero/swap.check_space,
+    $LOCAL_WORLD_SIZE ranks on this node), for the largest ZeRO shard of any pipeline stage:
+    optimizer files hold fp32 master weights and two moments, the parameter file one copy in
+    the model's dtype. (Under LoRA only adapters swap: start-up checks those.) Loads torch."""
+    from megazero.plan.formulas import STATE_BYTES
+    from megazero.plan.ranks import rank_params
+    from megazero.zero.swap import check_space
+
+    p, z = cfg.parallel, cfg.zero
+    shards = world_size // (p.tp * p.pp)  # ZeRO shards over dp x cp
+    shard = max(sum(rank_params(cfg.model, p.tp, p.pp, p.vpp, r, z.stage == 3, z.bucket_size, p.pp_layers)
+                    .padded(shards)) // shards for r in range(p.pp))
+    if z.offload_optimizer == "nvme":
+        check_space(z.nvme_path, 3 * shard * 4, "optimizer")
+    if z.offload_param == "nvme":
+        check_space(z.nvme_path, shard * STATE_BYTES[cfg.train.precision][0], "parameter")

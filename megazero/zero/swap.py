@@ -43,7 +43,10 @@ def check_space(path: str, need: int, what: str, refusal: Optional[Callable[[int
     this node (they all swap to the same directory); `refusal(free)` words the error for a
     caller whose directory is not zero.nvme_path."""
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    free = shutil.disk_usage(path).free
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):  # a zero.nvme_path the run will create (checked by --validate-only)
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
     if free < need * ranks_here:
         raise UserError(refusal(free) if refusal else
                         f"zero.nvme_path {path} has {free / 2**30:.1f} GiB free but the {what} swap files "
