@@ -208,6 +208,11 @@ def test_megatron_line_trains_at_tp2_pp2_and_resumes(corpus, tmp_path):
     assert resumed == whole[2:]  # bitwise: iterations 3 and 4 again, mid batch ramp-up
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "4"
     assert open(os.path.join(ckpt, "latest")).read() == "iter_0000004"
+    # --tensorboard-dir: Megatron's scalars, one writer, equal to the losses logged
+    from test_sinks import _scalars
+    lm_loss = _scalars(os.path.join(ckpt, "tb"))["lm loss"]
+    assert [step for step, _ in lm_loss] == [1, 2, 3, 4]
+    assert all(abs(value - loss) < 1e-6 * abs(loss) for (_, value), (_, loss) in zip(lm_loss, whole, strict=True))
 
 
 def test_megatron_pointer_files(tmp_path):
