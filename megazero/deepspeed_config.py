@@ -12,7 +12,8 @@ gradient_accumulation_steps is re-derived, with a note). Contradictions
 (bf16 and fp16 both on, batch sizes that do not multiply out, another optimizer) are a
 `ConfigError`.
 
-README's "DeepSpeed config" table lists the mapping.
+`ROWS` documents every key the importer reads; they generate README's "Coming from DeepSpeed"
+table (`markdown_table()`, filled in by scripts/update_readme_config.py).
 """
 
 from __future__ import annotations
@@ -86,6 +87,91 @@ SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 # DeepSpeed's defaults for the scheduler parameters a config leaves out.
 SCHEDULER_DEFAULTS = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log",
                       "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0001}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of README's DeepSpeed migration table. In both cells "{}" stands for what the
+    keys say themselves: the DeepSpeed keys, and the megazero keys SIMPLE maps them onto."""
+
+    keys: tuple[str, ...]
+    """The DeepSpeed keys the row documents (of SIMPLE, FIXED, HANDLED or the scheduler's params);
+    none for a row on a setting the JSON import does not read (Ulysses)."""
+    megazero: str = "{}"
+    """The megazero cell; written out for keys the importer's code converts."""
+    deepspeed: str = "{}"
+    """The DeepSpeed cell; written out where the keys alone would not say it (older names, units)."""
+    values: bool = False
+    """Whether "{}" in the DeepSpeed cell shows each key with its FIXED value."""
+
+
+# README's table, in its order: every key the importer reads is in a row (tests/test_deepspeed_config.py
+# checks it), so a new mapping cannot be left out of README.
+ROWS = (
+    Row(("train_batch_size", "train_micro_batch_size_per_gpu")),
+    Row(("gradient_accumulation_steps",),
+        "derives the missing batch size (global = micro × accumulation × dp) or is checked against both; with a "
+        "batch size on the command line, re-derived from it (one `note:` line)"),
+    Row(("tensor_parallel.autotp_size",), "{} (0, AutoTP off, is accepted; dp = world / (tp × pp))"),
+    Row(("gradient_clipping", "steps_per_print")),
+    Row(("bf16.enabled", "bfloat16.enabled", "fp16.enabled"), "`train.precision bf16` / `fp16`",
+        "`bf16.enabled` (or `bfloat16.enabled`), `fp16.enabled`"),
+    Row(("fp16.initial_scale_power",), "`zero.initial_loss_scale` 2^P", "{} P"),
+    # fp16.loss_scale (FIXED at 0) is named in the megazero cell, beside the keys that tune that dynamic scaling.
+    Row(("fp16.loss_scale_window", "fp16.hysteresis", "fp16.min_loss_scale", "fp16.loss_scale"),
+        "{} (`loss_scale 0`, dynamic, is what megazero does)",
+        "`fp16.loss_scale_window`, `fp16.hysteresis`, `fp16.min_loss_scale`"),
+    Row(("communication_data_type",), "{} (fp32, bf16)"),
+    Row(("zero_optimization.stage", "zero_optimization.sub_group_size")),
+    Row((), "`parallel.cp N`, `parallel.cp_impl ulysses` (a command-line setting: the DeepSpeed JSON import does "
+            "not read it)",
+        "DeepSpeed-Ulysses sequence parallelism (`sequence_parallel_size` N; Megatron-DeepSpeed's "
+        "`--ds-sequence-parallel-size N`)"),
+    Row(("zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size"),
+        "{} (one size: megazero all-gathers the buckets it reduces)",
+        "`zero_optimization.reduce_bucket_size` (`allgather_bucket_size` when equal or alone)"),
+    Row(("zero_optimization.stage3_prefetch_bucket_size",),
+        "`zero.prefetch` (transformer blocks: elements / 12h², rounded up)", "{} (elements)"),
+    Row(("zero_optimization.gather_16bit_weights_on_model_save",
+         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+         "zero_optimization.stage3_gather_fp16_weights_on_model_save"),
+        deepspeed="`zero_optimization.gather_16bit_weights_on_model_save` (or its older names "
+                  "`stage3_gather_16bit_weights_on_model_save`, `stage3_gather_fp16_weights_on_model_save`)"),
+    Row(tuple(f"zero_optimization.{section}.{key}" for section in ("offload_optimizer", "offload_param")
+              for key in ("device", "nvme_path", "pin_memory", "buffer_count")),
+        "`zero.offload_optimizer` / `zero.offload_param`, `zero.nvme_path`, `zero.pin_memory`, `zero.buffer_count` "
+        "where this version has them; otherwise listed as unsupported (`device: none` is accepted)",
+        "`zero_optimization.offload_optimizer` / `offload_param` (`device`, `nvme_path`, `pin_memory`, "
+        "`buffer_count`)"),
+    Row(("zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients", "zero_optimization.reduce_scatter",
+         "zero_optimization.allgather_partitions"), "accepted when true (what megazero always does)"),
+    Row(("optimizer.type", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+         "optimizer.params.weight_decay"),
+        "`optim.lr`, `optim.beta1`, `optim.beta2`, `optim.eps`, `optim.weight_decay`",
+        "`optimizer.type` Adam/AdamW; `optimizer.params` `lr`, `betas`, `eps`, `weight_decay`"),
+    Row(("scheduler.type", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
+         "scheduler.params.warmup_num_steps"),
+        "`optim.min_lr`, `optim.lr`, `optim.warmup_iters`, `optim.decay_style constant`",
+        "`scheduler.type` `WarmupLR` (`warmup_min_lr`, `warmup_max_lr`, `warmup_num_steps`)"),
+    Row(("scheduler.type", "scheduler.params.total_num_steps"),
+        "as WarmupLR + `optim.decay_iters`, `optim.decay_style linear`",
+        "`scheduler.type` `WarmupDecayLR` (same + `total_num_steps`)"),
+    Row(("scheduler.type", "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps",
+         "scheduler.params.cos_min_ratio"),
+        "`optim.decay_iters`, `optim.warmup_iters`, `optim.min_lr` = lr × ratio, `optim.decay_style cosine`",
+        "`scheduler.type` `WarmupCosineLR` (`total_num_steps`, `warmup_num_steps`, `cos_min_ratio`)"),
+    Row(("wandb.enabled", "wandb.project")),
+    Row(("wall_clock_breakdown",), "{} where this version has it; otherwise listed when true"),
+    # The keys accepted at the value megazero always has, and those whose value changes nothing here.
+    Row(("fp16.consecutive_hysteresis", "data_types.grad_accum_dtype", "optimizer.params.adam_w_mode",
+         "optimizer.params.bias_correction", "optimizer.params.amsgrad"),
+        "accepted at these values (what megazero always does); another value is listed as unsupported",
+        values=True),
+    Row(("optimizer.params.torch_adam", "optimizer.params.fused", "zero_allow_untested_optimizer",
+         "scheduler.params.last_batch_iteration"),
+        "accepted with any value: implementation choices megazero makes itself, and the scheduler's starting "
+        "iteration (megazero's checkpoint holds the iteration)"),
+)
 
 
 @dataclass
@@ -366,3 +452,31 @@ def _enabled(section: Any) -> bool:
 def _whole(value: Any) -> Any:
     """JSON configs write sizes as 5e8 (a float): an integral float becomes an int."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# ---------------------------------------------------------------------------- README
+
+
+def markdown_table() -> str:
+    """README's DeepSpeed migration table, one line per row of ROWS."""
+    lines = ["| DeepSpeed key | megazero key |", "| --- | --- |"]
+    lines += [f"| {row.deepspeed.replace('{}', _deepspeed_cell(row))} | "
+              f"{row.megazero.replace('{}', _megazero_keys(row.keys))} |" for row in ROWS]
+    return "\n".join(lines)
+
+
+def _deepspeed_cell(row: Row) -> str:
+    """The row's keys; a key in the same section as the one before it is written without the
+    section (`zero_optimization.stage`, `sub_group_size`), to keep long rows readable."""
+    shown, parent = [], None
+    for key in row.keys:
+        here, _, name = key.rpartition(".")
+        text = f"`{name if here and here == parent else key}`"
+        shown.append(f"{text} {show_value(FIXED[key])}" if row.values else text)
+        parent = here
+    return ", ".join(shown)
+
+
+def _megazero_keys(keys: tuple[str, ...]) -> str:
+    """The megazero keys SIMPLE maps `keys` onto, each once (several DeepSpeed names share one)."""
+    return ", ".join(f"`{name}`" for name in dict.fromkeys(SIMPLE[k] for k in keys if k in SIMPLE))

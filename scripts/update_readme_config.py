@@ -1,10 +1,11 @@
 """Regenerate README.md's generated blocks: the config-key table (from the config dataclasses'
-field docstrings) and the Megatron-LM migration table and defaults (megazero/train/megatron_flags.py).
+field docstrings), the Megatron-LM migration table and defaults (megazero/train/megatron_flags.py)
+and the DeepSpeed migration table (megazero/deepspeed_config.py).
 
     python scripts/update_readme_config.py
 
-Run it after adding or changing a config key or a Megatron flag; tests/test_config.py and
-tests/test_megatron_flags.py fail while README and the code disagree.
+Run it after adding or changing a config key, a Megatron flag or a DeepSpeed key; tests/test_config.py,
+tests/test_megatron_flags.py and tests/test_deepspeed_config.py fail while README and the code disagree.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megazero import deepspeed_config  # noqa: E402
 from megazero.atomic import atomic_write  # noqa: E402
 from megazero.config import markdown_table  # noqa: E402
 from megazero.train import megatron_flags  # noqa: E402
@@ -24,6 +26,8 @@ BLOCKS = (  # (start marker, end marker, text between them, whether it stands on
     ("<!-- megatron-flags:start (scripts/update_readme_config.py) -->", "<!-- megatron-flags:end -->",
      megatron_flags.markdown_table, True),
     ("<!-- megatron-defaults:start -->", "<!-- megatron-defaults:end -->", megatron_flags.defaults_table, False),
+    ("<!-- deepspeed-keys:start (scripts/update_readme_config.py) -->", "<!-- deepspeed-keys:end -->",
+     deepspeed_config.markdown_table, True),
 )
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from distributed import read_jsonl, torchrun
 from megazero.config import ConfigError
+from megazero.deepspeed_config import FIXED, HANDLED, ROWS, SCHEDULER_DEFAULTS, SCHEDULERS, SIMPLE, markdown_table
 from megazero.train.__main__ import load_config
 
 # ZeRO-3 with parameters and optimizer offloaded to the CPU, bf16, WarmupDecayLR, for 8 GPUs
@@ -169,6 +170,35 @@ def test_one_batch_size_on_the_command_line(tmp_path, capsys):
     cfg = _load(tmp_path, ds, world=2, overrides=["--train.micro_batch_size", "8"])
     assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (64, 8)  # 8 x 4 x 2
     assert "re-derived" not in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- README's table (generated from ROWS)
+
+
+def test_every_key_the_importer_reads_has_a_readme_row():
+    """A mapping added to SIMPLE, FIXED or HANDLED without a row would be missing from README."""
+    documented = {key for row in ROWS for key in row.keys}
+    assert sorted({*SIMPLE, *FIXED, *HANDLED} - documented) == []
+    # A row naming a key the importer no longer reads (renamed or dropped) would document nothing.
+    read = {*SIMPLE, *FIXED, *HANDLED, *(f"scheduler.params.{name}" for name in SCHEDULER_DEFAULTS)}
+    assert sorted(documented - read) == []
+
+
+def test_each_readme_row_names_its_keys_and_every_scheduler():
+    """Rows with hand-written cells must still name the keys they claim to document."""
+    table = markdown_table()
+    lines = table.splitlines()[2:]
+    assert len(lines) == len(ROWS)
+    for row, line in zip(ROWS, lines):
+        assert [key for key in row.keys if key.rpartition(".")[2] not in line] == [], line
+    assert [kind for kind in SCHEDULERS if f"`{kind}`" not in table] == []
+
+
+def test_readme_deepspeed_table_is_current():
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    with open(readme) as f:
+        assert markdown_table() in f.read(), \
+            "README's DeepSpeed table is out of date: run python scripts/update_readme_config.py"
 
 
 def _train_two_ranks(tmp_path, ds: dict, extra: list[str]) -> list[dict]:
