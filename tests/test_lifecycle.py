@@ -236,6 +236,22 @@ def test_a_stuck_communication_thread_fails_the_wait():
         assert "(parallel/comm.py:" in line
 
 
+def test_a_gloo_work_wait_that_lost_its_peer_is_the_same_one_line():
+    """gloo's Work.wait() raises from C++ (no torch.distributed frame, no 'gloo' in the text)
+    when its peer stops, e.g. stage 1's post-step all-gather waited at the next forward."""
+    def wait_for_the_gather():
+        raise RuntimeError("Application timeout caused pair closure")
+
+    try:
+        wait_for_the_gather()
+    except RuntimeError as error:
+        line = describe_comm_failure(error, rank=0, timeout_s=6)
+    assert line is not None and line.startswith("rank 0: a collective failed")  # (no megazero frame here)
+    assert "failed: a peer process died or stopped responding (Application timeout caused pair closure)" in line
+    assert line.endswith("raise train.timeout_minutes (0.1)")
+    assert describe_comm_failure(RuntimeError("an ordinary bug"), rank=0) is None
+
+
 class _NcclGrid:
     backend, rank, timeout_s = "nccl", 3, 15.0
 
