@@ -107,8 +107,9 @@ def source_checkpoint(tmp_path_factory):
     return save, reference
 
 
-@pytest.mark.parametrize("target", [t if n == 4 else pytest.param(t, marks=pytest.mark.slow)
-                                    for t, (n, _) in TARGETS.items()])
+# By default one 4-rank target (tp and ZeRO-2 from tp 2 x pp 2 x dp 2 ZeRO-1); the rest slow (suite budget).
+@pytest.mark.parametrize("target", [t if t == "tp2_pp1_dp2_zero2" else pytest.param(t, marks=pytest.mark.slow)
+                                    for t in TARGETS])
 def test_resume_at_another_layout(tmp_path, source_checkpoint, target):
     save, reference = source_checkpoint
     nproc, layout = TARGETS[target]
@@ -148,10 +149,9 @@ def test_greedy_generation_equal_across_layouts(tmp_path, source_checkpoint):
     out = str(tmp_path / "model.pt")
     convert_main(["--load", save, "--to", "torch", "--output", out])
     single = run_distributed(_greedy, 1, out)[0]
-    tp2 = run_distributed(_greedy, 2, out)
     tp4_from_checkpoint = run_distributed(_greedy, 4, save)  # saved at tp2 x pp2 x dp2
     assert len(single) == 16
-    assert all(ids == single for ids in tp2 + tp4_from_checkpoint)
+    assert all(ids == single for ids in tp4_from_checkpoint)
 
 
 def test_sampling_is_deterministic_for_a_seed(tmp_path, source_checkpoint):

@@ -30,7 +30,7 @@ def _max_diff(run: list[dict], ref: list[dict], key: str) -> float:
 
 @pytest.mark.parametrize("nproc, layout", [
     (2, ["--parallel.pp", "2"]),
-    (4, ["--parallel.pp", "4"]),
+    pytest.param(4, ["--parallel.pp", "4"], marks=pytest.mark.slow),  # pp 4 by default: test_pipeline's
     (2, ["--parallel.pp", "2", "--parallel.vpp", "2"]),
     (8, ["--parallel.tp", "2", "--parallel.pp", "2"]),  # tp 2 x pp 2 x dp 2
     (4, ["--parallel.pp", "2", "--parallel.schedule", "zbh1", "--zero.stage", "2"]),  # deferred W, sharded grads

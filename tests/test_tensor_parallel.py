@@ -103,7 +103,7 @@ def test_tp_layers_match_single_process(tp):
     assert all(run_distributed(_check_layers, tp, tp))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])  # tp 4 by default: the layers' test
 def test_tp_model_matches_single_process(tp):
     out = run_distributed(_check_model, tp, tp)
     assert len({o["loss"] for o in out}) == 1  # every TP rank sees the same loss

@@ -26,7 +26,7 @@ def test_reference_learns_and_logs(reference):
     assert reference[-1]["loss"] < reference[0]["loss"] - 0.05
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])  # tp 4: test_tensor_parallel's layers
 def test_tensor_parallel_losses_equal_single_process(tmp_path, reference, tp):
     run = _run(tmp_path, tp, ["--parallel.tp", str(tp)], f"tp{tp}")
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(run, reference, strict=True)) <= 1e-5
