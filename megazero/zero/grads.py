@@ -6,7 +6,7 @@ fill them, and their reduction as buckets complete.
                                 all-reduced asynchronously (stage 0) or reduce-scattered
                                 into its own slice (stage 1) the moment it is complete
     sharded (stages 2/3)        every backward fills a full fp32 bucket, taken from a pool
-                                kept between backward passes, and reduce-scatters it into
+                                reused through the iteration, and reduce-scatters it into
                                 this rank's shard at once, so a rank only ever keeps (and
                                 accumulates) its shard; the bucket goes back to the pool once
                                 its reduction is waited
@@ -77,9 +77,9 @@ class _InFlight:
 class _Pool:
     """Reused buffers by (numel, dtype): the stage-2/3 full buckets, their 16-bit wire copies and
     reduced slices. A buffer is taken when a bucket starts filling and given back once its
-    reduction is waited, so after the first iteration backward allocates nothing (a fresh
-    full-size allocation per bucket and backward costs page faults and a memset on CPU), while
-    the pool never holds more than the most buffers of one size in use at once."""
+    reduction is waited, so an iteration allocates only the most buckets of one size in use at
+    once, not one per bucket and backward (a fresh full-size allocation costs page faults and a
+    memset on CPU); `finish` empties it."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -364,6 +364,9 @@ class GradientSync:
                 if b.index not in self._reduced:
                     self._reduce(b)
         self.wait()
+        # Reuse is within one backward (every block's buckets have the same sizes): kept until the
+        # next one, the pool would sit resident through the step, above the peak the planner counts.
+        self._pool.clear()
         for index in self.tied_buckets:
             b = self.layout.buckets[index]
             assert self.embed is not None  # given with the tied buckets
