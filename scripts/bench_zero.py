@@ -231,9 +231,12 @@ def main() -> None:
     # Rounds interleave the runs so a burst of load on a shared machine hits them alike;
     # each run keeps its fastest round.
     results: dict[str, list[dict]] = {}
+    rounds: list[dict[str, float]] = []  # tokens/s of every run, round by round
     for _ in range(args.rounds):
+        rounds.append({})
         for name, (fn, arg) in runs.items():
             outs = launch(fn, args, arg)
+            rounds[-1][name] = outs[0]["tokens_per_sec"]
             if name not in results or outs[0]["tokens_per_sec"] > results[name][0]["tokens_per_sec"]:
                 results[name] = outs
 
@@ -249,6 +252,12 @@ def main() -> None:
     for name, outs in results.items():
         print(f"| {name} | {outs[0]['tokens_per_sec']:.1f} | {outs[0]['tokens_per_sec'] / ddp:.2f} | "
               f"{outs[0]['tokens_per_sec'] / fsdp:.2f} | {max(o['rss_mib'] for o in outs):.0f} |")
+
+    print("\nEvery round, tokens/s (vs DDP in the same round):\n")
+    print("| round | " + " | ".join(runs) + " |")
+    print("|---|" + "---:|" * len(runs))
+    for i, r in enumerate(rounds, 1):
+        print(f"| {i} | " + " | ".join(f"{r[k]:.1f} ({r[k] / r['DDP']:.2f})" for k in runs) + " |")
 
     ring = (n - 1) / n
     print(f"\nDP bytes sent per rank in one iteration (fp32, Ψ = {z0['padded_numel']:,} elements incl. alignment "

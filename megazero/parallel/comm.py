@@ -46,6 +46,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -65,6 +67,9 @@ class Group:
     timeout_s: Optional[float] = None  # the process groups' timeout (ProcessGrid sets it); None: torch's default
     _thread: Optional[ThreadPoolExecutor] = field(default=None, repr=False)
     record: Optional[list["Call"]] = field(default=None, repr=False)  # see record_calls
+    # Gloo ring's receive buffers, reused: by (thread, numel, dtype, device), so the comm thread
+    # and a synchronous call never share one (see _ring_reduce_scatter).
+    _scratch: dict = field(default_factory=dict, repr=False)
 
     @property
     def size(self) -> int:
@@ -245,7 +250,7 @@ def _ring_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, co
     rows = full.reshape(n, -1)
     chunks = list((rows if consume else rows.clone()).unbind(0))
     nxt, prv = group.ranks[(group.rank + 1) % n], group.ranks[(group.rank - 1) % n]
-    incoming = torch.empty_like(chunks[0])
+    incoming = _scratch_like(group, chunks[0])
     for step in range(n - 1):
         send_idx = (group.rank - 1 - step) % n
         recv_idx = (group.rank - 2 - step) % n
@@ -255,6 +260,17 @@ def _ring_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, co
             work.wait()
         chunks[recv_idx] += incoming
     out.copy_(chunks[group.rank].view_as(out))
+
+
+def _scratch_like(group: Group, t: torch.Tensor) -> torch.Tensor:
+    """A buffer shaped like 1-d `t` (contents undefined), kept on the group for this thread's
+    next ring of the same size: a fresh multi-MiB buffer per reduction is a fresh mmap (the
+    trainer's mmap threshold, parallel/heap.py) whose every page faults on first write."""
+    key = (threading.get_ident(), t.numel(), t.dtype, t.device)
+    buf = group._scratch.get(key)
+    if buf is None:
+        buf = group._scratch[key] = torch.empty_like(t)
+    return buf
 
 
 def all_to_all_volume(nbytes: int, n: int) -> int:

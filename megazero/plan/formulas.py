@@ -19,7 +19,7 @@ from typing import Iterable
 from megazero.config import ModelConfig
 from megazero.parallel.comm import all_gather_volume, all_reduce_volume, reduce_scatter_volume
 from megazero.pipeline.schedules import ORDERS, message_target
-from megazero.zero.grads import BOUNDED_IN_FLIGHT
+from megazero.zero.grads import IN_FLIGHT_BYTES, MIN_IN_FLIGHT
 
 GiB = 2 ** 30
 
@@ -263,11 +263,21 @@ def gathered_units_bytes(x: BufferShape) -> int:
 def grads_in_flight_bytes(x: BufferShape) -> int:
     """fp32 gradients beside the persistent buffers: the tied weight's gradient from the head,
     held until the embedding's backward adds its own (4 V h / t); at stages 2/3 also the
-    bucket being filled and the BOUNDED_IN_FLIGHT launched ones, full size until reduced."""
+    bucket being filled and the launched ones, full size until reduced."""
     tied = 4 * sum(x.padded[i] for i in x.tied) if x.tied_twice else 0
-    launched = BOUNDED_IN_FLIGHT if x.dp > 1 else 0  # one rank reduces at once (zero/grads.py)
-    filling = (1 + launched) * 4 * x.largest_unit() if x.stage >= 2 else 0
+    filling = (1 + launched_in_flight(x)) * 4 * x.largest_unit() if x.stage >= 2 else 0
     return tied + filling
+
+
+def launched_in_flight(x: BufferShape) -> int:
+    """Stages 2/3: the most of the largest bucket's reductions in flight at once, each holding
+    its bucket on the wire and its reduced slice: as many as IN_FLIGHT_BYTES holds, never fewer
+    than MIN_IN_FLIGHT, never more than there are buckets (zero/grads.py); none at one rank,
+    which reduces at once."""
+    if x.dp == 1 or x.stage < 2 or not x.largest_unit():
+        return 0
+    held = x.largest_unit() * x.wire_bytes * (x.dp + 1) // x.dp
+    return min(len(x.padded), max(MIN_IN_FLIGHT, IN_FLIGHT_BYTES // held))
 
 
 def comm_buffer_bytes(x: BufferShape) -> int:
@@ -278,7 +288,7 @@ def comm_buffer_bytes(x: BufferShape) -> int:
         return 0
     if x.stage == 1:
         return 4 * x.largest_unit() + x.wire_bytes * x.largest_unit() // x.dp if x.gloo else 0
-    return (BOUNDED_IN_FLIGHT + 1) * x.largest_unit() // x.dp * x.wire_bytes
+    return (launched_in_flight(x) + 1) * x.largest_unit() // x.dp * x.wire_bytes
 
 
 def logits_bytes(x: ActivationShape) -> int:

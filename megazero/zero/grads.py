@@ -5,19 +5,21 @@ fill them, and their reduction as buckets complete.
                                 in the last backward (outside no_sync) each bucket is
                                 all-reduced asynchronously (stage 0) or reduce-scattered
                                 into its own slice (stage 1) the moment it is complete
-    sharded (stages 2/3)        every backward fills a temporary fp32 bucket and
-                                reduce-scatters it into this rank's shard at once, so a rank
-                                only ever keeps (and accumulates) its shard
+    sharded (stages 2/3)        every backward fills a full fp32 bucket, taken from a pool
+                                reused through the iteration, and reduce-scatters it into
+                                this rank's shard at once, so a rank only ever keeps (and
+                                accumulates) its shard; the bucket goes back to the pool once
+                                its reduction is waited
 
 Every reduction is asynchronous: launched when its bucket is complete (so it overlaps the
 rest of backward) and waited, in launch order, before the step (`finish`), before the
 buffers are zeroed, or early, to bound memory: at stages 2/3 a launched reduction keeps its
-temporary full bucket until waited, so at most `BOUNDED_IN_FLIGHT` of them are (a
-bucket reduced again in the next micro-batch simply queues behind its previous reduction,
-whose result is added to the shard first); with ZeRO-Offload the last backward's
-reductions are bounded alike, so `on_final` hands slices to the host during backward. The
-gradient values never depend on when a reduction is waited: the fp32 additions into a
-shard happen in launch order.
+full bucket until waited, so the oldest are waited while the launched ones hold more than
+`IN_FLIGHT_BYTES` (always allowing `MIN_IN_FLIGHT` of them: a bucket reduced again in the
+next micro-batch simply queues behind its previous reduction, whose result is added to the
+shard first); with ZeRO-Offload the last backward's reductions are bounded alike, so
+`on_final` hands slices to the host during backward. The gradient values never depend on
+when a reduction is waited: the fp32 additions into a shard happen in launch order.
 
 Gradients accumulate in fp32 whatever the compute dtype (Megatron's main_grad: summing 16
 bf16 micro-batch gradients in bf16 would lose ~4 bits); `reduce_dtype` is only the dtype
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -47,9 +49,14 @@ from torch import nn
 from megazero.parallel import comm
 from megazero.zero.partition import Bucket, FlatBuffers, FlatLayout, FlatSlot, Range
 
-# Bounded reductions in flight (see _InFlight.bounded): double buffering, one on the wire
-# while the next fills; more would only queue on the same link.
-BOUNDED_IN_FLIGHT = 2
+# Bounded reductions in flight (see _InFlight.held) are capped by the bytes they hold, not by
+# their number: a count that suits 100 MB buckets (two: one on the wire while the next fills)
+# stalls backward behind the wire with small buckets, and a count that suits small buckets
+# would hold gigabytes with large ones. 64 MiB is a few default-sized stage-3 units or
+# small-bucket reductions: enough to keep the link busy through backward, little beside the
+# model states. MIN_IN_FLIGHT keeps double buffering when one bucket alone exceeds it.
+IN_FLIGHT_BYTES = 64 * 2 ** 20
+MIN_IN_FLIGHT = 2
 
 
 @dataclass(eq=False)
@@ -60,10 +67,72 @@ class _InFlight:
     handle: Optional[comm.Handle]
     then: Optional[Callable[[], object]]
     wire: torch.Tensor
-    # Waited early, once BOUNDED_IN_FLIGHT newer ones are launched: it holds a temporary full
-    # bucket (stages 2/3), or its final slice is awaited by on_final (ZeRO-Offload's host copy).
-    bounded: bool
+    # Bytes counted against IN_FLIGHT_BYTES (0: unbounded, waited only by finish/wait): it holds
+    # a full bucket (stages 2/3), or its final slice is awaited by on_final (ZeRO-Offload's host copy).
+    held: int
     final: Optional[Bucket]  # its gradient slice is final for the iteration once completed (on_final)
+    pooled: tuple[torch.Tensor, ...] = ()  # pool buffers it uses, given back once it is completed
+
+
+class _Pool:
+    """Reused buffers by (numel, dtype): the stage-2/3 full buckets, their 16-bit wire copies and
+    reduced slices. A buffer is taken when a bucket starts filling and given back once its
+    reduction is waited, so an iteration allocates only the most buckets of one size in use at
+    once, not one per bucket and backward (a fresh full-size allocation costs page faults and a
+    memset on CPU); `finish` empties it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A buffer of numel elements, contents undefined."""
+        free = self._free.get((numel, dtype))
+        return free.pop() if free else torch.empty(numel, dtype=dtype, device=self.device)
+
+    def give(self, t: torch.Tensor) -> None:
+        self._free.setdefault((t.numel(), t.dtype), []).append(t)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(eq=False)
+class _Filling:
+    """A stage-2/3 bucket's full fp32 gradient being filled in one backward. A pooled buffer
+    holds the last use's values: the first gradient into a slot is copied rather than added
+    (no memset of the whole bucket per backward), and what got none (padding, parameters
+    without a gradient) is zeroed when the bucket is complete."""
+
+    buf: torch.Tensor
+    pooled: bool
+    written: set[str] = field(default_factory=set)
+
+    def put(self, s: FlatSlot, grad: torch.Tensor) -> None:
+        view = self.buf[s.offset: s.offset + s.numel].view(s.shape)
+        if s.name in self.written:
+            add_gradient(view, grad)
+        elif grad.is_sparse:
+            view.zero_()
+            add_gradient(view, grad)
+        else:
+            view.copy_(grad)  # exactly 0 + grad, in fp32 whatever grad's dtype
+        self.written.add(s.name)
+
+    def complete(self, b: Bucket) -> torch.Tensor:
+        """The bucket's gradient, every element not written zeroed."""
+        end = 0
+        for s in sorted(b.slots, key=lambda s: s.offset):
+            self.buf[end: s.offset].zero_()
+            if s.name not in self.written:
+                self.buf[s.offset: s.offset + s.numel].zero_()
+            end = s.offset + s.numel
+        self.buf[end:].zero_()
+        return self.buf
 
 
 def add_gradient(into: torch.Tensor, grad: torch.Tensor) -> None:
@@ -94,7 +163,8 @@ class GradientSync:
         self._ready: dict[int, set[str]] = {}
         self._reduced: set[int] = set()
         self._in_flight: deque[_InFlight] = deque()  # launched, not yet waited, in launch order
-        self._pending: dict[int, torch.Tensor] = {}  # sharded: bucket -> full fp32 gradient being filled
+        self._pending: dict[int, _Filling] = {}  # sharded: bucket -> full fp32 gradient being filled
+        self._pool = _Pool(device)
         self._slot_of = {id(s.param): (b, s) for b, s in self._trainable_slots()}
         for b, s in self._trainable_slots():
             s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
@@ -155,15 +225,15 @@ class GradientSync:
         """Add p's gradient into bucket b's full fp32 gradient being filled. An `owned` gradient
         (autograd's, already dropped by p) that is the whole bucket becomes that buffer itself:
         no second copy of the largest gradient (the tied embedding's) while it waits to be reduced."""
-        buf = self._pending.get(b.index)
-        if buf is None:
+        filling = self._pending.get(b.index)
+        if filling is None:
             whole = (owned and len(b.slots) == 1 and grad.numel() == b.numel and grad.dtype == torch.float32
                      and grad.layout == torch.strided and grad.is_contiguous())
             if whole:
-                self._pending[b.index] = grad.view(-1)
+                self._pending[b.index] = _Filling(grad.view(-1), pooled=False, written={s.name})
                 return
-            buf = self._pending[b.index] = torch.zeros(b.numel, device=self.device)
-        add_gradient(buf[s.offset: s.offset + s.numel].view(s.shape), grad)
+            filling = self._pending[b.index] = _Filling(self._pool.take(b.numel), pooled=True)
+        filling.put(s, grad)
 
     def _grad_ready(self, b: Bucket, s: FlatSlot, p: nn.Parameter) -> None:
         """Called by autograd once p's gradient of this backward pass is accumulated."""
@@ -198,8 +268,10 @@ class GradientSync:
     def _reduce(self, b: Bucket) -> None:
         self._ready.pop(b.index, None)
         self.reduced_numel += b.numel
+        pooled: tuple[torch.Tensor, ...] = ()
         if self.sharded:
-            handle, then, wire = self._reduce_scatter(b, self._pending.pop(b.index), add=True)
+            filling = self._pending.pop(b.index)
+            handle, then, wire, pooled = self._reduce_scatter(b, filling.complete(b), add=True, pooled=filling.pooled)
             if self.on_reduced is not None:
                 self.on_reduced(b.index)
         elif self.stage == 0:  # every rank keeps the whole reduced bucket
@@ -208,35 +280,56 @@ class GradientSync:
             handle = comm.all_reduce(wire, self.dp, async_op=True)
             then = None if wire is full else (lambda: full.copy_(wire))
         else:
-            handle, then, wire = self._reduce_scatter(b, self.buffers.full[b.index], add=False)
+            handle, then, wire, pooled = self._reduce_scatter(b, self.buffers.full[b.index], add=False)
         self._reduced.add(b.index)
         final = self.on_final is not None and self._sync and b.index not in self.tied_buckets
-        self._launched(_InFlight(handle, then, wire, self.sharded or final, b if final else None))
+        # Stages 2/3 hold the bucket on the wire and its reduced slice until waited (nothing at one rank).
+        held = _nbytes(wire) + sum(_nbytes(t) for t in pooled if t is not wire) if self.sharded and handle else 0
+        self._launched(_InFlight(handle, then, wire, held, b if final else None, pooled))
 
-    def _reduce_scatter(self, b: Bucket, full: torch.Tensor, add: bool) -> tuple:
+    def _reduce_scatter(self, b: Bucket, full: torch.Tensor, add: bool, pooled: bool = False) -> tuple:
         """Launch the sum of fp32 bucket `full` over DP in the reduce dtype: (handle, what
-        completes it, tensor on the wire). Once waited, it writes (stage 1) or adds (stages
-        2/3, once per micro-batch) this rank's slice into its fp32 gradient slice."""
+        completes it, tensor on the wire, pool buffers to give back once it is completed).
+        Once waited, it writes (stage 1) or adds (stages 2/3, once per micro-batch) this rank's
+        slice into its fp32 gradient slice. A `pooled` full bucket goes back to the pool once
+        nothing reads it any more."""
         into = self.own_slice(b)
         if self.dp.size == 1:  # nothing to sum with: no wire, no second full-size buffer kept in flight
             (into.add_ if add else into.copy_)(self._on_wire(full).to(into.dtype))
-            return None, None, into[:0]
-        wire = self._on_wire(full)
+            if pooled:
+                self._pool.give(full)
+            return None, None, into[:0], ()
+        wire = full
+        if self.reduce_dtype != torch.float32:  # the 16-bit copy travels; the fp32 bucket is free at once
+            wire = self._pool.take(full.numel(), self.reduce_dtype)
+            wire.copy_(full)
+            if pooled:
+                self._pool.give(full)
         if wire is full and not add:  # stage 1 in fp32: reduced in place, into full's own slice
-            return comm.reduce_scatter_into(into, full, self.dp, async_op=True), None, full
-        out = torch.empty(b.shard_numel, dtype=wire.dtype, device=wire.device)
+            return comm.reduce_scatter_into(into, full, self.dp, async_op=True), None, full, ()
+        out = self._pool.take(b.shard_numel, wire.dtype)
         # The wire is a temporary (the stage-2/3 bucket being filled, or a 16-bit copy): the
         # reduction may sum in it rather than in a second full-size buffer.
         handle = comm.reduce_scatter_into(out, wire, self.dp, async_op=True, consume=add or wire is not full)
-        return handle, (lambda: into.add_(out)) if add else (lambda: into.copy_(out)), wire
+        back = (out,) + ((wire,) if wire is not full or pooled else ())
+        return handle, (lambda: into.add_(out)) if add else (lambda: into.copy_(out)), wire, back
 
     def _launched(self, f: _InFlight) -> None:
-        """Record a launched reduction; while too many bounded ones are in flight, wait for
-        the oldest. Nothing else is waited before finish(): the persistent buffers of stages
-        0/1 need no early completion."""
+        """Record a launched reduction; while the bounded ones in flight exceed their bound,
+        wait for the oldest. Nothing else is waited before finish(): the persistent buffers of
+        stages 0/1 need no early completion."""
         self._in_flight.append(f)
-        while sum(x.bounded for x in self._in_flight) > BOUNDED_IN_FLIGHT:
+        while self._over_bound():
             self._complete_oldest()
+
+    def _over_bound(self) -> bool:
+        """More than MIN_IN_FLIGHT bounded reductions in flight, and together they hold more than
+        IN_FLIGHT_BYTES, or one of them awaits ZeRO-Offload's host copy: those keep double
+        buffering, so slices leave for the host during backward however small the buckets."""
+        bounded = [x for x in self._in_flight if x.held or x.final is not None]
+        if len(bounded) <= MIN_IN_FLIGHT:
+            return False
+        return any(x.final is not None for x in bounded) or sum(x.held for x in bounded) > IN_FLIGHT_BYTES
 
     def _complete_oldest(self) -> None:
         f = self._in_flight.popleft()
@@ -244,6 +337,8 @@ class GradientSync:
             f.handle.wait()
         if f.then is not None:
             f.then()
+        for t in f.pooled:  # nothing reads them any more: the next bucket filled may take them
+            self._pool.give(t)
         if f.final is not None:  # the slice holds the iteration's reduced gradient now
             assert self.on_final is not None  # set when `final` is
             self.on_final(f.final, self.own_slice(f.final))
@@ -269,6 +364,9 @@ class GradientSync:
                 if b.index not in self._reduced:
                     self._reduce(b)
         self.wait()
+        # Reuse is within one backward (every block's buckets have the same sizes): kept until the
+        # next one, the pool would sit resident through the step, above the peak the planner counts.
+        self._pool.clear()
         for index in self.tied_buckets:
             b = self.layout.buckets[index]
             assert self.embed is not None  # given with the tied buckets
