@@ -40,13 +40,12 @@ reduce_from_tp where the activations outside TP regions are split along the sequ
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol
-
-import threading
 
 import torch
 import torch.distributed as dist
