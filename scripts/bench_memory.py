@@ -29,10 +29,12 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from bench_zero import spawn  # noqa: E402
 
 MiB = 2 ** 20
 ITEMS = ("runtime", "params", "grads", "master", "moments", "activations", "gathered_units", "grads_in_flight",
@@ -179,22 +181,7 @@ def _worker(rank: int, world: int, port: int, fn, opts: argparse.Namespace, queu
 
 def launch(fn, opts: argparse.Namespace, world: int) -> list[dict]:
     """fn(opts) on `world` fresh processes (so each peak is its own); results in rank order."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, opts, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=opts.timeout) for _ in procs)
-    for p in procs:
-        p.join()
-    failed = [v for v in results.values() if isinstance(v, str)]
-    if failed:
-        raise RuntimeError(f"{fn.__name__} failed:\n{failed[0]}")
-    return [results[r] for r in range(world)]
+    return spawn(_worker, world, fn, opts, opts.timeout, fn.__name__)
 
 
 # ---------------------------------------------------------------------------- tables

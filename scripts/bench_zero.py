@@ -176,24 +176,31 @@ def _worker(rank: int, n: int, port: int, fn, args, queue) -> None:
         dist.destroy_process_group()
 
 
-def launch(fn, args: argparse.Namespace, *fn_args) -> list[dict]:
+def spawn(worker, world: int, fn, opts, timeout: float, label: str) -> list:
+    """worker(rank, world, port, fn, opts, queue) on `world` fresh processes (so each peak RSS is
+    its own); their results in rank order. A rank that raised sends its traceback instead,
+    raised here as one RuntimeError. bench_offload and bench_memory launch through it too."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    args.fn_args = fn_args
-    procs = [ctx.Process(target=_worker, args=(r, args.dp, port, fn, args, queue)) for r in range(args.dp)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, fn, opts, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=args.timeout) for _ in procs)
+    results = dict(queue.get(timeout=timeout) for _ in procs)
     for p in procs:
         p.join()
     failed = [v for v in results.values() if isinstance(v, str)]
     if failed:
-        raise RuntimeError(f"{fn.__name__}{fn_args} failed:\n{failed[0]}")
-    return [results[r] for r in range(args.dp)]
+        raise RuntimeError(f"{label} failed:\n{failed[0]}")
+    return [results[r] for r in range(world)]
+
+
+def launch(fn, args: argparse.Namespace, *fn_args) -> list[dict]:
+    args.fn_args = fn_args
+    return spawn(_worker, args.dp, fn, args, args.timeout, f"{fn.__name__}{fn_args}")
 
 
 # ---------------------------------------------------------------------------- tables
