@@ -154,9 +154,7 @@ def test_a_killed_worker_ends_the_job_with_a_line_naming_rank_and_operation(tmp_
     assert proc.returncode != 0
     lines = [line for line in err.splitlines() if line.startswith("error: rank ")]
     assert lines and all("failed: a peer process died or stopped responding" in line for line in lines), err[-3000:]
-    # The operation that lost its peer: a collective (comm.py), or the wait for stage 1's post-step
-    # all-gather at the next forward (params.py: gloo's Work.wait raises from C++ there).
-    assert all("(parallel/comm.py:" in line or "wait (zero/params.py:" in line for line in lines), lines
+    assert all("(parallel/comm.py:" in line for line in lines), lines  # the operation that lost its peer
 
 
 TIMEOUT_MINUTES = 0.1  # 6 s: short, yet no false alarm while two busy CPU cores start the job
@@ -244,17 +242,22 @@ def test_a_stuck_communication_thread_fails_the_wait():
 
 def test_a_gloo_work_wait_that_lost_its_peer_is_the_same_one_line():
     """gloo's Work.wait() raises from C++ (no torch.distributed frame, no 'gloo' in the text)
-    when its peer stops, e.g. stage 1's post-step all-gather waited at the next forward."""
-    def wait_for_the_gather():
-        raise RuntimeError("Application timeout caused pair closure")
+    when its peer stops, e.g. stage 1's post-step all-gather waited at the next forward: waited
+    through comm, the error carries comm.py's frame and becomes the one line."""
+    from megazero.parallel import comm
+
+    class LostPeer:
+        def wait(self):
+            raise RuntimeError("Application timeout caused pair closure")
 
     try:
-        wait_for_the_gather()
+        comm._Async(LostPeer()).wait()  # type: ignore[arg-type]
     except RuntimeError as error:
         line = describe_comm_failure(error, rank=0, timeout_s=6)
-    assert line is not None and line.startswith("rank 0: a collective failed")  # (no megazero frame here)
+    assert line is not None and line.startswith("rank 0: wait (parallel/comm.py:")
     assert "failed: a peer process died or stopped responding (Application timeout caused pair closure)" in line
     assert line.endswith("raise train.timeout_minutes (0.1)")
+    assert describe_comm_failure(RuntimeError("Application timeout caused pair closure"), rank=0) is None  # not comm's
     assert describe_comm_failure(RuntimeError("an ordinary bug"), rank=0) is None
 
 

@@ -163,6 +163,18 @@ class _Threaded:
                                     f"communication thread to finish a collective") from None
 
 
+@dataclass
+class _Async:
+    """One of torch's asynchronous collectives, waited here: a lost peer's error, raised by the
+    backend's C++ wait (no torch.distributed frame, on gloo no "gloo" in its text), then carries
+    this file's frame, by which the trainer tells a failed collective (one line) from a bug."""
+
+    work: dist.Work
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
 def solo_group() -> Group:
     """A group of this process alone: every collective on it is a no-op (tp = 1 layers)."""
     return Group("solo", None, [0], 0)
@@ -206,14 +218,15 @@ def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist
 
 
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group,
-                    async_op: bool = False) -> Optional[dist.Work]:
+                    async_op: bool = False) -> Optional[Handle]:
     """Concatenate every rank's `shard` (dim 0) into `out`. Traffic: (n-1) shards."""
     if group.size == 1:
         out.copy_(shard)
         return None
     group.count("all_gather", all_gather_volume(_nbytes(shard), group.size))
     group.note("all_gather", shard)
-    return _ALL_GATHER(out, shard.contiguous(), group=group.pg, async_op=async_op)
+    work = _ALL_GATHER(out, shard.contiguous(), group=group.pg, async_op=async_op)
+    return _Async(work) if async_op else None
 
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group,

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 PROCESS_START = time.monotonic()
 _PR_SET_PDEATHSIG = 1
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_COMM_FILE = os.path.join(_PACKAGE_DIR, "parallel", "comm.py")  # every collective is issued and waited there
 
 
 def under_torchrun() -> bool:
@@ -175,12 +176,6 @@ class StopRequest:
         return "SIGTERM" if code == self.SIGTERM else "SIGUSR1"
 
 
-# What gloo's Work.wait() raises (from C++: no torch.distributed frame) when a peer stops or dies
-# while an asynchronous collective is in flight, e.g. stage 1-2's post-step all-gather waited
-# at the next forward.
-_GLOO_LOST_PEER = re.compile(r"pair closure|closed by peer|reset by peer")
-
-
 def describe_comm_failure(error: BaseException, rank: int, timeout_s: Optional[float] = None) -> Optional[str]:
     """One line for an error raised by a collective or p2p op (a peer died, or timed out after
     train.timeout_minutes = `timeout_s` / 60); None for any other error."""
@@ -191,7 +186,7 @@ def describe_comm_failure(error: BaseException, rank: int, timeout_s: Optional[f
     frames = traceback.extract_tb(error.__traceback__)
     text = str(error)
     if not (isinstance(error, CollectiveTimeout) or any("torch/distributed" in f.filename for f in frames)
-            or "gloo" in text or "NCCL" in text or _GLOO_LOST_PEER.search(text)):
+            or "gloo" in text or "NCCL" in text or any(f.filename == _COMM_FILE for f in frames)):
         return None
     # The operation (innermost frame of ours) and who called it from another file: a collective
     # waited on from the communication thread shows its ring step, then the waiting caller.

@@ -54,7 +54,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megazero.parallel import comm
@@ -121,7 +120,7 @@ class ParamGatherer:
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
         self.full = [torch.empty(b.numel, dtype=dtype, device=device) for b in layout.buckets]
         self.reads: dict[int, Future] = {}  # bucket -> its slice read ahead, not yet gathered
-        self.pending: dict[int, Optional[dist.Work]] = {}  # bucket -> in-flight gather
+        self.pending: dict[int, Optional[comm.Handle]] = {}  # bucket -> in-flight gather
         self.gathered: set[int] = set()
         self.materialized_numel = 0
         self.peak_materialized_numel = 0
