@@ -33,7 +33,7 @@ import datetime
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,18 +41,30 @@ import torch.distributed as dist
 from megazero.parallel.comm import Group
 
 
-class _GroupOf:
-    """`grid.tp_group` and its kin: the grid's group of one kind (read-only)."""
+class _Dimension:
+    """A read-only attribute of the grid for one dimension (`tp`, `dp`, ...)."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
+
+
+class _GroupOf(_Dimension):
+    """`grid.tp_group` and its kin: the grid's group of one kind."""
 
     def __get__(self, grid: "ProcessGrid", owner: type) -> Group:
         return grid.groups[self.kind]
 
 
-@dataclass(frozen=True)
-class Coords:
+class _CoordOf(_Dimension):
+    """`grid.tp_rank` and its kin: this rank's index along one dimension."""
+
+    def __get__(self, grid: "ProcessGrid", owner: type) -> int:
+        return getattr(grid.coords(), self.kind)
+
+
+class Coords(NamedTuple):
+    """A rank's index along each grid dimension."""
+
     tp: int
     dp: int
     pp: int
@@ -123,21 +135,6 @@ class ProcessGrid:
             return [sorted({g[0], g[-1]}) for g in self.group_ranks("pp")]
         raise KeyError(kind)
 
-    @property
-    def tp_rank(self) -> int:
-        return self.coords().tp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.coords().dp
-
-    @property
-    def pp_rank(self) -> int:
-        return self.coords().pp
-
-    @property
-    def cp_rank(self) -> int:
-        return self.coords().cp
 
     @property
     def is_first_stage(self) -> bool:
@@ -164,6 +161,10 @@ class ProcessGrid:
     pp_group = _GroupOf("pp")
     mp_group = _GroupOf("mp")  # tensor x pipeline: one model replica
     embed_group = _GroupOf("embed")
+    tp_rank = _CoordOf("tp")
+    dp_rank = _CoordOf("dp")
+    cp_rank = _CoordOf("cp")
+    pp_rank = _CoordOf("pp")
 
     def build_groups(self) -> None:
         """Create every process group once, each with the grid's timeout. All ranks call
