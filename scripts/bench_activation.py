@@ -18,11 +18,15 @@ whole K and V), backward as many again plus cp fp32 K/V gradient blocks; Ulysses
 all-to-alls each way of (cp-1)/cp of an (s/cp) h tensor (q, k, v, the output).
 
     python scripts/bench_activation.py --long [--long-seq 16384] [--cp 1 4] [--layers 12]
+                                      [--long-recompute full] [--long-zero 3]
 
 trains GPT-2 124M's shape (configs/gpt2-124m.yaml: h 768, 12 heads, vocab 50257; the position
 table sized to --long-seq) on mock data for 2 iterations of one sequence at each cp, in a world of
-cp processes (ring attention, ZeRO-1 over the cp ranks, fp32, no recompute), and prints each
-world's peak RSS per rank (the largest of its ranks) and the losses.
+cp processes (ring attention, fp32, ZeRO over the cp ranks at --long-zero, recomputation
+--long-recompute), and prints each world's peak RSS per rank (the largest of its ranks), the
+losses and the seconds per iteration. The defaults (full recompute, ZeRO-3) are what lets the
+full-size cp 4 world fit a 24 GiB machine: 4 processes each hold a quarter of the model states,
+of the logits and of every layer's activations.
 
 For each tp, a world of tp spawned gloo processes builds the model through the training
 path (megazero.train.parallelize: TP, then parallel.sequence_parallel) with dropout 0.1 and
@@ -50,6 +54,7 @@ import os
 import resource
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -217,31 +222,36 @@ def worker_long(rank: int, cp: int, port: int, args, queue) -> None:
     cfg = build_config(load_yaml(str(REPO / "configs/gpt2-124m.yaml")), [
         "--model.seq_length", str(args.long_seq), "--model.num_layers", str(args.layers), "--model.dropout", "0",
         "--parallel.cp", str(cp), "--train.micro_batch_size", "1", "--train.global_batch_size", "1",
-        "--train.iters", "2", "--train.precision", "fp32", "--train.recompute", "none", "--train.eval_interval", "0",
+        "--train.iters", "2", "--train.precision", "fp32", "--train.recompute", args.long_recompute,
+        "--zero.stage", str(args.long_zero), "--train.eval_interval", "0",
         "--train.log_interval", "1", "--data.mock", "true", "--data.prefix", "null", "--data.tokenizer", "null",
         "--checkpoint.save", "null", "--checkpoint.load", "null", "--logging.jsonl", "null"])
     resolve_and_validate(cfg, cp)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
+            tic = time.perf_counter()
             records = Trainer(cfg, ProcessGrid.create(1, 1, cp=cp)).run()
+            seconds = (time.perf_counter() - tic) / len(records)
         peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-        queue.put((rank, peak_gib, [r["loss"] for r in records]))
+        queue.put((rank, peak_gib, [r["loss"] for r in records], seconds))
     finally:
         dist.destroy_process_group()
 
 
 def main_long(args) -> None:
     table_head(f"# GPT-2 124M shape (h 768, 12 heads, vocab 50257), {args.layers} layers, seq {args.long_seq}, "
-               f"micro-batch 1, fp32, no recompute, ZeRO-1, ring attention; 2 iterations; gloo, torch "
-               f"{torch.__version__}", ["cp", "processes", "peak RSS per rank GiB (largest)", "cp 1 / this", "losses"])
+               f"micro-batch 1, fp32, recompute {args.long_recompute}, ZeRO-{args.long_zero}, ring attention; "
+               f"2 iterations; gloo, torch {torch.__version__}",
+               ["cp", "processes", "peak RSS per rank GiB (largest)", "cp 1 / this", "losses", "s per iteration (start-up included)"])
     first = None
     for cp in args.cp or [1, 4]:
         reports = spawned(worker_long, cp, cp, args)
         peak = max(r[1] for r in reports)
         first = first or peak
         losses = next(r[2] for r in reports if r[0] == 0)
-        print(f"| {cp} | {cp} | {peak:.2f} | {first / peak:.2f} | {', '.join(f'{x:.4f}' for x in losses)} |",
-              flush=True)
+        seconds = max(r[3] for r in reports)
+        print(f"| {cp} | {cp} | {peak:.2f} | {first / peak:.2f} | {', '.join(f'{x:.4f}' for x in losses)} "
+              f"| {seconds:.0f} |", flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -255,6 +265,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--cp", type=int, nargs="+", help="context-parallel degrees to measure (with 1 first)")
     parser.add_argument("--long", action="store_true", help="the long-context run (see above); --layers default 12")
     parser.add_argument("--long-seq", type=int, default=16384)
+    parser.add_argument("--long-recompute", choices=["none", "selective", "full"], default="full")
+    parser.add_argument("--long-zero", type=int, choices=[0, 1, 2, 3], default=3)
     args = parser.parse_args(argv)
     if args.long:
         args.layers = args.layers if "--layers" in (argv or sys.argv) else 12

@@ -59,7 +59,9 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# tp 2 x dp 2 is slow (suite budget): multi-rank bitwise resumes stay in the default run through
+# ZeRO's state dicts (test_zero), cp 2 and the Megatron launch line at tp 2 x pp 2.
+@pytest.mark.parametrize("layout", [k if k == "single" else pytest.param(k, marks=pytest.mark.slow) for k in LAYOUTS])
 def test_resume_is_bitwise_identical(tmp_path, layout):
     nproc, extra = LAYOUTS[layout]
     straight = str(tmp_path / "straight")

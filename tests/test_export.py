@@ -178,6 +178,7 @@ def _save_big_checkpoint(save_dir: str) -> None:
                           "--train.micro_batch_size", "1", "--train.iters", "1", "--zero.stage", "1"]).run()
 
 
+@pytest.mark.slow  # a 117 MB checkpoint and three interpreters (suite budget)
 def test_conversion_memory_stays_near_one_parameter(tmp_path):
     save = str(tmp_path / "big")
     run_distributed(_save_big_checkpoint, 2, save)

@@ -397,10 +397,14 @@ def test_pp2_schedules_and_recompute_match_single_process():
     run_distributed(_check_layouts, 2, 4, 8, cases)
 
 
-def test_pp4_and_pipeline_with_tp_and_dp_match_single_process():
-    cases = [(1, 4, 1, "gpipe", "none"), (1, 4, 1, "1f1b", "full"), (1, 4, 2, "interleaved", "selective"),
-             (2, 2, 1, "1f1b", "none"), (2, 2, 2, "interleaved", "full"),  # tp 2 x pp 2
-             (1, 2, 1, "gpipe", "none"), (1, 2, 2, "interleaved", "none")]  # pp 2 x dp 2
+PP4_CASES = [(1, 4, 1, "1f1b", "full"), (1, 4, 2, "interleaved", "selective"),
+             (2, 2, 2, "interleaved", "full"),  # tp 2 x pp 2
+             (1, 2, 1, "gpipe", "none")]  # pp 2 x dp 2
+PP4_MORE = [(1, 4, 1, "gpipe", "none"), (2, 2, 1, "1f1b", "none"), (1, 2, 2, "interleaved", "none")]
+
+
+@pytest.mark.parametrize("cases", [PP4_CASES, pytest.param(PP4_MORE, marks=pytest.mark.slow)], ids=["main", "more"])
+def test_pp4_and_pipeline_with_tp_and_dp_match_single_process(cases):
     run_distributed(_check_layouts, 4, 8, 16, cases)
 
 
