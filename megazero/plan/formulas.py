@@ -245,6 +245,9 @@ class BufferShape:
     """Bytes per gradient element on the wire (zero.reduce_dtype)."""
     gloo: bool = False
     """CPU ranks: gloo's reduce-scatter is megazero's ring, which sums a stage-1 bucket in a copy."""
+    shard_on_device: bool = True
+    """Stage 3: the parameter shard lives where the model computes (not offloaded to a host
+    beside an accelerator), so at dp 1 the parameters view it and nothing is gathered."""
 
     def largest_unit(self) -> int:
         """The largest bucket apart from a tied weight held on its own (see `tied_twice`)."""
@@ -253,8 +256,9 @@ class BufferShape:
 
 def gathered_units_bytes(x: BufferShape) -> int:
     """Stage 3: the unit running and the `prefetch` next ones gathered whole, beside the tied
-    weight, gathered from the embedding's forward to its backward (zero/stage3.py)."""
-    if x.stage < 3:
+    weight, gathered from the embedding's forward to its backward (zero/stage3.py). Alone (dp 1)
+    a bucket is the rank's slice, viewed where it lies: nothing beside the shard in place."""
+    if x.stage < 3 or (x.dp == 1 and x.shard_on_device):
         return 0
     tied = sum(x.padded[i] for i in x.tied) if x.tied_twice else 0
     return (tied + (1 + x.prefetch) * x.largest_unit()) * x.param_bytes

@@ -119,6 +119,10 @@ class ParamGatherer:
         self.prefetch, self.device = prefetch, device
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
         self.full = [torch.empty(b.numel, dtype=dtype, device=device) for b in layout.buckets]
+        # One rank's slice is the whole bucket: its parameters view the slice itself (the
+        # shard in memory, or the tensor a read or host copy produced) and nothing is gathered.
+        self.alone = dp.size == 1
+        self.aliased: dict[int, torch.Tensor] = {}  # bucket -> the slice its parameters view (alone)
         self.reads: dict[int, Future] = {}  # bucket -> its slice read ahead, not yet gathered
         self.pending: dict[int, Optional[comm.Handle]] = {}  # bucket -> in-flight gather
         self.gathered: set[int] = set()
@@ -147,7 +151,8 @@ class ParamGatherer:
     def _free_storage(self, b: int) -> None:
         for slot in self.layout.buckets[b].slots:
             slot.param.data = self.placeholder
-        self.full[b].untyped_storage().resize_(0)
+        if self.aliased.pop(b, None) is None:
+            self.full[b].untyped_storage().resize_(0)
 
     def read_ahead(self, b: int) -> None:
         """Start loading this rank's slice of bucket b from its shard home (an NVMe read runs
@@ -160,20 +165,24 @@ class ParamGatherer:
         point: when b's slice is still being read, it waits for the read first); with `wait`,
         complete it and point the parameters at the full buffer."""
         if b not in self.gathered and b not in self.pending:
-            full = self.full[b]
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            self.materialized_numel += self.layout.buckets[b].numel
-            self.peak_materialized_numel = max(self.peak_materialized_numel, self.materialized_numel)
             source = self.reads.pop(b, None)
             if source is None:
                 source = self.home.load(self.layout.buckets[b])
             mine = source.result().to(self.device, non_blocking=True)
-            self.pending[b] = comm.all_gather_into(full, mine, self.dp, async_op=True)
+            if self.alone:
+                self.aliased[b] = mine
+                self.pending[b] = None
+            else:
+                full = self.full[b]
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+                self.materialized_numel += self.layout.buckets[b].numel
+                self.peak_materialized_numel = max(self.peak_materialized_numel, self.materialized_numel)
+                self.pending[b] = comm.all_gather_into(full, mine, self.dp, async_op=True)
         if wait and b in self.pending:
             work = self.pending.pop(b)
             if work is not None:
                 work.wait()
-            full = self.full[b]
+            full = self.aliased.get(b, self.full[b])
             for slot in self.layout.buckets[b].slots:
                 slot.param.data = full[slot.offset: slot.offset + slot.numel].view(slot.shape)
             self.gathered.add(b)
@@ -183,8 +192,9 @@ class ParamGatherer:
             self.fetch(b)  # never free a buffer a collective is still writing into
         if b in self.gathered:
             self.gathered.discard(b)
+            if b not in self.aliased:
+                self.materialized_numel -= self.layout.buckets[b].numel
             self._free_storage(b)
-            self.materialized_numel -= self.layout.buckets[b].numel
 
     def fetch_all(self) -> list[int]:
         """Gather every bucket; return those that were not gathered before."""
