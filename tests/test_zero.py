@@ -172,6 +172,15 @@ def test_stage3_prefetch_depths_match_single_process_and_send_3psi(reference):
         assert rank_out[1]["peak"] - rank_out[0]["peak"] == rank_out[2]["peak"] - rank_out[1]["peak"] == block
 
 
+def test_stage3_alone_views_its_shard(reference):
+    """ZeRO-3 on one rank: each bucket is the rank's whole slice, so the parameters view the
+    shard itself and no full copy is ever materialized; it trains like one plain process."""
+    out = _unpack(run_distributed(_train, 1, ["--zero.stage", "3", "--optim.clip_grad", "0.5"], 3))[0]
+    _assert_params_equal(out, reference)
+    assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"], strict=True)) < 1e-5
+    assert out["peak"] == 0 and out["materialized"] == 0
+
+
 @pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_stage_with_tp2_dp2(reference, stage):
     for out in _unpack(run_distributed(_train, 4, ["--zero.stage", str(stage), "--parallel.tp", "2",
