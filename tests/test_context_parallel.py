@@ -37,7 +37,7 @@ def test_grid_rank_order_and_cp_groups():
     assert grid.world_size == 16
     c = grid.coords(1 + 2 * 1 + 4 * 1 + 8 * 1)
     assert (c.tp, c.cp, c.dp, c.pp) == (1, 1, 1, 1)
-    assert all(grid.rank_of(**vars(grid.coords(r))) == r for r in range(16))
+    assert all(grid.rank_of(**grid.coords(r)._asdict()) == r for r in range(16))
     assert grid.group_ranks("cp")[0] == [0, 2]
     assert grid.group_ranks("dp")[0] == [0, 4]
     assert grid.group_ranks("dp_cp")[0] == [0, 2, 4, 6]

@@ -66,7 +66,7 @@ class Group:
     timeout_s: Optional[float] = None  # the process groups' timeout (ProcessGrid sets it); None: torch's default
     _thread: Optional[ThreadPoolExecutor] = field(default=None, repr=False)
     record: Optional[list["Call"]] = field(default=None, repr=False)  # see record_calls
-    # Gloo ring's receive buffers, reused: by (thread, numel, dtype, device), so the comm thread
+    # Gloo ring's receive buffers, reused: by (thread, dtype, device), so the comm thread
     # and a synchronous call never share one (see _ring_reduce_scatter).
     _scratch: dict = field(default_factory=dict, repr=False)
 
@@ -275,14 +275,15 @@ def _ring_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Group, co
 
 
 def _scratch_like(group: Group, t: torch.Tensor) -> torch.Tensor:
-    """A buffer shaped like 1-d `t` (contents undefined), kept on the group for this thread's
-    next ring of the same size: a fresh multi-MiB buffer per reduction is a fresh mmap (the
-    trainer's mmap threshold, parallel/heap.py) whose every page faults on first write."""
-    key = (threading.get_ident(), t.numel(), t.dtype, t.device)
+    """A buffer shaped like 1-d `t` (contents undefined): the front of one buffer kept on the
+    group per thread, dtype and device, grown to the largest size asked for. A fresh multi-MiB
+    buffer per reduction is a fresh mmap (the trainer's mmap threshold, parallel/heap.py) whose
+    every page faults on first write; one kept per exact size would keep one per bucket size."""
+    key = (threading.get_ident(), t.dtype, t.device)
     buf = group._scratch.get(key)
-    if buf is None:
+    if buf is None or buf.numel() < t.numel():
         buf = group._scratch[key] = torch.empty_like(t)
-    return buf
+    return buf[: t.numel()]
 
 
 def all_to_all_volume(nbytes: int, n: int) -> int:

@@ -286,12 +286,12 @@ def launched_in_flight(x: BufferShape) -> int:
 
 def comm_buffer_bytes(x: BufferShape) -> int:
     """Stages 2/3: each launched reduce-scatter's output slice and the ring's incoming slice.
-    Stage 1 on gloo: the ring's working copy of the bucket being reduced (the persistent
-    fp32 bucket itself must keep its values; parallel/comm.py)."""
+    Stage 1 on gloo: the ring's incoming slice (it sums in the persistent fp32 bucket itself,
+    whose other slices are not read again before zero_grad; zero/grads.py)."""
     if x.dp == 1 or x.stage == 0:
         return 0
     if x.stage == 1:
-        return 4 * x.largest_unit() + x.wire_bytes * x.largest_unit() // x.dp if x.gloo else 0
+        return x.wire_bytes * x.largest_unit() // x.dp if x.gloo else 0
     return (launched_in_flight(x) + 1) * x.largest_unit() // x.dp * x.wire_bytes
 
 
@@ -304,7 +304,7 @@ def transient_items(x: BufferShape, shape: ActivationShape, last: bool) -> dict[
     """Every transient item of one rank at the peak (bytes): gathered units, gradients in
     flight, communication buffers, logits (on the last stage). The optimizer step comes after
     that peak and adds little to the model states (its fused AdamW updates in place, its norm
-    goes piece by piece: zero/clip.py's NORM_CHUNK)."""
+    keeps one fp32 norm per 256 elements: zero/clip.py's row_norms)."""
     return {"gathered_units": gathered_units_bytes(x), "grads_in_flight": grads_in_flight_bytes(x),
             "comm_buffers": comm_buffer_bytes(x), "logits": logits_bytes(shape) if last else 0}
 

@@ -75,26 +75,37 @@ class _InFlight:
 
 
 class _Pool:
-    """Reused buffers by (numel, dtype): the stage-2/3 full buckets, their 16-bit wire copies and
-    reduced slices. A buffer is taken when a bucket starts filling and given back once its
-    reduction is waited, so an iteration allocates only the most buckets of one size in use at
-    once, not one per bucket and backward (a fresh full-size allocation costs page faults and a
-    memset on CPU); `finish` empties it."""
+    """Reused buffers: the stage-2/3 full buckets, their 16-bit wire copies and reduced slices.
+    A buffer is taken when a bucket starts filling and given back once its reduction is
+    waited, so an iteration allocates only as many as are in use at once, not one per bucket
+    and backward (a fresh full-size allocation costs page faults and a memset on CPU). Bucket
+    sizes differ (zero.bucket_size groups whole parameters), so a request takes the smallest
+    free buffer of its dtype that holds it and gets a view of its front: buffers kept per exact
+    size would each be used once and all be held until `finish` empties the pool."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._free: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._base: dict[int, torch.Tensor] = {}  # a taken view's data_ptr -> the buffer it is the front of
 
     def take(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A buffer of numel elements, contents undefined."""
-        free = self._free.get((numel, dtype))
-        return free.pop() if free else torch.empty(numel, dtype=dtype, device=self.device)
+        free = self._free.setdefault(dtype, [])
+        fits = [i for i, t in enumerate(free) if t.numel() >= numel]
+        if fits:
+            base = free.pop(min(fits, key=lambda i: free[i].numel()))
+        else:
+            base = torch.empty(numel, dtype=dtype, device=self.device)
+        view = base[:numel]
+        self._base[view.data_ptr()] = base
+        return view
 
     def give(self, t: torch.Tensor) -> None:
-        self._free.setdefault((t.numel(), t.dtype), []).append(t)
+        self._free.setdefault(t.dtype, []).append(self._base.pop(t.data_ptr()))
 
     def clear(self) -> None:
         self._free.clear()
+        self._base.clear()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -306,7 +317,9 @@ class GradientSync:
             if pooled:
                 self._pool.give(full)
         if wire is full and not add:  # stage 1 in fp32: reduced in place, into full's own slice
-            return comm.reduce_scatter_into(into, full, self.dp, async_op=True), None, full, ()
+            # Only that slice is read after the reduction (the step, the norm, the host copy), and
+            # zero_grad clears the rest: gloo's ring may leave its partial sums in the others.
+            return comm.reduce_scatter_into(into, full, self.dp, async_op=True, consume=True), None, full, ()
         out = self._pool.take(b.shard_numel, wire.dtype)
         # The wire is a temporary (the stage-2/3 bucket being filled, or a 16-bit copy): the
         # reduction may sum in it rather than in a second full-size buffer.
