@@ -246,8 +246,8 @@ class BufferShape:
     gloo: bool = False
     """CPU ranks: gloo's reduce-scatter is megazero's ring, which sums a stage-1 bucket in a copy."""
     shard_on_device: bool = True
-    """Stage 3: the parameter shard lives where the model computes (not offloaded to a host
-    beside an accelerator), so at dp 1 the parameters view it and nothing is gathered."""
+    """Stage 3: the parameter shard lives in memory where the model computes (not on NVMe, nor
+    on a host beside an accelerator), so at dp 1 the parameters view it and nothing is gathered."""
 
     def largest_unit(self) -> int:
         """The largest bucket apart from a tied weight held on its own (see `tied_twice`)."""

@@ -215,7 +215,7 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
              "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
     tied_twice = any(c.pre and c.post for c in rp.chunks)
     buffers = F.BufferShape(tuple(padded), rp.tied, tied_twice, stage, dp, cfg.zero.prefetch, elem[0], wire,
-                            gloo=not accelerator, shard_on_device=host.offload_param == "none" or not accelerator)
+                            gloo=not accelerator, shard_on_device=host.offload_param == "none" or (host.offload_param == "cpu" and not accelerator))
     return RankPrediction(r, rp.param_numel, states, F.host_items(host), F.peak_in_flight_bytes(order, sizes),
                           F.transient_items(buffers, shape, rp.chunks[-1].post), moved)
 

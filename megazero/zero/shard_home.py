@@ -42,6 +42,10 @@ class ShardHome(Protocol):
     def nbytes(self) -> dict[str, int]:
         """Bytes held, by where: the device type, "cpu", "nvme"."""
 
+    def resident_on(self, device: torch.device) -> bool:
+        """Whether `load` gives views of memory the shard keeps on `device` for the whole run
+        (not a fresh read or copy), which parameters may view in place of a gathered copy."""
+
 
 def _done(value: torch.Tensor) -> Future:
     future: Future = Future()
@@ -70,6 +74,9 @@ class MemoryShard:
 
     def nbytes(self) -> dict[str, int]:
         return {self.flat.device.type: self.flat.numel() * self.flat.element_size()}
+
+    def resident_on(self, device: torch.device) -> bool:
+        return self.flat.device == device
 
 
 class NvmeShard:
@@ -177,3 +184,6 @@ class NvmeShard:
 
     def nbytes(self) -> dict[str, int]:
         return {"nvme": self.file_bytes}
+
+    def resident_on(self, device: torch.device) -> bool:
+        return False  # every load is a fresh read

@@ -119,9 +119,11 @@ class ParamGatherer:
         self.prefetch, self.device = prefetch, device
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
         self.full = [torch.empty(b.numel, dtype=dtype, device=device) for b in layout.buckets]
-        # One rank's slice is the whole bucket: its parameters view the slice itself (the
-        # shard in memory, or the tensor a read or host copy produced) and nothing is gathered.
-        self.alone = dp.size == 1
+        # One rank's slice is the whole bucket: when the shard lies in memory on the device, the
+        # parameters view it and nothing is gathered. A fresh read or host copy is still copied
+        # into the bucket's buffer, which release frees: autograd's saved views of a weight would
+        # otherwise keep every unit's read alive until its backward.
+        self.alone = dp.size == 1 and home.resident_on(device)
         self.aliased: dict[int, torch.Tensor] = {}  # bucket -> the slice its parameters view (alone)
         self.reads: dict[int, Future] = {}  # bucket -> its slice read ahead, not yet gathered
         self.pending: dict[int, Optional[comm.Handle]] = {}  # bucket -> in-flight gather
