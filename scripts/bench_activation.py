@@ -218,7 +218,7 @@ def worker_long(rank: int, cp: int, port: int, args, queue) -> None:
     """One rank of a cp world training the long-context config; reports its peak RSS and losses."""
     from megazero.train.trainer import Trainer
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cp))
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))  # the machine's cores shared by the world
     cfg = build_config(load_yaml(str(REPO / "configs/gpt2-124m.yaml")), [
         "--model.seq_length", str(args.long_seq), "--model.num_layers", str(args.layers), "--model.dropout", "0",
         "--parallel.cp", str(cp), "--train.micro_batch_size", "1", "--train.global_batch_size", "1",
