@@ -106,6 +106,8 @@ def _int(flag: str, raw: str) -> int:
 
 # ---------------------------------------------------------------------------- the table
 
+_ONE_DROPOUT = "`model.dropout` (one value for both; they must agree)"
+
 FLAGS: tuple[Flag, ...] = (
     # model
     _key("--num-layers", "model.num_layers"),
@@ -114,8 +116,8 @@ FLAGS: tuple[Flag, ...] = (
     _key("--ffn-hidden-size", "model.ffn_hidden_size"),
     _key("--seq-length", "model.seq_length"),
     Flag("--max-position-embeddings", 1, note="must equal `model.seq_length` (checked)", after=_max_positions),
-    _key("--hidden-dropout", "model.dropout", "`model.dropout` (one value for both; they must agree)"),
-    _key("--attention-dropout", "model.dropout", "`model.dropout` (one value for both; they must agree)"),
+    _key("--hidden-dropout", "model.dropout", _ONE_DROPOUT),
+    _key("--attention-dropout", "model.dropout", _ONE_DROPOUT),
     _key("--init-method-std", "model.init_std"),
     _key("--layernorm-epsilon", "model.layernorm_eps"),
     _key("--vocab-size", "model.vocab_size"),
