@@ -98,10 +98,9 @@ def make_config(opts: argparse.Namespace, world: int):
 
 def predicted_items(cfg, grid, runtime: int) -> dict[str, int]:
     """The planner's prediction for this rank, item by item, with the measured runtime."""
-    from megazero.plan.planner import Cluster, ParallelLayout, predict
-    p, z, t = cfg.parallel, cfg.zero, cfg.train
-    layout = ParallelLayout(p.tp, p.pp, grid.dp, p.vpp, z.stage, t.micro_batch_size, t.recompute,
-                            p.sequence_parallel, z.offload_optimizer != "none")
+    from megazero.plan.planner import Cluster, predict, run_layout
+    t = cfg.train
+    layout = run_layout(cfg, grid.dp, grid.cp)
     rank = predict(cfg, layout, Cluster(grid.world_size, grid.world_size, 1.0, None), ranks=[grid.pp_rank],
                    device=grid.device.type).rank(grid.pp_rank)
     # fp32 master weights are a third of 16-bit training's 12 optimizer bytes (formulas.STATE_BYTES);

@@ -71,6 +71,13 @@ class ParallelLayout:
                 f"{self.recompute}{sp}{off}")
 
 
+def run_layout(cfg: Config, dp: int, cp: int) -> ParallelLayout:
+    """The layout a run of `cfg` trains at, with its grid's dp and cp degrees."""
+    p, z, t = cfg.parallel, cfg.zero, cfg.train
+    return ParallelLayout(p.tp, p.pp, dp, p.vpp, z.stage, t.micro_batch_size, t.recompute, p.sequence_parallel,
+                          z.offload_optimizer != "none", cp, p.cp_impl)
+
+
 @dataclass
 class RankPrediction:
     pp_rank: int

@@ -26,7 +26,7 @@ from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.plan import formulas as F
-from megazero.plan.planner import Cluster, ParallelLayout, RankPrediction, distinct_ranks, predict
+from megazero.plan.planner import Cluster, RankPrediction, distinct_ranks, predict, run_layout
 from megazero.train.summary import size
 from megazero.zero import ALIGN
 
@@ -117,9 +117,8 @@ def offloads(cfg: Config) -> bool:
 def host_need(cfg: Config, grid: ProcessGrid) -> HostNeed:
     """The worst pipeline rank's host bytes per the planner; on a CPU-only machine the whole
     predicted peak too (the device is the host)."""
-    p, z, t = cfg.parallel, cfg.zero, cfg.train
-    layout = ParallelLayout(p.tp, p.pp, grid.dp, p.vpp, z.stage, t.micro_batch_size, t.recompute,
-                            p.sequence_parallel, z.offload_optimizer != "none")
+    p, z = cfg.parallel, cfg.zero
+    layout = run_layout(cfg, grid.dp, grid.cp)
     cluster = Cluster(grid.world_size, grid.world_size, 1.0, None)  # memory only: no device size, no times
     ranks = predict(cfg, layout, cluster, pp_layers=p.pp_layers, ranks=distinct_ranks(p.pp),
                     device=grid.device.type).ranks

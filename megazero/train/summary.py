@@ -20,16 +20,14 @@ from megazero.config import Config
 from megazero.model.lora import adapter_shapes
 from megazero.parallel.grid import ProcessGrid
 from megazero.plan import formulas as F
-from megazero.plan.planner import Cluster, ParallelLayout, Prediction, predict
+from megazero.plan.planner import Cluster, Prediction, predict, run_layout
 from megazero.plan.ranks import rank_params
 
 
 def run_prediction(cfg: Config, grid: ProcessGrid, peak_flops: Optional[float]) -> Prediction:
     """The planner's prediction for this run's own layout on this machine (every pipeline rank)."""
-    p, z, t = cfg.parallel, cfg.zero, cfg.train
-    layout = ParallelLayout(p.tp, p.pp, grid.dp, p.vpp, z.stage, t.micro_batch_size, t.recompute,
-                            p.sequence_parallel,
-                            getattr(z, "offload_optimizer", "none") not in ("none", False), grid.cp, p.cp_impl)
+    p = cfg.parallel
+    layout = run_layout(cfg, grid.dp, grid.cp)
     memory = torch.cuda.get_device_properties(grid.device).total_memory / F.GiB if grid.device.type == "cuda" else 0.0
     # Bandwidths of the preset with this peak (H100's when none matches).
     gpu = next((g for g in F.GPUS.values() if peak_flops and g.peak_flops == peak_flops), F.GPUS["h100"])

@@ -377,8 +377,8 @@ class GradientSync:
                 if b.index not in self._reduced:
                     self._reduce(b)
         self.wait()
-        # Reuse is within one backward (every block's buckets have the same sizes): kept until the
-        # next one, the pool would sit resident through the step, above the peak the planner counts.
+        # Reuse is within one backward: kept until the next one, the pool would sit resident
+        # through the step, above the peak the planner counts.
         self._pool.clear()
         for index in self.tied_buckets:
             b = self.layout.buckets[index]

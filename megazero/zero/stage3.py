@@ -124,7 +124,6 @@ class ParamGatherer:
         # into the bucket's buffer, which release frees: autograd's saved views of a weight would
         # otherwise keep every unit's read alive until its backward.
         self.alone = dp.size == 1 and home.resident_on(device)
-        self.aliased: dict[int, torch.Tensor] = {}  # bucket -> the slice its parameters view (alone)
         self.reads: dict[int, Future] = {}  # bucket -> its slice read ahead, not yet gathered
         self.pending: dict[int, Optional[comm.Handle]] = {}  # bucket -> in-flight gather
         self.gathered: set[int] = set()
@@ -153,7 +152,7 @@ class ParamGatherer:
     def _free_storage(self, b: int) -> None:
         for slot in self.layout.buckets[b].slots:
             slot.param.data = self.placeholder
-        if self.aliased.pop(b, None) is None:
+        if not self.alone:
             self.full[b].untyped_storage().resize_(0)
 
     def read_ahead(self, b: int) -> None:
@@ -171,30 +170,32 @@ class ParamGatherer:
             if source is None:
                 source = self.home.load(self.layout.buckets[b])
             mine = source.result().to(self.device, non_blocking=True)
-            if self.alone:
-                self.aliased[b] = mine
-                self.pending[b] = None
-            else:
-                full = self.full[b]
-                full.untyped_storage().resize_(full.numel() * full.element_size())
-                self.materialized_numel += self.layout.buckets[b].numel
-                self.peak_materialized_numel = max(self.peak_materialized_numel, self.materialized_numel)
-                self.pending[b] = comm.all_gather_into(full, mine, self.dp, async_op=True)
+            if self.alone:  # the slice is the bucket, in the shard itself: nothing to gather or wait for
+                self._point(b, mine)
+                return
+            full = self.full[b]
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            self.materialized_numel += self.layout.buckets[b].numel
+            self.peak_materialized_numel = max(self.peak_materialized_numel, self.materialized_numel)
+            self.pending[b] = comm.all_gather_into(full, mine, self.dp, async_op=True)
         if wait and b in self.pending:
             work = self.pending.pop(b)
             if work is not None:
                 work.wait()
-            full = self.aliased.get(b, self.full[b])
-            for slot in self.layout.buckets[b].slots:
-                slot.param.data = full[slot.offset: slot.offset + slot.numel].view(slot.shape)
-            self.gathered.add(b)
+            self._point(b, self.full[b])
+
+    def _point(self, b: int, full: torch.Tensor) -> None:
+        """Bucket b is gathered: its parameters view `full`."""
+        for slot in self.layout.buckets[b].slots:
+            slot.param.data = full[slot.offset: slot.offset + slot.numel].view(slot.shape)
+        self.gathered.add(b)
 
     def release(self, b: int) -> None:
         if b in self.pending:
             self.fetch(b)  # never free a buffer a collective is still writing into
         if b in self.gathered:
             self.gathered.discard(b)
-            if b not in self.aliased:
+            if not self.alone:
                 self.materialized_numel -= self.layout.buckets[b].numel
             self._free_storage(b)
 
