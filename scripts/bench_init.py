@@ -46,7 +46,9 @@ def dry_grid(dp: int, rank: int):
     for kind in ("tp", "dp", "pp", "mp", "embed"):
         ranks = next(r for r in grid.group_ranks(kind) if rank in r)
         grid.groups[kind] = Group(kind, None, ranks, ranks.index(rank))
-    grid.groups["world"] = Group("world", None, list(range(dp)), rank)
+    # Every rank is built alone: agreements (comm.agreed) over the world are this rank's own.
+    grid.groups["world"] = Group("world", None, [rank], 0)
+    grid.complete_cp_groups()
     return grid
 
 

@@ -18,6 +18,7 @@ k, v and the output, each (s/cp) x h.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -72,15 +73,22 @@ def _heads_to_seq(y: torch.Tensor, group: comm.Group) -> torch.Tensor:
     return received.transpose(0, 1).reshape(b, n * heads, ns // n, d)
 
 
+@functools.lru_cache(maxsize=8)
+def _orders(seq: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered order of a sequence's positions and its inverse (position p sits at index
+    natural[p] when gathered): the same for every layer and micro-batch, so built once."""
+    gathered = torch.as_tensor(_gathered_order(seq, n), device=device)
+    natural = torch.empty_like(gathered)
+    natural[gathered] = torch.arange(seq, device=device)
+    return gathered, natural
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: comm.Group,
                       attend: Attend) -> torch.Tensor:
     """Causal attention of this rank's zig-zag positions, q, k, v [b, H, s/n, d], by Ulysses
     (see above); `attend` runs on whole sequences of H/n heads. Returns [b, H, s/n, d]."""
     b, n = q.shape[0], group.size
-    seq = q.shape[2] * n
-    gathered = torch.as_tensor(_gathered_order(seq, n), device=q.device)
-    natural = torch.empty_like(gathered)
-    natural[gathered] = torch.arange(seq, device=q.device)  # position p sits at index natural[p] when gathered
+    gathered, natural = _orders(q.shape[2] * n, n, q.device)
     qkv = comm.transposed_pair(torch.stack([q, k, v]).flatten(0, 1), group, _seq_to_heads, _heads_to_seq)
     q, k, v = qkv.index_select(2, natural).unflatten(0, (3, b)).unbind(0)
     y = attend(q, k, v).index_select(2, gathered)

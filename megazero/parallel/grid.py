@@ -180,14 +180,19 @@ class ProcessGrid:
         world = list(range(self.world_size))
         self.groups["world"] = Group("world", _new_group(world, self.world_size, self.timeout), world, self.rank,
                                      timeout_s=self.timeout_s)
-        if self.cp == 1:
-            self.groups["cp"] = Group("cp", None, [self.rank], 0, timeout_s=self.timeout_s)
-            self.groups["dp_cp"] = self.groups["dp"]
+        self.complete_cp_groups()
         if self.backend == "gloo":  # ZeRO's comm thread gets a communicator of its own (see comm.py)
             for ranks in self.group_ranks("dp_cp"):
                 side = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     self.groups["dp_cp"].side_pg = side
+
+    def complete_cp_groups(self) -> None:
+        """At cp 1: the cp group is this rank alone and the dp x cp group is the DP group (no
+        communicators of their own); for groups built by build_groups or by hand."""
+        if self.cp == 1:
+            self.groups["cp"] = Group("cp", None, [self.rank], 0, timeout_s=self.timeout_s)
+            self.groups["dp_cp"] = self.groups["dp"]
 
     def comm_errors(self) -> dict[str, str]:
         """This rank's groups whose NCCL watchdog has seen a collective time out or a peer fail,
