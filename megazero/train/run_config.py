@@ -65,7 +65,7 @@ def check_nvme_space(cfg: Config, world_size: int) -> None:
     $LOCAL_WORLD_SIZE ranks on this node), for the largest ZeRO shard of any pipeline stage:
     optimizer files hold fp32 master weights and two moments, the parameter file one copy in
     the model's dtype. (Under LoRA only adapters swap: start-up checks those.) Loads torch."""
-    from megazero.plan.formulas import STATE_BYTES
+    from megazero.plan.formulas import NVME_STEP_BYTES, STATE_BYTES
     from megazero.plan.ranks import rank_params
     from megazero.zero.swap import check_space
 
@@ -74,6 +74,6 @@ def check_nvme_space(cfg: Config, world_size: int) -> None:
     shard = max(sum(rank_params(cfg.model, p.tp, p.pp, p.vpp, r, z.stage == 3, z.bucket_size, p.pp_layers)
                     .padded(shards)) // shards for r in range(p.pp))
     if z.offload_optimizer == "nvme":
-        check_space(z.nvme_path, 3 * shard * 4, "optimizer")
+        check_space(z.nvme_path, NVME_STEP_BYTES * shard, "optimizer")
     if z.offload_param == "nvme":
         check_space(z.nvme_path, shard * STATE_BYTES[cfg.train.precision][0], "parameter")
