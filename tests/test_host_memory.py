@@ -141,3 +141,23 @@ def test_an_explicit_sub_group_size_that_does_not_fit_on_one_rank_stops_every_ra
     messages = run_distributed(_explicit_refused, 2, str(tmp_path))
     assert messages[0] == messages[1] and "\n" not in messages[0]
     assert messages[0].startswith("rank 1: zero.sub_group_size 4096 needs") and "--zero.sub_group_size 1024" in messages[0]
+
+
+def _snapshot_bytes(save: str) -> tuple[int, int]:
+    """What checkpoint.async_save's snapshot holds after one save at ZeRO-1 with the optimizer
+    on the host, and the planner's host item for it."""
+    from megazero.plan.planner import Cluster, predict, run_layout
+    tr = make_trainer(["--zero.stage", "1", "--zero.offload_optimizer", "cpu", "--checkpoint.save", save,
+                       "--checkpoint.async_save", "true", "--model.seq_length", "32",
+                       "--train.global_batch_size", "4", "--train.micro_batch_size", "2"])
+    tr.train_step()
+    tr.save_checkpoint()
+    layout = run_layout(tr.cfg, tr.grid.dp, tr.grid.cp)
+    rank = predict(tr.cfg, layout, Cluster(2, 2, 1.0, None), ranks=[0], device="cpu").rank(0)
+    assert tr.snapshot is not None
+    return tr.snapshot.nbytes(), rank.host_items["async_snapshot"]
+
+
+def test_the_async_save_snapshot_is_in_the_host_figure(tmp_path):
+    for measured, predicted in run_distributed(_snapshot_bytes, 2, str(tmp_path / "ckpt")):
+        assert measured == predicted > 0

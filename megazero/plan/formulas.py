@@ -337,6 +337,9 @@ class HostShape:
     prefetch: int
     staging: int
     """Bytes of the checkpoint writer's host staging buffer (0 when nothing is saved)."""
+    snapshot: int = 0
+    """Bytes of checkpoint.async_save's host snapshot of the optimizer shard (master weights
+    and moments, 12 B per element; none for NVMe state, whose reads are host copies already)."""
 
 
 def nvme_step_buffer_bytes(x: HostShape) -> int:
@@ -351,13 +354,14 @@ def host_items(x: HostShape) -> dict[str, int]:
     """Host bytes by item: optimizer states (offload_optimizer cpu: master and moments, 12 B
     per element), NVMe step buffers, the fp32 gradient shard copied out of an accelerator,
     the parameter shard (offload_param cpu) or its fetch window (nvme: `prefetch` + 2 slices
-    read ahead and in use, at least the step's 3: staged, read ahead, written back), staging."""
+    read ahead and in use, at least the step's 3: staged, read ahead, written back), staging,
+    the asynchronous save's snapshot."""
     window = max(x.prefetch + 2, 3) * x.largest_slice * x.param_bytes
     params = {"cpu": x.param_bytes * x.shard, "nvme": window}.get(x.offload_param, 0)
     return {"optimizer_states": NVME_STEP_BYTES * x.trainable if x.offload_optimizer == "cpu" else 0,
             "nvme_step_buffers": nvme_step_buffer_bytes(x),
             "grad_shard": 4 * x.trainable if x.accelerator and x.offload_optimizer != "none" else 0,
-            "param_shard": params, "staging": x.staging}
+            "param_shard": params, "staging": x.staging, "async_snapshot": x.snapshot}
 
 
 # ---------------------------------------------------------------------------- communication

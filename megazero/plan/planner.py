@@ -237,7 +237,9 @@ def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: i
                        offload_param=z.offload_param if stage == 3 else "none", accelerator=accelerator,
                        param_bytes=F.STATE_BYTES[cfg.train.precision][0], sub_group_size=z.sub_group_size,
                        buffer_count=z.buffer_count, prefetch=z.prefetch,
-                       staging=PIECE_BYTES if cfg.checkpoint.save else 0)
+                       staging=PIECE_BYTES if cfg.checkpoint.save else 0,
+                       snapshot=F.NVME_STEP_BYTES * shard if cfg.checkpoint.save and cfg.checkpoint.async_save
+                       and optimizer != "nvme" else 0)
 
 
 def link_gbps(cluster: Cluster, span: int) -> float:
