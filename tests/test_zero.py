@@ -172,6 +172,33 @@ def test_stage3_prefetch_depths_match_single_process_and_send_3psi(reference):
         assert rank_out[1]["peak"] - rank_out[0]["peak"] == rank_out[2]["peak"] - rank_out[1]["peak"] == block
 
 
+def test_a_released_buckets_memory_is_the_next_same_sized_gathers():
+    """Stage 3's gathered buffers hand their memory on instead of mapping afresh (page faults
+    every gather on a CPU); a bucket keeps its storage object, so views of it taken before the
+    release (autograd's saved weights) read what the next gather writes."""
+    from megazero.zero.stage3 import SpareMemory
+    spare = SpareMemory()
+    a, b = torch.empty(0), torch.empty(0)
+    for t in (a, b):
+        t.set_(torch.UntypedStorage(0), 0, (0,))
+    spare.fill(a.untyped_storage(), 64)
+    a.set_(a.untyped_storage(), 0, (16,)).fill_(1.0)
+    saved = a[4:8]  # a view autograd could hold across the release
+    memory = a.untyped_storage().data_ptr()
+    spare.take(a.untyped_storage())
+    assert a.untyped_storage().nbytes() == 0 and spare.nbytes == 64
+    spare.fill(b.untyped_storage(), 64)  # another bucket of that size: the same memory
+    assert b.untyped_storage().data_ptr() == memory and spare.nbytes == 0
+    spare.take(b.untyped_storage())
+    spare.fill(a.untyped_storage(), 64)
+    a.fill_(2.0)
+    assert torch.equal(saved, torch.full((4,), 2.0))
+    spare.fill(b.untyped_storage(), 32)  # no spare of that size: fresh memory
+    spare.take(b.untyped_storage())
+    spare.clear()
+    assert spare.nbytes == 0
+
+
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_stage3_alone_views_its_shard_in_memory(reference, tmp_path, offload):
     """ZeRO-3 on one rank: each bucket is the rank's whole slice, so with the shard in memory

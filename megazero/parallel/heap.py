@@ -19,8 +19,8 @@ M_MMAP_THRESHOLD = -3  # mallopt parameter (glibc's malloc.h)
 MMAP_THRESHOLD_BYTES = 4 << 20
 """Requests this large or larger are mapped and unmapped whole: past a few MiB the page
 faults of a fresh mapping cost little beside the work done on most tensors. Buffers of that
-size filled again every backward are reused instead (zero/grads.py's pool): there the faults
-cost ZeRO-3 about 15% of its speed on a CPU."""
+size filled again every pass are reused instead (zero/grads.py's pool, zero/stage3.py's spare
+memory): there the faults cost ZeRO-3 about a quarter of its speed on a CPU."""
 
 
 def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
