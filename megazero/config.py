@@ -785,9 +785,6 @@ def _validate_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.cp_impl ulysses gives each rank num_heads / (tp x cp) heads, but model.num_heads "
                           f"({m.num_heads}) is not divisible by {p.tp} x {p.cp} = {p.tp * p.cp}; change parallel.cp "
                           f"or use parallel.cp_impl ring")
-    if p.cp_impl == "ring" and m.dropout > 0:
-        raise ConfigError(f"parallel.cp_impl ring has no attention dropout yet, but model.dropout is {m.dropout:g}; "
-                          f"set --model.dropout 0 or use --parallel.cp_impl ulysses")
     if cfg.train.compile:
         raise ConfigError(f"train.compile cannot be combined with parallel.cp ({p.cp}) yet: the context-parallel "
                           f"attention's collectives do not trace; set --train.compile false")

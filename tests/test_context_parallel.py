@@ -85,6 +85,64 @@ def _check_attention(grid, impl: str, kernel: str) -> float:
 ATTENTION_CASES = {("ring", "reference"): 1e-10, ("ring", "cpu_flash"): 1e-5, ("ulysses", "reference"): 1e-10}
 
 
+RING_DROPOUT = 0.3
+
+
+def _ring_masks(grid, seq: int, seeds: list[int], shape: tuple[int, int]) -> torch.Tensor:
+    """The dropout factors ring attention applied, as one [b, h, s, s] tensor over the whole
+    sequence: this rank's blocks rebuilt from their seeds, all-gathered over the cp group."""
+    import torch.distributed as dist
+
+    from megazero.parallel.attention_block import dropout_scale
+    from megazero.parallel.context import zigzag_positions
+    from megazero.parallel.ring_attention import _block_of, _part
+    n, r = grid.cp, grid.cp_rank
+    mine = torch.as_tensor(zigzag_positions(seq, r, n))
+    rows = torch.zeros(*shape, len(mine), seq, dtype=torch.float64)  # unvisited: causally masked anyway
+    for step, seed in enumerate(seeds):  # step i attends to rank (r - i) mod n's block
+        which_rows, which_cols = _block_of(step, grid.cp_group)
+        theirs = torch.as_tensor(zigzag_positions(seq, (r - step) % n, n))
+        q_at = _part(torch.arange(len(mine)), which_rows, 0)
+        k_at = _part(theirs, which_cols, 0)
+        factors = dropout_scale(seed, torch.Size((*shape, len(q_at), len(k_at))), RING_DROPOUT, torch.float64,
+                                torch.device("cpu"))
+        rows[:, :, q_at.unsqueeze(-1), k_at] = factors
+    pieces = [torch.empty_like(rows) for _ in range(n)]
+    dist.all_gather(pieces, rows, group=grid.cp_group.pg)
+    full = torch.empty(*shape, seq, seq, dtype=torch.float64)
+    for rank, piece in enumerate(pieces):
+        full[:, :, torch.as_tensor(zigzag_positions(seq, rank, n))] = piece
+    return full
+
+
+def _check_ring_dropout(grid) -> float:
+    """Ring attention with attention dropout against dropout on the whole row's softmax with
+    the same masks (those the ring's block seeds give), forward and gradients, float64."""
+    from megazero.parallel.attention_block import _draw_seed
+    from megazero.parallel.context import zigzag_positions
+    from megazero.parallel.ring_attention import ring_attention
+    n, r = grid.cp, grid.cp_rank
+    seq = 8 * n
+    q, k, v, upstream = _inputs(seq)
+    mine = zigzag_positions(seq, r, n)
+    local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(100 + r)
+    out = ring_attention(*local, grid.cp_group, kernel="reference", dropout=RING_DROPOUT)
+    out.backward(upstream[:, :, mine])
+    torch.manual_seed(100 + r)  # the reference kernel's draws: one seed per block, in ring order
+    masks = _ring_masks(grid, seq, [_draw_seed(torch.device("cpu")) for _ in range(n)], tuple(q.shape[:2]))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    scores = (full[0] @ full[1].transpose(-1, -2)) / full[0].shape[-1] ** 0.5
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    ref = (torch.softmax(scores, -1) * masks) @ full[2]
+    ref.backward(upstream)
+    kept = float((masks[..., torch.ones(seq, seq, dtype=torch.bool).tril()] > 0).double().mean())
+    assert abs(kept - (1 - RING_DROPOUT)) < 0.05, kept  # the masks drop what they should
+    diffs = [(out - ref[:, :, mine]).abs().max()]
+    diffs += [(a.grad - b.grad[:, :, mine]).abs().max() for a, b in zip(local, full, strict=True)]
+    return float(max(diffs))
+
+
 def _check_attention_cases(cps: tuple[int, ...]) -> dict:
     """In one world: each cp of `cps` (cp x dp = the world), each case; this rank's differences."""
     import torch.distributed as dist
@@ -96,15 +154,17 @@ def _check_attention_cases(cps: tuple[int, ...]) -> dict:
         grid.build_groups()
         for impl, kernel in ATTENTION_CASES:
             out[(cp, impl, kernel)] = _check_attention(grid, impl, kernel)
+        out[(cp, "ring", "reference-dropout")] = _check_ring_dropout(grid)
     return out
 
 
 def test_ring_attention_and_ulysses_match_full_causal_attention():
     """Forward and gradients of every rank's positions at cp 2 (two groups of a world of 4)
-    and cp 4, ring with the reference and the CPU flash block kernels, and Ulysses."""
+    and cp 4, ring with the reference and the CPU flash block kernels, and Ulysses; and ring
+    attention with dropout against dropout on the whole sequence's softmax, masks alike."""
     for per_rank in run_distributed(_check_attention_cases, 4, (2, 4)):
         for (cp, impl, kernel), diff in per_rank.items():
-            assert diff <= ATTENTION_CASES[(impl, kernel)], (cp, impl, kernel, diff)
+            assert diff <= ATTENTION_CASES.get((impl, kernel), 1e-10), (cp, impl, kernel, diff)
 
 
 def _check_block_kernel(device: str, dtype: torch.dtype, name: str, tol: float) -> None:
@@ -126,6 +186,33 @@ def _check_block_kernel(device: str, dtype: torch.dtype, name: str, tol: float) 
             torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol)
 
 
+def test_reference_block_kernel_drops_the_softmax_and_replays_its_mask():
+    """With dropout p the block's output is (softmax . mask / (1-p)) V, its log-sum-exp that of
+    the undropped scores, and its backward (given the seed it drew) autograd's of that formula;
+    the CPU flash kernel, which has no dropout, is never picked for it."""
+    from megazero.parallel.attention_block import REFERENCE, dropout_scale, pick
+    assert pick(torch.device("cpu"), torch.float32, dropout=0.1).name == "reference"
+    with pytest.raises(ValueError, match="cpu_flash attention kernel has no dropout"):
+        pick(torch.device("cpu"), torch.float32, "cpu_flash", dropout=0.1)
+    g = torch.Generator().manual_seed(2)
+    for causal, (sq, sk) in ((True, (16, 16)), (False, (8, 16))):
+        q, k, v, dout = (torch.randn(2, 3, s, 8, generator=g, dtype=torch.float64) for s in (sq, sk, sk, sq))
+        out, lse, extras = REFERENCE.forward(q, k, v, causal, 0.3, 0.25)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        scores = leaves[0] @ leaves[1].transpose(-1, -2) * 0.3
+        if causal:
+            scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(1), float("-inf"))
+        factors = dropout_scale(extras[0], scores.shape, 0.25, torch.float64, torch.device("cpu"))
+        want = (torch.softmax(scores, -1) * factors) @ leaves[2]
+        want.backward(dout)
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)
+        grads = REFERENCE.backward(dout, q, k, v, out, lse, extras, causal, 0.3, 0.25)
+        for got, leaf in zip(grads, leaves, strict=True):
+            torch.testing.assert_close(got, leaf.grad, rtol=1e-10, atol=1e-12)
+        assert set(factors.unique().tolist()) == {0.0, 1 / 0.75}
+
+
 def test_cpu_flash_block_kernel_agrees_with_the_reference():
     _check_block_kernel("cpu", torch.float32, "cpu_flash", 1e-5)
 
@@ -135,6 +222,32 @@ def test_cpu_flash_block_kernel_agrees_with_the_reference():
 def test_cuda_flash_block_kernel_agrees_with_the_reference():
     """Ring attention's CUDA block kernel (flash, bf16): the contract the ring relies on."""
     _check_block_kernel("cuda", torch.bfloat16, "cuda_flash", 3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+def test_cuda_flash_block_kernel_replays_its_dropout_mask():
+    """With dropout the CUDA block kernel draws its Philox offset from the CUDA generator as SDPA's
+    flash path does, and its backward replays that mask: output and gradients equal SDPA's own
+    (same seed, flash backend) autograd."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megazero.parallel.attention_block import CUDA_FLASH
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, 3, 128, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+    torch.cuda.manual_seed(5)
+    out, lse, extras = CUDA_FLASH.forward(q, k, v, True, 0.125, 0.2)
+    grads = CUDA_FLASH.backward(dout, q, k, v, out, lse, extras, True, 0.125, 0.2)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.cuda.manual_seed(5)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        want = F.scaled_dot_product_attention(*leaves, dropout_p=0.2, is_causal=True, scale=0.125)
+    want.backward(dout)
+    torch.testing.assert_close(out, want.detach(), rtol=0, atol=0)
+    for got, leaf in zip(grads, leaves, strict=True):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-2, atol=1e-2)
+    undropped = CUDA_FLASH.forward(q, k, v, True, 0.125, 0.0)[0]
+    assert (out - undropped).abs().max() > 1e-2  # it did drop
 
 
 # ----------------------------------------------------------------------------- training parity
@@ -286,9 +399,6 @@ BAD = [
       "--model.hidden_size", "64"], 4,
      "parallel.cp_impl ulysses gives each rank num_heads / (tp x cp) heads, but model.num_heads (2) is not divisible "
      "by 2 x 2 = 4; change parallel.cp or use parallel.cp_impl ring"),
-    (["--parallel.cp", "2", "--model.dropout", "0.1"], 2,
-     "parallel.cp_impl ring has no attention dropout yet, but model.dropout is 0.1; set --model.dropout 0 or use "
-     "--parallel.cp_impl ulysses"),
     (["--parallel.cp", "2", "--train.compile", "true"], 2, "train.compile cannot be combined with parallel.cp (2)"),
     (["--parallel.cp", "2", "--parallel.tp", "2"], 6, "world size (6) must be divisible by parallel.tp x parallel.pp "
                                                       "x parallel.cp (2 x 1 x 2 = 4)"),
@@ -372,15 +482,29 @@ def _draws(**cp_rank) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.rand(4), tp_draw
 
 
-DROPOUT = ULYSSES + ["--model.dropout", "0.1"]
+DROPOUT = ["--model.dropout", "0.1"]
+
+
+def _assert_recompute_replays_dropout(impl: list[str], modes: tuple[str, ...]) -> None:
+    """With dropout (per-cp-rank streams; attention dropout per rank's heads, and under the ring
+    per rank's queries): recomputation replays the masks exactly (the same losses and norms as
+    no recomputation), and dropout does drop (the losses differ from a run without it)."""
+    runs = run_distributed(_layouts, 2, {mode: impl + DROPOUT + ["--train.recompute", mode] for mode in modes}
+                           | {"no-dropout": impl})[0]
+    for mode in modes[1:]:
+        for got, want in zip(runs[mode], runs[modes[0]], strict=True):
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-6, (mode, runs)
+    dropped = max(abs(a[1] - b[1]) for a, b in zip(runs[modes[0]], runs["no-dropout"], strict=True))
+    assert dropped > 1e-3, runs  # the gradient norms tell
+
+
+def test_ring_dropout_replayed_by_recompute():
+    """Ring attention's block masks (seeds drawn from the per-rank stream) replay under selective
+    recomputation, which runs the ring again inside backward."""
+    _assert_recompute_replays_dropout(RING, ("none", "selective"))
 
 
 @pytest.mark.slow
-def test_ulysses_dropout_replayed_by_recompute():
-    """With dropout (per-cp-rank streams; attention dropout per rank's heads): full and
-    selective recomputation replay the masks exactly (the same losses as no recomputation)."""
-    runs = run_distributed(_layouts, 2, {mode: DROPOUT + ["--train.recompute", mode]
-                                         for mode in ("none", "full", "selective")})[0]
-    for mode in ("full", "selective"):
-        for got, want in zip(runs[mode], runs["none"], strict=True):
-            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-6, (mode, runs)
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_dropout_replayed_by_recompute(impl):
+    _assert_recompute_replays_dropout(RING if impl == "ring" else ULYSSES, ("none", "full", "selective"))

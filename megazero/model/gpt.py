@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -86,7 +86,11 @@ class CausalSelfAttention(nn.Module):
             k, v = kv.append(k, v, pos)
             mask = kv.mask
         if self.cp.size > 1 and kv is None:
-            y = context_attention(q, k, v, self.cp, self.cp_impl, self._causal_attention)
+            attend = functools.partial(context_attention, q, k, v, self.cp, self.cp_impl, self._causal_attention,
+                                       self._dropout_p())
+            # Ulysses' whole-sequence attention picks its own stream (_attention); the ring drops
+            # this rank's queries' probabilities: from the per-rank stream.
+            y = self._in_rank_stream(attend) if self.cp_impl == "ring" else attend()
         else:
             y = self._attention(q, k, v, mask, pos == 0 and mask is None)
         return y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
@@ -98,14 +102,20 @@ class CausalSelfAttention(nn.Module):
                    causal: bool) -> torch.Tensor:
         """SDPA with attention dropout. A prompt is causal within itself; a single new token
         sees all the past; left-padded prompts (a batch of several lengths) say so in `mask`."""
-        p = self.dropout if self.training else 0.0
-        sdpa = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=p,
+        sdpa = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=self._dropout_p(),
                                  is_causal=causal)
-        if self.tracker is not None and p > 0 and self.tp_size * self.cp.size > 1:
-            # Attention probabilities of this rank's heads are distinct per TP (and, under
-            # Ulysses, cp) rank: their dropout masks come from the per-rank stream.
-            return in_stream(self.tracker, "tp", sdpa)
-        return sdpa()
+        return self._in_rank_stream(sdpa)
+
+    def _dropout_p(self) -> float:
+        return self.dropout if self.training else 0.0
+
+    def _in_rank_stream(self, attend: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """attend() with attention dropout. Attention probabilities of this rank's heads (and,
+        under context parallelism, its queries) are distinct per TP and cp rank: their dropout
+        masks come from the per-rank stream."""
+        if self.tracker is not None and self._dropout_p() > 0 and self.tp_size * self.cp.size > 1:
+            return in_stream(self.tracker, "tp", attend)
+        return attend()
 
     def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
         y = self.attend(self.c_attn(x), kv, pos)

@@ -96,11 +96,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: comm.Group, impl: str,
-                      attend: Attend) -> torch.Tensor:
+                      attend: Attend, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention of this cp rank's positions against the whole sequence: parallel.cp_impl
-    ring or ulysses (`attend`, whole-sequence attention, is Ulysses' core)."""
+    ring (with attention dropout `dropout`, drawn from the default stream) or ulysses (`attend`,
+    whole-sequence attention with its dropout, is Ulysses' core)."""
     if impl == "ring":
-        return ring_attention(q, k, v, group)
+        return ring_attention(q, k, v, group, dropout=dropout)
     if impl == "ulysses":
         return ulysses_attention(q, k, v, group, attend)
     raise ValueError(f"parallel.cp_impl {impl!r} is not ring or ulysses")

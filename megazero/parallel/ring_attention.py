@@ -21,6 +21,12 @@ gradient of that block's keys and values accumulated by the ranks it has visited
 n exchanges it is back with its owner, complete. Each block's share of the gradients comes
 from the kernel's backward given the final output and log-sum-exp (attention_block.py).
 
+Attention dropout (`dropout` > 0) drops each block's share of the probabilities with a mask
+the block's backward replays (attention_block.py): the merge is linear in the dropped
+probabilities, and the log-sum-exp it uses is the undropped one, so the result is dropout
+on the whole row's softmax, as in one process. The masks come from the caller's stream,
+which differs per cp rank (a rank's queries are its own positions).
+
 Bytes each rank sends per layer: forward (n-1) K/V blocks of 2 x (s/n) x h; backward as many
 K/V blocks again plus n gradient blocks (fp32 for 16-bit K/V).
 """
@@ -82,7 +88,7 @@ def _part(x: torch.Tensor, which: str, dim: int = -2) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: comm.Group, kernel: BlockKernel, scale: float):
+    def forward(ctx, q, k, v, group: comm.Group, kernel: BlockKernel, scale: float, dropout: float):
         ring, n = _Ring(group), group.size
         kv = torch.stack([k, v]).contiguous()
         acc = accumulation_dtype(q.dtype)
@@ -98,7 +104,7 @@ class _RingAttention(torch.autograd.Function):
             rows, cols = _block_of(step, group)
             qb, kb, vb = _part(q, rows), _part(kv[0], cols), _part(kv[1], cols)
             block_out, block_lse, extra = kernel.forward(qb.contiguous(), kb.contiguous(), vb.contiguous(),
-                                                         step == 0, scale)
+                                                         step == 0, scale, dropout)
             extras.append(extra)
             _merge(_part(out, rows), _part(lse, rows, -1), block_out, block_lse)
             if step + 1 < n:
@@ -106,7 +112,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.kernel, ctx.scale, ctx.extras = group, kernel, scale, extras
+        ctx.group, ctx.kernel, ctx.scale, ctx.extras, ctx.dropout = group, kernel, scale, extras, dropout
         return out
 
     @staticmethod
@@ -127,7 +133,8 @@ class _RingAttention(torch.autograd.Function):
             qb, kb, vb = _part(q, rows), _part(kv[0], cols), _part(kv[1], cols)
             rows_lse = _part(lse, rows, -1)
             dqb, dkb, dvb = kernel.backward(_part(dout, rows), qb.contiguous(), kb.contiguous(), vb.contiguous(),
-                                            _part(out, rows), rows_lse, ctx.extras[step], step == 0, scale)
+                                            _part(out, rows), rows_lse, ctx.extras[step], step == 0, scale,
+                                            ctx.dropout)
             _part(dq, rows).add_(dqb)
             _wait(dkv_works)
             dkv = dkv_in
@@ -141,13 +148,14 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
         _wait(dkv_works)
         dk, dv = dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: comm.Group,
-                   kernel: Optional[str] = None, scale: Optional[float] = None) -> torch.Tensor:
+                   kernel: Optional[str] = None, scale: Optional[float] = None, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention of this rank's zig-zag chunks, [b, h, 2L, d] each, against the whole
     sequence spread over `group`; the output [b, h, 2L, d] of this rank's queries. `kernel`:
-    the block kernel's name (default: attention_block.pick)."""
-    chosen = pick(q.device, q.dtype, kernel)
-    return _RingAttention.apply(q, k, v, group, chosen, default_scale(q.shape[-1]) if scale is None else scale)
+    the block kernel's name (default: attention_block.pick); `dropout`: attention dropout's p."""
+    chosen = pick(q.device, q.dtype, kernel, dropout)
+    return _RingAttention.apply(q, k, v, group, chosen, default_scale(q.shape[-1]) if scale is None else scale,
+                                dropout)
