@@ -115,3 +115,38 @@ def test_shard_roundtrip_with_stride():
     shards = [shard_of(full, 0, 3, r, 2) for r in range(2)]
     assert shards[0][:2].tolist() == [[0, 1], [2, 3]] and shards[0][2:4].tolist() == [[8, 9], [10, 11]]
     torch.testing.assert_close(unshard(shards, 0, 3), full)
+
+
+def test_tied_embedding_rows_join_the_head_gradient_in_place():
+    """With the embedding's gradient as rows (sparse_grad, under ZeRO), a tied weight's gradient
+    is the head's dense one with the rows added into it, not a second V x h sum: the same
+    values as F.embedding's sparse rows summed by autograd, in the head gradient's memory.
+    Should the embedding's backward come first (the head's use made before it), the rows
+    travel as F.embedding's and the values are the same."""
+    from megazero.model.layers import TiedRows, VocabParallelEmbedding
+    torch.manual_seed(0)
+    emb = VocabParallelEmbedding(1000, 64)
+    torch.nn.init.normal_(emb.weight)
+    emb.sparse_grad = True
+    ids = torch.randint(0, 1000, (2, 16))
+    seen: dict[str, int] = {}
+
+    def tap(grad: torch.Tensor) -> torch.Tensor:
+        seen["head"] = grad.data_ptr()
+        return grad
+
+    def grad_of(tied, head_first: bool = False) -> torch.Tensor:
+        emb.weight.grad = None
+        weight = tied.head(emb.weight) if head_first else None
+        rows = emb(ids, tied)
+        if weight is None:  # as the model does: the head after the embedding
+            weight = emb.weight if tied is None else tied.head(emb.weight)
+        if tied is not None:
+            weight.register_hook(tap)
+        (F.linear(rows, weight) ** 2).sum().backward()
+        return emb.weight.grad
+    plain = grad_of(None).clone()
+    joined = grad_of(TiedRows())
+    assert torch.equal(plain, joined)
+    assert joined.data_ptr() == seen["head"] and joined.layout == torch.strided
+    assert torch.equal(plain, grad_of(TiedRows(), head_first=True))

@@ -4,6 +4,8 @@ communication volume and model-state memory against the ZeRO formulas; the parti
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -195,6 +197,10 @@ def test_a_released_buckets_memory_is_the_next_same_sized_gathers():
     assert torch.equal(saved, torch.full((4,), 2.0))
     spare.fill(b.untyped_storage(), 32)  # no spare of that size: fresh memory
     spare.take(b.untyped_storage())
+    spare.take(a.untyped_storage())
+    assert spare.nbytes == 96
+    spare.trim(Counter({64: 1}))  # the pass gathers one more of 64 bytes, none of 32
+    assert spare.nbytes == 64
     spare.clear()
     assert spare.nbytes == 0
 

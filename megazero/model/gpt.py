@@ -40,6 +40,7 @@ from megazero.model.layers import (
     ColumnParallelLinear,
     Dropout,
     RowParallelLinear,
+    TiedRows,
     VocabParallelEmbedding,
     column_parallel_linear,
     mark_tp,
@@ -275,10 +276,13 @@ class GPT(nn.Module):
                                   device=x.device)
         if cache is not None:
             pos = cache.begin(start, pos)  # per-row positions and masks when the prompts are left-padded
+        # Embedding and head share their weight here: the rows join the head's gradient in place.
+        tied = TiedRows() if (self.pre_process and self.post_process and self.transformer.wte.sparse_grad
+                              and self.weight_grads is None and torch.is_grad_enabled()) else None
         if self.pre_process:
             if self.sequence_parallel:  # the embedding's output holds this rank's positions only
                 pos = pos.chunk(self.tp.size)[self.tp.rank]
-            x = self.transformer.drop(self.transformer.wte(x) + self.transformer.wpe(pos))
+            x = self.transformer.drop(self.transformer.wte(x, tied) + self.transformer.wpe(pos))
         for i, block in self.transformer.h.items():
             x = block(x, cache.layers[int(i)], start) if cache is not None else block(x)
         if cache is not None:
@@ -286,7 +290,8 @@ class GPT(nn.Module):
         if not self.post_process:
             return x
         x = self.transformer.ln_f(x)
-        return column_parallel_linear(x, self.head_weight(), None, self.weight_grads, self.tp, self.sequence_parallel)
+        weight = self.head_weight() if tied is None else tied.head(self.head_weight())
+        return column_parallel_linear(x, weight, None, self.weight_grads, self.tp, self.sequence_parallel)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy [b, s] from vocab-parallel logits (padding masked out); 0, with

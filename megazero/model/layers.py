@@ -163,15 +163,71 @@ class VocabParallelEmbedding(nn.Module):
         self.tp, self.per_rank, self.start = tp, rows // tp.size, tp.rank * (rows // tp.size)
         split_parameter_(self, "weight", tp, 0, full_rows=rows)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, tied: Optional["TiedRows"] = None) -> torch.Tensor:
+        """`tied`: this forward's TiedRows, when the head uses the weight too (sparse_grad only)."""
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight, sparse=self.sparse_grad)
+            return self._rows(ids, tied)
         outside = (ids < self.start) | (ids >= self.start + self.per_rank)
         local = (ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight, sparse=self.sparse_grad).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = self._rows(local, tied).masked_fill(outside.unsqueeze(-1), 0.0)
         # Each id's row lives on exactly one rank; the sum puts it everywhere (or, under
         # sequence parallelism, each rank's positions on that rank).
         return leave_tp(out, self.tp, self.sequence_parallel)
+
+    def _rows(self, ids: torch.Tensor, tied: Optional["TiedRows"]) -> torch.Tensor:
+        if tied is not None and self.sparse_grad:
+            return _RowsIntoHeadGrad.apply(ids, self.weight, tied)
+        return F.embedding(ids, self.weight, sparse=self.sparse_grad)
+
+
+class TiedRows:
+    """One forward's link between the two uses of a tied embedding weight, when the embedding's
+    gradient is its rows (sparse_grad): the head's dense gradient is kept for the embedding's
+    backward, which adds its rows into it in place and sends none of its own.
+
+    autograd sums the two gradients of a weight used twice before accumulating them, and it
+    adds a sparse gradient to a dense one out of place: a second V x h tensor at the end of
+    backward (the embedding's rows arrive last), the largest transient of a sharded run. The
+    head's gradient, with the rows added, still reaches the weight through autograd. Should
+    the embedding's backward run first, its rows travel as F.embedding's would."""
+
+    def __init__(self) -> None:
+        self.dense: Optional[torch.Tensor] = None
+
+    def head(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight as the head uses it: its gradient is kept here on its way to the weight."""
+        return _KeepHeadGrad.apply(weight, self)
+
+
+class _KeepHeadGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, tied: TiedRows) -> torch.Tensor:
+        ctx.tied = tied
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.tied.dense = grad
+        return grad, None
+
+
+class _RowsIntoHeadGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, tied: TiedRows) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.tied, ctx.shape = tied, weight.shape
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        # Dropped here, so that autograd holds the last reference and accumulates it without a copy.
+        dense, ctx.tied.dense = ctx.tied.dense, None
+        rows, flat_ids = grad.reshape(-1, grad.shape[-1]), ids.reshape(-1)
+        if dense is None:
+            return None, torch.sparse_coo_tensor(flat_ids.unsqueeze(0), rows, ctx.shape, check_invariants=False), None
+        dense.index_add_(0, flat_ids, rows.to(dense.dtype))
+        return None, None, None
 
 
 class Dropout(nn.Dropout):

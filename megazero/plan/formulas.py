@@ -266,10 +266,12 @@ def gathered_units_bytes(x: BufferShape) -> int:
 
 def grads_in_flight_bytes(x: BufferShape) -> int:
     """fp32 gradients beside the persistent buffers: the tied weight's gradient from the head,
-    held until the embedding's backward adds its own (4 V h / t); at stages 2/3 also the
-    bucket being filled and the launched ones, full size until reduced."""
+    held until the embedding's backward adds its rows into it, in place (4 V h / t); at stages
+    2/3 also the bucket being filled and the launched ones, full size until reduced, unless one
+    rank alone adds fp32 gradients straight into its shard (zero/grads.py)."""
     tied = 4 * sum(x.padded[i] for i in x.tied) if x.tied_twice else 0
-    filling = (1 + launched_in_flight(x)) * 4 * x.largest_unit() if x.stage >= 2 else 0
+    direct = x.dp == 1 and x.wire_bytes == 4
+    filling = (1 + launched_in_flight(x)) * 4 * x.largest_unit() if x.stage >= 2 and not direct else 0
     return tied + filling
 
 

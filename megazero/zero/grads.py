@@ -9,7 +9,8 @@ fill them, and their reduction as buckets complete.
                                 reused through the iteration, and reduce-scatters it into
                                 this rank's shard at once, so a rank only ever keeps (and
                                 accumulates) its shard; the bucket goes back to the pool once
-                                its reduction is waited
+                                its reduction is waited. Alone (dp 1) in fp32 the shard is
+                                the whole bucket: gradients are added straight into it
 
 Every reduction is asynchronous: launched when its bucket is complete (so it overlaps the
 rest of backward) and waited, in launch order, before the step (`finish`), before the
@@ -176,6 +177,9 @@ class GradientSync:
         self._in_flight: deque[_InFlight] = deque()  # launched, not yet waited, in launch order
         self._pending: dict[int, _Filling] = {}  # sharded: bucket -> full fp32 gradient being filled
         self._pool = _Pool(device)
+        # Nothing to sum with and nothing to round to a wire dtype: a full bucket filled only to be
+        # added into the shard would be a second copy of it (the largest, a block's, at the peak).
+        self._direct = self.sharded and dp.size == 1 and reduce_dtype == torch.float32
         self._slot_of = {id(s.param): (b, s) for b, s in self._trainable_slots()}
         for b, s in self._trainable_slots():
             s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
@@ -236,6 +240,9 @@ class GradientSync:
         """Add p's gradient into bucket b's full fp32 gradient being filled. An `owned` gradient
         (autograd's, already dropped by p) that is the whole bucket becomes that buffer itself:
         no second copy of the largest gradient (the tied embedding's) while it waits to be reduced."""
+        if self._direct:
+            add_gradient(self.own_slice(b)[s.offset: s.offset + s.numel].view(s.shape), grad)
+            return
         filling = self._pending.get(b.index)
         if filling is None:
             whole = (owned and len(b.slots) == 1 and grad.numel() == b.numel and grad.dtype == torch.float32
@@ -280,7 +287,11 @@ class GradientSync:
         self._ready.pop(b.index, None)
         self.reduced_numel += b.numel
         pooled: tuple[torch.Tensor, ...] = ()
-        if self.sharded:
+        if self._direct:  # already in the shard
+            handle, then, wire = None, None, self.own_slice(b)[:0]
+            if self.on_reduced is not None:
+                self.on_reduced(b.index)
+        elif self.sharded:
             filling = self._pending.pop(b.index)
             handle, then, wire, pooled = self._reduce_scatter(b, filling.complete(b), add=True, pooled=filling.pooled)
             if self.on_reduced is not None:
@@ -370,7 +381,7 @@ class GradientSync:
         """Complete the DP reduction (buckets some parameter of which got no gradient are sent
         now, in bucket order on every rank), then sum the tied embedding over its group."""
         if self.sharded:
-            for index in sorted(self._pending):
+            for index in sorted(self._ready):  # those with a gradient in this iteration but not for all their slots
                 self._reduce(self.layout.buckets[index])
         else:
             for b in self.layout.trainable_buckets():

@@ -51,6 +51,7 @@ fresh mapping whose every page faults in again.
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -98,8 +99,10 @@ def fetch_units(chunks: Sequence[ShardableModel]) -> tuple[list[FetchUnit], list
 
 
 class SpareMemory:
-    """Memory of released buckets, by size, for the next gathers of that size; emptied at the
-    end of every gradient sync, so that none of it is held through the optimizer step.
+    """Memory of released buckets, by size, for the next gathers of that size: at each hook of a
+    pass only as many as the pass's later gathers of that size will take are kept (`trim`), so
+    that none waits through the end of a pass (the end of backward, where the embedding's
+    gradient is formed, is the peak), and none is held through the optimizer step.
 
     A bucket's storage object must stay the same while its memory comes and goes (autograd's
     saved views refer to the storage object), so memory moves between storage objects by
@@ -109,11 +112,11 @@ class SpareMemory:
     torch lacks the swap, storages are resized (freed and mapped again) as before."""
 
     def __init__(self) -> None:
-        self.free: dict[tuple[torch.device, int], list[torch.UntypedStorage]] = {}
+        self.free: dict[int, list[torch.UntypedStorage]] = {}  # nbytes -> spares (one device: the gatherer's)
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty `storage` `nbytes` of memory: a spare block of that size if any."""
-        spares = self.free.get((storage.device, nbytes))
+        spares = self.free.get(nbytes)
         if spares and _SWAP is not None:
             _SWAP(storage, spares.pop())
         else:
@@ -129,14 +132,19 @@ class SpareMemory:
             return
         holder = torch.UntypedStorage(0, device=storage.device)
         _SWAP(storage, holder)
-        self.free.setdefault((storage.device, nbytes), []).append(holder)
+        self.free.setdefault(nbytes, []).append(holder)
+
+    def trim(self, wanted: Counter) -> None:
+        """Keep at most wanted[nbytes] spares of each size."""
+        for nbytes, spares in self.free.items():
+            del spares[wanted[nbytes]:]
 
     def clear(self) -> None:
         self.free.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(nbytes * len(spares) for (_, nbytes), spares in self.free.items())
+        return sum(nbytes * len(spares) for nbytes, spares in self.free.items())
 
 
 _SWAP = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
@@ -168,6 +176,7 @@ class ParamGatherer:
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
         self.full = [torch.empty(b.numel, dtype=dtype, device=device) for b in layout.buckets]
         self.spare = SpareMemory()
+        self.later: dict[tuple[int, int], Counter] = {}  # (unit, pass direction) -> _gathers_after
         # One rank's slice is the whole bucket: when the shard lies in memory on the device, the
         # parameters view it and nothing is gathered. A fresh read or host copy is still copied
         # into the bucket's buffer, which release frees: autograd's saved views of a weight would
@@ -320,6 +329,17 @@ class ParamGatherer:
         for unit in ahead[self.prefetch:]:
             for b in unit.buckets:
                 self.read_ahead(b)
+        self.spare.trim(self._gathers_after(i, step))
+
+    def _gathers_after(self, i: int, step: int) -> Counter:
+        """Bytes of the buckets this pass gathers after unit i's hook has issued its prefetches,
+        by size (a pass's later demand for spare memory)."""
+        key = (i, step)
+        if key not in self.later:
+            units = self._neighbours(i, step, len(self.units))[self.prefetch:]
+            self.later[key] = Counter(self.layout.buckets[b].numel * self.placeholder.element_size()
+                                      for u in units for b in u.buckets)
+        return self.later[key]
 
     def _before_forward(self, i: int) -> None:
         for b in self.units[i].buckets:
