@@ -149,13 +149,15 @@ class Trainer:
             if c.async_save:
                 self.pending_save = start_save(c.save, self.iteration, self.rank_state, self.cfg, self.grid,
                                                c.keep_last, extra if wanted else None)
-                if last:
-                    self.finish_save(last=True)
-                return
-            path = save_sharded(c.save, self.iteration, self.rank_state, self.cfg, self.grid, c.keep_last,
-                                extra if wanted else None)
+            else:
+                path = save_sharded(c.save, self.iteration, self.rank_state, self.cfg, self.grid, c.keep_last,
+                                    extra if wanted else None)
         except CheckpointSaveError as e:
             self._save_failed(e, last)
+            return
+        if c.async_save:
+            if last:  # its failure goes through _save_failed there
+                self.finish_save(last=True)
             return
         if self.is_logger:
             print(f"saved checkpoint {path}", flush=True)
