@@ -226,7 +226,7 @@ class _RowsIntoHeadGrad(torch.autograd.Function):
         rows, flat_ids = grad.reshape(-1, grad.shape[-1]), ids.reshape(-1)
         if dense is None:
             return None, torch.sparse_coo_tensor(flat_ids.unsqueeze(0), rows, ctx.shape, check_invariants=False), None
-        dense.index_add_(0, flat_ids, rows.to(dense.dtype))
+        dense.index_put_((flat_ids,), rows.to(dense.dtype), accumulate=True)  # deterministic on CUDA too
         return None, None, None
 
 
