@@ -785,9 +785,6 @@ def _validate_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.cp_impl ulysses gives each rank num_heads / (tp x cp) heads, but model.num_heads "
                           f"({m.num_heads}) is not divisible by {p.tp} x {p.cp} = {p.tp * p.cp}; change parallel.cp "
                           f"or use parallel.cp_impl ring")
-    if cfg.train.compile:
-        raise ConfigError(f"train.compile cannot be combined with parallel.cp ({p.cp}) yet: the context-parallel "
-                          f"attention's collectives do not trace; set --train.compile false")
 
 
 def _validate_pipeline(cfg: Config, dp: int) -> None:

@@ -289,6 +289,17 @@ def test_context_parallel_2_ranks(reference):
     _assert_parity(run_distributed(_layouts, 2, LAYOUTS_2)[0], reference)
 
 
+COMPILE = ["--train.compile", "true"]
+
+
+def test_compiled_blocks_with_context_parallelism(reference):
+    """train.compile at cp 2: the blocks compiled around the eager attention core (ring, and
+    Ulysses under full recomputation) give the single process's losses and norms."""
+    _assert_parity(run_distributed(_layouts, 2, {"cp2-ring-compile": RING + COMPILE,
+                                                 "cp2-ulysses-compile-full": ULYSSES + COMPILE
+                                                 + ["--train.recompute", "full"]})[0], reference)
+
+
 def _model_states(extra: list[str]) -> tuple[dict, dict]:
     """This rank's model-state bytes on the device, measured and as the planner predicts them."""
     import torch.distributed as dist
@@ -399,7 +410,6 @@ BAD = [
       "--model.hidden_size", "64"], 4,
      "parallel.cp_impl ulysses gives each rank num_heads / (tp x cp) heads, but model.num_heads (2) is not divisible "
      "by 2 x 2 = 4; change parallel.cp or use parallel.cp_impl ring"),
-    (["--parallel.cp", "2", "--train.compile", "true"], 2, "train.compile cannot be combined with parallel.cp (2)"),
     (["--parallel.cp", "2", "--parallel.tp", "2"], 6, "world size (6) must be divisible by parallel.tp x parallel.pp "
                                                       "x parallel.cp (2 x 1 x 2 = 4)"),
     (["--parallel.cp", "4", "--parallel.tp", "4", "--parallel.sequence_parallel", "true", "--model.seq_length",

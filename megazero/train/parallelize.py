@@ -99,8 +99,12 @@ def hf_initial_values(cfg: Config, grid: ProcessGrid) -> Initial:
 
 def apply_compile(model: GPT) -> None:
     """torch.compile every block's forward (ZeRO's hooks stay outside: they run around the
-    module call, not inside its forward)."""
+    module call, not inside its forward). Under context parallelism the attention core runs
+    eagerly between the block's two graphs: its ring exchanges and all-to-alls are megazero's
+    own autograd Functions around collectives, which dynamo cannot trace."""
     for block in model.transformer.h.values():
+        if block.attn.cp.size > 1:
+            block.attn.attend = torch.compiler.disable(block.attn.attend)
         block.forward = torch.compile(block.forward)
 
 
@@ -117,6 +121,9 @@ def compile_notes(cfg: Config) -> list[str]:
                      "megazero's collective autograd Functions")
     if cfg.parallel.tp > 1 and cfg.model.dropout > 0:
         notes.append("attention dropout from the per-TP-rank RNG stream runs eagerly: dynamo cannot trace RNG-state swaps")
+    if cfg.parallel.cp > 1:
+        notes.append(f"the context-parallel attention core (parallel.cp_impl {cfg.parallel.cp_impl}) runs eagerly "
+                     f"between each block's two graphs: dynamo cannot trace its collectives")
     if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
         notes.append("the gathered matmuls of sequence parallelism run eagerly: dynamo cannot trace their collectives")
     return [f"train.compile: {n}" for n in notes]
