@@ -459,6 +459,10 @@ def test_planner_searches_cp_and_divides_activations_by_it():
     assert {(p.layout.cp, p.layout.cp_impl) for p in fixed} == {(4, "ulysses")}
     with pytest.raises(PlanError, match=r"--cp 3 must cut model.seq_length \(32768\) into 2 x cp chunks"):
         plan(cfg, cluster, {"cp": 3})
+    with pytest.raises(PlanError, match=r"tp x cp \(1 x 8\) must divide model.num_heads \(4\); closest that fits: "
+                                        r"cp 4, or --cp-impl ring"):
+        plan(cfg, cluster, {"cp": 8, "cp_impl": "ulysses"})
+    assert {p.layout.cp for p in plan(cfg, cluster, {"cp_impl": "ulysses"})} == {1, 2, 4}
 
 
 LORA = ["--finetune.lora_rank", "4"]

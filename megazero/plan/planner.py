@@ -275,11 +275,13 @@ def divisors(n: int) -> list[int]:
 
 
 def layout_problem(cfg: Config, gpus: int, tp: int, pp: int, vpp: int = 1, micro_batch: Optional[int] = None,
-                   cp: int = 1) -> Optional[str]:
+                   cp: int = 1, cp_impl: str = "ring") -> Optional[str]:
     """Why tp x cp x pp (x vpp, micro-batch) cannot be formed for this model on `gpus` GPUs, or None."""
     m, gbs = cfg.model, cfg.train.global_batch_size
     if m.num_heads % tp or m.ffn_size % tp:
         return f"tp {tp} must divide model.num_heads ({m.num_heads}) and the MLP width ({m.ffn_size})"
+    if cp_impl == "ulysses" and m.num_heads % (tp * cp):
+        return f"cp_impl ulysses needs tp x cp ({tp} x {cp}) to divide model.num_heads ({m.num_heads})"
     if gpus % (tp * pp * cp):
         return f"tp x cp x pp ({tp} x {cp} x {pp} = {tp * cp * pp}) must divide the GPU count ({gpus})"
     if m.seq_length % (2 * cp):
@@ -317,7 +319,7 @@ def _layouts_of(cfg: Config, cluster: Cluster, fixed: dict, tp: int, cp: int, pp
     gpus, gbs = cluster.gpus, cfg.train.global_batch_size
     dp = gpus // (tp * pp * cp) if gpus % (tp * pp * cp) == 0 else 0
     impl = fixed.get("cp_impl", "ring")
-    if not dp or fixed.get("dp", dp) != dp or (impl == "ulysses" and cfg.model.num_heads % (tp * cp)):
+    if not dp or fixed.get("dp", dp) != dp:
         return []
     # With one ZeRO rank (dp x cp) every ZeRO stage holds the same: keep stage 0.
     rest = itertools.product(_options(fixed, "micro_batch", [b for b in (1, 2, 4, 8, 16, 32) if b * dp <= gbs]),
@@ -326,7 +328,7 @@ def _layouts_of(cfg: Config, cluster: Cluster, fixed: dict, tp: int, cp: int, pp
                              _options(fixed, "recompute", RECOMPUTE))
     return [ParallelLayout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False) and tp > 1,
                            fixed.get("offload_optimizer", False), cp, impl)
-            for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb, cp)]
+            for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb, cp, impl)]
 
 
 def check_fixed(cfg: Config, cluster: Cluster, fixed: dict) -> None:
@@ -346,6 +348,11 @@ def check_fixed(cfg: Config, cluster: Cluster, fixed: dict) -> None:
         ok = [d for d in divisors(gpus // (tp * pp)) if m.seq_length % (2 * d) == 0] if gpus % (tp * pp) == 0 else [1]
         raise PlanError(f"--cp {cp} must cut model.seq_length ({m.seq_length}) into 2 x cp chunks and tp x cp x pp "
                         f"must divide --gpus ({gpus}); closest that fits: cp {closest(ok, cp)}")
+    if fixed.get("cp_impl") == "ulysses" and "cp" in fixed and m.num_heads % (tp * cp):
+        ok = [d for d in divisors(m.num_heads // tp) if m.seq_length % (2 * d) == 0] if m.num_heads % tp == 0 else [1]
+        raise PlanError(f"--cp-impl ulysses gives each rank num_heads / (tp x cp) heads: tp x cp ({tp} x {cp}) must "
+                        f"divide model.num_heads ({m.num_heads}); closest that fits: cp {closest(ok, cp)}, or "
+                        f"--cp-impl ring")
     if "dp" in fixed and "tp" in fixed and "pp" in fixed and fixed["dp"] * tp * pp * cp != gpus:
         raise PlanError(f"tp x cp x pp x dp ({tp} x {cp} x {pp} x {fixed['dp']} = {tp * cp * pp * fixed['dp']}) "
                         f"must equal --gpus ({gpus}); closest that fits: dp {gpus // (tp * cp * pp)}")
