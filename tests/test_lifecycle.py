@@ -195,7 +195,8 @@ def test_a_frozen_worker_ends_the_job_within_the_timeout_and_the_launchers_grace
     assert proc.returncode != 0
     lines = [line for line in err.splitlines() if line.startswith("error: rank ")]
     assert len(lines) == 1, err[-3000:]  # the survivor's; the frozen worker says nothing
-    assert f"failed: a peer process died or stopped responding (Timed out waiting {timeout_s * 1000:.0f}ms " in lines[0]
+    assert f"failed: a peer process died or stopped responding (Timed out waiting {timeout_s * 1000:.0f}ms " in lines[0], \
+        lines[0]
     assert lines[0].endswith(f"raise train.timeout_minutes ({TIMEOUT_MINUTES:g})"), lines[0]
     assert elapsed < timeout_s + LAUNCHER_GRACE_S + 15, f"{elapsed:.1f} s from the freeze to the end of the job"
 
