@@ -104,6 +104,7 @@ def _compile_counters(args: list[str], iters: int = 5) -> dict:
     original = torch.compile
     torch.compile = functools.partial(original, backend="aot_eager")
     torch._dynamo.reset()
+    dynamo_utils.counters.clear()  # reset() keeps them: a previous case's graph breaks would count here
     try:
         tr = make_trainer(TINY + ["--train.compile", "true"] + args)
         snapshots, losses = [], []
