@@ -164,7 +164,8 @@ class VocabParallelEmbedding(nn.Module):
         split_parameter_(self, "weight", tp, 0, full_rows=rows)
 
     def forward(self, ids: torch.Tensor, tied: Optional["TiedRows"] = None) -> torch.Tensor:
-        """`tied`: this forward's TiedRows, when the head uses the weight too (sparse_grad only)."""
+        """`tied`: this forward's TiedRows, when the head uses the weight too (GPT.forward gives
+        one when the gradient is rows: sparse_grad)."""
         if self.tp.size == 1:
             return self._rows(ids, tied)
         outside = (ids < self.start) | (ids >= self.start + self.per_rank)
@@ -175,7 +176,7 @@ class VocabParallelEmbedding(nn.Module):
         return leave_tp(out, self.tp, self.sequence_parallel)
 
     def _rows(self, ids: torch.Tensor, tied: Optional["TiedRows"]) -> torch.Tensor:
-        if tied is not None and self.sparse_grad:
+        if tied is not None:
             return _RowsIntoHeadGrad.apply(ids, self.weight, tied)
         return F.embedding(ids, self.weight, sparse=self.sparse_grad)
 

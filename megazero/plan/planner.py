@@ -349,7 +349,8 @@ def check_fixed(cfg: Config, cluster: Cluster, fixed: dict) -> None:
         raise PlanError(f"--cp {cp} must cut model.seq_length ({m.seq_length}) into 2 x cp chunks and tp x cp x pp "
                         f"must divide --gpus ({gpus}); closest that fits: cp {closest(ok, cp)}")
     if fixed.get("cp_impl") == "ulysses" and "cp" in fixed and m.num_heads % (tp * cp):
-        ok = [d for d in divisors(m.num_heads // tp) if m.seq_length % (2 * d) == 0] if m.num_heads % tp == 0 else [1]
+        ok = [d for d in divisors(m.num_heads // tp) if m.seq_length % (2 * d) == 0 and gpus % (tp * pp * d) == 0] \
+            if m.num_heads % tp == 0 else [1]
         raise PlanError(f"--cp-impl ulysses gives each rank num_heads / (tp x cp) heads: tp x cp ({tp} x {cp}) must "
                         f"divide model.num_heads ({m.num_heads}); closest that fits: cp {closest(ok, cp)}, or "
                         f"--cp-impl ring")

@@ -287,13 +287,13 @@ class GradientSync:
         self._ready.pop(b.index, None)
         self.reduced_numel += b.numel
         pooled: tuple[torch.Tensor, ...] = ()
-        if self._direct:  # already in the shard
-            handle, then, wire = None, None, self.own_slice(b)[:0]
-            if self.on_reduced is not None:
-                self.on_reduced(b.index)
-        elif self.sharded:
-            filling = self._pending.pop(b.index)
-            handle, then, wire, pooled = self._reduce_scatter(b, filling.complete(b), add=True, pooled=filling.pooled)
+        if self.sharded:
+            if self._direct:  # already in the shard
+                handle, then, wire = None, None, self.own_slice(b)[:0]
+            else:
+                filling = self._pending.pop(b.index)
+                handle, then, wire, pooled = self._reduce_scatter(b, filling.complete(b), add=True,
+                                                                  pooled=filling.pooled)
             if self.on_reduced is not None:
                 self.on_reduced(b.index)
         elif self.stage == 0:  # every rank keeps the whole reduced bucket
