@@ -292,12 +292,14 @@ def test_context_parallel_2_ranks(reference):
 COMPILE = ["--train.compile", "true"]
 
 
-def test_compiled_blocks_with_context_parallelism(reference):
+COMPILED = {"ring": RING + COMPILE, "ulysses-full": ULYSSES + COMPILE + ["--train.recompute", "full"]}
+
+
+@pytest.mark.parametrize("case", ["ring", pytest.param("ulysses-full", marks=pytest.mark.slow)])
+def test_compiled_blocks_with_context_parallelism(reference, case):
     """train.compile at cp 2: the blocks compiled around the eager attention core (ring, and
     Ulysses under full recomputation) give the single process's losses and norms."""
-    _assert_parity(run_distributed(_layouts, 2, {"cp2-ring-compile": RING + COMPILE,
-                                                 "cp2-ulysses-compile-full": ULYSSES + COMPILE
-                                                 + ["--train.recompute", "full"]})[0], reference)
+    _assert_parity(run_distributed(_layouts, 2, {f"cp2-{case}-compile": COMPILED[case]})[0], reference)
 
 
 def _model_states(extra: list[str]) -> tuple[dict, dict]:
