@@ -49,7 +49,7 @@ def test_grid_rank_order_and_cp_groups():
 
 
 def _full_attention(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def _inputs(seq: int, heads: int = 4):
@@ -58,14 +58,16 @@ def _inputs(seq: int, heads: int = 4):
     return q, k, v, upstream
 
 
-def _check_attention(grid, impl: str, kernel: str) -> float:
+def _check_attention(grid, impl: str, kernel: str, groups: int = 4) -> float:
     """This rank's output and gradients against full causal attention (on the rank's zig-zag
-    positions); the largest difference."""
+    positions), with `groups` K/V heads for q's 4 (grouped-query attention below 4); the
+    largest difference."""
     from megazero.parallel.context import ulysses_attention, zigzag_positions
     from megazero.parallel.ring_attention import ring_attention
     n, r = grid.cp, grid.cp_rank
     seq = 8 * n
     q, k, v, upstream = _inputs(seq)
+    k, v = k[:, :groups].contiguous(), v[:, :groups].contiguous()
     dtype = torch.float64 if kernel == "reference" else torch.float32  # the CPU flash kernel: fp32
     full = [t.clone().to(dtype).requires_grad_() for t in (q, k, v)]
     ref = _full_attention(*full)
@@ -83,6 +85,10 @@ def _check_attention(grid, impl: str, kernel: str) -> float:
 
 
 ATTENTION_CASES = {("ring", "reference"): 1e-10, ("ring", "cpu_flash"): 1e-5, ("ulysses", "reference"): 1e-10}
+# Grouped-query attention: (impl, kernel, K/V heads for 4 query heads). Ulysses at cp 2 sends
+# the 2 groups as they are; at cp 4 (or 1 group) it widens them first.
+GQA_CASES = {("ring", "reference", 2): 1e-10, ("ring", "cpu_flash", 1): 1e-5, ("ulysses", "reference", 2): 1e-10,
+             ("ulysses", "reference", 1): 1e-10}
 
 
 RING_DROPOUT = 0.3
@@ -154,17 +160,22 @@ def _check_attention_cases(cps: tuple[int, ...]) -> dict:
         grid.build_groups()
         for impl, kernel in ATTENTION_CASES:
             out[(cp, impl, kernel)] = _check_attention(grid, impl, kernel)
+        for impl, kernel, groups in GQA_CASES:
+            out[(cp, impl, kernel, groups)] = _check_attention(grid, impl, kernel, groups)
         out[(cp, "ring", "reference-dropout")] = _check_ring_dropout(grid)
     return out
 
 
 def test_ring_attention_and_ulysses_match_full_causal_attention():
     """Forward and gradients of every rank's positions at cp 2 (two groups of a world of 4)
-    and cp 4, ring with the reference and the CPU flash block kernels, and Ulysses; and ring
-    attention with dropout against dropout on the whole sequence's softmax, masks alike."""
+    and cp 4, ring with the reference and the CPU flash block kernels, and Ulysses, each also
+    with grouped K/V heads; and ring attention with dropout against dropout on the whole
+    sequence's softmax, masks alike."""
     for per_rank in run_distributed(_check_attention_cases, 4, (2, 4)):
-        for (cp, impl, kernel), diff in per_rank.items():
-            assert diff <= ATTENTION_CASES.get((impl, kernel), 1e-10), (cp, impl, kernel, diff)
+        assert len(per_rank) == 2 * (len(ATTENTION_CASES) + len(GQA_CASES) + 1)
+        for (cp, impl, kernel, *groups), diff in per_rank.items():
+            tol = GQA_CASES[(impl, kernel, *groups)] if groups else ATTENTION_CASES.get((impl, kernel), 1e-10)
+            assert diff <= tol, (cp, impl, kernel, groups, diff)
 
 
 def _check_block_kernel(device: str, dtype: torch.dtype, name: str, tol: float) -> None:

@@ -85,14 +85,37 @@ def _orders(seq: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: comm.Group,
                       attend: Attend) -> torch.Tensor:
-    """Causal attention of this rank's zig-zag positions, q, k, v [b, H, s/n, d], by Ulysses
-    (see above); `attend` runs on whole sequences of H/n heads. Returns [b, H, s/n, d]."""
+    """Causal attention of this rank's zig-zag positions, q [b, H, s/n, d] and k, v [b, G, s/n,
+    d] (G divides H: grouped-query attention), by Ulysses (see above); `attend` runs on whole
+    sequences of H/n heads (and their K/V groups). Returns [b, H, s/n, d]."""
     b, n = q.shape[0], group.size
     gathered, natural = _orders(q.shape[2] * n, n, q.device)
-    qkv = comm.transposed_pair(torch.stack([q, k, v]).flatten(0, 1), group, _seq_to_heads, _heads_to_seq)
-    q, k, v = qkv.index_select(2, natural).unflatten(0, (3, b)).unbind(0)
+    if k.shape[1] == q.shape[1]:
+        qkv = comm.transposed_pair(torch.stack([q, k, v]).flatten(0, 1), group, _seq_to_heads, _heads_to_seq)
+        q, k, v = qkv.index_select(2, natural).unflatten(0, (3, b)).unbind(0)
+    else:
+        q, k, v = _grouped_to_heads(q, k, v, group, natural)
     y = attend(q, k, v).index_select(2, gathered)
     return comm.transposed_pair(y, group, _heads_to_seq, _seq_to_heads)
+
+
+def _grouped_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: comm.Group,
+                      natural: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ulysses' first all-to-all for grouped-query attention, q [b, H, S, d] and k, v
+    [b, G, S, d]: rank i receives q heads i H/n.. and the K/V groups they read, i G/n..
+    (heads of one group are adjacent, so a slice of the groups serves a slice of the heads).
+    When G is not a multiple of n, K/V are first widened to one head per query (the only
+    case that repeats K/V heads). Still one all-to-all: the pieces travel as one tensor,
+    arranged so that piece i is [q_i | k_i | v_i]."""
+    n, (b, heads, s, d) = group.size, q.shape
+    if k.shape[1] % n:
+        rep = heads // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    groups = k.shape[1]
+    pieces = [x.reshape(b, n, x.shape[1] // n, s, d) for x in (q, k, v)]
+    mixed = torch.cat(pieces, dim=2).view(b, heads + 2 * groups, s, d)
+    whole = comm.transposed_pair(mixed, group, _seq_to_heads, _heads_to_seq).index_select(2, natural)
+    return whole.split([heads // n, groups // n, groups // n], dim=1)
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: comm.Group, impl: str,

@@ -27,6 +27,11 @@ probabilities, and the log-sum-exp it uses is the undropped one, so the result i
 on the whole row's softmax, as in one process. The masks come from the caller's stream,
 which differs per cp rank (a rank's queries are its own positions).
 
+Grouped-query attention: K/V carry fewer heads than q (H/G queries share each K/V head).
+The ring carries the grouped blocks, so the bytes shrink with the groups; each block is
+widened to q's heads only for the kernel (aten's flash kernels take equal head counts) and
+its K/V gradient folded back by summing over each group's queries.
+
 Bytes each rank sends per layer: forward (n-1) K/V blocks of 2 x (s/n) x h; backward as many
 K/V blocks again plus n gradient blocks (fp32 for 16-bit K/V).
 """
@@ -86,10 +91,23 @@ def _part(x: torch.Tensor, which: str, dim: int = -2) -> torch.Tensor:
     return x.narrow(dim, 0 if which == "first" else half, half)
 
 
+def _widen(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """Grouped K/V heads [b, G, L, d] -> [b, G x rep, L, d], each repeated for its group's queries."""
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+
+def _fold(dx: torch.Tensor, rep: int) -> torch.Tensor:
+    """The inverse of _widen for gradients: a group's queries' shares summed, [b, G, L, d]."""
+    if rep == 1:
+        return dx
+    b, h, length, d = dx.shape
+    return dx.view(b, h // rep, rep, length, d).sum(2)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group: comm.Group, kernel: BlockKernel, scale: float, dropout: float):
-        ring, n = _Ring(group), group.size
+        ring, n, rep = _Ring(group), group.size, q.shape[1] // k.shape[1]
         kv = torch.stack([k, v]).contiguous()
         acc = accumulation_dtype(q.dtype)
         # Laid out [b, s, h, d] as SDPA's output is, so that the caller's merge of the heads into
@@ -103,8 +121,8 @@ class _RingAttention(torch.autograd.Function):
                 incoming, works = ring.start(kv)
             rows, cols = _block_of(step, group)
             qb, kb, vb = _part(q, rows), _part(kv[0], cols), _part(kv[1], cols)
-            block_out, block_lse, extra = kernel.forward(qb.contiguous(), kb.contiguous(), vb.contiguous(),
-                                                         step == 0, scale, dropout)
+            block_out, block_lse, extra = kernel.forward(qb.contiguous(), _widen(kb, rep).contiguous(),
+                                                         _widen(vb, rep).contiguous(), step == 0, scale, dropout)
             extras.append(extra)
             _merge(_part(out, rows), _part(lse, rows, -1), block_out, block_lse)
             if step + 1 < n:
@@ -119,6 +137,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, kernel, scale, n = ctx.group, ctx.kernel, ctx.scale, ctx.group.size
+        rep = q.shape[1] // k.shape[1]
         ring = _Ring(group)
         dout = dout.contiguous()
         kv = torch.stack([k, v]).contiguous()
@@ -132,14 +151,14 @@ class _RingAttention(torch.autograd.Function):
             rows, cols = _block_of(step, group)
             qb, kb, vb = _part(q, rows), _part(kv[0], cols), _part(kv[1], cols)
             rows_lse = _part(lse, rows, -1)
-            dqb, dkb, dvb = kernel.backward(_part(dout, rows), qb.contiguous(), kb.contiguous(), vb.contiguous(),
-                                            _part(out, rows), rows_lse, ctx.extras[step], step == 0, scale,
-                                            ctx.dropout)
+            dqb, dkb, dvb = kernel.backward(_part(dout, rows), qb.contiguous(), _widen(kb, rep).contiguous(),
+                                            _widen(vb, rep).contiguous(), _part(out, rows), rows_lse,
+                                            ctx.extras[step], step == 0, scale, ctx.dropout)
             _part(dq, rows).add_(dqb)
             _wait(dkv_works)
             dkv = dkv_in
-            _part(dkv[0], cols).add_(dkb)
-            _part(dkv[1], cols).add_(dvb)
+            _part(dkv[0], cols).add_(_fold(dkb, rep))
+            _part(dkv[1], cols).add_(_fold(dvb, rep))
             # On to the next rank, who holds this block at the next step; after the last step
             # the next rank is the block's owner.
             dkv_in, dkv_works = ring.start(dkv)
@@ -153,8 +172,9 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: comm.Group,
                    kernel: Optional[str] = None, scale: Optional[float] = None, dropout: float = 0.0) -> torch.Tensor:
-    """Causal attention of this rank's zig-zag chunks, [b, h, 2L, d] each, against the whole
-    sequence spread over `group`; the output [b, h, 2L, d] of this rank's queries. `kernel`:
+    """Causal attention of this rank's zig-zag chunks, q [b, h, 2L, d] and k, v [b, g, 2L, d]
+    (g divides h: grouped-query attention), against the whole sequence spread over `group`;
+    the output [b, h, 2L, d] of this rank's queries. `kernel`:
     the block kernel's name (default: attention_block.pick); `dropout`: attention dropout's p."""
     chosen = pick(q.device, q.dtype, kernel, dropout)
     return _RingAttention.apply(q, k, v, group, chosen, default_scale(q.shape[-1]) if scale is None else scale,
