@@ -54,10 +54,44 @@ class ModelConfig:
     """LayerNorm epsilon (GPT-2 uses 1e-5)."""
     init_std: float = 0.02
     """Std of the normal init; residual output projections use init_std / sqrt(2 L)."""
+    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """Block and final norms: layernorm (GPT-2) or rmsnorm (Llama); epsilon model.layernorm_eps."""
+    position_embedding: Literal["learned", "rope"] = "learned"
+    """learned (GPT-2: a table of seq_length positions) or rope (rotary, Llama: q and k rotated per position)."""
+    rope_base: float = 10000.0
+    """Rotary base theta (Llama 2: 10000, Llama 3: 500000)."""
+    rope_scaling: Literal["none", "llama3"] = "none"
+    """Rotary frequency scaling: none, or llama3 (Llama 3.1/3.2: the rope_* factors below, as Hugging Face's)."""
+    rope_scaling_factor: float = 8.0
+    """llama3 scaling: factor by which long wavelengths are stretched (HF rope_scaling.factor)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: HF rope_scaling.low_freq_factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: HF rope_scaling.high_freq_factor."""
+    rope_original_max_position: int = 8192
+    """llama3 scaling: the context length of pretraining (HF rope_scaling.original_max_position_embeddings)."""
+    activation: Literal["gelu", "swiglu", "squared_relu"] = "gelu"
+    """MLP: gelu (GPT-2, tanh form), swiglu (Llama: silu(gate) x up, each ffn_size wide) or squared_relu."""
+    num_query_groups: int = 0
+    """Grouped-query attention: K/V heads, each shared by num_heads / num_query_groups query heads
+    (1 = multi-query); 0 means num_heads (plain multi-head attention). Divisible by parallel.tp."""
+    bias: bool = True
+    """Biases of the linear layers (Llama: false)."""
+    tie_embeddings: bool = True
+    """The output layer shares the token embedding's weight (GPT-2) or has its own (false: Llama)."""
 
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """K/V heads (num_query_groups, or num_heads when 0)."""
+        return self.num_query_groups or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
 
 
 @dataclass
@@ -600,6 +634,7 @@ def validate(cfg: Config, world_size: int) -> int:
         raise ConfigError(f"model.num_heads ({m.num_heads}) must be divisible by parallel.tp ({p.tp})")
     if m.ffn_size % p.tp:
         raise ConfigError(f"MLP width ({m.ffn_size}) must be divisible by parallel.tp ({p.tp})")
+    _validate_model_family(m, p.tp)
     _validate_context_parallel(cfg)
     if world_size % (p.tp * p.pp * p.cp):
         names, sizes = ("parallel.tp x parallel.pp", f"{p.tp} x {p.pp}") if p.cp == 1 else \
@@ -683,6 +718,23 @@ def rampup_steps(t: TrainConfig, dp: int) -> tuple[int, int, float]:
                               f"({t.micro_batch_size} x {dp} = {unit}), so every step's batch splits over the ranks")
     increments = (t.global_batch_size - start) // increment
     return start, increment, samples / increments if increments else 0.0
+
+
+def _validate_model_family(m: ModelConfig, tp: int) -> None:
+    """The Llama-family options: grouped K/V heads that split over tp, an even rotary head."""
+    if m.num_query_groups < 0 or m.num_heads % m.query_groups:
+        raise ConfigError(f"model.num_query_groups ({m.num_query_groups}) must divide model.num_heads "
+                          f"({m.num_heads}); 1 is multi-query, 0 means num_heads")
+    if m.query_groups % tp:
+        raise ConfigError(f"model.num_query_groups ({m.query_groups}) must be divisible by parallel.tp ({tp}): "
+                          f"each rank holds whole K/V groups; lower parallel.tp or raise model.num_query_groups")
+    if m.position_embedding == "rope" and m.head_dim % 2:
+        raise ConfigError(f"rotary embeddings need an even head dimension: model.hidden_size / model.num_heads is "
+                          f"{m.head_dim}")
+    if m.rope_scaling == "llama3" and not (m.rope_scaling_factor > 0 and
+                                           m.rope_high_freq_factor > m.rope_low_freq_factor > 0):
+        raise ConfigError(f"model.rope_scaling llama3 needs rope_scaling_factor > 0 and rope_high_freq_factor "
+                          f"({m.rope_high_freq_factor}) > rope_low_freq_factor ({m.rope_low_freq_factor}) > 0")
 
 
 def _validate_zero(cfg: Config) -> None:

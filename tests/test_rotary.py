@@ -29,7 +29,7 @@ def test_rotary_equals_hugging_face_llama(scaled: bool):
     q, k = (torch.randn(2, 2, 40, 32, generator=g) for _ in range(2))
     positions = torch.stack([torch.arange(40) + 3000, torch.arange(40)])
     inv = inverse_frequencies(32, 500000.0, scaling)
-    cos, sin = rotary_tables(inv, positions, torch.float32)
+    cos, sin = rotary_tables(inv, positions)
     want_q, want_k = _hf_rotated(q, k, positions, hf_scaling)
     torch.testing.assert_close(apply_rotary(q, cos, sin), want_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(apply_rotary(k, cos, sin), want_k, rtol=1e-6, atol=1e-6)
@@ -45,8 +45,8 @@ def test_rotary_scores_depend_on_position_differences_only():
     inv = inverse_frequencies(16, 10000.0).double()
 
     def score(pq: int, pk: int) -> float:
-        cq, sq = rotary_tables(inv, torch.tensor([pq]), torch.float64)
-        ck, sk = rotary_tables(inv, torch.tensor([pk]), torch.float64)
+        cq, sq = (t.double() for t in rotary_tables(inv, torch.tensor([pq])))
+        ck, sk = (t.double() for t in rotary_tables(inv, torch.tensor([pk])))
         return float((apply_rotary(q, cq, sq) * apply_rotary(k, ck, sk)).sum())
 
     assert score(7, 3) == pytest.approx(score(107, 103), abs=1e-9)

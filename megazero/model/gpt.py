@@ -40,6 +40,7 @@ from megazero.model.layers import (
     ColumnParallelLinear,
     Dropout,
     RowParallelLinear,
+    Stride,
     TiedRows,
     VocabParallelEmbedding,
     column_parallel_linear,
@@ -49,28 +50,38 @@ from megazero.model.layers import (
     split_parameter_,
     vocab_parallel_cross_entropy,
 )
+from megazero.model.rotary import Llama3Scaling, apply_rotary, inverse_frequencies, rotary_tables
 from megazero.parallel.comm import Group, solo_group
 from megazero.parallel.context import context_attention, zigzag_positions
 from megazero.parallel.random import RNGTracker, in_stream
 from megazero.parallel.weight_grad import WeightGradStore
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+"""Rotary cos and sin tables of the positions attention sees, [s, d] or [b, s, d] (rotary.py)."""
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker]):
         super().__init__()
         self.heads = cfg.num_heads  # this rank's heads (all until tensor parallelism splits them)
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.groups = cfg.query_groups  # this rank's K/V heads: grouped-query attention when fewer
+        self.head_dim = cfg.head_dim
         self.tp_size = 1
         self.cp, self.cp_impl = solo_group(), "ring"  # context parallelism: apply_cp
         self.dropout = cfg.dropout
         self.tracker = tracker
-        # stride 3: q, k and v are each split over the TP ranks, so a rank owns whole heads.
-        self.c_attn = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, stride=3)
-        self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size)
+        # The fused projection's rows are q | k | v, each split over the TP ranks on its own
+        # (stride 3, or the three sizes under grouped-query attention), so a rank owns whole
+        # query heads and the K/V groups they read.
+        d, h = self.head_dim, cfg.hidden_size
+        stride: Stride = 3 if self.groups == self.heads else (h, self.groups * d, self.groups * d)
+        self.c_attn = ColumnParallelLinear(h, h + 2 * self.groups * d, bias=cfg.bias, stride=stride)
+        self.c_proj = RowParallelLinear(h, h, bias=cfg.bias)
         self.resid_dropout = Dropout(cfg.dropout, tracker)
 
     def apply_tp(self, tp: Group) -> None:
-        self.heads //= tp.size  # c_attn's stride-3 split hands each rank whole heads of q, k and v
+        self.heads //= tp.size  # c_attn's split hands each rank whole heads of q, k and v
+        self.groups //= tp.size
         self.tp_size = tp.size
 
     def apply_cp(self, cp: Group, impl: str) -> None:
@@ -78,10 +89,17 @@ class CausalSelfAttention(nn.Module):
         (parallel/context.py) and attends over the whole of it through the cp group."""
         self.cp, self.cp_impl = cp, impl
 
-    def attend(self, qkv: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
-        """The attention core: q, k, v -> weighted values (selective recompute wraps this)."""
+    def attend(self, qkv: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0,
+               rope: Optional[Rope] = None) -> torch.Tensor:
+        """The attention core: q, k, v -> weighted values (selective recompute wraps this); q
+        and k rotated by their positions first when the model uses rotary embeddings."""
         b, s, _ = qkv.shape
-        q, k, v = split_heads(qkv, self.heads, self.head_dim)
+        if self.groups == self.heads:
+            q, k, v = split_heads(qkv, self.heads, self.head_dim)
+        else:
+            q, k, v = split_grouped_heads(qkv, self.heads, self.groups, self.head_dim)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         mask = None
         if kv is not None:  # incremental decoding: attend to every cached position as well
             k, v = kv.append(k, v, pos)
@@ -103,8 +121,10 @@ class CausalSelfAttention(nn.Module):
                    causal: bool) -> torch.Tensor:
         """SDPA with attention dropout. A prompt is causal within itself; a single new token
         sees all the past; left-padded prompts (a batch of several lengths) say so in `mask`."""
+        # enable_gqa: each K/V head serves its group's queries without being repeated (where
+        # the backend allows; the math backend repeats them itself).
         sdpa = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=mask, dropout_p=self._dropout_p(),
-                                 is_causal=causal)
+                                 is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
         return self._in_rank_stream(sdpa)
 
     def _dropout_p(self) -> float:
@@ -118,8 +138,9 @@ class CausalSelfAttention(nn.Module):
             return in_stream(self.tracker, "tp", attend)
         return attend()
 
-    def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
-        y = self.attend(self.c_attn(x), kv, pos)
+    def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0,
+                rope: Optional[Rope] = None) -> torch.Tensor:
+        y = self.attend(self.c_attn(x), kv, pos, rope) if rope is not None else self.attend(self.c_attn(x), kv, pos)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -131,6 +152,14 @@ def split_heads(qkv: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Ten
         b, s, _ = qkv.shape
         return qkv.view(b, s, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     return _HeadsOfQKV.apply(qkv, heads, head_dim)
+
+
+def split_grouped_heads(qkv: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """q [b, heads, s, d] and k, v [b, groups, s, d] from the fused projection's output
+    [b, s, (heads + 2 groups) d] (grouped-query attention: its rows are q | k | v)."""
+    b, s, _ = qkv.shape
+    q, k, v = qkv.split([heads * head_dim, groups * head_dim, groups * head_dim], dim=-1)
+    return tuple(t.view(b, s, -1, head_dim).transpose(1, 2) for t in (q, k, v))
 
 
 class _HeadsOfQKV(torch.autograd.Function):
@@ -151,26 +180,50 @@ class _HeadsOfQKV(torch.autograd.Function):
 
 
 class MLP(nn.Module):
+    """GPT-2's GELU MLP, Megatron's squared ReLU, or Llama's SwiGLU: c_fc's rows then are
+    gate | up (stride 2: each split over the TP ranks, so a rank's gate and up rows pair
+    up), and the activation is silu(gate) x up."""
+
     def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker]):
         super().__init__()
-        self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size)
-        self.c_proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size)
+        self.activation = cfg.activation
+        gated = cfg.activation == "swiglu"
+        self.c_fc = ColumnParallelLinear(cfg.hidden_size, (2 if gated else 1) * cfg.ffn_size, bias=cfg.bias,
+                                         stride=2 if gated else 1)
+        self.c_proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
         self.dropout = Dropout(cfg.dropout, tracker)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        return self.dropout(self.c_proj(activate(self.c_fc(x), self.activation)))
+
+
+def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "swiglu":
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "squared_relu":
+        return F.relu(x).square()
+    return F.gelu(x, approximate="tanh")
+
+
+def norm(cfg: ModelConfig) -> nn.Module:
+    """A block's (or the final) norm: LayerNorm with bias, or RMSNorm (a weight only)."""
+    if cfg.normalization == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker]):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+        self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg, tracker)
-        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+        self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg, tracker)
 
-    def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv, pos)
+    def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0,
+                rope: Optional[Rope] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv, pos, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -192,18 +245,22 @@ class GPT(nn.Module):
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, 1)
 
         self.transformer: Any = nn.Module()  # a plain container: its children are set below
+        self.rotary = rotary_frequencies(cfg)  # None with learned positions
         if pre_process:
             self.transformer.wte = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size)
             # Values come from init_weights / initial_value: no reset_parameters (on the meta device
             # its normal_ would import torch._dynamo, seconds per process).
-            self.transformer.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size,
-                                                _weight=torch.empty(cfg.seq_length, cfg.hidden_size))
+            if self.rotary is None:
+                self.transformer.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size,
+                                                    _weight=torch.empty(cfg.seq_length, cfg.hidden_size))
             self.transformer.drop = Dropout(cfg.dropout, tracker)
         self.transformer.h = nn.ModuleDict(
             {str(i): Block(cfg, tracker) for i in self.layers})
         if post_process:
-            self.transformer.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
-            if not pre_process:  # the last stage keeps its own copy of the tied embedding
+            self.transformer.ln_f = norm(cfg)
+            # The output layer: its own weight when untied; tied, the last stage keeps its own
+            # copy of the embedding when the embedding lives elsewhere.
+            if not cfg.tie_embeddings or not pre_process:
                 self.lm_head: Any = nn.Module()
                 self.lm_head.weight = mark_tp(nn.Parameter(torch.empty(self.padded_vocab, cfg.hidden_size)), 0, 1,
                                               (self.padded_vocab, cfg.hidden_size))
@@ -217,7 +274,7 @@ class GPT(nn.Module):
         the embedding itself (its layers split themselves)."""
         assert isinstance(self.cfg.vocab_size, int)
         self.tp, self.padded_vocab = tp, padded_vocab_size(self.cfg.vocab_size, tp.size)
-        if self.post_process and not self.pre_process:
+        if self.post_process and hasattr(self, "lm_head"):
             split_parameter_(self.lm_head, "weight", tp, 0, full_rows=self.padded_vocab)
 
     def apply_sequence_parallel(self) -> None:
@@ -259,7 +316,7 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def head_weight(self) -> torch.Tensor:
-        return self.transformer.wte.weight if self.pre_process else self.lm_head.weight
+        return self.lm_head.weight if hasattr(self, "lm_head") else self.transformer.wte.weight
 
     def forward(self, x: torch.Tensor, cache: Optional["KVCache"] = None) -> torch.Tensor:
         """Tokens [b, s] on the first stage (hidden states `hidden_shape` elsewhere) ->
@@ -268,23 +325,38 @@ class GPT(nn.Module):
         start = cache.length if cache is not None else 0
         if cache is not None and self.sequence_parallel:
             raise ValueError("generation with a KV cache needs a model without sequence parallelism")
-        pos = torch.arange(start, start + x.shape[1], device=x.device)
+        # This rank's tokens of each sequence: hidden states reaching a later stage under
+        # sequence parallelism hold 1/tp of them, attention all of them.
+        seq = x.shape[1] * (self.tp.size if self.sequence_parallel and not self.pre_process else 1)
+        pos = torch.arange(start, start + seq, device=x.device)
         if self.cp.size > 1:  # this rank's zig-zag positions of the whole sequence
             if cache is not None:
                 raise ValueError("generation with a KV cache needs a model without context parallelism")
-            pos = torch.as_tensor(zigzag_positions(x.shape[1] * self.cp.size, self.cp.rank, self.cp.size),
-                                  device=x.device)
+            pos = torch.as_tensor(zigzag_positions(seq * self.cp.size, self.cp.rank, self.cp.size), device=x.device)
         if cache is not None:
             pos = cache.begin(start, pos)  # per-row positions and masks when the prompts are left-padded
+        # Rotary: attention sees the whole (gathered) local sequence, so its positions are all of pos.
+        rope = None
+        if self.rotary is not None:
+            self.rotary = self.rotary.to(pos.device)  # once: moved to the run's device on first use
+            rope = rotary_tables(self.rotary, pos)
         # Embedding and head share their weight here: the rows join the head's gradient in place.
-        tied = TiedRows() if (self.pre_process and self.post_process and self.transformer.wte.sparse_grad
-                              and self.weight_grads is None and torch.is_grad_enabled()) else None
+        tied = TiedRows() if (self.pre_process and self.post_process and self.cfg.tie_embeddings
+                              and self.transformer.wte.sparse_grad and self.weight_grads is None
+                              and torch.is_grad_enabled()) else None
         if self.pre_process:
-            if self.sequence_parallel:  # the embedding's output holds this rank's positions only
-                pos = pos.chunk(self.tp.size)[self.tp.rank]
-            x = self.transformer.drop(self.transformer.wte(x, tied) + self.transformer.wpe(pos))
+            x = self.transformer.wte(x, tied)
+            if self.rotary is None:
+                if self.sequence_parallel:  # the embedding's output holds this rank's positions only
+                    pos = pos.chunk(self.tp.size)[self.tp.rank]
+                x = x + self.transformer.wpe(pos)
+            x = self.transformer.drop(x)
         for i, block in self.transformer.h.items():
-            x = block(x, cache.layers[int(i)], start) if cache is not None else block(x)
+            if cache is not None:
+                x = block(x, cache.layers[int(i)], start, rope) if rope is not None else \
+                    block(x, cache.layers[int(i)], start)
+            else:
+                x = block(x, None, 0, rope) if rope is not None else block(x)
         if cache is not None:
             cache.length += x.shape[1]
         if not self.post_process:
@@ -318,7 +390,7 @@ class GPT(nn.Module):
         return shard_of(self._full_init(name, p, seed), p.tp_dim, p.tp_stride, self.tp.rank, self.tp.size)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
 
     def _full_init(self, name: str, p: nn.Parameter, seed: int) -> torch.Tensor:
-        if name == "lm_head.weight":
+        if name == "lm_head.weight" and self.cfg.tie_embeddings:
             name = "transformer.wte.weight"  # identical to the first stage's copy
         if ".ln_" in name or name.startswith("transformer.ln_f"):
             return torch.ones(p.full_shape, device="cpu") if name.endswith("weight") else torch.zeros(p.full_shape, device="cpu")  # type: ignore[attr-defined]  # TP metadata (mark_tp)
@@ -328,7 +400,7 @@ class GPT(nn.Module):
         if name.endswith("c_proj.weight"):  # residual projections, scaled as in GPT-2
             std /= math.sqrt(2 * self.cfg.num_layers)
         shape = p.full_shape  # type: ignore[attr-defined]  # TP metadata (mark_tp)
-        if name == "transformer.wte.weight":
+        if name in ("transformer.wte.weight", "lm_head.weight"):
             shape = (self.cfg.vocab_size, shape[1])  # padding rows stay zero
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full = torch.empty(shape, device="cpu").normal_(0.0, std, generator=g)  # the same draws on any device
@@ -337,7 +409,10 @@ class GPT(nn.Module):
         return full
 
     def tied_weight(self) -> Optional[nn.Parameter]:
-        """The embedding copy whose gradient must be summed over the embedding group."""
+        """The embedding copy whose gradient must be summed over the embedding group (None
+        when the output layer is untied)."""
+        if not self.cfg.tie_embeddings:
+            return None
         if self.pre_process:
             return self.transformer.wte.weight
         return self.lm_head.weight if self.post_process else None
@@ -351,16 +426,29 @@ class GPT(nn.Module):
         """The model in execution order as units of parameters used together (what ZeRO-3
         gathers and frees at once): token embedding, position embedding, each block, and the
         final norm with the head. The tied embedding weight is not in any unit's `named`."""
-        t, out = self.transformer, []
+        t, out, tied = self.transformer, [], self.cfg.tie_embeddings
         if self.pre_process:  # separate outputs, separate units
-            out.append(ModelUnit(t.wte, t.wte, [t.wte], [], True))
-            out.append(ModelUnit(t.wpe, t.wpe, [t.wpe], _named(t.wpe, "transformer.wpe"), False))
+            out.append(ModelUnit(t.wte, t.wte, [t.wte], [] if tied else _named(t.wte, "transformer.wte"), tied))
+            if self.rotary is None:
+                out.append(ModelUnit(t.wpe, t.wpe, [t.wpe], _named(t.wpe, "transformer.wpe"), False))
         for key, block in t.h.items():
             out.append(ModelUnit(block, block, [block], _named(block, f"transformer.h.{key}"), False))
         if self.post_process:
             # The head matmul runs in GPT.forward itself, after ln_f: the unit ends with the chunk.
-            out.append(ModelUnit(t.ln_f, self, [self], _named(t.ln_f, "transformer.ln_f"), True))
+            head = [] if tied else [("lm_head.weight", self.lm_head.weight)]
+            out.append(ModelUnit(t.ln_f, self, [self], _named(t.ln_f, "transformer.ln_f") + head, tied))
         return out
+
+
+def rotary_frequencies(cfg: ModelConfig) -> Optional[torch.Tensor]:
+    """The rotary inverse frequencies of model.position_embedding rope (None: learned positions)."""
+    if cfg.position_embedding != "rope":
+        return None
+    scaling = None
+    if cfg.rope_scaling == "llama3":
+        scaling = Llama3Scaling(cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                                cfg.rope_original_max_position)
+    return inverse_frequencies(cfg.head_dim, cfg.rope_base, scaling)
 
 
 def apply_tensor_parallel(model: GPT, tp: Group) -> GPT:
@@ -393,7 +481,7 @@ def _named(module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
 
 
 class LayerKV:
-    """One layer's cached keys and values, [b, heads/tp, max_len, head_dim], and the
+    """One layer's cached keys and values, [b, groups/tp, max_len, head_dim], and the
     attention mask of the current step (None: plain causal attention)."""
 
     def __init__(self, batch: int, heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
@@ -421,8 +509,8 @@ class KVCache:
         if max_len > model.cfg.seq_length:
             raise ValueError(f"cannot cache {max_len} positions: model.seq_length is {model.cfg.seq_length}")
         p = next(model.parameters())
-        heads = model.cfg.num_heads // model.tp.size
-        head_dim = model.cfg.hidden_size // model.cfg.num_heads
+        heads = model.cfg.query_groups // model.tp.size  # K/V heads: one per query group
+        head_dim = model.cfg.head_dim
         self.layers = {i: LayerKV(batch, heads, max_len, head_dim, p.dtype, p.device) for i in model.layers}
         self.length = 0
         self.pad = None if pad is None else pad.to(p.device).view(batch, 1)

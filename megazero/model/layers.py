@@ -19,7 +19,7 @@ a TP region is entered by an all-gather and left by a reduce-scatter along the s
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,22 +30,34 @@ from megazero.parallel.comm import Group, copy_to_tp, leave_tp, solo_group
 from megazero.parallel.random import RNGTracker
 from megazero.parallel.weight_grad import WeightGradStore, gathered_linear, linear
 
+Stride = Union[int, tuple[int, ...]]
+"""How a fused dimension splits over TP: n equal blocks (an int: 3 for GPT-2's q|k|v), or the
+full sizes of its unequal parts (a tuple: q|k|v under grouped-query attention), each part
+split over the ranks on its own."""
 
-def mark_tp(param: nn.Parameter, dim: Optional[int], stride: int, full_shape: tuple[int, ...]) -> nn.Parameter:
+
+def _blocks(x: torch.Tensor, stride: Stride, dim: int, size: int = 1) -> tuple[torch.Tensor, ...]:
+    """x's blocks along dim: a full tensor (size 1) or one rank's shard of `size` (parts / size)."""
+    if isinstance(stride, int):
+        return x.chunk(stride, dim=dim)
+    return x.split([part // size for part in stride], dim=dim)
+
+
+def mark_tp(param: nn.Parameter, dim: Optional[int], stride: Stride, full_shape: tuple[int, ...]) -> nn.Parameter:
     param.tp_dim, param.tp_stride, param.full_shape = dim, stride, tuple(full_shape)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
     return param
 
 
-def shard_of(full: torch.Tensor, dim: Optional[int], stride: int, rank: int, size: int) -> torch.Tensor:
+def shard_of(full: torch.Tensor, dim: Optional[int], stride: Stride, rank: int, size: int) -> torch.Tensor:
     """This TP rank's shard of a full tensor (a copy of `full` itself when replicated)."""
     if dim is None or size == 1:
         return full
-    blocks = full.chunk(stride, dim=dim)  # e.g. q, k, v: each is split over ranks on its own
+    blocks = _blocks(full, stride, dim)  # e.g. q, k, v: each is split over ranks on its own
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
 
 
 def split_parameter_(module: nn.Module, name: str, tp: Group, dim: Optional[int] = None,
-                     stride: int = 1, full_rows: Optional[int] = None) -> None:
+                     stride: Stride = 1, full_rows: Optional[int] = None) -> None:
     """Replace module.NAME (a whole parameter) by this TP rank's shard along `dim`, first
     padding dim 0 with zero rows up to `full_rows` (vocabulary padding). On the meta device
     only the shape changes (computed here: meta kernels for cat/chunk import torch._dynamo,
@@ -66,12 +78,12 @@ def split_parameter_(module: nn.Module, name: str, tp: Group, dim: Optional[int]
     setattr(module, name, mark_tp(nn.Parameter(shard), dim, stride, tuple(full_shape)))
 
 
-def unshard(shards: list[torch.Tensor], dim: Optional[int], stride: int) -> torch.Tensor:
+def unshard(shards: list[torch.Tensor], dim: Optional[int], stride: Stride) -> torch.Tensor:
     """Inverse of `shard_of`: the full tensor from every TP rank's shard, in rank order."""
     if dim is None or len(shards) == 1:
         return shards[0]
-    per_rank = [s.chunk(stride, dim=dim) for s in shards]
-    return torch.cat([torch.cat([p[b] for p in per_rank], dim=dim) for b in range(stride)], dim=dim)
+    per_rank = [_blocks(s, stride, dim, len(shards)) for s in shards]
+    return torch.cat([torch.cat([p[b] for p in per_rank], dim=dim) for b in range(len(per_rank[0]))], dim=dim)
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -87,7 +99,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by output rows; the output stays split over TP ranks."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, stride: int = 1):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, stride: Stride = 1):
         super().__init__()
         self.tp, self.stride = solo_group(), stride
         self.sequence_parallel = False  # the input arrives split along the sequence
@@ -98,9 +110,10 @@ class ColumnParallelLinear(nn.Module):
 
     def apply_tp(self, tp: Group) -> None:
         out_features = self.weight.shape[0]
-        if out_features % (tp.size * self.stride):
-            raise ValueError(f"out_features ({out_features}) must be divisible by tp x stride "
-                             f"({tp.size} x {self.stride})")
+        parts = [out_features // self.stride] * self.stride if isinstance(self.stride, int) else self.stride
+        if sum(parts) != out_features or any(part % tp.size for part in parts):
+            raise ValueError(f"each fused part of out_features ({out_features}: {parts}) must be divisible by tp "
+                             f"({tp.size})")
         self.tp = tp
         split_parameter_(self, "weight", tp, 0, self.stride)
         if self.bias is not None:

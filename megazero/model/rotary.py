@@ -56,13 +56,13 @@ def _llama3(inv: torch.Tensor, s: Llama3Scaling) -> torch.Tensor:
     return torch.where(between, blended, stretched)
 
 
-def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position's angles, [..., s, d] for positions [..., s] ([s], or
-    [b, s] when rows start at different places), laid out for rotate-half."""
+def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (fp32) of every position's angles, [..., s, d] for positions [..., s] ([s],
+    or [b, s] when rows start at different places), laid out for rotate-half."""
     with torch.autocast(positions.device.type, enabled=False):
         angles = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)  # [..., s, d/2]
         both = torch.cat([angles, angles], dim=-1)
-        return both.cos().to(dtype), both.sin().to(dtype)
+        return both.cos(), both.sin()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Heads x [b, heads, s, d] rotated by their positions' tables ([s, d] or [b, s, d])."""
+    """Heads x [b, heads, s, d] rotated by their positions' tables ([s, d] or [b, s, d]), in
+    x's dtype (the tables cast to it, as Hugging Face does)."""
     if cos.dim() == 3:  # per-row positions: broadcast over the heads
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + _rotate_half(x) * sin
