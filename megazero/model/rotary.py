@@ -38,7 +38,8 @@ def inverse_frequencies(head_dim: int, base: float, scaling: Llama3Scaling | Non
     """theta_i = base^(-2i/d) for i < d/2 (fp32, on the CPU), with Llama 3.1's scaling when given."""
     if head_dim % 2:
         raise ValueError(f"rotary embeddings need an even head dimension, not {head_dim}")
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # On the CPU even while the model is built on the meta device: these are values, not parameters.
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     return inv if scaling is None else _llama3(inv, scaling)
 
 
