@@ -7,7 +7,7 @@ import torch
 
 from conftest import SAMPLES, make_texts
 from megazero.checkpoint.export import write_hf
-from megazero.checkpoint.hf import from_hf, read_hf
+from megazero.checkpoint.hf import read_hf
 from megazero.checkpoint.tensors import fit_vocab
 from megazero.config import ModelConfig
 from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe, train_sentencepiece
@@ -50,7 +50,7 @@ def test_import_roundtrip(tmp_path):
     assert cfg == ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
     fresh = GPT(cfg)
     shapes = {n: p.full_shape for n, p in fresh.named_parameters()}
-    loaded = {n: fit_vocab(n, from_hf(n, t), shapes[n]) for n, t in tensors}
+    loaded = {n: fit_vocab(n, t, shapes[n]) for n, t in tensors}
     fresh.load_state_dict(loaded, strict=True)
     for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):
         assert torch.equal(a, b), n

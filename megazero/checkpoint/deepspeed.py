@@ -39,7 +39,7 @@ import torch
 
 from megazero.checkpoint.base import Checkpoint, CheckpointError
 from megazero.checkpoint.hf import TIED_HEAD, from_hf, hf_tokenizer_spec
-from megazero.checkpoint.hf_config import model_config_from_hf
+from megazero.checkpoint.hf_names import model_config_from_hf
 from megazero.checkpoint.tensors import plain_shapes
 from megazero.config import Config, ConfigError, ModelConfig, build_config
 from megazero.deepspeed_config import import_deepspeed

@@ -3,7 +3,7 @@ memory stays near one full tensor however large the model.
 
     write_torch      one plain torch state_dict of the non-parallel model + FILE.config.json
     write_universal  the universal format (universal.py), which resumes at any layout
-    write_hf         a Hugging Face GPT-2 directory (the mapping: hf.py); write_hf_tokenizer
+    write_hf         a Hugging Face GPT-2 or Llama directory (the mapping: hf_names.py); write_hf_tokenizer
                      adds the tokenizer, for megazero and for transformers
 """
 
@@ -21,7 +21,7 @@ import torch
 from megazero.atomic import atomic_write, write_bytes, write_text
 from megazero.checkpoint import digest
 from megazero.checkpoint.base import KINDS, Checkpoint
-from megazero.checkpoint.hf import CONV1D_SUFFIXES, TIED_HEAD
+from megazero.checkpoint.hf_names import EMBEDDING, HEAD, hf_config, pieces
 from megazero.checkpoint.tensors import fit_vocab, save_safetensors_streaming
 from megazero.checkpoint.universal import UNIVERSAL_VERSION
 from megazero.config import ModelConfig
@@ -109,49 +109,41 @@ def write_universal(reader: Checkpoint, output: str) -> None:
 
 
 
-def hf_config(m: ModelConfig, eos_token_id: int | None = None) -> dict:
-    """GPT2Config fields for a megazero model."""
+def to_hf(name: str, full: torch.Tensor, m: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """A full (unsharded) megazero tensor as the HF tensors that store it (hf_names.py)."""
+    if name in (EMBEDDING, HEAD):
+        full = full[: m.vocab_size]
+    parts = pieces(name, m)
+    rows = [full.shape[0] if p.rows < 0 else p.rows for p in parts]
+    return [(p.key, t.t().contiguous() if p.transposed else t.contiguous())
+            for p, t in zip(parts, full.split(rows), strict=True)]
+
+
+def hf_shapes(name: str, shape: tuple[int, ...], m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF tensors (name: shape) that store megazero tensor `name` of full shape `shape`."""
     assert isinstance(m.vocab_size, int)
-    eos = m.vocab_size - 1 if eos_token_id is None else eos_token_id
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": m.vocab_size, "n_positions": m.seq_length, "n_ctx": m.seq_length,
-        "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_heads,
-        "n_inner": m.ffn_size, "activation_function": "gelu_new",
-        "layer_norm_epsilon": m.layernorm_eps, "initializer_range": m.init_std,
-        "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout,
-        "tie_word_embeddings": True, "bos_token_id": eos, "eos_token_id": eos,
-    }
-
-
-def to_hf(name: str, full: torch.Tensor, m: ModelConfig) -> torch.Tensor:
-    """A full (unsharded) megazero tensor as HF stores it."""
-    if name.endswith(CONV1D_SUFFIXES):
-        return full.t().contiguous()
-    if name == "transformer.wte.weight":
-        return full[: m.vocab_size].contiguous()
-    return full
+    if name in (EMBEDDING, HEAD):
+        shape = (m.vocab_size, *shape[1:])
+    out = {}
+    for p in pieces(name, m):
+        part = (shape[0] if p.rows < 0 else p.rows, *shape[1:])
+        out[p.key] = tuple(reversed(part)) if p.transposed else part
+    return out
 
 
 def write_hf(output_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]],
              m: ModelConfig, dtype: torch.dtype = torch.float32, eos_token_id: int | None = None) -> None:
-    """config.json + model.safetensors into `output_dir`, streamed one tensor at a time
-    (`shapes`: megazero's full shapes, in the order `tensors` yields them)."""
+    """config.json + model.safetensors into `output_dir` (a GPT2LMHeadModel or LlamaForCausalLM
+    directory), streamed one tensor at a time (`shapes`: megazero's full shapes, in the order
+    `tensors` yields them). A tied output layer is HF's tie: not stored."""
     os.makedirs(output_dir, exist_ok=True)
-    hf_shapes = {name: hf_shape(name, shape, m) for name, shape in shapes.items() if name != TIED_HEAD}
-    converted = ((name, to_hf(name, t, m)) for name, t in tensors if name != TIED_HEAD)
-    save_safetensors_streaming(os.path.join(output_dir, "model.safetensors"), hf_shapes, dtype, converted,
+    tied = m.tie_embeddings
+    out_shapes = {k: v for name, shape in shapes.items() if not (tied and name == HEAD)
+                  for k, v in hf_shapes(name, shape, m).items()}
+    converted = (pair for name, t in tensors if not (tied and name == HEAD) for pair in to_hf(name, t, m))
+    save_safetensors_streaming(os.path.join(output_dir, "model.safetensors"), out_shapes, dtype, converted,
                                metadata={"format": "pt"})
     write_text(os.path.join(output_dir, "config.json"), json.dumps(hf_config(m, eos_token_id), indent=2))
-
-
-def hf_shape(name: str, shape: tuple[int, ...], m: ModelConfig) -> tuple[int, ...]:
-    if name.endswith(CONV1D_SUFFIXES):
-        return tuple(reversed(shape))
-    if name == "transformer.wte.weight":
-        assert isinstance(m.vocab_size, int)
-        return (m.vocab_size, shape[1])
-    return tuple(shape)
 
 
 def write_hf_tokenizer(tokenizer: Tokenizer, output_dir: str, model_max_length: int) -> None:

@@ -1,10 +1,13 @@
-"""Reading Hugging Face GPT-2 directories: whole (convert, generate), or each rank's TP shard
-of one parameter at a time (checkpoint.init_from_hf). export.write_hf writes them.
+"""Reading Hugging Face GPT-2 and Llama directories (one model.safetensors, a sharded
+model.safetensors.index.json, or pytorch_model.bin): whole (convert, generate), or each
+rank's TP shard of one parameter at a time (checkpoint.init_from_hf). export.write_hf
+writes them; hf_names.py says where each megazero tensor lives in them.
 
-megazero's parameter names are GPT2LMHeadModel's; only storage differs: the four
-projections (c_attn, attn.c_proj, c_fc, mlp.c_proj) are nn.Linear-shaped [out, in] here
-and Conv1D-shaped [in, out] in HF, and megazero's token embedding has zero rows padding
-the vocabulary (to a multiple of 128 x tp) that HF does not have.
+For GPT-2 megazero's parameter names are GPT2LMHeadModel's; only storage differs: the four
+projections are nn.Linear-shaped [out, in] here and Conv1D-shaped [in, out] in HF. For
+Llama the fused projections stack several HF tensors. megazero's token embedding (and
+untied output layer) has zero rows padding the vocabulary (to a multiple of 128 x tp) that
+HF does not have.
 """
 
 from __future__ import annotations
@@ -17,50 +20,119 @@ import torch
 from safetensors import safe_open
 
 from megazero.checkpoint.base import Checkpoint, CheckpointError, safetensors_metadata
-from megazero.checkpoint.hf_config import model_config_from_hf
-from megazero.checkpoint.tensors import plain_shapes, stream_safetensors
+from megazero.checkpoint.hf_names import GPT2_CONV1D as CONV1D_SUFFIXES
+from megazero.checkpoint.hf_names import Piece, model_config_from_hf, pieces
+from megazero.checkpoint.tensors import plain_shapes
 from megazero.config import ModelConfig
+from megazero.model.layers import Stride
 
-CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 TIED_HEAD = "lm_head.weight"
 
 
 def from_hf(name: str, hf_tensor: torch.Tensor) -> torch.Tensor:
-    """An HF tensor in megazero's storage layout (Conv1D weights transposed); the vocab
+    """An HF GPT-2 tensor in megazero's storage layout (Conv1D weights transposed); the vocab
     padding rows are added by `fit_vocab` for the target tp."""
     return hf_tensor.t().contiguous() if name.endswith(CONV1D_SUFFIXES) else hf_tensor
 
 
+class HFFiles:
+    """The tensors of an HF directory by (normalised) key: model.safetensors, the shards a
+    model.safetensors.index.json names, or a weights_only pytorch_model.bin. Slices read
+    only what they ask for."""
+
+    def __init__(self, hf_dir: str) -> None:
+        self.dir = hf_dir
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        self._files: dict[str, Any] = {}  # path -> safe_open or state_dict
+        self._where: dict[str, tuple[str, str]] = {}  # normalised key -> (path, key in the file)
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            for key, file in weight_map.items():
+                self._add(key, os.path.join(hf_dir, file))
+            return
+        path = hf_weights_file(hf_dir)
+        for key in self._open(path).keys():
+            self._add(key, path)
+
+    def _open(self, path: str) -> Any:
+        if path not in self._files:
+            self._files[path] = safe_open(path, framework="pt") if path.endswith(".safetensors") else \
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return self._files[path]
+
+    def _add(self, key: str, path: str) -> None:
+        if key.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")):
+            return  # buffers older files store: the causal mask, rotary frequencies
+        self._where[_normalised(key)] = (path, key)
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def slice(self, key: str) -> Any:
+        """An indexable view of tensor `key` (safetensors slice or tensor); KeyError when absent."""
+        path, inner = self._where[key]
+        f = self._open(path)
+        return f.get_slice(inner) if path.endswith(".safetensors") else f[inner]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        s = self.slice(key)
+        return tuple(s.get_shape() if hasattr(s, "get_shape") else s.shape)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self.slice(key)[:]
+
+
+def _normalised(key: str) -> str:
+    """GPT2LMHeadModel's and LlamaForCausalLM's names: a bare GPT2Model / LlamaModel lacks the
+    'transformer.' / 'model.' prefix."""
+    if key.startswith(("transformer.", "model.", "lm_head.")):
+        return key
+    return ("model." if key.startswith(("layers.", "embed_tokens.", "norm.")) else "transformer.") + key
+
+
+def read_config(hf_dir: str) -> ModelConfig:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"'{path}' not found: an HF directory needs config.json and model.safetensors")
+    with open(path) as f:
+        return model_config_from_hf(json.load(f))
+
+
 def read_hf(hf_dir: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """The model config of an HF GPT-2 directory and a lazy iterator over its tensors,
-    with names normalised to GPT2LMHeadModel's (a bare GPT2Model has no 'transformer.')."""
-    cfg_path, st_path = os.path.join(hf_dir, "config.json"), os.path.join(hf_dir, "model.safetensors")
-    for path in (cfg_path, st_path):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"'{path}' not found: an HF GPT-2 directory needs config.json and model.safetensors")
-    with open(cfg_path) as f:
-        m = model_config_from_hf(json.load(f))
+    """The model config of an HF GPT-2 or Llama directory and a lazy iterator over megazero's
+    tensors in megazero's layout (fused projections stacked, Linear-shaped; no vocab padding)."""
+    m = read_config(hf_dir)
+    files = HFFiles(hf_dir)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for key, t in stream_safetensors(st_path):
-            name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
-            if name.endswith(".attn.bias") or name.endswith(".attn.masked_bias"):
-                continue  # old HF files store the causal mask as a buffer
-            yield name, t
+        for name in plain_shapes(m):
+            yield name, _stacked(files, name, m)
 
     return m, tensors()
 
 
-def open_hf(path: str) -> Checkpoint:
-    """A Hugging Face GPT-2 directory as a Checkpoint (weights only)."""
+def _stacked(files: HFFiles, name: str, m: ModelConfig) -> torch.Tensor:
     try:
-        m, _ = read_hf(path)
-    except (FileNotFoundError, ValueError) as e:
+        parts = [files.tensor(p.key) for p in pieces(name, m)]
+    except KeyError as e:
+        raise CheckpointError(f"{files.dir} has no tensor {e}: not a checkpoint of this model's shape") from None
+    parts = [t.t() if p.transposed else t for p, t in zip(pieces(name, m), parts, strict=True)]
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]).contiguous()
+
+
+def open_hf(path: str) -> Checkpoint:
+    """A Hugging Face GPT-2 or Llama directory as a Checkpoint (weights only)."""
+    try:
+        m = read_config(path)
+    except (FileNotFoundError, ValueError, KeyError) as e:
         raise CheckpointError(f"Hugging Face directory '{path}' cannot be read: {e}") from None
-    safetensors_metadata(os.path.join(path, "model.safetensors"))
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        safetensors_metadata(single)
 
     def stream(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((n, from_hf(n, t)) for n, t in read_hf(path)[1])
+        return read_hf(path)[1]
 
     return Checkpoint(path, "Hugging Face directory", m, hf_tokenizer_spec(path), None, plain_shapes(m), stream)
 
@@ -86,75 +158,82 @@ def hf_weights_file(hf_dir: str) -> str:
 
 
 class HFInitialValues:
-    """A run's starting parameters read from an HF GPT-2 directory, one parameter's TP shard
-    at a time: safetensors slices (or a memory-mapped weights_only pytorch_model.bin) read
-    only the rows or columns this rank keeps, never the whole model.
+    """A run's starting parameters read from an HF GPT-2 or Llama directory, one parameter's
+    TP shard at a time: safetensors slices (or a memory-mapped weights_only pytorch_model.bin)
+    read only the rows or columns this rank keeps, from the HF tensor (piece) that holds
+    them, never the whole model.
 
     `value(name, param, tp_rank, tp_size)` returns the shard in megazero's layout (Linear
-    [out, in] weights, the vocabulary padded with zero rows), fp32, on the CPU."""
+    [out, in] weights, fused projections stacked, the vocabulary padded with zero rows),
+    fp32, on the CPU."""
 
     def __init__(self, hf_dir: str, m: ModelConfig) -> None:
-        self.path, self.m = hf_weights_file(hf_dir), m
-        self._file: Any  # a safetensors safe_open, or a state_dict
-        if self.path.endswith(".safetensors"):
-            self._file = safe_open(self.path, framework="pt")
-            keys = list(self._file.keys())
-        else:
-            self._file = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
-            keys = list(self._file)
-        # GPT2LMHeadModel names; a bare GPT2Model's keys lack the 'transformer.' prefix
-        self.keys = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: k for k in keys}
-
-    def _slice(self, key: str):
-        return self._file.get_slice(key) if self.path.endswith(".safetensors") else self._file[key]
-
-    def _shape(self, key: str) -> tuple[int, ...]:
-        s = self._slice(key)
-        return tuple(s.get_shape() if hasattr(s, "get_shape") else s.shape)
+        self.files, self.m = HFFiles(hf_dir), m
 
     def value(self, name: str, p: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
-        hf_name = "transformer.wte.weight" if name == TIED_HEAD else name
-        if hf_name not in self.keys:
-            raise CheckpointError(f"{self.path} has no tensor '{hf_name}': not a GPT-2 checkpoint of this model's shape")
-        key, conv = self.keys[hf_name], hf_name.endswith(CONV1D_SUFFIXES)
+        if name == TIED_HEAD and self.m.tie_embeddings:
+            name = "transformer.wte.weight"
         full = tuple(p.full_shape)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
-        expected = tuple(reversed(full)) if conv else full
-        rows = None
-        if hf_name == "transformer.wte.weight":
-            expected = (self.m.vocab_size, full[1])  # megazero's padding rows are not stored
-        elif hf_name == "transformer.wpe.weight":
-            rows = full[0]  # the first seq_length of the checkpoint's n_positions
-        got = self._shape(key)
-        if got != expected and not (rows and got[1:] == expected[1:] and got[0] >= rows):
-            raise CheckpointError(f"{self.path}: '{key}' has shape {list(got)}, but the model config needs "
-                             f"{list(expected)}; the model section does not match this checkpoint")
+        parts = pieces(name, self.m)
+        rows = [full[0] if q.rows < 0 else q.rows for q in parts]
+        vocab = name in ("transformer.wte.weight", TIED_HEAD)
+        for q, r in zip(parts, rows, strict=True):
+            self._check(q, (self.m.vocab_size if vocab else r, *full[1:]), name == "transformer.wpe.weight")
         dim, stride = (p.tp_dim, p.tp_stride) if tp_size > 1 else (None, 1)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
-        if hf_name == "transformer.wte.weight":
-            dim = 0  # read by rows at any tp, so the padding rows come out as zeros
+        if vocab:
+            dim, stride = 0, 1  # read by rows at any tp, so the padding rows come out as zeros
         if dim is None:
-            t = self._slice(key)[:rows] if rows else self._slice(key)[:]
-            return (t.t() if conv else t).float().contiguous()
-        pieces = [self._read(key, conv, dim, lo, hi, full) for lo, hi in _shard_ranges(full[dim], stride, tp_rank,
-                                                                                         tp_size)]
-        return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+            dim, stride, tp_rank, tp_size = 0, 1, 0, 1  # the whole tensor: one range
+        ranges = _shard_ranges(full[dim], stride, tp_rank, tp_size)
+        if dim == 1:
+            out = [self._read(parts[0], 1, lo, hi, full) for lo, hi in ranges]
+        else:
+            out = [self._rows(parts, rows, lo, hi, full) for lo, hi in ranges]
+        return torch.cat(out, dim=dim) if len(out) > 1 else out[0]
 
-    def _read(self, key: str, conv: bool, dim: int, lo: int, hi: int, full: tuple[int, ...]) -> torch.Tensor:
-        """Elements [lo, hi) along megazero dimension `dim`, in megazero's layout, fp32;
-        indices past what the file stores (vocabulary padding) are zeros."""
-        hf_dim = 1 - dim if conv else dim
-        real_hi = min(hi, self._shape(key)[hf_dim])
+    def _check(self, piece: Piece, expected: tuple, positions: bool) -> None:
+        key = piece.key
+        try:
+            got = self.files.shape(key)
+        except KeyError:
+            raise CheckpointError(f"{self.files.dir} has no tensor '{key}': not a checkpoint of this model's "
+                                  f"shape") from None
+        want = tuple(reversed(expected)) if piece.transposed else expected
+        if got != want and not (positions and got[1:] == want[1:] and got[0] >= want[0]):
+            raise CheckpointError(f"{self.files.dir}: '{key}' has shape {list(got)}, but the model config needs "
+                                  f"{list(want)}; the model section does not match this checkpoint")
+
+    def _rows(self, parts: list[Piece], rows: list[int], lo: int, hi: int, full: tuple) -> torch.Tensor:
+        """Rows [lo, hi) of the stacked tensor: they lie in one piece (TP splits each part)."""
+        start = 0
+        for q, r in zip(parts, rows, strict=True):
+            if lo < start + r or q is parts[-1]:
+                assert hi <= start + r or q is parts[-1], (q.key, lo, hi)
+                return self._read(q, 0, lo - start, hi - start, (r, *full[1:]))
+            start += r
+        raise AssertionError("unreachable")
+
+    def _read(self, piece: Piece, dim: int, lo: int, hi: int, full: tuple) -> torch.Tensor:
+        """Elements [lo, hi) along megazero dimension `dim` of one piece, in megazero's layout,
+        fp32; indices past what the file stores (vocabulary padding) are zeros."""
+        hf_dim = 1 - dim if piece.transposed else dim
+        real_hi = min(hi, self.files.shape(piece.key)[hf_dim])
         shape = list(full)
         shape[dim] = hi - lo
         out = torch.zeros(shape)
         if lo < real_hi:
-            s = self._slice(key)
+            s = self.files.slice(piece.key)
             t = s[lo:real_hi] if hf_dim == 0 else s[:, lo:real_hi]
-            out.narrow(dim, 0, real_hi - lo).copy_(t.t() if conv else t)
+            out.narrow(dim, 0, real_hi - lo).copy_(t.t() if piece.transposed else t)
         return out
 
 
-def _shard_ranges(size: int, stride: int, rank: int, tp: int) -> list[tuple[int, int]]:
+def _shard_ranges(size: int, stride: Stride, rank: int, tp: int) -> list[tuple[int, int]]:
     """[lo, hi) along the split dimension of the blocks this TP rank keeps (see layers.shard_of)."""
-    block = size // stride
-    chunk = block // tp
-    return [(j * block + rank * chunk, j * block + (rank + 1) * chunk) for j in range(stride)]
+    parts = [size // stride] * stride if isinstance(stride, int) else list(stride)
+    out, start = [], 0
+    for part in parts:
+        chunk = part // tp
+        out.append((start + rank * chunk, start + (rank + 1) * chunk))
+        start += part
+    return out

@@ -1,62 +1,65 @@
-"""A Hugging Face GPT-2 config.json read as megazero's model section: torch-free, so
-checkpoint.init_from_hf is checked before torch loads (hf.py reads the weights)."""
+"""checkpoint.init_from_hf: a Hugging Face GPT-2 or Llama config.json resolved into the run's
+model section (hf_names.py reads it), torch-free, so it is checked before torch loads
+(hf.py reads the weights)."""
 
 from __future__ import annotations
 
 import json
 import os
 
+from megazero.checkpoint.hf_names import model_config_from_hf, set_by_hf
 from megazero.config import Config, ConfigError, ModelConfig, tokenizer_size
 
 
-def model_config_from_hf(hf: dict) -> ModelConfig:
-    """The megazero model section equivalent to a GPT2Config dict."""
-    inner = hf.get("n_inner") or 0
-    if hf.get("model_type") != "gpt2":
-        raise ValueError(f"model_type '{hf.get('model_type')}' is not gpt2; only GPT-2 checkpoints can be imported")
-    return ModelConfig(num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_heads=hf["n_head"],
-                       seq_length=hf["n_positions"], vocab_size=hf["vocab_size"],
-                       ffn_hidden_size=0 if inner == 4 * hf["n_embd"] else inner, layernorm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                       init_std=hf.get("initializer_range", 0.02), dropout=0.0)
-
-
 def resolve_init_from_hf(cfg: Config) -> None:
-    """Resolve against checkpoint.init_from_hf: a GPT-2 directory whose config.json the model section
-    matches (refused otherwise); model.vocab_size auto becomes its vocabulary size."""
+    """Resolve against checkpoint.init_from_hf: a GPT-2 or Llama directory whose config.json gives
+    the model keys the run leaves unset and agrees with those it sets (refused otherwise, naming
+    both values); model.vocab_size auto becomes its vocabulary size."""
     d, m = cfg.checkpoint.init_from_hf, cfg.model
     assert d is not None
     path = os.path.join(d, "config.json")
-    if not os.path.isfile(path) or not any(os.path.isfile(os.path.join(d, n))
-                                           for n in ("model.safetensors", "pytorch_model.bin")):
+    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    if not os.path.isfile(path) or not any(os.path.isfile(os.path.join(d, n)) for n in weights):
         raise ConfigError(f"checkpoint.init_from_hf {d} is not a Hugging Face model directory (config.json with "
-                          f"model.safetensors or pytorch_model.bin); save one with save_pretrained() or "
+                          f"model.safetensors, its index or pytorch_model.bin); save one with save_pretrained() or "
                           f"python -m megazero.convert --to hf")
     try:
         with open(path) as f:
             hf = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"checkpoint.init_from_hf: cannot read {path} ({e})") from e
-    if hf.get("model_type") != "gpt2":
-        raise ConfigError(f"checkpoint.init_from_hf {d} holds a '{hf.get('model_type')}' model; only GPT-2 "
-                          f"(model_type gpt2) weights can start a megazero run")
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+    try:
+        theirs = model_config_from_hf(hf)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"checkpoint.init_from_hf {d}: {e}; only GPT-2 (model_type gpt2) and Llama "
+                          f"(model_type llama) weights can start a megazero run") from None
+    if hf.get("model_type") == "gpt2" and hf.get("activation_function", "gelu_new") not in ("gelu_new",
+                                                                                          "gelu_pytorch_tanh"):
         raise ConfigError(f"checkpoint.init_from_hf {d} uses activation {hf['activation_function']}; megazero's "
                           f"GPT-2 uses the tanh GELU (gelu_new)")
-    theirs = model_config_from_hf(hf)
     assert isinstance(theirs.vocab_size, int)
     if cfg.data.tokenizer and tokenizer_size(cfg.data.tokenizer) > theirs.vocab_size:
         raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r} has {tokenizer_size(cfg.data.tokenizer)} tokens but "
-                          f"the GPT-2 in {d} only {theirs.vocab_size}; use the tokenizer that model was trained with")
-    if m.vocab_size == "auto":
-        m.vocab_size = theirs.vocab_size
-    for key, hf_key in [("num_layers", "n_layer"), ("hidden_size", "n_embd"), ("num_heads", "n_head"),
-                        ("vocab_size", "vocab_size"), ("layernorm_eps", "layer_norm_epsilon")]:
-        if getattr(m, key) != getattr(theirs, key):
-            raise ConfigError(f"model.{key} ({getattr(m, key)}) differs from {hf_key} ({getattr(theirs, key)}) in "
-                              f"{path}; set --model.{key} {getattr(theirs, key)}")
-    if m.ffn_size != theirs.ffn_size:
-        raise ConfigError(f"the MLP width ({m.ffn_size}) differs from n_inner ({theirs.ffn_size}) in {path}; "
-                          f"set --model.ffn_hidden_size {theirs.ffn_size}")
-    if m.seq_length > theirs.seq_length:
+                          f"the model in {d} only {theirs.vocab_size}; use the tokenizer that model was trained with")
+    _take_model_keys(cfg, theirs, path)
+    if m.position_embedding == "learned" and m.seq_length > theirs.seq_length:
         raise ConfigError(f"model.seq_length ({m.seq_length}) exceeds n_positions ({theirs.seq_length}) in {path}; "
                           f"set --model.seq_length {theirs.seq_length} or less")
+
+
+def _take_model_keys(cfg: Config, theirs: ModelConfig, path: str) -> None:
+    """Model keys the run did not set come from config.json; the ones it set must agree."""
+    m = cfg.model
+    for key in set_by_hf(theirs):
+        mine, hf_value = getattr(m, key), getattr(theirs, key)
+        if key == "ffn_hidden_size":
+            mine, hf_value = m.ffn_size, theirs.ffn_size
+        elif key == "num_query_groups":
+            mine, hf_value = m.query_groups, theirs.query_groups
+        if mine == hf_value:
+            continue
+        if f"model.{key}" not in cfg.set_keys or mine == "auto":
+            setattr(m, key, getattr(theirs, key))
+            continue
+        raise ConfigError(f"model.{key} ({mine}) differs from {path}'s {key} ({hf_value}); "
+                          f"set --model.{key} {getattr(theirs, key)} or leave it out to take the checkpoint's")
