@@ -77,9 +77,10 @@ def write_torch(reader: Checkpoint, output: str, dtype: torch.dtype) -> None:
 
 
 def _with_vocab_rows(reader: Checkpoint, rows: int) -> dict[str, tuple[int, ...]]:
-    """The checkpoint's shapes with `rows` rows of the token embedding (its vocabulary padding)."""
+    """The checkpoint's shapes with `rows` rows of the token embedding and an untied output
+    layer (their vocabulary padding)."""
     shapes = {n: tuple(reader.full_shape(n)) for n in reader.names()}
-    return {n: (rows, *s[1:]) if n == "transformer.wte.weight" else s for n, s in shapes.items()}
+    return {n: (rows, *s[1:]) if n in (EMBEDDING, HEAD) else s for n, s in shapes.items()}
 
 
 def write_sidecar(path: str, reader: Checkpoint, weights: dict) -> None:

@@ -92,7 +92,8 @@ def _joined(full_parameters: Iterator, shapes: dict, grid: ProcessGrid, dtype: t
     """(name, full tensor) on the DP-rank-0 row, one at a time; other rows only take part
     in the ZeRO-3 gathers that `full_parameters` runs."""
     for name, param, value in full_parameters:
-        if name == "lm_head.weight" or name not in shapes or grid.dp_cp_group.rank != 0:  # the head is wte's tied copy
+        # A tied head (wte's copy) is not in the non-parallel model's shapes; an untied one is.
+        if name not in shapes or grid.dp_cp_group.rank != 0:
             continue
         yield name, fit_vocab(name, _tp_full(value.detach(), param, grid.tp_group), shapes[name]).to(dtype)
 

@@ -8,13 +8,17 @@ import json
 import os
 from typing import Optional
 
-from megazero.config import Config
+from megazero.config import Config, ModelConfig
 from megazero.errors import UserError
 
 LATEST = "latest"
 MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
 """Megatron-LM's name for `latest`: the iteration number (or `release`), written beside it."""
-MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size")
+MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size",
+              "normalization", "position_embedding", "rope_base", "rope_scaling", "activation", "num_query_groups",
+              "bias", "tie_embeddings")
+"""The model keys a resume must match (the architecture); a checkpoint from before a key existed
+holds that key's default (GPT-2)."""
 
 
 def resume_dir(load_dir: str, iteration: int = 0) -> Optional[str]:
@@ -41,14 +45,18 @@ class PointerError(UserError, ValueError):
     """latest_checkpointed_iteration.txt names no iteration."""
 
 
+_DEFAULTS = dataclasses.asdict(ModelConfig())
+
+
 def model_mismatch(saved: dict, cfg: Config, ckpt: str) -> Optional[str]:
     """Why a checkpoint whose metadata config is `saved` cannot be resumed by `cfg` (another
     model shape, or other LoRA adapters); None when it can (any layout can be resharded)."""
-    saved_model = saved["model"]
+    saved_model = {**_DEFAULTS, **saved["model"]}
     for key in MODEL_KEYS:
         if saved_model.get(key) != getattr(cfg.model, key):
             return (f"checkpoint '{ckpt}' holds a model with model.{key} = {saved_model.get(key)}, but this run has "
-                    f"{getattr(cfg.model, key)}; use the checkpoint's model config")
+                    f"{getattr(cfg.model, key)}; use the checkpoint's model config (--model.{key} "
+                    f"{saved_model.get(key)})")
     theirs = _adapters(saved.get("finetune") or {"lora_rank": 0})
     mine = _adapters(dataclasses.asdict(cfg.finetune))
     if mine == theirs:

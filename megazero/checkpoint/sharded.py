@@ -159,8 +159,9 @@ class ShardedReader:
                 "lr_schedule": rank0.get("lr_schedule")}
 
     def names(self) -> list[str]:
-        """Parameter names of the non-parallel model, in its order (no tied head copy)."""
-        return [n for n in self.stage_of if n != "lm_head.weight"]
+        """Parameter names of the non-parallel model, in its order (no tied head copy; an untied
+        output layer is a parameter of its own)."""
+        return [n for n in self.stage_of if n != "lm_head.weight" or not self.model_config.tie_embeddings]
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.maps[(0, self.stage_of[name])]["params"][name]["full_shape"])

@@ -50,8 +50,8 @@ class UniversalReader:
         self.model_config = self.config.model
 
     def full(self, name: str, kind: str = "master") -> torch.Tensor:
-        if name == "lm_head.weight":
-            name = "transformer.wte.weight"
+        if name == "lm_head.weight" and self.model_config.tie_embeddings:
+            name = "transformer.wte.weight"  # the tied head's copy
         return self.files[kind].get_tensor(name)
 
     def trainer_state(self) -> dict:
