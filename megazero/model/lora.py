@@ -40,7 +40,7 @@ from torch import nn
 from megazero.config import FinetuneConfig, ModelConfig
 from megazero.model.gpt import GPT
 from megazero.model.layers import ColumnParallelLinear, RowParallelLinear, mark_tp, shard_of
-from megazero.model.lora_targets import adapted_modules
+from megazero.model.lora_targets import adapted, adapted_modules, part_rows
 from megazero.parallel.comm import copy_to_tp, reduce_from_tp
 from megazero.parallel.random import RNGTracker, in_stream
 
@@ -55,22 +55,38 @@ def is_adapter(name: str) -> bool:
 class LoRA:
     """The adapter path of one base projection; its forward hook adds the adapter's output."""
 
-    def __init__(self, base: Any, rank: int, alpha: float, dropout: float, tracker: Optional[RNGTracker]):
+    def __init__(self, base: Any, rank: int, alpha: float, dropout: float, tracker: Optional[RNGTracker],
+                 part: Optional[tuple[str, int, int]] = None):
+        """`part`: (name, lo, hi) when the adapter covers rows [lo, hi) of a fused column-parallel
+        projection (the Llama family's q_proj of c_attn, ...); its weights then hang under
+        base.NAME and its output lands on this rank's share of those rows."""
         self.row = isinstance(base, RowParallelLinear)
         if not (self.row or isinstance(base, ColumnParallelLinear)):
             raise TypeError(f"LoRA adapts column/row-parallel linears, not {type(base).__name__}")
         self.scale, self.dropout, self.tracker = alpha / rank, dropout, tracker
         out_full, in_full = base.weight.full_shape
         tp = self.tp_size = base.tp.size
+        self.at: Optional[tuple[int, int]] = None  # (first local output column, local width) of a part
+        holder, stride = base, base.stride
+        if part is not None:
+            name, lo, hi = part
+            holder = nn.Module()
+            setattr(base, name, holder)
+            out_full, stride = hi - lo, 1
+            self.at = (lo // tp, out_full // tp)  # every fused part is split over the ranks on its own
         make = dict(dtype=base.weight.dtype, device=base.weight.device)
-        base.lora_A, base.lora_B = nn.Module(), nn.Module()
+        holder.lora_A, holder.lora_B = nn.Module(), nn.Module()
+        self.holder = holder
         if self.row:  # A split on the input like the base weight, B replicated
-            base.lora_A.weight = mark_tp(nn.Parameter(torch.empty(rank, in_full // tp, **make)), 1, 1, (rank, in_full))
-            base.lora_B.weight = mark_tp(nn.Parameter(torch.empty(out_full, rank, **make)), None, 1, (out_full, rank))
+            holder.lora_A.weight = mark_tp(nn.Parameter(torch.empty(rank, in_full // tp, **make)), 1, 1,
+                                           (rank, in_full))
+            holder.lora_B.weight = mark_tp(nn.Parameter(torch.empty(out_full, rank, **make)), None, 1,
+                                           (out_full, rank))
         else:  # A replicated, B split on the output rows with the base's stride
-            base.lora_A.weight = mark_tp(nn.Parameter(torch.empty(rank, in_full, **make)), None, 1, (rank, in_full))
-            base.lora_B.weight = mark_tp(nn.Parameter(torch.empty(out_full // tp, rank, **make)), 0, base.stride,
-                                         (out_full, rank))
+            holder.lora_A.weight = mark_tp(nn.Parameter(torch.empty(rank, in_full, **make)), None, 1,
+                                           (rank, in_full))
+            holder.lora_B.weight = mark_tp(nn.Parameter(torch.empty(out_full // tp, rank, **make)), 0, stride,
+                                           (out_full, rank))
         base.register_forward_hook(self._add_adapter)
 
     def _dropped(self, x: torch.Tensor, training: bool) -> torch.Tensor:
@@ -81,13 +97,17 @@ class LoRA:
         return F.dropout(x, self.dropout, training=True)
 
     def _add_adapter(self, base: Any, args: tuple, y: torch.Tensor) -> torch.Tensor:
-        x = self._dropped(args[0], base.training)
-        a = F.linear(x, base.lora_A.weight)  # [..., r]
+        x, h = self._dropped(args[0], base.training), self.holder
+        a = F.linear(x, h.lora_A.weight)  # [..., r]
         if self.row:  # each rank's A slice saw its slice of the input: sum the partial products before B
-            return y + F.linear(reduce_from_tp(a, base.tp), base.lora_B.weight) * self.scale
+            return y + F.linear(reduce_from_tp(a, base.tp), h.lora_B.weight) * self.scale
         # a is the same on every rank, but each B slice sends back only part of its gradient:
         # copy_to_tp sums those in backward, so A (replicated) gets the full gradient everywhere.
-        return y + F.linear(copy_to_tp(a, base.tp), base.lora_B.weight) * self.scale
+        delta = F.linear(copy_to_tp(a, base.tp), h.lora_B.weight) * self.scale
+        if self.at is not None:  # onto this rank's columns of the part
+            start, width = self.at
+            delta = F.pad(delta, (start, y.shape[-1] - start - width))
+        return y + delta
 
 
 def apply_lora(model: GPT, f: FinetuneConfig, tracker: Optional[RNGTracker] = None) -> None:
@@ -98,8 +118,9 @@ def apply_lora(model: GPT, f: FinetuneConfig, tracker: Optional[RNGTracker] = No
     for p in model.parameters():
         p.requires_grad_(False)
     for block in model.transformer.h.values():
-        for name in adapted_modules(f.lora_targets):
-            LoRA(block.get_submodule(name), f.lora_rank, f.lora_alpha, f.lora_dropout, tracker)
+        for t in adapted(f.lora_targets, model.cfg):
+            part = None if t.part is None or t.index is None else (t.part, *part_rows(model.cfg, t.module, t.index))
+            LoRA(block.get_submodule(t.module), f.lora_rank, f.lora_alpha, f.lora_dropout, tracker, part)
 
 
 def adapter_shapes(m: ModelConfig, f: FinetuneConfig) -> dict[str, tuple[int, ...]]:

@@ -22,7 +22,7 @@ def resolve_and_validate(cfg: Config, world_size: int) -> int:
     resolve(cfg)
     dp = validate(cfg, world_size)
     if cfg.finetune.lora_rank:
-        check_targets(cfg.finetune.lora_targets)
+        check_targets(cfg.finetune.lora_targets, cfg.model)
     z = cfg.zero
     if z.sub_group_size < ALIGN:
         raise ConfigError(f"zero.sub_group_size ({z.sub_group_size}) must be at least {ALIGN} elements "
