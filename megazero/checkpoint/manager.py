@@ -1,15 +1,10 @@
-"""When and how a training run saves: the trainer asks `after_step` once per iteration and
-`close` once at the end, and this decides the rest.
-
-- When: every checkpoint.interval iterations, at the run's last iteration, and when the ranks
-  agreed to stop early (a signal, the time limit: train/lifecycle.py).
-- How: synchronously (save.py), or with checkpoint.async_save written in the background
-  (background.py) and sealed, `latest` advanced and keep_last applied, at the first iteration
-  boundary after the step's sums say every rank's write ended, at the next save, or at the end.
-- Failures: a failed save raises on every rank, unless checkpoint.on_save_error is continue
-  and it is not the run's last save: then every rank warns (the logging rank) and trains on.
-
-It knows nothing of the trainer: what each rank writes comes from a `SaveSource`.
+"""When and how a training run saves; the trainer calls `after_step` once per iteration and
+`close` at the end. When: every checkpoint.interval iterations, at the last iteration, and when
+the ranks agreed to stop early. How: synchronously (save.py), or written in the background
+(checkpoint.async_save, background.py) and sealed (`latest`, keep_last) at the first iteration
+boundary after the step's sums say every rank's write ended, at the next save, or at the end.
+A failed save raises on every rank, unless checkpoint.on_save_error is continue and it is not
+the run's last save. What each rank writes comes from a `SaveSource` (the trainer).
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ import torch
 from torch import nn
 
 from megazero.checkpoint.adapter import save_adapter
-from megazero.checkpoint.background import NO_SAVE_VOTES, BackgroundSave, start_save
+from megazero.checkpoint.background import BackgroundSave, WriteVotes, start_save
 from megazero.checkpoint.base import CheckpointSaveError
 from megazero.checkpoint.gathered import save_model_16bit
 from megazero.checkpoint.save import save_sharded
@@ -36,15 +31,12 @@ class SaveSource(Protocol):
 
     def rank_state(self, snapshot: Optional[HostSnapshot]) -> dict:
         """This rank's state, a private host copy (in `snapshot`'s reused tensors when given)."""
-        ...
 
     def full_parameters(self, trainable_only: bool = False) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
         """(name, parameter, value full over DP) of this rank's chunks: a collective."""
-        ...
 
     def check_saveable(self, iteration: int) -> None:
         """Raise (on every rank alike) when the weights must not be saved."""
-        ...
 
 
 class CheckpointManager:
@@ -56,16 +48,16 @@ class CheckpointManager:
         # checkpoint.async_save: the host copy that every save reuses.
         self.snapshot = HostSnapshot() if cfg.checkpoint.async_save else None
 
-    def votes(self) -> tuple[int, ...]:
-        """This rank's (finished, failed) for its background write, to be summed over the world
-        in the next optimizer step (every rank has one in flight or none)."""
-        return self.pending.votes() if self.pending is not None else NO_SAVE_VOTES
+    def votes(self) -> WriteVotes:
+        """This rank's background write, to be summed over the world in the next optimizer step
+        (every rank has one in flight or none)."""
+        return self.pending.votes() if self.pending is not None else WriteVotes()
 
-    def after_step(self, iteration: int, summed_votes: tuple[int, ...], stop: bool) -> bool:
+    def after_step(self, iteration: int, written: WriteVotes, stop: bool) -> bool:
         """At the end of `iteration`, with the world's sums of `votes` from its step and whether
         the ranks agreed to stop: seal the background save once every write ended, then save
         when one is due. Returns whether this iteration was saved (every rank alike)."""
-        if self.pending is not None and BackgroundSave.due(summed_votes, self.grid.world_size):
+        if self.pending is not None and BackgroundSave.due(written, self.grid.world_size):
             self.finish(last=False)
         c, last = self.cfg.checkpoint, iteration == self.cfg.train.iters
         if not c.save or not (stop or last or (c.interval and iteration % c.interval == 0)):

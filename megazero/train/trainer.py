@@ -45,6 +45,7 @@ from megazero.train.metrics import (
     peak_memory_gib,
 )
 from megazero.train.parallelize import compile_notes, parallelize
+from megazero.train.signals import StepSignals
 from megazero.train.summary import plan_check, run_prediction, startup_summary
 
 
@@ -76,10 +77,8 @@ class Trainer:
         self.timers = PhaseTimers(grid.device) if cfg.logging.timers else None
         self.plan = self._announce()
         self.stop = StopRequest(t.exit_duration_minutes)
-        self.stop_code = StopRequest.NONE  # agreed by every rank in each optimizer step
         self.checkpoints = CheckpointManager(cfg, grid, self, self.is_logger)
-        # The world's sums of the background save's (finished, failed) votes from the last step.
-        self.save_votes: tuple[int, ...] = ()
+        self.signals = StepSignals()  # the world's sums from the last step: read alike by every rank
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load, cfg.checkpoint.iteration)
 
@@ -227,11 +226,10 @@ class Trainer:
         loss = self.run_schedule(batches, forward_only=False)
         with self._phase("comm_wait"):  # the DP reductions still in flight after the last backward
             self.optimizer.finish_grad_sync()
-        with self._phase("optimizer"):  # the iteration's one device->host read: norm, loss, stop votes
-            result = self.optimizer.step(lr, loss, self.stop.votes() + self.checkpoints.votes())
-        stop_votes = len(StopRequest.REASONS)
-        self.stop_code = StopRequest.agreed(result.votes[:stop_votes])
-        self.save_votes = result.votes[stop_votes:]
+        with self._phase("optimizer"):  # the iteration's one device->host read: norm, loss, step signals
+            mine = StepSignals.of_rank(self.stop.code(), self.checkpoints.votes())
+            result = self.optimizer.step(lr, loss, mine.pack())
+        self.signals = StepSignals.unpack(result.extra)
         if not result.skipped:  # a skipped step leaves the schedule where it was (Megatron)
             self.schedule.step(batch)
         self.iteration += 1
@@ -293,8 +291,8 @@ class Trainer:
             if self.iteration % t.log_interval == 0 or self.iteration == t.iters or self.eval_due():
                 records.append(self.log(out, tokens / step_seconds, steps, step_seconds / steps))
                 step_seconds, steps, tokens = 0.0, 0, 0
-            stop = self.stop_code
-            saved = self.checkpoints.after_step(self.iteration, self.save_votes, bool(stop))
+            stop = self.signals.stop_code()
+            saved = self.checkpoints.after_step(self.iteration, self.signals.write, bool(stop))
             if stop:
                 if self.is_logger:
                     print(f"{self.stop.reason(stop)}: {'saved and ' if saved else ''}stopped cleanly at iteration "
