@@ -66,7 +66,8 @@ class SaveClock:
         self._inside = self._tail = False
         self.copy_s = 0.0  # of saving_s: taking the rank's state (async: into the host snapshot)
         self.wait_s = 0.0  # of saving_s: async, waiting for a background write to end
-        step, save, finish = trainer.train_step, trainer.save_checkpoint, trainer.finish_save
+        manager = trainer.checkpoints
+        step, save, finish = trainer.train_step, manager.save, manager.finish
         trainer.rank_state = self._part(trainer.rank_state, "copy_s")
         BackgroundSave.wait = self._part(BackgroundSave.wait, "wait_s")  # this process's own class: a benchmark
 
@@ -79,7 +80,7 @@ class SaveClock:
 
         def timed_finish(*args, **kwargs):
             if self._last():
-                if trainer.pending_save.iteration >= iters:  # the last save's own finish: not counted
+                if manager.pending.iteration >= iters:  # the last save's own finish: not counted
                     return finish(*args, **kwargs)
                 self._tail = True
                 tic = time.perf_counter()
@@ -89,7 +90,7 @@ class SaveClock:
                     self._tail = False
                     self.tail_s = time.perf_counter() - tic
             return finish(*args, **kwargs) if self._inside else self._count(finish, *args, **kwargs)
-        trainer.train_step, trainer.save_checkpoint, trainer.finish_save = timed_step, timed_save, timed_finish
+        trainer.train_step, manager.save, manager.finish = timed_step, timed_save, timed_finish
 
     def _part(self, fn: Callable, field: str) -> Callable:
         """fn, its seconds added to `field` when they fall in a counted save."""

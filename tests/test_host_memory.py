@@ -154,8 +154,8 @@ def _snapshot_bytes(save: str) -> tuple[int, int]:
     tr.save_checkpoint()
     layout = run_layout(tr.cfg, tr.grid.dp, tr.grid.cp)
     rank = predict(tr.cfg, layout, Cluster(2, 2, 1.0, None), ranks=[0], device="cpu").rank(0)
-    assert tr.snapshot is not None
-    return tr.snapshot.nbytes(), rank.host_items["async_snapshot"]
+    assert tr.checkpoints.snapshot is not None
+    return tr.checkpoints.snapshot.nbytes(), rank.host_items["async_snapshot"]
 
 
 def test_the_async_save_snapshot_is_in_the_host_figure(tmp_path):

@@ -9,8 +9,8 @@ whose gradient norm or any rank's loss is inf/NaN is skipped on every rank, in a
                    during backward, as their buckets are reduced
 
 The trainer calls zero_grad() before an iteration's first micro-batch, finish_grad_sync()
-after its last backward and step(lr, loss, votes) -> StepResult (skipped everywhere on
-inf/NaN; with the global loss and the summed votes: one device->host read per step); the
+after its last backward and step(lr, loss, extra) -> StepResult (skipped everywhere on
+inf/NaN; with the global loss and the summed `extra` values: one device->host read per step); the
 schedules scale the loss before each backward (scale_loss: fp16 loss scaling) and run every
 backward but the last of each model chunk inside no_sync(). all_finite() guards saving;
 state_dict() / load_state_dict() hold this rank's shard and the partition map.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -45,8 +45,8 @@ class StepResult:
     loss_scale: Optional[float] = None
     loss: float = 0.0
     """The global loss: every rank's share summed over the world (each loss replica once)."""
-    votes: tuple[int, ...] = ()
-    """The element-wise sums over the world of the `votes` given to step()."""
+    extra: tuple[float, ...] = ()
+    """The element-wise sums over the world of the `extra` values given to step()."""
 
 
 class ZeroOptimizer:
@@ -121,30 +121,31 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ step
 
-    def step_sums(self, loss: Optional[torch.Tensor] = None, votes: tuple[int, ...] = ()) -> StepSums:
+    def step_sums(self, loss: Optional[torch.Tensor] = None, extra: Sequence[float] = ()) -> StepSums:
         """The world's sums behind a step, read once: the global L2 norm of the gradients
         over TP, PP and DP, each element once (still scaled by any fp16 loss scale); whether
         any rank saw inf/NaN in a gradient or in its `loss` share; the global loss (one TP
-        rank per loss replica adds its share); the summed `votes`. At stage 0 DP replicas
+        rank per loss replica adds its share); the summed `extra`. At stage 0 DP replicas
         hold the same reduced gradients, so only rank 0 of dp x cp adds them."""
         mine = self.stage > 0 or self.grid.dp_cp_group.rank == 0
         pieces = ((self.grads.view(r), r.counted) for r in (self.ranges if mine else ()))
         count_loss = loss is not None and self.grid.tp_rank == 0
-        return reduce_step_sums(pieces, loss, count_loss, votes, self.grid["world"], self.grid.device)
+        return reduce_step_sums(pieces, loss, count_loss, extra, self.grid["world"], self.grid.device)
 
     @torch.no_grad()
-    def step(self, lr: float, loss: Optional[torch.Tensor] = None, votes: tuple[int, ...] = ()) -> StepResult:
+    def step(self, lr: float, loss: Optional[torch.Tensor] = None, extra: Sequence[float] = ()) -> StepResult:
         """One AdamW step of this rank's shard, or none anywhere when a gradient (or a rank's
         `loss` share) is inf/NaN: in every precision such a step would poison the master
         weights and Adam moments, so it is skipped whole (fp16 also backs off its loss scale).
-        The decision, the clip coefficient, the global loss and the summed `votes` (e.g. the
-        trainer's stop requests) come from one all-reduce and one device->host read."""
+        The decision, the clip coefficient, the global loss and the summed `extra` values
+        (the trainer's step signals, summed here unread) come from one all-reduce and one
+        device->host read."""
         self.params.wait_all()  # the step writes the slices the last gathers read
-        sums = self.step_sums(loss, votes)
+        sums = self.step_sums(loss, extra)
         scale = self.scaler.scale if self.scaler is not None else None
         norm = sums.grad_norm * (1.0 / scale) if scale is not None else sums.grad_norm
         result = StepResult(grad_norm=norm, skipped=sums.overflow, loss_scale=scale, loss=sums.loss,
-                            votes=tuple(sums.votes))
+                            extra=tuple(sums.extra))
         if self.scaler is not None:
             self.scaler.update(sums.overflow)
         if sums.overflow:  # every rank saw the same sums, so every rank skips
