@@ -1,6 +1,6 @@
 """Regenerate README.md's generated blocks: the config-key table (from the config dataclasses'
-field docstrings), the Megatron-LM migration table and defaults (megazero/train/megatron_flags.py)
-and the DeepSpeed migration table (megazero/deepspeed_config.py).
+field docstrings), the Megatron-LM migration table and defaults (megazero/config/megatron.py)
+and the DeepSpeed migration table (megazero/config/deepspeed.py).
 
     python scripts/update_readme_config.py
 
@@ -16,18 +16,17 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megazero import deepspeed_config  # noqa: E402
 from megazero.atomic import atomic_write  # noqa: E402
-from megazero.config import markdown_table  # noqa: E402
-from megazero.train import megatron_flags  # noqa: E402
+from megazero.config import deepspeed, megatron  # noqa: E402
+from megazero.config.help import markdown_table  # noqa: E402
 
 BLOCKS = (  # (start marker, end marker, text between them, whether it stands on lines of its own)
     ("<!-- config-keys:start (scripts/update_readme_config.py) -->", "<!-- config-keys:end -->", markdown_table, True),
     ("<!-- megatron-flags:start (scripts/update_readme_config.py) -->", "<!-- megatron-flags:end -->",
-     megatron_flags.markdown_table, True),
-    ("<!-- megatron-defaults:start -->", "<!-- megatron-defaults:end -->", megatron_flags.defaults_table, False),
+     megatron.markdown_table, True),
+    ("<!-- megatron-defaults:start -->", "<!-- megatron-defaults:end -->", megatron.defaults_table, False),
     ("<!-- deepspeed-keys:start (scripts/update_readme_config.py) -->", "<!-- deepspeed-keys:end -->",
-     deepspeed_config.markdown_table, True),
+     deepspeed.markdown_table, True),
 )
 
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from megazero.config import ConfigError, build_config, load_yaml, parse_overrides, resolve, validate
+from megazero.config.preflight import resolve_and_validate
 from megazero.model.layers import padded_vocab_size
-from megazero.train.run_config import resolve_and_validate
 
 
 def test_precedence_cli_over_file_over_defaults(tmp_path):
@@ -391,7 +391,7 @@ def test_readme_migration_tables_name_real_keys():
     import re
 
     from megazero.config import has_key
-    from megazero.deepspeed_config import SIMPLE
+    from megazero.config.deepspeed import SIMPLE
     readme = open("README.md").read()
     megatron = readme[readme.index("### Coming from Megatron-LM"):readme.index("### Coming from DeepSpeed")]
     deepspeed = readme[readme.index("### Coming from DeepSpeed"):]

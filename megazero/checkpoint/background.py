@@ -24,7 +24,7 @@ import threading
 from typing import Callable, Optional
 
 from megazero.checkpoint.save import Save, write_rank_file
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.parallel.grid import ProcessGrid
 
 NO_SAVE_VOTES = (0, 0)

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.errors import UserError
 from megazero.model.layers import padded_vocab_size
 from megazero.parallel.host import PIECE_BYTES

@@ -24,7 +24,8 @@ from megazero.checkpoint.gathered import save_model_16bit
 from megazero.checkpoint.resume import RESUME, resume_state, starting_point
 from megazero.checkpoint.save import save_sharded
 from megazero.checkpoint.tensors import encode_rng
-from megazero.config import Config, describe
+from megazero.config.parse import describe
+from megazero.config.schema import Config
 from megazero.data import DataError
 from megazero.data.gpt_dataset import build_train_valid_test_datasets, check_compatibility, inputs_and_labels
 from megazero.data.mock import MockGPTDataset

@@ -16,7 +16,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from megazero.config import Config, ConfigError, config_keys, show_value
+from megazero.config.help import config_keys, show_value
+from megazero.config.schema import Config, ConfigError
 from megazero.data import DataError
 from megazero.data.tokenizer import spec_from_megatron_args
 
