@@ -21,6 +21,13 @@ def test_precedence_cli_over_file_over_defaults(tmp_path):
     assert cfg.model.hidden_size == 128  # file wins over default
     assert cfg.train.seed == 5 and cfg.train.precision == "bf16"
     assert cfg.model.num_heads == 4  # default
+    # The keys the user set are recorded, whatever their value: a default written out is set too.
+    assert cfg.set_keys == {"model.num_layers", "model.hidden_size", "train.seed", "train.precision"}
+    assert "set_keys" not in cfg.to_dict() and build_config({"train": {"seed": 1234}}) == build_config()  # not compared
+    explicit = build_config(None, ["--data.mock", "true", "--zero.hysteresis", "2"])  # 2: the default
+    resolve(explicit)
+    with pytest.raises(ConfigError, match="zero.hysteresis configures the fp16 loss scaler"):
+        validate(explicit, 1)
 
 
 def test_override_parsing():

@@ -8,9 +8,9 @@ import pytest
 
 from conftest import make_config, make_trainer
 from distributed import run_distributed
+from megazero.config.schema import ZeroConfig
 from megazero.errors import UserError
 from megazero.train.host_memory import (
-    DEFAULT_SUB_GROUP_SIZE,
     USABLE,
     HostMemoryError,
     HostNeed,
@@ -20,6 +20,7 @@ from megazero.train.host_memory import (
 from megazero.zero import ALIGN
 
 MiB = 2 ** 20
+DEFAULT_SUB_GROUP_SIZE = ZeroConfig().sub_group_size
 # 100 MiB fixed, NVMe step buffers of 4 x 12 B per element, a shard of 50M elements.
 NEED = HostNeed(fixed=100 * MiB, per_element=48, cap=50_000_000,
                 items={"training": 100 * MiB, "nvme_step_buffers": 48 * 50_000_000})

@@ -130,15 +130,19 @@ def read_mapping(path: str, what: str, syntax: str, parse: Callable[[IO], Any], 
 
 
 def build_config(file_data: Optional[dict] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Defaults, then the file's sections, then CLI overrides (`--section.key value`)."""
-    cfg = Config()
+    """Defaults, then the file's sections, then CLI overrides (`--section.key value`); the keys
+    either set are recorded in `cfg.set_keys`."""
+    cfg, given = Config(), set()
     for section, values in (file_data or {}).items():
         if not isinstance(values, dict):
             raise ConfigError(f"config section '{section}' must be a mapping of keys, got {values!r}")
         for key, value in values.items():
             _apply(cfg, section, key, value)
+            given.add(f"{section}.{key}")
     for section, key, value in parse_overrides(overrides or []):
         _apply(cfg, section, key, value)
+        given.add(f"{section}.{key}")
+    cfg.set_keys = frozenset(given)
     return cfg
 
 

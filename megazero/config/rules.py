@@ -139,9 +139,8 @@ def _validate_zero(cfg: Config) -> None:
         raise ConfigError(f"zero.initial_loss_scale ({z.initial_loss_scale:g}) must be a power of two, "
                           f"e.g. {2.0 ** round(math.log2(z.initial_loss_scale)):g}, so scaling is exact")
     _validate_offload(z)
-    defaults = ZeroConfig()
     changed = [k for k in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
-               if getattr(z, k) != getattr(defaults, k)]
+               if f"zero.{k}" in cfg.set_keys]
     if changed and precision != "fp16":
         raise ConfigError(f"zero.{changed[0]} configures the fp16 loss scaler, but train.precision is {precision}; "
                           f"drop it or use --train.precision fp16")

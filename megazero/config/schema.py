@@ -276,9 +276,12 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    set_keys: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
+    """The `section.key`s a file or the command line set (config/parse.py records them): a rule
+    that depends on whether the user chose a value reads this, never a comparison with the default."""
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
 
-SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+SECTIONS: dict[str, type] = {name: kind for name, kind in typing.get_type_hints(Config).items() if name != "set_keys"}

@@ -9,9 +9,9 @@ rank weighs the planner's host figure (plan/formulas.py's host_items, times the 
 node) against MemAvailable, or the cgroup's limit when lower:
 
     fits                                     nothing changes
-    too big, zero.sub_group_size default     the sub-groups shrink to the largest size that fits,
+    too big, zero.sub_group_size not set     the sub-groups shrink to the largest size that fits,
                                              with one line saying so
-    too big, sub_group_size set explicitly   refused, naming the largest sub_group_size that fits
+    too big, sub_group_size set (cfg.set_keys) refused, naming the largest sub_group_size that fits
     too big with any sub_group_size          refused, naming what needs the memory
 """
 
@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megazero.config.schema import Config, ZeroConfig
+from megazero.config.schema import Config
 from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
@@ -30,7 +30,6 @@ from megazero.plan.planner import Cluster, RankPrediction, distinct_ranks, predi
 from megazero.train.summary import size
 from megazero.zero import ALIGN
 
-DEFAULT_SUB_GROUP_SIZE = ZeroConfig().sub_group_size
 USABLE = 0.9
 """Fraction of the available memory a run may plan to fill: the rest absorbs the prediction's
 error (within 15% of the measured peak: scripts/bench_memory.py) and the page cache's needs."""
@@ -151,7 +150,7 @@ def fit_host_memory(cfg: Config, grid: ProcessGrid, available: Optional[int] = N
     def decide() -> tuple[int, Optional[str]]:
         free = available if available is not None else available_host_bytes()
         return fit_sub_group_size(host_need(cfg, grid), ranks_here, free, z.sub_group_size,
-                                  explicit=z.sub_group_size != DEFAULT_SUB_GROUP_SIZE)
+                                  explicit="zero.sub_group_size" in cfg.set_keys)
     size, line = comm.agreed(decide, grid["world"])
     z.sub_group_size = size
     if line and grid.rank == 0:
