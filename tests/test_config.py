@@ -408,3 +408,21 @@ def test_readme_migration_tables_name_real_keys():
     # DeepSpeed rows may name keys that land later (offload): those the importer maps when present.
     assert [k for k in re.findall(pattern, deepspeed) if not has_key(k) and k not in SIMPLE.values()] == []
     assert [k for k in SIMPLE if f"`{k.split('.')[-1]}`" not in deepspeed and f"`{k}`" not in deepspeed] == []
+
+
+@pytest.mark.parametrize("overrides, world", [
+    (["--parallel.tp", "2"], 3),  # world size
+    (["--parallel.tp", "3"], 3),  # heads
+    (["--parallel.cp", "2", "--parallel.cp_impl", "ulysses", "--model.num_heads", "2", "--parallel.tp", "2"], 4),
+    (["--parallel.pp", "2", "--parallel.vpp", "3", "--model.num_layers", "8"], 2),
+])
+def test_validation_and_the_planner_refuse_a_layout_by_the_same_rule(overrides, world):
+    """config/rules.py is the one home of the layout rules: validate and the planner's
+    layout_problem (and ProcessGrid.create, for the world size) give the same line."""
+    from megazero.plan.planner import layout_problem
+    cfg = build_config(None, ["--data.mock", "true", *overrides])
+    resolve(cfg)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world)
+    p = cfg.parallel
+    assert layout_problem(cfg, world, p.tp, p.pp, p.vpp, None, p.cp, p.cp_impl) == str(err.value)

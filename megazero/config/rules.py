@@ -64,25 +64,18 @@ def validate(cfg: Config, world_size: int) -> int:
     _validate_finetune(cfg.finetune)
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
-    if m.num_heads % p.tp:
-        raise ConfigError(f"model.num_heads ({m.num_heads}) must be divisible by parallel.tp ({p.tp})")
-    if m.ffn_size % p.tp:
-        raise ConfigError(f"MLP width ({m.ffn_size}) must be divisible by parallel.tp ({p.tp})")
-    _validate_context_parallel(cfg)
-    if world_size % (p.tp * p.pp * p.cp):
-        names, sizes = ("parallel.tp x parallel.pp", f"{p.tp} x {p.pp}") if p.cp == 1 else \
-            ("parallel.tp x parallel.pp x parallel.cp", f"{p.tp} x {p.pp} x {p.cp}")
-        raise ConfigError(f"world size ({world_size}) must be divisible by {names} ({sizes} = {p.tp * p.pp * p.cp}); "
-                          f"change --nproc_per_node or the layout")
+    _refuse(tp_problem(m.num_heads, m.ffn_size, p.tp), cp_problem(m.seq_length, p.cp))  # then cp >= 1
+    _refuse(ulysses_problem(m.num_heads, p.tp, p.cp, p.cp_impl), world_problem(world_size, p.tp, p.pp, p.cp))
     dp = world_size // (p.tp * p.pp * p.cp)
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                          f"micro_batch_size x dp ({t.micro_batch_size} x {dp} = {t.micro_batch_size * dp})")
+    _refuse(batch_problem(t.global_batch_size, t.micro_batch_size, dp))
     if t.rampup_batch_size is not None:
         rampup_steps(t, dp)  # its one-line errors
     _validate_pipeline(cfg, dp)
-    if p.sequence_parallel and p.tp > 1:
-        _validate_sequence_parallel(cfg)
+    if p.sequence_parallel:
+        _refuse(sequence_parallel_problem(m.seq_length, p.tp, p.cp))
+        if p.tp > 1 and cfg.finetune.lora_rank:
+            raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
+                              f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
     return dp
 
 
@@ -197,79 +190,133 @@ def nvme_path_problem(path: str) -> Optional[str]:
     return None
 
 
-def _validate_sequence_parallel(cfg: Config) -> None:
-    m, p = cfg.model, cfg.parallel
-    if m.seq_length % (p.tp * p.cp):
-        what = "model.seq_length" + (f" / parallel.cp ({p.cp})" if p.cp > 1 else "")
-        raise ConfigError(f"parallel.sequence_parallel splits {what} ({m.seq_length}) over parallel.tp ({p.tp}): "
-                          f"make it a multiple of {p.tp * p.cp} or turn sequence_parallel off")
-    if cfg.finetune.lora_rank:
-        raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
-                          f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
-
-
-def _validate_context_parallel(cfg: Config) -> None:
-    """parallel.cp: the sequence cut into 2 x cp equal chunks; Ulysses' heads; what cannot compose yet."""
-    m, p = cfg.model, cfg.parallel
-    if p.cp < 1:
-        raise ConfigError(f"parallel.cp ({p.cp}) must be at least 1 (1 turns context parallelism off)")
-    if p.cp == 1:
-        return
-    if m.seq_length % (2 * p.cp):
-        raise ConfigError(f"parallel.cp ({p.cp}) cuts model.seq_length ({m.seq_length}) into 2 x cp = {2 * p.cp} "
-                          f"equal chunks: make seq_length a multiple of {2 * p.cp} or change parallel.cp")
-    if p.cp_impl == "ulysses" and m.num_heads % (p.tp * p.cp):
-        raise ConfigError(f"parallel.cp_impl ulysses gives each rank num_heads / (tp x cp) heads, but model.num_heads "
-                          f"({m.num_heads}) is not divisible by {p.tp} x {p.cp} = {p.tp * p.cp}; change parallel.cp "
-                          f"or use parallel.cp_impl ring")
-
-
 def _validate_pipeline(cfg: Config, dp: int) -> None:
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    if p.pp_layers is not None:
-        if p.vpp > 1:
-            raise ConfigError("parallel.pp_layers (uneven split) cannot be combined with parallel.vpp > 1")
-        if len(p.pp_layers) != p.pp or sum(p.pp_layers) != m.num_layers or min(p.pp_layers) < 1:
-            raise ConfigError(f"parallel.pp_layers ({p.pp_layers}) must list pp ({p.pp}) positive counts "
-                              f"summing to model.num_layers ({m.num_layers})")
-    elif m.num_layers % p.pp:
-        divisors = [d for d in range(1, m.num_layers + 1) if m.num_layers % d == 0]
-        raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by parallel.pp ({p.pp}); try pp "
-                          f"{', '.join(map(str, divisors[:-1]))} or {divisors[-1]}, or set parallel.pp_layers "
-                          f"for an uneven split")
-    elif m.num_layers % (p.pp * p.vpp):
-        per_stage = m.num_layers / p.pp
-        hint = [v for v in range(1, m.num_layers + 1) if m.num_layers % (p.pp * v) == 0]
-        raise ConfigError(f"parallel.vpp ({p.vpp}) must divide num_layers / pp ({m.num_layers} / {p.pp} = "
-                          f"{per_stage:g}); try vpp {' or '.join(map(str, hint))}")
+    p, t = cfg.parallel, cfg.train
     microbatches = t.global_batch_size // (t.micro_batch_size * dp)
-    if p.schedule == "zbh1" and p.pp > 1:
-        _validate_zbh1(cfg)
-    if p.vpp > 1:
-        if p.pp == 1:
-            raise ConfigError(f"parallel.vpp ({p.vpp}) needs parallel.pp > 1")
-        if p.schedule == "gpipe":
-            raise ConfigError(f"parallel.schedule gpipe runs one model chunk per rank, but parallel.vpp is {p.vpp}; "
-                              f"use --parallel.schedule interleaved or --parallel.vpp 1")
-        if microbatches % p.pp:
-            raise ConfigError(f"interleaved schedule needs micro-batches per iteration ({microbatches}) to be a "
-                              f"multiple of parallel.pp ({p.pp}); change train.global_batch_size")
-        if t.rampup_batch_size is not None:  # every batch of the ramp too: START and INCREMENT in micro-batches
-            unit = t.micro_batch_size * dp * p.pp
-            if any(int(v) % unit for v in t.rampup_batch_size[:2]):
-                raise ConfigError(f"interleaved schedule needs every ramp-up batch in whole rounds of parallel.pp "
-                                  f"micro-batches: train.rampup_batch_size START and INCREMENT "
-                                  f"({t.rampup_batch_size[0]}, {t.rampup_batch_size[1]}) must be multiples of "
-                                  f"micro_batch_size x dp x pp ({t.micro_batch_size} x {dp} x {p.pp} = {unit})")
-    elif p.schedule == "interleaved":
+    _refuse(pp_problem(cfg.model.num_layers, p.pp, p.vpp, p.pp_layers),
+            zbh1_problem(p.vpp, t.compile) if p.schedule == "zbh1" and p.pp > 1 else None,
+            interleaved_problem(p.pp, p.vpp, None))
+    if p.vpp > 1 and p.schedule == "gpipe":
+        raise ConfigError(f"parallel.schedule gpipe runs one model chunk per rank, but parallel.vpp is {p.vpp}; "
+                          f"use --parallel.schedule interleaved or --parallel.vpp 1")
+    _refuse(interleaved_problem(p.pp, p.vpp, microbatches))
+    if p.vpp > 1 and t.rampup_batch_size is not None:  # every batch of the ramp too: START and INCREMENT
+        unit = t.micro_batch_size * dp * p.pp
+        if any(int(v) % unit for v in t.rampup_batch_size[:2]):
+            raise ConfigError(f"interleaved schedule needs every ramp-up batch in whole rounds of parallel.pp "
+                              f"micro-batches: train.rampup_batch_size START and INCREMENT "
+                              f"({t.rampup_batch_size[0]}, {t.rampup_batch_size[1]}) must be multiples of "
+                              f"micro_batch_size x dp x pp ({t.micro_batch_size} x {dp} x {p.pp} = {unit})")
+    if p.vpp == 1 and p.schedule == "interleaved":
         raise ConfigError("parallel.schedule interleaved needs parallel.vpp > 1")
 
 
-def _validate_zbh1(cfg: Config) -> None:
+def _refuse(*problems: Optional[str]) -> None:
+    """Raise the first problem found, if any."""
+    for problem in problems:
+        if problem:
+            raise ConfigError(problem)
+
+
+# ---------------------------------------------------------------------------- layout rules
+# The one home of the rules a parallel layout must meet: validate() below, the planner
+# (plan/planner.py: layout_problem, check_fixed) and ProcessGrid.create call these. Each takes
+# plain numbers and returns the problem in one line, with the numbers and the fix, or None.
+
+
+def world_problem(world: int, tp: int, pp: int, cp: int = 1) -> Optional[str]:
+    """world = tp x cp x pp x dp: the world size must be a multiple of tp x cp x pp."""
+    if world % (tp * pp * cp) == 0:
+        return None
+    names, sizes = ("parallel.tp x parallel.pp", f"{tp} x {pp}") if cp == 1 else \
+        ("parallel.tp x parallel.pp x parallel.cp", f"{tp} x {pp} x {cp}")
+    return (f"world size ({world}) must be divisible by {names} ({sizes} = {tp * pp * cp}); "
+            f"change --nproc_per_node or the layout")
+
+
+def tp_problem(num_heads: int, ffn_size: int, tp: int) -> Optional[str]:
+    """Tensor parallelism splits the heads and the MLP width evenly over the tp ranks."""
+    if num_heads % tp:
+        return f"model.num_heads ({num_heads}) must be divisible by parallel.tp ({tp})"
+    if ffn_size % tp:
+        return f"MLP width ({ffn_size}) must be divisible by parallel.tp ({tp})"
+    return None
+
+
+def cp_problem(seq_length: int, cp: int) -> Optional[str]:
+    """Context parallelism cuts each sequence into 2 x cp equal chunks (zig-zag)."""
+    if cp < 1:
+        return f"parallel.cp ({cp}) must be at least 1 (1 turns context parallelism off)"
+    if seq_length % (2 * cp) and cp > 1:
+        return (f"parallel.cp ({cp}) cuts model.seq_length ({seq_length}) into 2 x cp = {2 * cp} equal chunks: "
+                f"make seq_length a multiple of {2 * cp} or change parallel.cp")
+    return None
+
+
+def ulysses_problem(num_heads: int, tp: int, cp: int, cp_impl: str) -> Optional[str]:
+    """Ulysses' all-to-all gives each rank num_heads / (tp x cp) whole heads."""
+    if cp_impl != "ulysses" or cp == 1 or num_heads % (tp * cp) == 0:
+        return None
+    return (f"parallel.cp_impl ulysses gives each rank num_heads / (tp x cp) heads, but model.num_heads "
+            f"({num_heads}) is not divisible by {tp} x {cp} = {tp * cp}; change parallel.cp or use parallel.cp_impl ring")
+
+
+def pp_problem(num_layers: int, pp: int, vpp: int = 1, pp_layers: Optional[list] = None) -> Optional[str]:
+    """The layers split over pp stages (evenly, or as pp_layers lists), each into vpp chunks."""
+    if pp_layers is not None:
+        if vpp > 1:
+            return "parallel.pp_layers (uneven split) cannot be combined with parallel.vpp > 1"
+        if len(pp_layers) != pp or sum(pp_layers) != num_layers or min(pp_layers) < 1:
+            return (f"parallel.pp_layers ({pp_layers}) must list pp ({pp}) positive counts summing to "
+                    f"model.num_layers ({num_layers})")
+        return None
+    if num_layers % pp:
+        divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        return (f"model.num_layers ({num_layers}) must be divisible by parallel.pp ({pp}); try pp "
+                f"{', '.join(map(str, divisors[:-1]))} or {divisors[-1]}, or set parallel.pp_layers for an uneven split")
+    if num_layers % (pp * vpp):
+        hint = [v for v in range(1, num_layers + 1) if num_layers % (pp * v) == 0]
+        return (f"parallel.vpp ({vpp}) must divide num_layers / pp ({num_layers} / {pp} = {num_layers / pp:g}); "
+                f"try vpp {' or '.join(map(str, hint))}")
+    return None
+
+
+def batch_problem(global_batch_size: int, micro_batch_size: int, dp: int) -> Optional[str]:
+    """Every iteration's global batch splits into whole micro-batches on every DP rank."""
+    if global_batch_size % (micro_batch_size * dp) == 0:
+        return None
+    return (f"train.global_batch_size ({global_batch_size}) must be a multiple of micro_batch_size x dp "
+            f"({micro_batch_size} x {dp} = {micro_batch_size * dp})")
+
+
+def interleaved_problem(pp: int, vpp: int, microbatches: Optional[int]) -> Optional[str]:
+    """vpp > 1 chunks per rank: the interleaved schedule, which runs micro-batches in rounds of pp
+    (`microbatches` None: not known yet)."""
+    if vpp == 1:
+        return None
+    if pp == 1:
+        return f"parallel.vpp ({vpp}) needs parallel.pp > 1"
+    if microbatches is not None and microbatches % pp:
+        return (f"interleaved schedule needs micro-batches per iteration ({microbatches}) to be a multiple of "
+                f"parallel.pp ({pp}); change train.global_batch_size")
+    return None
+
+
+def sequence_parallel_problem(seq_length: int, tp: int, cp: int) -> Optional[str]:
+    """Sequence parallelism splits each rank's part of the sequence over the tp ranks."""
+    if tp == 1 or seq_length % (tp * cp) == 0:
+        return None
+    what = "model.seq_length" + (f" / parallel.cp ({cp})" if cp > 1 else "")
+    return (f"parallel.sequence_parallel splits {what} ({seq_length}) over parallel.tp ({tp}): make it a multiple "
+            f"of {tp * cp} or turn sequence_parallel off")
+
+
+def zbh1_problem(vpp: int, compile: bool) -> Optional[str]:
     """What the zero-bubble schedule's deferred weight gradients cannot run with yet."""
-    if cfg.parallel.vpp > 1:
-        raise ConfigError(f"parallel.schedule zbh1 runs one model chunk per rank, but parallel.vpp is "
-                          f"{cfg.parallel.vpp}; use --parallel.vpp 1, or --parallel.schedule interleaved")
-    if cfg.train.compile:
-        raise ConfigError("parallel.schedule zbh1 cannot defer weight gradients inside compiled blocks; "
-                          "use --train.compile false or --parallel.schedule 1f1b")
+    if vpp > 1:
+        return (f"parallel.schedule zbh1 runs one model chunk per rank, but parallel.vpp is {vpp}; use "
+                f"--parallel.vpp 1, or --parallel.schedule interleaved")
+    if compile:
+        return ("parallel.schedule zbh1 cannot defer weight gradients inside compiled blocks; use --train.compile "
+                "false or --parallel.schedule 1f1b")
+    return None
