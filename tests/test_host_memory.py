@@ -102,8 +102,9 @@ def _auto_sized_run(nvme: str) -> dict:
     available = int((need.fixed + need.per_element * need.cap // 10) / USABLE)
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
-        fit_host_memory(cfg, grid, available)
-    size = cfg.zero.sub_group_size
+        fitted = fit_host_memory(cfg, grid, available)
+    size = fitted.zero.sub_group_size
+    assert cfg.zero.sub_group_size != size and "zero.sub_group_size" not in fitted.set_keys  # a copy, resolved
     tr = make_trainer(NVME + ["--zero.nvme_path", nvme, "--zero.sub_group_size", str(size)])
     loss = tr.train_step()["loss"]
     store = tr.optimizer.state

@@ -9,14 +9,15 @@ rank weighs the planner's host figure (plan/formulas.py's host_items, times the 
 node) against MemAvailable, or the cgroup's limit when lower:
 
     fits                                     nothing changes
-    too big, zero.sub_group_size not set     the sub-groups shrink to the largest size that fits,
-                                             with one line saying so
-    too big, sub_group_size set (cfg.set_keys) refused, naming the largest sub_group_size that fits
+    too big, zero.sub_group_size not set     the config the run gets has the largest size that
+                                             fits, with one line saying so (cfg.set_keys tells)
+    too big, zero.sub_group_size set         refused, naming the largest sub_group_size that fits
     too big with any sub_group_size          refused, naming what needs the memory
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -138,12 +139,14 @@ def need_of(rank: RankPrediction, device_is_host: bool, buffer_count: int) -> Ho
     return HostNeed(sum(items.values()), per_element, cap, {**items, "nvme_step_buffers": step_buffers})
 
 
-def fit_host_memory(cfg: Config, grid: ProcessGrid, available: Optional[int] = None) -> None:
-    """Collective: weigh this run's host allocations against the memory available (see the
-    module docstring); may lower cfg.zero.sub_group_size in place, saying so on rank 0. Every
-    rank stops when one refuses. `available`: the memory to assume (tests), else the machine's."""
+def fit_host_memory(cfg: Config, grid: ProcessGrid, available: Optional[int] = None) -> Config:
+    """Collective, the last step of resolution (it needs the grid): weigh this run's host
+    allocations against the memory available (see the module docstring) and return the config
+    to run: `cfg` itself, or a copy with the largest zero.sub_group_size that fits, which rank 0
+    reports in one line. `cfg` is never changed. Every rank stops when one refuses.
+    `available`: the memory to assume (tests), else the machine's."""
     if not offloads(cfg):
-        return
+        return cfg
     z = cfg.zero
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
@@ -152,6 +155,6 @@ def fit_host_memory(cfg: Config, grid: ProcessGrid, available: Optional[int] = N
         return fit_sub_group_size(host_need(cfg, grid), ranks_here, free, z.sub_group_size,
                                   explicit="zero.sub_group_size" in cfg.set_keys)
     size, line = comm.agreed(decide, grid["world"])
-    z.sub_group_size = size
     if line and grid.rank == 0:
         print(line, flush=True)
+    return cfg if size == z.sub_group_size else dataclasses.replace(cfg, zero=dataclasses.replace(z, sub_group_size=size))

@@ -62,7 +62,7 @@ class Trainer:
     def __init__(self, cfg: Config, grid: ProcessGrid):
         self.cfg, self.grid = cfg, grid
         fix_mmap_threshold()  # before the model's memory is allocated: resident memory = memory held
-        fit_host_memory(cfg, grid)  # offloading's host buffers against the memory available, before any exists
+        self.cfg = cfg = fit_host_memory(cfg, grid)  # offload's host buffers vs the memory available, before any exists
         t = cfg.train
         self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device, cp_rank=grid.cp_rank)
         self.chunks, self.optimizer = parallelize(cfg, grid, self.tracker)
