@@ -67,13 +67,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megazero.config import build_config, load_yaml  # noqa: E402
+from megazero.config.preflight import resolve_and_validate  # noqa: E402
 from megazero.parallel.context import shard_sequence  # noqa: E402
 from megazero.parallel.grid import ProcessGrid  # noqa: E402
 from megazero.parallel.random import seed_everything  # noqa: E402
 from megazero.plan.formulas import ActivationShape, layer_activation_bytes  # noqa: E402
 from megazero.plan.measure import ActivationMeter  # noqa: E402
 from megazero.train.parallelize import parallelize  # noqa: E402
-from megazero.train.run_config import resolve_and_validate  # noqa: E402
 
 ACT_BYTES, MASK_BYTES = 4, 4  # fp32 activations; torch's CPU dropout keeps an fp32 mask
 

@@ -67,9 +67,9 @@ from gpu_profile import Profile, breakdown, capture, format_profiles  # noqa: E4
 
 from megazero.atomic import write_text  # noqa: E402
 from megazero.config import Config, build_config, load_yaml  # noqa: E402
+from megazero.config.preflight import resolve_and_validate  # noqa: E402
 from megazero.plan.formulas import model_flops_per_token  # noqa: E402
 from megazero.train.metrics import device_peak_flops  # noqa: E402
-from megazero.train.run_config import resolve_and_validate  # noqa: E402
 
 # Micro-batch x accumulation per model: 64 sequences (65k tokens) per iteration for both,
 # micro-batches large enough that the matmuls fill an H100/H200 (activations stay far below 80 GiB).

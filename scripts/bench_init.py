@@ -57,10 +57,10 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
     import torch
 
     from megazero.config import build_config, load_yaml
+    from megazero.config.preflight import resolve_and_validate
     from megazero.model.gpt import GPT
     from megazero.parallel.random import seed_everything
     from megazero.train.parallelize import parallelize
-    from megazero.train.run_config import resolve_and_validate
     from megazero.zero.optimizer import ZeroOptimizer
     from megazero.zero.shard import ShardedParameters
     torch.set_num_threads(1)

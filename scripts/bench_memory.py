@@ -81,7 +81,7 @@ def baseline(device: torch.device) -> int:
 
 def make_config(opts: argparse.Namespace, world: int):
     from megazero.config import build_config
-    from megazero.train.run_config import resolve_and_validate
+    from megazero.config.preflight import resolve_and_validate
     cfg = build_config({
         "model": {"num_layers": opts.layers, "hidden_size": opts.hidden, "num_heads": opts.heads,
                   "seq_length": opts.seq, "vocab_size": opts.vocab, "dropout": 0.1},

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from bench_zero import launch  # noqa: E402
 
 from megazero.config import build_config, load_yaml  # noqa: E402
-from megazero.train.run_config import resolve_and_validate  # noqa: E402
+from megazero.config.preflight import resolve_and_validate  # noqa: E402
 
 GiB, MiB = 2 ** 30, 2 ** 20
 

@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megazero.config import build_config  # noqa: E402
+from megazero.config.preflight import resolve_and_validate  # noqa: E402
 from megazero.parallel import comm  # noqa: E402
 from megazero.parallel.grid import ProcessGrid  # noqa: E402
 from megazero.parallel.random import seed_everything  # noqa: E402
@@ -60,7 +61,6 @@ from megazero.plan.formulas import pipeline_bubble, simulated_bubble  # noqa: E4
 from megazero.plan.measure import ActivationMeter  # noqa: E402
 from megazero.plan.planner import Cluster, ParallelLayout, predict  # noqa: E402
 from megazero.train.parallelize import parallelize  # noqa: E402
-from megazero.train.run_config import resolve_and_validate  # noqa: E402
 
 
 def bench_config(args, pp: int, schedule: str, m: int):

@@ -29,9 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megazero.config import build_config  # noqa: E402
+from megazero.config.preflight import resolve_and_validate  # noqa: E402
 from megazero.plan.formulas import STATE_BYTES, model_state_bytes  # noqa: E402
 from megazero.plan.planner import Cluster, ParallelLayout, predict  # noqa: E402
-from megazero.train.run_config import resolve_and_validate  # noqa: E402
 
 MiB = 2 ** 20
 

@@ -1,6 +1,6 @@
 """Regenerate the generated blocks of the docs: the config-key table in docs/configuration.md (from the
 config dataclasses' field docstrings), and in docs/migration.md the Megatron-LM migration table and
-defaults (megazero/train/megatron_flags.py) and the DeepSpeed migration table (megazero/deepspeed_config.py).
+defaults (megazero/config/megatron.py) and the DeepSpeed migration table (megazero/config/deepspeed.py).
 
     python scripts/update_readme_config.py
 
@@ -17,10 +17,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megazero import deepspeed_config  # noqa: E402
 from megazero.atomic import atomic_write  # noqa: E402
-from megazero.config import markdown_table  # noqa: E402
-from megazero.train import megatron_flags  # noqa: E402
+from megazero.config import deepspeed, megatron  # noqa: E402
+from megazero.config.help import markdown_table  # noqa: E402
 
 CONFIG_DOC = "docs/configuration.md"  # the config-key table
 MIGRATION_DOC = "docs/migration.md"  # the Megatron-LM and DeepSpeed tables
@@ -29,11 +28,11 @@ BLOCKS = (  # (file, start marker, end marker, text between them, whether it sta
     (CONFIG_DOC, "<!-- config-keys:start (scripts/update_readme_config.py) -->", "<!-- config-keys:end -->",
      markdown_table, True),
     (MIGRATION_DOC, "<!-- megatron-flags:start (scripts/update_readme_config.py) -->", "<!-- megatron-flags:end -->",
-     megatron_flags.markdown_table, True),
+     megatron.markdown_table, True),
     (MIGRATION_DOC, "<!-- megatron-defaults:start -->", "<!-- megatron-defaults:end -->",
-     megatron_flags.defaults_table, False),
+     megatron.defaults_table, False),
     (MIGRATION_DOC, "<!-- deepspeed-keys:start (scripts/update_readme_config.py) -->", "<!-- deepspeed-keys:end -->",
-     deepspeed_config.markdown_table, True),
+     deepspeed.markdown_table, True),
 )
 
 

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from megazero.config import Config, build_config, load_yaml
+from megazero.config.preflight import resolve_and_validate
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter, loss_mask_prefix
 from megazero.data.tokenizer import train_gpt2bpe, train_sentencepiece
-from megazero.train.run_config import resolve_and_validate
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = "configs/gpt2-tiny.yaml"

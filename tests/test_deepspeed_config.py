@@ -11,7 +11,7 @@ import pytest
 
 from distributed import read_jsonl, torchrun
 from megazero.config import ConfigError
-from megazero.deepspeed_config import FIXED, HANDLED, ROWS, SCHEDULER_DEFAULTS, SCHEDULERS, SIMPLE, markdown_table
+from megazero.config.deepspeed import FIXED, HANDLED, ROWS, SCHEDULER_DEFAULTS, SCHEDULERS, SIMPLE, markdown_table
 from megazero.train.__main__ import load_config
 
 # ZeRO-3 with parameters and optimizer offloaded to the CPU, bf16, WarmupDecayLR, for 8 GPUs

@@ -1,5 +1,5 @@
 """Megatron-LM launch lines: its GPT pretraining flags as aliases of megazero's keys
-(megazero/train/megatron_flags.py), its checkpoint-directory conventions, and a shrunk
+(megazero/config/megatron.py), its checkpoint-directory conventions, and a shrunk
 Megatron example line that trains at tp 2 x pp 2 and resumes bitwise."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 from conftest import REPO
 from distributed import run_distributed, torchrun
 from megazero.config import ConfigError
+from megazero.config.megatron import FLAGS, markdown_table, translate
 from megazero.data.indexed import IndexedDatasetWriter
 from megazero.data.tokenizer import build_tokenizer
 from megazero.train.__main__ import load_config
-from megazero.train.megatron_flags import FLAGS, markdown_table, translate
 
 
 def shrunk_175b_line(prefix: str, tokenizer_dir: str, ckpt: str, iters: int = 4) -> list[str]:

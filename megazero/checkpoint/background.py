@@ -24,7 +24,7 @@ import threading
 from typing import Callable, NamedTuple, Optional
 
 from megazero.checkpoint.save import Save, write_rank_file
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.parallel.grid import ProcessGrid
 
 

@@ -41,8 +41,9 @@ from megazero.checkpoint.base import Checkpoint, CheckpointError
 from megazero.checkpoint.hf import TIED_HEAD, from_hf, hf_tokenizer_spec
 from megazero.checkpoint.hf_config import model_config_from_hf
 from megazero.checkpoint.tensors import plain_shapes
-from megazero.config import Config, ConfigError, ModelConfig, build_config
-from megazero.deepspeed_config import import_deepspeed
+from megazero.config.deepspeed import import_deepspeed
+from megazero.config.parse import build_config
+from megazero.config.schema import Config, ConfigError, ModelConfig
 
 
 class _LossScaler:

@@ -26,7 +26,7 @@ from torch import nn
 
 from megazero.checkpoint.base import MODEL_16BIT
 from megazero.checkpoint.tensors import fit_vocab, plain_shapes, save_safetensors_streaming
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.model.layers import unshard
 from megazero.model.lora import adapter_shapes
 from megazero.parallel import comm

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from megazero.checkpoint.base import Checkpoint, CheckpointError, safetensors_metadata
 from megazero.checkpoint.hf_config import model_config_from_hf
 from megazero.checkpoint.tensors import plain_shapes, stream_safetensors
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 TIED_HEAD = "lm_head.weight"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from megazero.config import Config, ConfigError, ModelConfig, tokenizer_size
+from megazero.config.resolve import tokenizer_size
+from megazero.config.schema import Config, ConfigError, ModelConfig
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:

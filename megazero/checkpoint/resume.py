@@ -28,7 +28,7 @@ from megazero.checkpoint.meta import LATEST, MEGATRON_LATEST
 from megazero.checkpoint.save import layout_of
 from megazero.checkpoint.sharded import check_model, load_rank_state, read_metadata, resolve
 from megazero.checkpoint.tensors import decode_rng, fit_vocab
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.model.layers import shard_of
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid

@@ -33,7 +33,8 @@ from megazero.checkpoint.base import (
     verified,
 )
 from megazero.checkpoint.meta import LATEST, PointerError, model_mismatch, resume_dir
-from megazero.config import Config, ModelConfig, build_config
+from megazero.config.parse import build_config
+from megazero.config.schema import Config, ModelConfig
 from megazero.model.layers import unshard
 from megazero.parallel.grid import ProcessGrid
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 from megazero.model.layers import (
     ColumnParallelLinear,
     Dropout,

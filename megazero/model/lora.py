@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config import FinetuneConfig, ModelConfig
+from megazero.config.schema import FinetuneConfig, ModelConfig
 from megazero.model.gpt import GPT
 from megazero.model.layers import ColumnParallelLinear, RowParallelLinear, mark_tp, shard_of
 from megazero.model.lora_targets import adapted_modules

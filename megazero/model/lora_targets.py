@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megazero.config import ConfigError
+from megazero.config.schema import ConfigError
 
 LORA_MODULES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 """A block's projections LoRA can adapt, by their names inside the block (HF GPT-2's)."""

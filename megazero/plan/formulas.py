@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 from megazero.parallel.comm import all_gather_volume, all_reduce_volume, reduce_scatter_volume
 from megazero.pipeline.schedules import ORDERS, message_target
 from megazero.zero.grads import IN_FLIGHT_BYTES, MIN_IN_FLIGHT

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 from megazero.model.gpt import GPT, apply_tensor_parallel
 from megazero.parallel.comm import Group
 from megazero.pipeline.stages import stage_layers

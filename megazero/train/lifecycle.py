@@ -30,7 +30,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.errors import UserError
 
 if TYPE_CHECKING:

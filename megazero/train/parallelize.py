@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megazero.checkpoint.hf import HFInitialValues
 from megazero.checkpoint.resume import HF, starting_point
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.model.gpt import GPT, apply_tensor_parallel
 from megazero.model.lora import apply_lora, initial_adapter, is_adapter
 from megazero.parallel.grid import ProcessGrid

@@ -19,7 +19,8 @@ from megazero.atomic import write_text
 from megazero.checkpoint.manager import CheckpointManager
 from megazero.checkpoint.resume import RESUME, resume_state, starting_point
 from megazero.checkpoint.tensors import encode_rng
-from megazero.config import Config, describe
+from megazero.config.parse import describe
+from megazero.config.schema import Config
 from megazero.data import DataError
 from megazero.data.gpt_dataset import build_train_valid_test_datasets, check_compatibility, inputs_and_labels
 from megazero.data.mock import MockGPTDataset
@@ -57,7 +58,7 @@ class Trainer:
     def __init__(self, cfg: Config, grid: ProcessGrid):
         self.cfg, self.grid = cfg, grid
         fix_mmap_threshold()  # before the model's memory is allocated: resident memory = memory held
-        fit_host_memory(cfg, grid)  # offloading's host buffers against the memory available, before any exists
+        self.cfg = cfg = fit_host_memory(cfg, grid)  # offload's host buffers vs the memory available, before any exists
         t = cfg.train
         self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device, cp_rank=grid.cp_rank)
         self.chunks, self.optimizer = parallelize(cfg, grid, self.tracker)

@@ -25,7 +25,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostSnapshot, HostStaging

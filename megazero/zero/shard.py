@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.model.layers import VocabParallelEmbedding
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
