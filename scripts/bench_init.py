@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
@@ -59,6 +60,7 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
     from megazero.config import build_config, load_yaml
     from megazero.config.preflight import resolve_and_validate
     from megazero.model.gpt import GPT
+    from megazero.parallel.placement import placement
     from megazero.parallel.random import seed_everything
     from megazero.train.parallelize import parallelize
     from megazero.zero.optimizer import ZeroOptimizer
@@ -78,8 +80,7 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
         model.init_weights(cfg.train.seed)
         opt = ZeroOptimizer(ShardedParameters([model], cfg, grid), cfg, grid)
         del model
-    largest = max(p.full_shape[0] * (p.full_shape[1] if len(p.full_shape) > 1 else 1)
-                  for _, s in opt.layout.slots() for p in [s.param])
+    largest = max(math.prod(placement(s.param).full_shape) for _, s in opt.layout.slots())
     return {"psi": opt.layout.numel, "state": opt.model_state_bytes()["total"],
             "peak": peak_rss_bytes() - base, "base": base, "largest": 4 * largest}
 

@@ -20,7 +20,7 @@ from megazero.checkpoint.base import CheckpointError
 from megazero.checkpoint.hf import TIED_HEAD, from_hf
 from megazero.checkpoint.load import open_checkpoint
 from megazero.checkpoint.tensors import fit_vocab
-from megazero.model.layers import shard_of
+from megazero.parallel.placement import placement
 
 MICRO, DP, SAVED_AT, SEED = 4, 2, 3, 1234
 MODEL = {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "seq_length": 64, "vocab_size": 512}
@@ -89,7 +89,7 @@ def continue_in_megazero(ds_dir: str, iters: int) -> dict:
     resumed = {"iteration": trainer.iteration, "schedule_steps": trainer.schedule.steps,
                "adam_step": trainer.optimizer.step_count}
     tp = (trainer.grid.tp_rank, trainer.grid.tp)
-    weights = {n: (t.clone(), p.tp_dim, p.tp_stride, p.full_shape, *tp)
+    weights = {n: (t.clone(), placement(p), *tp)
                for n, p, t in trainer.optimizer.sharded.full_parameters()}  # collective at stage 3: all ranks
     return {**resumed, "weights": weights, "records": trainer.run()}
 
@@ -110,10 +110,10 @@ def _check_continuation(ds_dir: str, losses: list[float]) -> None:
     # Every rank's shards equal DeepSpeed's fp32 master weights exactly (as DeepSpeed's own tool reads them).
     theirs = get_fp32_state_dict_from_zero_checkpoint(ds_dir)
     for r in results:
-        for name, (value, dim, stride, full_shape, tp_rank, tp) in r["weights"].items():
+        for name, (value, where, tp_rank, tp) in r["weights"].items():
             expected = fit_vocab(name, from_hf(name, theirs["transformer.wte.weight" if name == TIED_HEAD else name]),
-                                 full_shape)
-            assert torch.equal(value, shard_of(expected.float(), dim, stride, tp_rank, tp)), name
+                                 where.full_shape)
+            assert torch.equal(value, where.shard(expected.float(), tp_rank, tp)), name
     # The first megazero loss is DeepSpeed's next-step loss on the same batch; the next ones
     # follow from the carried-over Adam moments, step count and LR position.
     records = next(r["records"] for r in results if r["records"] and r["records"][0]["loss"] is not None)

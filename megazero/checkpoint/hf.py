@@ -9,6 +9,7 @@ the vocabulary (to a multiple of 128 x tp) that HF does not have.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Iterator, Optional
@@ -20,6 +21,7 @@ from megazero.checkpoint.base import Checkpoint, CheckpointError, safetensors_me
 from megazero.checkpoint.hf_config import model_config_from_hf
 from megazero.checkpoint.tensors import plain_shapes, stream_safetensors
 from megazero.config.schema import ModelConfig
+from megazero.parallel.placement import Placement, placement
 
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 TIED_HEAD = "lm_head.weight"
@@ -117,8 +119,8 @@ class HFInitialValues:
         if hf_name not in self.keys:
             raise CheckpointError(f"{self.path} has no tensor '{hf_name}': not a GPT-2 checkpoint of this model's shape")
         key, conv = self.keys[hf_name], hf_name.endswith(CONV1D_SUFFIXES)
-        full = tuple(p.full_shape)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
-        expected = tuple(reversed(full)) if conv else full
+        full = placement(p).full_shape
+        expected: tuple[object, ...] = tuple(reversed(full)) if conv else full
         rows = None
         if hf_name == "transformer.wte.weight":
             expected = (self.m.vocab_size, full[1])  # megazero's padding rows are not stored
@@ -128,14 +130,14 @@ class HFInitialValues:
         if got != expected and not (rows and got[1:] == expected[1:] and got[0] >= rows):
             raise CheckpointError(f"{self.path}: '{key}' has shape {list(got)}, but the model config needs "
                              f"{list(expected)}; the model section does not match this checkpoint")
-        dim, stride = (p.tp_dim, p.tp_stride) if tp_size > 1 else (None, 1)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+        where = placement(p) if tp_size > 1 else Placement(full)
         if hf_name == "transformer.wte.weight":
-            dim = 0  # read by rows at any tp, so the padding rows come out as zeros
-        if dim is None:
+            where = dataclasses.replace(where, dim=0)  # read by rows at any tp, so the padding rows come out as zeros
+        if where.dim is None:
             t = self._slice(key)[:rows] if rows else self._slice(key)[:]
             return (t.t() if conv else t).float().contiguous()
-        pieces = [self._read(key, conv, dim, lo, hi, full) for lo, hi in _shard_ranges(full[dim], stride, tp_rank,
-                                                                                         tp_size)]
+        dim = where.dim
+        pieces = [self._read(key, conv, dim, lo, hi, full) for lo, hi in where.ranges(tp_rank, tp_size)]
         return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
 
     def _read(self, key: str, conv: bool, dim: int, lo: int, hi: int, full: tuple[int, ...]) -> torch.Tensor:
@@ -151,10 +153,3 @@ class HFInitialValues:
             t = s[lo:real_hi] if hf_dim == 0 else s[:, lo:real_hi]
             out.narrow(dim, 0, real_hi - lo).copy_(t.t() if conv else t)
         return out
-
-
-def _shard_ranges(size: int, stride: int, rank: int, tp: int) -> list[tuple[int, int]]:
-    """[lo, hi) along the split dimension of the blocks this TP rank keeps (see layers.shard_of)."""
-    block = size // stride
-    chunk = block // tp
-    return [(j * block + rank * chunk, j * block + (rank + 1) * chunk) for j in range(stride)]

@@ -29,9 +29,9 @@ from megazero.checkpoint.save import layout_of
 from megazero.checkpoint.sharded import check_model, load_rank_state, read_metadata, resolve
 from megazero.checkpoint.tensors import decode_rng, fit_vocab
 from megazero.config.schema import Config
-from megazero.model.layers import shard_of
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.placement import Placement
 
 FRESH, HF, RESUME = "fresh", "hf", "resume"
 
@@ -105,7 +105,7 @@ def reshard_optimizer_state(reader: FullTensorReader, template: dict, tp_rank: i
             continue
         for kind in KINDS if entry["trainable"] else ("master",):
             full = fit_vocab(name, reader.full(name, kind), tuple(entry["full_shape"]))
-            local = shard_of(full, entry["tp_dim"], entry["tp_stride"], tp_rank, tp_size).reshape(-1)
+            local = Placement.from_record(entry).shard(full, tp_rank, tp_size).reshape(-1)
             for p in mine:
                 flats[kind][p["offset"]: p["offset"] + p["length"]] = \
                     local[p["param_offset"]: p["param_offset"] + p["length"]]

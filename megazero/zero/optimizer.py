@@ -29,6 +29,7 @@ from megazero.config.schema import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostSnapshot, HostStaging
+from megazero.parallel.placement import placement
 from megazero.zero.adamw import adamw_
 from megazero.zero.clip import StepSums, clip_coefficient, reduce_step_sums
 from megazero.zero.host_grads import HostGradients
@@ -64,7 +65,7 @@ class ZeroOptimizer:
         decays = {s.name: s.name not in no_decay[b.chunk] for b, s in slots}
         # Each gradient element counted once: TP-replicated parameters on TP rank 0 only, and the
         # tied embedding (one summed gradient in every copy after finish_grad_sync) on the first stage.
-        counted = {s.name: (s.param.tp_dim is not None or grid.tp_rank == 0)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+        counted = {s.name: (placement(s.param).sharded or grid.tp_rank == 0)
                    and (b.index not in sharded.tied_buckets or grid.pp_rank == 0) for b, s in slots}
         self.ranges = self.layout.ranges(decays, counted, z.sub_group_size)
         self.groups = sub_groups(self.ranges, z.sub_group_size)

@@ -41,6 +41,7 @@ from megazero.model.layers import VocabParallelEmbedding
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostStaging
+from megazero.parallel.placement import placement
 from megazero.zero.grads import GradientSync
 from megazero.zero.materialize import replace_meta_parameters
 from megazero.zero.params import ParamStore
@@ -102,7 +103,7 @@ class ShardedParameters:
                 c.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
             for store in filter(None, stores):  # W lands its weight gradients with the parameters released
                 store.sink = self.grads.add_grad
-        partial_over_tp = any(getattr(s.param, "sequence_parallel", False) for _, s in slots)
+        partial_over_tp = any(placement(s.param).sequence_parallel for _, s in slots)
         self.sp_grads = SequenceParallelGrads(self.layout, self.grads, grid.tp_group) if partial_over_tp else None
 
     def materialize(self, master: Callable[[int, torch.Tensor], None] = lambda offset, values: None) -> None:
