@@ -29,6 +29,7 @@ from megazero.plan import formulas as F
 from megazero.plan.planner import Cluster, RankPrediction, distinct_ranks, predict, run_layout
 from megazero.train.summary import size
 from megazero.zero import ALIGN
+from megazero.zero.sharding import sharding
 
 DEFAULT_SUB_GROUP_SIZE = ZeroConfig().sub_group_size
 USABLE = 0.9
@@ -111,7 +112,7 @@ def fit_sub_group_size(need: HostNeed, ranks: int, available: int, requested: in
 
 def offloads(cfg: Config) -> bool:
     z = cfg.zero
-    return z.offload_optimizer != "none" or (z.stage == 3 and z.offload_param != "none")
+    return z.offload_optimizer != "none" or (sharding(z.stage).parameters and z.offload_param != "none")
 
 
 def host_need(cfg: Config, grid: ProcessGrid) -> HostNeed:
