@@ -15,6 +15,7 @@ parameters, so ZeRO shards and reduces over them too (at cp 1 it is the DP group
     stage 3  parameters partitioned as well (see stage3.py): gathered per module on demand,
              never all-gathered after the step
 
+    sharding.py   Sharding: what the stage partitions, chosen once from zero.stage
     partition.py  FlatLayout: the parameters in flat, aligned buckets, partitioned over DP
     params.py     ParamStore: their values in those buckets (stage 3: this rank's shard)
     stage3.py     ParamGatherer: stage-3 gather/release around each unit, with prefetch
