@@ -329,7 +329,7 @@ def _full_grads(optimizer, chunks) -> dict:
     """Each parameter's gradient after the DP sync: its .grad, or at ZeRO stages 2-3 (where a
     rank keeps only its slice of each bucket) the slices gathered over DP."""
     from megazero.parallel import comm
-    if optimizer.stage < 2:
+    if not optimizer.sharding.gradients:
         return {n: p.grad for c in chunks for n, p in c.named_parameters()}
     out = {}
     for b in optimizer.layout.trainable_buckets():

@@ -535,7 +535,7 @@ def _overlapped(runs: list[list[str]]) -> bytes:
             seen["after_step"].append(len(opt.params.gathering))
         out.append({"params": opt.sharded.full_state_dict(), "norms": norms, "losses": losses, "seen": seen,
                     "bytes": grid.bytes_moved(), "numel": opt.layout.numel, "micro": tr.num_microbatches,
-                    "tp_rank": grid.tp_rank, "tp": grid.tp, "stage": opt.stage,
+                    "tp_rank": grid.tp_rank, "tp": grid.tp, "stage": opt.sharding.stage,
                     "gathering_after_read": len(opt.params.gathering)})
     return _pack(out)
 

@@ -135,7 +135,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = solo_group()
         self.sequence_parallel = False  # the output leaves split along the sequence
         # The weight's gradient as the rows looked up (a sparse tensor) instead of a dense
-        # V x h one that is almost all zeros: for gradient sinks that add rows (ZeRO's buckets).
+        # V x h one that is almost all zeros: see apply_sparse_embedding_grad below.
         self.sparse_grad = False
         self.per_rank, self.start = num_embeddings, 0
         self.weight = placed_parameter((num_embeddings, dim), 0)
@@ -163,6 +163,15 @@ class VocabParallelEmbedding(nn.Module):
         if tied is not None:
             return _RowsIntoHeadGrad.apply(ids, self.weight, tied)
         return F.embedding(ids, self.weight, sparse=self.sparse_grad)
+
+
+def apply_sparse_embedding_grad(model: nn.Module) -> None:
+    """Every vocab-parallel embedding of `model` hands its weight's gradient on as the rows
+    looked up (`sparse_grad`), for a gradient sink that adds rows in place (ZeRO's buckets,
+    which train/parallelize.py applies next); GPT.forward then joins a tied head's gradient too."""
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            module.sparse_grad = True
 
 
 class TiedRows:

@@ -23,6 +23,7 @@ from megazero.parallel.host import PIECE_BYTES
 from megazero.pipeline.schedules import ORDERS, activation_events
 from megazero.plan import formulas as F
 from megazero.plan.ranks import rank_params
+from megazero.zero.sharding import sharding
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -194,20 +195,20 @@ def predict(cfg: Config, layout: ParallelLayout, cluster: Cluster, attention: st
         add_times(out, cfg, cluster)
     if layout.offload_optimizer:
         out.notes.append("optimizer states in host memory (stepped there)")
-    if z.stage == 3 and layout.pp > 1:
+    if sharding(z.stage).parameters and layout.pp > 1:
         out.notes.append("ZeRO-3 with pp > 1 gathers every stage's parameters per micro-batch")
     return out
 
 
 def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: F.ActivationShape, schedule: str,
                     pp_layers: Optional[list[int]], accelerator: bool = True) -> RankPrediction:
-    stage, pp, vpp = layout.zero_stage, layout.pp, layout.vpp
+    zs, pp, vpp = sharding(layout.zero_stage), layout.pp, layout.vpp
     dp = layout.dp * layout.cp  # ZeRO shards and reduces over dp x cp
     elem = F.STATE_BYTES[cfg.train.precision]
-    rp = rank_params(cfg.model, layout.tp, pp, vpp, r, stage == 3, cfg.zero.bucket_size, pp_layers)
-    shards = dp if stage else 1
+    rp = rank_params(cfg.model, layout.tp, pp, vpp, r, zs.parameters, cfg.zero.bucket_size, pp_layers)
+    shards = dp if zs.optimizer else 1
     padded = rp.padded(shards)
-    states = F.model_state_bytes(sum(padded), dp, stage, elem)
+    states = zs.model_state_bytes(sum(padded), dp, elem)
     host = host_shape(cfg, layout, padded, shards, accelerator)
     off_device = (states["optimizer"] if host.offload_optimizer != "none" else 0) + \
         (states["params"] if host.offload_param != "none" else 0)
@@ -215,14 +216,14 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
     sizes = [F.chunk_activation_bytes(c, shape) for c in rp.chunks]
     order = activation_events(ORDERS[schedule](pp, vpp, r, m)) if pp > 1 else [(True, 0), (False, 0)]
     wire = 2 if cfg.zero.reduce_dtype == "bf16" else 4
-    moved = {"dp": F.dp_bytes(stage, padded, dp, m, wire, elem[0]),
+    moved = {"dp": F.dp_bytes(zs, padded, dp, m, wire, elem[0]),
              # Partial LayerNorm/bias gradients are all-reduced on this rank's ZeRO shard (about 1/dp of them).
              "tp": F.tp_bytes(list(rp.chunks), shape, m, rp.replicated_numel // shards),
              "pp": F.pp_bytes(pp, vpp, r, m, shape),
              "cp": F.cp_bytes(shape, sum(c.layers for c in rp.chunks), m),
              "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
     tied_twice = any(c.pre and c.post for c in rp.chunks)
-    buffers = F.BufferShape(tuple(padded), rp.tied, tied_twice, stage, dp, cfg.zero.prefetch, elem[0], wire,
+    buffers = F.BufferShape(tuple(padded), rp.tied, tied_twice, zs, dp, cfg.zero.prefetch, elem[0], wire,
                             gloo=not accelerator, shard_on_device=host.offload_param == "none" or (host.offload_param == "cpu" and not accelerator))
     return RankPrediction(r, rp.param_numel, states, F.host_items(host), F.peak_in_flight_bytes(order, sizes),
                           F.transient_items(buffers, shape, rp.chunks[-1].post), moved)
@@ -231,11 +232,11 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
 def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: int, accelerator: bool) -> F.HostShape:
     """What offloading keeps in host memory for one rank of `layout`: the config's offload
     modes (the planner's --offload-optimizer alone means cpu), its buffers and sub-groups."""
-    z, stage = cfg.zero, layout.zero_stage
+    z = cfg.zero
     optimizer = (z.offload_optimizer if z.offload_optimizer != "none" else "cpu") if layout.offload_optimizer else "none"
     shard = sum(padded) // shards
     return F.HostShape(shard=shard, trainable=shard, largest_slice=max(padded) // shards, offload_optimizer=optimizer,
-                       offload_param=z.offload_param if stage == 3 else "none", accelerator=accelerator,
+                       offload_param=z.offload_param if sharding(layout.zero_stage).parameters else "none", accelerator=accelerator,
                        param_bytes=F.STATE_BYTES[cfg.train.precision][0], sub_group_size=z.sub_group_size,
                        buffer_count=z.buffer_count, prefetch=z.prefetch,
                        staging=PIECE_BYTES if cfg.checkpoint.save else 0,

@@ -30,6 +30,7 @@ from megazero.plan import formulas as F
 from megazero.plan.planner import Cluster, RankPrediction, distinct_ranks, predict, run_layout
 from megazero.train.summary import size
 from megazero.zero import ALIGN
+from megazero.zero.sharding import sharding
 
 USABLE = 0.9
 """Fraction of the available memory a run may plan to fill: the rest absorbs the prediction's
@@ -111,7 +112,7 @@ def fit_sub_group_size(need: HostNeed, ranks: int, available: int, requested: in
 
 def offloads(cfg: Config) -> bool:
     z = cfg.zero
-    return z.offload_optimizer != "none" or (z.stage == 3 and z.offload_param != "none")
+    return z.offload_optimizer != "none" or (sharding(z.stage).parameters and z.offload_param != "none")
 
 
 def host_need(cfg: Config, grid: ProcessGrid) -> HostNeed:

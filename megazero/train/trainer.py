@@ -108,8 +108,7 @@ class Trainer:
         loss scaler), its RNG streams, and the loop position. At ZeRO stage 0 the optimizer
         state is replicated over dp x cp, so only its rank 0 writes it. A private host copy: with
         checkpoint.async_save, in the reused `snapshot` tensors."""
-        owns_optimizer = self.cfg.zero.stage > 0 or self.grid.dp_cp_group.rank == 0
-        return {"optimizer": self.optimizer.state_dict(snapshot) if owns_optimizer else None,
+        return {"optimizer": self.optimizer.state_dict(snapshot) if self.optimizer.owns_state else None,
                 "rng": encode_rng(get_rng_states(self.tracker)),
                 "iteration": self.iteration, "consumed_samples": self.consumed_samples,
                 "skipped_iters": self.skipped_iters, "lr_schedule": self.schedule.state_dict()}

@@ -30,9 +30,9 @@ from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostSnapshot, HostStaging
 from megazero.parallel.placement import placement
+from megazero.parallel.weight_grad import WeightGradSink
 from megazero.zero.adamw import adamw_
 from megazero.zero.clip import StepSums, clip_coefficient, reduce_step_sums
-from megazero.zero.host_grads import HostGradients
 from megazero.zero.partition import sub_groups, with_trainable_flags
 from megazero.zero.precision import DynamicLossScaler
 from megazero.zero.shard import ShardedParameters
@@ -58,7 +58,9 @@ class ZeroOptimizer:
         self.sharded, self.cfg, self.grid = sharded, cfg, grid
         # What the step reads and writes: the buckets' layout, the parameters and their gradients.
         self.layout, self.params, self.grads = sharded.layout, sharded.params, sharded.grads
-        self.stage, self.compute_dtype = sharded.stage, sharded.compute_dtype
+        self.sharding, self.compute_dtype = sharded.sharding, sharded.compute_dtype
+        # ZeRO-Offload on an accelerator: gradient slices leave for the host during backward.
+        self.host_grads = sharded.host_grads
         z = cfg.zero
         slots = self.layout.slots()
         no_decay = [c.no_weight_decay() for c in sharded.chunks]
@@ -75,14 +77,6 @@ class ZeroOptimizer:
         self.state = self._state_store()
         sharded.materialize(self._write_master)
         self.state.flush()
-        # ZeRO-Offload on an accelerator: gradient slices leave for the host during backward.
-        self.host_grads = (HostGradients(self.layout.trainable_numel, grid.device, z.pin_memory)
-                           if self._offloads_gradients() else None)
-        self.grads.on_final = self.host_grads.copy if self.host_grads is not None else None
-
-    def _offloads_gradients(self) -> bool:
-        """Whether the step runs in host memory apart from the device's gradients."""
-        return self.cfg.zero.offload_optimizer != "none" and self.grid.device.type != "cpu"
 
     def _state_store(self) -> MemoryOptimizerStore | NvmeOptimizerStore:
         """Master weights and moments (of the trainable buckets) where zero.offload_optimizer puts them."""
@@ -120,6 +114,17 @@ class ZeroOptimizer:
         """After the last backward: see ShardedParameters.finish_grad_sync."""
         self.sharded.finish_grad_sync()
 
+    @property
+    def weight_grad_sink(self) -> Optional[WeightGradSink]:
+        """See ShardedParameters.weight_grad_sink (the schedule's W passes hand their gradients to it)."""
+        return self.sharded.weight_grad_sink
+
+    @property
+    def owns_state(self) -> bool:
+        """Whether this rank's gradients and optimizer state are its own to count and save: at
+        stage 0 every rank of dp x cp holds the same, so its rank 0 stands for them all."""
+        return not self.sharding.replicated or self.grid.dp_cp_group.rank == 0
+
     # ------------------------------------------------------------------ step
 
     def step_sums(self, loss: Optional[torch.Tensor] = None, extra: Sequence[float] = ()) -> StepSums:
@@ -128,8 +133,7 @@ class ZeroOptimizer:
         any rank saw inf/NaN in a gradient or in its `loss` share; the global loss (one TP
         rank per loss replica adds its share); the summed `extra`. At stage 0 DP replicas
         hold the same reduced gradients, so only rank 0 of dp x cp adds them."""
-        mine = self.stage > 0 or self.grid.dp_cp_group.rank == 0
-        pieces = ((self.grads.view(r), r.counted) for r in (self.ranges if mine else ()))
+        pieces = ((self.grads.view(r), r.counted) for r in (self.ranges if self.owns_state else ()))
         count_loss = loss is not None and self.grid.tp_rank == 0
         return reduce_step_sums(pieces, loss, count_loss, extra, self.grid["world"], self.grid.device)
 
@@ -170,7 +174,7 @@ class ZeroOptimizer:
             if st.master is not None:
                 self.params.set_ranges(group, masters)
         self.params.flush()
-        if self.stage in (1, 2):  # stage 0 stepped everything, stage 3 keeps shards
+        if self.sharding.gathers_after_step:  # stage 0 stepped everything, stage 3 keeps shards
             # In forward order (buckets are laid out in reverse), so the first unit's arrive first.
             self.params.all_gather(self.grid.dp_cp_group, reversed(self.layout.trainable_buckets()))
         return result
@@ -214,7 +218,7 @@ class ZeroOptimizer:
             if len(pieces) == 1 and self.state.reads_are_copies:
                 return pieces[0]
             return snapshot.concat(kind, pieces) if snapshot is not None else host.concat(pieces)
-        return {"stage": self.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
+        return {"stage": self.sharding.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
                 "precision": self.cfg.train.precision, "step": self.step_count,
                 "master": on_host("master", self._shard_values()),
                 "exp_avg": on_host("exp_avg", [self.state.read("exp_avg")]),
@@ -228,9 +232,9 @@ class ZeroOptimizer:
         master weights exactly as a step would have set them (bitwise resume)."""
         self.params.wait_all()
         mine = self.layout.param_map()
-        if with_trainable_flags(state["partition"]) != mine or state["stage"] != self.stage:
+        if with_trainable_flags(state["partition"]) != mine or state["stage"] != self.sharding.stage:
             raise ValueError(f"optimizer state has a different layout (stage {state['stage']}, "
-                             f"{state['partition']['shards']} shards) than this run (stage {self.stage}, "
+                             f"{state['partition']['shards']} shards) than this run (stage {self.sharding.stage}, "
                              f"{mine['shards']} shards); reshard it first")
         self.step_count = int(state["step"])
         for kind in ("exp_avg", "exp_avg_sq"):
@@ -244,7 +248,7 @@ class ZeroOptimizer:
             self.params.set_own_slice(b, values)
         self.state.flush()
         self.params.flush()
-        if self.stage in (1, 2):
+        if self.sharding.gathers_after_step:
             self.params.all_gather(self.grid.dp_cp_group, self.layout.buckets)
             self.params.wait_all()
 
