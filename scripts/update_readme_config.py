@@ -13,13 +13,12 @@ from __future__ import annotations
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from megazero import deepspeed_config
+from megazero.atomic import atomic_write
+from megazero.config import markdown_table
+from megazero.train import megatron_flags
 
-from megazero import deepspeed_config  # noqa: E402
-from megazero.atomic import atomic_write  # noqa: E402
-from megazero.config import markdown_table  # noqa: E402
-from megazero.train import megatron_flags  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BLOCKS = (  # (start marker, end marker, text between them, whether it stands on lines of its own)
     ("<!-- config-keys:start (scripts/update_readme_config.py) -->", "<!-- config-keys:end -->", markdown_table, True),
