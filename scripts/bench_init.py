@@ -25,7 +25,6 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 GiB = 2 ** 30
 
@@ -57,8 +56,7 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
     """Build rank `rank`'s share of configs/gpt2-MODEL.yaml at ZeRO-3 and report its memory."""
     import torch
 
-    from megazero.config import build_config, load_yaml
-    from megazero.config.preflight import resolve_and_validate
+    from megazero.harness.configs import make_config
     from megazero.model.gpt import GPT
     from megazero.parallel.placement import placement
     from megazero.parallel.random import seed_everything
@@ -67,10 +65,9 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
     from megazero.zero.shard import ShardedParameters
     torch.set_num_threads(1)
     base = rss_bytes()
-    cfg = build_config(load_yaml(os.path.join(ROOT, f"configs/gpt2-{model}.yaml")),
-                       ["--zero.stage", "3", "--train.precision", precision, "--data.mock", "true",
-                        "--train.global_batch_size", str(dp), "--train.micro_batch_size", "1"])
-    resolve_and_validate(cfg, dp)
+    cfg = make_config(["--zero.stage", "3", "--train.precision", precision, "--data.mock", "true",
+                       "--train.global_batch_size", str(dp), "--train.micro_batch_size", "1"],
+                      f"configs/gpt2-{model}.yaml", world=dp)
     grid = dry_grid(dp, rank)
     tracker = seed_everything(cfg.train.seed, 0, 0, grid.device)
     if sharded:

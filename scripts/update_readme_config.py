@@ -14,12 +14,11 @@ from __future__ import annotations
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from megazero.atomic import atomic_write
+from megazero.config import deepspeed, megatron
+from megazero.config.help import markdown_table
 
-from megazero.atomic import atomic_write  # noqa: E402
-from megazero.config import deepspeed, megatron  # noqa: E402
-from megazero.config.help import markdown_table  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIG_DOC = "docs/configuration.md"  # the config-key table
 MIGRATION_DOC = "docs/migration.md"  # the Megatron-LM and DeepSpeed tables
