@@ -149,6 +149,24 @@ def test_megatron_defaults_for_a_megatron_launch_line_only(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+APEX_FLAGS = ["--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+              "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--apply-query-key-layer-scaling",
+              "--no-query-key-layer-scaling", "--attention-softmax-in-fp32"]
+"""Megatron-LM's (and Megatron-DeepSpeed's) flags that choose apex's fused kernels, or guard them."""
+
+
+def test_flags_naming_apex_kernels_are_accepted_and_named_in_one_line(capsys):
+    """A Megatron launch line with every flag that names an apex kernel builds the same config as
+    without them, and the one warning line names each (docs/apex.md says why none is needed)."""
+    plain = load_config(None, None, ["--mock-data"], 0, 1)
+    capsys.readouterr()
+    cfg = load_config(None, None, ["--mock-data", *APEX_FLAGS], 0, 1)
+    assert cfg == plain
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "warning: Megatron-LM flags accepted with no effect here (kernel and implementation choices megazero makes "
+        f"itself): {', '.join(APEX_FLAGS)}")
+
+
 def test_readme_migration_table_is_current():
     assert markdown_table() in open(REPO / "docs" / "migration.md").read(), \
         "docs/migration.md's Megatron-LM table is out of date: run python scripts/update_readme_config.py"

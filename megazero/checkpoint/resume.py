@@ -59,7 +59,7 @@ def resume_state(load: str, iteration: int, cfg: Config, grid: ProcessGrid,
             check_model(meta, cfg, ckpt)
             if meta["layout"] == layout_of(cfg, grid):
                 return ckpt, _own_files(ckpt, meta, grid)
-        reader = open_checkpoint(ckpt).training
+        reader = open_checkpoint(ckpt, stated=cfg).training  # a DeepSpeed one may hold the run's model
         assert reader is not None  # a megazero or DeepSpeed checkpoint: it has the optimizer state
         check_model(reader.meta, cfg, ckpt)
         return ckpt, {**reader.trainer_state(),

@@ -210,6 +210,10 @@ FLAGS: tuple[Flag, ...] = (
     _ignored("--log-throughput"), _ignored("--log-params-norm"), _ignored("--log-num-zeros-in-grad"),
     _ignored("--log-timers-to-tensorboard"), _ignored("--log-validation-ppl-to-tensorboard"),
     _ignored("--log-memory-to-tensorboard"), _ignored("--timing-log-level", 1),
+    # the fused scale-mask-softmax's (apex-era) fp16 guards: the scaling cancels out; SDPA's fused kernels
+    # accumulate the softmax in fp32
+    _ignored("--apply-query-key-layer-scaling"), _ignored("--no-query-key-layer-scaling"),
+    _ignored("--attention-softmax-in-fp32"),
 )
 BY_NAME = {f.name: f for f in FLAGS}
 
