@@ -15,6 +15,10 @@ CKPT is any checkpoint kind: a save directory (its `latest`, or --iteration N), 
 iter_NNNNNNN directory, a universal checkpoint, a torch export (FILE + FILE.config.json, or
 model_16bit.safetensors), a Hugging Face GPT-2 directory, or a DeepSpeed checkpoint of one
 (DIR whose `latest` names global_stepN/, a global_stepN/ folder, or a ds_to_universal folder).
+A checkpoint that does not record its model (DeepSpeed's without a config.json beside it) is
+read with the model section given as --config FILE and/or --model.KEY VALUE (e.g. the run's
+own config): every shape the checkpoint records is checked against it, and what shapes cannot
+tell (the number of heads) is taken from it; data.tokenizer there names the export's tokenizer.
 Every output is written under a temporary name and renamed when complete; missing parent
 folders are created.
 """
@@ -32,6 +36,7 @@ from megazero.checkpoint.adapter import base_only, describe_adapters, has_adapte
 from megazero.checkpoint.base import Checkpoint
 from megazero.checkpoint.export import write_hf, write_hf_tokenizer, write_torch, write_universal
 from megazero.checkpoint.load import open_checkpoint
+from megazero.config import Config, ConfigError, build_config, load_yaml, parse_overrides
 from megazero.data import DataError
 from megazero.data.tokenizer import build_tokenizer
 from megazero.errors import UserError, report_errors
@@ -49,11 +54,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--iteration", type=int, default=0, help="convert SAVE/iter_N instead of latest")
     parser.add_argument("--merge-lora", action="store_true",
                         help="torch, hf: fold LoRA adapters into their base weights (default: base model only)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--config", help="YAML config with the model section of a checkpoint that does not record "
+                                         "its model (a DeepSpeed one without config.json); also --model.KEY VALUE")
+    args, model_args = parser.parse_known_args(argv)
 
     merged = ""
     with report_errors(OSError):
-        ckpt = open_checkpoint(args.load, args.iteration)
+        stated = stated_config(args.config, model_args)
+        ckpt = open_checkpoint(args.load, args.iteration, stated)
+        if stated and not getattr(ckpt.training, "model_stated", False):
+            print(f"note: {ckpt.kind} '{ckpt.ckpt}' records its model; --config and --model.KEY are not used",
+                  file=sys.stderr)
         if args.merge_lora and has_adapters(ckpt):
             merged = f", LoRA adapters merged in ({describe_adapters(ckpt)})"
         if args.to != "universal":
@@ -69,6 +80,16 @@ def main(argv: Optional[list[str]] = None) -> None:
             atomic_dir(args.output, lambda tmp: write_hf_export(ckpt, tmp, DTYPES[args.dtype]))
     at = "" if ckpt.iteration is None else f" (iteration {ckpt.iteration})"
     print(f"wrote {args.to} export of {ckpt.kind} {ckpt.ckpt}{at} to {args.output}{merged}")
+
+
+def stated_config(path: Optional[str], model_args: list[str]) -> Optional[Config]:
+    """The config --config FILE and --model.KEY VALUE state; None when neither is given."""
+    for section, key, _ in parse_overrides(model_args):
+        if section != "model":
+            raise ConfigError(f"--{section}.{key}: convert takes the model section's keys alone (--model.KEY VALUE)")
+    if path is None and not model_args:
+        return None
+    return build_config(load_yaml(path) if path else None, model_args)
 
 
 def with_adapters_handled(ckpt: Checkpoint, merge: bool) -> Checkpoint:

@@ -39,9 +39,9 @@ from megazero.errors import UserError, report_errors
 from megazero.inference.offload import BlockStreamer, build_offloaded_model
 from megazero.inference.prompts import read_prompts, write_completions
 from megazero.model.gpt import GPT, KVCache, apply_tensor_parallel
-from megazero.model.layers import shard_of
 from megazero.parallel.comm import Group, gather_from_tp
 from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.placement import placement
 from megazero.zero.materialize import replace_meta_parameters
 
 
@@ -60,8 +60,8 @@ def build_model(ckpt: Checkpoint, tp: Group, device: torch.device | str = "cpu")
             if name not in params:
                 continue
             p = params[name]
-            full = fit_vocab(name, full.float(), p.full_shape)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
-            p.copy_(shard_of(full, p.tp_dim, p.tp_stride, tp.rank, tp.size))  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+            where = placement(p)
+            p.copy_(where.shard(fit_vocab(name, full.float(), where.full_shape), tp.rank, tp.size))
             seen.add(name)
     missing = set(params) - seen
     if missing:

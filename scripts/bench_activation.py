@@ -52,46 +52,40 @@ import contextlib
 import io
 import os
 import resource
-import socket
 import sys
 import time
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from megazero.config import build_config, load_yaml  # noqa: E402
-from megazero.parallel.context import shard_sequence  # noqa: E402
-from megazero.parallel.grid import ProcessGrid  # noqa: E402
-from megazero.parallel.random import seed_everything  # noqa: E402
-from megazero.plan.formulas import ActivationShape, layer_activation_bytes  # noqa: E402
-from megazero.plan.measure import ActivationMeter  # noqa: E402
-from megazero.train.parallelize import parallelize  # noqa: E402
-from megazero.train.run_config import resolve_and_validate  # noqa: E402
+from megazero.harness.configs import make_config
+from megazero.harness.spawn import run_ranks
+from megazero.parallel.context import shard_sequence
+from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.random import seed_everything
+from megazero.plan.formulas import ActivationShape, layer_activation_bytes
+from megazero.plan.measure import ActivationMeter
+from megazero.train.parallelize import parallelize
 
 ACT_BYTES, MASK_BYTES = 4, 4  # fp32 activations; torch's CPU dropout keeps an fp32 mask
 
 
-def bench_config(args, tp: int, sequence_parallel: bool, cp: int = 1, cp_impl: str = "ring"):
-    return build_config({"model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_heads": args.heads,
-                                   "seq_length": args.seq, "vocab_size": 512, "dropout": 0.0 if args.cp else 0.1},
-                         "parallel": {"tp": tp, "sequence_parallel": sequence_parallel, "cp": cp, "cp_impl": cp_impl},
-                         "train": {"micro_batch_size": args.micro_batch, "global_batch_size": args.micro_batch},
-                         "data": {"mock": True}})
+def bench_config(args, tp: int, sequence_parallel: bool, cp: int = 1, cp_impl: str = "ring", world: int = 1):
+    return make_config(base={
+        "model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_heads": args.heads,
+                  "seq_length": args.seq, "vocab_size": 512, "dropout": 0.0 if args.cp else 0.1},
+        "parallel": {"tp": tp, "sequence_parallel": sequence_parallel, "cp": cp, "cp_impl": cp_impl},
+        "train": {"micro_batch_size": args.micro_batch, "global_batch_size": args.micro_batch},
+        "data": {"mock": True}}, world=world)
 
 
 def layer_bytes(args, grid: ProcessGrid, sequence_parallel: bool, cp_impl: str = "ring",
                 backward: bool = False) -> tuple[float, float, float]:
     """Bytes one layer saves for backward on this rank, averaged over the layers; and the bytes
     this rank sends over its cp group per layer in forward and (with `backward`) backward."""
-    cfg = bench_config(args, grid.tp, sequence_parallel, grid.cp, cp_impl)
-    resolve_and_validate(cfg, grid.world_size)
+    cfg = bench_config(args, grid.tp, sequence_parallel, grid.cp, cp_impl, grid.world_size)
     tracker = seed_everything(cfg.train.seed, grid.pp_rank, grid.tp_rank, grid.device, cp_rank=grid.cp_rank)
     (chunk,), _ = parallelize(cfg, grid, tracker)
     chunk.train()
@@ -152,20 +146,11 @@ def cases(args, tp: int, cp: int) -> list[tuple[bool, str]]:
     return [(sp, "ring") for sp in ([False, True] if tp > 1 else [False])]
 
 
-def worker(rank: int, tp: int, cp: int, port: int, args, queue) -> None:
-    """One rank of tp x cp: each case's figures (rank 0 reports them; every rank holds the same)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=tp * cp)
-    grid = ProcessGrid(tp=tp, pp=1, dp=1, cp=cp, rank=rank)
+def worker(tp: int, cp: int, args) -> list[tuple]:
+    """One rank of tp x cp: each case's (sequence parallel, cp_impl, figures); every rank holds the same."""
+    grid = ProcessGrid(tp=tp, pp=1, dp=1, cp=cp, rank=dist.get_rank())
     grid.build_groups()
-    try:
-        for sp, impl in cases(args, tp, cp):
-            figures = layer_bytes(args, grid, sp, impl, backward=cp > 1)
-            if rank == 0:
-                queue.put((sp, impl, figures))
-    finally:
-        dist.destroy_process_group()
+    return [(sp, impl, layer_bytes(args, grid, sp, impl, backward=cp > 1)) for sp, impl in cases(args, tp, cp)]
 
 
 def main_cp(args) -> None:
@@ -189,23 +174,8 @@ def main_cp(args) -> None:
 
 
 def measured(args, tp: int, cp: int) -> list[tuple]:
-    """Every case's figures from a world of tp x cp spawned ranks."""
-    return spawned(worker, tp * cp, tp, cp, args)
-
-
-def spawned(fn, nprocs: int, *fn_args) -> list:
-    """What fn(rank, *fn_args, port, args, queue) put on the queue in each of `nprocs` spawned
-    ranks (mp.spawn raises with the traceback of a failed rank)."""
-    *head, args = fn_args
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(fn, args=(*head, port, args, queue), nprocs=nprocs)
-    out = []
-    while not queue.empty():
-        out.append(queue.get())
-    return out
+    """Every case's figures from a world of tp x cp spawned ranks (rank 0's)."""
+    return run_ranks(worker, tp * cp, tp, cp, args)[0]
 
 
 def table_head(title: str, columns: list[str]) -> None:
@@ -214,28 +184,24 @@ def table_head(title: str, columns: list[str]) -> None:
     print("|" + "---|" * len(columns))
 
 
-def worker_long(rank: int, cp: int, port: int, args, queue) -> None:
-    """One rank of a cp world training the long-context config; reports its peak RSS and losses."""
+def worker_long(cp: int, args) -> tuple:
+    """One rank of a cp world training the long-context config: its rank, peak RSS, losses and
+    seconds per iteration."""
     from megazero.train.trainer import Trainer
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cp))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cp))  # the machine's cores shared by the world
-    cfg = build_config(load_yaml(str(REPO / "configs/gpt2-124m.yaml")), [
+    cfg = make_config([
         "--model.seq_length", str(args.long_seq), "--model.num_layers", str(args.layers), "--model.dropout", "0",
         "--parallel.cp", str(cp), "--train.micro_batch_size", "1", "--train.global_batch_size", "1",
         "--train.iters", "2", "--train.precision", "fp32", "--train.recompute", args.long_recompute,
         "--zero.stage", str(args.long_zero), "--train.eval_interval", "0",
         "--train.log_interval", "1", "--data.mock", "true", "--data.prefix", "null", "--data.tokenizer", "null",
-        "--checkpoint.save", "null", "--checkpoint.load", "null", "--logging.jsonl", "null"])
-    resolve_and_validate(cfg, cp)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            tic = time.perf_counter()
-            records = Trainer(cfg, ProcessGrid.create(1, 1, cp=cp)).run()
-            seconds = (time.perf_counter() - tic) / len(records)
-        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-        queue.put((rank, peak_gib, [r["loss"] for r in records], seconds))
-    finally:
-        dist.destroy_process_group()
+        "--checkpoint.save", "null", "--checkpoint.load", "null", "--logging.jsonl", "null"],
+        "configs/gpt2-124m.yaml", world=cp)
+    with contextlib.redirect_stdout(io.StringIO()):
+        tic = time.perf_counter()
+        records = Trainer(cfg, ProcessGrid.create(1, 1, cp=cp)).run()
+        seconds = (time.perf_counter() - tic) / len(records)
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return dist.get_rank(), peak_gib, [r["loss"] for r in records], seconds
 
 
 def main_long(args) -> None:
@@ -245,7 +211,8 @@ def main_long(args) -> None:
                ["cp", "processes", "peak RSS per rank GiB (largest)", "cp 1 / this", "losses", "s per iteration (start-up included)"])
     first = None
     for cp in args.cp or [1, 4]:
-        reports = spawned(worker_long, cp, cp, args)
+        threads = max(1, (os.cpu_count() or 1) // cp)  # the machine's cores shared by the world
+        reports = run_ranks(worker_long, cp, cp, args, threads=threads)
         peak = max(r[1] for r in reports)
         first = first or peak
         losses = next(r[2] for r in reports if r[0] == 0)

@@ -35,28 +35,20 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from typing import Callable, Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from megazero.atomic import write_text
+from megazero.checkpoint import base, sharded
+from megazero.harness.spawn import torchrun_command
 
-from megazero.atomic import write_text  # noqa: E402  (after the path: runs from a checkout)
-from megazero.checkpoint import base, sharded  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 KINDS = ("worker_sigkill", "job_sigkill_save", "flipped_byte", "truncated_file", "disk_full", "stuck_rank")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:
@@ -64,8 +56,7 @@ class Job:
     output lines time-stamped as they arrive."""
 
     def __init__(self, nproc: int, args: list[str], restarts: int = 0, fsize_limit: Optional[int] = None):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--max-restarts={restarts}", f"--master_port={free_port()}", "-m", "megazero.train", *args]
+        cmd = torchrun_command(nproc, args, restarts)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
 
         def limit() -> None:  # in the child, before exec: both survive exec

@@ -31,7 +31,7 @@ The table's `run s` is a run's whole time (building, compiling, iterations, prof
 `--profile`: after a model's timed iterations, torch.profiler records `--profile-steps` more
 steps of megazero and of each peer, and prints CUDA kernel time per step by kind (GEMM,
 attention, loss, norm, elementwise, copies, optimizer, communication, other; see
-scripts/gpu_profile.py), kernel time against the timed step (GPU idle), host syncs per step
+megazero/harness/gpu_profile.py), kernel time against the timed step (GPU idle), host syncs per step
 and megazero's 15 longest kernels. `--trace DIR` also writes each profile as a Chrome trace.
 
 TFLOP/s use megazero's model-FLOPs formula (`model_flops_per_token`: 6 x matmul parameters
@@ -59,17 +59,12 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, HERE]  # megazero from this checkout; gpu_profile beside this script
-
-from gpu_profile import Profile, breakdown, capture, format_profiles  # noqa: E402
-
-from megazero.atomic import write_text  # noqa: E402
-from megazero.config import Config, build_config, load_yaml  # noqa: E402
-from megazero.plan.formulas import model_flops_per_token  # noqa: E402
-from megazero.train.metrics import device_peak_flops  # noqa: E402
-from megazero.train.run_config import resolve_and_validate  # noqa: E402
+from megazero.atomic import write_text
+from megazero.config import Config
+from megazero.harness import configs
+from megazero.harness.gpu_profile import Profile, breakdown, capture, format_profiles
+from megazero.plan.formulas import model_flops_per_token
+from megazero.train.metrics import device_peak_flops
 
 # Micro-batch x accumulation per model: 64 sequences (65k tokens) per iteration for both,
 # micro-batches large enough that the matmuls fill an H100/H200 (activations stay far below 80 GiB).
@@ -107,9 +102,7 @@ def make_config(model: str, micro: int, accum: int, iters: int, overrides: list[
              "--train.micro_batch_size", str(micro), "--train.global_batch_size", str(micro * accum),
              "--train.iters", str(iters), "--train.eval_interval", "0", "--checkpoint.save", "null",
              "--checkpoint.load", "null", "--logging.jsonl", "null", "--logging.wandb", "false"]
-    cfg = build_config(load_yaml(os.path.join(ROOT, "configs", f"{model}.yaml")), fixed + overrides)
-    resolve_and_validate(cfg, 1)
-    return cfg
+    return configs.make_config(fixed + overrides, f"configs/{model}.yaml", world=1)
 
 
 def timed_steps(step: Callable[[], float], iters: int, warmup: int) -> tuple[list[float], float, float]:

@@ -37,12 +37,10 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from megazero.checkpoint.tensors import plain_shapes, save_safetensors_streaming  # noqa: E402
-from megazero.config import ModelConfig, build_config, load_yaml  # noqa: E402
-from megazero.model.gpt import GPT  # noqa: E402
+from megazero.checkpoint.tensors import plain_shapes, save_safetensors_streaming
+from megazero.config import ModelConfig
+from megazero.harness.configs import CHECKOUT, make_config
+from megazero.model.gpt import GPT
 
 GiB = 2 ** 30
 
@@ -104,7 +102,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=os.path.join(ROOT, "configs", "gpt2-1.5b.yaml"))
+    parser.add_argument("--config", default=os.path.join(CHECKOUT, "configs", "gpt2-1.5b.yaml"))
     parser.add_argument("--dir", default="/tmp/megazero-bench-inference")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=8)
@@ -118,7 +116,7 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
 
-    m = dataclasses.replace(build_config(load_yaml(args.config)).model, init_std=args.init_std)
+    m = dataclasses.replace(make_config(base=os.path.abspath(args.config)).model, init_std=args.init_std)
     stem = os.path.splitext(os.path.basename(args.config))[0]
     args.checkpoint = path = os.path.join(args.dir, f"{stem}-init{args.init_std}.safetensors")
     os.makedirs(args.dir, exist_ok=True)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 GiB = 2 ** 30
 
@@ -56,19 +56,18 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
     """Build rank `rank`'s share of configs/gpt2-MODEL.yaml at ZeRO-3 and report its memory."""
     import torch
 
-    from megazero.config import build_config, load_yaml
+    from megazero.harness.configs import make_config
     from megazero.model.gpt import GPT
+    from megazero.parallel.placement import placement
     from megazero.parallel.random import seed_everything
     from megazero.train.parallelize import parallelize
-    from megazero.train.run_config import resolve_and_validate
     from megazero.zero.optimizer import ZeroOptimizer
     from megazero.zero.shard import ShardedParameters
     torch.set_num_threads(1)
     base = rss_bytes()
-    cfg = build_config(load_yaml(os.path.join(ROOT, f"configs/gpt2-{model}.yaml")),
-                       ["--zero.stage", "3", "--train.precision", precision, "--data.mock", "true",
-                        "--train.global_batch_size", str(dp), "--train.micro_batch_size", "1"])
-    resolve_and_validate(cfg, dp)
+    cfg = make_config(["--zero.stage", "3", "--train.precision", precision, "--data.mock", "true",
+                       "--train.global_batch_size", str(dp), "--train.micro_batch_size", "1"],
+                      f"configs/gpt2-{model}.yaml", world=dp)
     grid = dry_grid(dp, rank)
     tracker = seed_everything(cfg.train.seed, 0, 0, grid.device)
     if sharded:
@@ -78,8 +77,7 @@ def build_rank(model: str, dp: int, rank: int, precision: str, sharded: bool) ->
         model.init_weights(cfg.train.seed)
         opt = ZeroOptimizer(ShardedParameters([model], cfg, grid), cfg, grid)
         del model
-    largest = max(p.full_shape[0] * (p.full_shape[1] if len(p.full_shape) > 1 else 1)
-                  for _, s in opt.layout.slots() for p in [s.param])
+    largest = max(math.prod(placement(s.param).full_shape) for _, s in opt.layout.slots())
     return {"psi": opt.layout.numel, "state": opt.model_state_bytes()["total"],
             "peak": peak_rss_bytes() - base, "base": base, "largest": 4 * largest}
 

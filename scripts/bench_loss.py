@@ -14,7 +14,6 @@ the gradient from the fused variant's. A measurement: nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Callable
@@ -22,10 +21,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megazero.model import cross_entropy as ce  # noqa: E402
-from megazero.parallel.comm import solo_group  # noqa: E402
+from megazero.model import cross_entropy as ce
+from megazero.parallel.comm import solo_group
 
 
 def measure(name: str, loss_fn: Callable, logits: torch.Tensor, labels: torch.Tensor, iters: int, warmup: int = 3):

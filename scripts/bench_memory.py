@@ -25,16 +25,12 @@ import contextlib
 import io
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-from bench_zero import spawn  # noqa: E402
+from megazero.harness.configs import add_shape_flags, make_config, model_section
+from megazero.harness.spawn import run_ranks
 
 MiB = 2 ** 20
 ITEMS = ("runtime", "params", "grads", "master", "moments", "activations", "gathered_units", "grads_in_flight",
@@ -79,21 +75,16 @@ def baseline(device: torch.device) -> int:
 # ---------------------------------------------------------------------------- megazero
 
 
-def make_config(opts: argparse.Namespace, world: int):
-    from megazero.config import build_config
-    from megazero.train.run_config import resolve_and_validate
-    cfg = build_config({
-        "model": {"num_layers": opts.layers, "hidden_size": opts.hidden, "num_heads": opts.heads,
-                  "seq_length": opts.seq, "vocab_size": opts.vocab, "dropout": 0.1},
+def bench_config(opts: argparse.Namespace, world: int):
+    return make_config(base={
+        "model": {**model_section(opts), "dropout": 0.1},
         "parallel": {"tp": opts.tp, "pp": opts.pp},
         "zero": {"stage": opts.stage_now, "offload_optimizer": opts.offload_optimizer,
                  "offload_param": opts.offload_param, "nvme_path": opts.nvme_path},
         "train": {"iters": opts.iters, "micro_batch_size": opts.micro,
                   "global_batch_size": opts.micro * world // (opts.tp * opts.pp), "precision": opts.precision},
         "data": {"mock": True},
-    })
-    resolve_and_validate(cfg, world)
-    return cfg
+    }, world=world)
 
 
 def predicted_items(cfg, grid, runtime: int) -> dict[str, int]:
@@ -115,7 +106,7 @@ def megazero_rank(opts: argparse.Namespace) -> dict:
     from megazero.train.trainer import Trainer
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
     runtime = baseline(device)
-    cfg = make_config(opts, dist.get_world_size())
+    cfg = bench_config(opts, dist.get_world_size())
     reset_peak(device)
     with contextlib.redirect_stdout(io.StringIO()):  # the trainer's start-up summary
         tr = Trainer(cfg, ProcessGrid.create(opts.tp, opts.pp))
@@ -158,29 +149,17 @@ def deepspeed_rank(opts: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------------- launching
 
 
-def _worker(rank: int, world: int, port: int, fn, opts: argparse.Namespace, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    import warnings
-    warnings.simplefilter("ignore")  # torch's and DeepSpeed's notices, once per rank
-    import megazero.train.trainer  # noqa: F401  (loaded before the baseline is taken)
-    try:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world)
-        queue.put((rank, fn(opts)))
-    except BaseException:  # tell the parent instead of leaving it waiting
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def launch(fn, opts: argparse.Namespace, world: int) -> list[dict]:
-    """fn(opts) on `world` fresh processes (so each peak is its own); results in rank order."""
-    return spawn(_worker, world, fn, opts, opts.timeout, fn.__name__)
+    """fn(opts) on `world` fresh processes (so each peak is its own), NCCL on GPUs and gloo on
+    CPU, with megazero's trainer loaded before fn takes the runtime baseline; results in rank order."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return run_ranks(_loaded, world, fn, opts, timeout=opts.timeout, backend=backend,
+                     env={"LOCAL_WORLD_SIZE": str(world)}, ignore=(Warning,))  # torch's and DeepSpeed's notices
+
+
+def _loaded(fn, opts: argparse.Namespace) -> dict:
+    import megazero.train.trainer  # noqa: F401  (loaded before the baseline is taken)
+    return fn(opts)
 
 
 # ---------------------------------------------------------------------------- tables
@@ -208,12 +187,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--iters", type=int, default=2, help="training iterations per layout (the first is included)")
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=50257)
-    ap.add_argument("--micro", type=int, default=1)
+    add_shape_flags(ap, layers=12, hidden=768, heads=12, seq=128, vocab=50257, micro=1)
     ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     ap.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default="none")
     ap.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default="none")

@@ -23,20 +23,13 @@ import contextlib
 import io
 import os
 import resource
-import sys
 import tempfile
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-from bench_zero import launch  # noqa: E402
-
-from megazero.config import build_config, load_yaml  # noqa: E402
-from megazero.train.run_config import resolve_and_validate  # noqa: E402
+from megazero.harness.configs import make_config
+from megazero.harness.spawn import run_ranks
 
 GiB, MiB = 2 ** 30, 2 ** 20
 
@@ -80,13 +73,17 @@ def bench_adamw(args: argparse.Namespace) -> None:
 
 
 def config(path: str, stage: int, mode: str, nvme: str, dp: int, iters: int, extra: dict):
-    cfg = build_config(load_yaml(os.path.join(ROOT, path)), [
+    return make_config([
         "--model.seq_length", "128", "--model.vocab_size", "50304", "--data.mock", "true",
         "--train.micro_batch_size", "1", "--train.global_batch_size", str(dp), "--train.iters", str(iters + 1),
         "--zero.stage", str(stage), "--zero.offload_optimizer", mode, "--zero.nvme_path", nvme,
-        *[str(x) for kv in extra.items() for x in kv]])
-    resolve_and_validate(cfg, dp)
-    return cfg
+        *[str(x) for kv in extra.items() for x in kv]], path, world=dp)
+
+
+def launch(fn, args: argparse.Namespace, *fn_args) -> list[dict]:
+    """fn(args, *fn_args) on args.dp fresh gloo ranks (so each peak RSS is its own); results in rank order."""
+    return run_ranks(fn, args.dp, args, *fn_args, timeout=args.timeout, threads=args.threads,
+                     ignore=(FutureWarning,))  # torch's rename notices, once per rank and op
 
 
 def train(cfg, iters: int) -> dict:

@@ -37,45 +37,38 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import sys
 import time
-import traceback
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from megazero.config import build_config  # noqa: E402
-from megazero.parallel import comm  # noqa: E402
-from megazero.parallel.grid import ProcessGrid  # noqa: E402
-from megazero.parallel.random import seed_everything  # noqa: E402
-from megazero.pipeline.schedules import forward_backward_pipelining  # noqa: E402
-from megazero.plan.formulas import pipeline_bubble, simulated_bubble  # noqa: E402
-from megazero.plan.measure import ActivationMeter  # noqa: E402
-from megazero.plan.planner import Cluster, ParallelLayout, predict  # noqa: E402
-from megazero.train.parallelize import parallelize  # noqa: E402
-from megazero.train.run_config import resolve_and_validate  # noqa: E402
+from megazero.harness.configs import make_config
+from megazero.harness.spawn import RankFailed, stream_ranks
+from megazero.parallel import comm
+from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.random import seed_everything
+from megazero.pipeline.schedules import forward_backward_pipelining
+from megazero.plan.formulas import pipeline_bubble, simulated_bubble
+from megazero.plan.measure import ActivationMeter
+from megazero.plan.planner import Cluster, ParallelLayout, predict
+from megazero.train.parallelize import parallelize
 
 
-def bench_config(args, pp: int, schedule: str, m: int):
+def bench_config(args, pp: int, schedule: str, m: int, world: int):
     vpp = 2 if schedule == "interleaved" else 1
-    return build_config({"model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_heads": 4,
-                                   "seq_length": args.seq, "vocab_size": 512},
-                         "parallel": {"pp": pp, "vpp": vpp, "schedule": schedule},
-                         "train": {"micro_batch_size": args.micro_batch, "global_batch_size": args.micro_batch * m},
-                         "data": {"mock": True}})
+    return make_config(base={"model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_heads": 4,
+                                       "seq_length": args.seq, "vocab_size": 512},
+                             "parallel": {"pp": pp, "vpp": vpp, "schedule": schedule},
+                             "train": {"micro_batch_size": args.micro_batch,
+                                       "global_batch_size": args.micro_batch * m},
+                             "data": {"mock": True}}, world=world)
 
 
 def run_case(args, grid: ProcessGrid, schedule: str, m: int) -> dict:
     """This rank's mean busy and idle seconds per iteration and its peak activation bytes."""
-    cfg = bench_config(args, grid.pp, schedule, m)
-    resolve_and_validate(cfg, grid.world_size)
+    cfg = bench_config(args, grid.pp, schedule, m, grid.world_size)
     tracker = seed_everything(cfg.train.seed, grid.pp_rank, grid.tp_rank, grid.device)
     chunks, optimizer = parallelize(cfg, grid, tracker)
     g = torch.Generator().manual_seed(0)
@@ -113,20 +106,13 @@ def held_for_weight_grads(chunks) -> int:
     return sum(c.weight_grads.held_bytes() for c in chunks if c.weight_grads is not None)
 
 
-def worker(rank: int, pp: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=pp)
-    grid = ProcessGrid(tp=1, pp=pp, dp=1, rank=rank)
+def worker(report, pp: int, args) -> None:
+    """One stage of a pp world: reports (schedule, m, its figures) case by case."""
+    grid = ProcessGrid(tp=1, pp=pp, dp=1, rank=dist.get_rank())
     grid.build_groups()
-    try:
-        for schedule in args.schedules:
-            for f in args.factors:
-                queue.put((schedule, f * pp, rank, run_case(args, grid, schedule, f * pp)))
-    except BaseException:  # tell the parent instead of leaving it waiting
-        queue.put((None, 0, rank, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
+    for schedule in args.schedules:
+        for f in args.factors:
+            report((schedule, f * pp, run_case(args, grid, schedule, f * pp)))
 
 
 def per_rank(ranks: list[dict], key: str, scale: float, fmt: str) -> str:
@@ -151,38 +137,30 @@ def main(argv: Optional[list[str]] = None) -> None:
     print("| schedule | pp | m | bubble theory | simulated | measured | busy ms / rank | idle ms / rank "
           "| peak activations MiB / stage (planner) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    ctx = mp.get_context("spawn")
     for pp in args.pp:
-        queue = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [ctx.Process(target=worker, args=(r, pp, port, args, queue)) for r in range(pp)]
-        for p in procs:
-            p.start()
-        results: dict[tuple[str, int], dict[int, dict]] = {}
-        for _ in range(pp * len(args.schedules) * len(args.factors)):
-            schedule, m, rank, res = queue.get(timeout=1800)
-            if schedule is None:
-                for p in procs:
-                    p.kill()
-                sys.exit(f"pipeline rank {rank} failed:\n{res}")
-            results.setdefault((schedule, m), {})[rank] = res
-            if len(results[(schedule, m)]) == pp:
-                ranks = [results[(schedule, m)][r] for r in range(pp)]
-                measured = sum(r["idle"] / (r["busy"] + r["idle"]) for r in ranks) / pp
-                vpp = 2 if schedule == "interleaved" else 1
-                print(f"| {schedule} | {pp} | {m} | {pipeline_bubble(pp, vpp, m, schedule):.3f} | "
-                      f"{simulated_bubble(pp, vpp, m, schedule):.3f} | {measured:.3f} | "
-                      f"{per_rank(ranks, 'busy', 1e3, '.0f')} | {per_rank(ranks, 'idle', 1e3, '.0f')} | "
-                      f"{per_rank(ranks, 'peak_bytes', 2.0 ** -20, '.1f')} "
-                      f"({per_rank(ranks, 'planned_bytes', 2.0 ** -20, '.1f')}) |", flush=True)
-        for p in procs:
-            p.join()
-            if p.exitcode:
-                sys.exit(f"a pipeline rank failed (exit code {p.exitcode})")
+        try:
+            results = print_cases(pp, stream_ranks(worker, pp, pp, args, timeout=1800))
+        except RankFailed as e:
+            sys.exit(f"pipeline {e}")
         if {"1f1b", "zbh1"} <= set(args.schedules):
             print_zero_bubble_gain(pp, [f * pp for f in args.factors], results)
+
+
+def print_cases(pp: int, reports) -> dict[tuple[str, int], dict[int, dict]]:
+    """A row per case as soon as all pp ranks reported it; every rank's figures by (schedule, m)."""
+    results: dict[tuple[str, int], dict[int, dict]] = {}
+    for rank, (schedule, m, res) in reports:
+        results.setdefault((schedule, m), {})[rank] = res
+        if len(results[(schedule, m)]) == pp:
+            ranks = [results[(schedule, m)][r] for r in range(pp)]
+            measured = sum(r["idle"] / (r["busy"] + r["idle"]) for r in ranks) / pp
+            vpp = 2 if schedule == "interleaved" else 1
+            print(f"| {schedule} | {pp} | {m} | {pipeline_bubble(pp, vpp, m, schedule):.3f} | "
+                  f"{simulated_bubble(pp, vpp, m, schedule):.3f} | {measured:.3f} | "
+                  f"{per_rank(ranks, 'busy', 1e3, '.0f')} | {per_rank(ranks, 'idle', 1e3, '.0f')} | "
+                  f"{per_rank(ranks, 'peak_bytes', 2.0 ** -20, '.1f')} "
+                  f"({per_rank(ranks, 'planned_bytes', 2.0 ** -20, '.1f')}) |", flush=True)
+    return results
 
 
 def print_zero_bubble_gain(pp: int, ms: list[int], results: dict) -> None:

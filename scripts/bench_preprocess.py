@@ -26,12 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from megazero.atomic import atomic_write
+from megazero.data.corpus import default_corpus_documents
+from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe
 
-from megazero.atomic import atomic_write  # noqa: E402
-from megazero.data.corpus import default_corpus_documents  # noqa: E402
-from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def load_preprocess():

@@ -28,21 +28,16 @@ import argparse
 import contextlib
 import io
 import os
-import queue as queue_module
 import resource
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from typing import Callable
 
-import torch.multiprocessing as mp
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from megazero.checkpoint.background import BackgroundSave  # noqa: E402  (after the path: runs from a checkout)
+from megazero.checkpoint.background import BackgroundSave
+from megazero.harness.configs import CHECKOUT
+from megazero.harness.spawn import RankFailed, run_ranks
 
 MODES = ("none", "sync", "async")
 DEFAULTS = ["--data.mock", "true", "--train.precision", "fp32", "--model.seq_length", "128",
@@ -66,7 +61,8 @@ class SaveClock:
         self._inside = self._tail = False
         self.copy_s = 0.0  # of saving_s: taking the rank's state (async: into the host snapshot)
         self.wait_s = 0.0  # of saving_s: async, waiting for a background write to end
-        step, save, finish = trainer.train_step, trainer.save_checkpoint, trainer.finish_save
+        manager = trainer.checkpoints
+        step, save, finish = trainer.train_step, manager.save, manager.finish
         trainer.rank_state = self._part(trainer.rank_state, "copy_s")
         BackgroundSave.wait = self._part(BackgroundSave.wait, "wait_s")  # this process's own class: a benchmark
 
@@ -79,45 +75,48 @@ class SaveClock:
 
         def timed_finish(*args, **kwargs):
             if self._last():
-                if trainer.pending_save.iteration >= iters:  # the last save's own finish: not counted
+                if manager.pending.iteration >= iters:  # the last save's own finish: not counted
                     return finish(*args, **kwargs)
                 self._tail = True
-                tic = time.perf_counter()
-                try:
-                    return finish(*args, **kwargs)
-                finally:
-                    self._tail = False
-                    self.tail_s = time.perf_counter() - tic
+                return _timed(finish, args, kwargs, self._tail_ended)
             return finish(*args, **kwargs) if self._inside else self._count(finish, *args, **kwargs)
-        trainer.train_step, trainer.save_checkpoint, trainer.finish_save = timed_step, timed_save, timed_finish
+        trainer.train_step, manager.save, manager.finish = timed_step, timed_save, timed_finish
 
     def _part(self, fn: Callable, field: str) -> Callable:
         """fn, its seconds added to `field` when they fall in a counted save."""
-        def timed(*args, **kwargs):
-            tic = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if self._inside or (self._last() and field == "wait_s" and self._tail):
-                    setattr(self, field, getattr(self, field) + time.perf_counter() - tic)
-        return timed
+        def add(seconds: float) -> None:
+            if self._inside or (self._last() and field == "wait_s" and self._tail):
+                setattr(self, field, getattr(self, field) + seconds)
+        return lambda *args, **kwargs: _timed(fn, args, kwargs, add)
 
     def _last(self) -> bool:
         return len(self.starts) >= self.iters
 
     def _count(self, fn: Callable, *args, **kwargs):
         self._inside = True
-        tic = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._inside = False
-            self.saving_s += time.perf_counter() - tic
+        return _timed(fn, args, kwargs, self._counted)
+
+    def _counted(self, seconds: float) -> None:
+        self._inside = False
+        self.saving_s += seconds
+
+    def _tail_ended(self, seconds: float) -> None:
+        self._tail = False
+        self.tail_s = seconds
 
     def result(self) -> dict:
         return {"starts": self.starts, "blocked_s": self.saving_s + self.tail_s, "copy_s": self.copy_s,
                 "wait_s": self.wait_s,
                 "window_s": self.starts[-1] - self.starts[0] + self.tail_s}
+
+
+def _timed(fn: Callable, args: tuple, kwargs: dict, ended: Callable[[float], None]):
+    """fn(*args, **kwargs); then, even when it raised, ended(the seconds it took)."""
+    tic = time.perf_counter()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        ended(time.perf_counter() - tic)
 
 
 def _run_mode(mode: str, config: str, overrides: list[str], iters: int, interval: int, save_dir: str) -> dict:
@@ -137,26 +136,16 @@ def _run_mode(mode: str, config: str, overrides: list[str], iters: int, interval
     return {**clock.result(), "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
 
 
-def _worker(queue, *args) -> None:
-    queue.put(_run_mode(*args))
-
-
 def run_fresh(*args) -> dict:
     """_run_mode(*args) in a fresh process, so that each mode's memory and threads are its own."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_worker, args=(queue, *args))
-    proc.start()
-    while True:  # a child killed from outside (the OOM killer) sends nothing: say so instead of waiting
-        try:
-            result = queue.get(timeout=5)
-            break
-        except queue_module.Empty:
-            if not proc.is_alive():
-                raise SystemExit(f"error: the benchmark process died (exit code {proc.exitcode}); on a shared "
-                                 f"machine, check the free memory and run it again") from None
-    proc.join()
-    return result
+    try:
+        return run_ranks(_run_mode, 1, *args, threads=None, backend=None)[0]
+    except RankFailed as e:
+        if e.exitcode is None:  # it raised: its traceback says why
+            raise
+        # killed from outside (the OOM killer): say so instead of a traceback
+        raise SystemExit(f"error: the benchmark process died (exit code {e.exitcode}); on a shared "
+                         f"machine, check the free memory and run it again") from None
 
 
 def summarize(runs: dict[str, list[dict]], interval: int, iters: int) -> list[str]:
@@ -197,7 +186,7 @@ def main() -> None:
         for r in range(args.rounds):
             for mode in MODES:
                 save_dir = os.path.join(root, f"{mode}{r}")
-                runs[mode].append(run_fresh(mode, os.path.join(ROOT, args.config), overrides, iters, args.interval,
+                runs[mode].append(run_fresh(mode, os.path.join(CHECKOUT, args.config), overrides, iters, args.interval,
                                             save_dir))
                 shutil.rmtree(save_dir, ignore_errors=True)
                 done = runs[mode][-1]

@@ -16,38 +16,29 @@ This is a measurement, not a test: no assertion depends on timings.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from megazero.config import build_config  # noqa: E402
-from megazero.plan.formulas import STATE_BYTES, model_state_bytes  # noqa: E402
-from megazero.plan.planner import Cluster, ParallelLayout, predict  # noqa: E402
-from megazero.train.run_config import resolve_and_validate  # noqa: E402
+from megazero.harness.configs import add_shape_flags, make_config, model_section
+from megazero.harness.spawn import run_ranks
+from megazero.plan.formulas import STATE_BYTES, model_state_bytes
+from megazero.plan.planner import Cluster, ParallelLayout, predict
 
 MiB = 2 ** 20
 
 
-def make_config(args: argparse.Namespace, stage: int, precision: str = "fp32"):
-    cfg = build_config({
-        "model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_heads": args.heads,
-                  "seq_length": args.seq, "vocab_size": args.vocab},
+def bench_config(args: argparse.Namespace, stage: int, precision: str = "fp32"):
+    return make_config(base={
+        "model": model_section(args),
         "zero": {"stage": stage, "bucket_size": args.bucket},
         "train": {"iters": args.iters + 1, "micro_batch_size": args.micro,
                   "global_batch_size": args.micro * args.dp * args.accum, "precision": precision, "log_interval": 1},
         "optim": {"clip_grad": 1.0},
         "data": {"mock": True},
-    })
-    resolve_and_validate(cfg, args.dp)
-    return cfg
+    }, world=args.dp)
 
 
 def peak_rss_mib() -> float:
@@ -64,7 +55,7 @@ def run_megazero(args: argparse.Namespace, stage: int) -> dict:
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
     with contextlib.redirect_stdout(io.StringIO()):  # the trainer's config banner
-        tr = Trainer(make_config(args, stage), ProcessGrid.create(1, 1))
+        tr = Trainer(bench_config(args, stage), ProcessGrid.create(1, 1))
     tr.train_step()  # warm-up
     tr.grid.reset_counters()
     tr.train_step()
@@ -84,7 +75,7 @@ def run_megazero(args: argparse.Namespace, stage: int) -> dict:
            "peak_materialized": opt.sharded.peak_materialized_numel}
     del tr, opt
     with contextlib.redirect_stdout(io.StringIO()):  # the same model in bf16, for the memory table
-        tr16 = Trainer(make_config(args, stage, "bf16"), ProcessGrid.create(1, 1))
+        tr16 = Trainer(bench_config(args, stage, "bf16"), ProcessGrid.create(1, 1))
     out["memory"]["bf16"] = tr16.optimizer.model_state_bytes()
     return out
 
@@ -94,7 +85,7 @@ def run_megazero(args: argparse.Namespace, stage: int) -> dict:
 
 def _plain_model(args: argparse.Namespace):
     from megazero.model.gpt import GPT
-    cfg = make_config(args, 0)
+    cfg = bench_config(args, 0)
     model = GPT(cfg.model)
     model.init_weights(cfg.train.seed)
     return cfg, model
@@ -160,47 +151,10 @@ def _null():
 # ---------------------------------------------------------------------------- launching
 
 
-def _worker(rank: int, n: int, port: int, fn, args, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    import traceback
-    import warnings
-    warnings.simplefilter("ignore", FutureWarning)  # torch's rename notices, once per rank and op
-    dist.init_process_group("gloo", rank=rank, world_size=n)
-    try:
-        queue.put((rank, fn(args, *args.fn_args)))
-    except BaseException:  # tell the parent instead of leaving it waiting
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(worker, world: int, fn, opts, timeout: float, label: str) -> list:
-    """worker(rank, world, port, fn, opts, queue) on `world` fresh processes (so each peak RSS is
-    its own); their results in rank order. A rank that raised sends its traceback instead,
-    raised here as one RuntimeError. bench_offload and bench_memory launch through it too."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, fn, opts, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=timeout) for _ in procs)
-    for p in procs:
-        p.join()
-    failed = [v for v in results.values() if isinstance(v, str)]
-    if failed:
-        raise RuntimeError(f"{label} failed:\n{failed[0]}")
-    return [results[r] for r in range(world)]
-
-
 def launch(fn, args: argparse.Namespace, *fn_args) -> list[dict]:
-    args.fn_args = fn_args
-    return spawn(_worker, args.dp, fn, args, args.timeout, f"{fn.__name__}{fn_args}")
+    """fn(args, *fn_args) on args.dp fresh gloo ranks (so each peak RSS is its own); results in rank order."""
+    return run_ranks(fn, args.dp, args, *fn_args, timeout=args.timeout, threads=args.threads,
+                     ignore=(FutureWarning,))  # torch's rename notices, once per rank and op
 
 
 # ---------------------------------------------------------------------------- tables
@@ -210,12 +164,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--iters", type=int, default=4, help="timed iterations (after one warm-up)")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--micro", type=int, default=4)
+    add_shape_flags(ap, layers=4, hidden=256, heads=4, seq=128, vocab=8192, micro=4)
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per iteration (1: theory applies as is)")
     ap.add_argument("--bucket", type=int, default=1_000_000, help="zero.bucket_size (elements)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -266,13 +215,13 @@ def main() -> None:
     for i, r in enumerate(rounds, 1):
         print(f"| {i} | " + " | ".join(f"{r[k]:.1f} ({r[k] / r['DDP']:.2f})" for k in runs) + " |")
 
+    zero = {stage: results[f"ZeRO-{stage}"][0] for stage in stages}  # rank 0's figures
     ring = (n - 1) / n
     print(f"\nDP bytes sent per rank in one iteration (fp32, Ψ = {z0['padded_numel']:,} elements incl. alignment "
           f"padding = {4 * z0['padded_numel'] / MiB:.2f} MiB; ring factor (n-1)/n = {ring:.2f}):\n")
     print("| stage | measured (MiB) | planner (MiB) | theory (MiB) | measured / theory | by operation (MiB) |")
     print("|---|---:|---:|---:|---:|---|")
-    for stage in stages:
-        out = results[f"ZeRO-{stage}"][0]
+    for stage, out in zero.items():
         psi = 4 * out["padded_numel"]
         m = out["micro"]
         mult = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[stage]
@@ -288,8 +237,7 @@ def main() -> None:
           f"Ψ = padded elements:\n")
     print("| stage | precision | params | grads | optimizer | total (MiB) | ZeRO formula (MiB) | ratio |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for stage in stages:
-        out = results[f"ZeRO-{stage}"][0]
+    for stage, out in zero.items():
         for precision in ("fp32", "bf16"):
             mem = out["memory"][precision]
             f = model_state_bytes(out["padded_numel"], n, stage, STATE_BYTES[precision])["total"]

@@ -7,7 +7,8 @@
 # do?\nAnswer:", completion: the first sentence of its docstring), tokenizes them with the main
 # job's tokenizer into an indexed dataset with a loss mask (only completions count in the loss;
 # one example a sample, never packed unless --data.pack_examples true), and fine-tunes from the
-# export (checkpoint.init_from_hf) on the main job's layout. Running it again resumes.
+# export (checkpoint.init_from_hf) on the main job's layout. Running it again resumes (from
+# $RUN_DIR/checkpoints, or the --checkpoint.save DIR given as an argument, unless --checkpoint.load is).
 #
 # Environment (defaults in brackets):
 #   CONFIG [configs/gpt2-cpu-demo.yaml]   NPROC [8]  TP [2]  PP [2]  ZERO_STAGE [1]
@@ -25,6 +26,7 @@
 # Arguments are passed on to megazero.train as overrides, e.g. --train.global_batch_size 16.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/args.sh
 
 export CONFIG=${CONFIG:-configs/gpt2-cpu-demo.yaml}
 export NPROC=${NPROC:-8} TP=${TP:-2} PP=${PP:-2} ZERO_STAGE=${ZERO_STAGE:-1}
@@ -59,16 +61,18 @@ if [[ ! -f $FT_PREFIX.idx ]]; then
     --workers "${WORKERS:-2}" --output-prefix "${FT_PREFIX%_prompt_completion_document}" ${FT_INPUT:+--input "$FT_INPUT"}
 fi
 
-# 4. Fine-tune from the export, or resume when $RUN_DIR/checkpoints holds a checkpoint. checkpoint.load
-#    is set only then (null otherwise, whatever the config says): a run with checkpoint.load set
-#    never reads checkpoint.init_from_hf (a torchrun restart resumes from checkpoint.save by itself).
+# 4. Fine-tune from the export, or resume when the save directory ($RUN_DIR/checkpoints, or the user's
+#    --checkpoint.save) holds a checkpoint. checkpoint.load is set only then (null otherwise, whatever
+#    the config says; the user's own --checkpoint.load wins): a run with checkpoint.load set never
+#    reads checkpoint.init_from_hf (a torchrun restart resumes from checkpoint.save by itself).
 # shellcheck disable=SC2206  # FINETUNE_ARGS is a list of words
 extra=(${LORA_RANK:+--finetune.lora_rank "$LORA_RANK"} ${FINETUNE_ARGS:-})
+SAVE=$(flag_value "$SAVE_FLAGS" "$@") || SAVE=$RUN_DIR/checkpoints
 resume=(--checkpoint.load null)
-if [[ -f $RUN_DIR/checkpoints/latest ]]; then resume=(--checkpoint.load "$RUN_DIR/checkpoints"); fi
+if [[ -f $SAVE/latest ]]; then resume=(--checkpoint.load "$SAVE"); fi
 train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE"
   --data.mock false --data.prefix "$FT_PREFIX" --data.tokenizer "$TOKENIZER" --model.vocab_size auto
-  --checkpoint.init_from_hf "$HF_DIR" --checkpoint.save "$RUN_DIR/checkpoints" "${resume[@]}"
+  --checkpoint.init_from_hf "$HF_DIR" --checkpoint.save "$SAVE" "${resume[@]}"
   --logging.jsonl "$RUN_DIR/metrics.jsonl" --train.iters "$ITERS" --optim.lr "${LR:-3e-4}"
   --optim.min_lr "${MIN_LR:-3e-5}" --optim.warmup_iters "${WARMUP:-10}" "${extra[@]}" "$@")
 LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --world-size "$NPROC" "${train_args[@]}"
@@ -78,8 +82,8 @@ echo "== fine-tuning: $NPROC processes, tp $TP x pp $PP, ZeRO-$ZERO_STAGE, from 
 python -m megazero.launch --nproc_per_node "$NPROC" --max-restarts "${RESTARTS:-3}" --rdzv-backend c10d \
   --rdzv-endpoint "127.0.0.1:${MASTER_PORT:-29500}" --rdzv-id megazero-finetune -m megazero.train "${train_args[@]}"
 
-latest="$RUN_DIR/checkpoints/$(cat "$RUN_DIR/checkpoints/latest")"
-echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: ${latest##*/})"
+latest="$SAVE/$(cat "$SAVE/latest")"
+echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $SAVE (latest: ${latest##*/})"
 if [[ -d $latest/adapter ]]; then  # LoRA: the adapters alone, for PEFT on $HF_DIR
   echo "   LoRA adapters (PEFT): $latest/adapter  (base model: $HF_DIR)"
   echo "   merge them into a plain GPT-2: python -m megazero.convert --load $latest --to hf --merge-lora --output $RUN_DIR/merged_hf"

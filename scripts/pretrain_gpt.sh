@@ -4,7 +4,9 @@
 # With no arguments, on a fresh machine: builds an English corpus from text that ships with
 # Python, trains a byte-level BPE tokenizer on it, tokenizes it into a Megatron indexed
 # dataset, then trains a small GPT-2 on CPU with tp 2 x pp 2 x dp 2 and ZeRO-1, evaluating
-# and checkpointing as it goes. Running it again resumes from the last checkpoint.
+# and checkpointing as it goes. Running it again resumes from the last checkpoint: the script
+# saves to and resumes from $RUN_DIR/checkpoints, or the --checkpoint.save DIR (--save DIR) given
+# as an argument (unless --checkpoint.load is given too).
 #
 # The config is checked for the world size before anything is prepared or launched. When a
 # worker dies, torchrun restarts every worker (up to RESTARTS times) and they resume from the
@@ -23,6 +25,7 @@
 # Megatron-LM flags (--tensor-model-parallel-size 2 --lr 3e-4 ...), which megazero.train translates.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/args.sh
 
 CONFIG=${CONFIG:-configs/gpt2-cpu-demo.yaml}
 NPROC=${NPROC:-8}
@@ -39,9 +42,12 @@ RESTARTS=${RESTARTS:-3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Each rendezvous round gets a fresh store hosted by rank 0 (none of a failed attempt's keys).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# Where checkpoints go and where a run resumes from: one directory. The user's own save directory
+# is both (their arguments come last: a --checkpoint.load of theirs still wins).
+SAVE=$(flag_value "$SAVE_FLAGS" "$@") || SAVE=$RUN_DIR/checkpoints
 train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE"
   --data.mock false --data.prefix "$DATA_PREFIX"
-  --checkpoint.save "$RUN_DIR/checkpoints" --checkpoint.load "$RUN_DIR/checkpoints"
+  --checkpoint.save "$SAVE" --checkpoint.load "$SAVE"
   --logging.jsonl "$RUN_DIR/metrics.jsonl" ${ITERS:+--train.iters "$ITERS"})
 
 # 0. Check the config for the largest world size before preparing data or starting any process
@@ -70,7 +76,7 @@ if [[ -n ${PREPARE_ONLY:-} ]]; then
   exit 0
 fi
 
-# 3. Train (resumes when $RUN_DIR/checkpoints holds a checkpoint). First the files it reads (the
+# 3. Train (resumes when $SAVE holds a checkpoint). First the files it reads (the
 #    dataset, the checkpoint it resumes) are checked as start-up would, before any process starts.
 LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" \
   --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@" > /dev/null
@@ -81,6 +87,6 @@ python -m megazero.launch --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-res
   --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-megazero}" \
   -m megazero.train "${train_args[@]}" --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@"
 
-echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $RUN_DIR/checkpoints (latest: $(cat "$RUN_DIR/checkpoints/latest"))"
-echo "   resolved config: $RUN_DIR/checkpoints/config.yaml; run again to resume. To train longer, raise ITERS and"
+echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $SAVE (latest: $(cat "$SAVE/latest"))"
+echo "   resolved config: $SAVE/config.yaml; run again to resume. To train longer, raise ITERS and"
 echo "   pass --optim.override_schedule true: a resumed run keeps the checkpoint's LR schedule (its decay length) otherwise"

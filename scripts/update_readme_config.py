@@ -1,11 +1,12 @@
-"""Regenerate README.md's generated blocks: the config-key table (from the config dataclasses'
-field docstrings), the Megatron-LM migration table and defaults (megazero/train/megatron_flags.py)
-and the DeepSpeed migration table (megazero/deepspeed_config.py).
+"""Regenerate the generated blocks of the docs: the config-key table in docs/configuration.md (from the
+config dataclasses' field docstrings), and in docs/migration.md the Megatron-LM migration table and
+defaults (megazero/config/megatron.py) and the DeepSpeed migration table (megazero/config/deepspeed.py).
 
     python scripts/update_readme_config.py
 
 Run it after adding or changing a config key, a Megatron flag or a DeepSpeed key; tests/test_config.py,
-tests/test_megatron_flags.py and tests/test_deepspeed_config.py fail while README and the code disagree.
+tests/test_megatron_flags.py and tests/test_deepspeed_config.py fail while the docs and the code disagree.
+(The name is from when these tables were in README.md.)
 """
 
 from __future__ import annotations
@@ -13,29 +14,34 @@ from __future__ import annotations
 import os
 import sys
 
+from megazero.atomic import atomic_write
+from megazero.config import deepspeed, megatron
+from megazero.config.help import markdown_table
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from megazero import deepspeed_config  # noqa: E402
-from megazero.atomic import atomic_write  # noqa: E402
-from megazero.config import markdown_table  # noqa: E402
-from megazero.train import megatron_flags  # noqa: E402
+CONFIG_DOC = "docs/configuration.md"  # the config-key table
+MIGRATION_DOC = "docs/migration.md"  # the Megatron-LM and DeepSpeed tables
 
-BLOCKS = (  # (start marker, end marker, text between them, whether it stands on lines of its own)
-    ("<!-- config-keys:start (scripts/update_readme_config.py) -->", "<!-- config-keys:end -->", markdown_table, True),
-    ("<!-- megatron-flags:start (scripts/update_readme_config.py) -->", "<!-- megatron-flags:end -->",
-     megatron_flags.markdown_table, True),
-    ("<!-- megatron-defaults:start -->", "<!-- megatron-defaults:end -->", megatron_flags.defaults_table, False),
-    ("<!-- deepspeed-keys:start (scripts/update_readme_config.py) -->", "<!-- deepspeed-keys:end -->",
-     deepspeed_config.markdown_table, True),
+BLOCKS = (  # (file, start marker, end marker, text between them, whether it stands on lines of its own)
+    (CONFIG_DOC, "<!-- config-keys:start (scripts/update_readme_config.py) -->", "<!-- config-keys:end -->",
+     markdown_table, True),
+    (MIGRATION_DOC, "<!-- megatron-flags:start (scripts/update_readme_config.py) -->", "<!-- megatron-flags:end -->",
+     megatron.markdown_table, True),
+    (MIGRATION_DOC, "<!-- megatron-defaults:start -->", "<!-- megatron-defaults:end -->",
+     megatron.defaults_table, False),
+    (MIGRATION_DOC, "<!-- deepspeed-keys:start (scripts/update_readme_config.py) -->", "<!-- deepspeed-keys:end -->",
+     deepspeed.markdown_table, True),
 )
 
 
-def fill(text: str) -> str:
-    """README's text with every generated block replaced by its current content."""
-    for start, end, content, own_lines in BLOCKS:
+def fill(name: str, text: str) -> str:
+    """The text of docs file `name` with each of its generated blocks replaced by its current content."""
+    for doc, start, end, content, own_lines in BLOCKS:
+        if doc != name:
+            continue
         if start not in text or end not in text:
-            sys.exit(f"error: README.md has no {start} ... {end} block to fill; add the two markers where it goes")
+            sys.exit(f"error: {name} has no {start} ... {end} block to fill; add the two markers where it goes")
         head, rest = text.split(start, 1)
         _, tail = rest.split(end, 1)
         sep = "\n" if own_lines else ""
@@ -44,12 +50,13 @@ def fill(text: str) -> str:
 
 
 def main() -> None:
-    path = os.path.join(ROOT, "README.md")
-    with open(path) as f:
-        text = f.read()
-    with atomic_write(path, "w") as f:
-        f.write(fill(text))
-    print(f"updated the generated tables in {path}")
+    for name in dict.fromkeys(doc for doc, *_ in BLOCKS):
+        path = os.path.join(ROOT, name)
+        with open(path) as f:
+            text = f.read()
+        with atomic_write(path, "w") as f:
+            f.write(fill(name, text))
+        print(f"updated the generated tables in {path}")
 
 
 if __name__ == "__main__":

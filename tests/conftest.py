@@ -1,5 +1,6 @@
-"""What several test modules share: the one config builder and the one trainer builder, the
-small corpus and the tokenizers trained on it, and the data scripts' runner.
+"""What several test modules share: the one config builder (megazero.harness.configs, which the
+benchmark scripts use too) and the one trainer builder, the small corpus and the tokenizers
+trained on it, and the scripts' loader and the data scripts' runner.
 
 The builders and helpers are plain functions that test modules import (`from conftest import
 make_trainer`): the builders also run inside spawned gloo ranks, where no fixture exists and
@@ -20,26 +21,13 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from megazero.config import Config, build_config, load_yaml
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter, loss_mask_prefix
 from megazero.data.tokenizer import train_gpt2bpe, train_sentencepiece
-from megazero.train.run_config import resolve_and_validate
+from megazero.harness.configs import TINY_CONFIG, make_config
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_CONFIG = "configs/gpt2-tiny.yaml"
 
 # ----------------------------------------------------------------------------- config and trainer
-
-
-def make_config(args: Sequence[str] = (), base: str | dict = TINY_CONFIG, world: int | None = None) -> Config:
-    """`base` (a config file, relative to the repository, or a dict of sections) with the
-    command-line style `args` on top; resolved and checked for a world of `world` ranks as a
-    run is, when `world` is given (unchecked: for tests that look at the raw config)."""
-    raw = load_yaml(str(REPO / base)) if isinstance(base, str) else base
-    cfg = build_config(raw, list(args))
-    if world is not None:
-        resolve_and_validate(cfg, world)
-    return cfg
 
 
 def make_trainer(args: Sequence[str] = (), base: str | dict = TINY_CONFIG):
@@ -134,17 +122,18 @@ def spm_spec(tmp_path_factory: pytest.TempPathFactory) -> str:
     return train_sentencepiece(texts, 320, tmp_path_factory.mktemp("spm"))
 
 
-# ----------------------------------------------------------------------------- data scripts
+# ----------------------------------------------------------------------------- scripts
 
 
-def load_script(name: str):
-    """A data_tools script as a module, to call its main() in-process.
+def load_script(name: str, folder: str = "data_tools"):
+    """A script of data_tools/ (or another folder of the repository) as a module, to call its
+    functions in-process without putting its folder on sys.path.
 
     It is registered in sys.modules so that worker processes can unpickle its functions.
     """
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "data_tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

@@ -1,81 +1,31 @@
 """Shared helpers for distributed tests: spawn N gloo processes on CPU, or run the real
-training entry point under torchrun, and hand back what each rank returned."""
+training entry point under torchrun, and hand back what each rank returned (both through
+megazero.harness.spawn, which the benchmark scripts use too)."""
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
-import queue as queue_module
-import socket
 import subprocess
-import sys
-import traceback
 from typing import Any, Callable
 
-import torch.multiprocessing as mp
+from megazero.harness.spawn import free_port, run_ranks, torchrun_command
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        # Plain pickle copies tensors into the message; the queue's own pickler would share
-        # them through file descriptors that die with this process.
-        queue.put((rank, "ok", pickle.dumps(fn(*args))))
-    except BaseException:  # report every failure to the parent instead of hanging it
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+__all__ = ["free_port", "run_distributed", "torchrun", "read_jsonl", "train_records", "logged_by_layout",
+           "assert_parity"]
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
-    """Run fn(*args) on `world_size` spawned gloo ranks; return the results in rank order.
-    `fn` must be a module-level function (it is pickled into the children)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors = []
-    for _ in range(world_size):
-        try:
-            rank, status, value = queue.get(timeout=timeout)
-        except queue_module.Empty:
-            errors.append(f"no answer from some rank within {timeout} s (crashed or deadlocked)")
-            break
-        if status == "error":
-            errors.append(f"rank {rank}:\n{value}")
-            break
-        results[rank] = pickle.loads(value)
-    for p in procs:
-        p.join(timeout=5 if errors else timeout)
-        if p.is_alive():
-            p.kill()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    """Run fn(*args) on `world_size` spawned gloo ranks (one thread each); return the results in
+    rank order. `fn` must be a module-level function (it is pickled into the children)."""
+    return run_ranks(fn, world_size, *args, timeout=timeout)
 
 
 def torchrun(nproc: int, args: list[str], cwd: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `python -m megazero.train ARGS` under torchrun with `nproc` CPU processes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "-m", "megazero.train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(torchrun_command(nproc, args), cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -1,4 +1,4 @@
-"""scripts/bench_gpu.py and scripts/gpu_profile.py on CPU: the kernel classifier, the per-kind
+"""scripts/bench_gpu.py and megazero/harness/gpu_profile.py on CPU: the kernel classifier, the per-kind
 aggregation and its printout, the ratio table with peer rows (one failed), the CLI, one step
 of the Hugging Face peer, and gpu_check.sh's choice of interpreter. The GPU paths themselves
 run in scripts/gpu_check.sh."""
@@ -9,18 +9,13 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-
-import bench_gpu  # noqa: E402
-from bench_gpu import HF_COMPILE, HF_EAGER, MEGAZERO, MEGAZERO_COMPILE, Row, add_ratios, table  # noqa: E402
-from gpu_profile import (  # noqa: E402
+from conftest import load_script
+from megazero.harness.gpu_profile import (
     KINDS,
     Profile,
     breakdown,
@@ -31,6 +26,12 @@ from gpu_profile import (  # noqa: E402
     short_name,
     top_kernels,
 )
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+bench_gpu = load_script("bench_gpu", "scripts")
+HF_COMPILE, HF_EAGER, MEGAZERO, MEGAZERO_COMPILE = (bench_gpu.HF_COMPILE, bench_gpu.HF_EAGER, bench_gpu.MEGAZERO,
+                                                    bench_gpu.MEGAZERO_COMPILE)
+Row, add_ratios, table = bench_gpu.Row, bench_gpu.add_ratios, bench_gpu.table
 
 NAMES = {
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": "GEMM",

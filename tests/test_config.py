@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from megazero.config import ConfigError, build_config, load_yaml, parse_overrides, resolve, validate
+from megazero.config.preflight import resolve_and_validate
 from megazero.model.layers import padded_vocab_size
-from megazero.train.run_config import resolve_and_validate
 
 
 def test_precedence_cli_over_file_over_defaults(tmp_path):
@@ -21,6 +21,13 @@ def test_precedence_cli_over_file_over_defaults(tmp_path):
     assert cfg.model.hidden_size == 128  # file wins over default
     assert cfg.train.seed == 5 and cfg.train.precision == "bf16"
     assert cfg.model.num_heads == 4  # default
+    # The keys the user set are recorded, whatever their value: a default written out is set too.
+    assert cfg.set_keys == {"model.num_layers", "model.hidden_size", "train.seed", "train.precision"}
+    assert "set_keys" not in cfg.to_dict() and build_config({"train": {"seed": 1234}}) == build_config()  # not compared
+    explicit = build_config(None, ["--data.mock", "true", "--zero.hysteresis", "2"])  # 2: the default
+    resolve(explicit)
+    with pytest.raises(ConfigError, match="zero.hysteresis configures the fp16 loss scaler"):
+        validate(explicit, 1)
 
 
 def test_override_parsing():
@@ -236,8 +243,8 @@ def test_every_field_is_documented_in_help_and_readme():
         for f in dataclasses.fields(cls):
             assert f"--{section}.{f.name} " in text and f"| `{section}.{f.name}` |" in table
     assert [key for key, *_, doc in config_keys() if not doc] == [], "fields without a docstring"
-    readme = open("README.md").read()
-    assert table in readme, "README's config table is out of date: run python scripts/update_readme_config.py"
+    docs = open("docs/configuration.md").read()
+    assert table in docs, "docs/configuration.md's table is out of date: run python scripts/update_readme_config.py"
 
 
 def test_cli_help_lists_every_key():
@@ -391,13 +398,30 @@ def test_readme_migration_tables_name_real_keys():
     import re
 
     from megazero.config import has_key
-    from megazero.deepspeed_config import SIMPLE
-    readme = open("README.md").read()
-    megatron = readme[readme.index("### Coming from Megatron-LM"):readme.index("### Coming from DeepSpeed")]
-    deepspeed = readme[readme.index("### Coming from DeepSpeed"):]
-    deepspeed = deepspeed[:deepspeed.index("\n### ")]
+    from megazero.config.deepspeed import SIMPLE
+    docs = open("docs/migration.md").read()
+    megatron = docs[docs.index("## Coming from Megatron-LM"):docs.index("## Coming from DeepSpeed")]
+    deepspeed = docs[docs.index("## Coming from DeepSpeed"):]  # to the end: its checkpoints section too
     pattern = r"`((?:model|parallel|zero|train|optim|data|checkpoint|logging)\.[a-z_0-9]+)"
     assert [k for k in re.findall(pattern, megatron) if not has_key(k)] == []
     # DeepSpeed rows may name keys that land later (offload): those the importer maps when present.
     assert [k for k in re.findall(pattern, deepspeed) if not has_key(k) and k not in SIMPLE.values()] == []
     assert [k for k in SIMPLE if f"`{k.split('.')[-1]}`" not in deepspeed and f"`{k}`" not in deepspeed] == []
+
+
+@pytest.mark.parametrize("overrides, world", [
+    (["--parallel.tp", "2"], 3),  # world size
+    (["--parallel.tp", "3"], 3),  # heads
+    (["--parallel.cp", "2", "--parallel.cp_impl", "ulysses", "--model.num_heads", "2", "--parallel.tp", "2"], 4),
+    (["--parallel.pp", "2", "--parallel.vpp", "3", "--model.num_layers", "8"], 2),
+])
+def test_validation_and_the_planner_refuse_a_layout_by_the_same_rule(overrides, world):
+    """config/rules.py is the one home of the layout rules: validate and the planner's
+    layout_problem (and ProcessGrid.create, for the world size) give the same line."""
+    from megazero.plan.planner import layout_problem
+    cfg = build_config(None, ["--data.mock", "true", *overrides])
+    resolve(cfg)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world)
+    p = cfg.parallel
+    assert layout_problem(cfg, world, p.tp, p.pp, p.vpp, None, p.cp, p.cp_impl) == str(err.value)

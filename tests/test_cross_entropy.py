@@ -106,8 +106,8 @@ def test_forward_backward_allocate_one_logits_sized_buffer():
 
 
 def _tp2(dtype: torch.dtype) -> bool:
-    from megazero.model.layers import shard_of
     from megazero.parallel.grid import ProcessGrid
+    from megazero.parallel.placement import Placement
     grid = ProcessGrid(tp=2, pp=1, dp=1, rank=torch.distributed.get_rank())
     grid.build_groups()
     tp = grid.tp_group
@@ -117,9 +117,10 @@ def _tp2(dtype: torch.dtype) -> bool:
         logits = logits.to(dtype)
         ref_loss, ref_grad = _reference(logits, labels, weight, vocab)
         tp.counter.clear()
-        loss, grad = _ours(shard_of(logits, 2, 1, tp.rank, 2), labels, weight, tp, vocab, rows=16)
+        vocab_split = Placement(tuple(logits.shape), dim=2)
+        loss, grad = _ours(vocab_split.shard(logits, tp.rank, 2), labels, weight, tp, vocab, rows=16)
         assert tp.counter["all_reduce_calls"] == 3, tp.counter  # max, target logit, sum: not per chunk
-        _check(loss, grad, ref_loss, shard_of(ref_grad, 2, 1, tp.rank, 2), dtype)
+        _check(loss, grad, ref_loss, vocab_split.shard(ref_grad, tp.rank, 2), dtype)
     return True
 
 

@@ -7,12 +7,14 @@ batch's tokens), so the two runs can be compared step for step."""
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import yaml
 
 from conftest import make_trainer
 from distributed import run_distributed
@@ -20,7 +22,7 @@ from megazero.checkpoint.base import CheckpointError
 from megazero.checkpoint.hf import TIED_HEAD, from_hf
 from megazero.checkpoint.load import open_checkpoint
 from megazero.checkpoint.tensors import fit_vocab
-from megazero.model.layers import shard_of
+from megazero.parallel.placement import placement
 
 MICRO, DP, SAVED_AT, SEED = 4, 2, 3, 1234
 MODEL = {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "seq_length": 64, "vocab_size": 512}
@@ -32,9 +34,10 @@ DS_SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_l
                                                "warmup_type": "linear"}}
 
 
-def train_deepspeed(out: str, stage: int, precision: str, steps_after: int) -> list[float]:
-    """In each of DP spawned gloo ranks: SAVED_AT DeepSpeed steps, a save to `out`, then
-    `steps_after` more; every step's loss (before its update), as megazero computes it."""
+def train_deepspeed(out: str, stage: int, precision: str, steps_after: int, hf_config: bool = True) -> list[float]:
+    """In each of DP spawned gloo ranks: SAVED_AT DeepSpeed steps, a save to `out` (with the
+    GPT-2's config.json beside it when `hf_config`, as HF's Trainer saves), then `steps_after`
+    more; every step's loss (before its update), as megazero computes it."""
     import deepspeed
     import torch.nn.functional as F
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -72,7 +75,7 @@ def train_deepspeed(out: str, stage: int, precision: str, steps_after: int) -> l
         engine.step()
         if step == SAVED_AT - 1:
             engine.save_checkpoint(out)
-    if rank == 0:
+    if rank == 0 and hf_config:
         model.config.save_pretrained(out)  # DeepSpeed does not record the model's shape; HF's Trainer saves this
     return losses
 
@@ -89,16 +92,16 @@ def continue_in_megazero(ds_dir: str, iters: int) -> dict:
     resumed = {"iteration": trainer.iteration, "schedule_steps": trainer.schedule.steps,
                "adam_step": trainer.optimizer.step_count}
     tp = (trainer.grid.tp_rank, trainer.grid.tp)
-    weights = {n: (t.clone(), p.tp_dim, p.tp_stride, p.full_shape, *tp)
+    weights = {n: (t.clone(), placement(p), *tp)
                for n, p, t in trainer.optimizer.sharded.full_parameters()}  # collective at stage 3: all ranks
     return {**resumed, "weights": weights, "records": trainer.run()}
 
 
-def _deepspeed_run(tmp_path, stage: int, precision: str = "fp32", steps_after: int = 2):
+def _deepspeed_run(tmp_path, stage: int, precision: str = "fp32", steps_after: int = 2, hf_config: bool = True):
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
     out = str(tmp_path / f"ds_zero{stage}_{precision}")
-    losses = run_distributed(train_deepspeed, DP, out, stage, precision, steps_after, timeout=600)[0]
+    losses = run_distributed(train_deepspeed, DP, out, stage, precision, steps_after, hf_config, timeout=600)[0]
     return out, losses
 
 
@@ -110,10 +113,10 @@ def _check_continuation(ds_dir: str, losses: list[float]) -> None:
     # Every rank's shards equal DeepSpeed's fp32 master weights exactly (as DeepSpeed's own tool reads them).
     theirs = get_fp32_state_dict_from_zero_checkpoint(ds_dir)
     for r in results:
-        for name, (value, dim, stride, full_shape, tp_rank, tp) in r["weights"].items():
+        for name, (value, where, tp_rank, tp) in r["weights"].items():
             expected = fit_vocab(name, from_hf(name, theirs["transformer.wte.weight" if name == TIED_HEAD else name]),
-                                 full_shape)
-            assert torch.equal(value, shard_of(expected.float(), dim, stride, tp_rank, tp)), name
+                                 where.full_shape)
+            assert torch.equal(value, where.shard(expected.float(), tp_rank, tp)), name
     # The first megazero loss is DeepSpeed's next-step loss on the same batch; the next ones
     # follow from the carried-over Adam moments, step count and LR position.
     records = next(r["records"] for r in results if r["records"] and r["records"][0]["loss"] is not None)
@@ -147,6 +150,32 @@ def test_deepspeed_zero3_continues_in_megazero_at_tp2_pp2(tmp_path):
 def test_deepspeed_zero12_continues_in_megazero_at_tp2_pp2(tmp_path, stage):
     ds_dir, losses = _deepspeed_run(tmp_path, stage=stage)
     _check_continuation(ds_dir, losses)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_without_config_json_continues_and_converts_with_the_runs_model(tmp_path, stage):
+    """A plain engine.save_checkpoint(DIR): no config.json anywhere. megazero resumes it with the
+    run's model section (continue_in_megazero states it) with DeepSpeed's next losses, and
+    convert, given the model section (--config FILE, --model.KEY VALUE), writes exactly the
+    weights DeepSpeed's zero_to_fp32 reads."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    from megazero.convert import main as convert
+    ds_dir, losses = _deepspeed_run(tmp_path, stage=stage, steps_after=1, hf_config=False)
+    assert not glob.glob(os.path.join(ds_dir, "**", "config.json"), recursive=True)
+    _check_continuation(ds_dir, losses)
+    theirs = get_fp32_state_dict_from_zero_checkpoint(ds_dir)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"model": MODEL}))
+    convert(["--load", ds_dir, "--to", "torch", "--output", str(tmp_path / "model.pt"),
+             *(f"--model.{k}={v}" for k, v in MODEL.items())])
+    convert(["--load", ds_dir, "--to", "hf", "--output", str(tmp_path / "hf"), "--config", str(tmp_path / "run.yaml")])
+    exported = dict(open_checkpoint(str(tmp_path / "model.pt")).tensors())
+    assert exported.keys() == theirs.keys() - {TIED_HEAD}
+    assert all(torch.equal(t, from_hf(n, theirs[n])) for n, t in exported.items())
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert hf.keys() == theirs.keys() - {TIED_HEAD} and all(torch.equal(t, theirs[n]) for n, t in hf.items())
 
 
 @pytest.mark.slow
@@ -200,6 +229,60 @@ def test_a_deepspeed_checkpoint_without_the_models_config_names_the_fix(tmp_path
     (tmp_path / "latest").write_text("global_step1")
     with pytest.raises(CheckpointError, match=r"has no config.json beside it .*model.config.save_pretrained\(DIR\)"):
         open_checkpoint(str(tmp_path))
+
+
+def _shapes_only_checkpoint(tmp_path) -> str:
+    """A DeepSpeed ZeRO-2 folder of MODEL's GPT-2 without config.json: its param_shapes (HF's
+    names and Conv1D layout, as transformers makes them) and no values (none are read here)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(GPT2Config(n_layer=MODEL["num_layers"], n_embd=MODEL["hidden_size"],
+                                        n_head=MODEL["num_heads"], n_positions=MODEL["seq_length"],
+                                        vocab_size=MODEL["vocab_size"], bos_token_id=0, eos_token_id=0))
+    folder = tmp_path / "global_step1"
+    folder.mkdir()
+    torch.save({"module": {}, "param_shapes": [{n: p.shape for n, p in hf.named_parameters()}], "global_steps": 1,
+                "dp_world_size": 1}, folder / "mp_rank_00_model_states.pt")
+    torch.save({}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (tmp_path / "latest").write_text("global_step1")
+    return str(tmp_path)
+
+
+def test_without_config_json_every_recorded_shape_is_checked_against_the_runs_model(tmp_path, capsys):
+    """The run's model section is the checkpoint's model once every recorded shape is its (the
+    heads and LayerNorm's epsilon from the run, vocab_size auto from the embedding); a mismatch
+    is one line naming the parameter, both shapes, and what the shapes say."""
+    from megazero.config import build_config
+    from megazero.convert import main as convert
+    pytest.importorskip("transformers")
+    ds_dir = _shapes_only_checkpoint(tmp_path)
+    run = build_config({"model": {**MODEL, "num_heads": 8, "vocab_size": "auto", "layernorm_eps": 1e-6}})
+    ckpt = open_checkpoint(ds_dir, stated=run)
+    m = ckpt.model_config
+    assert (m.num_heads, m.vocab_size, m.layernorm_eps, m.hidden_size) == (8, MODEL["vocab_size"], 1e-6, 64)
+    assert ckpt.training.config.model == m
+    folder = os.path.join(ds_dir, "global_step1")
+    for change, line in (
+            ({"hidden_size": 32}, "transformer.wte.weight has shape [512, 64] there but [512, 32] in the run's model "
+                                  "section; its shapes say --model.hidden_size 64"),
+            ({"num_layers": 3}, "transformer.h.3.ln_1.weight has shape [64] there but (none) in the run's model "
+                                "section; its shapes say --model.num_layers 4"),
+            ({"ffn_hidden_size": 128}, "transformer.h.0.mlp.c_fc.weight has shape [64, 256] there but [64, 128] in "
+                                       "the run's model section; its shapes say --model.ffn_hidden_size 256")):
+        with pytest.raises(CheckpointError) as err:
+            open_checkpoint(ds_dir, stated=build_config({"model": {**MODEL, **change}}))
+        assert str(err.value) == f"DeepSpeed checkpoint '{folder}' does not hold this run's model: {line}"
+    # convert: without the model section, the error names both fixes; with a wrong one, the line above.
+    for args, wanted in (((), "state the model section (convert --config FILE or --model.KEY VALUE), or save "
+                              "config.json there with model.config.save_pretrained(DIR)"),
+                         (("--model.num_heads", "5"), "error: model.num_heads (5) must divide model.hidden_size "
+                                                      "(64)")):
+        with pytest.raises(SystemExit) as e:
+            convert(["--load", ds_dir, "--to", "torch", "--output", str(tmp_path / "out.pt"),
+                     *(f"--model.{k}={v}" for k, v in MODEL.items() if args), *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and wanted in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_a_checkpoint_saved_without_zero_is_refused_with_the_fix(tmp_path):

@@ -30,16 +30,22 @@ def _records(run_dir) -> list[dict]:
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
-def test_finetunes_a_given_hf_model_on_prompt_completion_pairs(tmp_path, bpe_spec: str) -> None:
+def _given_hf_model(tmp_path, bpe_spec: str) -> dict:
+    """The short form's environment: a given HF GPT-2 (tied embedding zeroed: all logits 0, its
+    first loss exactly ln 400), a few prompt/completion pairs, one process."""
     from transformers import GPT2Config, GPT2LMHeadModel
     hf = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, vocab_size=400))
-    hf.transformer.wte.weight.data.zero_()  # (tied) all logits 0: its first loss is exactly ln 400
+    hf.transformer.wte.weight.data.zero_()
     hf.save_pretrained(tmp_path / "hf")
     (tmp_path / "qa.jsonl").write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES * 40))
-    env = {"CONFIG": "configs/gpt2-tiny.yaml", "NPROC": "1", "TP": "1", "PP": "1", "WORKERS": "1",
-           "HF_DIR": str(tmp_path / "hf"), "TOKENIZER": bpe_spec, "FT_INPUT": str(tmp_path / "qa.jsonl"),
-           "FT_PREFIX": str(tmp_path / "data" / "qa_prompt_completion_document"), "RUN_DIR": str(tmp_path / "ft"),
-           "PRETRAIN_RUN_DIR": str(tmp_path / "absent"), "ITERS": "6", "LR": "3e-3", "WARMUP": "1"}
+    return {"CONFIG": "configs/gpt2-tiny.yaml", "NPROC": "1", "TP": "1", "PP": "1", "WORKERS": "1",
+            "HF_DIR": str(tmp_path / "hf"), "TOKENIZER": bpe_spec, "FT_INPUT": str(tmp_path / "qa.jsonl"),
+            "FT_PREFIX": str(tmp_path / "data" / "qa_prompt_completion_document"), "RUN_DIR": str(tmp_path / "ft"),
+            "PRETRAIN_RUN_DIR": str(tmp_path / "absent"), "ITERS": "6", "LR": "3e-3", "WARMUP": "1"}
+
+
+def test_finetunes_a_given_hf_model_on_prompt_completion_pairs(tmp_path, bpe_spec: str) -> None:
+    env = _given_hf_model(tmp_path, bpe_spec)
     proc = _run(env, "--train.micro_batch_size", "2", "--train.global_batch_size", "8")
     assert "running the main job" not in proc.stdout and not (tmp_path / "absent").exists()
     assert (tmp_path / "data" / "qa_prompt_completion_document_loss_mask.bin").exists()
@@ -49,6 +55,19 @@ def test_finetunes_a_given_hf_model_on_prompt_completion_pairs(tmp_path, bpe_spe
     latest = tmp_path / "ft" / "checkpoints" / "iter_0000006"
     assert proc.stdout.splitlines()[-1] == (f"   generate: python -m megazero.generate --load {latest} "
                                             f"--prompt 'Question: ...' --max-new-tokens 40")
+
+
+def test_a_save_directory_of_ones_own_is_where_a_rerun_resumes_from(tmp_path, bpe_spec: str) -> None:
+    """--checkpoint.save DIR on the command line: the fine-tune saves there and, run again,
+    resumes from there instead of starting over from the export."""
+    env = _given_hf_model(tmp_path, bpe_spec)
+    save = tmp_path / "mine" / "ck"
+    for iters in (2, 4):
+        proc = _run({**env, "ITERS": str(iters)}, "--checkpoint.save", str(save), "--checkpoint.interval", "2")
+        assert open(save / "latest").read() == f"iter_{iters:07d}"
+        assert ("resumed from" in proc.stdout) == (iters == 4), proc.stdout
+    assert [r["iteration"] for r in _records(tmp_path / "ft")] == [1, 2, 3, 4]
+    assert not (tmp_path / "ft" / "checkpoints").exists()
 
 
 @pytest.mark.slow

@@ -41,8 +41,7 @@ def test_a_deterministic_error_is_not_retried_by_torchrun(tmp_path):
     arguments, the scripts' launcher) adds nothing and exits 2."""
     import time
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from distributed import free_port
+    from megazero.harness.spawn import free_port
     args = ["--nproc_per_node=2", "--max-restarts=3", f"--master_port={free_port()}", "-m", "megazero.train",
             "--config", os.path.join(ROOT, "configs/gpt2-tiny.yaml"), "--checkpoint.load", "runs/nonexist",
             "--checkpoint.save", "runs/new"]
@@ -60,8 +59,7 @@ def test_a_deterministic_error_is_not_retried_by_torchrun(tmp_path):
 def test_a_crashed_worker_ends_the_launcher_in_one_line_naming_it(tmp_path):
     """Not a user error: retried as torchrun would, then one line (rank, signal, restarts)
     instead of torchrun's 40-line ChildFailedError report."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from distributed import free_port
+    from megazero.harness.spawn import free_port
     script = tmp_path / "crash.py"
     script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
     proc = subprocess.run([sys.executable, "-m", "megazero.launch", "--nproc_per_node=1", "--max-restarts=1",
@@ -130,10 +128,9 @@ def test_validate_only_checks_the_nvme_swap_space_as_start_up_does(tmp_path, mon
 
     import pytest
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
     from conftest import make_config
+    from megazero.config.preflight import preflight
     from megazero.errors import UserError
-    from megazero.train.run_config import preflight
     cfg = make_config(["--zero.stage", "3", "--zero.offload_optimizer", "nvme", "--zero.offload_param", "nvme",
                        "--zero.nvme_path", str(tmp_path / "swap")], world=2)  # created by the run: not yet there
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -12,6 +12,7 @@ from megazero.checkpoint.tensors import fit_vocab
 from megazero.config import ModelConfig
 from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe, train_sentencepiece
 from megazero.model.gpt import GPT
+from megazero.parallel.placement import placement
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
 
@@ -49,7 +50,7 @@ def test_import_roundtrip(tmp_path):
     cfg, tensors = read_hf(str(tmp_path))
     assert cfg == ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
     fresh = GPT(cfg)
-    shapes = {n: p.full_shape for n, p in fresh.named_parameters()}
+    shapes = {n: placement(p).full_shape for n, p in fresh.named_parameters()}
     loaded = {n: fit_vocab(n, t, shapes[n]) for n, t in tensors}
     fresh.load_state_dict(loaded, strict=True)
     for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):

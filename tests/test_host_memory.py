@@ -8,9 +8,9 @@ import pytest
 
 from conftest import make_config, make_trainer
 from distributed import run_distributed
+from megazero.config.schema import ZeroConfig
 from megazero.errors import UserError
 from megazero.train.host_memory import (
-    DEFAULT_SUB_GROUP_SIZE,
     USABLE,
     HostMemoryError,
     HostNeed,
@@ -20,6 +20,7 @@ from megazero.train.host_memory import (
 from megazero.zero import ALIGN
 
 MiB = 2 ** 20
+DEFAULT_SUB_GROUP_SIZE = ZeroConfig().sub_group_size
 # 100 MiB fixed, NVMe step buffers of 4 x 12 B per element, a shard of 50M elements.
 NEED = HostNeed(fixed=100 * MiB, per_element=48, cap=50_000_000,
                 items={"training": 100 * MiB, "nvme_step_buffers": 48 * 50_000_000})
@@ -101,8 +102,9 @@ def _auto_sized_run(nvme: str) -> dict:
     available = int((need.fixed + need.per_element * need.cap // 10) / USABLE)
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
-        fit_host_memory(cfg, grid, available)
-    size = cfg.zero.sub_group_size
+        fitted = fit_host_memory(cfg, grid, available)
+    size = fitted.zero.sub_group_size
+    assert cfg.zero.sub_group_size != size and "zero.sub_group_size" not in fitted.set_keys  # a copy, resolved
     tr = make_trainer(NVME + ["--zero.nvme_path", nvme, "--zero.sub_group_size", str(size)])
     loss = tr.train_step()["loss"]
     store = tr.optimizer.state
@@ -154,8 +156,8 @@ def _snapshot_bytes(save: str) -> tuple[int, int]:
     tr.save_checkpoint()
     layout = run_layout(tr.cfg, tr.grid.dp, tr.grid.cp)
     rank = predict(tr.cfg, layout, Cluster(2, 2, 1.0, None), ranks=[0], device="cpu").rank(0)
-    assert tr.snapshot is not None
-    return tr.snapshot.nbytes(), rank.host_items["async_snapshot"]
+    assert tr.checkpoints.snapshot is not None
+    return tr.checkpoints.snapshot.nbytes(), rank.host_items["async_snapshot"]
 
 
 def test_the_async_save_snapshot_is_in_the_host_figure(tmp_path):

@@ -1,5 +1,5 @@
 """Megatron-LM launch lines: its GPT pretraining flags as aliases of megazero's keys
-(megazero/train/megatron_flags.py), its checkpoint-directory conventions, and a shrunk
+(megazero/config/megatron.py), its checkpoint-directory conventions, and a shrunk
 Megatron example line that trains at tp 2 x pp 2 and resumes bitwise."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 from conftest import REPO
 from distributed import run_distributed, torchrun
 from megazero.config import ConfigError
+from megazero.config.megatron import FLAGS, markdown_table, translate
 from megazero.data.indexed import IndexedDatasetWriter
 from megazero.data.tokenizer import build_tokenizer
 from megazero.train.__main__ import load_config
-from megazero.train.megatron_flags import FLAGS, markdown_table, translate
 
 
 def shrunk_175b_line(prefix: str, tokenizer_dir: str, ckpt: str, iters: int = 4) -> list[str]:
@@ -149,9 +149,27 @@ def test_megatron_defaults_for_a_megatron_launch_line_only(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+APEX_FLAGS = ["--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+              "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--apply-query-key-layer-scaling",
+              "--no-query-key-layer-scaling", "--attention-softmax-in-fp32"]
+"""Megatron-LM's (and Megatron-DeepSpeed's) flags that choose apex's fused kernels, or guard them."""
+
+
+def test_flags_naming_apex_kernels_are_accepted_and_named_in_one_line(capsys):
+    """A Megatron launch line with every flag that names an apex kernel builds the same config as
+    without them, and the one warning line names each (docs/apex.md says why none is needed)."""
+    plain = load_config(None, None, ["--mock-data"], 0, 1)
+    capsys.readouterr()
+    cfg = load_config(None, None, ["--mock-data", *APEX_FLAGS], 0, 1)
+    assert cfg == plain
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "warning: Megatron-LM flags accepted with no effect here (kernel and implementation choices megazero makes "
+        f"itself): {', '.join(APEX_FLAGS)}")
+
+
 def test_readme_migration_table_is_current():
-    assert markdown_table() in open(REPO / "README.md").read(), \
-        "README's Megatron-LM table is out of date: run python scripts/update_readme_config.py"
+    assert markdown_table() in open(REPO / "docs" / "migration.md").read(), \
+        "docs/migration.md's Megatron-LM table is out of date: run python scripts/update_readme_config.py"
     assert {f.name for f in FLAGS} >= {"--num-layers", "--rampup-batch-size", "--lr-warmup-fraction", "--data-path",
                                        "--tensorboard-dir", "--use-distributed-optimizer", "--attention-backend"}
 

@@ -56,10 +56,10 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
     import torch.distributed as dist
 
     from megazero.config import build_config
+    from megazero.config.preflight import resolve_and_validate
     from megazero.parallel.grid import ProcessGrid
     from megazero.plan.measure import ActivationMeter
     from megazero.plan.planner import Cluster, ParallelLayout, predict
-    from megazero.train.run_config import resolve_and_validate
     from megazero.train.trainer import Trainer
     out = []
     for overrides in layouts:

@@ -8,6 +8,9 @@ import os
 import shutil
 import subprocess
 
+from conftest import TINY_CONFIG, make_texts, write_jsonl
+from distributed import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -42,6 +45,25 @@ def test_main_job_trains_evaluates_saves_and_resumes(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and "model.hidden_size" in errors[0], proc.stderr[-3000:]
     assert "torchrun restart" not in proc.stdout
+
+
+def test_a_save_directory_of_ones_own_is_where_the_script_resumes_from(tmp_path, bpe_spec):
+    """--checkpoint.save DIR on the command line: the run saves there and, run again, resumes
+    from there (not from $RUN_DIR/checkpoints, which never exists). Short form: one process."""
+    save = tmp_path / "mine" / "ck"
+    env = {**os.environ, "CONFIG": TINY_CONFIG, "NPROC": "1", "TP": "1", "PP": "1", "ZERO_STAGE": "0",
+           "TOKENIZER": bpe_spec, "INPUT": str(write_jsonl(tmp_path / "corpus.jsonl", make_texts(200))),
+           "DATA_DIR": str(tmp_path / "data"), "RUN_DIR": str(tmp_path / "run")}
+    for iters in (2, 4):
+        proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--train.iters", str(iters), "--checkpoint.save",
+                               str(save), "--checkpoint.interval", "2"], cwd=ROOT, capture_output=True, text=True,
+                              env={**env, "MASTER_PORT": str(free_port())}, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert open(save / "latest").read() == f"iter_{iters:07d}"
+        assert ("resumed from" in proc.stdout) == (iters == 4), proc.stdout
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_bad_layout_is_refused_before_anything_is_prepared_or_launched(tmp_path):

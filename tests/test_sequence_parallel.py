@@ -162,11 +162,11 @@ SHORT = ["--data.mock", "true", "--train.iters", str(ITERS), "--model.seq_length
 def _records(extra: list[str]) -> list[tuple[float, float]]:
     from unittest import mock
 
-    from megazero.zero.optimizer import ZeroOptimizer
+    from megazero.zero.shard import ShardedParameters
     # ZeRO-Offload copies each gradient slice to the host as it is final only where there is a
     # device to copy from; forced here, so the host copies of partial SP gradients are checked.
     offload = "--zero.offload_optimizer" in extra
-    with mock.patch.object(ZeroOptimizer, "_offloads_gradients", lambda self: True) if offload \
+    with mock.patch.object(ShardedParameters, "_offloads_gradients", lambda self: True) if offload \
             else contextlib.nullcontext():
         tr = make_trainer(SHORT + extra)
     assert all(c.sequence_parallel for c in tr.chunks) == (tr.grid.tp > 1 and "true" in extra)

@@ -68,7 +68,7 @@ def _reads_per_iteration(args: list[str]) -> list[list[str]]:
 ], ids=["stage1-8mb", "stage2-dp2", "stage3-pp2", "tp2-bf16"])
 def test_an_iteration_reads_the_device_once(world, args):
     """train_step makes one device->host read (the step's sums: grad norm, overflow, global
-    loss, stop votes), whatever the number of micro-batches, on every rank."""
+    loss, step signals), whatever the number of micro-batches, on every rank."""
     for rank, iterations in enumerate(run_distributed(_reads_per_iteration, world, args)):
         for counts in iterations:
             assert counts == ["tolist"], f"rank {rank}: {counts}"

@@ -14,10 +14,10 @@ from megazero.model.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    shard_of,
     vocab_parallel_cross_entropy,
 )
 from megazero.parallel.comm import gather_from_tp
+from megazero.parallel.placement import Placement, placement
 from megazero.train.parallelize import apply_tensor_parallel
 
 
@@ -47,7 +47,7 @@ def _check_layers(tp: int) -> bool:
     torch.testing.assert_close(x2.grad, x.grad, rtol=1e-4, atol=1e-5)
     for mine, full in [(col.weight, col_full.weight), (col.bias, col_full.bias),
                        (row.weight, row_full.weight), (row.bias, row_full.bias)]:
-        torch.testing.assert_close(mine.grad, shard_of(full.grad, mine.tp_dim, mine.tp_stride, g.rank, g.size),
+        torch.testing.assert_close(mine.grad, placement(mine).shard(full.grad, g.rank, g.size),
                                    rtol=1e-4, atol=1e-5)
 
     # Vocab-parallel embedding and cross-entropy (vocab 300 padded to 512; padding masked).
@@ -57,13 +57,14 @@ def _check_layers(tp: int) -> bool:
     ids = torch.randint(0, 300, (2, 5))
     torch.testing.assert_close(emb(ids), emb_full(ids))
     logits_full = torch.randn(2, 5, 512, requires_grad=True)
-    logits = shard_of(logits_full.detach(), 2, 1, g.rank, g.size).requires_grad_()
+    vocab_split = Placement(tuple(logits_full.shape), dim=2)
+    logits = vocab_split.shard(logits_full.detach(), g.rank, g.size).requires_grad_()
     loss = vocab_parallel_cross_entropy(logits, ids, g, 300)
     ref_loss = F.cross_entropy(logits_full[..., :300].reshape(-1, 300), ids.reshape(-1), reduction="none").view(2, 5)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     (loss * torch.arange(10.).view(2, 5)).sum().backward()
     (ref_loss * torch.arange(10.).view(2, 5)).sum().backward()
-    torch.testing.assert_close(logits.grad, shard_of(logits_full.grad, 2, 1, g.rank, g.size), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits.grad, vocab_split.shard(logits_full.grad, g.rank, g.size), rtol=1e-5, atol=1e-6)
     return True
 
 
@@ -79,7 +80,7 @@ def _check_model(tp: int) -> dict:
         if name == "transformer.wte.weight":
             torch.testing.assert_close(gather_from_tp(q.detach().T, grid.tp_group).T[:300], p[:300], rtol=0, atol=0)
         else:
-            torch.testing.assert_close(q, shard_of(p, q.tp_dim, q.tp_stride, grid.tp_rank, tp), rtol=0, atol=0)
+            torch.testing.assert_close(q, placement(q).shard(p, grid.tp_rank, tp), rtol=0, atol=0)
     tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(3))
     labels = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
     ref_logits, logits = ref(tokens), model(tokens)
@@ -90,10 +91,10 @@ def _check_model(tp: int) -> dict:
     ref_loss.backward()
     loss.backward()
     for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
-        want = shard_of(p.grad, q.tp_dim, q.tp_stride, grid.tp_rank, tp)
+        want = placement(q).shard(p.grad, grid.tp_rank, tp)
         if name == "transformer.wte.weight":
-            want = shard_of(torch.cat([p.grad[:300], p.grad.new_zeros(model.padded_vocab - 300, 32)]), 0, 1,
-                            grid.tp_rank, tp)
+            want = placement(q).shard(torch.cat([p.grad[:300], p.grad.new_zeros(model.padded_vocab - 300, 32)]),
+                                      grid.tp_rank, tp)
         torch.testing.assert_close(q.grad, want, rtol=1e-4, atol=1e-6, msg=name)
     return {"loss": float(loss)}
 
@@ -110,11 +111,12 @@ def test_tp_model_matches_single_process(tp):
 
 
 def test_shard_roundtrip_with_stride():
-    from megazero.model.layers import unshard
     full = torch.arange(24.).view(12, 2)
-    shards = [shard_of(full, 0, 3, r, 2) for r in range(2)]
+    where = Placement((12, 2), dim=0, stride=3)
+    shards = [where.shard(full, r, 2) for r in range(2)]
     assert shards[0][:2].tolist() == [[0, 1], [2, 3]] and shards[0][2:4].tolist() == [[8, 9], [10, 11]]
-    torch.testing.assert_close(unshard(shards, 0, 3), full)
+    assert where.ranges(0, 2) == [(0, 2), (4, 6), (8, 10)]  # the rows shard() keeps, for readers of files
+    torch.testing.assert_close(where.unshard(shards), full)
 
 
 def test_tied_embedding_rows_join_the_head_gradient_in_place():

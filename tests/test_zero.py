@@ -12,7 +12,7 @@ import torch
 from conftest import make_config, make_trainer
 from distributed import run_distributed
 from megazero.config import ConfigError
-from megazero.model.layers import shard_of
+from megazero.parallel.placement import Placement
 from megazero.zero.partition import ALIGN, build_layout, sub_groups
 
 TINY = ["--model.seq_length", "32", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
@@ -73,8 +73,7 @@ def _shard_like(full: torch.Tensor, name: str, out: dict) -> torch.Tensor:
     """The TP shard of a reference parameter that rank `out` holds."""
     if out["tp"] == 1:
         return full
-    dim, stride = _tp_layout(name)
-    return shard_of(full, dim, stride, out["tp_rank"], out["tp"])
+    return Placement(tuple(full.shape), *_tp_layout(name)).shard(full, out["tp_rank"], out["tp"])
 
 
 def _tp_layout(name: str) -> tuple:
@@ -417,8 +416,6 @@ def test_model_state_memory_matches_zero_formulas():
 def test_partition_map_covers_every_parameter_once():
     params = [("a", torch.nn.Parameter(torch.zeros(100, 3))), ("b", torch.nn.Parameter(torch.zeros(7))),
               ("c", torch.nn.Parameter(torch.zeros(130)))]
-    for p in (p for _, p in params):
-        p.tp_dim, p.tp_stride, p.full_shape = None, 1, tuple(p.shape)
     layout = build_layout([(0, params[:2]), (0, params[2:])], shards=3, rank=1)
     pmap = layout.param_map()
     assert all(b["numel"] % (ALIGN * 3) == 0 for b in pmap["buckets"])
@@ -538,7 +535,7 @@ def _overlapped(runs: list[list[str]]) -> bytes:
             seen["after_step"].append(len(opt.params.gathering))
         out.append({"params": opt.sharded.full_state_dict(), "norms": norms, "losses": losses, "seen": seen,
                     "bytes": grid.bytes_moved(), "numel": opt.layout.numel, "micro": tr.num_microbatches,
-                    "tp_rank": grid.tp_rank, "tp": grid.tp, "stage": opt.stage,
+                    "tp_rank": grid.tp_rank, "tp": grid.tp, "stage": opt.sharding.stage,
                     "gathering_after_read": len(opt.params.gathering)})
     return _pack(out)
 

@@ -27,7 +27,7 @@ from torch import nn
 from megazero.atomic import write_text
 from megazero.checkpoint.base import Checkpoint, CheckpointError
 from megazero.checkpoint.gathered import save_gathered
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.model.lora import adapter_shapes, is_adapter, merged_weight
 from megazero.parallel.grid import ProcessGrid
 

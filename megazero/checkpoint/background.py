@@ -21,14 +21,19 @@ over large buffers, both of which run without the GIL.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from megazero.checkpoint.save import Save, write_rank_file
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.parallel.grid import ProcessGrid
 
-NO_SAVE_VOTES = (0, 0)
-"""A rank's votes when it has no write in flight (every rank has one or none at once)."""
+
+class WriteVotes(NamedTuple):
+    """Ranks whose background write ended, and of those the ones whose write failed: one rank's
+    own (0 or 1 each; 0 with no write in flight), or their sums over the world."""
+
+    ended: int = 0
+    failed: int = 0
 
 
 class BackgroundSave:
@@ -55,17 +60,16 @@ class BackgroundSave:
     def iteration(self) -> int:
         return self.save.iteration
 
-    def votes(self) -> tuple[int, int]:
-        """(finished, failed) for this rank's write, to be summed over the world in the step."""
+    def votes(self) -> WriteVotes:
+        """This rank's write, to be summed over the world in the step."""
         done = self._done.is_set()
-        return int(done), int(done and self._error is not None)
+        return WriteVotes(int(done), int(done and self._error is not None))
 
     @staticmethod
-    def due(summed: tuple[int, ...], world_size: int) -> bool:
+    def due(summed: WriteVotes, world_size: int) -> bool:
         """Given the world's sums of `votes`: every write ended, or one failed (then there is
         no checkpoint to wait for: the others' writes are joined and the save abandoned)."""
-        finished, failed = summed
-        return failed > 0 or finished == world_size
+        return summed.failed > 0 or summed.ended == world_size
 
     def wait(self) -> None:
         """Block until this rank's write has ended (successfully or not)."""

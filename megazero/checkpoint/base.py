@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from megazero.checkpoint import digest
 from megazero.checkpoint.tensors import fit_vocab
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 from megazero.errors import UserError
 
 FORMAT_VERSION = 1

@@ -5,6 +5,7 @@ bf16, and DeepSpeed's universal checkpoint folders (`ds_to_universal.py`):
     DIR/latest                                  "global_stepN"
     DIR/config.json                             the GPT-2's config (the HF Trainer saves it beside;
                                                 DeepSpeed itself does not record the model's shape)
+                                                or, without one, the run's model section (below)
     DIR/global_stepN/mp_rank_00_model_states.pt             ZeRO 1/2: module, param_shapes, steps,
                                                             lr_scheduler, ds_config
     DIR/global_stepN/zero_pp_rank_R_mp_rank_00_model_states.pt   ZeRO 3: the same, per DP rank
@@ -17,6 +18,11 @@ ZeRO 1/2 flatten each parameter group and cut it into DP-rank partitions; the op
 says where each parameter's piece starts in its rank's partition (`param_slice_mappings`),
 and the pieces in rank order make the parameter. ZeRO 3 partitions each parameter on its own:
 every rank holds ceil(numel / dp) elements of it (the last one padded), in parameter order.
+
+A checkpoint without a config.json (a plain `engine.save_checkpoint(DIR)`) is read with the
+model section the run states (train's config, convert's --config / --model.KEY): every shape
+DeepSpeed recorded (`param_shapes`) must be that model's, and what shapes cannot tell (the number
+of heads, LayerNorm's epsilon) is the run's; model.vocab_size auto is the recorded embedding's rows.
 
 Every file is read with `torch.load(weights_only=True)`: besides tensors and containers,
 DeepSpeed pickles three small types, which are unpickled into the plain stand-ins below
@@ -38,11 +44,12 @@ from typing import Any, Iterator, Optional
 import torch
 
 from megazero.checkpoint.base import Checkpoint, CheckpointError
-from megazero.checkpoint.hf import TIED_HEAD, from_hf, hf_tokenizer_spec
+from megazero.checkpoint.hf import CONV1D_SUFFIXES, TIED_HEAD, from_hf, hf_tokenizer_spec
 from megazero.checkpoint.hf_names import model_config_from_hf
 from megazero.checkpoint.tensors import plain_shapes
-from megazero.config import Config, ConfigError, ModelConfig, build_config
-from megazero.deepspeed_config import import_deepspeed
+from megazero.config.deepspeed import import_deepspeed
+from megazero.config.parse import build_config
+from megazero.config.schema import Config, ConfigError, ModelConfig
 
 
 class _LossScaler:
@@ -108,14 +115,60 @@ def is_deepspeed(path: str) -> bool:
     return deepspeed_folder(path) is not None
 
 
-def find_hf_config(folder: str) -> str:
-    """config.json of the GPT-2 a DeepSpeed folder holds: in it or in its parent."""
+def find_hf_config(folder: str) -> Optional[str]:
+    """config.json of the GPT-2 a DeepSpeed folder holds: in it or in its parent; None without one."""
     for where in (folder, os.path.dirname(os.path.abspath(folder))):
         path = os.path.join(where, "config.json")
         if os.path.isfile(path):
             return path
-    raise CheckpointError(f"{KIND} '{folder}' has no config.json beside it (in it or its parent folder): DeepSpeed "
-                          f"does not record the model's shape; save it there with model.config.save_pretrained(DIR)")
+    return None
+
+
+def checked_model(recorded: dict[str, tuple[int, ...]], stated: ModelConfig, folder: str) -> ModelConfig:
+    """The run's model section for a checkpoint that does not record its model, once every shape
+    DeepSpeed recorded (HF names and layout, by megazero name) is that model's; a mismatch is one
+    line naming the parameter and both shapes."""
+    m = dataclasses.replace(stated)
+    wte = recorded.get("transformer.wte.weight")
+    if wte is None:
+        raise CheckpointError(f"{KIND} '{folder}' records no transformer.wte.weight: not a GPT-2's parameters")
+    if m.vocab_size == "auto":  # the data's tokenizer would say; the embedding does
+        m.vocab_size = wte[0]
+    if m.num_heads <= 0 or m.hidden_size % m.num_heads:
+        raise CheckpointError(f"model.num_heads ({m.num_heads}) must divide model.hidden_size ({m.hidden_size})")
+    expected = {n: hf_shape(n, s) for n, s in plain_shapes(m).items()}
+    expected["transformer.wte.weight"] = (int(m.vocab_size), m.hidden_size)  # HF's has no padding rows
+    fix = shapes_fix(recorded, m)
+    for name in [*expected, *(n for n in recorded if n not in expected)]:
+        theirs, mine = recorded.get(name), expected.get(name)
+        if theirs != mine:
+            raise CheckpointError(f"{KIND} '{folder}' does not hold this run's model: {name} has shape "
+                                  f"{_shape(theirs)} there but {_shape(mine)} in the run's model section{fix}")
+    return m
+
+
+def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A megazero parameter's shape as Hugging Face stores it (Conv1D weights transposed)."""
+    return shape[::-1] if name.endswith(CONV1D_SUFFIXES) else shape
+
+
+def shapes_fix(recorded: dict[str, tuple[int, ...]], m: ModelConfig) -> str:
+    """"; its shapes say --model.KEY V ...": what the recorded shapes tell that differs from `m`."""
+    def size(name: str, dim: int) -> Optional[int]:
+        return recorded[name][dim] if name in recorded else None
+
+    said = {"num_layers": len([n for n in recorded if n.endswith(".ln_1.weight")]),
+            "hidden_size": size("transformer.wte.weight", 1), "vocab_size": size("transformer.wte.weight", 0),
+            "seq_length": size("transformer.wpe.weight", 0),
+            "ffn_hidden_size": size("transformer.h.0.mlp.c_fc.weight", 1)}  # HF's Conv1D: [in, out]
+    # The MLP width the run would have once the other flags are taken: 0 is 4 x hidden_size.
+    mine = {**{k: getattr(m, k) for k in said}, "ffn_hidden_size": m.ffn_hidden_size or 4 * (said["hidden_size"] or 0)}
+    flags = [f"--model.{k} {v}" for k, v in said.items() if v is not None and v != mine[k]]
+    return f"; its shapes say {' '.join(flags)}" if flags else ""
+
+
+def _shape(shape: Optional[tuple[int, ...]]) -> str:
+    return "(none)" if shape is None else str(list(shape))
 
 
 # ---------------------------------------------------------------------------- reading one
@@ -123,9 +176,11 @@ def find_hf_config(folder: str) -> str:
 
 class DeepSpeedReader:
     """Full fp32 tensors (master weights, Adam moments) by megazero parameter name, in
-    megazero's storage layout, and the training position, of one DeepSpeed checkpoint."""
+    megazero's storage layout, and the training position, of one DeepSpeed checkpoint.
+    `stated`: the run's config, whose model section a checkpoint without config.json holds
+    (checked against its shapes) and whose data.tokenizer it names."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, stated: Optional[Config] = None) -> None:
         if not os.path.isdir(folder):
             raise CheckpointError(f"{KIND} folder '{folder}' does not exist")
         self.folder = folder
@@ -148,14 +203,29 @@ class DeepSpeedReader:
         groups = self.model_states["param_shapes"]
         self.group_shapes = [dict(g) for g in (groups if isinstance(groups, list) else [groups])]
         self.names = {self._megazero_name(n): n for g in self.group_shapes for n in g}
-        with open(find_hf_config(folder)) as f:
-            hf = json.load(f)
-        try:
-            self.model_config = model_config_from_hf(hf)
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{KIND} '{folder}': its config.json is not a GPT-2 config ({e})") from None
+        self.hf_config = find_hf_config(folder)
+        self.model_config = self._model(stated.model if stated else None)
+        self.model_stated = self.hf_config is None
         self._ranks: Optional[list[dict]] = None
-        self.config = self._run_config()
+        tokenizer = hf_tokenizer_spec(os.path.dirname(self.hf_config)) if self.hf_config else None
+        self.config = self._run_config(tokenizer or (stated.data.tokenizer if stated and self.model_stated else None))
+
+    def _model(self, stated: Optional[ModelConfig]) -> ModelConfig:
+        """The GPT-2 held: its config.json's, else the run's model section that its shapes are."""
+        if self.hf_config:
+            with open(self.hf_config) as f:
+                hf = json.load(f)
+            try:
+                return model_config_from_hf(hf)
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"{KIND} '{self.folder}': its config.json is not a GPT-2 config ({e})") from None
+        if stated is None:
+            raise CheckpointError(f"{KIND} '{self.folder}' has no config.json beside it (in it or its parent folder): "
+                                  f"DeepSpeed does not record the number of heads; state the model section "
+                                  f"(convert --config FILE or --model.KEY VALUE), or save config.json there with "
+                                  f"model.config.save_pretrained(DIR)")
+        recorded = {self._megazero_name(n): tuple(s) for g in self.group_shapes for n, s in g.items()}
+        return checked_model(recorded, stated, self.folder)
 
     @staticmethod
     def _megazero_name(ds_name: str) -> str:
@@ -305,7 +375,7 @@ class DeepSpeedReader:
                 "skipped_iters": int(s.get("skipped_steps", 0)), "step": self._optimizer_step(),
                 "loss_scaler": self._loss_scaler(), "lr_schedule": self._lr_schedule()}
 
-    def _run_config(self) -> Config:
+    def _run_config(self, tokenizer: Optional[str]) -> Config:
         """A megazero config equivalent to the checkpoint's ds_config and GPT-2 (the `config` a
         universal export records)."""
         ds = self.model_states.get("ds_config") or {}
@@ -314,7 +384,6 @@ class DeepSpeedReader:
             sections = import_deepspeed(ds, base, self.dp).sections
         except ConfigError:  # e.g. another optimizer: the weights are still worth reading
             sections = {}
-        tokenizer = hf_tokenizer_spec(os.path.dirname(find_hf_config(self.folder)))
         return build_config({**sections, "model": dataclasses.asdict(self.model_config),
                              "data": {"tokenizer": tokenizer}})
 
@@ -337,13 +406,14 @@ def _narrow_across(flats: list[torch.Tensor], offset: int, length: int) -> torch
     return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
 
 
-def open_deepspeed(path: str) -> Checkpoint:
-    """A DeepSpeed checkpoint (DIR with `latest`, a global_stepN folder, or a universal one) as a Checkpoint."""
+def open_deepspeed(path: str, stated: Optional[Config] = None) -> Checkpoint:
+    """A DeepSpeed checkpoint (DIR with `latest`, a global_stepN folder, or a universal one) as a
+    Checkpoint; `stated` is the run's config, for one without config.json (see DeepSpeedReader)."""
     folder = deepspeed_folder(path)
     if folder is None:
         raise CheckpointError(f"'{path}' is not a DeepSpeed checkpoint (no 'latest' naming a global_stepN folder, "
                               f"and no *model_states.pt)")
-    reader = DeepSpeedReader(folder)
+    reader = DeepSpeedReader(folder, stated)
     m: ModelConfig = reader.model_config
     shapes = plain_shapes(m)
 

@@ -24,7 +24,7 @@ from megazero.checkpoint.base import KINDS, Checkpoint
 from megazero.checkpoint.hf_names import EMBEDDING, HEAD, hf_config, pieces
 from megazero.checkpoint.tensors import fit_vocab, save_safetensors_streaming
 from megazero.checkpoint.universal import UNIVERSAL_VERSION
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 from megazero.data.hf_tokenizer import hf_tokenizer_files
 from megazero.data.tokenizer import SPM_MODEL_NAME, Tokenizer
 from megazero.model.layers import padded_vocab_size

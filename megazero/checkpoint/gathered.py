@@ -26,21 +26,22 @@ from torch import nn
 
 from megazero.checkpoint.base import MODEL_16BIT
 from megazero.checkpoint.tensors import fit_vocab, plain_shapes, save_safetensors_streaming
-from megazero.config import Config
-from megazero.model.layers import unshard
+from megazero.config.schema import Config
 from megazero.model.lora import adapter_shapes
 from megazero.parallel import comm
 from megazero.parallel.comm import Group
 from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.placement import placement
 
 
 def _tp_full(local: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tensor:
     """Join the TP shards of one parameter (collective over the TP group)."""
-    if param.tp_dim is None or tp.size == 1:  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+    where = placement(param)
+    if not where.sharded or tp.size == 1:
         return local
     flat = torch.empty(tp.size * local.numel(), dtype=local.dtype, device=local.device)
     comm.all_gather_into(flat, local.reshape(-1), tp)
-    return unshard(list(flat.view(tp.size, *local.shape).unbind(0)), param.tp_dim, param.tp_stride)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+    return where.unshard(list(flat.view(tp.size, *local.shape).unbind(0)))
 
 
 def save_model_16bit(directory: str, full_parameters: Iterator[tuple[str, nn.Parameter, torch.Tensor]],

@@ -12,6 +12,7 @@ HF does not have.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Iterator, Optional
@@ -23,8 +24,8 @@ from megazero.checkpoint.base import Checkpoint, CheckpointError, safetensors_me
 from megazero.checkpoint.hf_names import GPT2_CONV1D as CONV1D_SUFFIXES
 from megazero.checkpoint.hf_names import Piece, model_config_from_hf, pieces
 from megazero.checkpoint.tensors import plain_shapes
-from megazero.config import ModelConfig
-from megazero.model.layers import Stride
+from megazero.config.schema import ModelConfig
+from megazero.parallel.placement import Placement, placement
 
 TIED_HEAD = "lm_head.weight"
 
@@ -173,18 +174,20 @@ class HFInitialValues:
     def value(self, name: str, p: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
         if name == TIED_HEAD and self.m.tie_embeddings:
             name = "transformer.wte.weight"
-        full = tuple(p.full_shape)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+        full = placement(p).full_shape
         parts = pieces(name, self.m)
         rows = [full[0] if q.rows < 0 else q.rows for q in parts]
         vocab = name in ("transformer.wte.weight", TIED_HEAD)
         for q, r in zip(parts, rows, strict=True):
             self._check(q, (self.m.vocab_size if vocab else r, *full[1:]), name == "transformer.wpe.weight")
-        dim, stride = (p.tp_dim, p.tp_stride) if tp_size > 1 else (None, 1)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+        where = placement(p) if tp_size > 1 else Placement(full)
         if vocab:
-            dim, stride = 0, 1  # read by rows at any tp, so the padding rows come out as zeros
-        if dim is None:
-            dim, stride, tp_rank, tp_size = 0, 1, 0, 1  # the whole tensor: one range
-        ranges = _shard_ranges(full[dim], stride, tp_rank, tp_size)
+            where = Placement(full, 0)  # read by rows at any tp, so the padding rows come out as zeros
+        if where.dim is None:
+            where, tp_rank, tp_size = Placement(full, 0), 0, 1  # the whole tensor: one range
+        dim = where.dim
+        assert dim is not None
+        ranges = where.ranges(tp_rank, tp_size)
         if dim == 1:
             out = [self._read(parts[0], 1, lo, hi, full) for lo, hi in ranges]
         else:
@@ -226,14 +229,3 @@ class HFInitialValues:
             t = s[lo:real_hi] if hf_dim == 0 else s[:, lo:real_hi]
             out.narrow(dim, 0, real_hi - lo).copy_(t.t() if piece.transposed else t)
         return out
-
-
-def _shard_ranges(size: int, stride: Stride, rank: int, tp: int) -> list[tuple[int, int]]:
-    """[lo, hi) along the split dimension of the blocks this TP rank keeps (see layers.shard_of)."""
-    parts = [size // stride] * stride if isinstance(stride, int) else list(stride)
-    out, start = [], 0
-    for part in parts:
-        chunk = part // tp
-        out.append((start + rank * chunk, start + (rank + 1) * chunk))
-        start += part
-    return out

@@ -8,7 +8,8 @@ import json
 import os
 
 from megazero.checkpoint.hf_names import model_config_from_hf, set_by_hf
-from megazero.config import Config, ConfigError, ModelConfig, tokenizer_size
+from megazero.config.resolve import tokenizer_size
+from megazero.config.schema import Config, ConfigError, ModelConfig
 
 
 def resolve_init_from_hf(cfg: Config) -> None:

@@ -9,12 +9,14 @@ with its reader, as a `Checkpoint` (base.py).
                           model_16bit.safetensors written during training
     Hugging Face GPT-2    DIR/config.json + model.safetensors                              hf.py
     DeepSpeed checkpoint  DIR with `latest` naming global_stepN/, a global_stepN/ folder   deepspeed.py
-                          or a universal folder (ds_to_universal.py), of an HF GPT-2
+                          or a universal folder (ds_to_universal.py), of an HF GPT-2 (its
+                          config.json beside it, or the model section the caller states)
 """
 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from megazero.checkpoint.base import Checkpoint, CheckpointError, complete_checkpoints, not_a_checkpoint
 from megazero.checkpoint.deepspeed import is_deepspeed, open_deepspeed
@@ -23,10 +25,13 @@ from megazero.checkpoint.meta import LATEST, MEGATRON_LATEST
 from megazero.checkpoint.plain import open_model_16bit, open_torch_export
 from megazero.checkpoint.sharded import open_sharded, resolve
 from megazero.checkpoint.universal import open_universal
+from megazero.config import Config
 
 
-def open_checkpoint(path: str, iteration: int = 0) -> Checkpoint:
-    """Open any accepted kind (see the module docstring); CheckpointError names the fix."""
+def open_checkpoint(path: str, iteration: int = 0, stated: Optional[Config] = None) -> Checkpoint:
+    """Open any accepted kind (see the module docstring); CheckpointError names the fix.
+    `stated`: the run's config, whose model section a checkpoint that does not record its model
+    (DeepSpeed's without config.json) holds, checked against the shapes it records."""
     if not os.path.exists(path):
         raise not_a_checkpoint(path, "no such file or directory")
     if iteration:
@@ -41,7 +46,7 @@ def open_checkpoint(path: str, iteration: int = 0) -> Checkpoint:
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return open_sharded(path, "iter_ directory")
     if is_deepspeed(path):  # before `latest` and config.json: DeepSpeed's folders have both
-        return open_deepspeed(path)
+        return open_deepspeed(path, stated)
     if any(os.path.isfile(os.path.join(path, name)) for name in (LATEST, MEGATRON_LATEST)):
         return open_sharded(resolve(path), "save directory")
     if os.path.isfile(os.path.join(path, "config.json")):

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Optional
 
-from megazero.config import Config, ModelConfig
+from megazero.config.schema import Config, ModelConfig
 from megazero.errors import UserError
 
 LATEST = "latest"

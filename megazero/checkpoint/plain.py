@@ -23,7 +23,7 @@ from megazero.checkpoint.base import (
     verified,
 )
 from megazero.checkpoint.tensors import plain_shapes, stream_safetensors
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 from megazero.model.lora import is_adapter
 
 

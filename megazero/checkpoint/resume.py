@@ -28,10 +28,10 @@ from megazero.checkpoint.meta import LATEST, MEGATRON_LATEST
 from megazero.checkpoint.save import layout_of
 from megazero.checkpoint.sharded import check_model, load_rank_state, read_metadata, resolve
 from megazero.checkpoint.tensors import decode_rng, fit_vocab
-from megazero.config import Config
-from megazero.model.layers import shard_of
+from megazero.config.schema import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.placement import Placement
 
 FRESH, HF, RESUME = "fresh", "hf", "resume"
 
@@ -59,7 +59,7 @@ def resume_state(load: str, iteration: int, cfg: Config, grid: ProcessGrid,
             check_model(meta, cfg, ckpt)
             if meta["layout"] == layout_of(cfg, grid):
                 return ckpt, _own_files(ckpt, meta, grid)
-        reader = open_checkpoint(ckpt).training
+        reader = open_checkpoint(ckpt, stated=cfg).training  # a DeepSpeed one may hold the run's model
         assert reader is not None  # a megazero or DeepSpeed checkpoint: it has the optimizer state
         check_model(reader.meta, cfg, ckpt)
         return ckpt, {**reader.trainer_state(),
@@ -105,7 +105,7 @@ def reshard_optimizer_state(reader: FullTensorReader, template: dict, tp_rank: i
             continue
         for kind in KINDS if entry["trainable"] else ("master",):
             full = fit_vocab(name, reader.full(name, kind), tuple(entry["full_shape"]))
-            local = shard_of(full, entry["tp_dim"], entry["tp_stride"], tp_rank, tp_size).reshape(-1)
+            local = Placement.from_record(entry).shard(full, tp_rank, tp_size).reshape(-1)
             for p in mine:
                 flats[kind][p["offset"]: p["offset"] + p["length"]] = \
                     local[p["param_offset"]: p["param_offset"] + p["length"]]

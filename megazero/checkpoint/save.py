@@ -32,7 +32,7 @@ from megazero.checkpoint.base import (
     rank_file_name,
 )
 from megazero.checkpoint.meta import LATEST, MEGATRON_LATEST
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 

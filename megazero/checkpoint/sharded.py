@@ -10,7 +10,7 @@ loaded with `torch.load(weights_only=True)`: loading never runs code from a chec
 `ShardedReader` gives full tensors, a pure function of the files: each rank file holds its
 flat fp32 shards (master weights, Adam moments) and the partition map saying where every
 element of every parameter lives (DP rank, offset, length); a parameter's DP pieces are
-joined on every TP rank, then its TP shards by its tp_dim / tp_stride. Rank files are
+joined on every TP rank, then its TP shards by its placement (tp_dim / tp_stride). Rank files are
 memory-mapped: only the pieces read are brought into memory.
 """
 
@@ -33,9 +33,10 @@ from megazero.checkpoint.base import (
     verified,
 )
 from megazero.checkpoint.meta import LATEST, PointerError, model_mismatch, resume_dir
-from megazero.config import Config, ModelConfig, build_config
-from megazero.model.layers import unshard
+from megazero.config.parse import build_config
+from megazero.config.schema import Config, ModelConfig
 from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.placement import Placement
 
 
 def resolve(load_dir: str, iteration: int = 0) -> str:
@@ -173,7 +174,7 @@ class ShardedReader:
         pp = self.stage_of[name]
         entry = self.maps[(0, pp)]["params"][name]
         shards = [self._tp_shard(name, kind, tp, pp) for tp in range(self.tp)]
-        return unshard(shards, entry["tp_dim"], entry["tp_stride"])
+        return Placement.from_record(entry).unshard(shards)
 
     def _tp_shard(self, name: str, kind: str, tp: int, pp: int) -> torch.Tensor:
         entry = self.maps[(tp, pp)]["params"][name]

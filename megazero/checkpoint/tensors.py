@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from megazero.atomic import atomic_write
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 from megazero.model.gpt import GPT
 from megazero.parallel.host import HostStaging
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from megazero.checkpoint.base import KINDS, Checkpoint, CheckpointError, lora_adapters, verified
 from megazero.checkpoint.tensors import plain_shapes
-from megazero.config import build_config
+from megazero.config.parse import build_config
 from megazero.model.lora import is_adapter
 
 UNIVERSAL_VERSION = 2  # 2: universal.json records the files' sha256

@@ -28,6 +28,7 @@ from megazero.checkpoint.base import Checkpoint, CheckpointError
 from megazero.checkpoint.tensors import fit_vocab
 from megazero.inference.store import BlockLayout, HostWeightStore, NvmeWeightStore
 from megazero.model.gpt import GPT
+from megazero.parallel.placement import placement
 from megazero.zero.materialize import replace_meta_parameters
 
 WeightStore = Union[HostWeightStore, NvmeWeightStore]
@@ -67,7 +68,7 @@ def _fill(ckpt: Checkpoint, model: GPT, store: WeightStore, layout: BlockLayout)
                                           f"{slot.shape}; the checkpoint does not match its config")
                 store.put(int(index), slot.offset, full.float())
             elif name in params:
-                params[name].copy_(fit_vocab(name, full.float(), params[name].full_shape))  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+                params[name].copy_(fit_vocab(name, full.float(), placement(params[name]).full_shape))
             else:
                 continue
             seen.add(name)

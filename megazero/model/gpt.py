@@ -35,24 +35,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 from megazero.model.layers import (
     ColumnParallelLinear,
     Dropout,
     RowParallelLinear,
-    Stride,
     TiedRows,
     VocabParallelEmbedding,
     column_parallel_linear,
-    mark_tp,
     padded_vocab_size,
-    shard_of,
+    placed_parameter,
     split_parameter_,
     vocab_parallel_cross_entropy,
 )
 from megazero.model.rotary import Llama3Scaling, apply_rotary, inverse_frequencies, rotary_tables
 from megazero.parallel.comm import Group, solo_group
 from megazero.parallel.context import context_attention, zigzag_positions
+from megazero.parallel.placement import place, placement
 from megazero.parallel.random import RNGTracker, in_stream
 from megazero.parallel.weight_grad import WeightGradStore
 
@@ -74,8 +73,8 @@ class CausalSelfAttention(nn.Module):
         # (stride 3, or the three sizes under grouped-query attention), so a rank owns whole
         # query heads and the K/V groups they read.
         d, h = self.head_dim, cfg.hidden_size
-        stride: Stride = 3 if self.groups == self.heads else (h, self.groups * d, self.groups * d)
-        self.c_attn = ColumnParallelLinear(h, h + 2 * self.groups * d, bias=cfg.bias, stride=stride)
+        parts = () if self.groups == self.heads else (h, self.groups * d, self.groups * d)
+        self.c_attn = ColumnParallelLinear(h, h + 2 * self.groups * d, bias=cfg.bias, stride=3, parts=parts)
         self.c_proj = RowParallelLinear(h, h, bias=cfg.bias)
         self.resid_dropout = Dropout(cfg.dropout, tracker)
 
@@ -262,11 +261,9 @@ class GPT(nn.Module):
             # copy of the embedding when the embedding lives elsewhere.
             if not cfg.tie_embeddings or not pre_process:
                 self.lm_head: Any = nn.Module()
-                self.lm_head.weight = mark_tp(nn.Parameter(torch.empty(self.padded_vocab, cfg.hidden_size)), 0, 1,
-                                              (self.padded_vocab, cfg.hidden_size))
-        for p in self.parameters():  # replicated parameters: LayerNorm, wpe, row-parallel bias
-            if not hasattr(p, "tp_dim"):
-                mark_tp(p, None, 1, tuple(p.shape))
+                self.lm_head.weight = placed_parameter((self.padded_vocab, cfg.hidden_size), 0)
+        for p in self.parameters():  # pin the default (replicated at this, the full, shape) of LayerNorm, wpe
+            place(p, placement(p))  # as ZeRO-3 later points .data at placeholders of other shapes
 
     def apply_tp(self, tp: Group) -> None:
         """The model's own TP state: the group its head and loss use, the vocabulary padded
@@ -275,7 +272,7 @@ class GPT(nn.Module):
         assert isinstance(self.cfg.vocab_size, int)
         self.tp, self.padded_vocab = tp, padded_vocab_size(self.cfg.vocab_size, tp.size)
         if self.post_process and hasattr(self, "lm_head"):
-            split_parameter_(self.lm_head, "weight", tp, 0, full_rows=self.padded_vocab)
+            split_parameter_(self.lm_head, "weight", tp, full_rows=self.padded_vocab)
 
     def apply_sequence_parallel(self) -> None:
         """Megatron's sequence parallelism (after apply_tp; nothing to do at tp = 1): outside
@@ -285,7 +282,7 @@ class GPT(nn.Module):
         there draws per-rank masks, and the hidden states between pipeline stages shrink to
         `hidden_shape`. Every TP-replicated parameter (LayerNorm, position embedding,
         row-parallel bias) then sees only this rank's positions, so its gradient is partial:
-        it is marked `sequence_parallel` for the TP all-reduce after backward
+        its placement says `sequence_parallel`, for the TP all-reduce after backward
         (megazero.zero.sequence_parallel)."""
         if self.tp.size == 1:
             return
@@ -293,8 +290,8 @@ class GPT(nn.Module):
             if hasattr(module, "sequence_parallel"):
                 module.sequence_parallel = True  # type: ignore[assignment]  # torch types Module attributes Tensor | Module
         for p in self.parameters():
-            if p.tp_dim is None:  # type: ignore[attr-defined]  # TP metadata (mark_tp)
-                p.sequence_parallel = True  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+            if not (where := placement(p)).sharded:
+                place(p, where.with_sequence_parallel())
 
     def apply_context_parallel(self, cp: Group, impl: str) -> None:
         """Context parallelism (nothing to do at cp = 1): every sequence reaches this rank as
@@ -387,25 +384,27 @@ class GPT(nn.Module):
         the same model; a model built on the meta device is materialized from this, one
         parameter at a time."""
         p = self.get_parameter(name)
-        return shard_of(self._full_init(name, p, seed), p.tp_dim, p.tp_stride, self.tp.rank, self.tp.size)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+        return placement(p).shard(self._full_init(name, p, seed), self.tp.rank, self.tp.size)
 
     def _full_init(self, name: str, p: nn.Parameter, seed: int) -> torch.Tensor:
+        full_shape = placement(p).full_shape
         if name == "lm_head.weight" and self.cfg.tie_embeddings:
             name = "transformer.wte.weight"  # identical to the first stage's copy
         if ".ln_" in name or name.startswith("transformer.ln_f"):
-            return torch.ones(p.full_shape, device="cpu") if name.endswith("weight") else torch.zeros(p.full_shape, device="cpu")  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+            return (torch.ones if name.endswith("weight") else torch.zeros)(full_shape, device="cpu")
         if name.endswith("bias"):
-            return torch.zeros(p.full_shape, device="cpu")  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+            return torch.zeros(full_shape, device="cpu")
         std = self.cfg.init_std
         if name.endswith("c_proj.weight"):  # residual projections, scaled as in GPT-2
             std /= math.sqrt(2 * self.cfg.num_layers)
-        shape = p.full_shape  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+        shape = full_shape
         if name in ("transformer.wte.weight", "lm_head.weight"):
+            assert isinstance(self.cfg.vocab_size, int)
             shape = (self.cfg.vocab_size, shape[1])  # padding rows stay zero
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full = torch.empty(shape, device="cpu").normal_(0.0, std, generator=g)  # the same draws on any device
-        if shape != p.full_shape:  # type: ignore[attr-defined]  # TP metadata (mark_tp)
-            full = torch.cat([full, full.new_zeros(p.full_shape[0] - shape[0], shape[1])])  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+        if shape != full_shape:
+            full = torch.cat([full, full.new_zeros(full_shape[0] - shape[0], shape[1])])
         return full
 
     def tied_weight(self) -> Optional[nn.Parameter]:
@@ -420,7 +419,7 @@ class GPT(nn.Module):
     def no_weight_decay(self) -> set[str]:
         """Parameters not decayed (GPT-2 / Megatron practice): biases and LayerNorm weights,
         the one-dimensional ones."""
-        return {n for n, p in self.named_parameters() if len(p.full_shape) < 2}  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+        return {n for n, p in self.named_parameters() if len(placement(p).full_shape) < 2}
 
     def units(self) -> list["ModelUnit"]:
         """The model in execution order as units of parameters used together (what ZeRO-3

@@ -6,10 +6,9 @@ Layers are built whole (tp = 1), where each is exactly its torch twin (the f/g f
 are identities); `apply_tp(tp)` then splits one over a TP group, in place: it keeps this
 rank's shard of every parameter (on the meta device only the shapes change) and routes the
 forward through the group. The parallelize step calls it from outside the model.
-Each sharded parameter carries `tp_dim` (the split dimension, None when replicated),
-`tp_stride` (how many equal blocks of that dimension are split separately, e.g. 3 for a
-fused q|k|v projection) and `full_shape`. `shard_of` / `unshard` use them, so
-initialization, checkpoint resharding and export never special-case a layer.
+Each parameter is made with its `Placement` (megazero.parallel.placement: the split
+dimension, None when replicated, its stride, e.g. 3 for a fused q|k|v projection, and the
+full shape), so initialization, checkpoint resharding and export never special-case a layer.
 
 Sequence parallelism (`sequence_parallel` set on a layer, see GPT.apply_sequence_parallel):
 the activations between TP regions are split along the sequence instead of replicated, so
@@ -19,7 +18,8 @@ a TP region is entered by an all-gather and left by a reduce-scatter along the s
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import dataclasses
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,63 +27,37 @@ from torch import nn
 
 from megazero.model.cross_entropy import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy  # re-export
 from megazero.parallel.comm import Group, copy_to_tp, leave_tp, solo_group
+from megazero.parallel.placement import Placement, place, placement
 from megazero.parallel.random import RNGTracker
 from megazero.parallel.weight_grad import WeightGradStore, gathered_linear, linear
 
-Stride = Union[int, tuple[int, ...]]
-"""How a fused dimension splits over TP: n equal blocks (an int: 3 for GPT-2's q|k|v), or the
-full sizes of its unequal parts (a tuple: q|k|v under grouped-query attention), each part
-split over the ranks on its own."""
+def placed_parameter(shape: tuple[int, ...], dim: Optional[int] = None, stride: int = 1,
+                     parts: tuple[int, ...] = ()) -> nn.Parameter:
+    """A whole (uninitialized) parameter that `apply_tp` splits along `dim` (None: replicated)."""
+    return place(nn.Parameter(torch.empty(shape)), Placement(shape, dim, stride, parts=parts))
 
 
-def _blocks(x: torch.Tensor, stride: Stride, dim: int, size: int = 1) -> tuple[torch.Tensor, ...]:
-    """x's blocks along dim: a full tensor (size 1) or one rank's shard of `size` (parts / size)."""
-    if isinstance(stride, int):
-        return x.chunk(stride, dim=dim)
-    return x.split([part // size for part in stride], dim=dim)
-
-
-def mark_tp(param: nn.Parameter, dim: Optional[int], stride: Stride, full_shape: tuple[int, ...]) -> nn.Parameter:
-    param.tp_dim, param.tp_stride, param.full_shape = dim, stride, tuple(full_shape)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
-    return param
-
-
-def shard_of(full: torch.Tensor, dim: Optional[int], stride: Stride, rank: int, size: int) -> torch.Tensor:
-    """This TP rank's shard of a full tensor (a copy of `full` itself when replicated)."""
-    if dim is None or size == 1:
-        return full
-    blocks = _blocks(full, stride, dim)  # e.g. q, k, v: each is split over ranks on its own
-    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
-
-
-def split_parameter_(module: nn.Module, name: str, tp: Group, dim: Optional[int] = None,
-                     stride: Stride = 1, full_rows: Optional[int] = None) -> None:
-    """Replace module.NAME (a whole parameter) by this TP rank's shard along `dim`, first
-    padding dim 0 with zero rows up to `full_rows` (vocabulary padding). On the meta device
-    only the shape changes (computed here: meta kernels for cat/chunk import torch._dynamo,
-    seconds per process)."""
-    whole = getattr(module, name).detach()
+def split_parameter_(module: nn.Module, name: str, tp: Group, full_rows: Optional[int] = None) -> None:
+    """Replace module.NAME (a whole parameter) by this TP rank's shard as its placement says,
+    first padding dim 0 with zero rows up to `full_rows` (vocabulary padding). On the meta
+    device only the shape changes (computed here: meta kernels for cat/chunk import
+    torch._dynamo, seconds per process)."""
+    param = getattr(module, name)
+    where, whole = placement(param), param.detach()
     full_shape = list(whole.shape)
     if full_rows is not None:
         full_shape[0] = max(full_rows, full_shape[0])
+    where = dataclasses.replace(where, full_shape=tuple(full_shape))
     if whole.is_meta:
         shape = list(full_shape)
-        if dim is not None:
-            shape[dim] //= tp.size
+        if where.dim is not None:
+            shape[where.dim] //= tp.size
         shard = torch.empty(shape, dtype=whole.dtype, device="meta")
     else:
         if full_shape[0] > whole.shape[0]:
             whole = torch.cat([whole, whole.new_zeros(full_shape[0] - whole.shape[0], *whole.shape[1:])])
-        shard = shard_of(whole, dim, stride, tp.rank, tp.size).clone()
-    setattr(module, name, mark_tp(nn.Parameter(shard), dim, stride, tuple(full_shape)))
-
-
-def unshard(shards: list[torch.Tensor], dim: Optional[int], stride: Stride) -> torch.Tensor:
-    """Inverse of `shard_of`: the full tensor from every TP rank's shard, in rank order."""
-    if dim is None or len(shards) == 1:
-        return shards[0]
-    per_rank = [_blocks(s, stride, dim, len(shards)) for s in shards]
-    return torch.cat([torch.cat([p[b] for p in per_rank], dim=dim) for b in range(len(per_rank[0]))], dim=dim)
+        shard = where.shard(whole, tp.rank, tp.size).clone()
+    setattr(module, name, place(nn.Parameter(shard), where))
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -99,25 +73,27 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by output rows; the output stays split over TP ranks."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, stride: Stride = 1):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, stride: int = 1,
+                 parts: tuple[int, ...] = ()):
+        """`stride` equal fused blocks of the output rows, or `parts`: their unequal sizes (q|k|v
+        with grouped K/V heads); each is split over the TP ranks on its own."""
         super().__init__()
-        self.tp, self.stride = solo_group(), stride
+        self.tp, self.stride, self.parts = solo_group(), stride, parts
         self.sequence_parallel = False  # the input arrives split along the sequence
-        self.weight = mark_tp(nn.Parameter(torch.empty(out_features, in_features)), 0, stride,
-                              (out_features, in_features))
-        self.bias = mark_tp(nn.Parameter(torch.empty(out_features)), 0, stride, (out_features,)) if bias else None
+        self.weight = placed_parameter((out_features, in_features), 0, stride, parts)
+        self.bias = placed_parameter((out_features,), 0, stride, parts) if bias else None
         self.weight_grads: Optional[WeightGradStore] = None  # set: the weight gradient may be deferred
 
     def apply_tp(self, tp: Group) -> None:
         out_features = self.weight.shape[0]
-        parts = [out_features // self.stride] * self.stride if isinstance(self.stride, int) else self.stride
+        parts = list(self.parts) or [out_features // self.stride] * self.stride
         if sum(parts) != out_features or any(part % tp.size for part in parts):
             raise ValueError(f"each fused part of out_features ({out_features}: {parts}) must be divisible by tp "
                              f"({tp.size})")
         self.tp = tp
-        split_parameter_(self, "weight", tp, 0, self.stride)
+        split_parameter_(self, "weight", tp)
         if self.bias is not None:
-            split_parameter_(self, "bias", tp, 0, self.stride)
+            split_parameter_(self, "bias", tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(x, self.weight, self.bias, self.weight_grads, self.tp, self.sequence_parallel)
@@ -130,9 +106,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = solo_group()
         self.sequence_parallel = False  # the output leaves split along the sequence
-        self.weight = mark_tp(nn.Parameter(torch.empty(out_features, in_features)), 1, 1,
-                              (out_features, in_features))
-        self.bias = mark_tp(nn.Parameter(torch.empty(out_features)), None, 1, (out_features,)) if bias else None
+        self.weight = placed_parameter((out_features, in_features), 1)
+        self.bias = placed_parameter((out_features,)) if bias else None
         self.weight_grads: Optional[WeightGradStore] = None  # set: the weight gradient may be deferred
 
     def apply_tp(self, tp: Group) -> None:
@@ -140,7 +115,7 @@ class RowParallelLinear(nn.Module):
         if in_features % tp.size:
             raise ValueError(f"in_features ({in_features}) must be divisible by tp ({tp.size})")
         self.tp = tp
-        split_parameter_(self, "weight", tp, 1)  # the bias is replicated: added once, after the sum
+        split_parameter_(self, "weight", tp)  # the bias is replicated: added once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # nothing to sum: the bias rides in the matmul's epilogue, no pass of its own
@@ -164,17 +139,17 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = solo_group()
         self.sequence_parallel = False  # the output leaves split along the sequence
         # The weight's gradient as the rows looked up (a sparse tensor) instead of a dense
-        # V x h one that is almost all zeros: for gradient sinks that add rows (ZeRO's buckets).
+        # V x h one that is almost all zeros: see apply_sparse_embedding_grad below.
         self.sparse_grad = False
         self.per_rank, self.start = num_embeddings, 0
-        self.weight = mark_tp(nn.Parameter(torch.empty(num_embeddings, dim)), 0, 1, (num_embeddings, dim))
+        self.weight = placed_parameter((num_embeddings, dim), 0)
 
     def apply_tp(self, tp: Group) -> None:
         """Pad the rows to a multiple of 128 x tp (zero rows, never looked up) and keep this
         rank's equal slice of them."""
         rows = padded_vocab_size(self.weight.shape[0], tp.size)
         self.tp, self.per_rank, self.start = tp, rows // tp.size, tp.rank * (rows // tp.size)
-        split_parameter_(self, "weight", tp, 0, full_rows=rows)
+        split_parameter_(self, "weight", tp, full_rows=rows)
 
     def forward(self, ids: torch.Tensor, tied: Optional["TiedRows"] = None) -> torch.Tensor:
         """`tied`: this forward's TiedRows, when the head uses the weight too (GPT.forward gives
@@ -192,6 +167,15 @@ class VocabParallelEmbedding(nn.Module):
         if tied is not None:
             return _RowsIntoHeadGrad.apply(ids, self.weight, tied)
         return F.embedding(ids, self.weight, sparse=self.sparse_grad)
+
+
+def apply_sparse_embedding_grad(model: nn.Module) -> None:
+    """Every vocab-parallel embedding of `model` hands its weight's gradient on as the rows
+    looked up (`sparse_grad`), for a gradient sink that adds rows in place (ZeRO's buckets,
+    which train/parallelize.py applies next); GPT.forward then joins a tied head's gradient too."""
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            module.sparse_grad = True
 
 
 class TiedRows:

@@ -37,11 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config import FinetuneConfig, ModelConfig
+from megazero.config.schema import FinetuneConfig, ModelConfig
 from megazero.model.gpt import GPT
-from megazero.model.layers import ColumnParallelLinear, RowParallelLinear, mark_tp, shard_of
+from megazero.model.layers import ColumnParallelLinear, RowParallelLinear
 from megazero.model.lora_targets import adapted, adapted_modules, part_rows
 from megazero.parallel.comm import copy_to_tp, reduce_from_tp
+from megazero.parallel.placement import Placement, place, placement
 from megazero.parallel.random import RNGTracker, in_stream
 
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -64,29 +65,29 @@ class LoRA:
         if not (self.row or isinstance(base, ColumnParallelLinear)):
             raise TypeError(f"LoRA adapts column/row-parallel linears, not {type(base).__name__}")
         self.scale, self.dropout, self.tracker = alpha / rank, dropout, tracker
-        out_full, in_full = base.weight.full_shape
+        out_full, in_full = placement(base.weight).full_shape
         tp = self.tp_size = base.tp.size
         self.at: Optional[tuple[int, int]] = None  # (first local output column, local width) of a part
-        holder, stride = base, base.stride
+        holder, where = base, placement(base.weight)
+        split = Placement((out_full, rank), 0, where.stride, parts=where.parts)
         if part is not None:
             name, lo, hi = part
             holder = nn.Module()
             setattr(base, name, holder)
-            out_full, stride = hi - lo, 1
+            out_full = hi - lo
+            split = Placement((out_full, rank), 0)
             self.at = (lo // tp, out_full // tp)  # every fused part is split over the ranks on its own
         make = dict(dtype=base.weight.dtype, device=base.weight.device)
         holder.lora_A, holder.lora_B = nn.Module(), nn.Module()
         self.holder = holder
         if self.row:  # A split on the input like the base weight, B replicated
-            holder.lora_A.weight = mark_tp(nn.Parameter(torch.empty(rank, in_full // tp, **make)), 1, 1,
-                                           (rank, in_full))
-            holder.lora_B.weight = mark_tp(nn.Parameter(torch.empty(out_full, rank, **make)), None, 1,
-                                           (out_full, rank))
-        else:  # A replicated, B split on the output rows with the base's stride
-            holder.lora_A.weight = mark_tp(nn.Parameter(torch.empty(rank, in_full, **make)), None, 1,
-                                           (rank, in_full))
-            holder.lora_B.weight = mark_tp(nn.Parameter(torch.empty(out_full // tp, rank, **make)), 0, stride,
-                                           (out_full, rank))
+            holder.lora_A.weight = place(nn.Parameter(torch.empty(rank, in_full // tp, **make)),
+                                         Placement((rank, in_full), 1))
+            holder.lora_B.weight = place(nn.Parameter(torch.empty(out_full, rank, **make)),
+                                         Placement((out_full, rank)))
+        else:  # A replicated, B split on the output rows as the base's (or, for a part, as one block)
+            holder.lora_A.weight = place(nn.Parameter(torch.empty(rank, in_full, **make)), Placement((rank, in_full)))
+            holder.lora_B.weight = place(nn.Parameter(torch.empty(out_full // tp, rank, **make)), split)
         base.register_forward_hook(self._add_adapter)
 
     def _dropped(self, x: torch.Tensor, training: bool) -> torch.Tensor:
@@ -134,13 +135,14 @@ def adapter_shapes(m: ModelConfig, f: FinetuneConfig) -> dict[str, tuple[int, ..
 def initial_adapter(name: str, p: nn.Parameter, seed: int, tp_rank: int, tp_size: int) -> torch.Tensor:
     """An adapter's starting value on this TP rank, the same whatever the layout: A drawn
     whole from a generator seeded by (seed, name), B zeros."""
+    where = placement(p)
     if name.endswith(".lora_B.weight"):
-        full = torch.zeros(p.full_shape, device="cpu")  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+        full = torch.zeros(where.full_shape, device="cpu")
     else:
-        bound = 1.0 / math.sqrt(p.full_shape[1])  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+        bound = 1.0 / math.sqrt(where.full_shape[1])
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = torch.empty(p.full_shape, device="cpu").uniform_(-bound, bound, generator=g)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
-    return shard_of(full, p.tp_dim, p.tp_stride, tp_rank, tp_size)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+        full = torch.empty(where.full_shape, device="cpu").uniform_(-bound, bound, generator=g)
+    return where.shard(full, tp_rank, tp_size)
 
 
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from megazero.config import ConfigError, ModelConfig
+from megazero.config.schema import ConfigError, ModelConfig
 
 LORA_MODULES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 """A block's projections LoRA can adapt, by their names inside the block (HF GPT-2's)."""

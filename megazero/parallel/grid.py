@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from megazero.config.rules import world_problem
 from megazero.parallel.comm import Group
 
 
@@ -217,8 +218,9 @@ class ProcessGrid:
         namespace, see train/lifecycle.py)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
-        if world_size % (tp * pp * cp):
-            raise ValueError(f"world size ({world_size}) must be divisible by tp x cp x pp ({tp} x {cp} x {pp})")
+        problem = world_problem(world_size, tp, pp, cp)  # validation's rule, for callers that skip it
+        if problem:
+            raise ValueError(problem)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         grid = cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), rank=rank, backend=backend, timeout_s=timeout_s,
                    cp=cp)

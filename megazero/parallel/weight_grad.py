@@ -17,7 +17,7 @@ backward would put it (accumulated in place into a bucket view, or stored), and 
 post-accumulate-grad hooks that ZeRO's gradient sync hangs on the parameters fire as they
 would have. LayerNorm, bias and embedding gradients stay in B: they are cheap.
 Under ZeRO-3 the parameter is released (an empty placeholder) by the time W runs, which
-needs only x and dy, not the weight; ZeRO's sharded parameters set the store's `sink`, which
+needs only x and dy, not the weight; the schedule then hands `run_next` ZeRO's `sink`, which
 takes each dW straight into the gradient sync instead of through autograd.
 
 Layers without a store (weight_grads None: every schedule but zbh1, generation, tests of
@@ -39,6 +39,8 @@ from megazero.parallel.comm import Group, gather_sequence, reduce_scatter_sequen
 
 WeightGradWork = tuple[nn.Parameter, torch.Tensor, torch.Tensor]
 """(parameter, output gradient dy, input x): dW = dy^T x, to accumulate into the parameter."""
+WeightGradSink = Callable[[nn.Parameter, torch.Tensor], None]
+"""Takes (parameter, dW) in place of autograd's accumulation (ZeRO-3's gradient sync)."""
 
 
 class WeightGradStore:
@@ -47,8 +49,6 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self.deferring = False
-        self.sink: Optional[Callable[[nn.Parameter, torch.Tensor], None]] = None
-        """Where W hands each (parameter, dW) when set (ZeRO-3); else autograd accumulates it."""
         self._filling: list[WeightGradWork] = []
         self._passes: deque[list[WeightGradWork]] = deque()
 
@@ -77,16 +77,17 @@ class WeightGradStore:
                     for work in self._passes for _, grad_out, x in work for t in (grad_out, x)}
         return sum(storages.values())
 
-    def run_next(self) -> None:
+    def run_next(self, sink: Optional[WeightGradSink] = None) -> None:
         """The W pass of the oldest B pass still pending: each weight gradient is computed
-        and accumulated into its parameter by autograd (hooks fire) one at a time, in the
-        order backward produced them, so only one extra gradient is alive at once."""
+        and accumulated into its parameter by autograd (hooks fire), or handed to `sink`
+        (ZeRO-3), one at a time, in the order backward produced them, so only one extra
+        gradient is alive at once."""
         work = deque(self._passes.popleft())
         while work:
             param, grad_out, x = work.popleft()
-            if self.sink is not None:
+            if sink is not None:
                 with torch.no_grad():  # x is part of the graph: dW must not be
-                    self.sink(param, _weight_grad(grad_out, x))
+                    sink(param, _weight_grad(grad_out, x))
             else:
                 torch.autograd.backward(param, _weight_grad(grad_out, x))
 

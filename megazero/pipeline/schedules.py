@@ -38,7 +38,7 @@ import torch
 
 from megazero.model.gpt import GPT
 from megazero.parallel.grid import ProcessGrid
-from megazero.parallel.weight_grad import WeightGradStore
+from megazero.parallel.weight_grad import WeightGradSink, WeightGradStore
 from megazero.pipeline.p2p import PipelineP2P
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [b, s], labels [b, s])
@@ -52,6 +52,10 @@ class GradSync(Protocol):
 
     def no_sync(self) -> ContextManager[None]:
         """Backwards inside accumulate gradients without reducing them over DP."""
+
+    @property
+    def weight_grad_sink(self) -> Optional[WeightGradSink]:
+        """Where deferred weight gradients go instead of autograd (zbh1 at ZeRO-3), or None."""
 
 
 Timers = Callable[[str], ContextManager[None]]
@@ -347,7 +351,7 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
         if action.weight:
             assert stores is not None
             with sync, timers("backward"):
-                stores[action.chunk].run_next()
+                stores[action.chunk].run_next(optimizer.weight_grad_sink)
             return None
         x, y = saved.pop(key)
         with sync, stores[action.chunk].defer() if stores else contextlib.nullcontext(), timers("backward"):

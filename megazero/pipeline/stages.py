@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.model.gpt import GPT
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import RNGTracker

@@ -15,7 +15,9 @@ import json
 import sys
 from typing import Optional
 
-from megazero.config import ConfigError, build_config, load_yaml, resolve_vocab_size
+from megazero.config.parse import build_config, load_yaml
+from megazero.config.resolve import resolve_vocab_size
+from megazero.config.schema import ConfigError
 from megazero.errors import report_errors
 from megazero.plan import formulas as F
 from megazero.plan.planner import RECOMPUTE, Cluster, PlanError, Prediction, explain, nothing_fits, plan

@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 from megazero.parallel.comm import all_gather_volume, all_reduce_volume, reduce_scatter_volume
 from megazero.pipeline.schedules import ORDERS, message_target
 from megazero.zero.grads import IN_FLIGHT_BYTES, MIN_IN_FLIGHT
+from megazero.zero.sharding import Sharding, sharding
 
 GiB = 2 ** 30
 
@@ -89,14 +90,8 @@ def model_state_bytes(psi: int, dp: int, stage: int, element_bytes: tuple[int, i
     """Model-state bytes of one rank holding Ψ (padded) parameter elements over N = dp ranks:
     stage 1 shards the optimizer states, 2 also the gradients, 3 also the parameters.
     With megazero's bf16 bytes: 18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N; with the paper's:
-    16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N."""
-    pb, gb, ob = element_bytes
-    shard = psi // dp if stage else psi
-
-    def held(sharded: bool) -> int:
-        return shard if sharded else psi
-    params, grads, optim = pb * held(stage >= 3), gb * held(stage >= 2), ob * held(stage >= 1)
-    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+    16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (zero/sharding.py: what each stage partitions)."""
+    return sharding(stage).model_state_bytes(psi, dp, element_bytes)
 
 
 # ---------------------------------------------------------------------------- activations
@@ -237,7 +232,7 @@ class BufferShape:
     tied_twice: bool
     """The embedding and the head are both on this rank: the tied weight's gradient from the
     head waits inside autograd for the embedding's backward."""
-    stage: int
+    sharding: Sharding
     dp: int
     prefetch: int
     param_bytes: int
@@ -258,7 +253,7 @@ def gathered_units_bytes(x: BufferShape) -> int:
     """Stage 3: the unit running and the `prefetch` next ones gathered whole, beside the tied
     weight, gathered from the embedding's forward to its backward (zero/stage3.py). Alone (dp 1)
     a bucket is the rank's slice, viewed where it lies: nothing beside the shard in place."""
-    if x.stage < 3 or (x.dp == 1 and x.shard_on_device):
+    if not x.sharding.parameters or (x.dp == 1 and x.shard_on_device):
         return 0
     tied = sum(x.padded[i] for i in x.tied) if x.tied_twice else 0
     return (tied + (1 + x.prefetch) * x.largest_unit()) * x.param_bytes
@@ -271,7 +266,7 @@ def grads_in_flight_bytes(x: BufferShape) -> int:
     rank alone adds fp32 gradients straight into its shard (zero/grads.py)."""
     tied = 4 * sum(x.padded[i] for i in x.tied) if x.tied_twice else 0
     direct = x.dp == 1 and x.wire_bytes == 4
-    filling = (1 + launched_in_flight(x)) * 4 * x.largest_unit() if x.stage >= 2 and not direct else 0
+    filling = (1 + launched_in_flight(x)) * 4 * x.largest_unit() if x.sharding.gradients and not direct else 0
     return tied + filling
 
 
@@ -280,7 +275,7 @@ def launched_in_flight(x: BufferShape) -> int:
     its bucket on the wire and its reduced slice: as many as IN_FLIGHT_BYTES holds, never fewer
     than MIN_IN_FLIGHT, never more than there are buckets (zero/grads.py); none at one rank,
     which reduces at once."""
-    if x.dp == 1 or x.stage < 2 or not x.largest_unit():
+    if x.dp == 1 or not x.sharding.gradients or not x.largest_unit():
         return 0
     held = x.largest_unit() * x.wire_bytes * (x.dp + 1) // x.dp
     return min(len(x.padded), max(MIN_IN_FLIGHT, IN_FLIGHT_BYTES // held))
@@ -290,9 +285,9 @@ def comm_buffer_bytes(x: BufferShape) -> int:
     """Stages 2/3: each launched reduce-scatter's output slice and the ring's incoming slice.
     Stage 1 on gloo: the ring's incoming slice (it sums in the persistent fp32 bucket itself,
     whose other slices are not read again before zero_grad; zero/grads.py)."""
-    if x.dp == 1 or x.stage == 0:
+    if x.dp == 1 or x.sharding.replicated:
         return 0
-    if x.stage == 1:
+    if not x.sharding.gradients:
         return x.wire_bytes * x.largest_unit() // x.dp if x.gloo else 0
     return (launched_in_flight(x) + 1) * x.largest_unit() // x.dp * x.wire_bytes
 
@@ -369,7 +364,7 @@ def host_items(x: HostShape) -> dict[str, int]:
 # ---------------------------------------------------------------------------- communication
 
 
-def dp_bytes(stage: int, buckets: list[int], dp: int, m: int, wire_bytes: int, param_bytes: int) -> int:
+def dp_bytes(zs: Sharding, buckets: list[int], dp: int, m: int, wire_bytes: int, param_bytes: int) -> int:
     """Bytes one rank sends over its DP group in one iteration, bucket by bucket as the
     optimizer communicates (`buckets`: padded elements): stage 0 all-reduces each gradient
     bucket once (2Ψ (N-1)/N), stage 1 reduce-scatters once and all-gathers the updated
@@ -377,14 +372,13 @@ def dp_bytes(stage: int, buckets: list[int], dp: int, m: int, wire_bytes: int, p
     gathers every bucket once per forward and once per backward as well (3 m; the tied
     embedding too, see zero/stage3.py). The loss is not on it: it is summed over the world with
     the optimizer step's gradient norm (zero/clip.py)."""
-    if stage == 0:
+    if zs.replicated:
         return sum(all_reduce_volume(n * wire_bytes, dp) for n in buckets)
     reduce = sum(reduce_scatter_volume(n // dp * wire_bytes, dp) for n in buckets)
-    if stage == 1:
-        return reduce + sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets)
-    if stage == 2:
-        return m * reduce + sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets)
-    return m * (reduce + 2 * sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets))
+    gather = sum(all_gather_volume(n // dp * param_bytes, dp) for n in buckets)
+    if zs.parameters:
+        return m * (reduce + 2 * gather)
+    return (m if zs.gradients else 1) * reduce + gather
 
 
 def tp_bytes(chunks: list[ChunkShape], x: ActivationShape, m: int, sequence_parallel_grads: int = 0) -> int:

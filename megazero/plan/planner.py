@@ -15,13 +15,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megazero.config import Config
+from megazero.config import rules as R
+from megazero.config.schema import Config
 from megazero.errors import UserError
 from megazero.model.layers import padded_vocab_size
 from megazero.parallel.host import PIECE_BYTES
 from megazero.pipeline.schedules import ORDERS, activation_events
 from megazero.plan import formulas as F
 from megazero.plan.ranks import rank_params
+from megazero.zero.sharding import sharding
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -193,20 +195,20 @@ def predict(cfg: Config, layout: ParallelLayout, cluster: Cluster, attention: st
         add_times(out, cfg, cluster)
     if layout.offload_optimizer:
         out.notes.append("optimizer states in host memory (stepped there)")
-    if z.stage == 3 and layout.pp > 1:
+    if sharding(z.stage).parameters and layout.pp > 1:
         out.notes.append("ZeRO-3 with pp > 1 gathers every stage's parameters per micro-batch")
     return out
 
 
 def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: F.ActivationShape, schedule: str,
                     pp_layers: Optional[list[int]], accelerator: bool = True) -> RankPrediction:
-    stage, pp, vpp = layout.zero_stage, layout.pp, layout.vpp
+    zs, pp, vpp = sharding(layout.zero_stage), layout.pp, layout.vpp
     dp = layout.dp * layout.cp  # ZeRO shards and reduces over dp x cp
     elem = F.STATE_BYTES[cfg.train.precision]
-    rp = rank_params(cfg.model, layout.tp, pp, vpp, r, stage == 3, cfg.zero.bucket_size, pp_layers)
-    shards = dp if stage else 1
+    rp = rank_params(cfg.model, layout.tp, pp, vpp, r, zs.parameters, cfg.zero.bucket_size, pp_layers)
+    shards = dp if zs.optimizer else 1
     padded = rp.padded(shards)
-    states = F.model_state_bytes(sum(padded), dp, stage, elem)
+    states = zs.model_state_bytes(sum(padded), dp, elem)
     host = host_shape(cfg, layout, padded, shards, accelerator)
     off_device = (states["optimizer"] if host.offload_optimizer != "none" else 0) + \
         (states["params"] if host.offload_param != "none" else 0)
@@ -214,14 +216,14 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
     sizes = [F.chunk_activation_bytes(c, shape) for c in rp.chunks]
     order = activation_events(ORDERS[schedule](pp, vpp, r, m)) if pp > 1 else [(True, 0), (False, 0)]
     wire = 2 if cfg.zero.reduce_dtype == "bf16" else 4
-    moved = {"dp": F.dp_bytes(stage, padded, dp, m, wire, elem[0]),
+    moved = {"dp": F.dp_bytes(zs, padded, dp, m, wire, elem[0]),
              # Partial LayerNorm/bias gradients are all-reduced on this rank's ZeRO shard (about 1/dp of them).
              "tp": F.tp_bytes(list(rp.chunks), shape, m, rp.replicated_numel // shards),
              "pp": F.pp_bytes(pp, vpp, r, m, shape),
              "cp": F.cp_bytes(shape, sum(c.layers for c in rp.chunks), m),
              "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
     tied_twice = any(c.pre and c.post for c in rp.chunks)
-    buffers = F.BufferShape(tuple(padded), rp.tied, tied_twice, stage, dp, cfg.zero.prefetch, elem[0], wire,
+    buffers = F.BufferShape(tuple(padded), rp.tied, tied_twice, zs, dp, cfg.zero.prefetch, elem[0], wire,
                             gloo=not accelerator, shard_on_device=host.offload_param == "none" or (host.offload_param == "cpu" and not accelerator))
     return RankPrediction(r, rp.param_numel, states, F.host_items(host), F.peak_in_flight_bytes(order, sizes),
                           F.transient_items(buffers, shape, rp.chunks[-1].post), moved)
@@ -230,11 +232,11 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
 def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: int, accelerator: bool) -> F.HostShape:
     """What offloading keeps in host memory for one rank of `layout`: the config's offload
     modes (the planner's --offload-optimizer alone means cpu), its buffers and sub-groups."""
-    z, stage = cfg.zero, layout.zero_stage
+    z = cfg.zero
     optimizer = (z.offload_optimizer if z.offload_optimizer != "none" else "cpu") if layout.offload_optimizer else "none"
     shard = sum(padded) // shards
     return F.HostShape(shard=shard, trainable=shard, largest_slice=max(padded) // shards, offload_optimizer=optimizer,
-                       offload_param=z.offload_param if stage == 3 else "none", accelerator=accelerator,
+                       offload_param=z.offload_param if sharding(layout.zero_stage).parameters else "none", accelerator=accelerator,
                        param_bytes=F.STATE_BYTES[cfg.train.precision][0], sub_group_size=z.sub_group_size,
                        buffer_count=z.buffer_count, prefetch=z.prefetch,
                        staging=PIECE_BYTES if cfg.checkpoint.save else 0,
@@ -275,25 +277,18 @@ def divisors(n: int) -> list[int]:
 
 
 def layout_problem(cfg: Config, gpus: int, tp: int, pp: int, vpp: int = 1, micro_batch: Optional[int] = None,
-                   cp: int = 1, cp_impl: str = "ring") -> Optional[str]:
-    """Why tp x cp x pp (x vpp, micro-batch) cannot be formed for this model on `gpus` GPUs, or None."""
+                   cp: int = 1, cp_impl: str = "ring", sequence_parallel: bool = False) -> Optional[str]:
+    """Why tp x cp x pp (x vpp, micro-batch) cannot be formed for this model on `gpus` GPUs, or
+    None: the first of config/rules.py's layout rules that it breaks (validation's own rules)."""
     m, gbs = cfg.model, cfg.train.global_batch_size
-    if m.num_heads % tp or m.ffn_size % tp:
-        return f"tp {tp} must divide model.num_heads ({m.num_heads}) and the MLP width ({m.ffn_size})"
-    if cp_impl == "ulysses" and m.num_heads % (tp * cp):
-        return f"cp_impl ulysses needs tp x cp ({tp} x {cp}) to divide model.num_heads ({m.num_heads})"
-    if gpus % (tp * pp * cp):
-        return f"tp x cp x pp ({tp} x {cp} x {pp} = {tp * cp * pp}) must divide the GPU count ({gpus})"
-    if m.seq_length % (2 * cp):
-        return f"cp {cp} cuts model.seq_length ({m.seq_length}) into 2 x cp chunks: it must divide into {2 * cp}"
-    if m.num_layers % (pp * vpp):
-        return f"pp x vpp ({pp} x {vpp}) must divide model.num_layers ({m.num_layers})"
+    problem = (R.tp_problem(m.num_heads, m.ffn_size, tp, m.query_groups) or R.ulysses_problem(m.num_heads, tp, cp, cp_impl)
+               or R.world_problem(gpus, tp, pp, cp) or R.cp_problem(m.seq_length, cp)
+               or R.pp_problem(m.num_layers, pp, vpp)
+               or (R.sequence_parallel_problem(m.seq_length, tp, cp) if sequence_parallel else None))
+    if problem or micro_batch is None:
+        return problem or R.interleaved_problem(pp, vpp, None)
     dp = gpus // (tp * pp * cp)
-    if micro_batch is not None and gbs % (micro_batch * dp):
-        return (f"micro-batch x dp ({micro_batch} x {dp}) must divide train.global_batch_size ({gbs})")
-    if vpp > 1 and (pp == 1 or micro_batch is not None and (gbs // (micro_batch * dp)) % pp):
-        return f"vpp {vpp} needs pp > 1 and micro-batches per iteration a multiple of pp ({pp})"
-    return None
+    return R.batch_problem(gbs, micro_batch, dp) or R.interleaved_problem(pp, vpp, gbs // (micro_batch * dp))
 
 
 def candidates(cfg: Config, cluster: Cluster, fixed: dict) -> list[ParallelLayout]:
@@ -326,31 +321,32 @@ def _layouts_of(cfg: Config, cluster: Cluster, fixed: dict, tp: int, cp: int, pp
                              _options(fixed, "vpp", [1] if pp == 1 else [1, 2, 4]),
                              _options(fixed, "zero_stage", range(4 if dp * cp > 1 else 1)),
                              _options(fixed, "recompute", RECOMPUTE))
-    return [ParallelLayout(tp, pp, dp, vpp, stage, mb, rc, fixed.get("sequence_parallel", False) and tp > 1,
-                           fixed.get("offload_optimizer", False), cp, impl)
-            for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb, cp, impl)]
+    sp = fixed.get("sequence_parallel", False) and tp > 1
+    return [ParallelLayout(tp, pp, dp, vpp, stage, mb, rc, sp, fixed.get("offload_optimizer", False), cp, impl)
+            for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb, cp, impl, sp)]
 
 
 def check_fixed(cfg: Config, cluster: Cluster, fixed: dict) -> None:
-    """Refuse fixed choices that cannot be formed, naming the closest that can."""
+    """Refuse fixed choices that cannot be formed (config/rules.py's rules), naming the closest that can."""
     gpus, m = cluster.gpus, cfg.model
     tp, pp, vpp = fixed.get("tp", 1), fixed.get("pp", 1), fixed.get("vpp", 1)
-    if "tp" in fixed and (m.num_heads % tp or m.ffn_size % tp or gpus % tp):
-        ok = [d for d in divisors(gpus) if m.num_heads % d == 0 and m.ffn_size % d == 0]
+    if "tp" in fixed and (R.tp_problem(m.num_heads, m.ffn_size, tp, m.query_groups) or gpus % tp):
+        ok = [d for d in divisors(gpus) if not R.tp_problem(m.num_heads, m.ffn_size, d, m.query_groups)]
         raise PlanError(f"--tp {tp} must divide model.num_heads ({m.num_heads}), the MLP width ({m.ffn_size}) and "
                         f"--gpus ({gpus}); closest that fits: tp {closest(ok, tp)}")
-    if "pp" in fixed and (m.num_layers % (pp * vpp) or gpus % (tp * pp)):
-        ok = [d for d in divisors(gpus // tp) if m.num_layers % (d * vpp) == 0] if gpus % tp == 0 else [1]
+    if "pp" in fixed and (R.pp_problem(m.num_layers, pp, vpp) or R.world_problem(gpus, tp, pp)):
+        ok = [d for d in divisors(gpus // tp) if not R.pp_problem(m.num_layers, d, vpp)] if gpus % tp == 0 else [1]
         raise PlanError(f"--pp {pp} (x vpp {vpp}) must divide model.num_layers ({m.num_layers}) and tp x pp must "
                         f"divide --gpus ({gpus}); closest that fits: pp {closest(ok, pp)}")
     cp = fixed.get("cp", 1)
-    if "cp" in fixed and (cp < 1 or m.seq_length % (2 * cp) or gpus % (tp * pp * cp)):
-        ok = [d for d in divisors(gpus // (tp * pp)) if m.seq_length % (2 * d) == 0] if gpus % (tp * pp) == 0 else [1]
+    if "cp" in fixed and (R.cp_problem(m.seq_length, cp) or R.world_problem(gpus, tp, pp, cp)):
+        ok = [d for d in divisors(gpus // (tp * pp)) if not R.cp_problem(m.seq_length, d)] \
+            if gpus % (tp * pp) == 0 else [1]
         raise PlanError(f"--cp {cp} must cut model.seq_length ({m.seq_length}) into 2 x cp chunks and tp x cp x pp "
                         f"must divide --gpus ({gpus}); closest that fits: cp {closest(ok, cp)}")
-    if fixed.get("cp_impl") == "ulysses" and "cp" in fixed and m.num_heads % (tp * cp):
-        ok = [d for d in divisors(m.num_heads // tp) if m.seq_length % (2 * d) == 0 and gpus % (tp * pp * d) == 0] \
-            if m.num_heads % tp == 0 else [1]
+    if "cp" in fixed and R.ulysses_problem(m.num_heads, tp, cp, fixed.get("cp_impl", "ring")):
+        ok = [d for d in divisors(m.num_heads // tp) if not R.cp_problem(m.seq_length, d)
+              and not R.world_problem(gpus, tp, pp, d)] if m.num_heads % tp == 0 else [1]
         raise PlanError(f"--cp-impl ulysses gives each rank num_heads / (tp x cp) heads: tp x cp ({tp} x {cp}) must "
                         f"divide model.num_heads ({m.num_heads}); closest that fits: cp {closest(ok, cp)}, or "
                         f"--cp-impl ring")

@@ -16,9 +16,10 @@ from typing import Optional
 
 import torch
 
-from megazero.config import ModelConfig
+from megazero.config.schema import ModelConfig
 from megazero.model.gpt import GPT, apply_tensor_parallel
 from megazero.parallel.comm import Group
+from megazero.parallel.placement import placement
 from megazero.pipeline.stages import stage_layers
 from megazero.plan.formulas import ChunkShape
 from megazero.zero.partition import bucket_groups, bucket_numel
@@ -69,4 +70,5 @@ def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3:
                       buckets=tuple(tuple(p.numel() for _, p in named) for _, named in groups),
                       tied=tied,
                       param_numel=sum(p.numel() for c in chunks for p in c.parameters()),
-                      replicated_numel=sum(p.numel() for c in chunks for p in c.parameters() if p.tp_dim is None))  # type: ignore[attr-defined, misc]  # TP metadata (mark_tp)
+                      replicated_numel=sum(p.numel() for c in chunks for p in c.parameters()
+                                           if not placement(p).sharded))

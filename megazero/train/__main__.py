@@ -1,7 +1,7 @@
 """`python -m megazero.train --config FILE [--section.key value ...]` (under torchrun for N processes).
 
 Megatron-LM's GPT pretraining flags (--num-layers 24 --fp16 --data-path ...) are accepted as
-aliases of the config keys (train/megatron_flags.py; README's "Coming from Megatron-LM").
+aliases of the config keys (config/megatron.py; README's "Coming from Megatron-LM").
 
 Precedence: defaults (Megatron-LM's where they differ, for Megatron flags without a config file)
 < the YAML --config < a DeepSpeed config (--deepspeed-config FILE, or a .json --config) <
@@ -15,12 +15,15 @@ import os
 import sys
 from typing import Optional
 
-from megazero.config import Config, ConfigError, build_config, load_yaml, parse_overrides, reference, schedule_warnings
-from megazero.deepspeed_config import load_deepspeed_config
+from megazero.config.deepspeed import load_deepspeed_config
+from megazero.config.help import reference
+from megazero.config.megatron import translate
+from megazero.config.parse import build_config, load_yaml, parse_overrides
+from megazero.config.preflight import preflight, resolve_and_validate
+from megazero.config.rules import schedule_warnings
+from megazero.config.schema import Config, ConfigError
 from megazero.errors import exit_if_failed_before, report_errors
 from megazero.train import lifecycle
-from megazero.train.megatron_flags import translate
-from megazero.train.run_config import preflight, resolve_and_validate
 
 
 def main(argv: Optional[list[str]] = None) -> None:

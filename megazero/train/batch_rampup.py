@@ -5,7 +5,8 @@ config.rampup_steps before any process group exists."""
 
 from __future__ import annotations
 
-from megazero.config import TrainConfig, rampup_steps
+from megazero.config.rules import rampup_steps
+from megazero.config.schema import TrainConfig
 
 
 def rampup_batch(t: TrainConfig, dp: int, consumed_samples: int) -> int:

@@ -9,19 +9,20 @@ rank weighs the planner's host figure (plan/formulas.py's host_items, times the 
 node) against MemAvailable, or the cgroup's limit when lower:
 
     fits                                     nothing changes
-    too big, zero.sub_group_size default     the sub-groups shrink to the largest size that fits,
-                                             with one line saying so
-    too big, sub_group_size set explicitly   refused, naming the largest sub_group_size that fits
+    too big, zero.sub_group_size not set     the config the run gets has the largest size that
+                                             fits, with one line saying so (cfg.set_keys tells)
+    too big, zero.sub_group_size set         refused, naming the largest sub_group_size that fits
     too big with any sub_group_size          refused, naming what needs the memory
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megazero.config import Config, ZeroConfig
+from megazero.config.schema import Config
 from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
@@ -29,8 +30,8 @@ from megazero.plan import formulas as F
 from megazero.plan.planner import Cluster, RankPrediction, distinct_ranks, predict, run_layout
 from megazero.train.summary import size
 from megazero.zero import ALIGN
+from megazero.zero.sharding import sharding
 
-DEFAULT_SUB_GROUP_SIZE = ZeroConfig().sub_group_size
 USABLE = 0.9
 """Fraction of the available memory a run may plan to fill: the rest absorbs the prediction's
 error (within 15% of the measured peak: scripts/bench_memory.py) and the page cache's needs."""
@@ -111,7 +112,7 @@ def fit_sub_group_size(need: HostNeed, ranks: int, available: int, requested: in
 
 def offloads(cfg: Config) -> bool:
     z = cfg.zero
-    return z.offload_optimizer != "none" or (z.stage == 3 and z.offload_param != "none")
+    return z.offload_optimizer != "none" or (sharding(z.stage).parameters and z.offload_param != "none")
 
 
 def host_need(cfg: Config, grid: ProcessGrid) -> HostNeed:
@@ -139,20 +140,22 @@ def need_of(rank: RankPrediction, device_is_host: bool, buffer_count: int) -> Ho
     return HostNeed(sum(items.values()), per_element, cap, {**items, "nvme_step_buffers": step_buffers})
 
 
-def fit_host_memory(cfg: Config, grid: ProcessGrid, available: Optional[int] = None) -> None:
-    """Collective: weigh this run's host allocations against the memory available (see the
-    module docstring); may lower cfg.zero.sub_group_size in place, saying so on rank 0. Every
-    rank stops when one refuses. `available`: the memory to assume (tests), else the machine's."""
+def fit_host_memory(cfg: Config, grid: ProcessGrid, available: Optional[int] = None) -> Config:
+    """Collective, the last step of resolution (it needs the grid): weigh this run's host
+    allocations against the memory available (see the module docstring) and return the config
+    to run: `cfg` itself, or a copy with the largest zero.sub_group_size that fits, which rank 0
+    reports in one line. `cfg` is never changed. Every rank stops when one refuses.
+    `available`: the memory to assume (tests), else the machine's."""
     if not offloads(cfg):
-        return
+        return cfg
     z = cfg.zero
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
     def decide() -> tuple[int, Optional[str]]:
         free = available if available is not None else available_host_bytes()
         return fit_sub_group_size(host_need(cfg, grid), ranks_here, free, z.sub_group_size,
-                                  explicit=z.sub_group_size != DEFAULT_SUB_GROUP_SIZE)
+                                  explicit="zero.sub_group_size" in cfg.set_keys)
     size, line = comm.agreed(decide, grid["world"])
-    z.sub_group_size = size
     if line and grid.rank == 0:
         print(line, flush=True)
+    return cfg if size == z.sub_group_size else dataclasses.replace(cfg, zero=dataclasses.replace(z, sub_group_size=size))

@@ -30,7 +30,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.errors import UserError
 
 if TYPE_CHECKING:
@@ -138,10 +138,9 @@ def _watch_parent(launcher: int, poll_s: float) -> None:
 
 class StopRequest:
     """Why this rank wants to stop before train.iters; the trainer takes the maximum code over
-    all ranks, so every rank saves and stops at the same iteration."""
+    all ranks (train/signals.py), so every rank saves and stops at the same iteration."""
 
     NONE, DEADLINE, SIGUSR1, SIGTERM = range(4)
-    REASONS = (DEADLINE, SIGUSR1, SIGTERM)
 
     def __init__(self, exit_duration_minutes: float):
         self.exit_duration_minutes = exit_duration_minutes
@@ -158,17 +157,6 @@ class StopRequest:
         if self.signalled:
             return self.signalled
         return self.DEADLINE if self.deadline is not None and time.monotonic() >= self.deadline else self.NONE
-
-    def votes(self) -> tuple[int, ...]:
-        """This rank's code as one vote per reason to stop; summed over every rank (in the
-        optimizer step's all-reduce, with no collective of its own), `agreed` reads them."""
-        code = self.code()
-        return tuple(int(code == reason) for reason in self.REASONS)
-
-    @classmethod
-    def agreed(cls, votes: tuple[int, ...]) -> int:
-        """The largest code any rank voted for: every rank stops (and saves) at the same iteration."""
-        return max((reason for reason, n in zip(cls.REASONS, votes) if n), default=cls.NONE)
 
     def reason(self, code: int) -> str:
         if code == self.DEADLINE:

@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megazero.config import OptimConfig, TrainConfig, warmup_length
+from megazero.config.rules import warmup_length
+from megazero.config.schema import OptimConfig, TrainConfig
 
 SHAPE = ("lr", "min_lr", "warmup_iters", "decay_iters", "decay_style")
 """What defines the curve; a change of any of them on resume is reported."""

@@ -9,7 +9,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.plan.formulas import PEAK_FLOPS
 from megazero.train.sinks import JsonlSink, Sink, TensorBoardSink, WandbSink, drop_records_after
 

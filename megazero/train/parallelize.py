@@ -30,7 +30,9 @@ this rank's trainable share of the model:
    in flat buckets on the grid's device, with the hooks that reduce their gradients over DP
    (at stage 3 also gather and release them around each unit); ZeroOptimizer, built on
    them, materializes this rank's elements (its DP partition at stage 3) from the model's
-   init in the compute dtype, and its fp32 master weights from the same values.
+   init in the compute dtype, and its fp32 master weights from the same values. The token
+   embedding first learns to hand its gradient on as rows, which the buckets add in place
+   (`apply_sparse_embedding_grad`): no dense V x h gradient beside its bucket.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ from torch.utils.checkpoint import checkpoint
 
 from megazero.checkpoint.hf import HFInitialValues
 from megazero.checkpoint.resume import HF, starting_point
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.model.gpt import GPT, apply_tensor_parallel
+from megazero.model.layers import apply_sparse_embedding_grad
 from megazero.model.lora import apply_lora, initial_adapter, is_adapter
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import RNGTracker, recompute_rng_context
@@ -73,6 +76,8 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
     initial = hf_initial_values(cfg, grid) if starting_point(c.load, c.iteration, c.init_from_hf) == HF else None
     if cfg.finetune.lora_rank:
         initial = with_adapter_init(initial, chunks, cfg.train.seed, grid)
+    for chunk in chunks:
+        apply_sparse_embedding_grad(chunk)
     return chunks, ZeroOptimizer(ShardedParameters(chunks, cfg, grid, initial), cfg, grid)
 
 

@@ -19,7 +19,7 @@ import uuid
 from typing import Optional, Protocol
 
 from megazero.atomic import atomic_write, write_text
-from megazero.config import Config
+from megazero.config.schema import Config
 
 
 class Sink(Protocol):

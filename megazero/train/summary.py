@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.model.lora import adapter_shapes
 from megazero.parallel.grid import ProcessGrid
 from megazero.plan import formulas as F

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from megazero.atomic import write_text
-from megazero.checkpoint.adapter import save_adapter
-from megazero.checkpoint.background import NO_SAVE_VOTES, BackgroundSave, start_save
-from megazero.checkpoint.base import CheckpointSaveError
-from megazero.checkpoint.gathered import save_model_16bit
+from megazero.checkpoint.manager import CheckpointManager
 from megazero.checkpoint.resume import RESUME, resume_state, starting_point
-from megazero.checkpoint.save import save_sharded
 from megazero.checkpoint.tensors import encode_rng
-from megazero.config import Config, describe
+from megazero.config.parse import describe
+from megazero.config.schema import Config
 from megazero.data import DataError
 from megazero.data.gpt_dataset import build_train_valid_test_datasets, check_compatibility, inputs_and_labels
 from megazero.data.mock import MockGPTDataset
@@ -50,6 +46,7 @@ from megazero.train.metrics import (
     peak_memory_gib,
 )
 from megazero.train.parallelize import compile_notes, parallelize
+from megazero.train.signals import StepSignals
 from megazero.train.summary import plan_check, run_prediction, startup_summary
 
 
@@ -61,7 +58,7 @@ class Trainer:
     def __init__(self, cfg: Config, grid: ProcessGrid):
         self.cfg, self.grid = cfg, grid
         fix_mmap_threshold()  # before the model's memory is allocated: resident memory = memory held
-        fit_host_memory(cfg, grid)  # offloading's host buffers against the memory available, before any exists
+        self.cfg = cfg = fit_host_memory(cfg, grid)  # offload's host buffers vs the memory available, before any exists
         t = cfg.train
         self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device, cp_rank=grid.cp_rank)
         self.chunks, self.optimizer = parallelize(cfg, grid, self.tracker)
@@ -81,12 +78,8 @@ class Trainer:
         self.timers = PhaseTimers(grid.device) if cfg.logging.timers else None
         self.plan = self._announce()
         self.stop = StopRequest(t.exit_duration_minutes)
-        self.stop_code = StopRequest.NONE  # agreed by every rank in each optimizer step
-        # checkpoint.async_save: the save being written in the background, the world's sums of
-        # its (finished, failed) votes from the last step, and the host copy reused by every save.
-        self.pending_save: Optional[BackgroundSave] = None
-        self.save_votes: tuple[int, ...] = NO_SAVE_VOTES
-        self.snapshot = HostSnapshot() if cfg.checkpoint.async_save else None
+        self.checkpoints = CheckpointManager(cfg, grid, self, self.is_logger)
+        self.signals = StepSignals()  # the world's sums from the last step: read alike by every rank
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load, cfg.checkpoint.iteration)
 
@@ -110,85 +103,29 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def rank_state(self) -> dict:
+    def rank_state(self, snapshot: Optional[HostSnapshot] = None) -> dict:
         """What this rank owns: its optimizer shard (master weights, moments, partition map,
         loss scaler), its RNG streams, and the loop position. At ZeRO stage 0 the optimizer
         state is replicated over dp x cp, so only its rank 0 writes it. A private host copy: with
-        checkpoint.async_save, in the reused snapshot tensors."""
-        owns_optimizer = self.cfg.zero.stage > 0 or self.grid.dp_cp_group.rank == 0
-        return {"optimizer": self.optimizer.state_dict(self.snapshot) if owns_optimizer else None,
+        checkpoint.async_save, in the reused `snapshot` tensors."""
+        return {"optimizer": self.optimizer.state_dict(snapshot) if self.optimizer.owns_state else None,
                 "rng": encode_rng(get_rng_states(self.tracker)),
                 "iteration": self.iteration, "consumed_samples": self.consumed_samples,
                 "skipped_iters": self.skipped_iters, "lr_schedule": self.schedule.state_dict()}
 
-    def save_checkpoint(self, last: bool = True) -> None:
-        """Save (collective). A failed save raises on every rank, unless checkpoint.on_save_error is
-        continue and this is not the `last` save of the run: then training goes on. With
-        checkpoint.async_save the previous save is finished first, and this one is written in
-        the background (the `last` one is waited for)."""
-        if self.pending_save is not None:  # its snapshot is about to be refilled
-            self.finish_save(last=False)
+    def full_parameters(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
+        """Collective: this rank's parameters, each value full over DP (the 16-bit export, adapters)."""
+        return self.optimizer.sharded.full_parameters(trainable_only)
+
+    def check_saveable(self, iteration: int) -> None:
+        """Every save's guard: a checkpoint of inf/NaN weights is refused."""
         if not self.optimizer.all_finite():  # every rank agrees: none writes, all stop
-            raise TrainingError(f"refusing to save iteration {self.iteration}: the weights hold inf/NaN; the last "
+            raise TrainingError(f"refusing to save iteration {iteration}: the weights hold inf/NaN; the last "
                                 f"saved checkpoint is intact; lower optim.lr or enable optim.clip_grad and resume")
-        c = self.cfg.checkpoint
-        dtype = torch.float16 if self.cfg.train.precision == "fp16" else torch.bfloat16
 
-        def extra(directory: str) -> list[str]:
-            written = []
-            if c.save_model_16bit:
-                params = self.optimizer.sharded.full_parameters()
-                written.append(os.path.basename(save_model_16bit(directory, params, self.cfg, self.grid, dtype)))
-            if self.cfg.finetune.lora_rank:  # the adapters alone, whole, as PEFT loads them
-                adapters = self.optimizer.sharded.full_parameters(trainable_only=True)
-                written += save_adapter(directory, adapters, self.cfg, self.grid)
-            return written
-        wanted = c.save_model_16bit or self.cfg.finetune.lora_rank
-        assert c.save is not None  # saving is configured
-        try:
-            if c.async_save:
-                self.pending_save = start_save(c.save, self.iteration, self.rank_state, self.cfg, self.grid,
-                                               c.keep_last, extra if wanted else None)
-            else:
-                path = save_sharded(c.save, self.iteration, self.rank_state, self.cfg, self.grid, c.keep_last,
-                                    extra if wanted else None)
-        except CheckpointSaveError as e:
-            self._save_failed(e, last)
-            return
-        if c.async_save:
-            if last:  # its failure goes through _save_failed there
-                self.finish_save(last=True)
-            return
-        if self.is_logger:
-            print(f"saved checkpoint {path}", flush=True)
-
-    def finish_save(self, last: bool) -> None:
-        """Collective: wait for the background save's writes and seal it (`latest`, keep_last)."""
-        pending, self.pending_save = self.pending_save, None
-        self.save_votes = NO_SAVE_VOTES
-        assert pending is not None  # every rank has the same save in flight
-        try:
-            path = pending.finish()
-        except CheckpointSaveError as e:
-            self._save_failed(e, last)
-            return
-        if self.is_logger:
-            print(f"saved checkpoint {path} (written in the background since iteration {pending.iteration})",
-                  flush=True)
-
-    def finish_save_if_written(self) -> None:
-        """At an iteration boundary: seal the background save once the last step's sums say
-        every rank's write ended (or one failed); every rank read the same sums."""
-        if self.pending_save is not None and BackgroundSave.due(self.save_votes, self.grid.world_size):
-            self.finish_save(last=False)
-
-    def _save_failed(self, e: CheckpointSaveError, last: bool) -> None:
-        """Every rank gets the same error: all stop, or (on_save_error continue) all go on."""
-        if self.cfg.checkpoint.on_save_error == "stop" or last:
-            raise e
-        if self.is_logger:
-            print(f"warning: {e} (checkpoint.on_save_error continue: training on, retrying at the next "
-                  f"interval)", file=sys.stderr, flush=True)
+    def save_checkpoint(self, last: bool = True) -> None:
+        """Save this iteration now (collective): see CheckpointManager.save."""
+        self.checkpoints.save(self.iteration, last)
 
     def load_checkpoint(self, load_dir: str, iteration: int) -> None:
         """Resume from `load_dir` (a save directory, iter_ directory or universal checkpoint;
@@ -289,12 +226,10 @@ class Trainer:
         loss = self.run_schedule(batches, forward_only=False)
         with self._phase("comm_wait"):  # the DP reductions still in flight after the last backward
             self.optimizer.finish_grad_sync()
-        with self._phase("optimizer"):  # the iteration's one device->host read: norm, loss, stop votes
-            save_votes = self.pending_save.votes() if self.pending_save is not None else NO_SAVE_VOTES
-            result = self.optimizer.step(lr, loss, self.stop.votes() + save_votes)
-        stop_votes = len(StopRequest.REASONS)
-        self.stop_code = StopRequest.agreed(result.votes[:stop_votes])
-        self.save_votes = result.votes[stop_votes:]
+        with self._phase("optimizer"):  # the iteration's one device->host read: norm, loss, step signals
+            mine = StepSignals.of_rank(self.stop.code(), self.checkpoints.votes())
+            result = self.optimizer.step(lr, loss, mine.pack())
+        self.signals = StepSignals.unpack(result.extra)
         if not result.skipped:  # a skipped step leaves the schedule where it was (Megatron)
             self.schedule.step(batch)
         self.iteration += 1
@@ -346,27 +281,24 @@ class Trainer:
             self.metrics.close()
 
     def _train_loop(self) -> list[dict]:
-        t, c = self.cfg.train, self.cfg.checkpoint
+        t = self.cfg.train
         records, step_seconds, steps, tokens = [], 0.0, 0, 0  # throughput counts training steps only
         while self.iteration < t.iters:
             tic = time.perf_counter()
             out = self.train_step()
             step_seconds, steps = step_seconds + time.perf_counter() - tic, steps + 1
             tokens += out["batch_size"] * self.cfg.model.seq_length  # smaller during a batch-size ramp-up
-            self.finish_save_if_written()
             if self.iteration % t.log_interval == 0 or self.iteration == t.iters or self.eval_due():
                 records.append(self.log(out, tokens / step_seconds, steps, step_seconds / steps))
                 step_seconds, steps, tokens = 0.0, 0, 0
-            stop = self.stop_code
-            if c.save and (stop or self.iteration == t.iters or (c.interval and self.iteration % c.interval == 0)):
-                self.save_checkpoint(last=bool(stop) or self.iteration == t.iters)
+            stop = self.signals.stop_code()
+            saved = self.checkpoints.after_step(self.iteration, self.signals.write, bool(stop))
             if stop:
                 if self.is_logger:
-                    print(f"{self.stop.reason(stop)}: {'saved and ' if c.save else ''}stopped cleanly at iteration "
+                    print(f"{self.stop.reason(stop)}: {'saved and ' if saved else ''}stopped cleanly at iteration "
                           f"{self.iteration}", flush=True)
                 break
-        if self.pending_save is not None:  # the run's end waits for its last save
-            self.finish_save(last=True)
+        self.checkpoints.close()
         return records
 
     def eval_due(self) -> bool:

@@ -1,9 +1,9 @@
 """The global gradient norm over TP, PP and DP, each element counted once, and the
 inf/NaN check that decides whether a step is taken anywhere.
 
-Both come from one all-reduce over the world, which also carries what the trainer needs
-to hear from every rank each iteration (the global loss, stop votes), so a training
-iteration reads the device once, in `reduce_step_sums`."""
+Both come from one all-reduce over the world, which also carries the global loss and the
+values a caller hands in to be summed over the world (the trainer's step signals: their
+meaning is the caller's), so a training iteration reads the device once, in `reduce_step_sums`."""
 
 from __future__ import annotations
 
@@ -44,14 +44,14 @@ class StepSums:
     """Whether any rank saw inf/NaN in a gradient or in its loss share."""
     loss: float
     """Sum of the loss shares the ranks counted (the global loss; 0.0 when none did)."""
-    votes: list[int]
-    """Element-wise sums of every rank's `votes`."""
+    extra: list[float]
+    """Element-wise sums of every rank's `extra` values."""
 
 
 def reduce_step_sums(pieces: Iterable[tuple[torch.Tensor, bool]], loss: Optional[torch.Tensor], count_loss: bool,
-                     votes: Sequence[int], world: comm.Group, device: torch.device) -> StepSums:
+                     extra: Sequence[float], world: comm.Group, device: torch.device) -> StepSums:
     """One all-reduce of float64 sums over the whole world and one read of the result:
-    [counted sum of squares, the rest, loss, *votes]. "The rest" holds what must not enter
+    [counted sum of squares, the rest, loss, *extra]. "The rest" holds what must not enter
     the norm but must still be checked for overflow: TP-replicated copies, the tied head, a
     non-finite loss (as inf). `pieces` are (gradient, counted); `loss` is this rank's loss
     share, added to the global loss where `count_loss` (one rank per loss replica)."""
@@ -67,12 +67,12 @@ def reduce_step_sums(pieces: Iterable[tuple[torch.Tensor, bool]], loss: Optional
         sums[1] += torch.where(torch.isfinite(share), 0.0, float("inf"))
         if count_loss:
             sums[2] += share
-    if votes:  # a host-to-device copy: nothing waits for it
-        sums = torch.cat([sums, torch.tensor(list(votes), dtype=torch.float64).to(device, non_blocking=True)])
+    if extra:  # a host-to-device copy: nothing waits for it
+        sums = torch.cat([sums, torch.tensor(list(extra), dtype=torch.float64).to(device, non_blocking=True)])
     comm.all_reduce(sums, world)
     host = sums.tolist()  # the iteration's one device->host read
     overflow = not all(map(_finite, host[:3]))
-    return StepSums(grad_norm=math.sqrt(host[0]) if host[0] >= 0 else math.nan, overflow=overflow, loss=host[2], votes=[int(v) for v in host[3:]])
+    return StepSums(grad_norm=math.sqrt(host[0]) if host[0] >= 0 else math.nan, overflow=overflow, loss=host[2], extra=host[3:])
 
 
 def _finite(x: float) -> bool:

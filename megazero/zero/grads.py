@@ -27,8 +27,8 @@ bf16 micro-batch gradients in bf16 would lose ~4 bits); `reduce_dtype` is only t
 they travel in. The tied embedding's gradient is summed over the embedding group last.
 
 Under ZeRO the token embedding's gradient arrives as the rows looked up (a sparse tensor:
-VocabParallelEmbedding.sparse_grad) and is added into its bucket row by row, so no dense
-V x h gradient exists beside the bucket; a gradient that is a whole bucket by itself (the tied
+VocabParallelEmbedding.sparse_grad, chosen by train/parallelize.py) and is added into its
+bucket row by row, so no dense V x h gradient exists beside the bucket; a gradient that is a whole bucket by itself (the tied
 embedding's, once autograd has summed the head's part into it) becomes the bucket to reduce.
 
 Only trainable buckets take part: frozen parameters (the base model under LoRA) have no
@@ -49,6 +49,7 @@ from torch import nn
 
 from megazero.parallel import comm
 from megazero.zero.partition import Bucket, FlatBuffers, FlatLayout, FlatSlot, Range
+from megazero.zero.sharding import Sharding
 
 # Bounded reductions in flight (see _InFlight.held) are capped by the bytes they hold, not by
 # their number: a count that suits 100 MB buckets (two: one on the wire while the next fills)
@@ -158,16 +159,18 @@ def add_gradient(into: torch.Tensor, grad: torch.Tensor) -> None:
 class GradientSync:
     """fp32 gradients of one model-parallel rank's buckets and their DP reduction."""
 
-    def __init__(self, layout: FlatLayout, *, stage: int, model_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                 dp: comm.Group, embed: Optional[comm.Group], tied_buckets: list[int], device: torch.device):
-        self.layout, self.stage, self.dp, self.embed = layout, stage, dp, embed
+    def __init__(self, layout: FlatLayout, *, sharding: Sharding, model_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, dp: comm.Group, embed: Optional[comm.Group], tied_buckets: list[int],
+                 device: torch.device, on_reduced: Optional[Callable[[int], None]] = None,
+                 on_final: Optional[Callable[[Bucket, torch.Tensor], None]] = None):
+        """`on_reduced(bucket)`: a sharded bucket's gradient is reduced (stage 3 releases its
+        parameters); `on_final(bucket, slice)`: a reduced gradient slice is final for the
+        iteration (last backward; tied ones after their embedding sum: ZeRO-Offload's host copy)."""
+        self.layout, self.sharding, self.dp, self.embed = layout, sharding, dp, embed
         self.model_dtype, self.reduce_dtype, self.device = model_dtype, reduce_dtype, device
-        self.sharded = stage >= 2
+        self.sharded = sharding.gradients
         self.tied_buckets = tied_buckets  # summed over `embed` (None on stages without the embedding)
-        # Set by their owners: stage 3 releases a reduced bucket's parameters; ZeRO-Offload copies a gradient
-        # slice to the host once final for the iteration (last backward; tied ones after their embedding sum).
-        self.on_reduced: Optional[Callable[[int], None]] = None
-        self.on_final: Optional[Callable[[Bucket, torch.Tensor], None]] = None
+        self.on_reduced, self.on_final = on_reduced, on_final
         self.buffers = FlatBuffers(layout, sharded=self.sharded, dtype=torch.float32, device=device,
                                    trainable_only=True)
         self.reduced_numel = 0
@@ -266,7 +269,7 @@ class GradientSync:
             if not self._sync:
                 return
             if b.index in self._reduced:
-                raise RuntimeError(f"zero stage {self.stage} reduces gradients once per iteration, but bucket "
+                raise RuntimeError(f"zero stage {self.sharding.stage} reduces gradients once per iteration, but bucket "
                                    f"{b.index} ({s.name}) got a second synchronised backward; wrap every backward "
                                    f"but the last of each model chunk in optimizer.no_sync()")
         self._mark_ready(b, s)
@@ -296,7 +299,7 @@ class GradientSync:
                                                                   pooled=filling.pooled)
             if self.on_reduced is not None:
                 self.on_reduced(b.index)
-        elif self.stage == 0:  # every rank keeps the whole reduced bucket
+        elif self.sharding.replicated:  # every rank keeps the whole reduced bucket
             full = self.buffers.full[b.index]
             wire = self._on_wire(full)
             handle = comm.all_reduce(wire, self.dp, async_op=True)

@@ -20,8 +20,8 @@ from megazero.zero.partition import ShardableModel
 
 def replace_meta_parameters(chunks: Sequence[nn.Module | ShardableModel], device: torch.device, hollow: bool = False) -> bool:
     """Give every meta-device parameter of `chunks` real (uninitialized) memory on `device`,
-    or none at all when `hollow`, keeping its Parameter attributes (tp_dim, tp_stride,
-    full_shape; torch's Module.to_empty would drop them). True when there were any."""
+    or none at all when `hollow`, keeping its Parameter attributes (its placement: torch's
+    Module.to_empty would drop it). True when there were any."""
     found = False
     for chunk in chunks:
         for module in chunk.modules():

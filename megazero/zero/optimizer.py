@@ -9,8 +9,8 @@ whose gradient norm or any rank's loss is inf/NaN is skipped on every rank, in a
                    during backward, as their buckets are reduced
 
 The trainer calls zero_grad() before an iteration's first micro-batch, finish_grad_sync()
-after its last backward and step(lr, loss, votes) -> StepResult (skipped everywhere on
-inf/NaN; with the global loss and the summed votes: one device->host read per step); the
+after its last backward and step(lr, loss, extra) -> StepResult (skipped everywhere on
+inf/NaN; with the global loss and the summed `extra` values: one device->host read per step); the
 schedules scale the loss before each backward (scale_loss: fp16 loss scaling) and run every
 backward but the last of each model chunk inside no_sync(). all_finite() guards saving;
 state_dict() / load_state_dict() hold this rank's shard and the partition map.
@@ -21,17 +21,18 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
-from megazero.config import Config
+from megazero.config.schema import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostSnapshot, HostStaging
+from megazero.parallel.placement import placement
+from megazero.parallel.weight_grad import WeightGradSink
 from megazero.zero.adamw import adamw_
 from megazero.zero.clip import StepSums, clip_coefficient, reduce_step_sums
-from megazero.zero.host_grads import HostGradients
 from megazero.zero.partition import sub_groups, with_trainable_flags
 from megazero.zero.precision import DynamicLossScaler
 from megazero.zero.shard import ShardedParameters
@@ -45,8 +46,8 @@ class StepResult:
     loss_scale: Optional[float] = None
     loss: float = 0.0
     """The global loss: every rank's share summed over the world (each loss replica once)."""
-    votes: tuple[int, ...] = ()
-    """The element-wise sums over the world of the `votes` given to step()."""
+    extra: tuple[float, ...] = ()
+    """The element-wise sums over the world of the `extra` values given to step()."""
 
 
 class ZeroOptimizer:
@@ -57,14 +58,16 @@ class ZeroOptimizer:
         self.sharded, self.cfg, self.grid = sharded, cfg, grid
         # What the step reads and writes: the buckets' layout, the parameters and their gradients.
         self.layout, self.params, self.grads = sharded.layout, sharded.params, sharded.grads
-        self.stage, self.compute_dtype = sharded.stage, sharded.compute_dtype
+        self.sharding, self.compute_dtype = sharded.sharding, sharded.compute_dtype
+        # ZeRO-Offload on an accelerator: gradient slices leave for the host during backward.
+        self.host_grads = sharded.host_grads
         z = cfg.zero
         slots = self.layout.slots()
         no_decay = [c.no_weight_decay() for c in sharded.chunks]
         decays = {s.name: s.name not in no_decay[b.chunk] for b, s in slots}
         # Each gradient element counted once: TP-replicated parameters on TP rank 0 only, and the
         # tied embedding (one summed gradient in every copy after finish_grad_sync) on the first stage.
-        counted = {s.name: (s.param.tp_dim is not None or grid.tp_rank == 0)  # type: ignore[attr-defined]  # TP metadata (mark_tp)
+        counted = {s.name: (placement(s.param).sharded or grid.tp_rank == 0)
                    and (b.index not in sharded.tied_buckets or grid.pp_rank == 0) for b, s in slots}
         self.ranges = self.layout.ranges(decays, counted, z.sub_group_size)
         self.groups = sub_groups(self.ranges, z.sub_group_size)
@@ -74,14 +77,6 @@ class ZeroOptimizer:
         self.state = self._state_store()
         sharded.materialize(self._write_master)
         self.state.flush()
-        # ZeRO-Offload on an accelerator: gradient slices leave for the host during backward.
-        self.host_grads = (HostGradients(self.layout.trainable_numel, grid.device, z.pin_memory)
-                           if self._offloads_gradients() else None)
-        self.grads.on_final = self.host_grads.copy if self.host_grads is not None else None
-
-    def _offloads_gradients(self) -> bool:
-        """Whether the step runs in host memory apart from the device's gradients."""
-        return self.cfg.zero.offload_optimizer != "none" and self.grid.device.type != "cpu"
 
     def _state_store(self) -> MemoryOptimizerStore | NvmeOptimizerStore:
         """Master weights and moments (of the trainable buckets) where zero.offload_optimizer puts them."""
@@ -119,32 +114,43 @@ class ZeroOptimizer:
         """After the last backward: see ShardedParameters.finish_grad_sync."""
         self.sharded.finish_grad_sync()
 
+    @property
+    def weight_grad_sink(self) -> Optional[WeightGradSink]:
+        """See ShardedParameters.weight_grad_sink (the schedule's W passes hand their gradients to it)."""
+        return self.sharded.weight_grad_sink
+
+    @property
+    def owns_state(self) -> bool:
+        """Whether this rank's gradients and optimizer state are its own to count and save: at
+        stage 0 every rank of dp x cp holds the same, so its rank 0 stands for them all."""
+        return not self.sharding.replicated or self.grid.dp_cp_group.rank == 0
+
     # ------------------------------------------------------------------ step
 
-    def step_sums(self, loss: Optional[torch.Tensor] = None, votes: tuple[int, ...] = ()) -> StepSums:
+    def step_sums(self, loss: Optional[torch.Tensor] = None, extra: Sequence[float] = ()) -> StepSums:
         """The world's sums behind a step, read once: the global L2 norm of the gradients
         over TP, PP and DP, each element once (still scaled by any fp16 loss scale); whether
         any rank saw inf/NaN in a gradient or in its `loss` share; the global loss (one TP
-        rank per loss replica adds its share); the summed `votes`. At stage 0 DP replicas
+        rank per loss replica adds its share); the summed `extra`. At stage 0 DP replicas
         hold the same reduced gradients, so only rank 0 of dp x cp adds them."""
-        mine = self.stage > 0 or self.grid.dp_cp_group.rank == 0
-        pieces = ((self.grads.view(r), r.counted) for r in (self.ranges if mine else ()))
+        pieces = ((self.grads.view(r), r.counted) for r in (self.ranges if self.owns_state else ()))
         count_loss = loss is not None and self.grid.tp_rank == 0
-        return reduce_step_sums(pieces, loss, count_loss, votes, self.grid["world"], self.grid.device)
+        return reduce_step_sums(pieces, loss, count_loss, extra, self.grid["world"], self.grid.device)
 
     @torch.no_grad()
-    def step(self, lr: float, loss: Optional[torch.Tensor] = None, votes: tuple[int, ...] = ()) -> StepResult:
+    def step(self, lr: float, loss: Optional[torch.Tensor] = None, extra: Sequence[float] = ()) -> StepResult:
         """One AdamW step of this rank's shard, or none anywhere when a gradient (or a rank's
         `loss` share) is inf/NaN: in every precision such a step would poison the master
         weights and Adam moments, so it is skipped whole (fp16 also backs off its loss scale).
-        The decision, the clip coefficient, the global loss and the summed `votes` (e.g. the
-        trainer's stop requests) come from one all-reduce and one device->host read."""
+        The decision, the clip coefficient, the global loss and the summed `extra` values
+        (the trainer's step signals, summed here unread) come from one all-reduce and one
+        device->host read."""
         self.params.wait_all()  # the step writes the slices the last gathers read
-        sums = self.step_sums(loss, votes)
+        sums = self.step_sums(loss, extra)
         scale = self.scaler.scale if self.scaler is not None else None
         norm = sums.grad_norm * (1.0 / scale) if scale is not None else sums.grad_norm
         result = StepResult(grad_norm=norm, skipped=sums.overflow, loss_scale=scale, loss=sums.loss,
-                            votes=tuple(sums.votes))
+                            extra=tuple(sums.extra))
         if self.scaler is not None:
             self.scaler.update(sums.overflow)
         if sums.overflow:  # every rank saw the same sums, so every rank skips
@@ -168,7 +174,7 @@ class ZeroOptimizer:
             if st.master is not None:
                 self.params.set_ranges(group, masters)
         self.params.flush()
-        if self.stage in (1, 2):  # stage 0 stepped everything, stage 3 keeps shards
+        if self.sharding.gathers_after_step:  # stage 0 stepped everything, stage 3 keeps shards
             # In forward order (buckets are laid out in reverse), so the first unit's arrive first.
             self.params.all_gather(self.grid.dp_cp_group, reversed(self.layout.trainable_buckets()))
         return result
@@ -212,7 +218,7 @@ class ZeroOptimizer:
             if len(pieces) == 1 and self.state.reads_are_copies:
                 return pieces[0]
             return snapshot.concat(kind, pieces) if snapshot is not None else host.concat(pieces)
-        return {"stage": self.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
+        return {"stage": self.sharding.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
                 "precision": self.cfg.train.precision, "step": self.step_count,
                 "master": on_host("master", self._shard_values()),
                 "exp_avg": on_host("exp_avg", [self.state.read("exp_avg")]),
@@ -226,9 +232,9 @@ class ZeroOptimizer:
         master weights exactly as a step would have set them (bitwise resume)."""
         self.params.wait_all()
         mine = self.layout.param_map()
-        if with_trainable_flags(state["partition"]) != mine or state["stage"] != self.stage:
+        if with_trainable_flags(state["partition"]) != mine or state["stage"] != self.sharding.stage:
             raise ValueError(f"optimizer state has a different layout (stage {state['stage']}, "
-                             f"{state['partition']['shards']} shards) than this run (stage {self.stage}, "
+                             f"{state['partition']['shards']} shards) than this run (stage {self.sharding.stage}, "
                              f"{mine['shards']} shards); reshard it first")
         self.step_count = int(state["step"])
         for kind in ("exp_avg", "exp_avg_sq"):
@@ -242,7 +248,7 @@ class ZeroOptimizer:
             self.params.set_own_slice(b, values)
         self.state.flush()
         self.params.flush()
-        if self.stage in (1, 2):
+        if self.sharding.gathers_after_step:
             self.params.all_gather(self.grid.dp_cp_group, self.layout.buckets)
             self.params.wait_all()
 

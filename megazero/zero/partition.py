@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
+from megazero.parallel.placement import placement
 from megazero.zero import ALIGN  # elements: 256 B in fp32; validated against at start-up
 
 Named = list[tuple[str, nn.Parameter]]
@@ -131,9 +132,9 @@ class FlatLayout:
             for _, s, start, end, offset in self.slot_pieces(self.buckets, r):
                 pieces[s.name].append({"rank": r, "offset": offset, "length": end - start,
                                        "param_offset": start - s.offset})
-        params = {s.name: {"shape": list(s.shape), "tp_dim": s.param.tp_dim, "tp_stride": s.param.tp_stride,  # type: ignore[attr-defined]  # TP metadata (mark_tp)
-                           "full_shape": list(s.param.full_shape), "bucket": b.index, "bucket_offset": s.offset,  # type: ignore[attr-defined]  # TP metadata (mark_tp)
-                           "numel": s.numel, "shards": pieces[s.name], "trainable": b.trainable}
+        params = {s.name: {"shape": list(s.shape), **placement(s.param).record(), "bucket": b.index,
+                           "bucket_offset": s.offset, "numel": s.numel, "shards": pieces[s.name],
+                           "trainable": b.trainable}
                   for b, s in self.slots()}
         buckets = [{"numel": b.numel, "padding": b.numel - sum(s.numel for s in b.slots), "shard_numel": b.shard_numel,
                     "shard_offset": b.shard_offset, "chunk": b.chunk} for b in self.buckets]

@@ -20,15 +20,16 @@ from __future__ import annotations
 import torch
 
 from megazero.parallel import comm
+from megazero.parallel.placement import placement
 from megazero.zero.grads import GradientSync
 from megazero.zero.partition import FlatLayout, Range
 
 
 def sequence_parallel_ranges(layout: FlatLayout) -> list[Range]:
-    """The runs of this rank's gradient shard that belong to parameters marked `sequence_parallel`."""
+    """The runs of this rank's gradient shard that belong to parameters placed `sequence_parallel`."""
     return [Range(b.index, start, end - start, offset, decay=False, counted=False)
             for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets(), layout.rank)
-            if getattr(s.param, "sequence_parallel", False)]
+            if placement(s.param).sequence_parallel]
 
 
 class SequenceParallelGrads:

@@ -15,6 +15,7 @@ parameters, so ZeRO shards and reduces over them too (at cp 1 it is the DP group
     stage 3  parameters partitioned as well (see stage3.py): gathered per module on demand,
              never all-gathered after the step
 
+    sharding.py   Sharding: what the stage partitions, chosen once from zero.stage
     partition.py  FlatLayout: the parameters in flat, aligned buckets, partitioned over DP
     params.py     ParamStore: their values in those buckets (stage 3: this rank's shard)
     stage3.py     ParamGatherer: stage-3 gather/release around each unit, with prefetch
@@ -36,12 +37,13 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from megazero.config import Config
-from megazero.model.layers import VocabParallelEmbedding
+from megazero.config.schema import Config
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostStaging
+from megazero.parallel.placement import placement
 from megazero.zero.grads import GradientSync
+from megazero.zero.host_grads import HostGradients
 from megazero.zero.materialize import replace_meta_parameters
 from megazero.zero.params import ParamStore
 from megazero.zero.partition import (
@@ -56,6 +58,7 @@ from megazero.zero.partition import (
 from megazero.zero.precision import COMPUTE_DTYPE
 from megazero.zero.sequence_parallel import SequenceParallelGrads
 from megazero.zero.shard_home import MemoryShard, NvmeShard, ShardHome
+from megazero.zero.sharding import sharding
 from megazero.zero.stage3 import ParamGatherer, fetch_units
 
 
@@ -69,41 +72,52 @@ class ShardedParameters:
         self.cfg, self.grid, self.chunks, self.initial = cfg, grid, chunks, initial
         # A model built on the meta device gets its values from its init, drawn in materialize().
         self.sharded_init = replace_meta_parameters(chunks, grid.device, hollow=True)
-        for module in (m for c in chunks for m in c.modules()):
-            if isinstance(module, VocabParallelEmbedding):  # the gradient buckets add its looked-up rows alone
-                module.sparse_grad = True
         z = cfg.zero
-        self.stage, self.compute_dtype = z.stage, COMPUTE_DTYPE[cfg.train.precision]
-        # Stage 0 is the same machinery with a single shard: every rank owns everything. Context-
-        # parallel ranks hold the same parameters: ZeRO shards and reduces over dp x cp.
+        self.sharding, self.compute_dtype = sharding(z.stage), COMPUTE_DTYPE[cfg.train.precision]
+        # Context-parallel ranks hold the same parameters: ZeRO shards and reduces over dp x cp.
         zero = grid.dp_cp_group
-        shards, rank = (1, 0) if self.stage == 0 else (zero.size, zero.rank)
-        units, groups = (fetch_units(chunks) if self.stage == 3
+        units, groups = (fetch_units(chunks) if self.sharding.parameters
                          else (None, split_frozen(bucket_groups(chunks, z.bucket_size))))
-        self.layout: FlatLayout = build_layout(groups, shards, rank)
+        self.layout: FlatLayout = build_layout(groups, *self.sharding.shards(zero))
         slots = self.layout.slots()
         tied = {id(c.tied_weight()) for c in chunks if c.tied_weight() is not None}
         self.tied_buckets = [b.index for b, s in slots if id(s.param) in tied and b.trainable]
-        self.params = ParamStore(self.layout, home=self._shard_home() if self.stage == 3 else None,
+        self.params = ParamStore(self.layout, home=self._shard_home() if self.sharding.parameters else None,
                                  dtype=self.compute_dtype, device=grid.device)
-        stores = [getattr(c, "weight_grads", None) for c in chunks]  # zbh1's deferred weight gradients
+        # Built in this order, each object handed the ones it calls, so that nothing is wired
+        # afterwards and every hook has its collaborators from the moment it is registered:
+        # 1. stage 3: the gatherer; its forward pre-hooks gather a unit's buckets before it runs,
+        #    its forward and output-gradient hooks free them after and gather them for backward;
+        # 2. ZeRO-Offload on an accelerator: the host copy of the gradient shard;
+        # 3. the gradient sync; its post-accumulate-grad hooks reduce each complete bucket, then
+        #    hand it to 1 (release its parameters) and 2 (copy its final slice to the host);
+        # 4. stages 1-2: forward pre-hooks waiting for the post-step all-gathers (what 1 does at 3).
         self.gatherer = (ParamGatherer(self.layout, self.params.home, units, zero, z.prefetch,  # type: ignore[arg-type]  # stage 3: home and units set
-                                       self.compute_dtype, grid.device, stores)
-                         if self.stage == 3 else None)
-        self.grads = GradientSync(self.layout, stage=self.stage, model_dtype=self.compute_dtype,
+                                       self.compute_dtype, grid.device, [getattr(c, "weight_grads", None) for c in chunks])
+                         if self.sharding.parameters else None)
+        self.host_grads = (HostGradients(self.layout.trainable_numel, grid.device, z.pin_memory)
+                           if self._offloads_gradients() else None)
+        self.grads = GradientSync(self.layout, sharding=self.sharding, model_dtype=self.compute_dtype,
                                   reduce_dtype=COMPUTE_DTYPE[z.reduce_dtype], dp=zero,
                                   embed=grid.embed_group if self.tied_buckets else None, tied_buckets=self.tied_buckets,
-                                  device=grid.device)
-        if self.stage in (1, 2):
+                                  device=grid.device, on_reduced=self.gatherer.reduced if self.gatherer else None,
+                                  on_final=self.host_grads.copy if self.host_grads else None)
+        if self.sharding.gathers_after_step:
             self._wait_in_forward(chunks)
-        if self.gatherer is not None:
-            self.grads.on_reduced = self.gatherer.reduced
-            for c in chunks:
-                c.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
-            for store in filter(None, stores):  # W lands its weight gradients with the parameters released
-                store.sink = self.grads.add_grad
-        partial_over_tp = any(getattr(s.param, "sequence_parallel", False) for _, s in slots)
+        for c in chunks if self.gatherer is not None else ():
+            c.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
+        partial_over_tp = any(placement(s.param).sequence_parallel for _, s in slots)
         self.sp_grads = SequenceParallelGrads(self.layout, self.grads, grid.tp_group) if partial_over_tp else None
+
+    @property
+    def weight_grad_sink(self) -> Optional[Callable[[nn.Parameter, torch.Tensor], None]]:
+        """Where zbh1's deferred weight gradients go instead of autograd: at stage 3 straight into
+        the gradient sync (their parameters are released by the time W runs); else None."""
+        return self.grads.add_grad if self.gatherer is not None else None
+
+    def _offloads_gradients(self) -> bool:
+        """Whether the optimizer steps in host memory apart from the device's gradients."""
+        return self.cfg.zero.offload_optimizer != "none" and self.grid.device.type != "cpu"
 
     def materialize(self, master: Callable[[int, torch.Tensor], None] = lambda offset, values: None) -> None:
         """Write the starting values (ParamStore.fill; `master` gets the fp32 pieces); zero the gradients."""
@@ -162,7 +176,7 @@ class ShardedParameters:
         piece of this rank's shard, flattened (the optimizer's partition map says where it goes)."""
         self.params.wait_all()
         host = HostStaging()  # one pinned buffer for every tensor
-        if self.stage < 3:
+        if not self.sharding.parameters:
             return {s.name: host.copy(s.param.detach()) for _, s in self.layout.slots()}
         assert self.params.home is not None  # stage 3
         return {name: host.copy(self.params.home.read(offset, length)) for name, offset, length in self.params.pieces()}
@@ -171,7 +185,7 @@ class ShardedParameters:
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Inverse of model_state_dict()."""
         self.params.wait_all()
-        if self.stage < 3:
+        if not self.sharding.parameters:
             for _, s in self.layout.slots():
                 s.param.copy_(state[s.name])
         else:

@@ -23,7 +23,9 @@ import math
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Optional
 
-from megazero.config import Config, ConfigError, check_value, has_key, read_mapping, show_value
+from megazero.config.help import show_value
+from megazero.config.parse import check_value, has_key, read_mapping
+from megazero.config.schema import Config, ConfigError
 
 # DeepSpeed key -> megazero key, value unchanged.
 SIMPLE = {

@@ -16,7 +16,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from megazero.config import Config, ConfigError, config_keys, show_value
+from megazero.config.help import config_keys, show_value
+from megazero.config.schema import Config, ConfigError
 from megazero.data import DataError
 from megazero.data.tokenizer import spec_from_megatron_args
 
@@ -56,11 +57,18 @@ def _ignored(name: str, nargs: int = 0) -> Flag:
 # ---------------------------------------------------------------------------- the flags that need the whole config
 
 
+def _set(cfg: Config, name: str, value: object) -> None:
+    """Set `section.key` on the built config, recorded as set by the user (cfg.set_keys)."""
+    section, key = name.split(".")
+    setattr(getattr(cfg, section), key, value)
+    cfg.set_keys |= {name}
+
+
 def _distributed_optimizer(cfg: Config, values: list[str]) -> None:
     """Megatron's distributed optimizer shards the optimizer states over DP: ZeRO stage 1,
     unless a stage was set (2 and 3 shard more)."""
     if cfg.zero.stage == 0:
-        cfg.zero.stage = 1
+        _set(cfg, "zero.stage", 1)
 
 
 def _virtual_stage_layers(cfg: Config, values: list[str]) -> None:
@@ -73,7 +81,7 @@ def _virtual_stage_layers(cfg: Config, values: list[str]) -> None:
     if p.vpp not in (1, per_stage // n):
         raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {n} means parallel.vpp {per_stage // n}, but "
                           f"parallel.vpp is {p.vpp}; pass one of the two")
-    p.vpp = per_stage // n
+    _set(cfg, "parallel.vpp", per_stage // n)
 
 
 def _max_positions(cfg: Config, values: list[str]) -> None:
@@ -94,7 +102,7 @@ def _cp_comm_type(cfg: Config, values: list[str]) -> None:
     if values[0] not in _CP_COMM:
         raise ConfigError(f"--cp-comm-type {values[0]} has no megazero equivalent; use p2p (parallel.cp_impl ring) "
                           f"or a2a (parallel.cp_impl ulysses)")
-    cfg.parallel.cp_impl = _CP_COMM[values[0]]  # type: ignore[assignment]  # checked against the Literal above
+    _set(cfg, "parallel.cp_impl", _CP_COMM[values[0]])
 
 
 def _int(flag: str, raw: str) -> int:
@@ -202,6 +210,10 @@ FLAGS: tuple[Flag, ...] = (
     _ignored("--log-throughput"), _ignored("--log-params-norm"), _ignored("--log-num-zeros-in-grad"),
     _ignored("--log-timers-to-tensorboard"), _ignored("--log-validation-ppl-to-tensorboard"),
     _ignored("--log-memory-to-tensorboard"), _ignored("--timing-log-level", 1),
+    # the fused scale-mask-softmax's (apex-era) fp16 guards: the scaling cancels out; SDPA's fused kernels
+    # accumulate the softmax in fp32
+    _ignored("--apply-query-key-layer-scaling"), _ignored("--no-query-key-layer-scaling"),
+    _ignored("--attention-softmax-in-fp32"),
 )
 BY_NAME = {f.name: f for f in FLAGS}
 

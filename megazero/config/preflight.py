@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from megazero.checkpoint.hf_config import resolve_init_from_hf
 from megazero.checkpoint.meta import model_mismatch, resume_dir, saved_config
-from megazero.config import Config, ConfigError, nvme_path_problem, resolve, validate
+from megazero.config.resolve import resolve
+from megazero.config.rules import nvme_path_problem, validate
+from megazero.config.schema import Config, ConfigError
 from megazero.data.gpt_dataset import parse_blend
 from megazero.data.indexed import IndexedDataset
 from megazero.errors import UserError

@@ -1,0 +1,341 @@
+"""The rules a resolved config must meet: `validate(cfg, world_size)` checks every value and their
+consistency, changing nothing, before any process group is built (config/preflight.py adds other
+modules' checks). Errors are one line naming the key, the values and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional
+
+from megazero.config.schema import Config, ConfigError, FinetuneConfig, ModelConfig, OptimConfig, TrainConfig, ZeroConfig
+
+
+def schedule_warnings(cfg: Config) -> list[str]:
+    """Lines about an LR schedule that is valid but almost surely not meant: a warm-up that
+    lasts the whole run or leaves no decay phase."""
+    t, o = cfg.train, cfg.optim
+    warmup = warmup_length(o, t.iters)
+    if not warmup or not t.iters:
+        return []
+    if warmup >= t.iters:
+        return [f"warning: optim.warmup_iters ({warmup:g}) >= train.iters ({t.iters}): the whole run warms up "
+                f"and the LR never decays; lower optim.warmup_iters or raise train.iters"]
+    if o.decay_iters and warmup >= o.decay_iters:
+        return [f"warning: optim.warmup_iters ({warmup:g}) >= optim.decay_iters ({o.decay_iters}): the LR "
+                f"jumps to min_lr after the warm-up, with no decay; raise optim.decay_iters"]
+    return []
+
+
+def validate(cfg: Config, world_size: int) -> int:
+    """Check every value of a resolved config and their consistency; return the inferred
+    data-parallel degree. Changes nothing."""
+    m, p, t, o, z = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.zero
+    value: Any  # a number (model.vocab_size is resolved by now)
+    if not cfg.data.mock and not cfg.data.prefix:
+        raise ConfigError("no training data: set data.prefix (indexed dataset prefixes) or data.mock true")
+    for key, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
+                       ("model.num_heads", m.num_heads), ("model.seq_length", m.seq_length),
+                       ("model.vocab_size", m.vocab_size), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
+                       ("parallel.vpp", p.vpp), ("train.micro_batch_size", t.micro_batch_size),
+                       ("train.global_batch_size", t.global_batch_size), ("train.log_interval", t.log_interval),
+                       ("zero.sub_group_size", z.sub_group_size), ("zero.bucket_size", z.bucket_size),
+                       ("train.max_skipped_steps", t.max_skipped_steps)]:
+        if value < 1:
+            raise ConfigError(f"{key} ({value}) must be at least 1")
+    for key, value in [("train.iters", t.iters), ("train.eval_interval", t.eval_interval),
+                       ("train.eval_iters", t.eval_iters), ("optim.warmup_iters", o.warmup_iters),
+                       ("optim.lr", o.lr), ("optim.min_lr", o.min_lr), ("optim.clip_grad", o.clip_grad),
+                       ("optim.weight_decay", o.weight_decay), ("model.ffn_hidden_size", m.ffn_hidden_size),
+                       ("checkpoint.interval", cfg.checkpoint.interval),
+                       ("checkpoint.keep_last", cfg.checkpoint.keep_last),
+                       ("train.exit_duration_minutes", t.exit_duration_minutes)]:
+        if value < 0:
+            raise ConfigError(f"{key} ({value}) must not be negative")
+    if t.timeout_minutes <= 0:
+        raise ConfigError(f"train.timeout_minutes ({t.timeout_minutes:g}) must be positive, e.g. 10")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout ({m.dropout}) must be in [0, 1)")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
+    _validate_warmup(o)
+    _validate_zero(cfg)
+    _validate_finetune(cfg.finetune)
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
+    _refuse(model_family_problem(m), tp_problem(m.num_heads, m.ffn_size, p.tp, m.query_groups),
+            cp_problem(m.seq_length, p.cp))  # then cp >= 1
+    _refuse(ulysses_problem(m.num_heads, p.tp, p.cp, p.cp_impl), world_problem(world_size, p.tp, p.pp, p.cp))
+    dp = world_size // (p.tp * p.pp * p.cp)
+    _refuse(batch_problem(t.global_batch_size, t.micro_batch_size, dp))
+    if t.rampup_batch_size is not None:
+        rampup_steps(t, dp)  # its one-line errors
+    _validate_pipeline(cfg, dp)
+    if p.sequence_parallel:
+        _refuse(sequence_parallel_problem(m.seq_length, p.tp, p.cp))
+        if p.tp > 1 and cfg.finetune.lora_rank:
+            raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
+                              f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
+    return dp
+
+
+def _validate_warmup(o: OptimConfig) -> None:
+    if not 0.0 <= o.warmup_fraction <= 1.0:
+        raise ConfigError(f"optim.warmup_fraction ({o.warmup_fraction:g}) must be in [0, 1], e.g. 0.01")
+    if o.warmup_fraction and o.warmup_iters:
+        raise ConfigError(f"optim.warmup_iters ({o.warmup_iters}) and optim.warmup_fraction ({o.warmup_fraction:g}) "
+                          f"both set the warm-up (--lr-warmup-iters, --lr-warmup-fraction); keep one, set the other to 0")
+
+
+def warmup_length(o: OptimConfig, train_iters: int) -> float:
+    """The warm-up in iterations: optim.warmup_iters, or optim.warmup_fraction of the decay
+    iterations (as Megatron, possibly fractional)."""
+    return o.warmup_fraction * (o.decay_iters or train_iters) if o.warmup_fraction else float(o.warmup_iters)
+
+
+def rampup_steps(t: TrainConfig, dp: int) -> tuple[int, int, float]:
+    """train.rampup_batch_size checked for `dp` ranks, as (START, INCREMENT, samples per increment):
+    Megatron's ramp-up, where the global batch is START + INCREMENT x floor(consumed / samples
+    per increment) until SAMPLES samples are consumed, then global_batch_size."""
+    r, unit = t.rampup_batch_size or [], t.micro_batch_size * dp
+    if len(r) != 3 or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 0 for v in r):
+        raise ConfigError(f"train.rampup_batch_size ({r}) must be three non-negative integers START INCREMENT "
+                          f"SAMPLES, e.g. --train.rampup_batch_size 16 16 5859375")
+    start, increment, samples = (int(v) for v in r)
+    if not 0 < start <= t.global_batch_size or increment < 1:
+        raise ConfigError(f"train.rampup_batch_size START ({start}) must be in 1..global_batch_size "
+                          f"({t.global_batch_size}) and INCREMENT ({increment}) at least 1")
+    if (t.global_batch_size - start) % increment:
+        raise ConfigError(f"train.rampup_batch_size: global_batch_size - START ({t.global_batch_size} - {start}) must "
+                          f"be a multiple of INCREMENT ({increment})")
+    for name, value in (("START", start), ("INCREMENT", increment)):
+        if value % unit:
+            raise ConfigError(f"train.rampup_batch_size {name} ({value}) must be a multiple of micro_batch_size x dp "
+                              f"({t.micro_batch_size} x {dp} = {unit}), so every step's batch splits over the ranks")
+    increments = (t.global_batch_size - start) // increment
+    return start, increment, samples / increments if increments else 0.0
+
+
+def _validate_zero(cfg: Config) -> None:
+    z, precision = cfg.zero, cfg.train.precision
+    if z.stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero.stage ({z.stage}) must be 0, 1, 2 or 3")
+    if z.prefetch < 0:
+        raise ConfigError(f"zero.prefetch ({z.prefetch}) must not be negative")
+    if z.loss_scale_window < 1 or z.hysteresis < 1:
+        raise ConfigError(f"zero.loss_scale_window ({z.loss_scale_window}) and zero.hysteresis ({z.hysteresis}) "
+                          f"must be at least 1")
+    if not 0 < z.min_loss_scale <= z.initial_loss_scale:
+        raise ConfigError(f"zero.min_loss_scale ({z.min_loss_scale:g}) must be positive and at most "
+                          f"zero.initial_loss_scale ({z.initial_loss_scale:g})")
+    if z.initial_loss_scale != 2.0 ** round(math.log2(z.initial_loss_scale)):
+        raise ConfigError(f"zero.initial_loss_scale ({z.initial_loss_scale:g}) must be a power of two, "
+                          f"e.g. {2.0 ** round(math.log2(z.initial_loss_scale)):g}, so scaling is exact")
+    _validate_offload(z)
+    changed = [k for k in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
+               if f"zero.{k}" in cfg.set_keys]
+    if changed and precision != "fp16":
+        raise ConfigError(f"zero.{changed[0]} configures the fp16 loss scaler, but train.precision is {precision}; "
+                          f"drop it or use --train.precision fp16")
+
+
+def _validate_finetune(f: FinetuneConfig) -> None:
+    if f.lora_rank < 0:
+        raise ConfigError(f"finetune.lora_rank ({f.lora_rank}) must not be negative (0 turns LoRA off), e.g. 8")
+    if f.lora_rank == 0:
+        return
+    if f.lora_alpha <= 0:
+        raise ConfigError(f"finetune.lora_alpha ({f.lora_alpha:g}) must be positive, e.g. {2 * f.lora_rank}")
+    if not 0.0 <= f.lora_dropout < 1.0:
+        raise ConfigError(f"finetune.lora_dropout ({f.lora_dropout:g}) must be in [0, 1)")
+    if not f.lora_targets:
+        raise ConfigError("finetune.lora_targets is empty; name the modules to adapt, e.g. --finetune.lora_targets "
+                          "c_attn c_proj")
+
+
+def _validate_offload(z: ZeroConfig) -> None:
+    if z.offload_param != "none" and z.stage != 3:
+        raise ConfigError(f"zero.offload_param {z.offload_param} offloads stage 3's parameter shards, which needs "
+                          f"zero.stage 3 (got {z.stage}); set --zero.stage 3 or --zero.offload_param none")
+    if z.offload_optimizer != "none" and z.stage == 0:
+        raise ConfigError(f"zero.offload_optimizer {z.offload_optimizer} offloads the sharded optimizer state, "
+                          f"which needs zero.stage 1, 2 or 3 (got 0); set --zero.stage 1")
+    nvme = [f"{key} nvme" for key, value in (("zero.offload_optimizer", z.offload_optimizer),
+                                              ("zero.offload_param", z.offload_param)) if value == "nvme"]
+    if not nvme:
+        return
+    if z.offload_optimizer == "nvme" and z.buffer_count < 2:
+        raise ConfigError(f"zero.buffer_count ({z.buffer_count}) must be at least 2 with offload_optimizer nvme "
+                          f"(one sub-group is read while the previous one is written back)")
+    if not z.nvme_path:
+        raise ConfigError(f"{nvme[0]} needs zero.nvme_path: a directory on a local disk, "
+                          "e.g. --zero.nvme_path /local_nvme")
+    why = nvme_path_problem(z.nvme_path)
+    if why:
+        raise ConfigError(why)
+
+
+def nvme_path_problem(path: str) -> Optional[str]:
+    """Why zero.nvme_path cannot hold swap files (None when it can). A missing directory is
+    fine when it can be created (the run creates it, as DeepSpeed does its swap folders)."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        what = "is not a directory" if parent == os.path.abspath(path) else f"cannot be created: {parent} is a file"
+        return f"zero.nvme_path {path} {what}; point --zero.nvme_path at a directory on a local disk"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        what = "is" if parent == os.path.abspath(path) else f"cannot be created: {parent} is"
+        return f"zero.nvme_path {path} {what} not writable by this user; choose another directory"
+    return None
+
+
+def _validate_pipeline(cfg: Config, dp: int) -> None:
+    p, t = cfg.parallel, cfg.train
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    _refuse(pp_problem(cfg.model.num_layers, p.pp, p.vpp, p.pp_layers),
+            zbh1_problem(p.vpp, t.compile) if p.schedule == "zbh1" and p.pp > 1 else None,
+            interleaved_problem(p.pp, p.vpp, None))
+    if p.vpp > 1 and p.schedule == "gpipe":
+        raise ConfigError(f"parallel.schedule gpipe runs one model chunk per rank, but parallel.vpp is {p.vpp}; "
+                          f"use --parallel.schedule interleaved or --parallel.vpp 1")
+    _refuse(interleaved_problem(p.pp, p.vpp, microbatches))
+    if p.vpp > 1 and t.rampup_batch_size is not None:  # every batch of the ramp too: START and INCREMENT
+        unit = t.micro_batch_size * dp * p.pp
+        if any(int(v) % unit for v in t.rampup_batch_size[:2]):
+            raise ConfigError(f"interleaved schedule needs every ramp-up batch in whole rounds of parallel.pp "
+                              f"micro-batches: train.rampup_batch_size START and INCREMENT "
+                              f"({t.rampup_batch_size[0]}, {t.rampup_batch_size[1]}) must be multiples of "
+                              f"micro_batch_size x dp x pp ({t.micro_batch_size} x {dp} x {p.pp} = {unit})")
+    if p.vpp == 1 and p.schedule == "interleaved":
+        raise ConfigError("parallel.schedule interleaved needs parallel.vpp > 1")
+
+
+def _refuse(*problems: Optional[str]) -> None:
+    """Raise the first problem found, if any."""
+    for problem in problems:
+        if problem:
+            raise ConfigError(problem)
+
+
+# ---------------------------------------------------------------------------- layout rules
+# The one home of the rules a parallel layout must meet: validate() below, the planner
+# (plan/planner.py: layout_problem, check_fixed) and ProcessGrid.create call these. Each takes
+# plain numbers and returns the problem in one line, with the numbers and the fix, or None.
+
+
+def world_problem(world: int, tp: int, pp: int, cp: int = 1) -> Optional[str]:
+    """world = tp x cp x pp x dp: the world size must be a multiple of tp x cp x pp."""
+    if world % (tp * pp * cp) == 0:
+        return None
+    names, sizes = ("parallel.tp x parallel.pp", f"{tp} x {pp}") if cp == 1 else \
+        ("parallel.tp x parallel.pp x parallel.cp", f"{tp} x {pp} x {cp}")
+    return (f"world size ({world}) must be divisible by {names} ({sizes} = {tp * pp * cp}); "
+            f"change --nproc_per_node or the layout")
+
+
+def model_family_problem(m: ModelConfig) -> Optional[str]:
+    """The Llama-family options: K/V groups that divide the heads, an even rotary head, sane llama3 factors."""
+    if m.num_query_groups < 0 or m.num_heads % m.query_groups:
+        return (f"model.num_query_groups ({m.num_query_groups}) must divide model.num_heads ({m.num_heads}); "
+                f"1 is multi-query, 0 means num_heads")
+    if m.position_embedding == "rope" and m.head_dim % 2:
+        return f"rotary embeddings need an even head dimension: model.hidden_size / model.num_heads is {m.head_dim}"
+    if m.rope_scaling == "llama3" and not (m.rope_scaling_factor > 0 and
+                                           m.rope_high_freq_factor > m.rope_low_freq_factor > 0):
+        return (f"model.rope_scaling llama3 needs rope_scaling_factor > 0 and rope_high_freq_factor "
+                f"({m.rope_high_freq_factor}) > rope_low_freq_factor ({m.rope_low_freq_factor}) > 0")
+    return None
+
+
+def tp_problem(num_heads: int, ffn_size: int, tp: int, groups: int = 0) -> Optional[str]:
+    """Tensor parallelism splits the heads, their K/V groups (`groups`, 0: one per head) and the
+    MLP width evenly over the tp ranks."""
+    if num_heads % tp:
+        return f"model.num_heads ({num_heads}) must be divisible by parallel.tp ({tp})"
+    if groups and groups % tp:
+        return (f"model.num_query_groups ({groups}) must be divisible by parallel.tp ({tp}): each rank holds "
+                f"whole K/V groups; lower parallel.tp or raise model.num_query_groups")
+    if ffn_size % tp:
+        return f"MLP width ({ffn_size}) must be divisible by parallel.tp ({tp})"
+    return None
+
+
+def cp_problem(seq_length: int, cp: int) -> Optional[str]:
+    """Context parallelism cuts each sequence into 2 x cp equal chunks (zig-zag)."""
+    if cp < 1:
+        return f"parallel.cp ({cp}) must be at least 1 (1 turns context parallelism off)"
+    if seq_length % (2 * cp) and cp > 1:
+        return (f"parallel.cp ({cp}) cuts model.seq_length ({seq_length}) into 2 x cp = {2 * cp} equal chunks: "
+                f"make seq_length a multiple of {2 * cp} or change parallel.cp")
+    return None
+
+
+def ulysses_problem(num_heads: int, tp: int, cp: int, cp_impl: str) -> Optional[str]:
+    """Ulysses' all-to-all gives each rank num_heads / (tp x cp) whole heads."""
+    if cp_impl != "ulysses" or cp == 1 or num_heads % (tp * cp) == 0:
+        return None
+    return (f"parallel.cp_impl ulysses gives each rank num_heads / (tp x cp) heads, but model.num_heads "
+            f"({num_heads}) is not divisible by {tp} x {cp} = {tp * cp}; change parallel.cp or use parallel.cp_impl ring")
+
+
+def pp_problem(num_layers: int, pp: int, vpp: int = 1, pp_layers: Optional[list] = None) -> Optional[str]:
+    """The layers split over pp stages (evenly, or as pp_layers lists), each into vpp chunks."""
+    if pp_layers is not None:
+        if vpp > 1:
+            return "parallel.pp_layers (uneven split) cannot be combined with parallel.vpp > 1"
+        if len(pp_layers) != pp or sum(pp_layers) != num_layers or min(pp_layers) < 1:
+            return (f"parallel.pp_layers ({pp_layers}) must list pp ({pp}) positive counts summing to "
+                    f"model.num_layers ({num_layers})")
+        return None
+    if num_layers % pp:
+        divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        return (f"model.num_layers ({num_layers}) must be divisible by parallel.pp ({pp}); try pp "
+                f"{', '.join(map(str, divisors[:-1]))} or {divisors[-1]}, or set parallel.pp_layers for an uneven split")
+    if num_layers % (pp * vpp):
+        hint = [v for v in range(1, num_layers + 1) if num_layers % (pp * v) == 0]
+        return (f"parallel.vpp ({vpp}) must divide num_layers / pp ({num_layers} / {pp} = {num_layers / pp:g}); "
+                f"try vpp {' or '.join(map(str, hint))}")
+    return None
+
+
+def batch_problem(global_batch_size: int, micro_batch_size: int, dp: int) -> Optional[str]:
+    """Every iteration's global batch splits into whole micro-batches on every DP rank."""
+    if global_batch_size % (micro_batch_size * dp) == 0:
+        return None
+    return (f"train.global_batch_size ({global_batch_size}) must be a multiple of micro_batch_size x dp "
+            f"({micro_batch_size} x {dp} = {micro_batch_size * dp})")
+
+
+def interleaved_problem(pp: int, vpp: int, microbatches: Optional[int]) -> Optional[str]:
+    """vpp > 1 chunks per rank: the interleaved schedule, which runs micro-batches in rounds of pp
+    (`microbatches` None: not known yet)."""
+    if vpp == 1:
+        return None
+    if pp == 1:
+        return f"parallel.vpp ({vpp}) needs parallel.pp > 1"
+    if microbatches is not None and microbatches % pp:
+        return (f"interleaved schedule needs micro-batches per iteration ({microbatches}) to be a multiple of "
+                f"parallel.pp ({pp}); change train.global_batch_size")
+    return None
+
+
+def sequence_parallel_problem(seq_length: int, tp: int, cp: int) -> Optional[str]:
+    """Sequence parallelism splits each rank's part of the sequence over the tp ranks."""
+    if tp == 1 or seq_length % (tp * cp) == 0:
+        return None
+    what = "model.seq_length" + (f" / parallel.cp ({cp})" if cp > 1 else "")
+    return (f"parallel.sequence_parallel splits {what} ({seq_length}) over parallel.tp ({tp}): make it a multiple "
+            f"of {tp * cp} or turn sequence_parallel off")
+
+
+def zbh1_problem(vpp: int, compile: bool) -> Optional[str]:
+    """What the zero-bubble schedule's deferred weight gradients cannot run with yet."""
+    if vpp > 1:
+        return (f"parallel.schedule zbh1 runs one model chunk per rank, but parallel.vpp is {vpp}; use "
+                f"--parallel.vpp 1, or --parallel.schedule interleaved")
+    if compile:
+        return ("parallel.schedule zbh1 cannot defer weight gradients inside compiled blocks; use --train.compile "
+                "false or --parallel.schedule 1f1b")
+    return None

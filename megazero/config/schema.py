@@ -1,0 +1,322 @@
+"""The run configuration's schema: one dataclass per section, a docstring under each field.
+
+The docstring under each field is its documentation: `--help-config` and README's key table
+are generated from it (config/help.py), so they cannot drift. Parsing (config/parse.py), the
+rules (config/rules.py) and resolution (config/resolve.py) live beside it; this module imports
+nothing from megazero but the error type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from megazero.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value is missing, mistyped or inconsistent (one-line message)."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    """Transformer blocks."""
+    hidden_size: int = 64
+    """Model width h."""
+    num_heads: int = 4
+    """Attention heads; must divide hidden_size and be divisible by parallel.tp."""
+    seq_length: int = 64
+    """Tokens per sample (context length); also the number of learned positions."""
+    vocab_size: Union[int, Literal["auto"]] = "auto"
+    """Real vocabulary size, or auto: the size of data.tokenizer (512 for mock data without a tokenizer).
+    Padded internally to a multiple of 128 x tp (loss unchanged)."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention probabilities and residual branches."""
+    ffn_hidden_size: int = 0
+    """MLP width; 0 means 4 x hidden_size (GPT-2)."""
+    layernorm_eps: float = 1e-5
+    """LayerNorm epsilon (GPT-2 uses 1e-5)."""
+    init_std: float = 0.02
+    """Std of the normal init; residual output projections use init_std / sqrt(2 L)."""
+
+    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """Block and final norms: layernorm (GPT-2) or rmsnorm (Llama); epsilon model.layernorm_eps."""
+    position_embedding: Literal["learned", "rope"] = "learned"
+    """learned (GPT-2: a table of seq_length positions) or rope (rotary, Llama: q and k rotated per position)."""
+    rope_base: float = 10000.0
+    """Rotary base theta (Llama 2: 10000, Llama 3: 500000)."""
+    rope_scaling: Literal["none", "llama3"] = "none"
+    """Rotary frequency scaling: none, or llama3 (Llama 3.1/3.2: the rope_* factors below, as Hugging Face's)."""
+    rope_scaling_factor: float = 8.0
+    """llama3 scaling: factor by which long wavelengths are stretched (HF rope_scaling.factor)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: HF rope_scaling.low_freq_factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: HF rope_scaling.high_freq_factor."""
+    rope_original_max_position: int = 8192
+    """llama3 scaling: the context length of pretraining (HF rope_scaling.original_max_position_embeddings)."""
+    activation: Literal["gelu", "swiglu", "squared_relu"] = "gelu"
+    """MLP: gelu (GPT-2, tanh form), swiglu (Llama: silu(gate) x up, each ffn_size wide) or squared_relu."""
+    num_query_groups: int = 0
+    """Grouped-query attention: K/V heads, each shared by num_heads / num_query_groups query heads
+    (1 = multi-query); 0 means num_heads (plain multi-head attention). Divisible by parallel.tp."""
+    bias: bool = True
+    """Biases of the linear layers (Llama: false)."""
+    tie_embeddings: bool = True
+    """The output layer shares the token embedding's weight (GPT-2) or has its own (false: Llama)."""
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """K/V heads (num_query_groups, or num_heads when 0)."""
+        return self.num_query_groups or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel degree (ranks that split each layer)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages of contiguous layers)."""
+    vpp: int = 1
+    """Model chunks per pipeline rank (interleaved schedule when > 1)."""
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zbh1"] = "1f1b"
+    """Pipeline schedule, used when pp > 1. zbh1: zero-bubble ZB-H1 (1F1B's memory, weight
+    gradients deferred into the cool-down; vpp 1, no train.compile)."""
+    pp_layers: Optional[list] = None
+    """Optional uneven split: layers per pipeline stage, e.g. [3, 5]; sums to num_layers."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism: LayerNorm, dropout and the residual stream split along
+    the sequence over the TP ranks (activation memory / tp); TP all-reduces become
+    all-gather / reduce-scatter pairs. A no-op at tp 1; seq_length divisible by tp; no LoRA."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split each sequence (each holds 2 of 2 x cp chunks,
+    zig-zag, so causal work is even); world = tp x cp x pp x dp; ZeRO shards over dp x cp.
+    Megatron's --context-parallel-size; DeepSpeed's Ulysses sequence-parallel size."""
+    cp_impl: Literal["ring", "ulysses"] = "ring"
+    """How attention sees the whole sequence under cp > 1: ring (K/V blocks passed around the
+    cp ranks, merged by log-sum-exp) or ulysses (all-to-all to whole sequences of heads / cp;
+    num_heads divisible by tp x cp)."""
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    """0: DP all-reduce; 1: + sharded optimizer states; 2: + sharded gradients; 3: + sharded parameters."""
+    sub_group_size: int = 1_000_000_000
+    """Largest number of elements one optimizer sub-group step touches. With offload_optimizer nvme
+    the step holds buffer_count x sub_group_size x 12 bytes of host memory: left at this default,
+    it is lowered at start-up to what the memory available allows (one line says so); a value set
+    that cannot fit is refused, naming the largest that does."""
+    bucket_size: int = 25_000_000
+    """Elements per gradient-communication bucket (stages 0-2; stage 3 communicates per module)."""
+    prefetch: int = 1
+    """Stage 3: modules whose parameters are gathered ahead of the one running (0: none)."""
+    initial_loss_scale: float = 65536.0
+    """fp16: starting loss scale (a power of two)."""
+    loss_scale_window: int = 1000
+    """fp16: clean steps in a row before the loss scale doubles."""
+    hysteresis: int = 2
+    """fp16: overflows in a row tolerated before the loss scale halves."""
+    min_loss_scale: float = 1.0
+    """fp16: the loss scale never drops below this."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Data-parallel gradient communication dtype. Gradients always accumulate in fp32 over
+    micro-batches (Megatron's main_grad); bf16 halves the bytes reduced over DP."""
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    """Where the fp32 master weights and Adam moments live (stages 1-3): none (the device),
+    cpu (host memory, stepped on the CPU: ZeRO-Offload) or nvme (swap files under
+    zero.nvme_path, streamed one sub-group at a time: ZeRO-Infinity)."""
+    offload_param: Literal["none", "cpu", "nvme"] = "none"
+    """Stage 3: where each rank's 16-bit parameter shard lives between uses: none (the
+    device), cpu (host memory) or nvme (a swap file under zero.nvme_path). A unit's slice
+    is read one unit before its all-gather is due (in the prefetch order), all-gathered at
+    that fixed point and dropped after."""
+    nvme_path: str = ""
+    """offload_optimizer / offload_param nvme: a directory on a fast local disk (created when
+    missing)."""
+    pin_memory: bool = True
+    """Page-lock offloaded host buffers when a GPU is present (faster device<->host copies)."""
+    buffer_count: int = 4
+    """offload_optimizer nvme: sub-group buffers in host memory (>= 2: one is read while the
+    previous one is written back); the step holds buffer_count x sub_group_size x 12 bytes."""
+
+
+@dataclass
+class TrainConfig:
+    iters: int = 100
+    """Iterations (optimizer steps) to train."""
+    micro_batch_size: int = 4
+    """Samples per micro-batch per data-parallel rank."""
+    global_batch_size: int = 16
+    """Samples per iteration over all DP ranks: micro_batch_size x accumulation x dp."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision; 16-bit keeps fp32 master weights."""
+    seed: int = 1234
+    """Seeds weights, data order, dropout."""
+    log_interval: int = 1
+    """Iterations between log lines / JSONL records."""
+    eval_interval: int = 0
+    """Iterations between validation runs (0: never)."""
+    eval_iters: int = 10
+    """Batches per validation run."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation."""
+    rampup_batch_size: Optional[list] = None
+    """Batch-size ramp-up as Megatron's --rampup-batch-size: START INCREMENT SAMPLES. The global batch starts
+    at START and grows by INCREMENT in equal steps over the first SAMPLES samples, up to global_batch_size
+    (START and INCREMENT multiples of micro_batch_size x dp); the LR schedule then counts samples."""
+    compile: bool = False
+    """torch.compile each transformer block (fuses its elementwise work; the first steps compile)."""
+    max_skipped_steps: int = 10
+    """Stop the run after this many consecutive steps skipped for a non-finite gradient norm or loss."""
+    timeout_minutes: float = 10.0
+    """Timeout of every process group (tp, dp, pp, ..., gloo's communication thread's too): a collective or
+    p2p op waiting longer on a stopped or dead peer fails, with one line per rank."""
+    exit_duration_minutes: float = 0.0
+    """Save and exit cleanly once this many minutes have passed since start-up (0: never), like
+    Megatron's --exit-duration-in-mins: set it a little under a job's time limit."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of decay."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to biases and LayerNorm)."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0: off)."""
+    warmup_iters: int = 0
+    """Linear warmup iterations."""
+    warmup_fraction: float = 0.0
+    """Linear warmup as a fraction of the decay iterations (optim.decay_iters, else train.iters), as Megatron's
+    --lr-warmup-fraction; 0: off. Not together with optim.warmup_iters."""
+    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    """LR decay after warmup."""
+    decay_iters: int = 0
+    """Iterations over which LR decays to min_lr; 0 means train.iters."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    override_schedule: bool = False
+    """On resume, use this config's LR schedule (lr, min_lr, warmup_iters, decay_iters, decay_style)
+    instead of the checkpoint's (Megatron's --override-opt_param-scheduler)."""
+
+
+@dataclass
+class DataConfig:
+    mock: bool = False
+    """Synthetic deterministic token stream (tests, benchmarks)."""
+    prefix: Optional[list] = None
+    """Indexed-dataset prefixes, optionally weighted: [P1, P2] or [0.3, P1, 0.7, P2]; on the command line
+    --data.prefix 0.3 P1 0.7 P2."""
+    split: str = "969,30,1"
+    """Train/valid/test proportions."""
+    tokenizer: Optional[str] = None
+    """Tokenizer spec, e.g. gpt2bpe:DIR or sentencepiece:FILE.model."""
+    cache_dir: Optional[str] = None
+    """Where sample indices are cached (default: beside the data)."""
+    pack_examples: bool = False
+    """Fine-tuning datasets (those with a loss mask, from preprocess_data.py --prompt-key/--completion-key):
+    false: each sample is one example, truncated or padded to seq_length (padding and prompts count nothing
+    in the loss); true: examples packed back to back across their boundaries. Other datasets are always packed."""
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    """Directory to save sharded checkpoints into."""
+    load: Optional[str] = None
+    """Directory to resume from (its `latest`)."""
+    interval: int = 0
+    """Iterations between saves (0: only at the end)."""
+    keep_last: int = 0
+    """Keep only this many newest checkpoints (0: keep all)."""
+    iteration: int = 0
+    """Resume from iter_{iteration} instead of `latest` (0: latest)."""
+    save_model_16bit: bool = False
+    """With each checkpoint also write model_16bit.safetensors: the whole model gathered in 16 bits, by rank 0."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """A save that fails (disk full, unwritable directory): stop the run, or keep training and retry at the next
+    interval (the last save of a run always stops it). Either way the previous checkpoint stays intact."""
+    async_save: bool = False
+    """Write checkpoints in the background: at a save each rank copies its shard to host memory
+    (kept for the next save: 12 bytes per parameter of its shard more) and a thread writes it
+    while training goes on; the checkpoint is sealed and `latest` advanced at the first
+    iteration after every rank finished. The next save, a signal's save and the end of the run
+    wait for it."""
+    init_from_hf: Optional[str] = None
+    """Start from a Hugging Face GPT-2 directory (config.json + model.safetensors or
+    pytorch_model.bin) at any layout; each rank reads only its slices. The model section must
+    match its config.json (model.vocab_size auto takes its vocabulary). Not read when the run
+    resumes from checkpoint.load (or restarts): the checkpoint's values win."""
+
+
+@dataclass
+class FinetuneConfig:
+    lora_rank: int = 0
+    """LoRA rank r (0: off, every weight trains). With r > 0 the base weights are frozen and
+    only the adapters of finetune.lora_targets train."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter's output is multiplied by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input (as PEFT's lora_dropout)."""
+    lora_targets: list = field(default_factory=lambda: ["c_attn"])
+    """HF GPT-2 module names adapted, matched as PEFT's target_modules: c_attn, c_proj (attention's and
+    the MLP's), c_fc, mlp.c_proj, attn.c_proj."""
+
+
+@dataclass
+class LoggingConfig:
+    jsonl: Optional[str] = None
+    """Path of the metrics JSONL file (one object per logged iteration)."""
+    wandb: bool = False
+    """Log to Weights & Biases (offline when there is no network)."""
+    wandb_project: str = "megazero"
+    """Weights & Biases project name."""
+    timers: bool = False
+    """Per-phase times (forward, backward, optimizer, waiting on communication) and bytes sent
+    per iteration over DP/TP/PP on the log line and in the JSONL (on GPUs each phase boundary
+    synchronizes the device, a small cost)."""
+    print_config: bool = False
+    """Print the full resolved config at start-up (`--print-config`); it is always written to
+    the run directory as config.yaml."""
+    tensorboard: str | None = None
+    """TensorBoard log directory: Megatron-LM's scalars under its tag names (`pip install tensorboard`)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    set_keys: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
+    """The `section.key`s a file or the command line set (config/parse.py records them): a rule
+    that depends on whether the user chose a value reads this, never a comparison with the default."""
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+
+SECTIONS: dict[str, type] = {name: kind for name, kind in typing.get_type_hints(Config).items() if name != "set_keys"}

@@ -1,0 +1,101 @@
+"""Where a parameter's values live across the tensor-parallel group: its `Placement`.
+
+A placement says which dimension is split over TP ranks (None: replicated), how many equal
+blocks of it are split separately (`stride`, e.g. 3 for a fused q|k|v projection: each of
+q, k and v is cut over the ranks on its own), the full (unsharded) shape, and whether its
+gradient is a partial sum over TP under sequence parallelism. Every reader asks
+`placement(param)`, every writer calls `place(param, ...)`; `shard` / `unshard` / `ranges`
+turn a placement into tensors, so initialization, resharding, HF import and export never
+special-case a layer.
+
+Blocks of unequal size along the split dimension (fused q|k|v under grouped-query attention,
+where k and v have fewer rows than q) are listed in `parts`, their full sizes; each is cut
+over the ranks on its own, as `stride`'s equal blocks are.
+
+The placement is kept on the Parameter object itself (one private attribute, touched only
+here), not in a side table keyed by parameter: ZeRO points `.data` at its own buffers
+(same object, placement kept), and code that re-creates a Parameter copies its `__dict__`
+(zero.materialize), which carries it along. A parameter never placed is replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+_ATTR = "_megazero_placement"
+
+
+@dataclass(frozen=True)
+class Placement:
+    full_shape: tuple[int, ...]
+    dim: Optional[int] = None  # the dimension split over TP ranks; None: every rank holds it whole
+    stride: int = 1  # equal blocks of `dim` split separately (3 for a fused q|k|v)
+    sequence_parallel: bool = False  # replicated, but each TP rank's gradient is partial (sum it over TP)
+    parts: tuple[int, ...] = ()  # unequal blocks' full sizes along `dim` (q|k|v with grouped K/V); else `stride`
+
+    def _blocks(self, length: int) -> list[int]:
+        """The blocks' sizes along `dim` of a tensor `length` long there (full, or one shard of
+        length / size: each block is cut over the ranks alike)."""
+        if not self.parts:
+            return [length // self.stride] * self.stride
+        scale = sum(self.parts) // length
+        return [part // scale for part in self.parts]
+
+    @property
+    def sharded(self) -> bool:
+        return self.dim is not None
+
+    def with_sequence_parallel(self) -> Placement:
+        return dataclasses.replace(self, sequence_parallel=True)
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """This TP rank's shard of a full tensor (`full` itself when replicated)."""
+        if self.dim is None or size == 1:
+            return full
+        blocks = full.split(self._blocks(full.shape[self.dim]), dim=self.dim)  # e.g. q, k, v: each split on its own
+        return torch.cat([b.chunk(size, dim=self.dim)[rank] for b in blocks], dim=self.dim)
+
+    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """Inverse of `shard`: the full tensor from every TP rank's shard, in rank order."""
+        if self.dim is None or len(shards) == 1:
+            return shards[0]
+        dim = self.dim
+        per_rank = [s.split(self._blocks(s.shape[dim]), dim=dim) for s in shards]
+        return torch.cat([torch.cat([p[b] for p in per_rank], dim=dim) for b in range(len(per_rank[0]))], dim=dim)
+
+    def ranges(self, rank: int, size: int) -> list[tuple[int, int]]:
+        """[lo, hi) along `dim` of the full tensor, for each block this TP rank keeps (what
+        `shard` cuts out, for readers that fetch only those rows)."""
+        assert self.dim is not None, "a replicated parameter is read whole"
+        out, start = [], 0
+        for block in self._blocks(self.full_shape[self.dim]):
+            chunk = block // size
+            out.append((start + rank * chunk, start + (rank + 1) * chunk))
+            start += block
+        return out
+
+    def record(self) -> dict[str, Any]:
+        """The JSON fields of a sharded checkpoint's partition map (their names are on disk)."""
+        parts = {"tp_parts": list(self.parts)} if self.parts else {}
+        return {"tp_dim": self.dim, "tp_stride": self.stride, "full_shape": list(self.full_shape), **parts}
+
+    @classmethod
+    def from_record(cls, entry: dict[str, Any]) -> Placement:
+        return cls(tuple(entry["full_shape"]), entry["tp_dim"], entry["tp_stride"],
+                   parts=tuple(entry.get("tp_parts", ())))
+
+
+def placement(param: torch.Tensor) -> Placement:
+    """`param`'s placement; replicated at its own shape when it was never placed."""
+    found = getattr(param, _ATTR, None)
+    return found if isinstance(found, Placement) else Placement(tuple(param.shape))
+
+
+def place(param: torch.nn.Parameter, where: Placement) -> torch.nn.Parameter:
+    """Record where `param` lives (returns it, to place a parameter as it is made)."""
+    setattr(param, _ATTR, where)
+    return param

@@ -1,0 +1,70 @@
+"""What a ZeRO stage partitions over data parallelism, chosen once from `zero.stage` by
+`sharding()` (like FSDP's ShardingStrategy): ZeRO, the planner and the trainer read what a
+stage does from this object, never by comparing stage numbers.
+
+    stage 0  nothing partitioned: gradient buckets are all-reduced, every rank holds the same
+             gradients and optimizer state and steps everything
+    stage 1  optimizer states: each rank steps its shard; gradients are reduce-scattered once,
+             in the last backward; updated parameters are all-gathered after the step
+    stage 2  gradients as well: reduce-scattered every backward, a rank keeps only its shard
+    stage 3  parameters as well: gathered per unit around its use (stage3.py), never
+             all-gathered after the step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megazero.parallel import comm
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """One ZeRO stage: which model states each DP rank holds only its 1/N of."""
+
+    stage: int
+    optimizer: bool
+    """Optimizer states (fp32 master weights, Adam moments) partitioned: each rank steps its shard."""
+    gradients: bool
+    """Gradients partitioned: reduce-scattered every backward, only the shard accumulates."""
+    parameters: bool
+    """Parameters partitioned: gathered per unit on demand (stage3.py) rather than after the step."""
+
+    @property
+    def replicated(self) -> bool:
+        """Every DP rank holds the same reduced gradients and optimizer state (stage 0): their
+        buckets are all-reduced, and one rank of dp x cp stands for all (norm, saved state)."""
+        return not self.optimizer
+
+    @property
+    def gathers_after_step(self) -> bool:
+        """Each rank updates its shard of full parameters, then all-gathers them (stages 1-2)."""
+        return self.optimizer and not self.parameters
+
+    def shards(self, zero: comm.Group) -> tuple[int, int]:
+        """(shards, this rank's index) of the flat layout over the ZeRO group (dp x cp): one
+        shard that every rank owns when nothing is partitioned."""
+        return (zero.size, zero.rank) if self.optimizer else (1, 0)
+
+    def model_state_bytes(self, psi: int, dp: int, element_bytes: tuple[int, int, int]) -> dict[str, int]:
+        """Model-state bytes of one rank holding Ψ (padded) parameter elements over N = dp ranks,
+        with `element_bytes` per parameter, gradient and optimizer element: each partitioned
+        kind is held as Ψ/N (plan/formulas.py gives the per-stage totals)."""
+        pb, gb, ob = element_bytes
+        shard = psi // dp if self.optimizer else psi
+
+        def held(partitioned: bool) -> int:
+            return shard if partitioned else psi
+        params, grads, optim = pb * held(self.parameters), gb * held(self.gradients), ob * held(self.optimizer)
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+
+STAGES = (Sharding(0, optimizer=False, gradients=False, parameters=False),
+          Sharding(1, optimizer=True, gradients=False, parameters=False),
+          Sharding(2, optimizer=True, gradients=True, parameters=False),
+          Sharding(3, optimizer=True, gradients=True, parameters=True))
+
+
+def sharding(stage: int) -> Sharding:
+    """ZeRO stage `stage` (0-3, validated with the config) as what it partitions."""
+    return STAGES[stage]
