@@ -12,7 +12,6 @@ HF does not have.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any, Iterator, Optional

@@ -9,7 +9,15 @@ import math
 import os
 from typing import Any, Optional
 
-from megazero.config.schema import Config, ConfigError, FinetuneConfig, ModelConfig, OptimConfig, TrainConfig, ZeroConfig
+from megazero.config.schema import (
+    Config,
+    ConfigError,
+    FinetuneConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    ZeroConfig,
+)
 
 
 def schedule_warnings(cfg: Config) -> list[str]:

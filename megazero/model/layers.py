@@ -31,6 +31,7 @@ from megazero.parallel.placement import Placement, place, placement
 from megazero.parallel.random import RNGTracker
 from megazero.parallel.weight_grad import WeightGradStore, gathered_linear, linear
 
+
 def placed_parameter(shape: tuple[int, ...], dim: Optional[int] = None, stride: int = 1,
                      parts: tuple[int, ...] = ()) -> nn.Parameter:
     """A whole (uninitialized) parameter that `apply_tp` splits along `dim` (None: replicated)."""

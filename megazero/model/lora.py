@@ -40,7 +40,7 @@ from torch import nn
 from megazero.config.schema import FinetuneConfig, ModelConfig
 from megazero.model.gpt import GPT
 from megazero.model.layers import ColumnParallelLinear, RowParallelLinear
-from megazero.model.lora_targets import adapted, adapted_modules, part_rows
+from megazero.model.lora_targets import adapted, part_rows
 from megazero.parallel.comm import copy_to_tp, reduce_from_tp
 from megazero.parallel.placement import Placement, place, placement
 from megazero.parallel.random import RNGTracker, in_stream
@@ -120,7 +120,7 @@ def apply_lora(model: GPT, f: FinetuneConfig, tracker: Optional[RNGTracker] = No
         p.requires_grad_(False)
     for block in model.transformer.h.values():
         for t in adapted(f.lora_targets, model.cfg):
-            part = None if t.part is None or t.index is None else (t.part, *part_rows(model.cfg, t.module, t.index))
+            part = None if t.part is None or t.position is None else (t.part, *part_rows(model.cfg, t.module, t.position))
             LoRA(block.get_submodule(t.module), f.lora_rank, f.lora_alpha, f.lora_dropout, tracker, part)
 
 

@@ -33,7 +33,7 @@ class Target(NamedTuple):
     """The projection inside a block (attn.c_attn, ...)."""
     part: Optional[str]
     """The HF name of the part of its fused rows it adapts (q_proj, ...), None for all of them."""
-    index: Optional[int]
+    position: Optional[int]
     """That part's place among the fused parts."""
 
 
