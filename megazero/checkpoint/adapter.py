@@ -29,6 +29,7 @@ from megazero.checkpoint.base import Checkpoint, CheckpointError
 from megazero.checkpoint.gathered import save_gathered
 from megazero.config.schema import Config
 from megazero.model.lora import adapter_shapes, is_adapter, merged_weight
+from megazero.model.lora_targets import FAMILY_PARTS, part_rows
 from megazero.parallel.grid import ProcessGrid
 
 ADAPTER_DIR = "adapter"
@@ -100,10 +101,20 @@ def merge_lora(ckpt: Checkpoint) -> Checkpoint:
         raise CheckpointError(f"{ckpt.kind} '{ckpt.ckpt}' holds no LoRA adapters; drop --merge-lora")
     scale, full = ckpt.adapters
 
+    m = ckpt.model_config
+
     def stream(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in ckpt.stream(kind):
             module = name.removesuffix(".weight")
             if module + ".lora_A.weight" in ckpt.shapes:
                 t = merged_weight(t, full(module + ".lora_A.weight"), full(module + ".lora_B.weight"), scale)
+            for part, (inside, position) in FAMILY_PARTS.items():  # the Llama family's q_proj of c_attn, ...
+                adapter = f"{module}.{part}"
+                if position is None or not module.endswith(inside) or adapter + ".lora_A.weight" not in ckpt.shapes:
+                    continue
+                lo, hi = part_rows(m, inside, position)
+                t = t.clone()
+                t[lo:hi] = merged_weight(t[lo:hi], full(adapter + ".lora_A.weight"), full(adapter + ".lora_B.weight"),
+                                         scale)
             yield name, t
     return dataclasses.replace(base_only(ckpt), stream=stream)
