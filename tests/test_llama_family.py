@@ -82,12 +82,11 @@ def test_llama_layouts_slow(reference):
 
 
 def test_llama_reference_learns(reference):
-    """The family trains (the loss falls) and differs from GPT-2's block."""
-    longer = run_distributed(_records, 1, ["--train.iters", "12"])[0]
-    assert longer[-1][0] < longer[0][0] - 0.05
-    gpt2 = run_distributed(_records, 1, ["--model.position_embedding", "learned", "--model.activation", "gelu"])[0]
-    assert abs(gpt2[0][0] - reference[0][0]) > 1e-4
-    assert torch.isfinite(torch.tensor(reference)).all()
+    """The family trains: the loss falls, every value finite."""
+    longer = run_distributed(_records, 1, ["--train.iters", "8"])[0]
+    assert longer[:ITERS] == reference
+    assert longer[-1][0] < longer[0][0] - 0.02
+    assert torch.isfinite(torch.tensor(longer)).all()
 
 
 # ----------------------------------------------------------------------------- checkpoints
