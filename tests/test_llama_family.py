@@ -65,6 +65,7 @@ def test_llama_layouts_on_2_ranks(reference):
     assert_parity(run_distributed(_layouts, 2, LAYOUTS_2)[0], reference, ITERS)
 
 
+@pytest.mark.slow  # suite budget: the default run keeps tp x pp ZeRO-1, cp x dp ZeRO-3 and dp 4 ZeRO-2 in the checkpoint test
 def test_llama_layouts_on_4_ranks(reference):
     """tp x pp ZB-H1 (the untied output layer on the last stage), ZeRO-3 with tp and cp,
     recompute selective and full, ZeRO-2 with the optimizer on the CPU."""
