@@ -46,7 +46,7 @@ def test_config_is_validated():
 
 
 def test_targets_match_like_peft():
-    from megazero.model.lora import adapted_modules
+    from megazero.model.lora_targets import adapted_modules
     assert adapted_modules(["c_proj"]) == ["attn.c_proj", "mlp.c_proj"]
     assert adapted_modules(["mlp.c_proj"]) == ["mlp.c_proj"]
     assert adapted_modules(["c_attn", "c_fc"]) == ["attn.c_attn", "mlp.c_fc"]
