@@ -113,7 +113,7 @@ def test_validate_only_checks_the_files_the_run_reads(tmp_path):
     proc = _train(resume + ["--validate-only"], str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         "error: checkpoint 'run/iter_0000030' holds a model with model.hidden_size = 128, but this run has 64; "
-        "use the checkpoint's model config"]
+        "use the checkpoint's model config (--model.hidden_size 128)"]
     assert _train(resume + ["--validate-only", "--config-only"], str(tmp_path)).returncode == 0
     proc = _train(["--data.mock", "false", "--data.prefix", "data/missing", "--validate-only"], str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.splitlines() == [

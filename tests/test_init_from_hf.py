@@ -97,8 +97,11 @@ def _edited(hf_dir: str, tmp_path, **changes) -> str:
 
 
 def test_bad_input_is_one_clear_line(hf_dir, tmp_path):
-    with pytest.raises(ConfigError, match=r"holds a 'llama' model; only GPT-2"):
-        make_config(ARGS + ["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "a", model_type="llama")], world=1)
+    with pytest.raises(ConfigError, match=r"model_type 'mistral' is neither gpt2 nor llama"):
+        make_config(ARGS + ["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "a", model_type="mistral")],
+                    world=1)
+    with pytest.raises(ConfigError, match=r"config.json lacks 'num_attention_heads'"):  # llama keys missing
+        make_config(ARGS + ["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "a2", model_type="llama")], world=1)
     with pytest.raises(ConfigError, match=r"model.hidden_size \(64\) differs from n_embd \(128\) .* set "
                                           r"--model.hidden_size 128"):
         make_config(ARGS + ["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "b", n_embd=128)], world=1)
@@ -123,6 +126,6 @@ def test_a_tokenizer_larger_than_the_checkpoint_vocabulary_is_refused(hf_dir, tm
     spec = train_gpt2bpe(["the list of words and the words of the list"] * 20, 300, tmp_path / "tok")
     tokens = build_tokenizer(spec).vocab_size
     small = _edited(hf_dir, tmp_path / "hf", vocab_size=tokens - 1)
-    with pytest.raises(ConfigError, match=rf"has {tokens} tokens but the GPT-2 in .* only {tokens - 1}; use the "
+    with pytest.raises(ConfigError, match=rf"has {tokens} tokens but the model in .* only {tokens - 1}; use the "
                                           rf"tokenizer that model was trained with"):
         make_config(ARGS + ["--checkpoint.init_from_hf", small, "--data.tokenizer", spec], world=1)

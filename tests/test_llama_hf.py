@@ -87,7 +87,7 @@ def test_llama_from_hugging_face_trains_as_transformers(hf_dir):
 def test_set_model_keys_must_agree_with_config_json(hf_dir):
     """A model key the run sets that config.json contradicts: one line naming both values."""
     from megazero.config import ConfigError
-    with pytest.raises(ConfigError, match=r"model.num_query_groups \(4\) differs from .*num_query_groups \(2\)"):
+    with pytest.raises(ConfigError, match=r"model.num_query_groups \(4\) differs from num_key_value_heads \(2\) in "):
         make_config(ARGS + ["--model.num_query_groups", "4", "--checkpoint.init_from_hf", hf_dir], base=BASE, world=1)
     cfg = make_config(ARGS + ["--checkpoint.init_from_hf", hf_dir], base=BASE, world=1)
     m = cfg.model

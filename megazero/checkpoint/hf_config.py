@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from megazero.checkpoint.hf_names import model_config_from_hf, set_by_hf
+from megazero.checkpoint.hf_names import hf_key, model_config_from_hf, set_by_hf
 from megazero.config.resolve import tokenizer_size
 from megazero.config.schema import Config, ConfigError, ModelConfig
 
@@ -31,7 +31,10 @@ def resolve_init_from_hf(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.init_from_hf: cannot read {path} ({e})") from e
     try:
         theirs = model_config_from_hf(hf)
-    except (KeyError, ValueError) as e:
+    except KeyError as e:
+        raise ConfigError(f"checkpoint.init_from_hf {d}: its config.json lacks {e} for its model_type "
+                          f"{hf.get('model_type')!r}; save the model with save_pretrained()") from None
+    except ValueError as e:
         raise ConfigError(f"checkpoint.init_from_hf {d}: {e}; only GPT-2 (model_type gpt2) and Llama "
                           f"(model_type llama) weights can start a megazero run") from None
     if hf.get("model_type") == "gpt2" and hf.get("activation_function", "gelu_new") not in ("gelu_new",
@@ -62,5 +65,5 @@ def _take_model_keys(cfg: Config, theirs: ModelConfig, path: str) -> None:
         if f"model.{key}" not in cfg.set_keys or mine == "auto":
             setattr(m, key, getattr(theirs, key))
             continue
-        raise ConfigError(f"model.{key} ({mine}) differs from {path}'s {key} ({hf_value}); "
+        raise ConfigError(f"model.{key} ({mine}) differs from {hf_key(key, theirs)} ({hf_value}) in {path}; "
                           f"set --model.{key} {getattr(theirs, key)} or leave it out to take the checkpoint's")

@@ -169,3 +169,17 @@ def set_by_hf(m: ModelConfig) -> list[str]:
     return common + ["num_query_groups", "normalization", "position_embedding", "rope_base", "rope_scaling",
                      "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                      "rope_original_max_position", "activation", "bias", "tie_embeddings"]
+
+
+_HF_KEYS = {
+    "gpt2": {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head", "ffn_hidden_size": "n_inner",
+             "layernorm_eps": "layer_norm_epsilon"},
+    "llama": {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "ffn_hidden_size":
+              "intermediate_size", "num_query_groups": "num_key_value_heads", "layernorm_eps": "rms_norm_eps",
+              "rope_base": "rope_theta", "tie_embeddings": "tie_word_embeddings", "bias": "attention_bias"},
+}
+
+
+def hf_key(key: str, m: ModelConfig) -> str:
+    """The config.json key that holds megazero's model.KEY (its own name where they agree)."""
+    return _HF_KEYS[architecture(m)].get(key, key)
