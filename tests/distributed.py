@@ -54,6 +54,17 @@ def logged_by_layout(records: Callable[[list[str]], list], layouts: dict[str, li
     return out
 
 
+def logged_losses(make: Callable[[], Any]) -> list[tuple[float, float]]:
+    """In a spawned rank: run the trainer `make()` builds; (loss, grad norm) of each iteration
+    on the logging rank, nothing elsewhere."""
+    import contextlib
+    import io
+    tr = make()
+    with contextlib.redirect_stdout(io.StringIO()):
+        records = tr.run()
+    return [(r["loss"], r["grad_norm"]) for r in records] if tr.is_logger else []
+
+
 def assert_parity(runs: dict[str, list], reference: list, iters: int, tol: float = 1e-5) -> None:
     """Every layout's per-iteration (loss, grad norm, ...) within `tol` of the single process's."""
     for name, run in runs.items():

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_config, make_trainer
-from distributed import assert_parity, logged_by_layout, run_distributed
+from distributed import assert_parity, logged_by_layout, logged_losses, run_distributed
 
 # ----------------------------------------------------------------------------- layout and grid
 
@@ -269,11 +269,11 @@ SHORT = ["--data.mock", "true", "--train.iters", str(ITERS), "--model.seq_length
 
 def _records(extra: list[str]) -> list[tuple[float, float]]:
     """(loss, grad norm) of each iteration, on the logging rank (empty elsewhere)."""
-    tr = make_trainer(SHORT + extra)
-    assert all(c.cp.size == tr.grid.cp for c in tr.chunks)
-    with contextlib.redirect_stdout(io.StringIO()):
-        records = tr.run()
-    return [(r["loss"], r["grad_norm"]) for r in records] if tr.is_logger else []
+    def make():
+        tr = make_trainer(SHORT + extra)
+        assert all(c.cp.size == tr.grid.cp for c in tr.chunks)
+        return tr
+    return logged_losses(make)
 
 
 def _layouts(layouts: dict[str, list[str]]) -> dict[str, list[tuple[float, float]]]:

@@ -5,14 +5,11 @@ LlamaForCausalLM."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
 import torch
 
 from conftest import make_trainer
-from distributed import assert_parity, logged_by_layout, run_distributed
+from distributed import assert_parity, logged_by_layout, logged_losses, run_distributed
 
 LLAMA = "configs/llama-tiny.yaml"
 ITERS = 4
@@ -22,10 +19,7 @@ SHORT = ["--train.iters", str(ITERS), "--model.seq_length", "32", "--train.globa
 
 def _records(extra: list[str]) -> list[tuple[float, float]]:
     """(loss, grad norm) of each iteration, on the logging rank (empty elsewhere)."""
-    tr = make_trainer(SHORT + extra, base=LLAMA)
-    with contextlib.redirect_stdout(io.StringIO()):
-        records = tr.run()
-    return [(r["loss"], r["grad_norm"]) for r in records] if tr.is_logger else []
+    return logged_losses(lambda: make_trainer(SHORT + extra, base=LLAMA))
 
 
 def _layouts(layouts: dict[str, list[str]]) -> dict[str, list[tuple[float, float]]]:
