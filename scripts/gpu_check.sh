@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [bench_gpu.py arguments...]
 #
 # 1. prints the device (nvidia-smi) and the torch / CUDA / NCCL versions;
-# 2. runs the GPU tests: python -m pytest -q -m gpu tests/test_gpu.py ... (bf16 training at ZeRO
+# 2. runs the GPU tests: python -m pytest -q -m gpu tests/gpu/test_gpu.py ... (bf16 training at ZeRO
 #    stages 0-3 through NCCL, fp32 parity with CPU, 16-bit save, export, generation, the CUDA
 #    flash block kernel of ring attention, with and without dropout);
 # 3. benchmarks GPT-2 124M and 355M in bf16 without recomputation: python scripts/bench_gpu.py
@@ -81,8 +81,8 @@ export -f versions ensure_megazero  # `timeout` runs programs: the functions go 
 part "device" 10 nvidia-smi || true  # informational: "versions" decides whether there is a usable GPU
 part "versions" 20 bash -c versions || { echo "gpu_check: no usable CUDA device; stopping"; exit 1; }
 part "import" 30 bash -c ensure_megazero || true
-part "gpu tests" 140 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cross_entropy.py \
-    tests/test_context_parallel.py \
+part "gpu tests" 140 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu/test_gpu.py tests/parallel/test_cross_entropy.py \
+    tests/parallel/test_context_parallel.py \
     || true
 # No recomputation for the MFU figure: both models fit an H200 without it (pass --train.recompute
 # selective to measure it). Fewer iterations than bench_gpu.py's defaults, so that both models,

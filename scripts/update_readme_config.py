@@ -4,8 +4,8 @@ defaults (megazero/config/megatron.py) and the DeepSpeed migration table (megaze
 
     python scripts/update_readme_config.py
 
-Run it after adding or changing a config key, a Megatron flag or a DeepSpeed key; tests/test_config.py,
-tests/test_megatron_flags.py and tests/test_deepspeed_config.py fail while the docs and the code disagree.
+Run it after adding or changing a config key, a Megatron flag or a DeepSpeed key; tests/unit/test_config.py,
+tests/e2e/test_megatron_flags.py and tests/e2e/test_deepspeed_config.py fail while the docs and the code disagree.
 (The name is from when these tables were in README.md.)
 """
 

@@ -107,7 +107,7 @@ class Row:
     """Whether "{}" in the DeepSpeed cell shows each key with its FIXED value."""
 
 
-# README's table, in its order: every key the importer reads is in a row (tests/test_deepspeed_config.py
+# README's table, in its order: every key the importer reads is in a row (tests/e2e/test_deepspeed_config.py
 # checks it), so a new mapping cannot be left out of README.
 ROWS = (
     Row(("train_batch_size", "train_micro_batch_size_per_gpu")),

@@ -54,7 +54,7 @@ def reference() -> str:
 
 
 def markdown_table() -> str:
-    """README's config-key table (tests/test_config.py checks README against it)."""
+    """README's config-key table (tests/unit/test_config.py checks README against it)."""
     lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for row in config_keys():
         key, kind, default, doc = (cell.replace("|", "\\|") for cell in row)

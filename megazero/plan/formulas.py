@@ -1,6 +1,6 @@
 """The one set of formulas behind the layout planner, the benchmarks and the trainer's metrics.
 
-Everything here is arithmetic on shapes and degrees; tests/test_plan.py checks each formula
+Everything here is arithmetic on shapes and degrees; tests/e2e/test_plan.py checks each formula
 against what megazero allocates and sends (model-state bytes and DP/TP/PP bytes exactly,
 saved activations within 10%, the bubble against the executor's simulated orders) and against
 the published anchors (ZeRO paper, Korthikanti et al. 2022).

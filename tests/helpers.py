@@ -1,0 +1,245 @@
+"""The one helper module of the tests (conftest.py holds only fixtures): the config and trainer
+builders (megazero.harness.configs, which the benchmark scripts use too), a small corpus, the
+scripts' loader, spawning N gloo ranks or the real entry point under torchrun (both through
+megazero.harness.spawn), the parity assertions, and the TensorBoard reader.
+
+Test modules import from here (`from helpers import make_trainer`) and never from one another;
+the builders also run inside spawned gloo ranks, where no fixture exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter, loss_mask_prefix
+from megazero.harness.configs import TINY_CONFIG, make_config
+from megazero.harness.spawn import run_ranks, torchrun_command
+
+REPO = Path(__file__).resolve().parents[1]  # the repository root
+
+# ----------------------------------------------------------------------------- config and trainer
+
+
+def make_trainer(args: Sequence[str] = (), base: str | dict = TINY_CONFIG):
+    """A Trainer of make_config(args, base) in a spawned rank: checked for this process group's
+    world, on the grid its parallel section asks for. The start-up lines it prints while it is
+    built are dropped."""
+    import torch.distributed as dist
+
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer
+    cfg = make_config(args, base, world=dist.get_world_size())
+    with contextlib.redirect_stdout(io.StringIO()):
+        return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp))
+
+
+def make_grid(tp: int):
+    """This spawned rank's grid of tp x dp (pp 1) on the gloo world it joined, for tests of
+    single layers (a trainer builds its own)."""
+    import torch.distributed as dist
+
+    from megazero.parallel.grid import ProcessGrid
+    grid = ProcessGrid(tp=tp, pp=1, dp=dist.get_world_size() // tp, rank=dist.get_rank())
+    grid.build_groups()
+    return grid
+
+
+# ----------------------------------------------------------------------------- a small corpus
+
+WORDS = (
+    "the of and to in is was for on that with as by at from model data token train layer "
+    "parallel pipeline tensor weight gradient loss sample batch sequence document corpus "
+    "python function class module value error result file line text word number list"
+).split()
+SAMPLES = [
+    "Hello, world!",
+    "naïve café — ünïcode 日本語 ✓",
+    "line one\nline two\n\n    indented\tand tabbed  ",
+    "",
+]
+# Prompt/completion examples for fine-tuning data.
+EXAMPLES = [{"prompt": "Question: what is two and two?\nAnswer:", "completion": " Four."},
+            {"prompt": "", "completion": "An example without a prompt."},
+            {"prompt": "Name a colour.", "completion": " Blue, like the sky over the sea."}]
+
+
+def make_texts(n: int, seed: int = 0) -> list[str]:
+    """n short English-like documents of 5 to 60 words, deterministic."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(n):
+        words = rng.choice(WORDS, size=int(rng.integers(5, 60)))
+        docs.append(" ".join(words).capitalize() + ".")
+    return docs
+
+
+def write_jsonl(path: Path, texts: list[str], key: str = "text") -> Path:
+    path.write_text("".join(json.dumps({key: t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def write_masked(prefix: Path, lengths: list[int], seed: int = 0) -> Path:
+    """Examples whose prompt tokens are even and completion tokens odd, so that in any sample
+    the loss mask must equal token % 2 (padding, token 0, has mask 0 too)."""
+    rng = np.random.default_rng(seed)
+    with (IndexedDatasetWriter(prefix, np.uint16) as tokens,
+          IndexedDatasetWriter(loss_mask_prefix(prefix), np.uint8) as mask):
+        for n in lengths:
+            n_prompt = int(rng.integers(0, n))
+            doc = np.concatenate([2 * rng.integers(1, 50, n_prompt), 2 * rng.integers(0, 50, n - n_prompt) + 1])
+            tokens.add_document(doc)
+            mask.add_document(doc % 2)
+        tokens.finalize()
+        mask.finalize()
+    return prefix
+
+
+def documents(prefix: Path) -> list[list[int]]:
+    """An indexed dataset's documents as lists of token ids."""
+    ds = IndexedDataset(prefix)
+    return [ds[i].tolist() for i in range(len(ds))]
+
+
+# ----------------------------------------------------------------------------- scripts
+
+
+def load_script(name: str, folder: str = "data_tools"):
+    """A script of data_tools/ (or another folder of the repository) as a module, to call its
+    functions in-process without putting its folder on sys.path.
+
+    It is registered in sys.modules so that worker processes can unpickle its functions.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(cli, capsys, *args: str) -> tuple[int, str, str]:
+    """Run a script's main(ARGS) without its progress bar; its exit code, stdout and stderr."""
+    code = cli.main([*args, "--no-progress"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
+    """Run fn(*args) on `world_size` spawned gloo ranks (one thread each); return the results in
+    rank order. `fn` must be a module-level function (it is pickled into the children)."""
+    return run_ranks(fn, world_size, *args, timeout=timeout)
+
+
+def torchrun(nproc: int, args: list[str], cwd: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python -m megazero.train ARGS` under torchrun with `nproc` CPU processes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(torchrun_command(nproc, args), cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_records(tmp_path, nproc: int, args: list[str], name: str) -> list[dict]:
+    """Run megazero.train under torchrun with ARGS, assert it succeeded, return its JSONL records."""
+    out = str(tmp_path / f"{name}.jsonl")
+    root = str(REPO)
+    proc = torchrun(nproc, args + ["--logging.jsonl", out], cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_jsonl(out)
+
+
+def logged_by_layout(records: Callable[[list[str]], list], layouts: dict[str, list[str]]) -> dict[str, list]:
+    """In a spawned rank: train each layout (`records(extra args)`, which returns its records on
+    the logging rank and nothing elsewhere) in this one world; the logging rank's records of each."""
+    import torch.distributed as dist
+    out = {}
+    for name, extra in layouts.items():
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, records(extra))
+        out[name] = next(r for r in everyone if r)
+    return out
+
+
+def logged_losses(make: Callable[[], Any]) -> list[tuple[float, float]]:
+    """In a spawned rank: run the trainer `make()` builds; (loss, grad norm) of each iteration
+    on the logging rank, nothing elsewhere."""
+    import contextlib
+    import io
+    tr = make()
+    with contextlib.redirect_stdout(io.StringIO()):
+        records = tr.run()
+    return [(r["loss"], r["grad_norm"]) for r in records] if tr.is_logger else []
+
+
+def assert_parity(runs: dict[str, list], reference: list, iters: int, tol: float = 1e-5) -> None:
+    """Every layout's per-iteration (loss, grad norm, ...) within `tol` of the single process's."""
+    for name, run in runs.items():
+        assert len(run) == len(reference) == iters, name
+        diffs = [max(abs(a - b) for a, b in zip(r, ref, strict=True)) for r, ref in zip(run, reference, strict=True)]
+        print(f"{name}: max |delta loss, grad norm| vs single process {max(diffs):.2e}")  # pytest -s
+        assert max(diffs) <= tol, (name, run, reference)
+
+
+# ----------------------------------------------------------------------------- TensorBoard
+
+# TensorBoard tag -> (JSONL field, unit, also "TAG vs samples"), written out here as the spec:
+# Megatron-LM's tags (training.py training_log / evaluate_and_print_results), then megazero's.
+TAGS = {
+    "lm loss": ("loss", 1, True),
+    "learning-rate": ("lr", 1, True),
+    "batch-size": ("batch_size", 1, True),
+    "loss-scale": ("loss_scale", 1, True),
+    "grad-norm": ("grad_norm", 1, True),
+    "lm loss validation": ("val_loss", 1, True),
+    "lm loss validation ppl": ("val_ppl", 1, True),
+    "iteration-time": ("iteration_time_s", 1, False),
+    "throughput": ("tflops_per_device", 1, False),
+    "mem-max-allocated-bytes": ("peak_mem_gib", 2**30, False),
+    "tokens-per-sec": ("tokens_per_sec", 1, False),
+    "mfu": ("mfu", 1, False),
+    "skipped-iterations": ("skipped_iters", 1, False),
+}
+
+
+def tensorboard_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})  # 0: keep every event
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))  # TensorBoard stores scalars as float32
+
+
+def assert_tensorboard_matches(log_dir: str, records: list[dict]) -> None:
+    """Every scalar in log_dir (by iteration) and log_dir/vs_samples (by consumed samples) is
+    a JSONL value under its tag, and every JSONL value with a tag is there, once."""
+    from megazero.train.sinks import SAMPLES_RUN
+    expected: dict[str, list[tuple[int, float]]] = {}
+    samples: dict[str, list[tuple[int, float]]] = {}
+    for tag, (field, unit, vs_samples) in TAGS.items():
+        rows = [r for r in records if r.get(field) is not None]
+        if rows:
+            expected[tag] = [(r["iteration"], _f32(r[field] * unit)) for r in rows]
+            if vs_samples:
+                samples[f"{tag} vs samples"] = [(r["consumed_samples"], _f32(r[field] * unit)) for r in rows]
+    assert tensorboard_scalars(log_dir) == expected
+    assert tensorboard_scalars(os.path.join(log_dir, SAMPLES_RUN)) == samples

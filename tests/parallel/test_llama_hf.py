@@ -1,0 +1,94 @@
+"""The Llama family from and to Hugging Face: a run starts from a transformers-saved (sharded)
+LlamaForCausalLM at tensor- and pipeline-parallel layouts, each rank reading its rows of the
+q/k/v and gate/up tensors, and trains step for step as LlamaForCausalLM + torch.optim.AdamW on
+the same batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import make_config, make_trainer, run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+HF = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+          tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+STEPS, LR = 3, 1e-3
+BASE: dict = {"data": {"mock": True}}  # no model keys: the run takes them from config.json
+ARGS = ["--model.seq_length", "32", "--data.mock", "true", "--train.global_batch_size", "8",
+        "--train.micro_batch_size", "2", "--train.iters", str(STEPS), "--optim.lr", str(LR), "--optim.min_lr",
+        str(LR), "--optim.decay_style", "constant", "--optim.warmup_iters", "0", "--optim.clip_grad", "0",
+        "--optim.weight_decay", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A random LlamaForCausalLM (grouped K/V, untied, no biases) with non-trivial norms, saved as
+    safetensors shards with an index."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape) * 0.1)
+    path = tmp_path_factory.mktemp("hf-llama")
+    model.save_pretrained(str(path), safe_serialization=True, max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").exists()
+    return str(path)
+
+
+def _transformers_losses(hf_dir: str) -> list[float]:
+    """LlamaForCausalLM + torch.optim.AdamW (decay on matrices only, as megazero) on megazero's
+    global batches (mock data; sample i depends only on (seed, i))."""
+    from megazero.data.mock import MockGPTDataset
+    cfg = make_config(ARGS, base=BASE)
+    ds = MockGPTDataset(8 * STEPS, 32, HF["vocab_size"], cfg.train.seed)
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    plain = [p for p in model.parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}],
+                            lr=LR, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps)
+    out = []
+    for step in range(STEPS):
+        rows = torch.stack([torch.as_tensor(ds[i]) for i in range(8 * step, 8 * step + 8)]).long()
+        loss = model(input_ids=rows, labels=rows).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(float(loss))
+    return out
+
+
+def _losses(hf_dir: str, layouts: list[list[str]]) -> list[list[float]]:
+    out = []
+    for layout in layouts:
+        tr = make_trainer(ARGS + layout + ["--checkpoint.init_from_hf", hf_dir], base=BASE)
+        out.append([tr.train_step()["loss"] for _ in range(STEPS)])
+    return out
+
+
+def test_llama_from_hugging_face_trains_as_transformers(hf_dir):
+    """tp 2 x pp 2 (ZeRO-1) and tp 2 x dp 2 (ZeRO-3) from the sharded HF directory: every step's
+    loss equals LlamaForCausalLM + AdamW within 1e-4."""
+    expected = _transformers_losses(hf_dir)
+    layouts = [["--parallel.tp", "2", "--parallel.pp", "2", "--zero.stage", "1"],
+               ["--parallel.tp", "2", "--zero.stage", "3"]]
+    per_layout = list(zip(*run_distributed(_losses, 4, hf_dir, layouts), strict=True))
+    for layout, losses in zip(layouts, per_layout, strict=True):
+        held = [run for run in losses if run[0] is not None]  # the ranks that hold the loss
+        assert held, layout
+        for run in held:
+            assert max(abs(a - b) for a, b in zip(run, expected, strict=True)) <= 1e-4, (layout, run, expected)
+
+
+def test_set_model_keys_must_agree_with_config_json(hf_dir):
+    """A model key the run sets that config.json contradicts: one line naming both values."""
+    from megazero.config import ConfigError
+    with pytest.raises(ConfigError, match=r"model.num_query_groups \(4\) differs from num_key_value_heads \(2\) in "):
+        make_config(ARGS + ["--model.num_query_groups", "4", "--checkpoint.init_from_hf", hf_dir], base=BASE, world=1)
+    cfg = make_config(ARGS + ["--checkpoint.init_from_hf", hf_dir], base=BASE, world=1)
+    m = cfg.model
+    assert (m.position_embedding, m.activation, m.query_groups, m.tie_embeddings, m.bias, m.rope_base) == \
+        ("rope", "swiglu", 2, False, False, 500000.0)
