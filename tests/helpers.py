@@ -54,6 +54,21 @@ def make_grid(tp: int):
     return grid
 
 
+def full_logits(trainer, rows):
+    """A trainer's model's logits of token ids `rows` in eval mode ([b, s, vocab], unpadded): ZeRO-3
+    gathers as it runs, the TP vocabulary slices are joined (one pipeline stage)."""
+    import torch
+    import torch.distributed as dist
+
+    model, tp = trainer.chunks[0], trainer.grid.tp_group
+    with torch.no_grad():
+        local = model.eval()(rows)
+    model.train()
+    pieces = [torch.empty_like(local) for _ in range(tp.size)]
+    dist.all_gather(pieces, local, group=tp.pg)
+    return torch.cat(pieces, dim=-1)[..., : trainer.cfg.model.vocab_size]
+
+
 # ----------------------------------------------------------------------------- a small corpus
 
 WORDS = (

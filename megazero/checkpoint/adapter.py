@@ -6,9 +6,12 @@
 
 Each adapter is assembled whole, like model_16bit.safetensors: from its ZeRO-3 shards over
 DP (only the trainable buckets are gathered, never the frozen base), its TP shards and its
-pipeline stage, and written by global rank 0. PEFT's names are megazero's behind
+pipeline stage, and written by global rank 0. For GPT-2, PEFT's names are megazero's behind
 `base_model.model.`; its shapes for GPT-2's Conv1D with fan_in_fan_out are lora_A [r, in]
-and lora_B [out, r], megazero's own.
+and lora_B [out, r], megazero's own. For the Llama family they are LlamaForCausalLM's
+(model.layers.{i}.self_attn.q_proj.lora_A.weight, ...; fan_in_fan_out false): megazero
+keeps one adapter per part of its fused q|k|v and gate|up projections, each exactly the
+adapter PEFT puts on that part's own Linear, so only the names change.
 
 `convert --to torch|hf` exports the base model alone (`base_only`: the model the adapter
 directory applies to), or with `--merge-lora` the adapters folded into it (`merge_lora`).
@@ -17,6 +20,7 @@ directory applies to), or with `--merge-lora` the adapters folded into it (`merg
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Iterator
@@ -27,9 +31,10 @@ from torch import nn
 from megazero.atomic import write_text
 from megazero.checkpoint.base import Checkpoint, CheckpointError
 from megazero.checkpoint.gathered import save_gathered
-from megazero.config.schema import Config
+from megazero.checkpoint.hf_names import hf_adapter_name
+from megazero.config.schema import Config, ModelConfig
 from megazero.model.lora import adapter_shapes, is_adapter, merged_weight
-from megazero.model.lora_targets import FAMILY_PARTS, part_rows
+from megazero.model.lora_targets import FAMILY_PARTS, hf_target_names, part_rows, uses_hf_names
 from megazero.parallel.grid import ProcessGrid
 
 ADAPTER_DIR = "adapter"
@@ -39,11 +44,12 @@ PEFT_PREFIX = "base_model.model."
 
 
 def peft_config(cfg: Config) -> dict:
-    """adapter_config.json: what PEFT needs to rebuild the adapted GPT-2."""
-    f = cfg.finetune
+    """adapter_config.json: what PEFT needs to rebuild the adapted GPT-2 or LlamaForCausalLM."""
+    f, family = cfg.finetune, uses_hf_names(cfg.model)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": f.lora_rank, "lora_alpha": f.lora_alpha,
-            "lora_dropout": f.lora_dropout, "target_modules": list(f.lora_targets),
-            "fan_in_fan_out": True,  # GPT-2's projections are Conv1D ([in, out] weights)
+            "lora_dropout": f.lora_dropout,
+            "target_modules": hf_target_names(f.lora_targets, cfg.model) if family else list(f.lora_targets),
+            "fan_in_fan_out": not family,  # GPT-2's projections are Conv1D ([in, out] weights), Llama's Linear
             "bias": "none", "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
             "base_model_name_or_path": cfg.checkpoint.init_from_hf}
 
@@ -58,8 +64,14 @@ def save_adapter(directory: str, adapters: Iterator[tuple[str, nn.Parameter, tor
         os.makedirs(out, exist_ok=True)
         write_text(os.path.join(out, CONFIG_NAME), json.dumps(peft_config(cfg), indent=1))
     save_gathered(os.path.join(out, WEIGHTS_NAME), adapters, adapter_shapes(cfg.model, cfg.finetune), grid,
-                  torch.float32, {"format": "pt"}, key=lambda name: PEFT_PREFIX + name)
+                  torch.float32, {"format": "pt"}, key=functools.partial(peft_key, cfg.model))
     return [os.path.join(ADAPTER_DIR, CONFIG_NAME), os.path.join(ADAPTER_DIR, WEIGHTS_NAME)]
+
+
+def peft_key(m: ModelConfig, name: str) -> str:
+    """PEFT's key of adapter weight `name`: megazero's own name for GPT-2, the LlamaForCausalLM
+    module's for the family (each part of a fused projection is its own Linear there)."""
+    return PEFT_PREFIX + (hf_adapter_name(name) if uses_hf_names(m) else name)
 
 
 # ----------------------------------------------------------------------------- exports

@@ -83,6 +83,28 @@ def pieces(name: str, m: ModelConfig) -> list[Piece]:
     return [Piece(f"{layer}{hf}.{kind}", r, False) for hf, r in zip(_LLAMA_FUSED[module], rows, strict=True)]
 
 
+def hf_module(rest: str) -> str | None:
+    """The LlamaForCausalLM module (inside model.layers.{i}) of megazero's projection `rest`
+    inside a block: a whole one (attn.c_proj: self_attn.o_proj) or a part of a fused one
+    (attn.c_attn.q_proj: self_attn.q_proj); None for what Llama has no module for."""
+    if rest + ".weight" in _LLAMA_BLOCK:
+        return _LLAMA_BLOCK[rest + ".weight"].removesuffix(".weight")
+    module, _, part = rest.rpartition(".")
+    return next((hf for hf in _LLAMA_FUSED.get(module, ()) if hf.endswith("." + part)), None)
+
+
+def hf_adapter_name(name: str) -> str:
+    """The LlamaForCausalLM name of a LoRA weight of the family (transformer.h.{i}.attn.c_attn
+    .q_proj.lora_A.weight: model.layers.{i}.self_attn.q_proj.lora_A.weight), as PEFT names it
+    behind base_model.model.; a name without a Llama module is kept."""
+    head, lora, kind = name.rsplit(".", 2)
+    prefix, h, block, rest = head.split(".", 3)
+    hf = hf_module(rest)
+    if (prefix, h) != ("transformer", "h") or hf is None:
+        return name
+    return f"model.layers.{block}.{hf}.{lora}.{kind}"
+
+
 def hf_config(m: ModelConfig, eos_token_id: int | None = None) -> dict:
     """The config.json of a megazero model, for its architecture."""
     assert isinstance(m.vocab_size, int)

@@ -58,6 +58,14 @@ def adapted(targets: list[str], m: ModelConfig) -> list[Target]:
     return list(dict.fromkeys(out))
 
 
+def hf_target_names(targets: list[str], m: ModelConfig) -> list[str]:
+    """PEFT's target_modules on LlamaForCausalLM for what `targets` adapts in model `m` of the
+    family (c_attn: q_proj, k_proj, v_proj), in FAMILY_PARTS' order."""
+    chosen = adapted(targets, m)
+    return [name for name, (module, index) in FAMILY_PARTS.items()
+            if Target(module, name if index is not None else None, index) in chosen]
+
+
 def part_rows(m: ModelConfig, module: str, index: int) -> tuple[int, int]:
     """[lo, hi) of part `index` among the rows of fused projection `module` (full, unsharded)."""
     q, kv, ffn = m.hidden_size, m.query_groups * m.head_dim, m.ffn_size

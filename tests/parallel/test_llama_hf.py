@@ -1,14 +1,18 @@
 """The Llama family from and to Hugging Face: a run starts from a transformers-saved (sharded)
 LlamaForCausalLM at tensor- and pipeline-parallel layouts, each rank reading its rows of the
 q/k/v and gate/up tensors, and trains step for step as LlamaForCausalLM + torch.optim.AdamW on
-the same batches."""
+the same batches; a LoRA fine-tune's adapter loads with PEFT onto the exported LlamaForCausalLM
+and --merge-lora folds it in."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 import torch
 
-from helpers import make_config, make_trainer, run_distributed
+from helpers import full_logits, make_config, make_trainer, run_distributed
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,3 +96,52 @@ def test_set_model_keys_must_agree_with_config_json(hf_dir):
     m = cfg.model
     assert (m.position_embedding, m.activation, m.query_groups, m.tie_embeddings, m.bias, m.rope_base) == \
         ("rope", "swiglu", 2, False, False, 500000.0)
+
+
+# ----------------------------------------------------------------------------- LoRA: PEFT and --merge-lora
+
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = ["--finetune.lora_rank", "4", "--finetune.lora_alpha", "8", "--optim.lr", "2e-2", "--optim.min_lr", "2e-2",
+        "--finetune.lora_targets", *HF_TARGETS]
+ROWS = torch.randint(0, HF["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def _lora_then_logits(hf_dir: str, save: str) -> torch.Tensor:
+    """Two LoRA steps at tp 2 from hf_dir, saved; the model's logits of ROWS."""
+    t = make_trainer(ARGS + LORA + ["--parallel.tp", "2", "--train.iters", "2", "--checkpoint.init_from_hf", hf_dir,
+                                    "--checkpoint.save", save], base=BASE)
+    for _ in range(2):
+        t.train_step()
+    t.save_checkpoint(last=False)
+    return full_logits(t, ROWS)
+
+
+def test_lora_adapters_load_in_peft_on_the_export_and_merge(hf_dir, tmp_path):
+    """The adapter directory of a family LoRA run (q|k|v and gate|up parts, each its own PEFT
+    adapter) is PEFT's for LlamaForCausalLM: on the base export its logits are megazero's
+    (1e-5, fp32), and so are those of the --merge-lora export."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from megazero.convert import main as convert
+    save = str(tmp_path / "save")
+    expected = run_distributed(_lora_then_logits, 2, hf_dir, save)[0]
+    ckpt, adapter = os.path.join(save, "iter_0000002"), os.path.join(save, "iter_0000002", "adapter")
+    config = json.load(open(os.path.join(adapter, "adapter_config.json")))
+    assert (config["target_modules"], config["fan_in_fan_out"], config["base_model_name_or_path"]) == \
+        (HF_TARGETS, False, hf_dir)
+    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    assert len(tensors) == 2 * 7 * 2  # layers x projections x (A, B)
+    assert tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"].shape == (32, 4)  # 2 groups x 16
+    base, merged = str(tmp_path / "base"), str(tmp_path / "merged")
+    convert(["--load", ckpt, "--to", "hf", "--output", base])
+    convert(["--load", ckpt, "--to", "hf", "--output", merged, "--merge-lora"])
+    with torch.no_grad():
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
+        assert type(plain).__name__ == "LlamaForCausalLM"
+        unadapted = plain(ROWS).logits
+        got = peft.PeftModel.from_pretrained(plain, adapter).eval()(ROWS).logits
+        folded = transformers.AutoModelForCausalLM.from_pretrained(merged, torch_dtype=torch.float32).eval()(ROWS).logits
+    assert (unadapted - expected).abs().max() > 1e-3  # the adapters matter
+    assert (got - expected).abs().max() <= 1e-5
+    assert (folded - expected).abs().max() <= 1e-5

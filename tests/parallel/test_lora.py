@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from helpers import make_config, make_trainer, run_distributed
+from helpers import full_logits, make_config, make_trainer, run_distributed
 from megazero.config import ConfigError
 
 ARGS = ["--model.num_layers", "2", "--model.seq_length", "32", "--model.dropout", "0", "--data.mock", "true", "--train.global_batch_size", "8",
@@ -149,18 +149,6 @@ def reference(hf_dir) -> dict:
 ROWS = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
-def _full_logits(t) -> torch.Tensor:
-    """The parallel model's logits of ROWS (ZeRO-3 gathers, TP vocab slices joined)."""
-    import torch.distributed as dist
-    model, tp = t.chunks[0], t.grid.tp_group
-    with torch.no_grad():
-        local = model.eval()(ROWS)
-    model.train()
-    pieces = [torch.empty_like(local) for _ in range(tp.size)]
-    dist.all_gather(pieces, local, group=tp.pg)
-    return torch.cat(pieces, dim=-1)[..., : t.cfg.model.vocab_size]
-
-
 def _parallel_then_resume(hf_dir: str, save: str, iters: int, half: int) -> dict:
     """tp 2 x dp 2 at ZeRO-3: train `iters` saving after `half` (with the logits of the saved
     model); resume that checkpoint in the same layout and in another (dp 4, ZeRO-1)."""
@@ -172,7 +160,7 @@ def _parallel_then_resume(hf_dir: str, save: str, iters: int, half: int) -> dict
         out["straight"].append(t.train_step()["loss"])
         if i + 1 == half:
             t.save_checkpoint(last=False)
-            out["logits"] = _full_logits(t)
+            out["logits"] = full_logits(t, ROWS)
     for name, layout in [("resumed", TP2_DP2_Z3), ("resharded", ["--zero.stage", "1"])]:
         t = make_trainer(ARGS + layout + ["--train.iters", str(iters), "--checkpoint.load", save])
         out[name] = [t.train_step()["loss"] for _ in range(iters - half)]
