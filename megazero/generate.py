@@ -3,8 +3,11 @@
 
 CKPT is any checkpoint kind: a save directory (its `latest`), an iter_NNNNNNN directory, a
 universal checkpoint, a torch export (FILE + FILE.config.json, or model_16bit.safetensors)
-or a Hugging Face GPT-2 directory. At most model.seq_length tokens fit, prompt included:
-a longer request is cut there with a warning. Under torchrun
+or a Hugging Face GPT-2 or Llama directory. The tokenizer is --tokenizer's (a spec or a
+Hugging Face directory), else the one the checkpoint names, else that of the Hugging Face
+directory its run started from (tokenizer.json, Llama 3 style, or tokenizer.model, Llama 2
+style). At most model.seq_length tokens fit, prompt included: a longer request is cut there
+with a warning. Under torchrun
 with N processes the model is split tp = N ways; every rank samples the same tokens
 (same seed, same gathered logits). Temperature 0 is greedy decoding.
 
@@ -34,7 +37,7 @@ from megazero.checkpoint.adapter import adapters_folded
 from megazero.checkpoint.base import Checkpoint, CheckpointError
 from megazero.checkpoint.load import open_checkpoint
 from megazero.checkpoint.tensors import fit_vocab
-from megazero.data.tokenizer import Tokenizer, build_tokenizer
+from megazero.data.tokenizer import Tokenizer, build_tokenizer, spec_of_directory
 from megazero.errors import UserError, report_errors
 from megazero.inference.offload import BlockStreamer, build_offloaded_model
 from megazero.inference.prompts import read_prompts, write_completions
@@ -139,10 +142,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         _check_args(args, world)
         ckpt = adapters_folded(open_checkpoint(args.load))  # a LoRA fine-tune generates with its adapters
         m = ckpt.model_config
-        spec = args.tokenizer or ckpt.tokenizer
+        spec = args.tokenizer or ckpt.tokenizer or started_from_tokenizer(ckpt)
         if not spec:
-            raise UserError(f"{ckpt.kind} '{args.load}' names no tokenizer; pass --tokenizer gpt2bpe:DIR "
-                            f"or sentencepiece:FILE")
+            raise UserError(f"{ckpt.kind} '{args.load}' names no tokenizer; pass --tokenizer gpt2bpe:DIR, "
+                            f"sentencepiece:FILE or a Hugging Face directory")
         tokenizer = build_tokenizer(spec)
         assert isinstance(m.vocab_size, int)
         if tokenizer.vocab_size > m.vocab_size:
@@ -182,7 +185,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--tokenizer", help="tokenizer spec when the checkpoint names none (gpt2bpe:DIR, ...)")
+    parser.add_argument("--tokenizer", help="tokenizer spec when the checkpoint names none (gpt2bpe:DIR, hf:DIR, a Hugging Face "
+                                             "directory, ...)")
     parser.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
                         help="keep the transformer blocks in host memory or on NVMe and stream them (ZeRO-Inference)")
     parser.add_argument("--nvme-path", help="directory for --offload nvme's weights file (default: beside the "
@@ -201,6 +205,14 @@ def _check_args(args: argparse.Namespace, world: int) -> None:
                         f"run python -m megazero.generate without torchrun")
     if args.nvme_path and args.offload != "nvme":
         raise UserError("--nvme-path is where --offload nvme keeps the weights; add --offload nvme or drop it")
+
+
+def started_from_tokenizer(ckpt: Checkpoint) -> Optional[str]:
+    """The tokenizer of the Hugging Face directory a run without data.tokenizer started from
+    (checkpoint.init_from_hf: tokenizer.json, tokenizer.model, ...), if it has one."""
+    config = getattr(ckpt.training, "config", None)
+    start = config.checkpoint.init_from_hf if config is not None else None
+    return spec_of_directory(start) if start and os.path.isdir(start) else None
 
 
 def _encode(tokenizer: Tokenizer, text: str, n: int) -> list[int]:

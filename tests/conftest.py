@@ -23,6 +23,29 @@ def spm_spec(tmp_path_factory: pytest.TempPathFactory) -> str:
     return train_sentencepiece(texts, 320, tmp_path_factory.mktemp("spm"))
 
 
+@pytest.fixture(scope="session")
+def llama3_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Hugging Face directory holding only a tokenizer.json in Llama 3's style (byte-level BPE,
+    <|begin_of_text|> added in front by its post-processor, <|end_of_text|> the eos of
+    tokenizer_config.json), trained offline on the small corpus: 300 ids in all."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(make_texts(400) + SAMPLES, trainers.BpeTrainer(
+        vocab_size=298, special_tokens=[], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.add_special_tokens(specials)
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[
+        ("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))])
+    path = tmp_path_factory.mktemp("llama3-tokenizer")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": specials[0], "eos_token": specials[1]}))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def cli():
     """preprocess_data.py, loaded once."""

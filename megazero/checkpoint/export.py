@@ -151,7 +151,8 @@ def write_hf_tokenizer(tokenizer: Tokenizer, output_dir: str, model_max_length: 
     """A megazero tokenizer, into an HF directory: megazero's own files (so megazero
     reads the directory back with the same tokenizer) and tokenizer.json +
     tokenizer_config.json (so `AutoTokenizer.from_pretrained` encodes the same ids)."""
-    names = ("vocab.json", "merges.txt") if tokenizer.kind == "gpt2bpe" else (SPM_MODEL_NAME,)
+    # An hf tokenizer's own file is the tokenizer.json hf_tokenizer_files writes.
+    names = {"gpt2bpe": ("vocab.json", "merges.txt"), "sentencepiece": (SPM_MODEL_NAME,), "hf": ()}[tokenizer.kind]
     for source, name in zip(tokenizer.files, names):
         with open(source, "rb") as f:
             write_bytes(os.path.join(output_dir, name), f.read())

@@ -24,6 +24,7 @@ from megazero.checkpoint.hf_names import GPT2_CONV1D as CONV1D_SUFFIXES
 from megazero.checkpoint.hf_names import Piece, model_config_from_hf, pieces
 from megazero.checkpoint.tensors import plain_shapes
 from megazero.config.schema import ModelConfig
+from megazero.data.tokenizer import spec_of_directory
 from megazero.parallel.placement import Placement, placement
 
 TIED_HEAD = "lm_head.weight"
@@ -138,12 +139,9 @@ def open_hf(path: str) -> Checkpoint:
 
 
 def hf_tokenizer_spec(hf_dir: str) -> Optional[str]:
-    """The megazero spec of the tokenizer files in an HF directory (GPT-2 BPE or SentencePiece)."""
-    if all(os.path.isfile(os.path.join(hf_dir, n)) for n in ("vocab.json", "merges.txt")):
-        return f"gpt2bpe:{hf_dir}"
-    if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
-        return f"sentencepiece:{hf_dir}"
-    return None
+    """The megazero spec of the tokenizer files in an HF directory (GPT-2 BPE, a SentencePiece
+    tokenizer.model or a tokenizer.json: data/tokenizer.py's spec_of_directory)."""
+    return spec_of_directory(hf_dir)
 
 
 # ----------------------------------------------------------------------------- init_from_hf

@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from megazero.data import DataError
-from megazero.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer, SentencePieceTokenizer, Tokenizer
+from megazero.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer, HFTokenizer, SentencePieceTokenizer, Tokenizer
 
 SPACE = "\u2581"  # SentencePiece's visible space
 SPM_UNIGRAM, SPM_BPE = 1, 2
@@ -34,6 +34,9 @@ def hf_tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, str]:
     if isinstance(tok, GPT2BPETokenizer):
         pipeline, special = _gpt2bpe_pipeline(tok), {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN,
                                                     "unk_token": EOD_TOKEN}
+    elif isinstance(tok, HFTokenizer):  # already a tokenizer.json: as it is, with its eos
+        from tokenizers import Tokenizer as Pipeline
+        pipeline, special = Pipeline.from_str(tok.pipeline_json()), {"eos_token": tok.token(tok.eod)}
     else:
         pipeline, special = _sentencepiece_pipeline(tok)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": model_max_length,

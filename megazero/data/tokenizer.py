@@ -1,4 +1,5 @@
-"""Tokenizers: GPT-2 byte-level BPE and SentencePiece, built from a spec string; training both.
+"""Tokenizers: GPT-2 byte-level BPE, SentencePiece and Hugging Face tokenizer.json, built from a
+spec string; training the first two.
 
 A tokenizer spec (the ``data.tokenizer`` config value, preprocess_data.py's ``--tokenizer``) is
 ``KIND:PATH``:
@@ -8,6 +9,11 @@ A tokenizer spec (the ``data.tokenizer`` config value, preprocess_data.py's ``--
     gpt2bpe:VOCAB.json,MERGES.txt    the two files named separately
     sentencepiece:FILE.model         a SentencePiece model
     sentencepiece:DIR                DIR holds tokenizer.model
+    hf:DIR                           DIR holds a `tokenizers` tokenizer.json (a Hugging Face
+                                     directory, Llama 3 style); hf:FILE.json names the file
+    DIR                              a Hugging Face model directory: its tokenizer files decide
+                                     (vocab.json + merges.txt: gpt2bpe; tokenizer.model, Llama 2
+                                     style: sentencepiece; else tokenizer.json: hf)
 
 A tokenizer's identity (kind, vocabulary size, end-of-document id and a sha256 over its
 files' bytes) is stored beside every dataset made with it, so that training can refuse a
@@ -29,7 +35,7 @@ from megazero.atomic import atomic_write
 from megazero.data import DataError
 
 EOD_TOKEN = "<|endoftext|>"
-KINDS = ("gpt2bpe", "sentencepiece")
+KINDS = ("gpt2bpe", "sentencepiece", "hf")
 # Megatron-LM's --tokenizer-type names, so its users can keep their flags.
 MEGATRON_TYPES = {
     "GPT2BPETokenizer": "gpt2bpe",
@@ -37,6 +43,7 @@ MEGATRON_TYPES = {
     "GPTSentencePieceTokenizer": "sentencepiece",
 }
 SPM_MODEL_NAME = "tokenizer.model"
+HF_TOKENIZER_NAME = "tokenizer.json"
 
 
 def _sha256_of_files(paths: Iterable[str]) -> str:
@@ -137,7 +144,93 @@ class SentencePieceTokenizer:
         return _identity(self)
 
 
-Tokenizer = GPT2BPETokenizer | SentencePieceTokenizer
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (any `tokenizers` pipeline: Llama 3's byte-level BPE, ...).
+
+    Text is encoded without the pipeline's added bos/eos (as the other kinds: documents are
+    plain text, preprocessing's --append-eod marks their ends); special tokens written in the
+    text (<|begin_of_text|>, ...) are matched, as transformers does. The end-of-document id is
+    the directory's eos token: tokenizer_config.json's eos_token, else config.json's (or
+    generation_config.json's) eos_token_id, the first of a list."""
+
+    kind = "hf"
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.spec = f"hf:{path}"
+        _require_file(path, self.spec)
+        self.files = (path,)
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as e:  # the library raises its own exception types for bad files
+            raise DataError(f"tokenizer {self.spec!r}: not a tokenizer.json ({e})") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eod = self._eos(os.path.dirname(path))
+
+    def _eos(self, directory: str) -> int:
+        token = _json_entry(os.path.join(directory, "tokenizer_config.json"), "eos_token")
+        if isinstance(token, dict):  # an AddedToken written out: {"content": ..., ...}
+            token = token.get("content")
+        found = self._tok.token_to_id(token) if isinstance(token, str) else None
+        if found is not None:
+            return found
+        for name in ("config.json", "generation_config.json"):
+            eos = _json_entry(os.path.join(directory, name), "eos_token_id")
+            eos = eos[0] if isinstance(eos, list) and eos else eos
+            if isinstance(eos, int) and 0 <= eos < self.vocab_size:
+                return eos
+        raise DataError(f"tokenizer {self.spec!r}: no end-of-document token (eos_token in tokenizer_config.json "
+                        f"or eos_token_id in config.json beside it)")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def identity(self) -> dict[str, Any]:
+        return _identity(self)
+
+    def token(self, i: int) -> str:
+        return self._tok.id_to_token(i) or ""
+
+    def pipeline_json(self) -> str:
+        return self._tok.to_str()
+
+
+def _json_entry(path: str, key: str) -> Any:
+    """KEY of the JSON object in PATH; None when the file or the key is missing."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {path} ({e})") from None
+    return value.get(key) if isinstance(value, dict) else None
+
+
+def spec_of_directory(directory: str) -> str | None:
+    """The spec of the tokenizer files in a Hugging Face model directory: GPT-2's vocab.json +
+    merges.txt, else a SentencePiece tokenizer.model (Llama 2 style, the tokenizer.json beside
+    it being derived from it), else a tokenizer.json (Llama 3 style); None without any."""
+    def has(name: str) -> bool:
+        return os.path.isfile(os.path.join(directory, name))
+
+    if has("vocab.json") and has("merges.txt"):
+        return f"gpt2bpe:{directory}"
+    if has(SPM_MODEL_NAME):
+        return f"sentencepiece:{directory}"
+    if has(HF_TOKENIZER_NAME):
+        return f"hf:{directory}"
+    return None
+
+
+Tokenizer = GPT2BPETokenizer | SentencePieceTokenizer | HFTokenizer
 
 
 def _identity(tok: Tokenizer) -> dict[str, Any]:
@@ -147,13 +240,21 @@ def _identity(tok: Tokenizer) -> dict[str, Any]:
 def build_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer a spec string names (see the module docstring for the forms)."""
     kind, sep, path = spec.partition(":")
-    if not sep or not path or kind not in KINDS:
+    if (not sep or kind not in KINDS) and os.path.isdir(spec):  # a Hugging Face model directory
+        found = spec_of_directory(spec)
+        if found is None:
+            raise DataError(f"tokenizer {spec!r}: the directory holds no tokenizer files (vocab.json + merges.txt, "
+                            f"tokenizer.model or tokenizer.json)")
+        kind, _, path = found.partition(":")
+    elif not sep or not path or kind not in KINDS:
         raise DataError(
             f"tokenizer spec {spec!r} is not KIND:PATH with KIND one of {', '.join(KINDS)}; "
-            f"e.g. gpt2bpe:DIR (vocab.json + merges.txt) or sentencepiece:FILE.model"
+            f"e.g. gpt2bpe:DIR (vocab.json + merges.txt), sentencepiece:FILE.model or hf:DIR (tokenizer.json)"
         )
     tokenizer: Tokenizer
-    if kind == "gpt2bpe":
+    if kind == "hf":
+        tokenizer = HFTokenizer(os.path.join(path, HF_TOKENIZER_NAME) if os.path.isdir(path) else path)
+    elif kind == "gpt2bpe":
         if "," in path:
             vocab_file, merges_file = path.split(",", 1)
         else:

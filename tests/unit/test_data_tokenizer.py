@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SAMPLES, load_script, make_texts, write_jsonl
+from helpers import SAMPLES, documents, load_script, make_texts, run, write_jsonl
 from megazero.data import DataError
 from megazero.data.tokenizer import (
     build_tokenizer,
@@ -126,3 +126,53 @@ def test_train_tokenizer_says_when_the_corpus_yields_fewer_tokens(kind: str, tmp
     assert got < 50000
     assert captured.err == (f"warning: the corpus yields only {got:,} tokens of the 50,000 --vocab-size asked for; "
                             f"use a larger corpus (--input) or a smaller --vocab-size\n")
+
+
+# ----------------------------------------------------------------------------- Hugging Face directories
+
+
+def test_tokenizer_json_of_a_hugging_face_directory(llama3_tokenizer_dir: str, tmp_path: Path) -> None:
+    """hf:DIR or the bare DIR: a tokenizer.json (Llama 3 style) encodes as transformers does without
+    its added bos, decodes back, and ends documents with the directory's eos token."""
+    transformers = pytest.importorskip("transformers")
+    tok = build_tokenizer(llama3_tokenizer_dir)
+    assert tok.kind == "hf" and tok.vocab_size == 300
+    assert tok.identity() == build_tokenizer(f"hf:{llama3_tokenizer_dir}").identity()
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(llama3_tokenizer_dir, "tokenizer.json"))
+    assert tok.eod == theirs.convert_tokens_to_ids("<|end_of_text|>")
+    for text in SAMPLES + make_texts(5, seed=1):
+        ids = tok.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False) and tok.decode(ids) == text
+    assert tok.encode_batch(SAMPLES) == [tok.encode(t) for t in SAMPLES]
+    # Without tokenizer_config.json, config.json's eos_token_id (a list: its first) decides.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes(Path(llama3_tokenizer_dir, "tokenizer.json").read_bytes())
+    (bare / "config.json").write_text(json.dumps({"eos_token_id": [7, 8]}))
+    assert build_tokenizer(str(bare)).eod == 7
+    (bare / "config.json").unlink()
+    with pytest.raises(DataError, match="no end-of-document token"):
+        build_tokenizer(str(bare))
+    with pytest.raises(DataError, match="holds no tokenizer files"):
+        build_tokenizer(str(tmp_path))
+
+
+def test_a_llama2_directory_uses_its_sentencepiece_model(spm_spec: str, llama3_tokenizer_dir: str,
+                                                         tmp_path: Path) -> None:
+    """tokenizer.model beside a tokenizer.json (Llama 2's directories): the SentencePiece model."""
+    model = spm_spec.partition(":")[2]
+    (tmp_path / "tokenizer.model").write_bytes(Path(model).read_bytes())
+    (tmp_path / "tokenizer.json").write_bytes(Path(llama3_tokenizer_dir, "tokenizer.json").read_bytes())
+    tok = build_tokenizer(str(tmp_path))
+    assert tok.kind == "sentencepiece" and tok.identity() == build_tokenizer(spm_spec).identity()
+
+
+def test_preprocess_with_a_hugging_face_directory(cli, capsys, tmp_path: Path, llama3_tokenizer_dir: str) -> None:
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_texts(6))
+    out = tmp_path / "out"
+    code, _, _ = run(cli, capsys, "--input", str(corpus), "--tokenizer", llama3_tokenizer_dir,
+                     "--output-prefix", str(out), "--append-eod")
+    assert code == 0
+    tok = build_tokenizer(llama3_tokenizer_dir)
+    docs = documents(Path(str(out) + "_text_document"))
+    assert docs == [[*tok.encode(t), tok.eod] for t in make_texts(6)]
