@@ -9,8 +9,8 @@ and the compute stream waits on that copy's event before using it). After the la
 the first one is fetched again, for the next decoding step.
 
 The token and position embeddings and the final LayerNorm stay resident on the device (the
-head is tied to the token embedding): for GPT-2 1.5B that is 0.33 GB in fp32 against 5.9 GB
-of blocks. The KV cache is kept as usual, but every decoding step streams every block once
+head is tied to the token embedding; the Llama family's untied output layer stays resident
+too): for GPT-2 1.5B that is 0.33 GB in fp32 against 5.9 GB of blocks. The KV cache is kept as usual, but every decoding step streams every block once
 more: a step costs one pass over the weights whatever the batch, so large batches are what
 make it pay (DeepSpeed's ZeRO-Inference makes the same trade).
 """
@@ -45,7 +45,10 @@ def build_offloaded_model(ckpt: Checkpoint, device: torch.device, offload: str, 
     blocks = list(model.transformer.h.values())
     layout = BlockLayout(blocks[0], torch.float32)
     store = HostWeightStore(layout, len(blocks)) if offload == "cpu" else NvmeWeightStore(layout, len(blocks), nvme_path)
-    resident = [m for name, m in model.transformer.named_children() if name != "h"]
+    # Everything but the blocks: the embeddings and final norm, and an untied output layer
+    # (lm_head, beside model.transformer).
+    resident = [m for name, m in model.transformer.named_children() if name != "h"] + \
+        [m for name, m in model.named_children() if name != "transformer"]
     replace_meta_parameters(resident, device)
     try:
         _fill(ckpt, model, store, layout)
