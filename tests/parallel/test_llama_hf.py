@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -28,9 +29,9 @@ ARGS = ["--model.seq_length", "32", "--data.mock", "true", "--train.global_batch
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def hf_dir(tmp_path_factory, llama3_tokenizer_dir):
     """A random LlamaForCausalLM (grouped K/V, untied, no biases) with non-trivial norms, saved as
-    safetensors shards with an index."""
+    safetensors shards with an index, beside a Llama 3 style tokenizer.json."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF))
     with torch.no_grad():
@@ -40,6 +41,8 @@ def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf-llama")
     model.save_pretrained(str(path), safe_serialization=True, max_shard_size="100KB")
     assert (path / "model.safetensors.index.json").exists()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(llama3_tokenizer_dir, name), path)
     return str(path)
 
 
@@ -145,3 +148,15 @@ def test_lora_adapters_load_in_peft_on_the_export_and_merge(hf_dir, tmp_path):
     assert (unadapted - expected).abs().max() > 1e-3  # the adapters matter
     assert (got - expected).abs().max() <= 1e-5
     assert (folded - expected).abs().max() <= 1e-5
+
+
+def test_generate_from_the_run_uses_the_tokenizer_it_started_from(hf_dir, tmp_path, capsys):
+    """A run from init_from_hf without data.tokenizer: generate takes the directory's tokenizer.json."""
+    from megazero.data.tokenizer import build_tokenizer
+    from megazero.generate import main as generate_main
+    save = str(tmp_path / "save")
+    run_distributed(_lora_then_logits, 2, hf_dir, save)
+    generate_main(["--load", save, "--prompt", "the model", "--temperature", "0", "--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    tok = build_tokenizer(hf_dir)
+    assert out.startswith("the model") and len(tok.encode(out.rstrip("\n"))) >= len(tok.encode("the model"))
