@@ -144,6 +144,10 @@ def test_tokenizer_json_of_a_hugging_face_directory(llama3_tokenizer_dir: str, t
         ids = tok.encode(text)
         assert ids == theirs.encode(text, add_special_tokens=False) and tok.decode(ids) == text
     assert tok.encode_batch(SAMPLES) == [tok.encode(t) for t in SAMPLES]
+    from megazero.checkpoint.export import write_hf_tokenizer
+    write_hf_tokenizer(tok, str(tmp_path / "export"), 64)  # convert --to hf of a run with it: the same ids
+    again = build_tokenizer(str(tmp_path / "export"))
+    assert (again.kind, again.eod, again.encode(SAMPLES[0])) == ("hf", tok.eod, tok.encode(SAMPLES[0]))
     # Without tokenizer_config.json, config.json's eos_token_id (a list: its first) decides.
     bare = tmp_path / "bare"
     bare.mkdir()
