@@ -40,6 +40,11 @@ class Flag:
     """Applied to the built config with the flag's values (needs other keys' final values)."""
     collect: str = ""
     """Gathered into one value with its group's other flags (the tokenizer's four)."""
+    choices: Optional[dict[str, str]] = None
+    """Megatron's value -> megazero's, for a one-value flag whose values are spelled differently
+    (--normalization RMSNorm: rmsnorm); any other value is refused in one line naming these."""
+    needs: str = ""
+    """Another flag that must be on the line too (Megatron ignores this one without it)."""
 
 
 def _key(name: str, key: str, note: str = "") -> Flag:
@@ -48,6 +53,10 @@ def _key(name: str, key: str, note: str = "") -> Flag:
 
 def _switch(name: str, key: str, value: str) -> Flag:
     return Flag(name, 0, ((key, value),))
+
+
+def _choice(name: str, key: str, choices: dict[str, str]) -> Flag:
+    return Flag(name, 1, ((key, None),), choices=choices)
 
 
 def _ignored(name: str, nargs: int = 0) -> Flag:
@@ -85,8 +94,15 @@ def _virtual_stage_layers(cfg: Config, values: list[str]) -> None:
 
 
 def _max_positions(cfg: Config, values: list[str]) -> None:
-    """megazero learns exactly seq_length positions (GPT-2), so the two must agree."""
+    """Learned positions: megazero learns exactly seq_length of them (GPT-2), so the two must
+    agree. Rotary positions have no table (Megatron sizes its rotary cache with it): any length
+    that holds a sample."""
     n = _int("--max-position-embeddings", values[0])
+    if cfg.model.position_embedding == "rope":
+        if n < cfg.model.seq_length:
+            raise ConfigError(f"--max-position-embeddings ({n}) is shorter than --seq-length "
+                              f"({cfg.model.seq_length}); rotary positions must reach every token of a sample")
+        return
     if n != cfg.model.seq_length:
         raise ConfigError(f"--max-position-embeddings ({n}) must equal --seq-length (model.seq_length "
                           f"{cfg.model.seq_length}): megazero learns one position per token of a sample; "
@@ -103,6 +119,46 @@ def _cp_comm_type(cfg: Config, values: list[str]) -> None:
         raise ConfigError(f"--cp-comm-type {values[0]} has no megazero equivalent; use p2p (parallel.cp_impl ring) "
                           f"or a2a (parallel.cp_impl ulysses)")
     _set(cfg, "parallel.cp_impl", _CP_COMM[values[0]])
+
+
+def _no_position_embedding(cfg: Config, values: list[str]) -> None:
+    """Megatron drops the learned position table; megazero's models without one are rotary."""
+    if cfg.model.position_embedding != "rope":
+        raise ConfigError("--no-position-embedding without rotary positions would train a model with no positions, "
+                          "which megazero does not build; add --position-embedding-type rope")
+
+
+def _rotary_percent(cfg: Config, values: list[str]) -> None:
+    """megazero rotates every channel of a head (Llama); partial rotary (GPT-NeoX's 0.25) is not built."""
+    if _float("--rotary-percent", values[0]) != 1.0:
+        raise ConfigError(f"--rotary-percent {values[0]}: megazero rotates all of each head's channels; "
+                          f"only --rotary-percent 1.0 is supported")
+
+
+def _kv_channels(cfg: Config, values: list[str]) -> None:
+    """megazero's head width is hidden_size / num_heads; Megatron's --kv-channels may set another."""
+    n, m = _int("--kv-channels", values[0]), cfg.model
+    if n * m.num_heads != m.hidden_size:
+        raise ConfigError(f"--kv-channels {n}: megazero's head width is --hidden-size / --num-attention-heads "
+                          f"({m.hidden_size} / {m.num_heads}); drop the flag or set it to that")
+
+
+def _swiglu_width(cfg: Config, values: list[str]) -> None:
+    """Without --ffn-hidden-size Megatron sizes a SwiGLU MLP to about 2/3 of 4h (a multiple of
+    64), keeping its parameters near GELU's; megazero's default would be 4h."""
+    if "model.ffn_hidden_size" not in cfg.set_keys:
+        _set(cfg, "model.ffn_hidden_size", int(4 * cfg.model.hidden_size * 2 / 3 / 64) * 64)
+
+
+def _accepted(cfg: Config, values: list[str]) -> None:
+    """A flag whose meaning another flag carries (checked when the line is translated)."""
+
+
+def _float(flag: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{flag} ({raw!r}) must be a number") from None
 
 
 def _int(flag: str, raw: str) -> int:
@@ -128,7 +184,25 @@ FLAGS: tuple[Flag, ...] = (
     _key("--attention-dropout", "model.dropout", _ONE_DROPOUT),
     _key("--init-method-std", "model.init_std"),
     _key("--layernorm-epsilon", "model.layernorm_eps"),
+    _key("--norm-epsilon", "model.layernorm_eps"),
     _key("--vocab-size", "model.vocab_size"),
+    # the Llama family (issue 34)
+    Flag("--swiglu", 0, (("model.activation", "swiglu"),), "`model.activation swiglu` (without --ffn-hidden-size: "
+         "Megatron's width, 8h/3 rounded down to a multiple of 64)", after=_swiglu_width),
+    _switch("--squared-relu", "model.activation", "squared_relu"),
+    _choice("--normalization", "model.normalization", {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}),
+    _choice("--position-embedding-type", "model.position_embedding", {"learned_absolute": "learned", "rope": "rope"}),
+    _switch("--use-rotary-position-embeddings", "model.position_embedding", "rope"),
+    Flag("--no-position-embedding", 0, note="no learned position table: needs rotary positions (checked)",
+         after=_no_position_embedding),
+    _key("--rotary-base", "model.rope_base"),
+    Flag("--rotary-percent", 1, note="1.0 only (every channel of a head rotates; checked)", after=_rotary_percent),
+    Flag("--group-query-attention", 0, note="grouped-query attention: with --num-query-groups", after=_accepted),
+    Flag("--num-query-groups", 1, (("model.num_query_groups", None),), needs="--group-query-attention"),
+    Flag("--kv-channels", 1, note="must equal --hidden-size / --num-attention-heads (checked)", after=_kv_channels),
+    _switch("--untie-embeddings-and-output-weights", "model.tie_embeddings", "false"),
+    _switch("--disable-bias-linear", "model.bias", "false"),
+    _switch("--add-bias-linear", "model.bias", "true"),
     # parallelism
     _key("--tensor-model-parallel-size", "parallel.tp"),
     _key("--pipeline-model-parallel-size", "parallel.pp"),
@@ -242,6 +316,8 @@ class Translation:
     collected: dict[str, str] = field(default_factory=dict)
     used: bool = False
     """Whether any Megatron flag was given (then MEGATRON_DEFAULTS apply)."""
+    seen: list[str] = field(default_factory=list)
+    """The Megatron flags given, in order."""
     setters: dict[str, tuple[str, str, list[str]]] = field(default_factory=dict)
     """megazero key -> (the Megatron flag that set it, as written, the value): two flags must agree on a key."""
 
@@ -286,6 +362,10 @@ def translate(args: list[str]) -> Translation:
         values, i = _values(flag, args, i, [inline] if has_value else None)
         out.used = True
         _record(out, flag, values)
+        out.seen.append(name)
+    for name in out.seen:
+        if BY_NAME[name].needs and BY_NAME[name].needs not in out.seen:
+            raise ConfigError(f"{name} needs {BY_NAME[name].needs} (Megatron-LM ignores it without); add it")
     if out.collected:
         out.overrides += ["--data.tokenizer", _tokenizer_spec(out.collected)]
     return out
@@ -316,13 +396,23 @@ def _record(out: Translation, flag: Flag, values: list[str]) -> None:
     elif not flag.sets:
         out.ignored.append(flag.name)
     for key, value in flag.sets:
-        given = [value] if value is not None else values
+        given = [value] if value is not None else [_chosen(flag, v) for v in values]
         shown = " ".join([flag.name, *values])
         earlier = out.setters.setdefault(key, (flag.name, shown, given))
         if earlier[0] != flag.name and earlier[2] != given:  # the same flag twice: the last wins, as in Megatron
             raise ConfigError(f"{earlier[1]} and {shown} both set {key} (to {' '.join(earlier[2])} and "
                               f"{' '.join(given)}); pass one of them")
         out.overrides += [f"--{key}", *given]
+
+
+def _chosen(flag: Flag, value: str) -> str:
+    """megazero's spelling of a flag's value (the value itself unless the flag has choices)."""
+    if flag.choices is None:
+        return value
+    if value not in flag.choices:
+        raise ConfigError(f"{flag.name} {value}: megazero builds {', '.join(flag.choices)}; "
+                          f"{value} is outside its reach")
+    return flag.choices[value]
 
 
 def _tokenizer_spec(collected: dict[str, str]) -> str:
@@ -375,4 +465,6 @@ def _metavar(flag: Flag) -> str:
 def _cell(flag: Flag) -> str:
     if flag.note:
         return flag.note
+    if flag.choices:
+        return ", ".join(f"{theirs}: `{flag.sets[0][0]} {ours}`" for theirs, ours in flag.choices.items())
     return ", ".join(f"`{key} {value if value is not None else 'X'}`" for key, value in flag.sets)

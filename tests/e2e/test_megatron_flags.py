@@ -90,7 +90,11 @@ def test_gpt2_example_line_maps(corpus, tmp_path, capsys):
     ("--tensor-parallel-size 2", "did you mean --tensor-model-parallel-size (megazero's parallel.tp)?"),
     ("--micro_batch_size 2", "did you mean --micro-batch-size (megazero's train.micro_batch_size)?"),
     ("--num_heads 4", "did you mean --model.num_heads?"),
-    ("--swiglu", "unknown flag --swiglu"),
+    ("--normalization Apex", "--normalization Apex: megazero builds LayerNorm, RMSNorm; Apex is outside its reach"),
+    ("--position-embedding-type relative", "--position-embedding-type relative: megazero builds learned_absolute, "
+                                           "rope; relative is outside its reach"),
+    ("--num-query-groups 2", "--num-query-groups needs --group-query-attention (Megatron-LM ignores it without); "
+                             "add it"),
     ("--fp16 --bf16", "--fp16 and --bf16 both set train.precision (to fp16 and bf16); pass one of them"),
     ("--hidden-dropout 0.1 --attention-dropout 0.2", "--hidden-dropout 0.1 and --attention-dropout 0.2 both set "
                                                      "model.dropout"),
@@ -113,6 +117,44 @@ def test_bad_flags_are_one_line(args, message):
 def test_flags_checked_against_the_built_config(args, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, None, ["--mock-data", *args.split()], 0, 2)
+
+
+LLAMA_MODEL = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 4096 "
+               "--swiglu --normalization RMSNorm --position-embedding-type rope --no-position-embedding "
+               "--group-query-attention --num-query-groups 2 --untie-embeddings-and-output-weights "
+               "--disable-bias-linear --rotary-base 500000 --rotary-percent 1.0 --kv-channels 32 --norm-epsilon 1e-6")
+
+
+def test_llama_model_flags():
+    """Megatron's Llama model flags become the family's model keys; a SwiGLU MLP without
+    --ffn-hidden-size gets Megatron's width (8h/3 down to a multiple of 64)."""
+    m = load_config(None, None, ["--mock-data", *LLAMA_MODEL.split()], 0, 1).model
+    assert (m.activation, m.normalization, m.position_embedding, m.num_query_groups, m.tie_embeddings, m.bias) == (
+        "swiglu", "rmsnorm", "rope", 2, False, False)
+    assert (m.rope_base, m.layernorm_eps, m.ffn_hidden_size) == (500000.0, 1e-6, 320)
+    m = load_config(None, None, ["--mock-data", *LLAMA_MODEL.split(), "--ffn-hidden-size", "384"], 0, 1).model
+    assert m.ffn_hidden_size == 384
+    m = load_config(None, None, "--mock-data --squared-relu --use-rotary-position-embeddings".split(), 0, 1).model
+    assert (m.activation, m.position_embedding, m.ffn_hidden_size, m.bias, m.tie_embeddings) == (
+        "squared_relu", "rope", 0, True, True)
+
+
+@pytest.mark.parametrize("args, message", [
+    ("--rotary-percent 0.5", r"--rotary-percent 0.5: megazero rotates all of each head's channels; only "
+                             r"--rotary-percent 1.0 is supported"),
+    ("--kv-channels 64", r"--kv-channels 64: megazero's head width is --hidden-size / --num-attention-heads "
+                         r"\(128 / 4\); drop the flag or set it to that"),
+    ("--no-position-embedding --position-embedding-type learned_absolute", "--no-position-embedding without rotary "
+                                                                           "positions"),
+    ("--max-position-embeddings 16", r"--max-position-embeddings \(16\) is shorter than --seq-length \(32\)"),
+])
+def test_llama_model_flags_outside_reach_are_one_line(args, message):
+    line = LLAMA_MODEL.replace("--max-position-embeddings 4096 ", "").replace("--rotary-percent 1.0 ", "")
+    line = line.replace("--kv-channels 32 ", "").replace("--position-embedding-type rope ", "")
+    if "learned_absolute" not in args:
+        line += " --position-embedding-type rope"
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, None, ["--mock-data", *line.split(), *args.split()], 0, 1)
 
 
 def test_flags_that_need_the_whole_config():
