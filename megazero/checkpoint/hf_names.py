@@ -35,8 +35,9 @@ _LLAMA_TOP = {EMBEDDING: "model.embed_tokens.weight", "transformer.ln_f.weight":
 
 # The model keys each architecture fixes: (key, value, why).
 _GPT2 = [("normalization", "layernorm"), ("position_embedding", "learned"), ("activation", "gelu"),
-         ("bias", True), ("tie_embeddings", True), ("num_query_groups", 0)]
-_LLAMA = [("normalization", "rmsnorm"), ("position_embedding", "rope"), ("activation", "swiglu")]
+         ("bias", True), ("tie_embeddings", True), ("num_query_groups", 0), ("zero_centered_norm", False)]
+_LLAMA = [("normalization", "rmsnorm"), ("position_embedding", "rope"), ("activation", "swiglu"),
+          ("zero_centered_norm", False)]
 
 
 class Piece(NamedTuple):

@@ -13,6 +13,7 @@ or applied once the config is built (`Translation.apply`).
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -40,6 +41,13 @@ class Flag:
     """Applied to the built config with the flag's values (needs other keys' final values)."""
     collect: str = ""
     """Gathered into one value with its group's other flags (the tokenizer's four)."""
+    choices: Optional[dict[str, str]] = None
+    """Megatron's value -> megazero's, for a one-value flag whose values are spelled differently
+    (--normalization RMSNorm: rmsnorm); any other value is refused in one line naming these."""
+    needs: str = ""
+    """Another flag that must be on the line too (Megatron ignores this one without it)."""
+    refused: str = ""
+    """Why megazero refuses the flag (one line, raised as the line is translated)."""
 
 
 def _key(name: str, key: str, note: str = "") -> Flag:
@@ -48,6 +56,14 @@ def _key(name: str, key: str, note: str = "") -> Flag:
 
 def _switch(name: str, key: str, value: str) -> Flag:
     return Flag(name, 0, ((key, value),))
+
+
+def _choice(name: str, key: str, choices: dict[str, str]) -> Flag:
+    return Flag(name, 1, ((key, None),), choices=choices)
+
+
+def _refused(name: str, nargs: int, why: str) -> Flag:
+    return Flag(name, nargs, note=f"refused: {why}", refused=why)
 
 
 def _ignored(name: str, nargs: int = 0) -> Flag:
@@ -85,8 +101,15 @@ def _virtual_stage_layers(cfg: Config, values: list[str]) -> None:
 
 
 def _max_positions(cfg: Config, values: list[str]) -> None:
-    """megazero learns exactly seq_length positions (GPT-2), so the two must agree."""
+    """Learned positions: megazero learns exactly seq_length of them (GPT-2), so the two must
+    agree. Rotary positions have no table (Megatron sizes its rotary cache with it): any length
+    that holds a sample."""
     n = _int("--max-position-embeddings", values[0])
+    if cfg.model.position_embedding == "rope":
+        if n < cfg.model.seq_length:
+            raise ConfigError(f"--max-position-embeddings ({n}) is shorter than --seq-length "
+                              f"({cfg.model.seq_length}); rotary positions must reach every token of a sample")
+        return
     if n != cfg.model.seq_length:
         raise ConfigError(f"--max-position-embeddings ({n}) must equal --seq-length (model.seq_length "
                           f"{cfg.model.seq_length}): megazero learns one position per token of a sample; "
@@ -105,6 +128,113 @@ def _cp_comm_type(cfg: Config, values: list[str]) -> None:
     _set(cfg, "parallel.cp_impl", _CP_COMM[values[0]])
 
 
+def _no_position_embedding(cfg: Config, values: list[str]) -> None:
+    """Megatron drops the learned position table; megazero's models without one are rotary."""
+    if cfg.model.position_embedding != "rope":
+        raise ConfigError("--no-position-embedding without rotary positions would train a model with no positions, "
+                          "which megazero does not build; add --position-embedding-type rope")
+
+
+def _rotary_percent(cfg: Config, values: list[str]) -> None:
+    """megazero rotates every channel of a head (Llama); partial rotary (GPT-NeoX's 0.25) is not built."""
+    if _float("--rotary-percent", values[0]) != 1.0:
+        raise ConfigError(f"--rotary-percent {values[0]}: megazero rotates all of each head's channels; "
+                          f"only --rotary-percent 1.0 is supported")
+
+
+def _kv_channels(cfg: Config, values: list[str]) -> None:
+    """megazero's head width is hidden_size / num_heads; Megatron's --kv-channels may set another."""
+    n, m = _int("--kv-channels", values[0]), cfg.model
+    if n * m.num_heads != m.hidden_size:
+        raise ConfigError(f"--kv-channels {n}: megazero's head width is --hidden-size / --num-attention-heads "
+                          f"({m.hidden_size} / {m.num_heads}); drop the flag or set it to that")
+
+
+def _swiglu_width(cfg: Config, values: list[str]) -> None:
+    """Without --ffn-hidden-size Megatron sizes a SwiGLU MLP to about 2/3 of 4h (a multiple of
+    64), keeping its parameters near GELU's; megazero's default would be 4h."""
+    if "model.ffn_hidden_size" not in cfg.set_keys:
+        _set(cfg, "model.ffn_hidden_size", int(4 * cfg.model.hidden_size * 2 / 3 / 64) * 64)
+
+
+# Megatron's --optimizer values: the update rule megazero steps with. Muon (issue: optim.name) adds its row here.
+_OPTIMIZERS = {"adam": "AdamW (decoupled weight decay), megazero's optimizer"}
+
+
+def _optimizer(cfg: Config, values: list[str]) -> None:
+    """--optimizer adam is megazero's AdamW (Megatron's adam is AdamW too); SGD is not built."""
+    if values[0] not in _OPTIMIZERS:
+        raise ConfigError(f"--optimizer {values[0]}: megazero's ZeRO optimizer steps with "
+                          f"{', '.join(_OPTIMIZERS)} only; use --optimizer adam")
+
+
+def _train_samples(cfg: Config, values: list[str]) -> None:
+    """--train-samples S: train.iters = the steps that consume S samples (batch ramp-up included),
+    as Megatron counts them."""
+    from megazero.config.rules import rampup_steps
+    n, t = _int("--train-samples", values[0]), cfg.train
+    if "train.iters" in cfg.set_keys:
+        raise ConfigError(f"--train-samples {n} and --train-iters {t.iters} both set the run's length; pass one")
+    if t.rampup_batch_size is None:
+        _set(cfg, "train.iters", n // t.global_batch_size)
+        return
+    start, increment, per_increment = rampup_steps(t, 1)
+    iters, consumed = 0, 0
+    while consumed < int(t.rampup_batch_size[2]) and consumed < n:  # the ramp: a step of each size
+        batch = min(t.global_batch_size, start + increment * int(consumed / per_increment)) if per_increment \
+            else t.global_batch_size
+        iters, consumed = iters + 1, consumed + batch
+    _set(cfg, "train.iters", iters + max(0, n - consumed) // t.global_batch_size)
+
+
+def _no_save(cfg: Config, values: list[str]) -> None:
+    """megazero's checkpoints always hold the optimizer and RNG states (a resume is bitwise)."""
+    if cfg.checkpoint.save:
+        raise ConfigError("--no-save-optim / --no-save-rng: megazero's checkpoints always hold the optimizer and RNG "
+                          "states so that a resume is bitwise; drop the flag (for weights alone, export one with "
+                          "`python -m megazero.convert --to hf` or --checkpoint.save_model_16bit true)")
+
+
+def _no_load(cfg: Config, values: list[str]) -> None:
+    """A resume reads a checkpoint whole; starting from weights alone goes through Hugging Face's format."""
+    if cfg.checkpoint.load:
+        raise ConfigError("--no-load-optim / --no-load-rng: megazero resumes a checkpoint whole (weights, optimizer, "
+                          "RNG, LR schedule); to start afresh from its weights, export them (python -m "
+                          "megazero.convert --to hf) and pass --checkpoint.init_from_hf DIR instead of --load")
+
+
+_POINTERS = ("latest", "latest_checkpointed_iteration.txt", "universal.json")
+"""The files that make checkpoint.load a checkpoint to resume (megazero's, Megatron's, a universal one)."""
+
+
+def _exit_on_missing(cfg: Config, values: list[str]) -> None:
+    """Megatron's --exit-on-missing-checkpoint: a --load that holds nothing stops the run instead
+    of training from scratch."""
+    c = cfg.checkpoint
+    if not c.load:
+        raise ConfigError("--exit-on-missing-checkpoint needs --load DIR")
+    if not c.iteration and not any(os.path.isfile(os.path.join(c.load, n)) for n in _POINTERS):
+        raise ConfigError(f"--exit-on-missing-checkpoint: --load {c.load} holds no checkpoint (none of "
+                          f"{', '.join(_POINTERS)}); check the path")
+
+
+def _fsdp2(cfg: Config, values: list[str]) -> None:
+    """PyTorch FSDP2 shards parameters, gradients and optimizer states: ZeRO stage 3."""
+    if cfg.zero.stage == 0:
+        _set(cfg, "zero.stage", 3)
+
+
+def _accepted(cfg: Config, values: list[str]) -> None:
+    """A flag whose meaning another flag carries (checked when the line is translated)."""
+
+
+def _float(flag: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{flag} ({raw!r}) must be a number") from None
+
+
 def _int(flag: str, raw: str) -> int:
     try:
         return int(raw)
@@ -114,6 +244,8 @@ def _int(flag: str, raw: str) -> int:
 
 # ---------------------------------------------------------------------------- the table
 
+_NO_FP8 = ("megazero has no FP8 training (it needs Transformer Engine's FP8 matmuls on a Hopper-class GPU); "
+           "train in bf16 (--bf16) and drop the --fp8-* flags")
 _ONE_DROPOUT = "`model.dropout` (one value for both; they must agree)"
 
 FLAGS: tuple[Flag, ...] = (
@@ -128,7 +260,26 @@ FLAGS: tuple[Flag, ...] = (
     _key("--attention-dropout", "model.dropout", _ONE_DROPOUT),
     _key("--init-method-std", "model.init_std"),
     _key("--layernorm-epsilon", "model.layernorm_eps"),
+    _key("--norm-epsilon", "model.layernorm_eps"),
     _key("--vocab-size", "model.vocab_size"),
+    # the Llama family (issue 34)
+    Flag("--swiglu", 0, (("model.activation", "swiglu"),), "`model.activation swiglu` (without --ffn-hidden-size: "
+         "Megatron's width, 8h/3 rounded down to a multiple of 64)", after=_swiglu_width),
+    _switch("--squared-relu", "model.activation", "squared_relu"),
+    _choice("--normalization", "model.normalization", {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}),
+    _choice("--position-embedding-type", "model.position_embedding", {"learned_absolute": "learned", "rope": "rope"}),
+    _switch("--use-rotary-position-embeddings", "model.position_embedding", "rope"),
+    Flag("--no-position-embedding", 0, note="no learned position table: needs rotary positions (checked)",
+         after=_no_position_embedding),
+    _key("--rotary-base", "model.rope_base"),
+    Flag("--rotary-percent", 1, note="1.0 only (every channel of a head rotates; checked)", after=_rotary_percent),
+    Flag("--group-query-attention", 0, note="grouped-query attention: with --num-query-groups", after=_accepted),
+    Flag("--num-query-groups", 1, (("model.num_query_groups", None),), needs="--group-query-attention"),
+    Flag("--kv-channels", 1, note="must equal --hidden-size / --num-attention-heads (checked)", after=_kv_channels),
+    _switch("--untie-embeddings-and-output-weights", "model.tie_embeddings", "false"),
+    _switch("--disable-bias-linear", "model.bias", "false"),
+    _switch("--add-bias-linear", "model.bias", "true"),
+    _switch("--apply-layernorm-1p", "model.zero_centered_norm", "true"),
     # parallelism
     _key("--tensor-model-parallel-size", "parallel.tp"),
     _key("--pipeline-model-parallel-size", "parallel.pp"),
@@ -137,6 +288,8 @@ FLAGS: tuple[Flag, ...] = (
     _switch("--sequence-parallel", "parallel.sequence_parallel", "true"),
     Flag("--use-distributed-optimizer", 0, note="`zero.stage 1` when `zero.stage` is 0 (2 and 3 shard further)",
          after=_distributed_optimizer),
+    Flag("--use-torch-fsdp2", 0, note="`zero.stage 3` when `zero.stage` is 0 (parameters, gradients and optimizer "
+         "states sharded)", after=_fsdp2),
     _key("--context-parallel-size", "parallel.cp", "`parallel.cp X` (ring attention in Megatron's load-balanced "
          "order by default)"),
     Flag("--cp-comm-type", 1, note="`parallel.cp_impl`: p2p is `ring`, a2a is `ulysses`", after=_cp_comm_type),
@@ -146,6 +299,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--rampup-batch-size", 3, (("train.rampup_batch_size", None),),
          "`train.rampup_batch_size START INCREMENT SAMPLES` (the LR schedule then counts samples)"),
     _key("--train-iters", "train.iters"),
+    Flag("--train-samples", 1, note="`train.iters`: the steps that consume that many samples (ramp-up included)",
+         after=_train_samples),
     _key("--seed", "train.seed"),
     # precision and the fp16 loss scale
     _switch("--fp16", "train.precision", "fp16"),
@@ -154,6 +309,9 @@ FLAGS: tuple[Flag, ...] = (
     _key("--loss-scale-window", "zero.loss_scale_window"),
     _key("--hysteresis", "zero.hysteresis"),
     _key("--min-loss-scale", "zero.min_loss_scale"),
+    _switch("--grad-reduce-in-bf16", "zero.reduce_dtype", "bf16"),
+    Flag("--calculate-per-token-loss", 0, note="what megazero always does: the loss is the sum over every counted "
+         "token of the global batch over their number", after=_accepted),
     # activation recomputation
     _switch("--recompute-activations", "train.recompute", "selective"),
     _key("--recompute-granularity", "train.recompute"),
@@ -165,6 +323,12 @@ FLAGS: tuple[Flag, ...] = (
     _key("--lr-decay-iters", "optim.decay_iters"),
     _key("--lr-warmup-iters", "optim.warmup_iters"),
     _key("--lr-warmup-fraction", "optim.warmup_fraction"),
+    _key("--lr-decay-samples", "optim.decay_samples"),
+    _key("--lr-warmup-samples", "optim.warmup_samples"),
+    _key("--decoupled-lr", "optim.decoupled_lr"),
+    _key("--decoupled-min-lr", "optim.decoupled_min_lr"),
+    Flag("--optimizer", 1, note="adam: megazero's AdamW (Megatron's adam is AdamW); sgd refused (not built)",
+         after=_optimizer),
     _switch("--override-opt_param-scheduler", "optim.override_schedule", "true"),
     _key("--weight-decay", "optim.weight_decay"),
     _key("--clip-grad", "optim.clip_grad"),
@@ -176,8 +340,12 @@ FLAGS: tuple[Flag, ...] = (
     _key("--split", "data.split"),
     _switch("--mock-data", "data.mock", "true"),
     _key("--data-cache-path", "data.cache_dir"),
-    Flag("--tokenizer-type", 1, note="`data.tokenizer`: GPT2BPETokenizer `gpt2bpe:V,M`, SentencePieceTokenizer "
-                                     "`sentencepiece:F` (GPT2BPETokenizer when left out)", collect="tokenizer"),
+    Flag("--tokenizer-type", 1, note="`data.tokenizer`: GPT2BPETokenizer `gpt2bpe:V,M`; SentencePieceTokenizer, "
+                                     "Llama2Tokenizer `sentencepiece:F`; HuggingFaceTokenizer DIR with a "
+                                     "tokenizer.model `sentencepiece:DIR/tokenizer.model`; NullTokenizer none (token "
+                                     "ids below --vocab-size); GPT2BPETokenizer when left out", collect="tokenizer"),
+    Flag("--dataloader-type", 1, note="single, cyclic: megazero reads the dataset's (already shuffled) samples in "
+         "order, as single; named in the warning line", choices={"single": "", "cyclic": ""}),
     Flag("--vocab-file", 1, note="`data.tokenizer gpt2bpe:V,M` with --merge-file", collect="tokenizer"),
     Flag("--merge-file", 1, note="`data.tokenizer gpt2bpe:V,M` with --vocab-file", collect="tokenizer"),
     Flag("--tokenizer-model", 1, note="`data.tokenizer sentencepiece:F`", collect="tokenizer"),
@@ -188,6 +356,20 @@ FLAGS: tuple[Flag, ...] = (
     _key("--save-interval", "checkpoint.interval"),
     _switch("--async-save", "checkpoint.async_save", "true"),
     _key("--ckpt-step", "checkpoint.iteration"),
+    Flag("--ckpt-format", 1, note="torch, torch_dist: megazero's sharded format either way (resharded on load to any "
+         "layout, like torch_dist); others refused", choices={"torch": "", "torch_dist": ""}),
+    Flag("--no-save-optim", 0, note="refused with --save: checkpoints always hold the optimizer state (bitwise resume)",
+         after=_no_save),
+    Flag("--no-save-rng", 0, note="refused with --save: checkpoints always hold the RNG states (bitwise resume)",
+         after=_no_save),
+    Flag("--no-load-optim", 0, note="refused with --load: a resume is whole; start from weights with "
+         "`checkpoint.init_from_hf`", after=_no_load),
+    Flag("--no-load-rng", 0, note="refused with --load: a resume is whole; start from weights with "
+         "`checkpoint.init_from_hf`", after=_no_load),
+    Flag("--exit-on-missing-checkpoint", 0, note="a `--load` directory without a checkpoint is an error (checked)",
+         after=_exit_on_missing),
+    Flag("--use-checkpoint-args", 0, note="what megazero always checks: the model keys must equal the checkpoint's "
+         "(a resume names a differing key)", after=_accepted),
     # logging, evaluation, lifecycle
     _key("--log-interval", "train.log_interval"),
     _key("--eval-interval", "train.eval_interval"),
@@ -205,7 +387,7 @@ FLAGS: tuple[Flag, ...] = (
     _ignored("--overlap-param-gather"), _ignored("--tp-comm-overlap"), _ignored("--accumulate-allreduce-grads-in-fp32"),
     _ignored("--fp16-lm-cross-entropy"), _ignored("--cross-entropy-loss-fusion"), _ignored("--use-distributed-sampler"),
     _ignored("--make-vocab-size-divisible-by", 1), _ignored("--distributed-backend", 1), _ignored("--DDP-impl", 1),
-    _ignored("--data-impl", 1), _ignored("--num-workers", 1), _ignored("--ckpt-format", 1),
+    _ignored("--data-impl", 1), _ignored("--num-workers", 1),
     _ignored("--recompute-method", 1), _ignored("--recompute-num-layers", 1), _ignored("--exit-signal-handler"),
     _ignored("--log-throughput"), _ignored("--log-params-norm"), _ignored("--log-num-zeros-in-grad"),
     _ignored("--log-timers-to-tensorboard"), _ignored("--log-validation-ppl-to-tensorboard"),
@@ -214,6 +396,18 @@ FLAGS: tuple[Flag, ...] = (
     # accumulate the softmax in fp32
     _ignored("--apply-query-key-layer-scaling"), _ignored("--no-query-key-layer-scaling"),
     _ignored("--attention-softmax-in-fp32"),
+    # memory housekeeping, data-loading and naming details
+    _ignored("--manual-gc"), _ignored("--manual-gc-interval", 1), _ignored("--empty-unused-memory-level", 1),
+    _ignored("--no-create-attention-mask-in-dataloader"), _ignored("--no-mmap-bin-files"),
+    _ignored("--tiktoken-pattern", 1), _ignored("--use-contiguous-parameters-in-local-ddp"),
+    _ignored("--wandb-exp-name", 1), _ignored("--wandb-save-dir", 1),
+    _ignored("--profile"), _ignored("--use-pytorch-profiler"), _ignored("--profile-step-start", 1),
+    _ignored("--profile-step-end", 1), _ignored("--profile-ranks", LIST),
+    # FP8 needs Transformer Engine's FP8 GEMMs; megazero trains in fp32, bf16 or fp16
+    *(_refused(name, nargs, _NO_FP8) for name, nargs in (
+        ("--fp8-format", 1), ("--fp8-recipe", 1), ("--fp8-margin", 1), ("--fp8-interval", 1),
+        ("--fp8-amax-history-len", 1), ("--fp8-amax-compute-algo", 1), ("--fp8-param-gather", 0),
+        ("--keep_fp8_weight_transpose_cache", 0))),
 )
 BY_NAME = {f.name: f for f in FLAGS}
 
@@ -242,6 +436,8 @@ class Translation:
     collected: dict[str, str] = field(default_factory=dict)
     used: bool = False
     """Whether any Megatron flag was given (then MEGATRON_DEFAULTS apply)."""
+    seen: list[str] = field(default_factory=list)
+    """The Megatron flags given, in order."""
     setters: dict[str, tuple[str, str, list[str]]] = field(default_factory=dict)
     """megazero key -> (the Megatron flag that set it, as written, the value): two flags must agree on a key."""
 
@@ -286,8 +482,13 @@ def translate(args: list[str]) -> Translation:
         values, i = _values(flag, args, i, [inline] if has_value else None)
         out.used = True
         _record(out, flag, values)
-    if out.collected:
-        out.overrides += ["--data.tokenizer", _tokenizer_spec(out.collected)]
+        out.seen.append(name)
+    for name in out.seen:
+        if BY_NAME[name].needs and BY_NAME[name].needs not in out.seen:
+            raise ConfigError(f"{name} needs {BY_NAME[name].needs} (Megatron-LM ignores it without); add it")
+    spec = _tokenizer_spec(out.collected) if out.collected else None
+    if spec:  # NullTokenizer: none (the data are token ids; --vocab-size sizes the model)
+        out.overrides += ["--data.tokenizer", spec]
     return out
 
 
@@ -309,14 +510,18 @@ def _values(flag: Flag, args: list[str], i: int, inline: Optional[list[str]]) ->
 
 
 def _record(out: Translation, flag: Flag, values: list[str]) -> None:
+    if flag.refused:
+        raise ConfigError(f"{flag.name}: {flag.refused}")
+    if flag.choices is not None and not flag.sets:  # a value checked, nothing set
+        _chosen(flag, values[0])
     if flag.collect:
         out.collected[flag.name] = values[0]
     elif flag.after is not None:
         out.later.append((flag, values))
     elif not flag.sets:
-        out.ignored.append(flag.name)
+        out.ignored.append(" ".join([flag.name, *values]) if flag.choices else flag.name)
     for key, value in flag.sets:
-        given = [value] if value is not None else values
+        given = [value] if value is not None else [_chosen(flag, v) for v in values]
         shown = " ".join([flag.name, *values])
         earlier = out.setters.setdefault(key, (flag.name, shown, given))
         if earlier[0] != flag.name and earlier[2] != given:  # the same flag twice: the last wins, as in Megatron
@@ -325,8 +530,29 @@ def _record(out: Translation, flag: Flag, values: list[str]) -> None:
         out.overrides += [f"--{key}", *given]
 
 
+def _chosen(flag: Flag, value: str) -> str:
+    """megazero's spelling of a flag's value (the value itself unless the flag has choices)."""
+    if flag.choices is None:
+        return value
+    if value not in flag.choices:
+        raise ConfigError(f"{flag.name} {value}: megazero builds {', '.join(flag.choices)}; "
+                          f"{value} is outside its reach")
+    return flag.choices[value]
+
+
 def _tokenizer_spec(collected: dict[str, str]) -> str:
     kind = collected.get("--tokenizer-type", "GPT2BPETokenizer")
+    model = collected.get("--tokenizer-model")
+    if kind == "NullTokenizer":
+        return ""
+    if kind == "HuggingFaceTokenizer":  # a directory (Megatron also takes a hub name: no network here)
+        if not model or not os.path.isfile(os.path.join(model, "tokenizer.model")):
+            raise ConfigError(f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {model}: megazero reads a "
+                              f"local directory's SentencePiece tokenizer.model (a tokenizer.json alone is not read "
+                              f"yet); pass such a directory, or --tokenizer-type SentencePieceTokenizer FILE")
+        return f"sentencepiece:{os.path.join(model, 'tokenizer.model')}"
+    if kind == "Llama2Tokenizer":
+        kind = "SentencePieceTokenizer"
     try:
         return spec_from_megatron_args(kind, collected.get("--vocab-file"), collected.get("--merge-file"),
                                        collected.get("--tokenizer-model"))
@@ -354,9 +580,13 @@ def markdown_table() -> str:
     """README's Megatron-LM migration table, one row per flag (the no-effect flags in one row)."""
     lines = ["| Megatron-LM flag | megazero |", "| --- | --- |"]
     for flag in FLAGS:
-        if flag.sets or flag.after or flag.collect:
+        if (flag.sets or flag.after or flag.collect or flag.choices) and not flag.refused:
             lines.append(f"| `{flag.name}{_metavar(flag)}` | {_cell(flag)} |")
-    ignored = ", ".join(f"`{f.name}`" for f in FLAGS if not (f.sets or f.after or f.collect))
+    refused = [f for f in FLAGS if f.refused]
+    for why in dict.fromkeys(f.refused for f in refused):
+        names = ", ".join(f"`{f.name}`" for f in refused if f.refused == why)
+        lines.append(f"| {names} | refused in one line: {why} |")
+    ignored = ", ".join(f"`{f.name}`" for f in FLAGS if not (f.sets or f.after or f.collect or f.choices or f.refused))
     lines.append(f"| {ignored} | accepted and named in one warning line: kernel and implementation choices megazero "
                  f"makes itself, or what it always does |")
     return "\n".join(lines)
@@ -375,4 +605,6 @@ def _metavar(flag: Flag) -> str:
 def _cell(flag: Flag) -> str:
     if flag.note:
         return flag.note
+    if flag.choices:
+        return ", ".join(f"{theirs}: `{flag.sets[0][0]} {ours}`" for theirs, ours in flag.choices.items())
     return ", ".join(f"`{key} {value if value is not None else 'X'}`" for key, value in flag.sets)

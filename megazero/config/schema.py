@@ -67,6 +67,9 @@ class ModelConfig:
     """Biases of the linear layers (Llama: false)."""
     tie_embeddings: bool = True
     """The output layer shares the token embedding's weight (GPT-2) or has its own (false: Llama)."""
+    zero_centered_norm: bool = False
+    """Norm weights stored as w and applied as 1 + w (initialised to 0), for LayerNorm and RMSNorm alike, so
+    weight decay pulls them toward 1, not 0 (Megatron's --apply-layernorm-1p)."""
 
     @property
     def ffn_size(self) -> int:
@@ -207,6 +210,16 @@ class OptimConfig:
     """LR decay after warmup."""
     decay_iters: int = 0
     """Iterations over which LR decays to min_lr; 0 means train.iters."""
+    warmup_samples: int = 0
+    """Linear warmup in samples instead of iterations (Megatron's --lr-warmup-samples); 0: off."""
+    decay_samples: int = 0
+    """Decay length in samples instead of iterations (Megatron's --lr-decay-samples); 0: off. With either
+    samples key the schedule counts samples (each applied step adds its global batch, ramp-up included)."""
+    decoupled_lr: Optional[float] = None
+    """Peak LR of the input embedding and the output layer (Megatron's --decoupled-lr); None: optim.lr.
+    They follow the same warmup and decay, to optim.decoupled_min_lr."""
+    decoupled_min_lr: Optional[float] = None
+    """Their LR at the end of decay (Megatron's --decoupled-min-lr); None: optim.min_lr."""
     beta1: float = 0.9
     """AdamW first-moment decay."""
     beta2: float = 0.95

@@ -205,11 +205,26 @@ def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+class ZeroCenteredLayerNorm(nn.LayerNorm):
+    """LayerNorm whose weight w is applied as 1 + w (model.zero_centered_norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(nn.RMSNorm):
+    """RMSNorm whose weight w is applied as 1 + w (model.zero_centered_norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 def norm(cfg: ModelConfig) -> nn.Module:
-    """A block's (or the final) norm: LayerNorm with bias, or RMSNorm (a weight only)."""
+    """A block's (or the final) norm: LayerNorm with bias, or RMSNorm (a weight only); with
+    model.zero_centered_norm, its weight stored around 0 and applied as 1 + w."""
     if cfg.normalization == "rmsnorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+        return (ZeroCenteredRMSNorm if cfg.zero_centered_norm else nn.RMSNorm)(cfg.hidden_size, eps=cfg.layernorm_eps)
+    return (ZeroCenteredLayerNorm if cfg.zero_centered_norm else nn.LayerNorm)(cfg.hidden_size, eps=cfg.layernorm_eps)
 
 
 class Block(nn.Module):
@@ -391,7 +406,8 @@ class GPT(nn.Module):
         if name == "lm_head.weight" and self.cfg.tie_embeddings:
             name = "transformer.wte.weight"  # identical to the first stage's copy
         if ".ln_" in name or name.startswith("transformer.ln_f"):
-            return (torch.ones if name.endswith("weight") else torch.zeros)(full_shape, device="cpu")
+            ones = name.endswith("weight") and not self.cfg.zero_centered_norm  # 1 + w starts at 1 either way
+            return (torch.ones if ones else torch.zeros)(full_shape, device="cpu")
         if name.endswith("bias"):
             return torch.zeros(full_shape, device="cpu")
         std = self.cfg.init_std

@@ -26,7 +26,8 @@ class LRSchedule:
     min_lr: float
     warmup_iters: float
     """Warm-up length in iterations (fractional with optim.warmup_fraction, as Megatron's)."""
-    decay_iters: int
+    decay_iters: float
+    """Decay length in iterations (fractional when given in samples)."""
     decay_style: str
     steps: int = 0
     """Applied optimizer steps so far (skipped steps excluded), or applied samples when unit > 1."""
@@ -38,9 +39,23 @@ class LRSchedule:
     @classmethod
     def from_config(cls, optim: OptimConfig, train: TrainConfig | int) -> "LRSchedule":
         iters = train if isinstance(train, int) else train.iters
-        unit = 1 if isinstance(train, int) or train.rampup_batch_size is None else train.global_batch_size
-        return cls(optim.lr, optim.min_lr, warmup_length(optim, iters), optim.decay_iters or iters,
-                   optim.decay_style, unit=unit)
+        in_samples = bool(optim.warmup_samples or optim.decay_samples)
+        unit = 1 if isinstance(train, int) or (train.rampup_batch_size is None and not in_samples) \
+            else train.global_batch_size
+        # Lengths given in samples become (fractional) iterations of the full global batch: the
+        # schedule then counts samples against length x unit, as Megatron's does.
+        decay = optim.decay_samples / unit if optim.decay_samples else optim.decay_iters or iters
+        warmup = optim.warmup_samples / unit if optim.warmup_samples else (
+            optim.warmup_fraction * decay if optim.warmup_fraction else warmup_length(optim, iters))
+        return cls(optim.lr, optim.min_lr, warmup, decay, optim.decay_style, unit=unit)  # type: ignore[arg-type]
+
+    def decoupled(self, optim: OptimConfig) -> Optional["LRSchedule"]:
+        """The same curve for the embedding and output layer at optim.decoupled_lr (Megatron's
+        --decoupled-lr); None when they follow the main one."""
+        if optim.decoupled_lr is None:
+            return None
+        min_lr = optim.decoupled_min_lr if optim.decoupled_min_lr is not None else self.min_lr
+        return dataclasses.replace(self, lr=optim.decoupled_lr, min_lr=min_lr)
 
     def at(self, step: int, increment: int = 1) -> float:
         """LR of the step that starts at `step` (0-based: iterations, or samples when unit > 1) and

@@ -219,6 +219,8 @@ class Trainer:
     def train_step(self) -> dict:
         batch = rampup_batch(self.cfg.train, self.grid.dp, self.consumed_samples)  # global_batch_size without ramp-up
         lr = self.schedule.current(batch)
+        decoupled = self.schedule.decoupled(self.cfg.optim)  # the embedding and output layer's own curve
+        decoupled_lr = decoupled.current(batch) if decoupled is not None else None
         for c in self.chunks:
             c.train()
         self.optimizer.zero_grad()
@@ -228,7 +230,7 @@ class Trainer:
             self.optimizer.finish_grad_sync()
         with self._phase("optimizer"):  # the iteration's one device->host read: norm, loss, step signals
             mine = StepSignals.of_rank(self.stop.code(), self.checkpoints.votes())
-            result = self.optimizer.step(lr, loss, mine.pack())
+            result = self.optimizer.step(lr, loss, mine.pack(), decoupled_lr)
         self.signals = StepSignals.unpack(result.extra)
         if not result.skipped:  # a skipped step leaves the schedule where it was (Megatron)
             self.schedule.step(batch)

@@ -33,7 +33,7 @@ from megazero.parallel.placement import placement
 from megazero.parallel.weight_grad import WeightGradSink
 from megazero.zero.adamw import adamw_
 from megazero.zero.clip import StepSums, clip_coefficient, reduce_step_sums
-from megazero.zero.partition import sub_groups, with_trainable_flags
+from megazero.zero.partition import Range, sub_groups, with_trainable_flags
 from megazero.zero.precision import DynamicLossScaler
 from megazero.zero.shard import ShardedParameters
 from megazero.zero.state import MemoryOptimizerStore, NvmeOptimizerStore
@@ -48,6 +48,19 @@ class StepResult:
     """The global loss: every rank's share summed over the world (each loss replica once)."""
     extra: tuple[float, ...] = ()
     """The element-wise sums over the world of the `extra` values given to step()."""
+
+
+EMBEDDING_OR_OUTPUT = ("transformer.wte.weight", "lm_head.weight")
+"""The parameters Megatron's --decoupled-lr steps at their own LR (the input embedding, the output layer)."""
+
+
+def _lr_parts(group: Sequence[Range], lr: float, decoupled_lr: Optional[float]) -> list[tuple[float, list[int]]]:
+    """The group's range indices by the LR they step at: all at `lr` unless a decoupled LR is given."""
+    if decoupled_lr is None:
+        return [(lr, list(range(len(group))))]
+    parts = [(lr, [i for i, r in enumerate(group) if not r.decoupled]),
+             (decoupled_lr, [i for i, r in enumerate(group) if r.decoupled])]
+    return [(part_lr, part) for part_lr, part in parts if part]
 
 
 class ZeroOptimizer:
@@ -69,7 +82,9 @@ class ZeroOptimizer:
         # tied embedding (one summed gradient in every copy after finish_grad_sync) on the first stage.
         counted = {s.name: (placement(s.param).sharded or grid.tp_rank == 0)
                    and (b.index not in sharded.tied_buckets or grid.pp_rank == 0) for b, s in slots}
-        self.ranges = self.layout.ranges(decays, counted, z.sub_group_size)
+        # Megatron's --decoupled-lr: the input embedding and the output layer get their own LR.
+        decoupled = frozenset(EMBEDDING_OR_OUTPUT) if cfg.optim.decoupled_lr is not None else frozenset()
+        self.ranges = self.layout.ranges(decays, counted, z.sub_group_size, decoupled)
         self.groups = sub_groups(self.ranges, z.sub_group_size)
         self.scaler = (DynamicLossScaler(z.initial_loss_scale, z.loss_scale_window, z.hysteresis, z.min_loss_scale)
                        if cfg.train.precision == "fp16" else None)
@@ -138,13 +153,15 @@ class ZeroOptimizer:
         return reduce_step_sums(pieces, loss, count_loss, extra, self.grid["world"], self.grid.device)
 
     @torch.no_grad()
-    def step(self, lr: float, loss: Optional[torch.Tensor] = None, extra: Sequence[float] = ()) -> StepResult:
+    def step(self, lr: float, loss: Optional[torch.Tensor] = None, extra: Sequence[float] = (),
+             decoupled_lr: Optional[float] = None) -> StepResult:
         """One AdamW step of this rank's shard, or none anywhere when a gradient (or a rank's
         `loss` share) is inf/NaN: in every precision such a step would poison the master
         weights and Adam moments, so it is skipped whole (fp16 also backs off its loss scale).
         The decision, the clip coefficient, the global loss and the summed `extra` values
         (the trainer's step signals, summed here unread) come from one all-reduce and one
-        device->host read."""
+        device->host read. `decoupled_lr`: the LR of the embedding and output layer's ranges
+        (optim.decoupled_lr's schedule), else `lr` for them too."""
         self.params.wait_all()  # the step writes the slices the last gathers read
         sums = self.step_sums(loss, extra)
         scale = self.scaler.scale if self.scaler is not None else None
@@ -168,9 +185,12 @@ class ZeroOptimizer:
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
             masters = st.master if st.master is not None else [self.params.view(r) for r in group]
-            adamw_(masters, grads, st.exp_avg, st.exp_avg_sq, [m for m, r in zip(masters, group) if r.decay],
-                   lr=lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                   step=self.step_count)
+            # The update rule (AdamW: Megatron's --optimizer adam); once per LR the group's ranges take.
+            for part_lr, part in _lr_parts(group, lr, decoupled_lr):
+                adamw_([masters[i] for i in part], [grads[i] for i in part], [st.exp_avg[i] for i in part],
+                       [st.exp_avg_sq[i] for i in part], [masters[i] for i in part if group[i].decay],
+                       lr=part_lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                       step=self.step_count)
             if st.master is not None:
                 self.params.set_ranges(group, masters)
         self.params.flush()

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import REPO, run_distributed, torchrun
+from helpers import REPO, make_trainer, run_distributed, torchrun
 from megazero.config import ConfigError
 from megazero.config.megatron import FLAGS, markdown_table, translate
 from megazero.data.indexed import IndexedDatasetWriter
@@ -90,7 +90,11 @@ def test_gpt2_example_line_maps(corpus, tmp_path, capsys):
     ("--tensor-parallel-size 2", "did you mean --tensor-model-parallel-size (megazero's parallel.tp)?"),
     ("--micro_batch_size 2", "did you mean --micro-batch-size (megazero's train.micro_batch_size)?"),
     ("--num_heads 4", "did you mean --model.num_heads?"),
-    ("--swiglu", "unknown flag --swiglu"),
+    ("--normalization Apex", "--normalization Apex: megazero builds LayerNorm, RMSNorm; Apex is outside its reach"),
+    ("--position-embedding-type relative", "--position-embedding-type relative: megazero builds learned_absolute, "
+                                           "rope; relative is outside its reach"),
+    ("--num-query-groups 2", "--num-query-groups needs --group-query-attention (Megatron-LM ignores it without); "
+                             "add it"),
     ("--fp16 --bf16", "--fp16 and --bf16 both set train.precision (to fp16 and bf16); pass one of them"),
     ("--hidden-dropout 0.1 --attention-dropout 0.2", "--hidden-dropout 0.1 and --attention-dropout 0.2 both set "
                                                      "model.dropout"),
@@ -113,6 +117,44 @@ def test_bad_flags_are_one_line(args, message):
 def test_flags_checked_against_the_built_config(args, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, None, ["--mock-data", *args.split()], 0, 2)
+
+
+LLAMA_MODEL = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 4096 "
+               "--swiglu --normalization RMSNorm --position-embedding-type rope --no-position-embedding "
+               "--group-query-attention --num-query-groups 2 --untie-embeddings-and-output-weights "
+               "--disable-bias-linear --rotary-base 500000 --rotary-percent 1.0 --kv-channels 32 --norm-epsilon 1e-6")
+
+
+def test_llama_model_flags():
+    """Megatron's Llama model flags become the family's model keys; a SwiGLU MLP without
+    --ffn-hidden-size gets Megatron's width (8h/3 down to a multiple of 64)."""
+    m = load_config(None, None, ["--mock-data", *LLAMA_MODEL.split()], 0, 1).model
+    assert (m.activation, m.normalization, m.position_embedding, m.num_query_groups, m.tie_embeddings, m.bias) == (
+        "swiglu", "rmsnorm", "rope", 2, False, False)
+    assert (m.rope_base, m.layernorm_eps, m.ffn_hidden_size) == (500000.0, 1e-6, 320)
+    m = load_config(None, None, ["--mock-data", *LLAMA_MODEL.split(), "--ffn-hidden-size", "384"], 0, 1).model
+    assert m.ffn_hidden_size == 384
+    m = load_config(None, None, "--mock-data --squared-relu --use-rotary-position-embeddings".split(), 0, 1).model
+    assert (m.activation, m.position_embedding, m.ffn_hidden_size, m.bias, m.tie_embeddings) == (
+        "squared_relu", "rope", 0, True, True)
+
+
+@pytest.mark.parametrize("args, message", [
+    ("--rotary-percent 0.5", r"--rotary-percent 0.5: megazero rotates all of each head's channels; only "
+                             r"--rotary-percent 1.0 is supported"),
+    ("--kv-channels 64", r"--kv-channels 64: megazero's head width is --hidden-size / --num-attention-heads "
+                         r"\(128 / 4\); drop the flag or set it to that"),
+    ("--no-position-embedding --position-embedding-type learned_absolute", "--no-position-embedding without rotary "
+                                                                           "positions"),
+    ("--max-position-embeddings 16", r"--max-position-embeddings \(16\) is shorter than --seq-length \(32\)"),
+])
+def test_llama_model_flags_outside_reach_are_one_line(args, message):
+    line = LLAMA_MODEL.replace("--max-position-embeddings 4096 ", "").replace("--rotary-percent 1.0 ", "")
+    line = line.replace("--kv-channels 32 ", "").replace("--position-embedding-type rope ", "")
+    if "learned_absolute" not in args:
+        line += " --position-embedding-type rope"
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, None, ["--mock-data", *line.split(), *args.split()], 0, 1)
 
 
 def test_flags_that_need_the_whole_config():
@@ -256,3 +298,186 @@ def test_megatron_line_under_torchrun(corpus, tmp_path):
                      str(REPO))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "iteration 2" in again.stdout
+
+
+# ----------------------------------------------------------------------------- the Llama examples
+
+
+def shrunk_llama3_line(ckpt: str, iters_samples: int = 32) -> list[str]:
+    """Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh with DTYPE bf16 (no --fp8-* flags),
+    every other flag kept, sizes shrunk, mock data, pipeline parallelism added; fp32 instead of
+    --bf16 so that losses compare exactly on CPU."""
+    return ("--use-mcore-models --num-layers 4 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 "
+            "--group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 "
+            "--max-position-embeddings 32 --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 "
+            "--attention-dropout 0.0 --hidden-dropout 0.0 --swiglu --init-method-std 0.0134 --attention-backend fused "
+            "--apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear "
+            f"--micro-batch-size 2 --global-batch-size 8 --train-samples {iters_samples} --lr-decay-samples 32 "
+            "--lr-warmup-samples 8 --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 "
+            "--lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 "
+            "--grad-reduce-in-bf16 --cross-entropy-loss-fusion --calculate-per-token-loss --manual-gc "
+            "--empty-unused-memory-level 1 --exit-duration-in-mins 235 "
+            "--tensor-model-parallel-size 2 --context-parallel-size 1 --sequence-parallel "
+            "--pipeline-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
+            f"--mock-data --tokenizer-type NullTokenizer --vocab-size 1000 --data-cache-path {ckpt}/cache "
+            "--tiktoken-pattern v2 --split 99,1,0 --no-create-attention-mask-in-dataloader --no-mmap-bin-files "
+            "--num-workers 1 --log-interval 1 --eval-iters 1 --eval-interval 2 --save-interval 2 --log-throughput "
+            "--profile --profile-step-start 4 --profile-step-end 6 --ckpt-format torch_dist "
+            f"--distributed-timeout-minutes 60 --save {ckpt} --load {ckpt} --tensorboard-dir {ckpt}/tb").split()
+
+
+def shrunk_llama2_line(log_dir: str, iters: int = 2) -> list[str]:
+    """examples/llama/train_llama2.sh's GQA variant (its 70B branch: NUM_KV_HEADS < NUM_HEADS) with
+    RECOMPUTE=1, ENABLE_PROFILING=1 and OPTIMIZER=adam, mock data and no SAVE_CKPT_PATH (the script
+    then passes --no-save-optim --no-save-rng without --save), sizes shrunk, fp32 for CPU."""
+    return ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --context-parallel-size 1 "
+            "--num-layers 4 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 --seq-length 32 "
+            "--max-position-embeddings 128 --untie-embeddings-and-output-weights --position-embedding-type rope "
+            "--no-position-embedding --swiglu --disable-bias-linear --init-method-std 0.02 --attention-dropout 0.0 "
+            f"--hidden-dropout 0.0 --normalization RMSNorm --micro-batch-size 2 --global-batch-size 8 --train-iters "
+            f"{iters} --no-async-tensor-model-parallel-allreduce --no-masked-softmax-fusion "
+            "--recompute-num-layers 4 --recompute-granularity full --recompute-method block --no-rope-fusion "
+            "--lr 1e-4 --min-lr 1e-5 --lr-decay-iters 4 --lr-decay-style cosine --weight-decay 1.0e-1 --clip-grad 1.0 "
+            "--optimizer adam --adam-beta1 0.9 --adam-beta2 0.95 --tokenizer-type NullTokenizer --vocab-size 1000 "
+            f"--split 99990,8,2 --dataloader-type cyclic --save-interval 200000 --tensorboard-dir {log_dir} "
+            "--log-interval 1 --eval-interval 320000 --eval-iters 10 --num-workers 8 --mock-data "
+            "--log-throughput --no-save-optim --no-save-rng "
+            "--group-query-attention --num-query-groups 2 --no-gradient-accumulation-fusion --distributed-backend nccl "
+            "--distributed-timeout-minutes 120 --overlap-grad-reduce --use-distributed-optimizer "
+            "--overlap-param-gather --profile --use-pytorch-profiler --use-flash-attn --sequence-parallel "
+            "--use-mcore-models").split()
+
+
+def test_llama_example_lines_map(tmp_path, capsys):
+    cfg = load_config(None, None, shrunk_llama3_line(str(tmp_path / "ckpt")), 0, 4)
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    assert (m.activation, m.position_embedding, m.rope_base, m.num_query_groups, m.zero_centered_norm) == (
+        "swiglu", "rope", 1e6, 2, True)
+    assert (m.normalization, m.bias, m.tie_embeddings, m.vocab_size, m.ffn_hidden_size) == (
+        "layernorm", False, False, 1000, 160)  # the Llama 3 example keeps Megatron's LayerNorm
+    assert (t.iters, o.warmup_samples, o.decay_samples, o.decoupled_lr, o.decoupled_min_lr) == (4, 8, 32, 5e-4, 4.5e-5)
+    assert (cfg.zero.reduce_dtype, cfg.zero.stage, cfg.parallel.sequence_parallel, t.exit_duration_minutes) == (
+        "bf16", 1, True, 235.0)
+    assert cfg.data.tokenizer is None and cfg.data.mock
+    warning = capsys.readouterr().err.strip().splitlines()[-1]
+    assert warning.startswith("warning: Megatron-LM flags accepted with no effect here") and "--profile" in warning
+    cfg = load_config(None, None, shrunk_llama2_line(str(tmp_path / "tb")), 0, 4)
+    m, t = cfg.model, cfg.train
+    assert (m.normalization, m.num_query_groups, m.ffn_hidden_size, t.recompute, cfg.zero.stage) == (
+        "rmsnorm", 2, 160, "full", 1)
+    assert "--dataloader-type cyclic" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    ("--fp8-format hybrid", "--fp8-format: megazero has no FP8 training"),
+    ("--fp8-param-gather", "--fp8-param-gather: megazero has no FP8 training"),
+    ("--optimizer sgd", r"--optimizer sgd: megazero's ZeRO optimizer steps with adam only"),
+    ("--ckpt-format zarr", "--ckpt-format zarr: megazero builds torch, torch_dist"),
+    ("--dataloader-type external", "--dataloader-type external: megazero builds single, cyclic"),
+    ("--save /tmp/x --no-save-optim", "--no-save-optim / --no-save-rng: megazero's checkpoints always hold the "
+                                      "optimizer and RNG states"),
+    ("--load /tmp/x --no-load-rng", "--no-load-optim / --no-load-rng: megazero resumes a checkpoint whole"),
+    ("--load /nonexistent --exit-on-missing-checkpoint", "--exit-on-missing-checkpoint: --load /nonexistent holds "
+                                                          "no checkpoint"),
+    ("--tokenizer-type HuggingFaceTokenizer --tokenizer-model /nonexistent", "megazero reads a local directory's "
+                                                                             "SentencePiece tokenizer.model"),
+])
+def test_llama_example_flags_refused_in_one_line(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, None, ["--mock-data", *args.split()], 0, 1)
+
+
+def test_hugging_face_tokenizer_directory(spm_spec, tmp_path):
+    """--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR: the directory's tokenizer.model."""
+    (tmp_path / "tokenizer.model").symlink_to(spm_spec.split(":", 1)[1])
+    cfg = load_config(None, None, ["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                   str(tmp_path)], 0, 1)
+    assert cfg.data.tokenizer == f"sentencepiece:{tmp_path}/tokenizer.model"
+
+
+def _embedding_moves(decoupled_lr: str) -> dict[str, float]:
+    """How far one step moves the embedding, the output layer and a block's weight."""
+    tr = make_trainer(["--train.iters", "1", "--model.tie_embeddings", "false", "--optim.warmup_iters", "0",
+                       "--optim.decay_style", "constant", "--optim.lr", "1e-3", *(
+                           ["--optim.decoupled_lr", decoupled_lr] if decoupled_lr else [])])
+    model = tr.chunks[0]
+    names = ("transformer.wte.weight", "lm_head.weight", "transformer.h.0.attn.c_attn.weight")
+    before = {n: model.get_parameter(n).detach().clone() for n in names}
+    with contextlib.redirect_stdout(io.StringIO()):
+        tr.run()
+    return {n: float((model.get_parameter(n).detach() - before[n]).abs().max()) for n in names}
+
+
+def _decoupled_runs() -> list[dict[str, float]]:
+    return [_embedding_moves(lr) for lr in ("", "1e-3", "0", "1e-2")]
+
+
+def test_decoupled_lr_moves_the_embedding_and_output_layer_only():
+    """Adam's first step moves each weight by about its LR: --decoupled-lr changes that of the
+    input embedding and the output layer, and nothing else; equal to --lr it changes nothing."""
+    plain, same, frozen, fast = run_distributed(_decoupled_runs, 1)[0]
+    assert same == plain
+    assert frozen["transformer.wte.weight"] == frozen["lm_head.weight"] == 0.0
+    block = "transformer.h.0.attn.c_attn.weight"
+    assert frozen[block] == fast[block] == plain[block]
+    for name in ("transformer.wte.weight", "lm_head.weight"):
+        assert fast[name] == pytest.approx(10 * plain[name], rel=1e-3)
+
+
+def _per_token_and_micro_batch_mean(prefix: str) -> tuple[float, float, float]:
+    """(logged first loss, hand-computed per-token loss, per-micro-batch mean) of a Megatron line with
+    --calculate-per-token-loss on examples whose loss masks count different numbers of tokens."""
+    import torch
+    import torch.nn.functional as F
+    line = (f"--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+            f"--hidden-dropout 0 --attention-dropout 0 --micro-batch-size 2 --global-batch-size 8 --train-iters 1 "
+            f"--data-path {prefix} --tokenizer-type NullTokenizer --vocab-size 128 --calculate-per-token-loss").split()
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer
+    cfg = load_config(None, None, line, 0, 1)
+    with contextlib.redirect_stdout(io.StringIO()):
+        tr = Trainer(cfg, ProcessGrid.create(1, 1))
+    samples = [tr.train_ds[i] for i in range(8)]
+    tokens = torch.from_numpy(np.stack([s.tokens for s in samples]).astype(np.int64))
+    mask = torch.from_numpy(np.stack([s.loss_mask for s in samples]))[:, 1:].double()
+    with torch.no_grad():
+        logits = tr.chunks[0](tokens[:, :-1])[..., :128].double()
+    token_loss = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none") * mask
+    per_micro = [float(token_loss[i:i + 2].sum() / mask[i:i + 2].sum().clamp(min=1)) for i in range(0, 8, 2)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        logged = tr.run()[0]["loss"]
+    return logged, float(token_loss.sum() / mask.sum()), sum(per_micro) / len(per_micro)
+
+
+def test_calculate_per_token_loss_on_uneven_loss_masks(tmp_path):
+    from helpers import write_masked
+    lengths = np.random.default_rng(3).integers(5, 60, 100).tolist()
+    prefix = str(write_masked(tmp_path / "ft", lengths))
+    logged, per_token, micro_mean = run_distributed(_per_token_and_micro_batch_mean, 1, prefix)[0]
+    assert logged == pytest.approx(per_token, abs=1e-5)
+    assert abs(per_token - micro_mean) > 1e-3  # the masks are uneven enough for the definition to matter
+
+
+def test_llama3_line_trains_at_tp2_pp2_and_resumes(tmp_path):
+    """The Llama 3 example's flags at tp 2 x pp 2 (sequence parallel, ZeRO 1): 4 steps of 8 samples
+    with TensorBoard scalars and a checkpoint every 2; a run resumed from step 2 repeats steps 3
+    and 4 bitwise."""
+    ckpt, megatron_dir = str(tmp_path / "ckpt"), str(tmp_path / "megatron")
+    first = shrunk_llama3_line(ckpt)
+    second = shrunk_llama3_line(str(tmp_path / "ckpt2"))
+    second[second.index("--load") + 1] = megatron_dir
+    results = run_distributed(_train_and_resume, 4, first, megatron_dir, second)
+    whole, resumed = next(r for r in results if r[0])
+    assert [i for i, _ in whole] == [1, 2, 3, 4] and whole[-1][1] < whole[0][1]
+    assert resumed == whole[2:]
+    from helpers import tensorboard_scalars as _scalars
+    scalars = _scalars(os.path.join(ckpt, "tb"))
+    assert [step for step, _ in scalars["lm loss"]] == [1, 2, 3, 4]
+    assert "throughput" in scalars or "learning-rate" in scalars
+
+
+@pytest.mark.slow
+def test_llama2_line_trains_at_tp2_pp2(tmp_path):
+    losses = run_distributed(_train, 4, shrunk_llama2_line(str(tmp_path / "tb")))
+    whole = next(r for r in losses if r)
+    assert [i for i, _ in whole] == [1, 2]
