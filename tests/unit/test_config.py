@@ -426,3 +426,23 @@ def test_validation_and_the_planner_refuse_a_layout_by_the_same_rule(overrides, 
         validate(cfg, world)
     p = cfg.parallel
     assert layout_problem(cfg, world, p.tp, p.pp, p.vpp, None, p.cp, p.cp_impl) == str(err.value)
+
+
+@pytest.mark.parametrize("args, suggestion", [
+    (["--tp", "2"], "did you mean --parallel.tp?"),  # the planner's short alias, not --fp16
+    (["--zero-stage", "3"], "did you mean --zero.stage?"),
+    (["--cp", "2"], "did you mean --parallel.cp?"),
+    (["--num-layer", "2"], "did you mean --num-layers (megazero's model.num_layers)?"),  # Megatron's flag
+    (["--micro_batch_size", "2"], "did you mean --micro-batch-size"),
+    (["--model.num_layer", "2"], "unknown config key 'model.num_layer'; did you mean model.num_layers?"),
+    (["--modle.num_layers", "2"], "unknown config section 'modle'; did you mean model.num_layers?"),
+    (["--train.itres", "2"], "did you mean train.iters?"),
+])
+def test_unknown_flags_and_keys_name_the_nearest(args, suggestion):
+    """Issue 39 (4): every unknown flag or key gets the nearest megazero key, short alias or
+    Megatron flag by edit distance."""
+    from megazero.train.__main__ import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, None, args, 0, 2)
+    assert suggestion in str(e.value)
