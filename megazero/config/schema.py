@@ -203,6 +203,9 @@ class OptimConfig:
     warmup_fraction: float = 0.0
     """Linear warmup as a fraction of the decay iterations (optim.decay_iters, else train.iters), as Megatron's
     --lr-warmup-fraction; 0: off. Not together with optim.warmup_iters."""
+    warmup_style: Literal["linear", "log"] = "linear"
+    """Warm-up shape: linear, or log (DeepSpeed WarmupLR's default: lr x ln(1 + i) / ln(1 + warm-up iterations)
+    after i iterations)."""
     decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     """LR decay after warmup."""
     decay_iters: int = 0

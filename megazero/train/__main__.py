@@ -136,7 +136,8 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
         imported = load_deepspeed_config(deepspeed, cfg, world_size, given)
         merged = {s: {**file_data.get(s, {}), **imported.sections.get(s, {})} for s in {*file_data, *imported.sections}}
         cfg = build_config(merged, overrides)
-        for line in (*imported.notes, imported.warning(deepspeed)) if rank == 0 else ():
+        for line in (*imported.notes, imported.defaults_note(deepspeed), imported.warning(deepspeed)) \
+                if rank == 0 else ():
             if line:
                 print(line, file=sys.stderr, flush=True)
     megatron.apply(cfg)

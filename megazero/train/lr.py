@@ -1,4 +1,4 @@
-"""Learning-rate schedule: linear warmup, then cosine / linear / constant decay to min_lr.
+"""Learning-rate schedule: linear (or log) warmup, then cosine / linear / constant decay to min_lr.
 
 As in Megatron's OptimizerParamScheduler, the schedule is part of the checkpoint and counts
 applied steps only: a step skipped for an fp16 overflow or a non-finite gradient does not
@@ -16,7 +16,7 @@ from typing import Optional
 from megazero.config.rules import warmup_length
 from megazero.config.schema import OptimConfig, TrainConfig
 
-SHAPE = ("lr", "min_lr", "warmup_iters", "decay_iters", "decay_style")
+SHAPE = ("lr", "min_lr", "warmup_iters", "decay_iters", "decay_style", "warmup_style")
 """What defines the curve; a change of any of them on resume is reported."""
 
 
@@ -34,19 +34,23 @@ class LRSchedule:
     """1: the schedule counts iterations. With a batch-size ramp-up, the global batch size: it counts
     samples (each applied step adds its own batch) against warmup_iters x unit and decay_iters x unit
     samples, as Megatron's scheduler does."""
+    warmup_style: str = "linear"
+    """linear, or log (DeepSpeed's WarmupLR default)."""
 
     @classmethod
     def from_config(cls, optim: OptimConfig, train: TrainConfig | int) -> "LRSchedule":
         iters = train if isinstance(train, int) else train.iters
         unit = 1 if isinstance(train, int) or train.rampup_batch_size is None else train.global_batch_size
         return cls(optim.lr, optim.min_lr, warmup_length(optim, iters), optim.decay_iters or iters,
-                   optim.decay_style, unit=unit)
+                   optim.decay_style, unit=unit, warmup_style=optim.warmup_style)
 
     def at(self, step: int, increment: int = 1) -> float:
         """LR of the step that starts at `step` (0-based: iterations, or samples when unit > 1) and
         applies `increment` (1 iteration, or its batch of samples)."""
         done = (step + increment) / self.unit  # iterations done once this step is applied
         if self.warmup_iters and done <= self.warmup_iters:
+            if self.warmup_style == "log":
+                return self.lr * math.log1p(done) / math.log1p(self.warmup_iters)
             return self.lr * done / self.warmup_iters
         if self.decay_style == "constant":
             return self.lr
@@ -73,6 +77,7 @@ class LRSchedule:
         `override`. Returns one line describing a shape change (None when nothing changed)."""
         self.steps = int(saved["steps"])
         self.unit = int(saved.get("unit", 1))  # what `steps` counts is the checkpoint's
+        saved = {"warmup_style": "linear", **saved}  # a checkpoint from before log warm-ups
         changed = [k for k in SHAPE if saved[k] != getattr(self, k)]
         if not changed:
             return None

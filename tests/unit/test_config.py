@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import subprocess
 import sys
 
@@ -446,3 +447,25 @@ def test_unknown_flags_and_keys_name_the_nearest(args, suggestion):
     with pytest.raises(ConfigError) as e:
         load_config(None, None, args, 0, 2)
     assert suggestion in str(e.value)
+
+
+def test_deepspeed_defaults_are_deepspeeds_and_named_in_one_line(tmp_path, capsys):
+    """Issue 39 (5): what a DeepSpeed config leaves out gets DeepSpeed's default (WarmupLR's log
+    warm-up, Adam's betas (0.9, 0.999), eps 1e-8 and weight decay 0, no clipping), named in one
+    line; the YAML's and the command line's keys win over those defaults."""
+    ds = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 8, "optimizer": {"type": "Adam", "params": {}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 2e-3}}}
+    o = _load(tmp_path, ds).optim
+    assert (o.beta1, o.beta2, o.eps, o.weight_decay, o.clip_grad, o.warmup_style) == (0.9, 0.999, 1e-8, 0.0, 0.0, "log")
+    assert (o.lr, o.min_lr, o.warmup_iters) == (2e-3, 0.0, 10)
+    line = [x for x in capsys.readouterr().err.splitlines() if "DeepSpeed's defaults" in x]
+    assert line == [f"{tmp_path / 'ds_config.json'}: DeepSpeed's defaults for what it leaves out: optim.beta1 0.9, "
+                    f"optim.beta2 0.999, optim.eps 1e-08, optim.weight_decay 0, optim.warmup_style log, optim.min_lr 0, "
+                    f"optim.clip_grad 0"]
+    o = _load(tmp_path, ds, "data:\n  mock: true\noptim:\n  beta2: 0.95\n", overrides=["--optim.clip_grad", "1"]).optim
+    assert (o.beta2, o.clip_grad) == (0.95, 1.0)
+    assert "optim.beta2" not in capsys.readouterr().err
+    # The log warm-up: lr x ln(1 + i) / ln(1 + warm-up), up to the peak at the warm-up's end.
+    from megazero.train.lr import LRSchedule
+    schedule = LRSchedule(1.0, 0.0, 10, 100, "constant", warmup_style="log")
+    assert schedule.at(0) == pytest.approx(math.log(2) / math.log(11)) and schedule.at(9) == pytest.approx(1.0)
