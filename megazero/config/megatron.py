@@ -62,6 +62,7 @@ def _set(cfg: Config, name: str, value: object) -> None:
     section, key = name.split(".")
     setattr(getattr(cfg, section), key, value)
     cfg.set_keys |= {name}
+    cfg.cli_keys |= {name}
 
 
 def _distributed_optimizer(cfg: Config, values: list[str]) -> None:

@@ -140,8 +140,8 @@ def read_mapping(path: str, what: str, syntax: str, parse: Callable[[IO], Any], 
 
 def build_config(file_data: Optional[dict] = None, overrides: Optional[list[str]] = None) -> Config:
     """Defaults, then the file's sections, then CLI overrides (`--section.key value`); the keys
-    either set are recorded in `cfg.set_keys`."""
-    cfg, given = Config(), set()
+    either set are recorded in `cfg.set_keys`, the command line's in `cfg.cli_keys`."""
+    cfg, given, cli = Config(), set(), set()
     for section, values in (file_data or {}).items():
         if not isinstance(values, dict):
             raise ConfigError(f"config section '{section}' must be a mapping of keys, got {values!r}")
@@ -151,7 +151,8 @@ def build_config(file_data: Optional[dict] = None, overrides: Optional[list[str]
     for section, key, value in parse_overrides(overrides or []):
         _apply(cfg, section, key, value)
         given.add(f"{section}.{key}")
-    cfg.set_keys = frozenset(given)
+        cli.add(f"{section}.{key}")
+    cfg.set_keys, cfg.cli_keys = frozenset(given), frozenset(cli)
     return cfg
 
 

@@ -317,9 +317,12 @@ class Config:
     set_keys: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
     """The `section.key`s a file or the command line set (config/parse.py records them): a rule
     that depends on whether the user chose a value reads this, never a comparison with the default."""
+    cli_keys: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
+    """Of set_keys, those the command line set (its overrides and Megatron flags); the rest came from a file."""
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
 
-SECTIONS: dict[str, type] = {name: kind for name, kind in typing.get_type_hints(Config).items() if name != "set_keys"}
+SECTIONS: dict[str, type] = {name: kind for name, kind in typing.get_type_hints(Config).items()
+                             if name not in ("set_keys", "cli_keys")}

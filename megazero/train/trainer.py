@@ -273,6 +273,13 @@ class Trainer:
 
     def run(self) -> list[dict]:
         """Train until train.iters (or an agreed early stop), logging, evaluating and saving on schedule."""
+        iters = self.cfg.train.iters
+        if self.iteration >= iters:  # a finished run started again: say so, touch no metrics file
+            if self.grid.rank == 0:
+                past = "" if self.iteration == iters else \
+                    f" (the checkpoint is at iteration {self.iteration}; raise --train.iters to train on)"
+                print(f"already at train.iters {iters}; nothing to train{past}", flush=True)
+            return []
         for line in self.metrics.open(self.iteration, self.consumed_samples):
             print(line, flush=True)
         try:
