@@ -96,7 +96,7 @@ def nearest_checkpoints(path: str, limit: int = 3, depth: int = 3) -> list[str]:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         if {"latest", "latest_checkpointed_iteration.txt", "universal.json"} & set(files) or \
                 os.path.basename(here).startswith("iter_"):
-            found.append(os.path.relpath(here))
+            found.append(here if os.path.isabs(path) else os.path.relpath(here))  # as the user wrote theirs
             dirs.clear()
     return sorted(found, key=lambda d: -difflib.SequenceMatcher(None, d, os.path.normpath(path)).ratio())[:limit]
 

@@ -469,3 +469,15 @@ def test_deepspeed_defaults_are_deepspeeds_and_named_in_one_line(tmp_path, capsy
     from megazero.train.lr import LRSchedule
     schedule = LRSchedule(1.0, 0.0, 10, 100, "constant", warmup_style="log")
     assert schedule.at(0) == pytest.approx(math.log(2) / math.log(11)) and schedule.at(9) == pytest.approx(1.0)
+
+
+def test_unused_cp_impl_is_named_and_scripts_validate_quietly():
+    """Issue 39 (8): parallel.cp_impl at cp 1 gets a warning; --quiet (the scripts' validation
+    steps before the run, which prints them once) prints errors alone."""
+    cmd = [sys.executable, "-m", "megazero.train", "--config", "configs/gpt2-tiny.yaml", "--validate-only",
+           "--config-only", "--parallel.cp_impl", "ulysses", "--optim.warmup_iters", "100"]
+    loud = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert loud.returncode == 0 and loud.stderr.count("warning:") == 2, loud.stderr
+    assert "warning: parallel.cp_impl ulysses has no effect at parallel.cp 1 (no context parallelism)" in loud.stderr
+    quiet = subprocess.run([*cmd, "--quiet"], cwd=REPO, capture_output=True, text=True)
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.startswith("config OK")
