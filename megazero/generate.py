@@ -174,17 +174,27 @@ def main(argv: Optional[list[str]] = None) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megazero-generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--load", required=True)
+    parser.add_argument("--load", required=True, help="the checkpoint: a save directory, an iter_ directory, a "
+                                                      "universal checkpoint, a torch export or a Hugging Face directory")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt")
+    source.add_argument("--prompt", help="one prompt; its completion is printed")
     source.add_argument("--prompts-file", help='JSONL, one {"prompt": ...} per line (other fields are kept)')
     parser.add_argument("--output", help="where --prompts-file's completions go (JSONL; default stdout)")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--batch-size", type=int, default=8, help="--prompts-file's prompts decoded together "
+                                                                  "(default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="tokens generated after each prompt, at most up to model.seq_length in all "
+                             "(default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="softmax temperature; 0 is greedy decoding (default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample among the K most likely tokens; 0: all (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling: among the most likely tokens holding P of the probability; 1: all "
+                             "(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=1234,
+                        help="the sampling generator's seed; the same seed samples the same text "
+                             "(default: %(default)s)")
     parser.add_argument("--tokenizer", help="tokenizer spec when the checkpoint names none (gpt2bpe:DIR, hf:DIR, a Hugging Face "
                                              "directory, ...)")
     parser.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",

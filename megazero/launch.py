@@ -6,12 +6,18 @@ exits 1 whatever its workers' status and follows a worker's one-line ``error:`` 
 40-line ChildFailedError traceback. Here a user error (config, data, checkpoint: the workers
 printed its line already) exits 2 with nothing more, and any other failure ends in one line
 naming the first worker that failed, its exit status or signal, and torchrun's restarts.
+
+A stop signal sent to the launcher (SIGTERM, SIGINT; torchrun forwards it to the workers, which
+save and stop: train/lifecycle.StopRequest) ends the job in one line and exit status 0 when the
+workers stopped cleanly, where torchrun prints a SignalException traceback and exits 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
 from typing import Optional, Sequence
@@ -20,6 +26,7 @@ from megazero.errors import EXIT_USER_ERROR
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -29,11 +36,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.close(fd)
     os.remove(marker)
     os.environ["MEGAZERO_USER_ERROR_FILE"] = marker
+    stopped = marker + ".stopped"  # left by workers that saved and stopped on a signal
+    os.environ["MEGAZERO_STOPPED_FILE"] = stopped
     # torchrun's per-worker "failed (exitcode ...)" and "closing signal" lines repeat what the
     # summary line below says; its agent's warnings (restarts, rendezvous) stay.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+        lambda record: "death signal" not in record.getMessage())  # said by the stop line below
     try:
         run(args)
+    except SignalException as signalled:
+        clean = os.path.exists(stopped)
+        with contextlib.suppress(OSError):
+            os.remove(stopped)
+        name = signal.Signals(signalled.sigval).name
+        if clean:
+            print(f"megazero.launch: {name}: the workers saved and stopped", file=sys.stderr, flush=True)
+            return 0
+        print(f"error: megazero.launch: {name}: the workers were stopped before they could save (a stop during "
+              f"start-up or a save); the last checkpoint is intact", file=sys.stderr, flush=True)
+        return 128 + signalled.sigval
     except ChildFailedError as failed:
         if os.path.exists(marker):
             os.remove(marker)

@@ -120,7 +120,7 @@ def per_rank(ranks: list[dict], key: str, scale: float, fmt: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8], help="m = factor x pp")
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zbh1"])

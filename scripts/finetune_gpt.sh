@@ -75,7 +75,7 @@ train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.st
   --checkpoint.init_from_hf "$HF_DIR" --checkpoint.save "$SAVE" "${resume[@]}"
   --logging.jsonl "$RUN_DIR/metrics.jsonl" --train.iters "$ITERS" --optim.lr "${LR:-3e-4}"
   --optim.min_lr "${MIN_LR:-3e-5}" --optim.warmup_iters "${WARMUP:-10}" "${extra[@]}" "$@")
-LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --world-size "$NPROC" "${train_args[@]}"
+LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --quiet --world-size "$NPROC" "${train_args[@]}"
 echo "== fine-tuning: $NPROC processes, tp $TP x pp $PP, ZeRO-$ZERO_STAGE, from $HF_DIR; outputs in $RUN_DIR"
 # megazero.launch is torchrun (same arguments) that exits 2 for a user error (config, data,
 # checkpoint) as megazero does, and ends any other failure in one line instead of a traceback.

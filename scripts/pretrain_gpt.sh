@@ -55,7 +55,7 @@ train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.st
 tok_dir=${TOKENIZER#gpt2bpe:}
 if [[ $TOKENIZER == gpt2bpe:* && ! -f $tok_dir/vocab.json ]]; then vocab=(--data.tokenizer null --model.vocab_size "$VOCAB_SIZE")
 else vocab=(--data.tokenizer "$TOKENIZER" --model.vocab_size auto); fi
-LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --config-only --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" \
+LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --config-only --quiet --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" \
   "${vocab[@]}" "$@"
 
 # 1. Tokenizer: train one on the corpus when none is there (nothing can be downloaded).
@@ -78,7 +78,7 @@ fi
 
 # 3. Train (resumes when $SAVE holds a checkpoint). First the files it reads (the
 #    dataset, the checkpoint it resumes) are checked as start-up would, before any process starts.
-LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" \
+LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --quiet --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" \
   --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@" > /dev/null
 echo "== training: $NPROC processes per node, tp $TP x pp $PP, ZeRO-$ZERO_STAGE; outputs in $RUN_DIR"
 # megazero.launch is torchrun (same arguments) that exits 2 for a user error (config, data,

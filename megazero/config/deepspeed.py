@@ -89,6 +89,11 @@ SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 # DeepSpeed's defaults for the scheduler parameters a config leaves out.
 SCHEDULER_DEFAULTS = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log",
                       "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0001}
+# DeepSpeed's defaults where megazero's differ, for what a config leaves out: its Adam's (FusedAdam's) parameters,
+# as megazero keys, when the file has an optimizer section; no gradient clipping.
+OPTIMIZER_DEFAULTS = {"optim.beta1": ("betas", 0.9), "optim.beta2": ("betas", 0.999), "optim.eps": ("eps", 1e-8),
+                      "optim.weight_decay": ("weight_decay", 0.0)}
+CLIPPING_DEFAULT = 0.0
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,13 @@ class DeepSpeedImport:
     unsupported: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     """Lines about values re-derived for this run (gradient_accumulation_steps)."""
+    defaults: list = field(default_factory=list)
+    """DeepSpeed's defaults applied for what the file leaves out, as 'megazero.key value'."""
+
+    def defaults_note(self, path: str) -> Optional[str]:
+        """One line naming DeepSpeed's defaults in effect (as the Megatron path names Megatron's)."""
+        return (f"{path}: DeepSpeed's defaults for what it leaves out: {', '.join(self.defaults)}"
+                if self.defaults else None)
 
     def warning(self, path: str) -> Optional[str]:
         if not self.unsupported:
@@ -217,6 +229,8 @@ def import_deepspeed(ds: dict, base: Config, world_size: int,
         elif key != "gradient_accumulation_steps":
             out.walk(key, value)
     out.batch(ds)
+    if "gradient_clipping" not in ds:
+        out.default("optim.clip_grad", CLIPPING_DEFAULT, "gradient_clipping")
     return out.result
 
 
@@ -265,6 +279,14 @@ class _Importer:
             raise ConfigError(f"DeepSpeed {source} ({value!r}) disagrees with another key mapped onto {name} "
                               f"({previous!r}); give both the same value")
         self.result.sections[section][key] = value
+
+    def default(self, name: str, value: Any, source: str) -> None:
+        """DeepSpeed's own default for what the file leaves out, mapped onto `name` and named in
+        the defaults line; the YAML's or the command line's value of `name` wins over it."""
+        if name in self.base.set_keys:
+            return
+        self.set(name, value, source, replace=True)
+        self.result.defaults.append(f"{name} {show_value(value)}")
 
     def unsupported(self, path: str, value: Any) -> None:
         """List a key the user wrote as ignored, unless it is one edit away from a key megazero
@@ -336,6 +358,10 @@ class _Importer:
                         self.walk(f"optimizer.params.{param}", inner)
             elif name != "type":
                 self.walk(f"optimizer.{name}", value)
+        written = section.get("params", {}) if isinstance(section.get("params"), dict) else {}
+        for key, (param, value) in OPTIMIZER_DEFAULTS.items():
+            if param not in written:
+                self.default(key, value, f"optimizer.params.{param}")
 
     def scheduler(self, section: dict, _: str) -> None:
         kind = section.get("type")
@@ -345,21 +371,31 @@ class _Importer:
         written = section.get("params", {})
         params = {**SCHEDULER_DEFAULTS, **written}
         known = {"warmup_num_steps", "warmup_type", "total_num_steps", "last_batch_iteration"}
-        self.set("optim.warmup_iters", params["warmup_num_steps"], "scheduler.params.warmup_num_steps")
-        if written.get("warmup_type", "linear") not in ("linear", "auto"):  # megazero warms up linearly; defaults
-            self.unsupported("scheduler.params.warmup_type", written["warmup_type"])  # are not listed
+
+        def put(name: str, value: Any, param: str, replace: bool = False) -> None:
+            """`value` (from params[param]) onto `name`: written, or DeepSpeed's default, named."""
+            if param in written:
+                self.set(name, value, f"scheduler.params.{param}", replace)
+            elif value != "auto":
+                self.default(name, value, f"scheduler.params.{param}")
+
+        put("optim.warmup_iters", params["warmup_num_steps"], "warmup_num_steps")
+        if params["warmup_type"] in ("linear", "log"):  # DeepSpeed's default: log
+            put("optim.warmup_style", params["warmup_type"], "warmup_type")
+        elif params["warmup_type"] != "auto":
+            self.unsupported("scheduler.params.warmup_type", params["warmup_type"])
         if kind == "WarmupCosineLR":
             known |= {"warmup_min_ratio", "cos_min_ratio"}
             lr = self.result.sections.get("optim", {}).get("lr", self.base.optim.lr)
             if params["cos_min_ratio"] != "auto":
-                self.set("optim.min_lr", lr * params["cos_min_ratio"], "scheduler.params.cos_min_ratio")
+                put("optim.min_lr", lr * params["cos_min_ratio"], "cos_min_ratio")
             if params["warmup_min_ratio"] not in (0, "auto"):
                 self.unsupported("scheduler.params.warmup_min_ratio", params["warmup_min_ratio"])
         else:
             known |= {"warmup_min_lr", "warmup_max_lr"}
             # DeepSpeed's scheduler sets the LR, whatever optimizer.params.lr says.
-            self.set("optim.lr", params["warmup_max_lr"], "scheduler.params.warmup_max_lr", replace=True)
-            self.set("optim.min_lr", params["warmup_min_lr"], "scheduler.params.warmup_min_lr")
+            put("optim.lr", params["warmup_max_lr"], "warmup_max_lr", replace=True)
+            put("optim.min_lr", params["warmup_min_lr"], "warmup_min_lr")
         style = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}[kind]
         self.set("optim.decay_style", style, "scheduler.type")
         if kind != "WarmupLR":
@@ -410,6 +446,8 @@ class _Importer:
         if accumulation == "auto" or total % (micro * self.dp):
             return
         now = total // (micro * self.dp)
+        if now == accumulation:  # nothing changed: nothing to say
+            return
         self.result.notes.append(f"note: DeepSpeed gradient_accumulation_steps ({accumulation}) is re-derived as {now} "
                                  f"from the command line's batch sizes: train.global_batch_size {total} = "
                                  f"train.micro_batch_size {micro} x {now} x dp {self.dp}")

@@ -12,13 +12,13 @@ or applied once the config is built (`Translation.apply`).
 
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from megazero.config.help import config_keys, show_value
 from megazero.config.schema import Config, ConfigError
+from megazero.config.suggest import closest, key_candidates
 from megazero.data import DataError
 from megazero.data.tokenizer import spec_from_megatron_args
 
@@ -78,6 +78,7 @@ def _set(cfg: Config, name: str, value: object) -> None:
     section, key = name.split(".")
     setattr(getattr(cfg, section), key, value)
     cfg.set_keys |= {name}
+    cfg.cli_keys |= {name}
 
 
 def _distributed_optimizer(cfg: Config, values: list[str]) -> None:
@@ -561,15 +562,12 @@ def _tokenizer_spec(collected: dict[str, str]) -> str:
 
 
 def _unknown(name: str) -> Flag:
-    """The error for a flag that is neither megazero's nor a Megatron flag in the table."""
-    keys = {f"--{key}": key for key, *_ in config_keys()}
-    close = difflib.get_close_matches(name, [*BY_NAME, *keys], n=1, cutoff=0.6)
-    if not close:
-        close = difflib.get_close_matches(name.replace("-", "_"), list(keys), n=1, cutoff=0.5)
-    hint = (f"did you mean {close[0]}?" if close else "megazero keys are --section.key value (--help-config lists "
-            "them); the Megatron-LM flags it reads are in README's 'Coming from Megatron-LM'")
-    if close and close[0] in BY_NAME and BY_NAME[close[0]].sets:
-        hint = f"did you mean {close[0]} (megazero's {BY_NAME[close[0]].sets[0][0]})?"
+    """The error for a flag that is neither megazero's nor a Megatron flag in the table: it names
+    the nearest Megatron flag, megazero key or short alias (--tp: --parallel.tp)."""
+    keys = [key for key, *_ in config_keys()]
+    close = closest(name, [*((flag, flag) for flag in BY_NAME), *key_candidates(keys)])
+    flag = BY_NAME.get(close)
+    hint = f"did you mean {close} (megazero's {flag.sets[0][0]})?" if flag and flag.sets else f"did you mean {close}?"
     raise ConfigError(f"unknown flag {name}: neither a megazero key nor a Megatron-LM flag megazero reads; {hint}")
 
 

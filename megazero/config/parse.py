@@ -13,6 +13,7 @@ from typing import IO, Any, Callable, Literal, Optional
 import yaml
 
 from megazero.config.schema import SECTIONS, Config, ConfigError
+from megazero.config.suggest import closest, key_candidates
 
 _UNIONS = (typing.Union, types.UnionType)  # Optional[X] and the `X | None` spelling
 
@@ -103,11 +104,19 @@ def check_value(name: str, value: Any, label: str) -> Any:
 
 def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
     if section not in SECTIONS:
-        raise ConfigError(f"unknown config section '{section}'; sections are {', '.join(SECTIONS)}")
+        raise ConfigError(f"unknown config section '{section}'; did you mean {_nearest_key(section, key)}? "
+                          f"sections are {', '.join(SECTIONS)}")
     fields = section_fields(section)
     if key not in fields:
-        raise ConfigError(f"unknown config key '{section}.{key}'; {section} has {', '.join(fields)}")
+        raise ConfigError(f"unknown config key '{section}.{key}'; did you mean {_nearest_key(section, key)}? "
+                          f"{section} has {', '.join(fields)}")
     setattr(getattr(cfg, section), key, _coerce(f"{section}.{key}", value, fields[key]))
+
+
+def _nearest_key(section: str, key: str) -> str:
+    """The config key nearest to `section.key` (a short alias or a bare key name counts)."""
+    keys = [f"{name}.{field}" for name in SECTIONS for field in section_fields(name)]
+    return closest(f"{section}.{key}", key_candidates(keys, dashes=False))
 
 
 def load_yaml(path: str) -> dict:
@@ -131,8 +140,8 @@ def read_mapping(path: str, what: str, syntax: str, parse: Callable[[IO], Any], 
 
 def build_config(file_data: Optional[dict] = None, overrides: Optional[list[str]] = None) -> Config:
     """Defaults, then the file's sections, then CLI overrides (`--section.key value`); the keys
-    either set are recorded in `cfg.set_keys`."""
-    cfg, given = Config(), set()
+    either set are recorded in `cfg.set_keys`, the command line's in `cfg.cli_keys`."""
+    cfg, given, cli = Config(), set(), set()
     for section, values in (file_data or {}).items():
         if not isinstance(values, dict):
             raise ConfigError(f"config section '{section}' must be a mapping of keys, got {values!r}")
@@ -142,7 +151,8 @@ def build_config(file_data: Optional[dict] = None, overrides: Optional[list[str]
     for section, key, value in parse_overrides(overrides or []):
         _apply(cfg, section, key, value)
         given.add(f"{section}.{key}")
-    cfg.set_keys = frozenset(given)
+        cli.add(f"{section}.{key}")
+    cfg.set_keys, cfg.cli_keys = frozenset(given), frozenset(cli)
     return cfg
 
 

@@ -5,6 +5,9 @@ size NVMe swap files."""
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 from megazero.checkpoint.hf_config import resolve_init_from_hf
 from megazero.checkpoint.meta import model_mismatch, resume_dir, saved_config
 from megazero.config.resolve import resolve
@@ -60,6 +63,38 @@ def preflight(cfg: Config, world_size: int = 1) -> None:
         raise PreflightError(why)
     if "nvme" in (z.offload_optimizer, z.offload_param) and not cfg.finetune.lora_rank:
         check_nvme_space(cfg, world_size)
+
+
+def origin(cfg: Config, key: str, config_path: Optional[str]) -> str:
+    """Where `key`'s value came from, as a start-up line names it."""
+    if key in cfg.cli_keys:
+        return "from the command line"
+    return f"from {config_path or 'the config file'}" if key in cfg.set_keys else "the default"
+
+
+def starting_point_line(cfg: Config, config_path: Optional[str] = None) -> Optional[str]:
+    """When a checkpoint in checkpoint.load meets a setting that asks for another start, one line
+    naming which wins and where each came from, or a refusal (PreflightError):
+    - checkpoint.init_from_hf: refused, unless checkpoint.load is the run's own save directory
+      (a restart or re-run of a run that started from those weights: the resume wins, said once);
+    - checkpoint.load and checkpoint.save from different places (a file's and the command
+      line's) naming different directories: the run starts from one and saves into the other."""
+    c = cfg.checkpoint
+    if not c.load or not (resume_dir(c.load, c.iteration) or os.path.isfile(os.path.join(c.load, "universal.json"))):
+        return None
+    load = f"checkpoint.load {c.load} ({origin(cfg, 'checkpoint.load', config_path)})"
+    own = os.path.abspath(c.save or "") == os.path.abspath(c.load) if c.save else False
+    if c.init_from_hf:
+        hf = f"checkpoint.init_from_hf {c.init_from_hf} ({origin(cfg, 'checkpoint.init_from_hf', config_path)})"
+        if not own:
+            raise PreflightError(f"{load} holds a checkpoint, which a run resumes from in place of {hf}; pass "
+                                 f"--checkpoint.load null to start from {c.init_from_hf}, or drop "
+                                 f"checkpoint.init_from_hf to resume")
+        return f"resuming from the checkpoint in {load}, this run's save directory: {hf} is for a fresh start"
+    save_origin = origin(cfg, "checkpoint.save", config_path)
+    if c.save and not own and save_origin != origin(cfg, "checkpoint.load", config_path):
+        return f"starting from the checkpoint in {load}; saving into checkpoint.save {c.save} ({save_origin})"
+    return None
 
 
 def check_nvme_space(cfg: Config, world_size: int) -> None:

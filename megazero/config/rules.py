@@ -21,8 +21,16 @@ from megazero.config.schema import (
 
 
 def schedule_warnings(cfg: Config) -> list[str]:
-    """Lines about an LR schedule that is valid but almost surely not meant: a warm-up that
-    lasts the whole run or leaves no decay phase."""
+    """Lines about a config that is valid but almost surely not meant: a context-parallel
+    implementation chosen without context parallelism, an LR warm-up that lasts the whole run
+    or leaves no decay phase."""
+    p = cfg.parallel
+    unused = [f"warning: parallel.cp_impl {p.cp_impl} has no effect at parallel.cp 1 (no context parallelism); "
+              f"set --parallel.cp N to split the sequence"] if p.cp == 1 and "parallel.cp_impl" in cfg.set_keys else []
+    return unused + _warmup_warnings(cfg)
+
+
+def _warmup_warnings(cfg: Config) -> list[str]:
     t, o = cfg.train, cfg.optim
     warmup = warmup_length(o, t.iters)
     if not warmup or not t.iters:

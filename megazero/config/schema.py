@@ -206,6 +206,9 @@ class OptimConfig:
     warmup_fraction: float = 0.0
     """Linear warmup as a fraction of the decay iterations (optim.decay_iters, else train.iters), as Megatron's
     --lr-warmup-fraction; 0: off. Not together with optim.warmup_iters."""
+    warmup_style: Literal["linear", "log"] = "linear"
+    """Warm-up shape: linear, or log (DeepSpeed WarmupLR's default: lr x ln(1 + i) / ln(1 + warm-up iterations)
+    after i iterations)."""
     decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     """LR decay after warmup."""
     decay_iters: int = 0
@@ -327,9 +330,12 @@ class Config:
     set_keys: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
     """The `section.key`s a file or the command line set (config/parse.py records them): a rule
     that depends on whether the user chose a value reads this, never a comparison with the default."""
+    cli_keys: frozenset[str] = field(default_factory=frozenset, compare=False, repr=False)
+    """Of set_keys, those the command line set (its overrides and Megatron flags); the rest came from a file."""
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
 
-SECTIONS: dict[str, type] = {name: kind for name, kind in typing.get_type_hints(Config).items() if name != "set_keys"}
+SECTIONS: dict[str, type] = {name: kind for name, kind in typing.get_type_hints(Config).items()
+                             if name not in ("set_keys", "cli_keys")}

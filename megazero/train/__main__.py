@@ -19,11 +19,12 @@ from megazero.config.deepspeed import load_deepspeed_config
 from megazero.config.help import reference
 from megazero.config.megatron import translate
 from megazero.config.parse import build_config, load_yaml, parse_overrides
-from megazero.config.preflight import preflight, resolve_and_validate
+from megazero.config.preflight import preflight, resolve_and_validate, starting_point_line
 from megazero.config.rules import schedule_warnings
 from megazero.config.schema import Config, ConfigError
 from megazero.errors import exit_if_failed_before, report_errors
 from megazero.train import lifecycle
+from megazero.train.sinks import refuse_foreign_metrics
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -44,6 +45,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                              "checkpoint it resumes, zero.nvme_path), and exit before launching any")
     parser.add_argument("--config-only", action="store_true",
                         help="with --validate-only: the config alone, not the files (before the data is prepared)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="print no warning or note lines, errors only (a script that validates first and then "
+                             "runs prints them once, from the run)")
     parser.add_argument("--print-config", action="store_true",
                         help="print the full resolved config at start-up (logging.print_config)")
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
@@ -54,12 +58,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.help_config:
         print(reference())
         return
+    speaks = int(os.environ.get("RANK", "0")) == 0 and not args.quiet  # the rank that prints notes and warnings
     with report_errors():
-        cfg = load_config(args.config, args.deepspeed_config, overrides, int(os.environ.get("RANK", "0")),
-                          args.world_size)
+        cfg = load_config(args.config, args.deepspeed_config, overrides, 0 if speaks else 1, args.world_size)
         require_logging_packages(cfg)
         lifecycle.refuse_missing_load(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
+        starting = starting_point_line(cfg, args.config or args.deepspeed_config)
+        if not lifecycle.restart_count():  # a restart is the run that claimed its metrics outputs
+            refuse_foreign_metrics(cfg)
+    if starting and speaks:
+        print(starting, flush=True)
+    if speaks:
         for line in schedule_warnings(cfg):
             print(line, file=sys.stderr, flush=True)
     if args.validate_only:
@@ -136,7 +145,8 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
         imported = load_deepspeed_config(deepspeed, cfg, world_size, given)
         merged = {s: {**file_data.get(s, {}), **imported.sections.get(s, {})} for s in {*file_data, *imported.sections}}
         cfg = build_config(merged, overrides)
-        for line in (*imported.notes, imported.warning(deepspeed)) if rank == 0 else ():
+        for line in (*imported.notes, imported.defaults_note(deepspeed), imported.warning(deepspeed)) \
+                if rank == 0 else ():
             if line:
                 print(line, file=sys.stderr, flush=True)
     megatron.apply(cfg)

@@ -18,3 +18,13 @@ def rampup_batch(t: TrainConfig, dp: int, consumed_samples: int) -> int:
     if not per_increment or consumed_samples > samples:
         return t.global_batch_size
     return min(t.global_batch_size, start + increment * int(consumed_samples / per_increment))
+
+
+def samples_after(t: TrainConfig, dp: int, iters: int) -> int:
+    """The samples `iters` steps from the start consume: iters x global batch, less during a ramp-up."""
+    consumed = 0
+    for done in range(iters):
+        if t.rampup_batch_size is None or consumed > t.rampup_batch_size[2]:  # the rest at the full batch
+            return consumed + (iters - done) * t.global_batch_size
+        consumed += rampup_batch(t, dp, consumed)
+    return consumed

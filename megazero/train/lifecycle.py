@@ -64,6 +64,15 @@ def resume_on_restart(cfg: Config) -> Optional[str]:
     return f"torchrun restart {restart_count()} of {limit}: resuming from the latest checkpoint in {c.save}"
 
 
+def remember_clean_stop() -> None:
+    """Leave word for megazero.launch ($MEGAZERO_STOPPED_FILE) that this worker saved and stopped
+    on a signal: the launcher then ends the job with status 0, not torchrun's SignalException."""
+    path = os.environ.get("MEGAZERO_STOPPED_FILE")
+    if path:
+        with open(path, "a"):
+            pass
+
+
 class LoadPathError(UserError):
     """checkpoint.load names nothing: training from scratch instead would hide the mistake."""
 
@@ -96,7 +105,7 @@ def nearest_checkpoints(path: str, limit: int = 3, depth: int = 3) -> list[str]:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         if {"latest", "latest_checkpointed_iteration.txt", "universal.json"} & set(files) or \
                 os.path.basename(here).startswith("iter_"):
-            found.append(os.path.relpath(here))
+            found.append(here if os.path.isabs(path) else os.path.relpath(here))  # as the user wrote theirs
             dirs.clear()
     return sorted(found, key=lambda d: -difflib.SequenceMatcher(None, d, os.path.normpath(path)).ratio())[:limit]
 

@@ -1,4 +1,4 @@
-"""Learning-rate schedule: linear warmup, then cosine / linear / constant decay to min_lr.
+"""Learning-rate schedule: linear (or log) warmup, then cosine / linear / constant decay to min_lr.
 
 As in Megatron's OptimizerParamScheduler, the schedule is part of the checkpoint and counts
 applied steps only: a step skipped for an fp16 overflow or a non-finite gradient does not
@@ -16,7 +16,7 @@ from typing import Optional
 from megazero.config.rules import warmup_length
 from megazero.config.schema import OptimConfig, TrainConfig
 
-SHAPE = ("lr", "min_lr", "warmup_iters", "decay_iters", "decay_style")
+SHAPE = ("lr", "min_lr", "warmup_iters", "decay_iters", "decay_style", "warmup_style")
 """What defines the curve; a change of any of them on resume is reported."""
 
 
@@ -35,6 +35,8 @@ class LRSchedule:
     """1: the schedule counts iterations. With a batch-size ramp-up, the global batch size: it counts
     samples (each applied step adds its own batch) against warmup_iters x unit and decay_iters x unit
     samples, as Megatron's scheduler does."""
+    warmup_style: str = "linear"
+    """linear, or log (DeepSpeed's WarmupLR default)."""
 
     @classmethod
     def from_config(cls, optim: OptimConfig, train: TrainConfig | int) -> "LRSchedule":
@@ -47,7 +49,8 @@ class LRSchedule:
         decay = optim.decay_samples / unit if optim.decay_samples else optim.decay_iters or iters
         warmup = optim.warmup_samples / unit if optim.warmup_samples else (
             optim.warmup_fraction * decay if optim.warmup_fraction else warmup_length(optim, iters))
-        return cls(optim.lr, optim.min_lr, warmup, decay, optim.decay_style, unit=unit)  # type: ignore[arg-type]
+        return cls(optim.lr, optim.min_lr, warmup, decay, optim.decay_style, unit=unit,
+                   warmup_style=optim.warmup_style)  # type: ignore[arg-type]
 
     def decoupled(self, optim: OptimConfig) -> Optional["LRSchedule"]:
         """The same curve for the embedding and output layer at optim.decoupled_lr (Megatron's
@@ -62,6 +65,8 @@ class LRSchedule:
         applies `increment` (1 iteration, or its batch of samples)."""
         done = (step + increment) / self.unit  # iterations done once this step is applied
         if self.warmup_iters and done <= self.warmup_iters:
+            if self.warmup_style == "log":
+                return self.lr * math.log1p(done) / math.log1p(self.warmup_iters)
             return self.lr * done / self.warmup_iters
         if self.decay_style == "constant":
             return self.lr
@@ -88,6 +93,7 @@ class LRSchedule:
         `override`. Returns one line describing a shape change (None when nothing changed)."""
         self.steps = int(saved["steps"])
         self.unit = int(saved.get("unit", 1))  # what `steps` counts is the checkpoint's
+        saved = {"warmup_style": "linear", **saved}  # a checkpoint from before log warm-ups
         changed = [k for k in SHAPE if saved[k] != getattr(self, k)]
         if not changed:
             return None

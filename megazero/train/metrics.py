@@ -11,7 +11,7 @@ import torch
 
 from megazero.config.schema import Config
 from megazero.plan.formulas import PEAK_FLOPS
-from megazero.train.sinks import JsonlSink, Sink, TensorBoardSink, WandbSink, drop_records_after
+from megazero.train.sinks import JsonlSink, Sink, TensorBoardSink, WandbSink, claim, drop_records_after
 
 
 def device_peak_flops() -> tuple[str, Optional[float]]:
@@ -116,6 +116,7 @@ class MetricsWriter:
         if not self.enabled:
             return []
         lg, notes = self.cfg.logging, []
+        claim(self.cfg)  # refuse_foreign_metrics checked at start-up that these outputs are this run's
         if lg.jsonl:
             dropped = drop_records_after(lg.jsonl, iteration)
             if dropped:

@@ -8,10 +8,17 @@ that after a restart each iteration is there once:
 - W&B: one run id per save directory, resumed (online); W&B ignores a step the run already
   holds, so an iteration logged before the restart keeps its first values (equal ones: a
   resume at the same layout is bitwise, only the timings differ).
+
+That is for the run's own earlier attempts. A JSONL file or TensorBoard directory written by
+another run is never cut or appended to: each records its run's identity beside it (the run
+id its save directory keeps, the one its W&B run has too, and a digest of its model), and a
+start-up that is not that run refuses in one line (`refuse_foreign_metrics`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -20,12 +27,68 @@ from typing import Optional, Protocol
 
 from megazero.atomic import atomic_write, write_text
 from megazero.config.schema import Config
+from megazero.errors import UserError
 
 
 class Sink(Protocol):
     def write(self, rec: dict) -> None: ...
 
     def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------- which run a metrics file is
+
+RUN_FILE = "megazero_run.json"
+"""The identity of the run that writes a TensorBoard directory, inside it; a JSONL file's is FILE.run.json."""
+
+
+class ForeignMetricsError(UserError):
+    """A metrics file or directory another run wrote: this run would cut or extend its records."""
+
+
+def metrics_outputs(cfg: Config) -> list[tuple[str, str, str]]:
+    """(config key, path, its identity file) of each metrics output the run writes to a path."""
+    lg, out = cfg.logging, []
+    if lg.jsonl:
+        out.append(("logging.jsonl", lg.jsonl, lg.jsonl + ".run.json"))
+    if lg.tensorboard:
+        out.append(("logging.tensorboard", lg.tensorboard, os.path.join(lg.tensorboard, RUN_FILE)))
+    return out
+
+
+def run_identity(cfg: Config, run_id: Optional[str]) -> dict:
+    """What a metrics output records of its run: the run id (None without a save directory:
+    such a run cannot be resumed, each start is a run of its own), where it saves, its model."""
+    model = json.dumps(dataclasses.asdict(cfg.model), sort_keys=True)
+    return {"run_id": run_id, "save": os.path.abspath(cfg.checkpoint.save) if cfg.checkpoint.save else None,
+            "model": hashlib.sha256(model.encode()).hexdigest()[:16]}
+
+
+def refuse_foreign_metrics(cfg: Config) -> None:
+    """At start-up, on every rank (reading only): refuse when a metrics output the config names
+    records another run (another run id, or none, or another model). A file without an
+    identity (written before megazero recorded one) is taken as this run's."""
+    mine = run_identity(cfg, saved_run_id(cfg.checkpoint.save))
+    for key, path, identity in metrics_outputs(cfg):
+        if not os.path.exists(path) or not os.path.isfile(identity):
+            continue
+        with open(identity) as f:
+            owner = json.load(f)
+        if owner.get("run_id") is not None and owner.get("run_id") == mine["run_id"] and \
+                owner.get("model") == mine["model"]:
+            continue
+        whose = (f"run {owner['run_id']}, saving to {owner.get('save')}" if owner.get("run_id") else
+                 "a run without checkpoint.save")
+        model = "" if owner.get("model") == mine["model"] else " with another model"
+        raise ForeignMetricsError(f"{key} {path} holds the metrics of another run ({whose}{model}); this run "
+                                  f"would cut or extend them: pass --{key} with another path (or remove it)")
+
+
+def claim(cfg: Config) -> None:
+    """Record this run as the writer of its metrics outputs (on the logging rank, as they open)."""
+    mine = run_identity(cfg, wandb_run_id(cfg.checkpoint.save))
+    for *_, identity in metrics_outputs(cfg):
+        write_text(identity, json.dumps(mine) + "\n")
 
 
 # ----------------------------------------------------------------------------- JSONL
@@ -130,15 +193,25 @@ class TensorBoardSink:
 WANDB_ID_FILE = "wandb_run_id"
 
 
+def saved_run_id(save_dir: Optional[str]) -> Optional[str]:
+    """The run id `save_dir` keeps (see wandb_run_id), or None when it has none yet."""
+    path = os.path.join(save_dir, WANDB_ID_FILE) if save_dir else ""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
 def wandb_run_id(save_dir: Optional[str]) -> Optional[str]:
-    """The W&B run id of the run saving to `save_dir`, kept there so that a restart or a
-    resume logs into the same W&B run; None without a save directory (nothing to resume)."""
+    """The id of the run saving to `save_dir` (its W&B run id, and the owner its metrics
+    outputs record), kept there so that a restart or a resume is the same run; None without
+    a save directory (nothing to resume)."""
     if not save_dir:
         return None
+    run_id = saved_run_id(save_dir)
+    if run_id:
+        return run_id
     path = os.path.join(save_dir, WANDB_ID_FILE)
-    if os.path.isfile(path):
-        with open(path) as f:
-            return f.read().strip()
     run_id = uuid.uuid4().hex[:12]
     write_text(path, run_id)
     return run_id

@@ -22,6 +22,7 @@ from megazero.parallel.grid import ProcessGrid
 from megazero.plan import formulas as F
 from megazero.plan.planner import Cluster, Prediction, predict, run_layout
 from megazero.plan.ranks import rank_params
+from megazero.train.batch_rampup import samples_after
 
 
 def run_prediction(cfg: Config, grid: ProcessGrid, peak_flops: Optional[float]) -> Prediction:
@@ -42,6 +43,7 @@ def startup_summary(cfg: Config, grid: ProcessGrid, rank_params_numel: int, data
     m, p, t, z = cfg.model, cfg.parallel, cfg.train, cfg.zero
     total = rank_params(m, 1, 1, 1, 0, False, z.bucket_size).param_numel
     accumulation = t.global_batch_size // (t.micro_batch_size * grid.dp)
+    samples = samples_after(t, grid.dp, t.iters)  # fewer than iters x global batch during a ramp-up
     chunks = f" x vpp {p.vpp}" if p.vpp > 1 else ""
     cp = f" x cp {grid.cp} ({p.cp_impl})" if grid.cp > 1 else ""
     lines = [f"megazero: GPT-2 {total / 1e6:,.1f}M parameters ({rank_params_numel / 1e6:,.1f}M on rank 0); "
@@ -50,38 +52,39 @@ def startup_summary(cfg: Config, grid: ProcessGrid, rank_params_numel: int, data
              (f", schedule {p.schedule}" if grid.pp > 1 else ""),
              f"batch: global {t.global_batch_size} = micro-batch {t.micro_batch_size} x accumulation {accumulation} "
              f"x dp {grid.dp}; {t.global_batch_size * m.seq_length:,} tokens/iteration, {t.iters:,} iterations = "
-             f"{t.iters * t.global_batch_size * m.seq_length:,} tokens"]
+             f"{samples * m.seq_length:,} tokens"]
     if t.rampup_batch_size is not None:  # Megatron's --rampup-batch-size
-        start, increment, samples = t.rampup_batch_size
+        start, increment, ramp = t.rampup_batch_size
         lines.append(f"batch ramp-up: global batch {start} growing by {increment} up to {t.global_batch_size} over the "
-                     f"first {samples:,} samples (fewer tokens in all than above); the LR schedule counts samples")
+                     f"first {ramp:,} samples; the LR schedule counts samples")
     f = cfg.finetune
     if f.lora_rank:
         trainable = sum(math.prod(s) for s in adapter_shapes(m, f).values())
         lines.append(f"LoRA: rank {f.lora_rank}, alpha {f.lora_alpha:g} on {', '.join(f.lora_targets)}: "
                      f"{trainable:,} trainable parameters ({100 * trainable / total:.2f}% of the model; the rest "
                      f"frozen; the memory plan below assumes every weight trains)")
-    lines += data_lines(cfg, *datasets)
+    lines += data_lines(cfg, datasets[0], datasets[1], samples)
     lines.append(plan_line(plan, device_name, grid.device.type == "cuda", z.offload_optimizer, z.offload_param))
     return "\n".join(lines)
 
 
-def data_lines(cfg: Config, train, valid) -> list[str]:
+def data_lines(cfg: Config, train, valid, samples: int) -> list[str]:
     """Per split and blend entry: documents and tokens in the split, and the samples, tokens and
-    epochs the run draws from it; a warning when evaluation needs an empty split."""
+    epochs the run draws from it (`samples` in all for training); a warning when evaluation
+    needs an empty split."""
     t, seq = cfg.train, cfg.model.seq_length
     if cfg.data.mock:
-        return [f"data: mock, {t.iters * t.global_batch_size:,} training samples"]
+        return [f"data: mock, {samples:,} training samples"]
     evaluated = t.eval_iters * t.global_batch_size if t.eval_interval else 0
     lines = []
-    for name, ds, samples in (("train", train, t.iters * t.global_batch_size), ("valid", valid, evaluated)):
+    for name, ds, drawn in (("train", train, samples), ("valid", valid, evaluated)):
         if ds is None:
-            if samples:
+            if drawn:
                 lines.append(f"warning: data.split {cfg.data.split!r} leaves the {name} split without documents, "
                              f"but train.eval_interval is {t.eval_interval}: validation will be skipped; give it a "
                              f"share, e.g. --data.split 98,2,0")
             continue
-        for prefix, docs, tokens, n in blend_entries(ds, samples):
+        for prefix, docs, tokens, n in blend_entries(ds, drawn):
             lines.append(f"data {name}: {prefix}: {docs:,} documents, {tokens:,} tokens; the run reads {n:,} "
                          f"samples = {n * seq:,} tokens = {n * seq / tokens:.2f} epochs"
                          + (" (each evaluation)" if name == "valid" else ""))

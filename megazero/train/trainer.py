@@ -35,7 +35,7 @@ from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelini
 from megazero.plan.formulas import model_flops_per_token
 from megazero.train.batch_rampup import rampup_batch
 from megazero.train.host_memory import fit_host_memory
-from megazero.train.lifecycle import StopRequest
+from megazero.train.lifecycle import StopRequest, remember_clean_stop
 from megazero.train.lr import LRSchedule
 from megazero.train.metrics import (
     MetricsWriter,
@@ -275,6 +275,13 @@ class Trainer:
 
     def run(self) -> list[dict]:
         """Train until train.iters (or an agreed early stop), logging, evaluating and saving on schedule."""
+        iters = self.cfg.train.iters
+        if self.iteration >= iters:  # a finished run started again: say so, touch no metrics file
+            if self.grid.rank == 0:
+                past = "" if self.iteration == iters else \
+                    f" (the checkpoint is at iteration {self.iteration}; raise --train.iters to train on)"
+                print(f"already at train.iters {iters}; nothing to train{past}", flush=True)
+            return []
         for line in self.metrics.open(self.iteration, self.consumed_samples):
             print(line, flush=True)
         try:
@@ -299,6 +306,7 @@ class Trainer:
                 if self.is_logger:
                     print(f"{self.stop.reason(stop)}: {'saved and ' if saved else ''}stopped cleanly at iteration "
                           f"{self.iteration}", flush=True)
+                remember_clean_stop()
                 break
         self.checkpoints.close()
         return records

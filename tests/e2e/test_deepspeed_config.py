@@ -163,9 +163,12 @@ def test_autotp_size_sets_tp_and_the_data_parallel_degree(tmp_path, capsys):
 def test_one_batch_size_on_the_command_line(tmp_path, capsys):
     """The micro-batch alone on the command line: the file's global batch stays, accumulation
     is re-derived; without a global batch in the file the file's accumulation derives it."""
+    cfg = _load(tmp_path, ZERO3_OFFLOAD_BF16, world=2, overrides=["--train.micro_batch_size", "4"])
+    assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (64, 4)
+    assert "gradient_accumulation_steps (4) is re-derived as 8" in capsys.readouterr().err
     cfg = _load(tmp_path, ZERO3_OFFLOAD_BF16, world=2, overrides=["--train.micro_batch_size", "8"])
     assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (64, 8)
-    assert "re-derived as 4" in capsys.readouterr().err
+    assert "re-derived" not in capsys.readouterr().err  # 64 = 8 x 4 x 2: the file's 4 holds, nothing to say
     ds = {k: v for k, v in ZERO3_OFFLOAD_BF16.items() if k != "train_batch_size"}
     cfg = _load(tmp_path, ds, world=2, overrides=["--train.micro_batch_size", "8"])
     assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (64, 8)  # 8 x 4 x 2

@@ -29,6 +29,10 @@ def test_a_load_path_that_names_nothing_is_refused_with_the_nearest_checkpoints(
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr.splitlines() == [f"error: checkpoint.load '{typo}' does not exist (checkpoints nearby: "
                                             f"{near}); {hint}"]
+    # An absolute path gets absolute suggestions (not ../../tmp/...), wherever the run starts.
+    typo = str(tmp_path / "runs/tiny/checkpoint")
+    proc = _train(["--checkpoint.load", typo, "--checkpoint.save", "runs/new", "--validate-only"], ROOT)
+    assert f"(checkpoints nearby: {tmp_path / 'runs/tiny/checkpoints'});" in proc.stderr
 
 
 def test_load_equal_to_save_may_be_empty_the_scripts_resume_if_present_pattern(tmp_path):

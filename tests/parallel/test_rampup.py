@@ -97,3 +97,11 @@ def test_rampup_over_two_dp_ranks_equals_one(one_rank):
     assert [r["batch_size"] for r in one] == BATCHES == [r["batch_size"] for r in two]
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(one, two, strict=True)) <= 1e-5
     assert [r["lr"] for r in one] == [r["lr"] for r in two]
+
+
+def test_startup_counts_the_samples_a_ramp_consumes():
+    """Issue 39 (8): the start-up lines count what the run consumes (less than iters x global batch)."""
+    from megazero.train.batch_rampup import samples_after
+    t = TrainConfig(micro_batch_size=2, global_batch_size=16, rampup_batch_size=[4, 4, 24], iters=6)
+    assert samples_after(t, 2, 6) == sum(BATCHES) == 60
+    assert samples_after(TrainConfig(global_batch_size=16, iters=6), 2, 6) == 96

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import subprocess
 import sys
 
@@ -426,3 +427,57 @@ def test_validation_and_the_planner_refuse_a_layout_by_the_same_rule(overrides, 
         validate(cfg, world)
     p = cfg.parallel
     assert layout_problem(cfg, world, p.tp, p.pp, p.vpp, None, p.cp, p.cp_impl) == str(err.value)
+
+
+@pytest.mark.parametrize("args, suggestion", [
+    (["--tp", "2"], "did you mean --parallel.tp?"),  # the planner's short alias, not --fp16
+    (["--zero-stage", "3"], "did you mean --zero.stage?"),
+    (["--cp", "2"], "did you mean --parallel.cp?"),
+    (["--num-layer", "2"], "did you mean --num-layers (megazero's model.num_layers)?"),  # Megatron's flag
+    (["--micro_batch_size", "2"], "did you mean --micro-batch-size"),
+    (["--model.num_layer", "2"], "unknown config key 'model.num_layer'; did you mean model.num_layers?"),
+    (["--modle.num_layers", "2"], "unknown config section 'modle'; did you mean model.num_layers?"),
+    (["--train.itres", "2"], "did you mean train.iters?"),
+])
+def test_unknown_flags_and_keys_name_the_nearest(args, suggestion):
+    """Issue 39 (4): every unknown flag or key gets the nearest megazero key, short alias or
+    Megatron flag by edit distance."""
+    from megazero.train.__main__ import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, None, args, 0, 2)
+    assert suggestion in str(e.value)
+
+
+def test_deepspeed_defaults_are_deepspeeds_and_named_in_one_line(tmp_path, capsys):
+    """Issue 39 (5): what a DeepSpeed config leaves out gets DeepSpeed's default (WarmupLR's log
+    warm-up, Adam's betas (0.9, 0.999), eps 1e-8 and weight decay 0, no clipping), named in one
+    line; the YAML's and the command line's keys win over those defaults."""
+    ds = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 8, "optimizer": {"type": "Adam", "params": {}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 2e-3}}}
+    o = _load(tmp_path, ds).optim
+    assert (o.beta1, o.beta2, o.eps, o.weight_decay, o.clip_grad, o.warmup_style) == (0.9, 0.999, 1e-8, 0.0, 0.0, "log")
+    assert (o.lr, o.min_lr, o.warmup_iters) == (2e-3, 0.0, 10)
+    line = [x for x in capsys.readouterr().err.splitlines() if "DeepSpeed's defaults" in x]
+    assert line == [f"{tmp_path / 'ds_config.json'}: DeepSpeed's defaults for what it leaves out: optim.beta1 0.9, "
+                    f"optim.beta2 0.999, optim.eps 1e-08, optim.weight_decay 0, optim.warmup_style log, optim.min_lr 0, "
+                    f"optim.clip_grad 0"]
+    o = _load(tmp_path, ds, "data:\n  mock: true\noptim:\n  beta2: 0.95\n", overrides=["--optim.clip_grad", "1"]).optim
+    assert (o.beta2, o.clip_grad) == (0.95, 1.0)
+    assert "optim.beta2" not in capsys.readouterr().err
+    # The log warm-up: lr x ln(1 + i) / ln(1 + warm-up), up to the peak at the warm-up's end.
+    from megazero.train.lr import LRSchedule
+    schedule = LRSchedule(1.0, 0.0, 10, 100, "constant", warmup_style="log")
+    assert schedule.at(0) == pytest.approx(math.log(2) / math.log(11)) and schedule.at(9) == pytest.approx(1.0)
+
+
+def test_unused_cp_impl_is_named_and_scripts_validate_quietly():
+    """Issue 39 (8): parallel.cp_impl at cp 1 gets a warning; --quiet (the scripts' validation
+    steps before the run, which prints them once) prints errors alone."""
+    cmd = [sys.executable, "-m", "megazero.train", "--config", "configs/gpt2-tiny.yaml", "--validate-only",
+           "--config-only", "--parallel.cp_impl", "ulysses", "--optim.warmup_iters", "100"]
+    loud = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert loud.returncode == 0 and loud.stderr.count("warning:") == 2, loud.stderr
+    assert "warning: parallel.cp_impl ulysses has no effect at parallel.cp 1 (no context parallelism)" in loud.stderr
+    quiet = subprocess.run([*cmd, "--quiet"], cwd=REPO, capture_output=True, text=True)
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.startswith("config OK")

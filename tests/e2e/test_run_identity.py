@@ -1,0 +1,72 @@
+"""What a run starts from and writes into, when settings disagree (issue 39, 1 and 6): a config
+file's checkpoint.load against the command line's init_from_hf or save directory, a metrics file
+another run wrote, and a finished run started again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from megazero.config import build_config
+from megazero.config.preflight import PreflightError, starting_point_line
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "megazero.train", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_a_finished_run_says_so_and_foreign_metrics_are_refused(tmp_path):
+    config = tmp_path / "run.yaml"
+    jsonl, save = tmp_path / "run" / "metrics.jsonl", tmp_path / "run" / "ck"
+    config.write_text((REPO / "configs" / "gpt2-tiny.yaml").read_text() +
+                      f"checkpoint:\n  save: {save}\n  load: {save}\nlogging:\n  jsonl: {jsonl}\n")
+    first = _train("--config", str(config), "--train.iters", "2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    records = jsonl.read_text()
+    # (6) Started again: nothing to do, said in one line, exit 0, the metrics untouched.
+    again = _train("--config", str(config), "--train.iters", "2")
+    assert again.returncode == 0 and "already at train.iters 2; nothing to train\n" in again.stdout, again.stderr
+    assert jsonl.read_text() == records
+    # (1) Another run (its own save directory, from scratch) would cut the file's records: refused in one line.
+    other = _train("--config", str(config), "--train.iters", "2", "--checkpoint.load", "null",
+                   "--checkpoint.save", str(tmp_path / "other"))
+    assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
+    assert other.stderr.startswith(f"error: logging.jsonl {jsonl} holds the metrics of another run (run ")
+    assert other.stderr.endswith("this run would cut or extend them: pass --logging.jsonl with another path "
+                                 "(or remove it)\n")
+    assert jsonl.read_text() == records
+    # With a path of its own it runs; the line says where it starts from and where it saves.
+    branch = _train("--config", str(config), "--train.iters", "3", "--checkpoint.save", str(tmp_path / "other"),
+                    "--logging.jsonl", str(tmp_path / "other.jsonl"))
+    assert branch.returncode == 0, branch.stderr[-2000:]
+    assert (f"starting from the checkpoint in checkpoint.load {save} (from {config}); saving into checkpoint.save "
+            f"{tmp_path / 'other'} (from the command line)\n") in branch.stdout
+
+
+def test_init_from_hf_against_a_checkpoint_in_load(tmp_path):
+    """A checkpoint in the file's checkpoint.load and the command line's init_from_hf: refused,
+    naming both and where each came from; in the run's own save directory the resume wins, said."""
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    (ckpt / "latest").write_text("iter_0000300")
+    cfg = build_config({"checkpoint": {"load": str(ckpt), "save": str(ckpt)}},
+                       ["--checkpoint.init_from_hf", "W/hf", "--checkpoint.save", str(tmp_path / "hfinit")])
+    with pytest.raises(PreflightError) as refused:
+        starting_point_line(cfg, "demo.yaml")
+    assert str(refused.value) == (f"checkpoint.load {ckpt} (from demo.yaml) holds a checkpoint, which a run resumes "
+                                  f"from in place of checkpoint.init_from_hf W/hf (from the command line); pass "
+                                  f"--checkpoint.load null to start from W/hf, or drop checkpoint.init_from_hf to "
+                                  f"resume")
+    own = build_config({"checkpoint": {"load": str(ckpt), "save": str(ckpt), "init_from_hf": "W/hf"}})
+    assert starting_point_line(own, "demo.yaml") == (
+        f"resuming from the checkpoint in checkpoint.load {ckpt} (from demo.yaml), this run's save directory: "
+        f"checkpoint.init_from_hf W/hf (from demo.yaml) is for a fresh start")
+    empty = build_config({"checkpoint": {"load": str(tmp_path / "none")}}, ["--checkpoint.init_from_hf", "W/hf"])
+    assert starting_point_line(empty) is None  # nothing to resume: the weights are read
