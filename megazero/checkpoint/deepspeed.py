@@ -79,6 +79,24 @@ KIND_FILES = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"
 KIND = "DeepSpeed checkpoint"
 
 
+@dataclasses.dataclass(frozen=True)
+class OptimLayout:
+    """Where DeepSpeed's optimizer files keep one ZeRO stage's state: its save code differs by
+    stage, so the stage a checkpoint records is looked up here, once (OPTIM_LAYOUTS)."""
+
+    master: str
+    """Key of the rank's fp32 master partitions, one flat tensor per (sub-)group."""
+    moments: str
+    """Key of the wrapped torch optimizer's state_dict: Adam's moments and step per group."""
+    per_parameter: bool
+    """ZeRO 3 cuts each parameter into DP pieces on its own; ZeRO 1/2 cut each flattened group."""
+
+
+_ZERO12 = OptimLayout("single_partition_of_fp32_groups", "base_optimizer_state", per_parameter=False)
+OPTIM_LAYOUTS = {1: _ZERO12, 2: _ZERO12, 3: OptimLayout("fp32_flat_groups", "optimizer_state_dict", per_parameter=True)}
+"""DeepSpeed's optimizer-file layout by the ZeRO stage it records (stage 0 writes no ZeRO state)."""
+
+
 def load_ds_file(path: str) -> Any:
     """One DeepSpeed file, never running code from it: tensors, containers and ALLOWED only."""
     try:
@@ -249,23 +267,21 @@ class DeepSpeedReader:
         return found[0]
 
     @property
-    def stage(self) -> int:
-        return int(self._rank_states()[0].get("zero_stage", 0))
+    def layout(self) -> OptimLayout:
+        """How the optimizer files hold the state: by the ZeRO stage they record."""
+        stage = int(self._rank_states()[0].get("zero_stage", 0))
+        layout = OPTIM_LAYOUTS.get(stage)
+        if layout is None:
+            raise CheckpointError(f"{KIND} '{self.folder}' is ZeRO stage {stage}; stages 1, 2 and 3 are read "
+                                  f"(save it with zero_optimization.stage 1 or more)")
+        return layout
 
     def _flats(self, rank: int, kind: str) -> list[torch.Tensor]:
         """One rank's flat fp32 tensors of `kind`, one per (sub-)group, in order."""
-        state = self._rank_states()[rank]
-        if self.stage == 3:
-            if kind == "master":
-                return list(state["fp32_flat_groups"])
-            inner = state["optimizer_state_dict"]["state"]
-        elif self.stage in (1, 2):
-            if kind == "master":
-                return list(state["single_partition_of_fp32_groups"])
-            inner = state["base_optimizer_state"]["state"]
-        else:
-            raise CheckpointError(f"{KIND} '{self.folder}' is ZeRO stage {self.stage}; stages 1, 2 and 3 are read "
-                                  f"(save it with zero_optimization.stage 1 or more)")
+        state, layout = self._rank_states()[rank], self.layout
+        if kind == "master":
+            return list(state[layout.master])
+        inner = state[layout.moments]["state"]
         return [inner[i][kind] for i in sorted(inner)]
 
     # -- full tensors
@@ -281,7 +297,7 @@ class DeepSpeedReader:
         shape = next(g[ds_name] for g in self.group_shapes if ds_name in g)
         if self.universal:
             flat = self._universal_tensor(ds_name, kind)
-        elif self.stage == 3:
+        elif self.layout.per_parameter:
             flat = self._zero3_tensor(ds_name, kind)
         else:
             flat = self._zero12_tensor(ds_name, kind)
@@ -342,7 +358,7 @@ class DeepSpeedReader:
             inner = state["optimizer_state_dict"]["state"]
         else:
             state = self._rank_states()[0]
-            inner = (state["optimizer_state_dict"] if self.stage == 3 else state["base_optimizer_state"])["state"]
+            inner = state[self.layout.moments]["state"]
         return int(inner[min(inner)]["step"])
 
     def _loss_scaler(self) -> Optional[dict]:

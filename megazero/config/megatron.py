@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from megazero.config.help import config_keys, show_value
 from megazero.config.schema import Config, ConfigError
+from megazero.config.sharding import STAGES, sharding
 from megazero.config.suggest import closest, key_candidates
 from megazero.data import DataError
 from megazero.data.tokenizer import spec_from_megatron_args
@@ -84,8 +85,8 @@ def _set(cfg: Config, name: str, value: object) -> None:
 def _distributed_optimizer(cfg: Config, values: list[str]) -> None:
     """Megatron's distributed optimizer shards the optimizer states over DP: ZeRO stage 1,
     unless a stage was set (2 and 3 shard more)."""
-    if cfg.zero.stage == 0:
-        _set(cfg, "zero.stage", 1)
+    if not sharding(cfg.zero.stage).optimizer:
+        _set(cfg, "zero.stage", next(s.stage for s in STAGES.values() if s.optimizer))
 
 
 def _virtual_stage_layers(cfg: Config, values: list[str]) -> None:

@@ -13,6 +13,7 @@ from megazero.checkpoint.meta import model_mismatch, resume_dir, saved_config
 from megazero.config.resolve import resolve
 from megazero.config.rules import nvme_path_problem, validate
 from megazero.config.schema import Config, ConfigError
+from megazero.config.sharding import sharding
 from megazero.data.gpt_dataset import parse_blend
 from megazero.data.indexed import IndexedDataset
 from megazero.errors import UserError
@@ -108,7 +109,7 @@ def check_nvme_space(cfg: Config, world_size: int) -> None:
 
     p, z = cfg.parallel, cfg.zero
     shards = world_size // (p.tp * p.pp)  # ZeRO shards over dp x cp
-    shard = max(sum(rank_params(cfg.model, p.tp, p.pp, p.vpp, r, z.stage == 3, z.bucket_size, p.pp_layers)
+    shard = max(sum(rank_params(cfg.model, p.tp, p.pp, p.vpp, r, sharding(z.stage).parameters, z.bucket_size, p.pp_layers)
                     .padded(shards)) // shards for r in range(p.pp))
     if z.offload_optimizer == "nvme":
         check_space(z.nvme_path, NVME_STEP_BYTES * shard, "optimizer")

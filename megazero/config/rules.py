@@ -18,6 +18,7 @@ from megazero.config.schema import (
     TrainConfig,
     ZeroConfig,
 )
+from megazero.config.sharding import Sharding, sharding
 
 
 def schedule_warnings(cfg: Config) -> list[str]:
@@ -135,8 +136,7 @@ def rampup_steps(t: TrainConfig, dp: int) -> tuple[int, int, float]:
 
 def _validate_zero(cfg: Config) -> None:
     z, precision = cfg.zero, cfg.train.precision
-    if z.stage not in (0, 1, 2, 3):
-        raise ConfigError(f"zero.stage ({z.stage}) must be 0, 1, 2 or 3")
+    stage = sharding(z.stage)  # refuses a number that names no stage
     if z.prefetch < 0:
         raise ConfigError(f"zero.prefetch ({z.prefetch}) must not be negative")
     if z.loss_scale_window < 1 or z.hysteresis < 1:
@@ -148,7 +148,7 @@ def _validate_zero(cfg: Config) -> None:
     if z.initial_loss_scale != 2.0 ** round(math.log2(z.initial_loss_scale)):
         raise ConfigError(f"zero.initial_loss_scale ({z.initial_loss_scale:g}) must be a power of two, "
                           f"e.g. {2.0 ** round(math.log2(z.initial_loss_scale)):g}, so scaling is exact")
-    _validate_offload(z)
+    _validate_offload(z, stage)
     changed = [k for k in ("initial_loss_scale", "loss_scale_window", "hysteresis", "min_loss_scale")
                if f"zero.{k}" in cfg.set_keys]
     if changed and precision != "fp16":
@@ -170,11 +170,11 @@ def _validate_finetune(f: FinetuneConfig) -> None:
                           "c_attn c_proj")
 
 
-def _validate_offload(z: ZeroConfig) -> None:
-    if z.offload_param != "none" and z.stage != 3:
+def _validate_offload(z: ZeroConfig, stage: Sharding) -> None:
+    if z.offload_param != "none" and not stage.parameters:
         raise ConfigError(f"zero.offload_param {z.offload_param} offloads stage 3's parameter shards, which needs "
                           f"zero.stage 3 (got {z.stage}); set --zero.stage 3 or --zero.offload_param none")
-    if z.offload_optimizer != "none" and z.stage == 0:
+    if z.offload_optimizer != "none" and not stage.optimizer:
         raise ConfigError(f"zero.offload_optimizer {z.offload_optimizer} offloads the sharded optimizer state, "
                           f"which needs zero.stage 1, 2 or 3 (got 0); set --zero.stage 1")
     nvme = [f"{key} nvme" for key, value in (("zero.offload_optimizer", z.offload_optimizer),

@@ -18,6 +18,7 @@ from typing import Optional
 from megazero.config.parse import build_config, load_yaml
 from megazero.config.resolve import resolve_vocab_size
 from megazero.config.schema import ConfigError
+from megazero.config.sharding import sharding
 from megazero.errors import report_errors
 from megazero.plan import formulas as F
 from megazero.plan.planner import RECOMPUTE, Cluster, PlanError, Prediction, explain, nothing_fits, plan
@@ -97,8 +98,8 @@ def fixed_from(args: argparse.Namespace) -> dict:
     names = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "vpp": "vpp", "zero_stage": "zero_stage",
              "micro_batch": "micro_batch", "recompute": "recompute", "cp_impl": "cp_impl"}
     fixed = {field: getattr(args, attr) for field, attr in names.items() if getattr(args, attr) is not None}
-    if "zero_stage" in fixed and fixed["zero_stage"] not in (0, 1, 2, 3):
-        raise PlanError(f"--zero-stage ({fixed['zero_stage']}) must be 0, 1, 2 or 3")
+    if "zero_stage" in fixed:
+        sharding(fixed["zero_stage"], "--zero-stage")  # refuses a number that names no stage
     for key in ("tp", "cp", "pp", "dp", "vpp", "micro_batch"):
         if key in fixed and fixed[key] < 1:
             raise PlanError(f"--{key.replace('_', '-')} ({fixed[key]}) must be at least 1")

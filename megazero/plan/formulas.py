@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from megazero.config.schema import ModelConfig
+from megazero.config.sharding import Sharding, sharding
 from megazero.parallel.comm import all_gather_volume, all_reduce_volume, reduce_scatter_volume
 from megazero.pipeline.schedules import ORDERS, message_target
 from megazero.zero.grads import IN_FLIGHT_BYTES, MIN_IN_FLIGHT
-from megazero.zero.sharding import Sharding, sharding
 
 GiB = 2 ** 30
 
@@ -90,7 +90,7 @@ def model_state_bytes(psi: int, dp: int, stage: int, element_bytes: tuple[int, i
     """Model-state bytes of one rank holding Ψ (padded) parameter elements over N = dp ranks:
     stage 1 shards the optimizer states, 2 also the gradients, 3 also the parameters.
     With megazero's bf16 bytes: 18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N; with the paper's:
-    16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (zero/sharding.py: what each stage partitions)."""
+    16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (config/sharding.py: what each stage partitions)."""
     return sharding(stage).model_state_bytes(psi, dp, element_bytes)
 
 

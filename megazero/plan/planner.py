@@ -17,13 +17,13 @@ from typing import Optional
 
 from megazero.config import rules as R
 from megazero.config.schema import Config
+from megazero.config.sharding import STAGES, sharding
 from megazero.errors import UserError
 from megazero.model.layers import padded_vocab_size
 from megazero.parallel.host import PIECE_BYTES
 from megazero.pipeline.schedules import ORDERS, activation_events
 from megazero.plan import formulas as F
 from megazero.plan.ranks import rank_params
-from megazero.zero.sharding import sharding
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -319,7 +319,7 @@ def _layouts_of(cfg: Config, cluster: Cluster, fixed: dict, tp: int, cp: int, pp
     # With one ZeRO rank (dp x cp) every ZeRO stage holds the same: keep stage 0.
     rest = itertools.product(_options(fixed, "micro_batch", [b for b in (1, 2, 4, 8, 16, 32) if b * dp <= gbs]),
                              _options(fixed, "vpp", [1] if pp == 1 else [1, 2, 4]),
-                             _options(fixed, "zero_stage", range(4 if dp * cp > 1 else 1)),
+                             _options(fixed, "zero_stage", list(STAGES) if dp * cp > 1 else [0]),
                              _options(fixed, "recompute", RECOMPUTE))
     sp = fixed.get("sequence_parallel", False) and tp > 1
     return [ParallelLayout(tp, pp, dp, vpp, stage, mb, rc, sp, fixed.get("offload_optimizer", False), cp, impl)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megazero.config.schema import Config
+from megazero.config.sharding import sharding
 from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
@@ -30,7 +31,6 @@ from megazero.plan import formulas as F
 from megazero.plan.planner import Cluster, RankPrediction, distinct_ranks, predict, run_layout
 from megazero.train.summary import size
 from megazero.zero import ALIGN
-from megazero.zero.sharding import sharding
 
 USABLE = 0.9
 """Fraction of the available memory a run may plan to fill: the rest absorbs the prediction's

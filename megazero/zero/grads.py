@@ -47,9 +47,9 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from megazero.config.sharding import Sharding
 from megazero.parallel import comm
 from megazero.zero.partition import Bucket, FlatBuffers, FlatLayout, FlatSlot, Range
-from megazero.zero.sharding import Sharding
 
 # Bounded reductions in flight (see _InFlight.held) are capped by the bytes they hold, not by
 # their number: a count that suits 100 MB buckets (two: one on the wire while the next fills)

@@ -15,7 +15,8 @@ parameters, so ZeRO shards and reduces over them too (at cp 1 it is the DP group
     stage 3  parameters partitioned as well (see stage3.py): gathered per module on demand,
              never all-gathered after the step
 
-    sharding.py   Sharding: what the stage partitions, chosen once from zero.stage
+What the stage partitions is a Sharding (config/sharding.py), chosen once from zero.stage.
+
     partition.py  FlatLayout: the parameters in flat, aligned buckets, partitioned over DP
     params.py     ParamStore: their values in those buckets (stage 3: this rank's shard)
     stage3.py     ParamGatherer: stage-3 gather/release around each unit, with prefetch
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from megazero.config.schema import Config
+from megazero.config.sharding import sharding
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostStaging
@@ -58,7 +60,6 @@ from megazero.zero.partition import (
 from megazero.zero.precision import COMPUTE_DTYPE
 from megazero.zero.sequence_parallel import SequenceParallelGrads
 from megazero.zero.shard_home import MemoryShard, NvmeShard, ShardHome
-from megazero.zero.sharding import sharding
 from megazero.zero.stage3 import ParamGatherer, fetch_units
 
 

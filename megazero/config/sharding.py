@@ -1,6 +1,8 @@
 """What a ZeRO stage partitions over data parallelism, chosen once from `zero.stage` by
-`sharding()` (like FSDP's ShardingStrategy): ZeRO, the planner and the trainer read what a
-stage does from this object, never by comparing stage numbers.
+`sharding()` (like FSDP's ShardingStrategy): the config's rules, its Megatron front-end,
+pre-flight, ZeRO, the planner, the trainer and the checkpoint readers learn what a stage does
+from this object, never by comparing stage numbers. Torch-free and beside the schema, so the
+rules can ask it before torch loads.
 
     stage 0  nothing partitioned: gradient buckets are all-reduced, every rank holds the same
              gradients and optimizer state and steps everything
@@ -14,8 +16,18 @@ stage does from this object, never by comparing stage numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from megazero.parallel import comm
+from megazero.config.schema import ConfigError
+
+
+class _Group(Protocol):
+    """A process group as `shards` needs it (parallel/comm.Group): its size and our index."""
+
+    @property
+    def size(self) -> int: ...
+
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -41,7 +53,7 @@ class Sharding:
         """Each rank updates its shard of full parameters, then all-gathers them (stages 1-2)."""
         return self.optimizer and not self.parameters
 
-    def shards(self, zero: comm.Group) -> tuple[int, int]:
+    def shards(self, zero: _Group) -> tuple[int, int]:
         """(shards, this rank's index) of the flat layout over the ZeRO group (dp x cp): one
         shard that every rank owns when nothing is partitioned."""
         return (zero.size, zero.rank) if self.optimizer else (1, 0)
@@ -59,12 +71,17 @@ class Sharding:
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
 
-STAGES = (Sharding(0, optimizer=False, gradients=False, parameters=False),
-          Sharding(1, optimizer=True, gradients=False, parameters=False),
-          Sharding(2, optimizer=True, gradients=True, parameters=False),
-          Sharding(3, optimizer=True, gradients=True, parameters=True))
+STAGES = {s.stage: s for s in (Sharding(0, optimizer=False, gradients=False, parameters=False),
+                                Sharding(1, optimizer=True, gradients=False, parameters=False),
+                                Sharding(2, optimizer=True, gradients=True, parameters=False),
+                                Sharding(3, optimizer=True, gradients=True, parameters=True))}
+"""Every ZeRO stage by its number, from the least partitioned to the most."""
 
 
-def sharding(stage: int) -> Sharding:
-    """ZeRO stage `stage` (0-3, validated with the config) as what it partitions."""
+def sharding(stage: int, key: str = "zero.stage") -> Sharding:
+    """ZeRO stage `stage` as what it partitions; a number that names no stage is refused, naming
+    `key` (where it was given)."""
+    if stage not in STAGES:  # the one range check: validation and the planner's --zero-stage call here
+        *first, last = STAGES
+        raise ConfigError(f"{key} ({stage}) must be {', '.join(map(str, first))} or {last}")
     return STAGES[stage]
