@@ -74,14 +74,18 @@ def refuse_foreign_metrics(cfg: Config) -> None:
             continue
         with open(identity) as f:
             owner = json.load(f)
-        if owner.get("run_id") is not None and owner.get("run_id") == mine["run_id"] and \
-                owner.get("model") == mine["model"]:
-            continue
+        if owner.get("run_id") is not None and owner.get("run_id") == mine["run_id"] and (
+                owner.get("model") == mine["model"] or _has_checkpoint(cfg.checkpoint.save)):
+            continue  # with a checkpoint to resume, its own check names the model key that differs
         whose = (f"run {owner['run_id']}, saving to {owner.get('save')}" if owner.get("run_id") else
                  "a run without checkpoint.save")
         model = "" if owner.get("model") == mine["model"] else " with another model"
         raise ForeignMetricsError(f"{key} {path} holds the metrics of another run ({whose}{model}); this run "
                                   f"would cut or extend them: pass --{key} with another path (or remove it)")
+
+
+def _has_checkpoint(save: Optional[str]) -> bool:
+    return save is not None and os.path.isfile(os.path.join(save, "latest"))
 
 
 def claim(cfg: Config) -> None:

@@ -69,10 +69,10 @@ def for_test(command: str, iters: int = 0) -> str:
 
 
 def validate_only(command: str) -> str | None:
-    """A `megazero.train` command (under torchrun or not) as a config check for its world size;
+    """A `megazero.train` command (under torchrun, megazero.launch or neither) as a config check for its world size;
     None for any other command, and for one that reads the main job's data/ (not made yet)."""
     code, _ = _without_comment(command)
-    m = re.match(r"(?:torchrun --nproc_per_node (\d+) )?(?:python )?-m megazero\.train\b(.*)", code)
+    m = re.match(r"(?:(?:torchrun|python -m megazero\.launch) --nproc_per_node (\d+) )?(?:python )?-m megazero\.train\b(.*)", code)
     if not m or re.search(r"\bdata/", code):
         return None
     return f"python -m megazero.train --validate-only --config-only --world-size {m.group(1) or 1}{m.group(2)}"
