@@ -362,3 +362,33 @@ def test_startup_plan_line_says_where_each_kind_of_state_lives(optimizer, param,
     layout = ParallelLayout(1, 1, 1, 1, 3, cfg.train.micro_batch_size, "none", False, optimizer != "none")
     plan = predict(cfg, layout, Cluster(1, 1, 0.0, None, 1.0, 1.0), ranks=[0], device="cpu")
     assert plan_line(plan, "cpu", False, optimizer, param).startswith(f"plan: {expected} (pp rank 0)")
+
+
+# ---------------------------------------------------------------------------- published shapes
+
+
+@pytest.mark.parametrize("config, published", [("configs/llama-3.2-1b.yaml", 1_235_814_400),
+                                               ("configs/llama-3-8b.yaml", 8_030_261_248)])
+def test_llama_configs_plan_with_their_published_parameter_counts(capsys, config, published):
+    """The Llama 3.2 1B and Llama 3 8B shapes: megazero's model built on the meta device, and
+    transformers' LlamaForCausalLM of the same shape, hold the published count; the planner
+    plans a layout of each and says so."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megazero.config import build_config
+    from megazero.config.parse import load_yaml
+    from megazero.model.gpt import GPT
+    m = build_config(load_yaml(os.path.join(ROOT, config))).model
+    with torch.device("meta"):
+        built = sum(p.numel() for p in GPT(m).parameters())
+        hf = LlamaForCausalLM(LlamaConfig(
+            hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_heads, num_key_value_heads=m.num_query_groups, vocab_size=m.vocab_size,
+            tie_word_embeddings=m.tie_embeddings))
+    assert built == F.model_parameters(m) == published == sum(p.numel() for p in hf.parameters())
+    code, out, err = _plan(capsys, "--config", config, "--gpus", "8", "--tp", "2", "--pp", "2", "--cp", "1",
+                           "--vpp", "1", "--zero-stage", "1", "--micro-batch", "1", "--recompute", "selective")
+    assert code == 0, err
+    assert f"{published / 1e9:.2f}B parameters" in out and "rope, rmsnorm, swiglu, 8 query groups, no bias" in out
+    assert "tp2 pp2 dp2 z1 mb1 selective" in out and "pp rank 1:" in out
