@@ -1,7 +1,8 @@
-"""Single-GPU training throughput of GPT-2 124M and 355M in bf16: tokens/s, TFLOP/s, MFU, and
-the same models trained the plain Hugging Face way in the same run, as peers.
+"""Single-GPU training throughput of GPT-2 124M and 355M and a Llama-style 1B (Llama 3.2 1B's
+shape) in bf16: tokens/s, TFLOP/s, MFU, and the same models trained the plain Hugging Face way
+in the same run, as peers.
 
-    python scripts/bench_gpu.py [--models gpt2-124m gpt2-355m] [--iters 30] [--warmup 5]
+    python scripts/bench_gpu.py [--models gpt2-124m gpt2-355m llama-3.2-1b] [--iters 30] [--warmup 5]
                                 [--micro N] [--accum N] [--megazero eager|compile|both]
                                 [--peers none|eager|compile|both]
                                 [--peer-iters N] [--profile] [--profile-steps 1] [--trace DIR]
@@ -11,14 +12,15 @@ Each model trains from its config (configs/<model>.yaml) on mock data, in this p
 through megazero's own Trainer on a world of one (NCCL, tp = pp = dp = 1, the config's
 ZeRO stage), for `--iters` iterations; the first `--warmup` are not timed (CUDA context,
 cuBLAS autotuning, allocator growth). Every iteration is a full global batch of
-micro x accum sequences of 1024 tokens. Any further `--section.key value` is a config
+micro x accum sequences of 1024 tokens (the Llama row: 2048, `MODEL_OVERRIDES`). Any further `--section.key value` is a config
 override applied to every model (e.g. `--train.recompute none`).
 
 `--megazero` (default both): megazero eager ("megazero") and under train.compile ("megazero
 compile"), each with its ratios to the peers; their ratio to each other is train.compile's gain.
 
-Peers (`--peers`, default both): transformers' GPT2LMHeadModel of the same shape and dropout
-(SDPA attention) in fp32 weights under bf16 autocast, fused torch AdamW with the config's lr,
+Peers (`--peers`, default both): transformers' GPT2LMHeadModel, or LlamaForCausalLM for the
+Llama row (grouped K/V, SwiGLU, RMSNorm, rotary with llama3 scaling, tied; the config.json
+megazero's own export writes), of the same shape and dropout (SDPA attention) in fp32 weights under bf16 autocast, fused torch AdamW with the config's lr,
 betas, eps and weight decay (none on 1-D parameters, as megazero), the config's gradient clip,
 the same micro x accum random-token batches with the loss divided by accum: "hf eager", and
 "hf compile" (torch.compile of the model and its loss; its compilation falls in the untimed
@@ -60,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero.atomic import write_text
+from megazero.checkpoint.hf_names import architecture, hf_config
 from megazero.config import Config
 from megazero.harness import configs
 from megazero.harness.gpu_profile import Profile, breakdown, capture, format_profiles
@@ -68,7 +71,11 @@ from megazero.train.metrics import device_peak_flops
 
 # Micro-batch x accumulation per model: 64 sequences (65k tokens) per iteration for both,
 # micro-batches large enough that the matmuls fill an H100/H200 (activations stay far below 80 GiB).
-SHAPES = {"gpt2-124m": (16, 4), "gpt2-355m": (8, 8)}
+# The Llama row: 1.24B parameters at 2048 tokens, 64k tokens per iteration like the GPT-2 rows; its
+# peer keeps every activation (no recomputation) and a 128k-wide logit row per token.
+SHAPES = {"gpt2-124m": (16, 4), "gpt2-355m": (8, 8), "llama-3.2-1b": (2, 16)}
+MODEL_OVERRIDES = {"llama-3.2-1b": ["--model.seq_length", "2048"]}
+"""Per-model config overrides applied before the user's (the shipped Llama config trains at 8192 tokens)."""
 MEGAZERO, MEGAZERO_COMPILE, HF_EAGER, HF_COMPILE = "megazero", "megazero compile", "hf eager", "hf compile"
 OURS = {"eager": (MEGAZERO,), "compile": (MEGAZERO_COMPILE,), "both": (MEGAZERO, MEGAZERO_COMPILE)}
 DEVICE = "cuda"  # where the peers train (a CPU smoke run of this script's logic swaps it)
@@ -102,7 +109,7 @@ def make_config(model: str, micro: int, accum: int, iters: int, overrides: list[
              "--train.micro_batch_size", str(micro), "--train.global_batch_size", str(micro * accum),
              "--train.iters", str(iters), "--train.eval_interval", "0", "--checkpoint.save", "null",
              "--checkpoint.load", "null", "--logging.jsonl", "null", "--logging.wandb", "false"]
-    return configs.make_config(fixed + overrides, f"configs/{model}.yaml", world=1)
+    return configs.make_config(fixed + MODEL_OVERRIDES.get(model, []) + overrides, f"configs/{model}.yaml", world=1)
 
 
 def timed_steps(step: Callable[[], float], iters: int, warmup: int) -> tuple[list[float], float, float]:
@@ -211,10 +218,17 @@ class LossOf(torch.nn.Module):
 
 
 def hf_model(cfg: Config, device: str) -> torch.nn.Module:
-    """transformers' GPT-2 of the config's shape and dropout, SDPA attention, fp32, on `device`."""
+    """transformers' GPT-2, or LlamaForCausalLM for the Llama family, of the config's shape and
+    dropout, SDPA attention, fp32, on `device`."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     m = cfg.model
+    if architecture(m) == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        llama = LlamaConfig(**{**hf_config(m), "use_cache": False}, attn_implementation="sdpa")
+        with torch.device(device):
+            return LlamaForCausalLM(llama)
     conf = GPT2Config(n_layer=m.num_layers, n_embd=m.hidden_size, n_head=m.num_heads, n_positions=m.seq_length,
                       vocab_size=m.vocab_size, resid_pdrop=m.dropout, embd_pdrop=m.dropout, attn_pdrop=m.dropout,
                       layer_norm_epsilon=m.layernorm_eps, use_cache=False, attn_implementation="sdpa")

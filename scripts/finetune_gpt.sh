@@ -10,7 +10,14 @@
 # export (checkpoint.init_from_hf) on the main job's layout. Running it again resumes (from
 # $RUN_DIR/checkpoints, or the --checkpoint.save DIR given as an argument, unless --checkpoint.load is).
 #
+# MODEL=llama fine-tunes a Hugging Face model of the Llama family instead (HF_DIR, required: a
+# LlamaForCausalLM directory; its tokenizer.model serves as TOKENIZER unless one is given):
+# configs/llama-finetune.yaml, LoRA rank 32 on q/k/v/o/gate/up/down_proj under ZeRO-3 over all
+# NPROC ranks, the 16-bit model and the whole adapter saved with each checkpoint.
+#
 # Environment (defaults in brackets):
+#   MODEL [gpt2]   gpt2 or llama (then CONFIG [configs/llama-finetune.yaml], TP/PP [1], ZERO_STAGE [3],
+#                  RUN_DIR [runs/llama-finetune])
 #   CONFIG [configs/gpt2-cpu-demo.yaml]   NPROC [8]  TP [2]  PP [2]  ZERO_STAGE [1]
 #   DATA_DIR [data]   TOKENIZER [gpt2bpe:$DATA_DIR/tokenizer]     (passed on to the main job too)
 #   PRETRAIN_RUN_DIR [runs/gpt2-cpu-demo]   the main job's outputs (its RUN_DIR)
@@ -28,6 +35,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/args.sh
 
+case ${MODEL:=gpt2} in
+  gpt2) ;;
+  llama)
+    if [[ -z ${HF_DIR:-} || ! -f $HF_DIR/config.json ]]; then
+      echo "error: MODEL=llama fine-tunes a Hugging Face Llama directory: set HF_DIR to one (config.json, model.safetensors)" >&2
+      exit 2
+    fi
+    if [[ -z ${TOKENIZER:-} && -f $HF_DIR/tokenizer.model ]]; then export TOKENIZER=sentencepiece:$HF_DIR; fi
+    export CONFIG=${CONFIG:-configs/llama-finetune.yaml} TP=${TP:-1} PP=${PP:-1} ZERO_STAGE=${ZERO_STAGE:-3}
+    RUN_DIR=${RUN_DIR:-runs/llama-finetune} ;;
+  *) echo "error: MODEL $MODEL is gpt2 or llama" >&2; exit 2 ;;
+esac
 export CONFIG=${CONFIG:-configs/gpt2-cpu-demo.yaml}
 export NPROC=${NPROC:-8} TP=${TP:-2} PP=${PP:-2} ZERO_STAGE=${ZERO_STAGE:-1}
 export DATA_DIR=${DATA_DIR:-data}
@@ -86,6 +105,6 @@ latest="$SAVE/$(cat "$SAVE/latest")"
 echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $SAVE (latest: ${latest##*/})"
 if [[ -d $latest/adapter ]]; then  # LoRA: the adapters alone, for PEFT on $HF_DIR
   echo "   LoRA adapters (PEFT): $latest/adapter  (base model: $HF_DIR)"
-  echo "   merge them into a plain GPT-2: python -m megazero.convert --load $latest --to hf --merge-lora --output $RUN_DIR/merged_hf"
+  echo "   merge them into a plain $MODEL model: python -m megazero.convert --load $latest --to hf --merge-lora --output $RUN_DIR/merged_hf"
 fi
 echo "   generate: python -m megazero.generate --load $latest --prompt 'Question: ...' --max-new-tokens 40"

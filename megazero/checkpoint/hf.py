@@ -204,14 +204,16 @@ class HFInitialValues:
                                   f"{list(want)}; the model section does not match this checkpoint")
 
     def _rows(self, parts: list[Piece], rows: list[int], lo: int, hi: int, full: tuple) -> torch.Tensor:
-        """Rows [lo, hi) of the stacked tensor: they lie in one piece (TP splits each part)."""
-        start = 0
+        """Rows [lo, hi) of the stacked tensor: within one piece under TP (it splits each part), across
+        pieces where a rank reads the whole tensor (tp 1: q | k | v, gate | up); rows past the last
+        piece's are its padding."""
+        out, start = [], 0
         for q, r in zip(parts, rows, strict=True):
-            if lo < start + r or q is parts[-1]:
-                assert hi <= start + r or q is parts[-1], (q.key, lo, hi)
-                return self._read(q, 0, lo - start, hi - start, (r, *full[1:]))
+            first, last = max(lo, start), hi if q is parts[-1] else min(hi, start + r)
+            if first < last:
+                out.append(self._read(q, 0, first - start, last - start, (r, *full[1:])))
             start += r
-        raise AssertionError("unreachable")
+        return torch.cat(out) if len(out) > 1 else out[0]
 
     def _read(self, piece: Piece, dim: int, lo: int, hi: int, full: tuple) -> torch.Tensor:
         """Elements [lo, hi) along megazero dimension `dim` of one piece, in megazero's layout,

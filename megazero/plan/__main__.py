@@ -166,10 +166,23 @@ def detail(p: Prediction) -> list[str]:
     return lines + [f"  note: {n}" for n in p.notes]
 
 
+def count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def family(m) -> str:
+    """GPT-2, or the Llama family's options the model uses."""
+    options = [name for name, on in (("rope", m.position_embedding == "rope"), ("rmsnorm", m.normalization == "rmsnorm"),
+                                     (m.activation, m.activation != "gelu"),
+                                     (f"{m.query_groups} query groups", m.query_groups != m.num_heads),
+                                     ("no bias", not m.bias), ("untied", not m.tie_embeddings)) if on]
+    return f"GPT ({', '.join(options)})," if options else "GPT-2"
+
+
 def print_table(cfg, cluster: Cluster, preds: list[Prediction], top: int) -> None:
     m = cfg.model
-    print(f"GPT-2 {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, seq {m.seq_length}, "
-          f"vocab {m.vocab_size}; global batch {cfg.train.global_batch_size}, {cfg.train.precision}; "
+    print(f"{family(m)} {count(F.model_parameters(m))} parameters, {m.num_layers} layers, hidden "
+          f"{m.hidden_size}, {m.num_heads} heads, seq {m.seq_length}, vocab {m.vocab_size}; global batch {cfg.train.global_batch_size}, {cfg.train.precision}; "
           f"{cluster.gpus} x {cluster.name}: {cluster.memory_gib:g} GiB ({100 * cluster.headroom:.0f}% kept free), "
           + (f"{cluster.peak_flops / 1e12:g} TFLOP/s at {100 * cluster.efficiency:.0f}%, " if cluster.peak_flops
              else "") + f"{cluster.gpus_per_node}/node, NVLink {cluster.intra_gbps:g} GB/s, network "

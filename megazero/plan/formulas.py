@@ -6,9 +6,14 @@ saved activations within 10%, the bubble against the executor's simulated orders
 the published anchors (ZeRO paper, Korthikanti et al. 2022).
 
 Units: bytes, elements, seconds, FLOP. Symbols: b micro-batch size, s sequence length,
-h hidden size, a heads, f MLP width, V padded vocabulary, t tensor-parallel degree,
-m micro-batches per iteration, p pipeline degree, v model chunks per pipeline rank,
-N data-parallel degree, Ψ padded parameter elements of one rank.
+h hidden size, a heads, g K/V width (query groups x head size; h without grouped-query
+attention), f MLP width, V padded vocabulary, t tensor-parallel degree, m micro-batches per
+iteration, p pipeline degree, v model chunks per pipeline rank, N data-parallel degree,
+Ψ padded parameter elements of one rank.
+
+The model is GPT-2 (learned positions, LayerNorm, GELU, biases, tied head) or any of the
+Llama family's options (config/schema.py ModelConfig: rotary positions, RMSNorm, SwiGLU,
+grouped K/V, no biases, an untied output layer); each formula says where they change it.
 """
 
 from __future__ import annotations
@@ -57,15 +62,53 @@ GPUS = {
 
 def model_flops_per_token(m: ModelConfig) -> float:
     """Training FLOPs per token: 6 x (matmul parameters, incl. the head) plus attention
-    scores and weighted values (forward 4 s h per layer, x3 with backward)."""
+    scores and weighted values (forward 4 s h per layer, x3 with backward). Grouped K/V,
+    SwiGLU and the output layer enter through `matmul_parameters`; the scores are q k^T over
+    all a heads whatever the K/V groups, so they stay 4 s h. Rotary positions, norms and
+    activations are elementwise: no matmul FLOPs (Megatron-LM's and PaLM's convention)."""
     h, L, s = m.hidden_size, m.num_layers, m.seq_length
     return 6 * matmul_parameters(m) + 12 * L * h * s
 
 
+def block_matmul_parameters(m: ModelConfig) -> int:
+    """Weights one block multiplies by each token: q and the output projection h x h each,
+    k and v h x g each (g = query groups x head size), and the MLP's two matrices h x f
+    (GELU, squared ReLU) or three (SwiGLU: gate, up, down). GPT-2: 4 h^2 + 2 h f."""
+    h, f = m.hidden_size, m.ffn_size
+    kv = m.query_groups * m.head_dim
+    return 2 * h * h + 2 * h * kv + (3 if m.activation == "swiglu" else 2) * h * f
+
+
 def matmul_parameters(m: ModelConfig) -> int:
-    h = m.hidden_size
+    """The blocks' matmul weights plus the output layer's V x h (tied or not, the head
+    multiplies every token by it; V the real vocabulary, not its TP padding)."""
     assert isinstance(m.vocab_size, int)
-    return m.num_layers * (4 * h * h + 2 * h * m.ffn_size) + m.vocab_size * h
+    return m.num_layers * block_matmul_parameters(m) + m.vocab_size * m.hidden_size
+
+
+def block_parameters(m: ModelConfig) -> int:
+    """Every parameter of one block: the matmul weights, their biases when model.bias (q, k, v
+    and the MLP's first layer are h + 2 g and f wide, 2 f for SwiGLU's fused gate and up; both
+    output projections h), and two norms (LayerNorm: weight and bias; RMSNorm: a weight)."""
+    h, f = m.hidden_size, m.ffn_size
+    kv = m.query_groups * m.head_dim
+    biases = (h + 2 * kv) + h + (2 if m.activation == "swiglu" else 1) * f + h if m.bias else 0
+    return block_matmul_parameters(m) + biases + 2 * norm_parameters(m)
+
+
+def norm_parameters(m: ModelConfig) -> int:
+    return m.hidden_size * (1 if m.normalization == "rmsnorm" else 2)
+
+
+def model_parameters(m: ModelConfig, vocab: int = 0) -> int:
+    """The model's parameters with a `vocab`-row embedding (default: the real vocabulary, as
+    published counts are): the token embedding, a learned position table (none with rotary
+    positions), the blocks, the final norm, and the output layer when it is untied."""
+    assert isinstance(m.vocab_size, int)
+    v, h = vocab or m.vocab_size, m.hidden_size
+    positions = m.seq_length * h if m.position_embedding == "learned" else 0
+    head = 0 if m.tie_embeddings else v * h
+    return v * h + positions + m.num_layers * block_parameters(m) + norm_parameters(m) + head
 
 
 def executed_flops_per_token(m: ModelConfig, recompute: str) -> float:
@@ -73,7 +116,7 @@ def executed_flops_per_token(m: ModelConfig, recompute: str) -> float:
     2 x matmul parameters of the blocks + attention; selective: the attention core alone)."""
     h, L, s = m.hidden_size, m.num_layers, m.seq_length
     extra = {"none": 0.0, "selective": 4 * L * h * s,
-             "full": 2 * L * (4 * h * h + 2 * h * m.ffn_size) + 4 * L * h * s}[recompute]
+             "full": 2 * L * block_matmul_parameters(m) + 4 * L * h * s}[recompute]
     return model_flops_per_token(m) + extra
 
 
@@ -130,6 +173,40 @@ class ActivationShape:
     """ring: the ring keeps q, k, v, its output and log-sum-exp, the same tensors as flash
     attention; ulysses: also the head-sharded output of its whole-sequence attention and two
     int64 orderings of the whole sequence."""
+    kv_hidden: int = 0
+    """K/V width g (query groups x head size, all TP ranks together); 0: hidden (no grouping)."""
+    gated: bool = False
+    """SwiGLU: the MLP keeps its fused gate | up output (2 f), silu(gate) and the product."""
+    rmsnorm: bool = False
+    """RMSNorm instead of LayerNorm: one fp32 statistic per token (rstd) instead of two."""
+    fused_norm: bool = True
+    """RMSNorm runs as one kernel (CUDA) rather than torch's decomposition (CPU), which keeps
+    an fp32 copy of its input and the normalized x * rstd beside its output."""
+    rope: bool = False
+    """Rotary positions: no position ids or table; attention keeps the rotated q and k and the
+    cos / sin tables."""
+
+    @property
+    def kv(self) -> int:
+        return self.kv_hidden or self.hidden
+
+
+def norm_bytes(x: ActivationShape) -> tuple[int, int]:
+    """What one norm keeps beside its output: bytes per element of its [s, b, h] input and per
+    token. LayerNorm: its input, mean and rstd (stats_bytes each); RMSNorm: its input and an
+    fp32 rstd, or decomposed (CPU) its fp32 input (the input itself in fp32) and x * rstd."""
+    if not x.rmsnorm:
+        return x.act_bytes, 2 * x.stats_bytes
+    return (x.act_bytes if x.fused_norm else 8), 4
+
+
+def rope_table_bytes(x: ActivationShape, layers: int) -> int:
+    """The cos and sin tables [s, head size] rotary attention keeps: in fp32 one pair per
+    chunk, shared by its layers; in 16-bit each layer casts them for q and again for k."""
+    if not x.rope or x.recompute != "none":
+        return 0
+    sd = x.seq * (x.hidden // x.heads)
+    return 2 * 4 * sd if x.act_bytes == 4 else layers * 4 * x.act_bytes * sd
 
 
 def layer_activation_bytes(x: ActivationShape) -> int:
@@ -148,17 +225,24 @@ def layer_activation_bytes(x: ActivationShape) -> int:
     divides the replicated part by t; selective recomputation drops the attention core;
     full recomputation keeps only the layer input (sbh x bytes, over t with SP). Context
     parallelism divides s by cp everywhere (`seq` is this rank's share); Ulysses adds its
-    attention's output and the sequence orderings."""
+    attention's output and the sequence orderings.
+
+    The Llama family: q, k, v are h + 2 g wide (grouped K/V); SwiGLU keeps 4 sbf (gate | up,
+    silu(gate), the product); rotary attention keeps the rotated q and k, sb (h + g), unless
+    recomputed; the norms keep `norm_bytes`."""
     b, s, h, t, e = x.micro_batch, x.seq, x.hidden, x.tp, x.act_bytes
     sbh = s * b * h
     seq_split = t if x.sequence_parallel else 1
     if x.recompute == "full":
         return e * sbh // seq_split
     mask = x.mask_bytes if x.dropout else 0
-    replicated = e * 4 * sbh + mask * 2 * sbh + 4 * b * s * x.stats_bytes
-    split = e * (4 * sbh + 2 * s * b * x.ffn)
+    per_element, per_token = norm_bytes(x)
+    replicated = 2 * (per_element + e) * sbh + mask * 2 * sbh + 2 * b * s * per_token
+    split = e * s * b * (2 * x.hidden + 2 * x.kv + (4 if x.gated else 2) * x.ffn)
     core = orderings = 0
     if x.recompute == "none":
+        if x.rope:
+            split += e * s * b * (x.hidden + x.kv)
         if x.attention == "flash" or x.cp > 1:  # context parallelism attends by flash-style blocks
             core = 4 * x.heads * s * b
         else:
@@ -171,20 +255,21 @@ def layer_activation_bytes(x: ActivationShape) -> int:
 
 def embedding_activation_bytes(x: ActivationShape) -> int:
     """The first stage: token ids (int64; with TP the rank-local ids and the out-of-range
-    mask), position ids, and the embedding dropout mask."""
+    mask), position ids (learned positions only), and the embedding dropout mask."""
     b, s = x.micro_batch, x.seq
     ids = 8 * b * s + (b * s if x.tp > 1 else 0)
     mask = x.mask_bytes * b * s * x.hidden // (x.tp if x.sequence_parallel else 1) if x.dropout else 0
-    return ids + 8 * s + mask
+    return ids + (0 if x.rope else 8 * s) + mask
 
 
 def head_activation_bytes(x: ActivationShape) -> int:
-    """The last stage: final LayerNorm input and statistics, the head's input (its sequence
-    shard under sequence parallelism), and the vocab-parallel cross entropy's fp32 softmax
-    over this rank's V/t logits with its targets."""
+    """The last stage: final norm input and statistics (`norm_bytes`), the head's input (its
+    sequence shard under sequence parallelism), and the vocab-parallel cross entropy's fp32
+    softmax over this rank's V/t logits with its targets."""
     b, s, h = x.micro_batch, x.seq, x.hidden
     seq_split = x.tp if x.sequence_parallel else 1
-    norm = (x.act_bytes * s * b * h + 2 * b * s * x.stats_bytes) // seq_split
+    per_element, per_token = norm_bytes(x)
+    norm = (per_element * s * b * h + b * s * per_token) // seq_split
     return norm + x.act_bytes * s * b * h // seq_split + 4 * b * s * x.vocab // x.tp + 9 * b * s
 
 
@@ -200,7 +285,7 @@ class ChunkShape:
 
 def chunk_activation_bytes(chunk: ChunkShape, x: ActivationShape) -> int:
     return (chunk.layers * layer_activation_bytes(x) + (embedding_activation_bytes(x) if chunk.pre else 0)
-            + (head_activation_bytes(x) if chunk.post else 0))
+            + (head_activation_bytes(x) if chunk.post else 0) + rope_table_bytes(x, chunk.layers))
 
 
 def peak_in_flight_bytes(order: Iterable[tuple[bool, int]], sizes: list[int]) -> int:
@@ -419,17 +504,25 @@ def pp_bytes(pp: int, vpp: int, pp_rank: int, m: int, x: ActivationShape) -> int
 
 def cp_bytes(x: ActivationShape, layers: int, m: int) -> int:
     """Bytes one rank sends over its context-parallel group per iteration: per layer and
-    micro-batch, of one (s/cp) x h/t tensor L, ring: forward 2 (cp-1) L (the K/V blocks),
-    backward as many plus 2 cp L of fp32 K/V gradients; Ulysses: (cp-1)/cp of 4 L each way
-    (q, k, v, the output). Recomputation (selective or full) runs the forward's again."""
+    micro-batch, of one (s/cp) x h/t tensor L (K and V: L_g, g/t wide), ring: forward
+    2 (cp-1) L_g (the K/V blocks), backward as many plus 2 cp L_g of fp32 K/V gradients;
+    Ulysses: (cp-1)/cp of 2 L + 2 L_g each way (q, k, v, the output; K/V groups that do not
+    split over cp travel widened to one per head). Recomputation runs the forward's again:
+    full all of it; selective the ring, or Ulysses' q, k, v (its replay stops at the core's
+    last saved tensor, before the output's all-to-all)."""
     if x.cp == 1:
         return 0
-    local = x.micro_batch * x.seq * x.hidden // x.tp * x.act_bytes
+    per_width = x.micro_batch * x.seq * x.act_bytes
+    local, local_kv = per_width * x.hidden // x.tp, per_width * x.kv // x.tp
     if x.cp_impl == "ring":
-        forward, backward = 2 * (x.cp - 1) * local, 2 * (x.cp - 1) * local + 2 * x.cp * local * 4 // x.act_bytes
+        forward = replay = 2 * (x.cp - 1) * local_kv
+        backward = forward + 2 * x.cp * local_kv * 4 // x.act_bytes
     else:
-        forward = backward = 4 * (x.cp - 1) * local // x.cp
-    return m * layers * (forward * (2 if x.recompute != "none" else 1) + backward)
+        groups = x.kv // (x.hidden // x.heads) // x.tp
+        widened = local if groups % x.cp else local_kv
+        forward = backward = (x.cp - 1) * (2 * local + 2 * widened) // x.cp
+        replay = forward if x.recompute == "full" else (x.cp - 1) * (local + 2 * widened) // x.cp
+    return m * layers * (forward + (replay if x.recompute != "none" else 0) + backward)
 
 
 def embed_bytes(tied_numel: int, pp: int) -> int:

@@ -84,3 +84,34 @@ def test_main_job_export_default_pairs_finetune_and_resume(tmp_path) -> None:
     proc = _run({**env, "ITERS": "12"})
     assert "resumed from" in proc.stdout and "running the main job" not in proc.stdout
     assert _records(tmp_path / "ft")[-1]["iteration"] == 12
+
+
+def test_model_llama_fine_tunes_a_hf_llama_with_lora_under_zero3(tmp_path, bpe_spec: str) -> None:
+    """MODEL=llama: a tiny transformers LlamaForCausalLM (grouped K/V, untied) fine-tuned with LoRA
+    on q/k/v/o/gate/up/down_proj under ZeRO-3 over 2 ranks; each checkpoint has the whole model in
+    16 bits and the whole adapter, which peft loads onto the Hugging Face model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=96, max_position_embeddings=64, vocab_size=400,
+                                      tie_word_embeddings=False))
+    hf.save_pretrained(tmp_path / "llama")
+    env = {**_given_hf_model(tmp_path, bpe_spec), "MODEL": "llama", "HF_DIR": str(tmp_path / "llama"), "NPROC": "2",
+           "ITERS": "2"}
+    del env["CONFIG"]
+    _run(env, "--train.micro_batch_size", "1", "--train.global_batch_size", "4", "--checkpoint.interval", "2",
+         "--train.log_interval", "1")
+    losses = [r["loss"] for r in _records(tmp_path / "ft")]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    latest = tmp_path / "ft" / "checkpoints" / "iter_0000002"
+    assert (latest / "model_16bit.safetensors").exists()
+    adapter = json.loads((latest / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 32 and set(adapter["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj", "down_proj"}
+    from peft import PeftModel
+    PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "llama"), latest / "adapter")
+
+
+def test_model_llama_needs_a_hf_directory(tmp_path) -> None:
+    proc = subprocess.run(["bash", "scripts/finetune_gpt.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MODEL": "llama", "HF_DIR": str(tmp_path)})
+    assert proc.returncode == 2 and proc.stderr.startswith("error: MODEL=llama fine-tunes a Hugging Face Llama")

@@ -26,6 +26,15 @@ TINY = {"model": {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "seq_lengt
         "train": {"micro_batch_size": 2, "global_batch_size": 8, "iters": 2},
         "zero": {"bucket_size": 20000}, "data": {"mock": True}}
 
+LLAMA = ["--model.normalization", "rmsnorm", "--model.position_embedding", "rope", "--model.activation", "swiglu",
+         "--model.num_query_groups", "2", "--model.ffn_hidden_size", "96", "--model.bias", "false",
+         "--model.tie_embeddings", "false"]
+LLAMA_LAYOUTS = [
+    LLAMA + ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+    LLAMA + ["--parallel.pp", "2", "--train.precision", "bf16", "--zero.stage", "1"],
+    LLAMA + ["--parallel.cp", "2", "--zero.stage", "2"],
+    LLAMA + ["--parallel.cp", "2", "--parallel.cp_impl", "ulysses", "--train.recompute", "selective"],
+]
 # On 2 ranks: tp, pp (interleaved), dp at each ZeRO stage, recompute none/selective/full, fp32 and bf16.
 LAYOUTS = [
     ["--parallel.tp", "2"],
@@ -36,6 +45,8 @@ LAYOUTS = [
     ["--zero.stage", "2", "--train.recompute", "selective", "--zero.reduce_dtype", "bf16", "--train.precision", "bf16"],
     ["--zero.stage", "3", "--train.precision", "bf16"],
     ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--model.dropout", "0.1", "--train.recompute", "selective"],
+    # The Llama family: rotary, RMSNorm, SwiGLU, 2 K/V groups, no biases, the output layer untied.
+    *LLAMA_LAYOUTS,
 ]
 # On 4 ranks: TP and PP composed, GPipe over 4 stages, TP 4 with ZeRO-3.
 SLOW_LAYOUTS = [
@@ -65,7 +76,7 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
         cfg = build_config(TINY, overrides)
         dp = resolve_and_validate(cfg, dist.get_world_size())
         with contextlib.redirect_stdout(io.StringIO()):
-            tr = Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
+            tr = Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp))
         tr.train_step()  # warm-up: the counters and the meter see a steady iteration
         tr.grid.reset_counters()
         meter = ActivationMeter(lambda tr=tr: weight_storages(tr))
@@ -73,13 +84,16 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
             tr.train_step()
         moved = tr.grid.bytes_moved()
         p, z, t = cfg.parallel, cfg.zero, cfg.train
-        layout = ParallelLayout(p.tp, p.pp, dp, p.vpp, z.stage, t.micro_batch_size, t.recompute, p.sequence_parallel)
+        layout = ParallelLayout(p.tp, p.pp, dp, p.vpp, z.stage, t.micro_batch_size, t.recompute, p.sequence_parallel,
+                                False, p.cp, p.cp_impl)
         pred = predict(cfg, layout, Cluster(dist.get_world_size(), 8, 1.0, None), ranks=[tr.grid.pp_rank],
                        device="cpu").rank(tr.grid.pp_rank)
         out.append({"case": " ".join(overrides), "rank": dist.get_rank(),
                     "states": (_on_device(tr.optimizer.model_state_bytes()), pred.states),
-                    "bytes": ({k: sum(v for op, v in moved.get(k, {}).items() if not op.endswith("_calls"))
-                               for k in ("dp", "tp", "cp", "pp", "embed")}, pred.bytes),
+                    "bytes": ({k: sum(v for group in groups for op, v in moved.get(group, {}).items()
+                                      if not op.endswith("_calls"))
+                               for k, groups in (("dp", ("dp", "dp_cp") if p.cp > 1 else ("dp",)), ("tp", ("tp",)), ("cp", ("cp",)),
+                                                 ("pp", ("pp",)), ("embed", ("embed",)))}, pred.bytes),
                     "activations": (meter.peak, pred.activations)})
     return out
 
@@ -348,3 +362,33 @@ def test_startup_plan_line_says_where_each_kind_of_state_lives(optimizer, param,
     layout = ParallelLayout(1, 1, 1, 1, 3, cfg.train.micro_batch_size, "none", False, optimizer != "none")
     plan = predict(cfg, layout, Cluster(1, 1, 0.0, None, 1.0, 1.0), ranks=[0], device="cpu")
     assert plan_line(plan, "cpu", False, optimizer, param).startswith(f"plan: {expected} (pp rank 0)")
+
+
+# ---------------------------------------------------------------------------- published shapes
+
+
+@pytest.mark.parametrize("config, published", [("configs/llama-3.2-1b.yaml", 1_235_814_400),
+                                               ("configs/llama-3-8b.yaml", 8_030_261_248)])
+def test_llama_configs_plan_with_their_published_parameter_counts(capsys, config, published):
+    """The Llama 3.2 1B and Llama 3 8B shapes: megazero's model built on the meta device, and
+    transformers' LlamaForCausalLM of the same shape, hold the published count; the planner
+    plans a layout of each and says so."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megazero.config import build_config
+    from megazero.config.parse import load_yaml
+    from megazero.model.gpt import GPT
+    m = build_config(load_yaml(os.path.join(ROOT, config))).model
+    with torch.device("meta"):
+        built = sum(p.numel() for p in GPT(m).parameters())
+        hf = LlamaForCausalLM(LlamaConfig(
+            hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_heads, num_key_value_heads=m.num_query_groups, vocab_size=m.vocab_size,
+            tie_word_embeddings=m.tie_embeddings))
+    assert built == F.model_parameters(m) == published == sum(p.numel() for p in hf.parameters())
+    code, out, err = _plan(capsys, "--config", config, "--gpus", "8", "--tp", "2", "--pp", "2", "--cp", "1",
+                           "--vpp", "1", "--zero-stage", "1", "--micro-batch", "1", "--recompute", "selective")
+    assert code == 0, err
+    assert f"{published / 1e9:.2f}B parameters" in out and "rope, rmsnorm, swiglu, 8 query groups, no bias" in out
+    assert "tp2 pp2 dp2 z1 mb1 selective" in out and "pp rank 1:" in out

@@ -211,6 +211,46 @@ def test_hf_peer_trains_the_config_shape_on_cpu():
     assert not torch.equal(before, lm.transformer.wte.weight)
 
 
+def test_llama_row_is_a_1b_llama_at_the_gpt2_rows_tokens_per_iteration():
+    """The Llama row: Llama 3.2 1B's shape (1.24B, grouped K/V, SwiGLU, RMSNorm, rotary) at 2048
+    tokens, 64k tokens per iteration like the GPT-2 rows; its peer is LlamaForCausalLM of the
+    same shape (built on the meta device here) with as many parameters."""
+    pytest.importorskip("transformers")
+    from megazero.plan.formulas import model_parameters
+    assert "llama-3.2-1b" in bench_gpu.parse_args([])[0].models
+    tokens = {}
+    for model, (micro, accum) in bench_gpu.SHAPES.items():
+        cfg = bench_gpu.make_config(model, micro, accum, 3, [])
+        tokens[model] = micro * accum * cfg.model.seq_length
+    assert set(tokens.values()) == {65536}
+    cfg = bench_gpu.make_config("llama-3.2-1b", *bench_gpu.SHAPES["llama-3.2-1b"], 3, ["--train.recompute", "none"])
+    m = cfg.model
+    assert (m.seq_length, m.activation, m.query_groups, m.rope_scaling, cfg.train.recompute) == \
+        (2048, "swiglu", 8, "llama3", "none")
+    lm = bench_gpu.hf_model(cfg, "meta")
+    c = lm.config
+    assert type(lm).__name__ == "LlamaForCausalLM" and c._attn_implementation == "sdpa" and not c.use_cache
+    assert (c.num_key_value_heads, c.intermediate_size, c.rope_scaling["factor"], c.tie_word_embeddings) == \
+        (8, 8192, 32.0, True)
+    assert sum(p.numel() for p in lm.parameters()) == model_parameters(m) == 1_235_814_400
+
+
+def test_hf_llama_peer_trains_the_config_shape_on_cpu():
+    pytest.importorskip("transformers")
+    cfg = bench_gpu.make_config("llama-tiny", 2, 2, 3, [])
+    torch.manual_seed(0)
+    lm = bench_gpu.hf_model(cfg, "cpu")
+    c = lm.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.vocab_size,
+            c.tie_word_embeddings, c.attention_bias) == (4, 64, 4, 2, 512, False, False)
+    optimizer = bench_gpu.peer_optimizer(lm, cfg)
+    batches = bench_gpu.token_batches(cfg, 2, 2, "cpu", torch.Generator().manual_seed(1))
+    before = lm.model.embed_tokens.weight.detach().clone()
+    loss = bench_gpu.peer_step(bench_gpu.LossOf(lm), optimizer, batches, cfg.optim.clip_grad, "cpu")
+    assert math.isfinite(loss) and abs(loss - math.log(512)) < 1.0
+    assert not torch.equal(before, lm.model.embed_tokens.weight)
+
+
 def _stand_in(path, name: str) -> None:
     path.write_text(f"#!/bin/sh\necho \"stand-in {name} $*\"\nexit 1\n")
     path.chmod(0o755)
