@@ -5,7 +5,7 @@ Muon (optim.name muon) keeps one momentum buffer per element and updates a weigh
 
     B <- lerp(B, G, 1 - momentum)                 elementwise, on each rank's shard
     U <- lerp(G, B, momentum)  (Nesterov; else B)
-    O <- NewtonSchulz(U)                          the whole matrix, in bf16
+    O <- NewtonSchulz(U)                          the whole matrix (bf16; fp32 in fp32 training)
     W <- W (1 - lr wd) - lr adjust(out, in) O     elementwise again
 
 The elementwise parts run where the optimizer state lives (its shard, on the device or the
@@ -45,9 +45,11 @@ def is_muon_matrix(name: str) -> bool:
 
 def orthogonalize(u: torch.Tensor, steps: int) -> torch.Tensor:
     """Newton-Schulz: U's nearest semi-orthogonal matrix, approximately (torch.optim.Muon's
-    iteration, in bf16, on the wide orientation)."""
+    iteration on the wide orientation), in U's dtype: bf16 as torch's, or fp32 (fp32 training,
+    where bf16's rounding of U would turn summation-order differences between layouts into
+    differences of the update)."""
     a, b, c = NS_COEFFICIENTS
-    x = u.bfloat16()
+    x = u
     tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
@@ -56,6 +58,12 @@ def orthogonalize(u: torch.Tensor, steps: int) -> torch.Tensor:
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
+
+
+def ns_dtype(precision: str) -> torch.dtype:
+    """Newton-Schulz's dtype for train.precision: fp32 runs stay fp32 (layouts agree to 1e-5,
+    and within 1e-4 of torch.optim.Muon's bf16), 16-bit runs use bf16 as torch.optim.Muon does."""
+    return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
 def lr_factor(shape: tuple[int, int], rule: str) -> float:
@@ -112,8 +120,9 @@ class MuonExchange:
     """Gathers each matrix's update to its owner, orthogonalises, returns the result (see above)."""
 
     def __init__(self, layout: FlatLayout, muon: frozenset[str], group: comm.Group, tp_rank: int, tp: int,
-                 contributes: bool, device: torch.device, steps: int, rule: str) -> None:
+                 contributes: bool, device: torch.device, steps: int, rule: str, dtype: torch.dtype) -> None:
         self.group, self.contributes, self.device, self.steps, self.rule = group, contributes, device, steps, rule
+        self.dtype = dtype  # Newton-Schulz's, and the buffers' (each element has one contributor: exact in any)
         self.slots: dict[str, Slot] = {}
         matrices: list[Matrix] = []
         for b, s in layout.slots():
@@ -163,9 +172,9 @@ class MuonExchange:
     # ------------------------------------------------------------------ the step
 
     def _buffer(self, matrices: Sequence[Matrix], zero: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One owner's matrices laid end to end in one bf16 buffer, and a view of each."""
+        """One owner's matrices laid end to end in one buffer, and a view of each."""
         total = sum(math.prod(m.shape) for m in matrices)
-        flat = (torch.zeros if zero else torch.empty)(total, dtype=torch.bfloat16, device=self.device)
+        flat = (torch.zeros if zero else torch.empty)(total, dtype=self.dtype, device=self.device)
         views, at = [], 0
         for m in matrices:
             views.append(flat[at: at + math.prod(m.shape)].view(m.shape))

@@ -33,7 +33,7 @@ from megazero.parallel.placement import placement
 from megazero.parallel.weight_grad import WeightGradSink
 from megazero.zero.adamw import adamw_
 from megazero.zero.clip import StepSums, clip_coefficient, reduce_step_sums
-from megazero.zero.muon import MuonExchange, is_muon_matrix, momentum_
+from megazero.zero.muon import MuonExchange, is_muon_matrix, momentum_, ns_dtype
 from megazero.zero.partition import Range, sub_groups, with_trainable_flags
 from megazero.zero.precision import DynamicLossScaler
 from megazero.zero.shard import ShardedParameters
@@ -79,7 +79,8 @@ class ZeroOptimizer:
         self.step_count = 0
         o = cfg.optim
         self.muon = (MuonExchange(self.layout, muon, grid.stage_group, grid.tp_rank, grid.tp, self.owns_state,
-                                  grid.device, o.muon_ns_steps, o.muon_adjust_lr) if o.name == "muon" else None)
+                                  grid.device, o.muon_ns_steps, o.muon_adjust_lr, ns_dtype(cfg.train.precision))
+                     if o.name == "muon" else None)
         self.state = self._state_store()
         sharded.materialize(self._write_master)
         self.state.flush()
