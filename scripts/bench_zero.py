@@ -2,6 +2,8 @@
 
     python scripts/bench_zero.py [--dp 2] [--iters 4] [--layers 4 --hidden 256 ...] [--runs ZeRO-3,DDP,FSDP2]
 
+Muon-S runs ZeRO stage S with optim.name muon; its iteration time is printed against ZeRO-S's (AdamW).
+
 Every configuration runs in fresh processes (gloo on CPU, NCCL on GPUs) so peak RSS is
 its own. Printed tables:
   1. throughput (tokens/s over all ranks) and peak RSS per rank, side by side;
@@ -30,13 +32,13 @@ from megazero.plan.planner import Cluster, ParallelLayout, predict
 MiB = 2 ** 20
 
 
-def bench_config(args: argparse.Namespace, stage: int, precision: str = "fp32"):
+def bench_config(args: argparse.Namespace, stage: int, precision: str = "fp32", optim: str = "adamw"):
     return make_config(base={
         "model": model_section(args),
         "zero": {"stage": stage, "bucket_size": args.bucket},
         "train": {"iters": args.iters + 1, "micro_batch_size": args.micro,
                   "global_batch_size": args.micro * args.dp * args.accum, "precision": precision, "log_interval": 1},
-        "optim": {"clip_grad": 1.0},
+        "optim": {"clip_grad": 1.0, "name": optim},
         "data": {"mock": True},
     }, world=args.dp)
 
@@ -48,14 +50,19 @@ def peak_rss_mib() -> float:
 # ---------------------------------------------------------------------------- megazero
 
 
-def run_megazero(args: argparse.Namespace, stage: int) -> dict:
+def run_muon(args: argparse.Namespace, stage: int) -> dict:
+    """ZeRO stage `stage` with optim.name muon (AdamW's run is ZeRO-`stage`)."""
+    return run_megazero(args, stage, "muon")
+
+
+def run_megazero(args: argparse.Namespace, stage: int, optim: str = "adamw") -> dict:
     import contextlib
     import io
 
     from megazero.parallel.grid import ProcessGrid
     from megazero.train.trainer import Trainer
     with contextlib.redirect_stdout(io.StringIO()):  # the trainer's config banner
-        tr = Trainer(bench_config(args, stage), ProcessGrid.create(1, 1))
+        tr = Trainer(bench_config(args, stage, optim=optim), ProcessGrid.create(1, 1))
     tr.train_step()  # warm-up
     tr.grid.reset_counters()
     tr.train_step()
@@ -170,12 +177,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the fastest of each run is shown")
     ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--runs", default="ZeRO-0,ZeRO-1,ZeRO-2,ZeRO-3,DDP,FSDP2",
+    ap.add_argument("--runs", default="ZeRO-0,ZeRO-1,ZeRO-2,ZeRO-3,Muon-1,DDP,FSDP2",
                     help="comma-separated runs to measure (DDP is always included: the ratios are against it)")
     args = ap.parse_args()
     n = args.dp
 
     known = {**{f"ZeRO-{stage}": (run_megazero, stage) for stage in range(4)},
+             **{f"Muon-{stage}": (run_muon, stage) for stage in range(4)},
              "DDP": (run_peer, "ddp"), "FSDP2": (run_peer, "fsdp2")}
     wanted = set(args.runs.split(",")) | {"DDP"}
     if wanted - set(known):
@@ -208,6 +216,11 @@ def main() -> None:
     for name, outs in results.items():
         print(f"| {name} | {outs[0]['tokens_per_sec']:.1f} | {outs[0]['tokens_per_sec'] / ddp:.2f} | "
               f"{outs[0]['tokens_per_sec'] / fsdp:.2f} | {max(o['rss_mib'] for o in outs):.0f} |")
+
+    for stage in range(4):  # Muon's step against AdamW's at the same stage, same shape and batch
+        if f"Muon-{stage}" in results and f"ZeRO-{stage}" in results:
+            muon, adamw = (results[f"{k}-{stage}"][0]["tokens_per_sec"] for k in ("Muon", "ZeRO"))
+            print(f"\nMuon at ZeRO-{stage}: iteration time {adamw / muon:.3f} x AdamW's ({100 * (adamw / muon - 1):+.1f}%)")
 
     print("\nEvery round, tokens/s (vs DDP in the same round):\n")
     print("| round | " + " | ".join(runs) + " |")

@@ -57,13 +57,16 @@ def resume_state(load: str, iteration: int, cfg: Config, grid: ProcessGrid,
         if not whole:
             meta = read_metadata(ckpt)
             check_model(meta, cfg, ckpt)
+            check_optimizer(meta, cfg, ckpt)
             if meta["layout"] == layout_of(cfg, grid):
-                return ckpt, _own_files(ckpt, meta, grid)
+                return ckpt, fresh_optimizer(_own_files(ckpt, meta, grid), cfg)
         reader = open_checkpoint(ckpt, stated=cfg).training  # a DeepSpeed one may hold the run's model
         assert reader is not None  # a megazero or DeepSpeed checkpoint: it has the optimizer state
         check_model(reader.meta, cfg, ckpt)
-        return ckpt, {**reader.trainer_state(),
-                      "optimizer": reshard_optimizer_state(reader, template(), grid.tp_rank, grid.tp)}
+        check_optimizer(reader.meta, cfg, ckpt)
+        return ckpt, fresh_optimizer({**reader.trainer_state(),
+                                      "optimizer": reshard_optimizer_state(reader, template(), grid.tp_rank, grid.tp)},
+                                     cfg)
 
     def error(rank: int, report: tuple[str, str | None]) -> CheckpointError:
         message, bad = report  # the search for the last good checkpoint hashes older ones: rank 0 alone runs it
@@ -72,6 +75,26 @@ def resume_state(load: str, iteration: int, cfg: Config, grid: ProcessGrid,
         return CheckpointError(message)
     return comm.agreed(read, grid["world"], (CheckpointError, ValueError), error,
                        lambda e: (e.args[0], e.bad_checkpoint) if isinstance(e, CheckpointError) else (str(e), None))
+
+
+def check_optimizer(meta: dict, cfg: Config, ckpt: str) -> None:
+    """Refuse optimizer state of another optim.name (AdamW's moments are no Muon buffer), unless
+    checkpoint.no_load_optim starts it fresh."""
+    saved = meta.get("config", {}).get("optim", {}).get("name", "adamw")  # before Muon: AdamW's
+    if saved != cfg.optim.name and not cfg.checkpoint.no_load_optim:
+        raise CheckpointError(f"checkpoint '{ckpt}' holds {saved} optimizer state but optim.name is "
+                              f"{cfg.optim.name}; set checkpoint.no_load_optim true to start the "
+                              f"{cfg.optim.name} state fresh (or optim.name {saved})")
+
+
+def fresh_optimizer(state: dict, cfg: Config) -> dict:
+    """checkpoint.no_load_optim: the state with its moments (Muon's buffer) zero and its step
+    count 0; the master weights, loop position and schedule still resume."""
+    if cfg.checkpoint.no_load_optim:
+        for kind in KINDS[1:]:
+            state["optimizer"][kind] = torch.zeros_like(state["optimizer"][kind])
+        state["optimizer"]["step"] = 0
+    return state
 
 
 def _own_files(ckpt: str, meta: dict, grid: ProcessGrid) -> dict:

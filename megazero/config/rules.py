@@ -77,6 +77,7 @@ def validate(cfg: Config, world_size: int) -> int:
     if o.min_lr > o.lr:
         raise ConfigError(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
     _validate_warmup(o)
+    _validate_muon(o)
     _validate_zero(cfg)
     _validate_finetune(cfg.finetune)
     if m.hidden_size % m.num_heads:
@@ -95,6 +96,15 @@ def validate(cfg: Config, world_size: int) -> int:
             raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
                               f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
     return dp
+
+
+def _validate_muon(o: OptimConfig) -> None:
+    if o.muon_lr < 0:
+        raise ConfigError(f"optim.muon_lr ({o.muon_lr:g}) must not be negative, e.g. 0.02")
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise ConfigError(f"optim.muon_momentum ({o.muon_momentum:g}) must be in [0, 1), e.g. 0.95")
+    if not 1 <= o.muon_ns_steps < 100:
+        raise ConfigError(f"optim.muon_ns_steps ({o.muon_ns_steps}) must be in [1, 99], e.g. 5")
 
 
 def _validate_warmup(o: OptimConfig) -> None:

@@ -193,6 +193,10 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    """The optimizer: adamw, or muon: Muon (momentum orthogonalised by Newton-Schulz) on each block's
+    weight matrices (attention q, k, v and output, MLP up, gate and down), AdamW (the other optim.* keys)
+    on embeddings, the output layer, norms and biases."""
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
@@ -229,6 +233,17 @@ class OptimConfig:
     """AdamW second-moment decay."""
     eps: float = 1e-8
     """AdamW denominator epsilon."""
+    muon_lr: float = 0.02
+    """optim.name muon: Muon's peak learning rate (the schedule scales it as it scales optim.lr)."""
+    muon_momentum: float = 0.95
+    """optim.name muon: momentum of Muon's buffer (lerp toward each gradient by 1 - momentum)."""
+    muon_nesterov: bool = True
+    """optim.name muon: Nesterov momentum (orthogonalise the gradient lerped toward the buffer)."""
+    muon_ns_steps: int = 5
+    """optim.name muon: Newton-Schulz iterations per matrix and step."""
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "original"
+    """optim.name muon: how a matrix's (out, in) shape scales muon_lr, as torch.optim.Muon's adjust_lr_fn:
+    original sqrt(max(1, out/in)); match_rms_adamw 0.2 sqrt(max(out, in)) (then AdamW's LR and decay fit)."""
     override_schedule: bool = False
     """On resume, use this config's LR schedule (lr, min_lr, warmup_iters, decay_iters, decay_style)
     instead of the checkpoint's (Megatron's --override-opt_param-scheduler)."""
@@ -276,6 +291,9 @@ class CheckpointConfig:
     while training goes on; the checkpoint is sealed and `latest` advanced at the first
     iteration after every rank finished. The next save, a signal's save and the end of the run
     wait for it."""
+    no_load_optim: bool = False
+    """Resume the model from checkpoint.load but start the optimizer state fresh (Megatron's --no-load-optim):
+    e.g. to switch optim.name; the iteration, data position and LR schedule still resume."""
     init_from_hf: Optional[str] = None
     """Start from a Hugging Face GPT-2 directory (config.json + model.safetensors or
     pytorch_model.bin) at any layout; each rank reads only its slices. The model section must

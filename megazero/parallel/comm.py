@@ -302,6 +302,16 @@ def all_to_all(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
     dist.all_to_all_single(out, t.contiguous(), group=group.pg)
 
 
+def reduce(t: torch.Tensor, dst_index: int, group: Group) -> None:
+    """Sum `t` over the group into the member with index `dst_index` (not a global rank);
+    elsewhere `t` is left undefined."""
+    if group.size == 1:
+        return
+    group.count("reduce", _nbytes(t))
+    group.note("reduce", t)
+    dist.reduce(t, dst=group.ranks[dst_index], group=group.pg)
+
+
 def broadcast(t: torch.Tensor, src_index: int, group: Group) -> None:
     """Broadcast from the group member with index `src_index` (not a global rank)."""
     if group.size == 1:

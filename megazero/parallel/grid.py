@@ -18,7 +18,7 @@ channel), so every tensor that meets a collective, a p2p op, the loss or a metri
 created on `grid.device`; without CUDA they are gloo's and `grid.device` is the CPU.
 Host copies for checkpoints go through `parallel/host.py`.
 
-Timeouts, stated once: every group the grid creates (tp, cp, dp, dp_cp, pp, mp, embed, the
+Timeouts, stated once: every group the grid creates (tp, cp, dp, dp_cp, pp, mp, embed, stage, the
 world, and gloo's duplicate of ZeRO's group for the communication thread) gets `grid.timeout_s`
 (train.timeout_minutes), so a collective or p2p op that waits longer on a stopped or dead
 peer fails instead of hanging (torch's default for a new group is 30 minutes on gloo). Gloo
@@ -132,6 +132,8 @@ class ProcessGrid:
             return [[self.rank_of(i, j, k, m) for k in p] for j in d for m in c for i in t]
         if kind == "mp":  # tensor x pipeline: one model replica's parameters
             return [[self.rank_of(i, j, k, m) for k in p for i in t] for j in d for m in c]
+        if kind == "stage":  # every rank of one pipeline stage (tp x cp x dp): Muon's matrix owners
+            return [[self.rank_of(i, j, k, m) for j in d for m in c for i in t] for k in p]
         if kind == "embed":  # first and last stage hold the tied embedding
             return [sorted({g[0], g[-1]}) for g in self.group_ranks("pp")]
         raise KeyError(kind)
@@ -161,6 +163,7 @@ class ProcessGrid:
     dp_cp_group = _GroupOf("dp_cp")  # what ZeRO shards and reduces over
     pp_group = _GroupOf("pp")
     mp_group = _GroupOf("mp")  # tensor x pipeline: one model replica
+    stage_group = _GroupOf("stage")  # tensor x context x data: one pipeline stage's ranks
     embed_group = _GroupOf("embed")
     tp_rank = _CoordOf("tp")
     dp_rank = _CoordOf("dp")
@@ -172,7 +175,7 @@ class ProcessGrid:
         new_group for all groups in the same order (a torch.distributed requirement), keeping
         only their own. At cp 1 the dp x cp group is the DP group (no second communicator).
         On gloo ZeRO's group also gets a duplicate for its asynchronous reduce-scatters."""
-        kinds = ("tp", "dp", "pp", "mp", "embed") + (("cp", "dp_cp") if self.cp > 1 else ())
+        kinds = ("tp", "dp", "pp", "mp", "embed", "stage") + (("cp", "dp_cp") if self.cp > 1 else ())
         for kind in kinds:
             for ranks in self.group_ranks(kind):
                 pg = _new_group(ranks, self.world_size, self.timeout)

@@ -33,6 +33,7 @@ from megazero.parallel.placement import placement
 from megazero.parallel.weight_grad import WeightGradSink
 from megazero.zero.adamw import adamw_
 from megazero.zero.clip import StepSums, clip_coefficient, reduce_step_sums
+from megazero.zero.muon import MuonExchange, is_muon_matrix, momentum_, ns_dtype
 from megazero.zero.partition import Range, sub_groups, with_trainable_flags
 from megazero.zero.precision import DynamicLossScaler
 from megazero.zero.shard import ShardedParameters
@@ -84,11 +85,17 @@ class ZeroOptimizer:
                    and (b.index not in sharded.tied_buckets or grid.pp_rank == 0) for b, s in slots}
         # Megatron's --decoupled-lr: the input embedding and the output layer get their own LR.
         decoupled = frozenset(EMBEDDING_OR_OUTPUT) if cfg.optim.decoupled_lr is not None else frozenset()
-        self.ranges = self.layout.ranges(decays, counted, z.sub_group_size, decoupled)
+        # optim.name muon: the blocks' trainable weight matrices are Muon's, in ranges of their own.
+        muon = frozenset(s.name for b, s in slots if cfg.optim.name == "muon" and b.trainable and is_muon_matrix(s.name))
+        self.ranges = self.layout.ranges(decays, counted, z.sub_group_size, decoupled, muon)
         self.groups = sub_groups(self.ranges, z.sub_group_size)
         self.scaler = (DynamicLossScaler(z.initial_loss_scale, z.loss_scale_window, z.hysteresis, z.min_loss_scale)
                        if cfg.train.precision == "fp16" else None)
         self.step_count = 0
+        o = cfg.optim
+        self.muon = (MuonExchange(self.layout, muon, grid.stage_group, grid.tp_rank, grid.tp, self.owns_state,
+                                  grid.device, o.muon_ns_steps, o.muon_adjust_lr, ns_dtype(cfg.train.precision))
+                     if o.name == "muon" else None)
         self.state = self._state_store()
         sharded.materialize(self._write_master)
         self.state.flush()
@@ -181,23 +188,55 @@ class ZeroOptimizer:
                 self.host_grads.view(r).copy_(self.grads.view(r))
         for group, st in self.state.iterate(self.groups):
             # fp32 gradients where the step runs; scaled in place (zeroed before the next use)
-            grads = [self.host_grads.view(r) if self.host_grads is not None else self.grads.view(r) for r in group]
+            grads = [self._grad(r) for r in group]
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
             masters = st.master if st.master is not None else [self.params.view(r) for r in group]
+            adam = [i for i, r in enumerate(group) if not r.muon]  # every range under optim.name adamw
+            kept = [group[i] for i in adam]
+            if len(adam) < len(group):  # Muon's elementwise first half: the gradients become its updates
+                momentum_([grads[i] for i, r in enumerate(group) if r.muon],
+                          [st.exp_avg[i] for i, r in enumerate(group) if r.muon], o.muon_momentum, o.muon_nesterov)
+                masters, grads = [masters[i] for i in adam], [grads[i] for i in adam]
+                st.exp_avg, st.exp_avg_sq = [st.exp_avg[i] for i in adam], [st.exp_avg_sq[i] for i in adam]
             # The update rule (AdamW: Megatron's --optimizer adam); once per LR the group's ranges take.
-            for part_lr, part in _lr_parts(group, lr, decoupled_lr):
+            for part_lr, part in _lr_parts(kept, lr, decoupled_lr):
                 adamw_([masters[i] for i in part], [grads[i] for i in part], [st.exp_avg[i] for i in part],
-                       [st.exp_avg_sq[i] for i in part], [masters[i] for i in part if group[i].decay],
+                       [st.exp_avg_sq[i] for i in part], [masters[i] for i in part if kept[i].decay],
                        lr=part_lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                        step=self.step_count)
             if st.master is not None:
-                self.params.set_ranges(group, masters)
+                self.params.set_ranges(kept, masters)
+        if self.muon is not None:
+            self._muon_step(lr)
         self.params.flush()
         if self.sharding.gathers_after_step:  # stage 0 stepped everything, stage 3 keeps shards
             # In forward order (buckets are laid out in reverse), so the first unit's arrive first.
             self.params.all_gather(self.grid.dp_cp_group, reversed(self.layout.trainable_buckets()))
         return result
+
+    def _grad(self, r: Range) -> torch.Tensor:
+        """The fp32 gradient of range r where the step runs (host memory under ZeRO-Offload)."""
+        return self.host_grads.view(r) if self.host_grads is not None else self.grads.view(r)
+
+    def _muon_step(self, lr: float) -> None:
+        """Muon's second half: each matrix's update orthogonalised by its owner (MuonExchange),
+        then decoupled weight decay and the step, at muon_lr scaled as the schedule scales optim.lr."""
+        o = self.cfg.optim
+        self.muon.step(self._grad)  # type: ignore[union-attr]  # muon set
+        muon_lr = o.muon_lr * (lr / o.lr if o.lr > 0 else 1.0)
+        for group, st in self.state.iterate(self.groups):
+            mine = [r for r in group if r.muon]
+            if not mine:
+                continue
+            masters = st.master if st.master is not None else [self.params.view(r) for r in group]
+            masters = [m for m, r in zip(masters, group) if r.muon]
+            for m, r in zip(masters, mine):
+                if r.decay:
+                    m.mul_(1 - muon_lr * o.weight_decay)
+                m.sub_(self._grad(r), alpha=muon_lr)
+            if st.master is not None:
+                self.params.set_ranges(mine, masters)
 
     def all_finite(self) -> bool:
         """Whether every rank's master weights are finite (collective over the world)."""

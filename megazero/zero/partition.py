@@ -82,6 +82,8 @@ class Range:
     """Whether the grad norm counts these elements (TP-replicated copies and the tied head are counted elsewhere)."""
     decoupled: bool = False
     """The input embedding or output layer: stepped at optim.decoupled_lr when that is set."""
+    muon: bool = False
+    """Whether Muon steps these elements (weight matrices under optim.name muon), not AdamW."""
 
 
 @dataclass
@@ -144,8 +146,9 @@ class FlatLayout:
                 "trainable_numel": self.trainable_numel, "buckets": buckets, "params": params}
 
     def ranges(self, decays: dict[str, bool], counted: dict[str, bool], max_len: int,
-               decoupled: frozenset[str] = frozenset()) -> list[Range]:
-        """This rank's shard as runs of equal treatment, each at most `max_len` long.
+               decoupled: frozenset[str] = frozenset(), muon: frozenset[str] = frozenset()) -> list[Range]:
+        """This rank's shard as runs of equal treatment, each at most `max_len` long (the
+        parameters named in `muon` in runs of their own).
 
         Padding between two parameters with the same treatment is folded into one run: it is
         zero in parameters, gradients and moments alike, so updating it changes nothing.
@@ -154,16 +157,17 @@ class FlatLayout:
         for b, s, start, end, offset in self.slot_pieces(self.trainable_buckets(), self.rank):
             prev = runs[-1] if runs else None
             if (prev is not None and prev.bucket == b.index and prev.decay == decays[s.name]
-                    and prev.counted == counted[s.name] and prev.decoupled == (s.name in decoupled)):
+                    and prev.counted == counted[s.name] and prev.decoupled == (s.name in decoupled)
+                    and prev.muon == (s.name in muon)):
                 prev.length = end - prev.start
             else:
                 runs.append(Range(b.index, start, end - start, offset, decays[s.name], counted[s.name],
-                                  s.name in decoupled))
+                                  s.name in decoupled, s.name in muon))
         out = []
         for r in runs:  # split long runs so no sub-group has to hold more than max_len
             for off in range(0, r.length, max_len):
                 out.append(Range(r.bucket, r.start + off, min(max_len, r.length - off), r.shard_offset + off,
-                                 r.decay, r.counted, r.decoupled))
+                                 r.decay, r.counted, r.decoupled, r.muon))
         return out
 
 

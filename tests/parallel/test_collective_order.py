@@ -43,6 +43,10 @@ CASES = {
                                                             "--parallel.sequence_parallel", "true"],
     "cp 2 ring, stage 3": STAGE3 + ["--parallel.cp", "2"],
     "cp 2 ulysses, stage 2": ["--zero.stage", "2", "--parallel.cp", "2", "--parallel.cp_impl", "ulysses"],
+    # Muon: each matrix reduced to its owner and broadcast back over the stage's ranks.
+    "muon, stage 3, param + optimizer nvme": STAGE3 + NVME + ["--optim.name", "muon"],
+    "muon, pp 2, tp 2, stage 2, optimizer cpu": ["--optim.name", "muon", "--zero.stage", "2", "--parallel.pp", "2",
+                                                 "--parallel.tp", "2", "--zero.offload_optimizer", "cpu"],
     # Each rank's background write ends when it ends: sealing must wait for the step's sums.
     "stage 1, async saves every iteration": ["--zero.stage", "1", "--checkpoint.save", "{tmp}/async_saves",
                                              "--checkpoint.interval", "1", "--checkpoint.async_save", "true"],
@@ -151,13 +155,17 @@ def _check_all(results: list[dict], names: list[str]) -> None:
         _check(name, per_rank)
         dp = [c for c in per_rank[0]["calls"] if c[0] in ("dp", "dp_cp")]  # ZeRO's group
         assert dp, f"{name}: nothing recorded on the DP group"
+        if name.startswith("muon"):  # the owners' exchange, on the stage group
+            assert {c[1] for c in per_rank[0]["calls"] if c[0] == "stage"} == {"reduce", "broadcast"}, name
 
 
 @pytest.mark.parametrize("world,names", [
-    (2, ["stage 3, param + optimizer nvme", "stage 1", "stage 1, async saves every iteration"]),
+    (2, ["stage 3, param + optimizer nvme", "stage 1", "stage 1, async saves every iteration",
+         "muon, stage 3, param + optimizer nvme"]),
     pytest.param(2, ["stage 0", "stage 2", "stage 3", "stage 3, param cpu"], marks=pytest.mark.slow),
     pytest.param(4, ["pp 2 zbh1, stage 3, param + optimizer nvme", "pp 2 zbh1, stage 1",
-                     "tp 2 sequence parallel, stage 2", "tp 2 sequence parallel, stage 3, param cpu"],
+                     "tp 2 sequence parallel, stage 2", "tp 2 sequence parallel, stage 3, param cpu",
+                     "muon, pp 2, tp 2, stage 2, optimizer cpu"],
                  marks=pytest.mark.slow),
     pytest.param(4, ["cp 2 ring, stage 3", "cp 2 ulysses, stage 2"], marks=pytest.mark.slow),
 ], ids=["dp2-stage1-stage3nvme", "dp2-stages0-3", "dp2-pp2zbh1-tp2sp", "dp2-cp2"])

@@ -1,0 +1,228 @@
+"""Muon on ZeRO's flat shards: each weight matrix orthogonalised whole, once per step.
+
+Muon (optim.name muon) keeps one momentum buffer per element and updates a weight matrix W
+(nn.Linear's (out, in) orientation) as torch.optim.Muon does:
+
+    B <- lerp(B, G, 1 - momentum)                 elementwise, on each rank's shard
+    U <- lerp(G, B, momentum)  (Nesterov; else B)
+    O <- NewtonSchulz(U)                          the whole matrix (bf16; fp32 in fp32 training)
+    W <- W (1 - lr wd) - lr adjust(out, in) O     elementwise again
+
+The elementwise parts run where the optimizer state lives (its shard, on the device or the
+host), using the state's `exp_avg` as the buffer. Newton-Schulz needs each matrix whole, while
+ZeRO cuts flat buckets over dp x cp and tensor parallelism cuts matrices over tp; fused
+matrices (q|k|v, SwiGLU's gate|up) are orthogonalised part by part. `MuonExchange` gives each
+matrix one owner among the ranks of its pipeline stage (the grid's `stage` group: tp x cp x
+dp), balancing Newton-Schulz FLOPs, and per owner: every rank writes the elements of U it holds
+into a zero buffer of that owner's matrices, a `reduce` sums them into the owner (each element
+has exactly one contributor, so the sum is exact), the owners orthogonalise their matrices at
+once, and a `broadcast` per owner returns O, from which every rank takes its elements. Every
+rank issues the same collectives in the same order, and the single process runs the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from megazero.parallel import comm
+from megazero.parallel.placement import Placement, placement
+from megazero.zero.partition import FlatLayout, Range
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic iteration
+NS_EPS = 1e-7
+# The weight matrices Muon takes: each block's attention (fused q|k|v and output) and MLP (up,
+# or fused gate|up, and down) projections. Embeddings, the output layer, norms and biases are AdamW's.
+MATRICES = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+
+
+def is_muon_matrix(name: str) -> bool:
+    return name.startswith("transformer.h.") and name.endswith(MATRICES)
+
+
+def orthogonalize(u: torch.Tensor, steps: int) -> torch.Tensor:
+    """Newton-Schulz: U's nearest semi-orthogonal matrix, approximately (torch.optim.Muon's
+    iteration on the wide orientation), in U's dtype: bf16 as torch's, or fp32 (fp32 training,
+    where bf16's rounding of U would turn summation-order differences between layouts into
+    differences of the update)."""
+    a, b, c = NS_COEFFICIENTS
+    x = u
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=NS_EPS)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def ns_dtype(precision: str) -> torch.dtype:
+    """Newton-Schulz's dtype for train.precision: fp32 runs stay fp32 (layouts agree to 1e-5,
+    and within 1e-4 of torch.optim.Muon's bf16), 16-bit runs use bf16 as torch.optim.Muon does."""
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
+def lr_factor(shape: tuple[int, int], rule: str) -> float:
+    """optim.muon_adjust_lr: the LR multiplier of an (out, in) matrix."""
+    rows, cols = shape
+    if rule == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols))
+
+
+def ns_flops(shape: tuple[int, int], steps: int) -> int:
+    """Multiply-add FLOPs of Newton-Schulz on an (out, in) matrix: per iteration X X^T, the
+    polynomial's gram^2 and its product with X, on the wide orientation (m <= n)."""
+    m, n = sorted(shape)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def momentum_(grads: list[torch.Tensor], bufs: list[torch.Tensor], momentum: float, nesterov: bool) -> None:
+    """The elementwise first half, in place: each buffer moves toward its gradient, and the
+    gradient tensor becomes the update to orthogonalise."""
+    for g, buf in zip(grads, bufs):
+        buf.lerp_(g, 1 - momentum)
+        if nesterov:
+            g.lerp_(buf, momentum)
+        else:
+            g.copy_(buf)
+
+
+@dataclass
+class Matrix:
+    """One matrix Muon orthogonalises: rows or columns [lo, hi) along `dim` of a full parameter."""
+
+    name: str
+    where: Placement
+    dim: int
+    lo: int
+    hi: int
+    shape: tuple[int, int]
+    pieces: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """Where this rank holds it: (local flat start, end, along-dim offset in the matrix, rows or
+    columns), each a contiguous run of this TP rank's flattened parameter."""
+
+
+@dataclass
+class Slot:
+    """A Muon parameter's elements in this rank's shard: (offset in the flattened TP-local
+    parameter, shard range) pieces."""
+
+    shape: tuple[int, ...]
+    pieces: list[tuple[int, Range]]
+
+
+class MuonExchange:
+    """Gathers each matrix's update to its owner, orthogonalises, returns the result (see above)."""
+
+    def __init__(self, layout: FlatLayout, muon: frozenset[str], group: comm.Group, tp_rank: int, tp: int,
+                 contributes: bool, device: torch.device, steps: int, rule: str, dtype: torch.dtype) -> None:
+        self.group, self.contributes, self.device, self.steps, self.rule = group, contributes, device, steps, rule
+        self.dtype = dtype  # Newton-Schulz's, and the buffers' (each element has one contributor: exact in any)
+        self.slots: dict[str, Slot] = {}
+        matrices: list[Matrix] = []
+        for b, s in layout.slots():
+            if s.name in muon and b.trainable and s.name not in self.slots:
+                self.slots[s.name] = Slot(s.shape, [])
+                matrices += self._split(s.name, placement(s.param), s.shape, tp_rank, tp)
+        for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets(), layout.rank):
+            if s.name in self.slots:
+                r = Range(b.index, start, end - start, offset, True, True, True)
+                self.slots[s.name].pieces.append((start - s.offset, r))
+        self.owned = self._assign(matrices, group.size)
+
+    @staticmethod
+    def _split(name: str, where: Placement, shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Matrix]:
+        dim = where.dim if where.dim is not None else 0
+        full = where.full_shape
+        # The full parameter's blocks along `dim` (q|k|v, gate|up: one matrix each) and this
+        # TP rank's part of each, which it stores one after another along `dim`.
+        blocks = where.ranges(0, 1) if where.sharded else [(0, full[dim])]
+        held = where.ranges(tp_rank, tp) if where.sharded else [(0, full[dim])]
+        cols = math.prod(shape) // shape[0]  # elements per row of the TP-local parameter
+        out, local = [], 0
+        for (lo, hi), (hlo, hhi) in zip(blocks, held):
+            mshape = (hi - lo, full[1]) if dim == 0 else (full[0], hi - lo)
+            m = Matrix(name, where, dim, lo, hi, mshape)
+            n = hhi - hlo
+            if dim == 0:  # rows: a contiguous run of the flattened local parameter
+                m.pieces.append((local * cols, (local + n) * cols, hlo - lo, n))
+            else:  # columns: only whole local parameters are contiguous
+                if len(blocks) != 1:
+                    raise NotImplementedError(f"{name}: matrices fused along the input dimension")
+                m.pieces.append((0, math.prod(shape), hlo - lo, n))
+            local += n
+            out.append(m)
+        return out
+
+    def _assign(self, matrices: list[Matrix], owners: int) -> list[list[Matrix]]:
+        """Matrices per owner, largest Newton-Schulz cost first to the least loaded (ties: the
+        lower index), each owner's in model order: the same on every rank."""
+        load = [0] * owners
+        owner: dict[int, int] = {}
+        for i in sorted(range(len(matrices)), key=lambda i: (-ns_flops(matrices[i].shape, self.steps), i)):
+            owner[i] = min(range(owners), key=lambda o: (load[o], o))
+            load[owner[i]] += ns_flops(matrices[i].shape, self.steps)
+        return [[m for i, m in enumerate(matrices) if owner[i] == o] for o in range(owners)]
+
+    # ------------------------------------------------------------------ the step
+
+    def _buffer(self, matrices: Sequence[Matrix], zero: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One owner's matrices laid end to end in one buffer, and a view of each."""
+        total = sum(math.prod(m.shape) for m in matrices)
+        flat = (torch.zeros if zero else torch.empty)(total, dtype=self.dtype, device=self.device)
+        views, at = [], 0
+        for m in matrices:
+            views.append(flat[at: at + math.prod(m.shape)].view(m.shape))
+            at += math.prod(m.shape)
+        return flat, views
+
+    def step(self, views: Callable[[Range], torch.Tensor]) -> None:
+        """Replace U (in the gradient ranges `views` gives) by lr_factor x O for every Muon
+        element of this rank's shard (collective over the stage group)."""
+        mine: list[torch.Tensor] = []
+        for o, matrices in enumerate(self.owned):
+            flat, mats = self._buffer(matrices, zero=True)
+            if self.contributes:
+                for m, view in zip(matrices, mats):
+                    for start, end, at, n in m.pieces:
+                        runs = self._runs_of(m, start, end)
+                        if not runs:
+                            continue
+                        part = view.narrow(m.dim, at, n)  # what this TP rank holds of m
+                        staging = torch.zeros(end - start, dtype=torch.float32, device=self.device)
+                        for lo, hi, glo, ghi, r in runs:
+                            staging[lo:hi].copy_(views(r)[glo:ghi])
+                        part.copy_(staging.view(part.shape))
+            comm.reduce(flat, o, self.group)
+            if o == self.group.rank:
+                mine = [flat, *mats]
+        if mine:
+            for view in mine[1:]:
+                view.copy_(orthogonalize(view, self.steps))
+        for o, matrices in enumerate(self.owned):
+            flat, mats = (mine[0], mine[1:]) if o == self.group.rank else self._buffer(matrices, zero=False)
+            comm.broadcast(flat, o, self.group)
+            for m, view in zip(matrices, mats):
+                scale = lr_factor(m.shape, self.rule)
+                for start, end, at, n in m.pieces:
+                    runs = self._runs_of(m, start, end)
+                    if not runs:
+                        continue
+                    values = (view.narrow(m.dim, at, n).float() * scale).reshape(-1)
+                    for lo, hi, glo, ghi, r in runs:
+                        views(r)[glo:ghi].copy_(values[lo:hi])
+
+    def _runs_of(self, m: Matrix, start: int, end: int) -> list[tuple[int, int, int, int, Range]]:
+        """(lo, hi) in the run [start, end) of m's TP-local parameter, (lo, hi) in a shard
+        range, and that range: each piece of the run this rank's shard holds."""
+        out = []
+        for off, r in self.slots[m.name].pieces:
+            lo, hi = max(start, off), min(end, off + r.length)
+            if lo < hi:
+                out.append((lo - start, hi - start, lo - off, hi - off, r))
+        return out
