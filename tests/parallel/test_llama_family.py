@@ -127,7 +127,7 @@ def test_llama_bf16_at_tp2_and_zero3_equals_the_single_process_and_learns(parall
     bf16 comparisons). Both learn."""
     reference = single_process_modes["bf16"]
     assert_parity({"bf16-dp2-zero3": parallel_modes["bf16-dp2-zero3"]}, reference, 3)
-    assert_parity({"bf16-tp2": parallel_modes["bf16-tp2"]}, reference, 3, tol=5e-4)
+    assert_parity({"bf16-tp2": parallel_modes["bf16-tp2"]}, reference, 3, tol=5e-4)  # measured 8.9e-5
     fp32 = single_process_modes["fp32"]
     assert max(abs(a[0] - b[0]) for a, b in zip(reference, fp32, strict=True)) < 1e-2  # bf16 tracks fp32
     for run in (reference, parallel_modes["bf16-tp2"], parallel_modes["bf16-dp2-zero3"]):
@@ -141,6 +141,19 @@ def test_llama_lora_at_tp2_and_zero3_equals_the_single_process(parallel_modes, s
     assert_parity({k: v for k, v in parallel_modes.items() if k.startswith("lora")}, reference, 3)
     assert reference[-1][0] < reference[0][0] - 0.01, reference  # the adapters train
 
+
+
+@pytest.mark.slow
+def test_llama_nvme_bf16_lora_on_4_ranks(single_process_modes, tmp_path):
+    """The same three at tp 2 x dp 2 (ZeRO-3), and LoRA over pipeline stages (tp 2 x pp 2, ZeRO-1)."""
+    tp2_dp2 = TP2 + DP2_Z3
+    runs = run_distributed(_layouts, 4, {"tp2-dp2-zero3-nvme": SHORT_3 + TP2 + _nvme(str(tmp_path)),
+                                         "bf16-tp2-dp2-zero3": BF16 + tp2_dp2, "lora-tp2-dp2-zero3": LORA + tp2_dp2,
+                                         "lora-tp2-pp2-zero1": LORA + TP2 + ["--parallel.pp", "2", "--zero.stage", "1"]})[0]
+    for mode in ("nvme", "bf16", "lora"):
+        tol = 5e-4 if mode == "bf16" else 1e-5  # bf16 at tp 2: rounding of a reordered sum, as at 2 ranks
+        assert_parity({k: v for k, v in runs.items() if mode in k},
+                      single_process_modes["fp32" if mode == "nvme" else mode], 3, tol=tol)
 
 # ----------------------------------------------------------------------------- checkpoints
 
