@@ -1,7 +1,7 @@
 """The Llama family (rotary positions, RMSNorm, SwiGLU, grouped-query attention, no biases, an
 untied output layer): every layout equals the single process (fp32, same seed, same global
-batch, losses and gradient norms within 1e-5), and one process equals Hugging Face's
-LlamaForCausalLM."""
+batch, losses and gradient norms within 1e-5; NVMe offload and LoRA too; bf16 against the bf16
+single process), and one process equals Hugging Face's LlamaForCausalLM."""
 
 from __future__ import annotations
 
