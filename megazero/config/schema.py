@@ -259,7 +259,10 @@ class DataConfig:
     split: str = "969,30,1"
     """Train/valid/test proportions."""
     tokenizer: Optional[str] = None
-    """Tokenizer spec, e.g. gpt2bpe:DIR or sentencepiece:FILE.model."""
+    """Tokenizer spec KIND:PATH: gpt2bpe:DIR (vocab.json + merges.txt) or gpt2bpe:VOCAB.json,MERGES.txt;
+    sentencepiece:FILE.model or sentencepiece:DIR (tokenizer.model, Llama 2 style); hf:DIR or hf:FILE.json (a
+    Hugging Face tokenizer.json, Llama 3 style); or a bare DIR, a Hugging Face model directory whose tokenizer
+    files decide (vocab.json + merges.txt, else tokenizer.model, else tokenizer.json)."""
     cache_dir: Optional[str] = None
     """Where sample indices are cached (default: beside the data)."""
     pack_examples: bool = False

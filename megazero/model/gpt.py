@@ -139,7 +139,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0,
                 rope: Optional[Rope] = None) -> torch.Tensor:
-        y = self.attend(self.c_attn(x), kv, pos, rope) if rope is not None else self.attend(self.c_attn(x), kv, pos)
+        y = self.attend(self.c_attn(x), kv, pos, rope)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -364,11 +364,7 @@ class GPT(nn.Module):
                 x = x + self.transformer.wpe(pos)
             x = self.transformer.drop(x)
         for i, block in self.transformer.h.items():
-            if cache is not None:
-                x = block(x, cache.layers[int(i)], start, rope) if rope is not None else \
-                    block(x, cache.layers[int(i)], start)
-            else:
-                x = block(x, None, 0, rope) if rope is not None else block(x)
+            x = block(x, cache.layers[int(i)] if cache is not None else None, start, rope)
         if cache is not None:
             cache.length += x.shape[1]
         if not self.post_process:

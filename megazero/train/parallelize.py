@@ -155,7 +155,6 @@ def _recomputed(fn: Callable, tracker: Optional[RNGTracker]) -> Callable:
     @functools.wraps(fn)
     def run(x: torch.Tensor, kv=None, pos: int = 0, rope=None) -> torch.Tensor:
         if kv is not None or not torch.is_grad_enabled():
-            return fn(x, kv, pos) if rope is None else fn(x, kv, pos, rope)
-        args = (x,) if rope is None else (x, None, 0, rope)
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=recompute_rng_context(tracker))
+            return fn(x, kv, pos, rope)
+        return checkpoint(fn, x, None, 0, rope, use_reentrant=False, context_fn=recompute_rng_context(tracker))
     return run
