@@ -7,10 +7,11 @@
 # 2. runs the GPU tests: python -m pytest -q -m gpu tests/gpu/test_gpu.py ... (bf16 training at ZeRO
 #    stages 0-3 through NCCL, fp32 parity with CPU, 16-bit save, export, generation, the CUDA
 #    flash block kernel of ring attention, with and without dropout);
-# 3. benchmarks GPT-2 124M and 355M in bf16 without recomputation: python scripts/bench_gpu.py
+# 3. benchmarks GPT-2 124M and 355M and the Llama-style 1B in bf16 without recomputation: python scripts/bench_gpu.py
 #    (tokens/s, TFLOP/s, MFU), beside the Hugging Face GPT-2 of each shape trained the plain way
 #    (eager and torch.compile) and megazero's ratio to each; `--profile` adds the kernel-time
-#    breakdown by kind and the host syncs per step.
+#    breakdown by kind and the host syncs per step;
+# 4. Muon's step overhead: GPT-2 355M eager with optim.name muon against AdamW in the same run.
 #
 # Nothing is installed from the internet: torch with CUDA and the repository's dependencies
 # must already be there; megazero itself is used from this checkout (PYTHONPATH), or
@@ -74,7 +75,7 @@ ensure_megazero() {
 export PYTHON
 export -f versions ensure_megazero  # `timeout` runs programs: the functions go through bash -c
 
-# Worst case 10 + 20 + 30 + 140 + 280 s = 8 min. The benchmark with both peers and --profile
+# Worst case 10 + 20 + 30 + 140 + 280 + 90 s = 9.5 min (run it with a 600 s limit). The benchmark with both peers and --profile
 # measured about 4 minutes on an H200 (torch.compile of each Hugging Face model ~45 s; of
 # megazero's blocks, which share one graph, ~15 s); without --profile it is shorter. Its
 # `run s` column shows where the time goes.
@@ -90,6 +91,17 @@ part "gpu tests" 140 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests
 # --megazero eager, --iters 30, ...).
 part "benchmark" 280 "$PYTHON" scripts/bench_gpu.py --train.recompute none --iters 12 --warmup 4 --peer-iters 10 \
     "$@" || true
+
+# Muon against AdamW on 355M (eager, no peers): the two "megazero" rows' tokens/s give the overhead.
+muon_overhead() {
+    for optim in adamw muon; do
+        echo "--- optim.name $optim"
+        "$PYTHON" scripts/bench_gpu.py --models gpt2-355m --megazero eager --peers none --iters 8 --warmup 3 \
+            --train.recompute none --optim.name "$optim" || return 1
+    done
+}
+export -f muon_overhead
+part "muon overhead" 90 bash -c muon_overhead || true
 
 echo
 if [ "${#failed[@]}" -gt 0 ]; then

@@ -77,6 +77,25 @@ def test_fp32_gpu_run_matches_cpu_run(tmp_path, monkeypatch):
     assert len(diffs) == 10 and max(diffs) <= 1e-3, diffs
 
 
+# The Llama family's kernels (rotary, RMSNorm, SwiGLU, SDPA with grouped K/V) and Muon's
+# Newton-Schulz (bf16 on the device in bf16 runs) have their own CUDA paths.
+NEW_PATHS = {"llama": ["--config", "configs/llama-tiny.yaml"],
+             "muon": ["--config", "configs/gpt2-tiny.yaml", "--optim.name", "muon"]}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_PATHS))
+def test_family_and_muon_on_gpu_match_cpu_and_learn_in_bf16(tmp_path, monkeypatch, name):
+    base = NEW_PATHS[name] + ["--data.mock", "true", "--train.log_interval", "1", "--zero.stage", "1"]
+    bf16 = [r["loss"] for r in _train(tmp_path, "bf16", base + ["--train.precision", "bf16", "--train.iters", "20"])]
+    assert all(math.isfinite(x) for x in bf16) and sum(bf16[-5:]) / 5 < sum(bf16[:5]) / 5 - 0.05, bf16
+    fp32 = base + ["--train.iters", "6"]
+    gpu = _train(tmp_path, "gpu", fp32)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    cpu = _train(tmp_path, "cpu", fp32, backend="gloo")
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(gpu, cpu, strict=True)]
+    assert len(diffs) == 6 and max(diffs) <= 1e-3, diffs
+
+
 @pytest.mark.parametrize("stage, offload", [
     (2, ["--zero.offload_optimizer", "cpu"]),  # gradients leave for pinned host memory during backward
     (3, ["--zero.offload_optimizer", "nvme", "--zero.offload_param", "nvme"])])
