@@ -341,14 +341,16 @@ FLAGS: tuple[Flag, ...] = (
     _switch("--mock-data", "data.mock", "true"),
     _key("--data-cache-path", "data.cache_dir"),
     Flag("--tokenizer-type", 1, note="`data.tokenizer`: GPT2BPETokenizer `gpt2bpe:V,M`; SentencePieceTokenizer, "
-                                     "Llama2Tokenizer `sentencepiece:F`; HuggingFaceTokenizer DIR with a "
-                                     "tokenizer.model `sentencepiece:DIR/tokenizer.model`; NullTokenizer none (token "
-                                     "ids below --vocab-size); GPT2BPETokenizer when left out", collect="tokenizer"),
+                                     "Llama2Tokenizer `sentencepiece:F`; HuggingFaceTokenizer with a local "
+                                     "--tokenizer-model DIR: its files decide (tokenizer.json `hf:DIR`, tokenizer.model "
+                                     "`sentencepiece:DIR`); NullTokenizer none (token ids below --vocab-size); "
+                                     "GPT2BPETokenizer when left out", collect="tokenizer"),
     Flag("--dataloader-type", 1, note="single, cyclic: megazero reads the dataset's (already shuffled) samples in "
          "order, as single; named in the warning line", choices={"single": "", "cyclic": ""}),
     Flag("--vocab-file", 1, note="`data.tokenizer gpt2bpe:V,M` with --merge-file", collect="tokenizer"),
     Flag("--merge-file", 1, note="`data.tokenizer gpt2bpe:V,M` with --vocab-file", collect="tokenizer"),
-    Flag("--tokenizer-model", 1, note="`data.tokenizer sentencepiece:F`", collect="tokenizer"),
+    Flag("--tokenizer-model", 1, note="`data.tokenizer sentencepiece:F` (HuggingFaceTokenizer: `hf:DIR` or "
+         "`sentencepiece:DIR`)", collect="tokenizer"),
     # checkpoints
     _key("--save", "checkpoint.save"),
     _key("--load", "checkpoint.load", "`checkpoint.load` (also a Megatron save directory: its "
@@ -542,17 +544,8 @@ def _chosen(flag: Flag, value: str) -> str:
 
 def _tokenizer_spec(collected: dict[str, str]) -> str:
     kind = collected.get("--tokenizer-type", "GPT2BPETokenizer")
-    model = collected.get("--tokenizer-model")
     if kind == "NullTokenizer":
         return ""
-    if kind == "HuggingFaceTokenizer":  # a directory (Megatron also takes a hub name: no network here)
-        if not model or not os.path.isfile(os.path.join(model, "tokenizer.model")):
-            raise ConfigError(f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {model}: megazero reads a "
-                              f"local directory's SentencePiece tokenizer.model (a tokenizer.json alone is not read "
-                              f"yet); pass such a directory, or --tokenizer-type SentencePieceTokenizer FILE")
-        return f"sentencepiece:{os.path.join(model, 'tokenizer.model')}"
-    if kind == "Llama2Tokenizer":
-        kind = "SentencePieceTokenizer"
     try:
         return spec_from_megatron_args(kind, collected.get("--vocab-file"), collected.get("--merge-file"),
                                        collected.get("--tokenizer-model"))

@@ -379,8 +379,8 @@ def test_llama_example_lines_map(tmp_path, capsys):
     ("--load /tmp/x --no-load-rng", "--no-load-optim / --no-load-rng: megazero resumes a checkpoint whole"),
     ("--load /nonexistent --exit-on-missing-checkpoint", "--exit-on-missing-checkpoint: --load /nonexistent holds "
                                                           "no checkpoint"),
-    ("--tokenizer-type HuggingFaceTokenizer --tokenizer-model /nonexistent", "megazero reads a local directory's "
-                                                                             "SentencePiece tokenizer.model"),
+    ("--tokenizer-type HuggingFaceTokenizer --tokenizer-model /nonexistent", "megazero reads a local directory "
+                                                                             "holding tokenizer.json"),
 ])
 def test_llama_example_flags_refused_in_one_line(args, message):
     with pytest.raises(ConfigError, match=message):
@@ -392,7 +392,30 @@ def test_hugging_face_tokenizer_directory(spm_spec, tmp_path):
     (tmp_path / "tokenizer.model").symlink_to(spm_spec.split(":", 1)[1])
     cfg = load_config(None, None, ["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                                    str(tmp_path)], 0, 1)
-    assert cfg.data.tokenizer == f"sentencepiece:{tmp_path}/tokenizer.model"
+    assert cfg.data.tokenizer == f"sentencepiece:{tmp_path}"
+
+
+def _train_on(prefix: str, tokenizer_dir: str) -> list[tuple[int, float]]:
+    return _train(f"--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+                  f"--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 2 --train-iters 2 "
+                  f"--lr 1e-3 --data-path {prefix} --split 98,2,0 --tokenizer-type HuggingFaceTokenizer "
+                  f"--tokenizer-model {tokenizer_dir}".split())
+
+
+def test_hugging_face_tokenizer_json_directory_preprocesses_and_trains(llama3_tokenizer_dir, tmp_path):
+    """A Llama 3 style directory holding only tokenizer.json: preprocess_data.py and training both
+    take it through Megatron's flags (the dataset's sidecar names the same tokenizer)."""
+    from helpers import make_texts, write_jsonl
+    flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", llama3_tokenizer_dir]
+    cfg = load_config(None, None, ["--mock-data", *flags], 0, 1)
+    assert cfg.data.tokenizer == f"hf:{llama3_tokenizer_dir}"
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_texts(300))
+    done = subprocess.run([sys.executable, str(REPO / "data_tools" / "preprocess_data.py"), "--input", str(corpus),
+                           *flags, "--output-prefix", str(tmp_path / "c"), "--append-eod", "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    losses = run_distributed(_train_on, 1, str(tmp_path / "c_text_document"), llama3_tokenizer_dir)[0]
+    assert [i for i, _ in losses] == [1, 2]
 
 
 def _embedding_moves(decoupled_lr: str) -> dict[str, float]:
