@@ -218,6 +218,13 @@ def _exit_on_missing(cfg: Config, values: list[str]) -> None:
                           f"{', '.join(_POINTERS)}); check the path")
 
 
+def _profile(cfg: Config, values: list[str]) -> None:
+    """Megatron's --profile alone brackets the steps for Nsight Systems; --use-pytorch-profiler
+    (logging.profiler torch, set as the line is read) traces them with torch.profiler instead."""
+    if cfg.logging.profiler == "none":
+        _set(cfg, "logging.profiler", "nsys")
+
+
 def _fsdp2(cfg: Config, values: list[str]) -> None:
     """PyTorch FSDP2 shards parameters, gradients and optimizer states: ZeRO stage 3."""
     if cfg.zero.stage == 0:
@@ -380,6 +387,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--wandb-project", 1, (("logging.wandb", "true"), ("logging.wandb_project", None))),
     _key("--distributed-timeout-minutes", "train.timeout_minutes"),
     _key("--exit-duration-in-mins", "train.exit_duration_minutes"),
+    Flag("--profile", 0, note="`logging.profiler nsys` (a CUDA profiler range for Nsight Systems), or `torch` "
+         "with --use-pytorch-profiler", after=_profile),
+    Flag("--use-pytorch-profiler", 0, (("logging.profiler", "torch"),), "`logging.profiler torch`: a torch.profiler "
+         "trace per profiling rank beside the TensorBoard logs", needs="--profile"),
+    _key("--profile-step-start", "logging.profile_start"),
+    _key("--profile-step-end", "logging.profile_end"),
+    Flag("--profile-ranks", LIST, (("logging.profile_ranks", None),), "`logging.profile_ranks R ...` (rank 0 when left out)"),
     # kernel and implementation choices megazero makes itself, and what it always does
     _ignored("--attention-backend", 1), _ignored("--transformer-impl", 1), _ignored("--use-mcore-models"),
     _ignored("--use-flash-attn"), _ignored("--no-masked-softmax-fusion"), _ignored("--no-bias-gelu-fusion"),
@@ -403,8 +417,6 @@ FLAGS: tuple[Flag, ...] = (
     _ignored("--no-create-attention-mask-in-dataloader"), _ignored("--no-mmap-bin-files"),
     _ignored("--tiktoken-pattern", 1), _ignored("--use-contiguous-parameters-in-local-ddp"),
     _ignored("--wandb-exp-name", 1), _ignored("--wandb-save-dir", 1),
-    _ignored("--profile"), _ignored("--use-pytorch-profiler"), _ignored("--profile-step-start", 1),
-    _ignored("--profile-step-end", 1), _ignored("--profile-ranks", LIST),
     # FP8 needs Transformer Engine's FP8 GEMMs; megazero trains in fp32, bf16 or fp16
     *(_refused(name, nargs, _NO_FP8) for name, nargs in (
         ("--fp8-format", 1), ("--fp8-recipe", 1), ("--fp8-margin", 1), ("--fp8-interval", 1),

@@ -311,6 +311,19 @@ class LoggingConfig:
     the run directory as config.yaml."""
     tensorboard: str | None = None
     """TensorBoard log directory: Megatron-LM's scalars under its tag names (`pip install tensorboard`)."""
+    profiler: Literal["none", "torch", "nsys"] = "none"
+    """Profile the training steps that begin with logging.profile_start to profile_end - 1 steps done
+    (the iterations logged as profile_start + 1 to profile_end), as Megatron-LM's --profile. torch: a
+    torch.profiler trace (CPU ops, and CUDA kernels on a GPU) on each rank of logging.profile_ranks,
+    written as rank{R}.iterations_{A}-{B}.pt.trace.json beside the TensorBoard logs (logging.tensorboard,
+    else the run directory: checkpoint.save or the JSONL's), for Perfetto, chrome://tracing or
+    TensorBoard's profiler plugin; nsys: a CUDA profiler range for `nsys profile --capture-range=cudaProfilerApi`."""
+    profile_start: int = 10
+    """The first profiled step (the steps already done when it begins)."""
+    profile_end: int = 12
+    """The step at which profiling stops (not profiled)."""
+    profile_ranks: list = field(default_factory=lambda: [0])
+    """The global ranks that profile."""
 
 
 @dataclass

@@ -46,6 +46,7 @@ from megazero.train.metrics import (
     peak_memory_gib,
 )
 from megazero.train.parallelize import compile_notes, parallelize
+from megazero.train.profiler import StepProfiler
 from megazero.train.signals import StepSignals
 from megazero.train.summary import plan_check, run_prediction, startup_summary
 
@@ -80,6 +81,7 @@ class Trainer:
         self.stop = StopRequest(t.exit_duration_minutes)
         self.checkpoints = CheckpointManager(cfg, grid, self, self.is_logger)
         self.signals = StepSignals()  # the world's sums from the last step: read alike by every rank
+        self.profiler = StepProfiler(cfg, grid.rank, grid.device)
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load, cfg.checkpoint.iteration)
 
@@ -280,6 +282,7 @@ class Trainer:
         try:
             return self._train_loop()
         finally:  # the sinks are flushed and closed however the loop ends (a stop request, an error)
+            self.profiler.close()
             self.metrics.close()
 
     def _train_loop(self) -> list[dict]:
@@ -287,7 +290,8 @@ class Trainer:
         records, step_seconds, steps, tokens = [], 0.0, 0, 0  # throughput counts training steps only
         while self.iteration < t.iters:
             tic = time.perf_counter()
-            out = self.train_step()
+            with self.profiler.step(self.iteration):
+                out = self.train_step()
             step_seconds, steps = step_seconds + time.perf_counter() - tic, steps + 1
             tokens += out["batch_size"] * self.cfg.model.seq_length  # smaller during a batch-size ramp-up
             if self.iteration % t.log_interval == 0 or self.iteration == t.iters or self.eval_due():

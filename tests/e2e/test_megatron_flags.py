@@ -113,6 +113,10 @@ def test_bad_flags_are_one_line(args, message):
     ("--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3",
      r"--num-layers-per-virtual-pipeline-stage \(3\) must divide the layers per pipeline stage \(num_layers / pp = "
      r"8 / 2\); pick a divisor of 4"),
+    ("--profile --profile-step-start 6 --profile-step-end 6 --save /tmp/x",
+     r"logging.profile_start \(6\) and logging.profile_end \(6\) must satisfy 0 <= start < end"),
+    ("--profile --use-pytorch-profiler", "logging.profiler torch writes its trace beside the run's logs: set "
+                                         "logging.tensorboard"),
 ])
 def test_flags_checked_against_the_built_config(args, message):
     with pytest.raises(ConfigError, match=message):
@@ -360,11 +364,13 @@ def test_llama_example_lines_map(tmp_path, capsys):
         "bf16", 1, True, 235.0)
     assert cfg.data.tokenizer is None and cfg.data.mock
     warning = capsys.readouterr().err.strip().splitlines()[-1]
-    assert warning.startswith("warning: Megatron-LM flags accepted with no effect here") and "--profile" in warning
+    assert warning.startswith("warning: Megatron-LM flags accepted with no effect here") and "--profile" not in warning
+    assert (cfg.logging.profiler, cfg.logging.profile_start, cfg.logging.profile_end) == ("nsys", 4, 6)
     cfg = load_config(None, None, shrunk_llama2_line(str(tmp_path / "tb")), 0, 4)
     m, t = cfg.model, cfg.train
     assert (m.normalization, m.num_query_groups, m.ffn_hidden_size, t.recompute, cfg.zero.stage) == (
         "rmsnorm", 2, 160, "full", 1)
+    assert (cfg.logging.profiler, cfg.logging.profile_ranks) == ("torch", [0])  # --use-pytorch-profiler
     assert "--dataloader-type cyclic" in capsys.readouterr().err
 
 
