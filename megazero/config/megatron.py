@@ -187,22 +187,6 @@ def _train_samples(cfg: Config, values: list[str]) -> None:
     _set(cfg, "train.iters", iters + max(0, n - consumed) // t.global_batch_size)
 
 
-def _no_save(cfg: Config, values: list[str]) -> None:
-    """megazero's checkpoints always hold the optimizer and RNG states (a resume is bitwise)."""
-    if cfg.checkpoint.save:
-        raise ConfigError("--no-save-optim / --no-save-rng: megazero's checkpoints always hold the optimizer and RNG "
-                          "states so that a resume is bitwise; drop the flag (for weights alone, export one with "
-                          "`python -m megazero.convert --to hf` or --checkpoint.save_model_16bit true)")
-
-
-def _no_load(cfg: Config, values: list[str]) -> None:
-    """A resume reads a checkpoint whole; starting from weights alone goes through Hugging Face's format."""
-    if cfg.checkpoint.load:
-        raise ConfigError("--no-load-optim / --no-load-rng: megazero resumes a checkpoint whole (weights, optimizer, "
-                          "RNG, LR schedule); to start afresh from its weights, export them (python -m "
-                          "megazero.convert --to hf) and pass --checkpoint.init_from_hf DIR instead of --load")
-
-
 _POINTERS = ("latest", "latest_checkpointed_iteration.txt", "universal.json")
 """The files that make checkpoint.load a checkpoint to resume (megazero's, Megatron's, a universal one)."""
 
@@ -367,14 +351,14 @@ FLAGS: tuple[Flag, ...] = (
     _key("--ckpt-step", "checkpoint.iteration"),
     Flag("--ckpt-format", 1, note="torch, torch_dist: megazero's sharded format either way (resharded on load to any "
          "layout, like torch_dist); others refused", choices={"torch": "", "torch_dist": ""}),
-    Flag("--no-save-optim", 0, note="refused with --save: checkpoints always hold the optimizer state (bitwise resume)",
-         after=_no_save),
-    Flag("--no-save-rng", 0, note="refused with --save: checkpoints always hold the RNG states (bitwise resume)",
-         after=_no_save),
-    Flag("--no-load-optim", 0, note="refused with --load: a resume is whole; start from weights with "
-         "`checkpoint.init_from_hf`", after=_no_load),
-    Flag("--no-load-rng", 0, note="refused with --load: a resume is whole; start from weights with "
-         "`checkpoint.init_from_hf`", after=_no_load),
+    Flag("--no-save-optim", 0, (("checkpoint.save_optimizer", "false"),), "`checkpoint.save_optimizer false`: "
+         "checkpoints of the weights alone (fine-tuned from, not resumed bitwise; said at each save)"),
+    Flag("--no-save-rng", 0, (("checkpoint.save_rng", "false"),), "`checkpoint.save_rng false`: checkpoints "
+         "without the RNG streams (said at each save)"),
+    Flag("--no-load-optim", 0, (("checkpoint.load_optimizer", "false"),), "`checkpoint.load_optimizer false`: "
+         "the checkpoint's weights, loop position and LR schedule with a fresh optimizer state"),
+    Flag("--no-load-rng", 0, (("checkpoint.load_rng", "false"),), "`checkpoint.load_rng false`: RNG streams "
+         "reseeded from the seed and the iteration"),
     Flag("--exit-on-missing-checkpoint", 0, note="a `--load` directory without a checkpoint is an error (checked)",
          after=_exit_on_missing),
     Flag("--use-checkpoint-args", 0, note="what megazero always checks: the model keys must equal the checkpoint's "

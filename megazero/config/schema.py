@@ -273,6 +273,20 @@ class CheckpointConfig:
     while training goes on; the checkpoint is sealed and `latest` advanced at the first
     iteration after every rank finished. The next save, a signal's save and the end of the run
     wait for it."""
+    save_optimizer: bool = True
+    """Checkpoints hold the optimizer state (Adam's moments). false (Megatron's --no-save-optim): about
+    a third of the size, the weights alone; such a checkpoint can be fine-tuned from (loaded with
+    checkpoint.load_optimizer false), not resumed bitwise."""
+    save_rng: bool = True
+    """Checkpoints hold every rank's RNG streams (dropout). false (Megatron's --no-save-rng): loaded with
+    checkpoint.load_rng false, the streams are reseeded from train.seed and the iteration."""
+    load_optimizer: bool = True
+    """Load the checkpoint's optimizer state. false (Megatron's --no-load-optim): its weights, loop position
+    and LR schedule, with Adam's moments, step count and loss scale started afresh (needed for a
+    checkpoint saved with checkpoint.save_optimizer false)."""
+    load_rng: bool = True
+    """Load the checkpoint's RNG streams. false (Megatron's --no-load-rng): reseed them from train.seed and
+    the iteration (needed for a checkpoint saved with checkpoint.save_rng false)."""
     init_from_hf: Optional[str] = None
     """Start from a Hugging Face GPT-2 directory (config.json + model.safetensors or
     pytorch_model.bin) at any layout; each rank reads only its slices. The model section must

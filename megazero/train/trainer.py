@@ -17,7 +17,7 @@ import torch
 
 from megazero.atomic import write_text
 from megazero.checkpoint.manager import CheckpointManager
-from megazero.checkpoint.resume import RESUME, resume_state, starting_point
+from megazero.checkpoint.resume import RESUME, resume_line, resume_state, starting_point
 from megazero.checkpoint.tensors import encode_rng
 from megazero.config.parse import describe
 from megazero.config.schema import Config
@@ -150,8 +150,7 @@ class Trainer:
             seed_everything(self.cfg.train.seed + self.iteration, self.grid.pp_rank, self.grid.tp_rank,
                             self.grid.device, self.tracker, self.grid.cp_rank)
         if self.grid.rank == 0:
-            how = "" if "rng" in state else " (resharded to this layout)"
-            print(f"resumed from {ckpt} at iteration {self.iteration}{how}", flush=True)
+            print(resume_line(ckpt, self.iteration, self.cfg, "rng" in state), flush=True)
             if schedule_change:
                 print(schedule_change, flush=True)
 

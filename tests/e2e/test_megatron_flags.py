@@ -380,9 +380,6 @@ def test_llama_example_lines_map(tmp_path, capsys):
     ("--optimizer sgd", r"--optimizer sgd: megazero's ZeRO optimizer steps with adam only"),
     ("--ckpt-format zarr", "--ckpt-format zarr: megazero builds torch, torch_dist"),
     ("--dataloader-type external", "--dataloader-type external: megazero builds single, cyclic"),
-    ("--save /tmp/x --no-save-optim", "--no-save-optim / --no-save-rng: megazero's checkpoints always hold the "
-                                      "optimizer and RNG states"),
-    ("--load /tmp/x --no-load-rng", "--no-load-optim / --no-load-rng: megazero resumes a checkpoint whole"),
     ("--load /nonexistent --exit-on-missing-checkpoint", "--exit-on-missing-checkpoint: --load /nonexistent holds "
                                                           "no checkpoint"),
     ("--tokenizer-type HuggingFaceTokenizer --tokenizer-model /nonexistent", "megazero reads a local directory "
