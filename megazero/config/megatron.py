@@ -336,8 +336,9 @@ FLAGS: tuple[Flag, ...] = (
                                      "--tokenizer-model DIR: its files decide (tokenizer.json `hf:DIR`, tokenizer.model "
                                      "`sentencepiece:DIR`); NullTokenizer none (token ids below --vocab-size); "
                                      "GPT2BPETokenizer when left out", collect="tokenizer"),
-    Flag("--dataloader-type", 1, note="single, cyclic: megazero reads the dataset's (already shuffled) samples in "
-         "order, as single; named in the warning line", choices={"single": "", "cyclic": ""}),
+    Flag("--dataloader-type", 1, note="single, cyclic: megazero's datasets reshuffle every epoch whatever the flag "
+         "(each epoch's documents in a new seeded order, its samples permuted within it), what cyclic adds to "
+         "single; named in the warning line", choices={"single": "", "cyclic": ""}),
     Flag("--vocab-file", 1, note="`data.tokenizer gpt2bpe:V,M` with --merge-file", collect="tokenizer"),
     Flag("--merge-file", 1, note="`data.tokenizer gpt2bpe:V,M` with --vocab-file", collect="tokenizer"),
     Flag("--tokenizer-model", 1, note="`data.tokenizer sentencepiece:F` (HuggingFaceTokenizer: `hf:DIR` or "
