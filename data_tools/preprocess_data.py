@@ -10,7 +10,8 @@ text file (one document per file), a folder or glob of them, local parquet/arrow
 Hugging Face save_to_disk folder or hub name; without --input the embedded default corpus
 (text shipped with Python) is used. Megatron-LM's tokenizer flags work too:
 --tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M, or
---tokenizer-type SentencePieceTokenizer --tokenizer-model FILE.
+--tokenizer-type SentencePieceTokenizer --tokenizer-model FILE, or
+--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (a directory with tokenizer.json).
 
 Fine-tuning examples: JSONL records with a prompt and a completion,
 
@@ -90,10 +91,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--completion-key", help="fine-tuning examples: the key of the completion (counts in the loss) [completion]")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer", help="spec: gpt2bpe:DIR, gpt2bpe:VOCAB,MERGES or sentencepiece:FILE.model")
-    g.add_argument("--tokenizer-type", help="Megatron name (GPT2BPETokenizer, SentencePieceTokenizer) or gpt2bpe/sentencepiece")
+    g.add_argument("--tokenizer-type", help="Megatron name (GPT2BPETokenizer, SentencePieceTokenizer, HuggingFaceTokenizer) or gpt2bpe/sentencepiece/hf")
     g.add_argument("--vocab-file", help="GPT-2 vocab.json")
     g.add_argument("--merge-file", help="GPT-2 merges.txt")
-    g.add_argument("--tokenizer-model", help="SentencePiece .model file")
+    g.add_argument("--tokenizer-model", help="SentencePiece .model file; HuggingFaceTokenizer: a local directory with tokenizer.json")
     g.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document token")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.{bin,idx}")

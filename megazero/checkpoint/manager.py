@@ -20,7 +20,7 @@ from megazero.checkpoint.adapter import save_adapter
 from megazero.checkpoint.background import BackgroundSave, WriteVotes, start_save
 from megazero.checkpoint.base import CheckpointSaveError
 from megazero.checkpoint.gathered import save_model_16bit
-from megazero.checkpoint.save import save_sharded
+from megazero.checkpoint.save import save_sharded, weights_only_note, without_left_out
 from megazero.config import Config
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostSnapshot
@@ -94,10 +94,10 @@ class CheckpointManager:
                 self.finish(last=True)
             return
         if self.is_logger:
-            print(f"saved checkpoint {path}", flush=True)
+            print(f"saved checkpoint {path}{weights_only_note(self.cfg)}", flush=True)
 
     def _rank_state(self) -> dict:
-        return self.source.rank_state(self.snapshot)
+        return without_left_out(self.source.rank_state(self.snapshot), self.cfg)
 
     def _extra(self, directory: str) -> list[str]:
         """The gathered files beside the rank files: the 16-bit model, LoRA adapters."""
@@ -120,8 +120,8 @@ class CheckpointManager:
             self._failed(e, last)
             return
         if self.is_logger:
-            print(f"saved checkpoint {path} (written in the background since iteration {pending.iteration})",
-                  flush=True)
+            print(f"saved checkpoint {path} (written in the background since iteration {pending.iteration})"
+                  f"{weights_only_note(self.cfg)}", flush=True)
 
     def _failed(self, e: CheckpointSaveError, last: bool) -> None:
         """Every rank gets the same error: all stop, or (on_save_error continue) all go on."""

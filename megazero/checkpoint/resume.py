@@ -58,43 +58,69 @@ def resume_state(load: str, iteration: int, cfg: Config, grid: ProcessGrid,
             meta = read_metadata(ckpt)
             check_model(meta, cfg, ckpt)
             check_optimizer(meta, cfg, ckpt)
+            check_contents(meta, cfg, ckpt)
             if meta["layout"] == layout_of(cfg, grid):
-                return ckpt, fresh_optimizer(_own_files(ckpt, meta, grid), cfg)
+                return ckpt, _own_files(ckpt, meta, grid)
         reader = open_checkpoint(ckpt, stated=cfg).training  # a DeepSpeed one may hold the run's model
         assert reader is not None  # a megazero or DeepSpeed checkpoint: it has the optimizer state
         check_model(reader.meta, cfg, ckpt)
-        check_optimizer(reader.meta, cfg, ckpt)
-        return ckpt, fresh_optimizer({**reader.trainer_state(),
-                                      "optimizer": reshard_optimizer_state(reader, template(), grid.tp_rank, grid.tp)},
-                                     cfg)
+        kinds = KINDS if cfg.checkpoint.load_optimizer else ("master",)
+        return ckpt, {**reader.trainer_state(), "rng": None,
+                      "optimizer": reshard_optimizer_state(reader, template(), grid.tp_rank, grid.tp, kinds)}
 
     def error(rank: int, report: tuple[str, str | None]) -> CheckpointError:
         message, bad = report  # the search for the last good checkpoint hashes older ones: rank 0 alone runs it
         if bad:
             message += comm.broadcast_object(last_good_hint(bad) if grid.rank == 0 else None, 0, grid["world"])
         return CheckpointError(message)
-    return comm.agreed(read, grid["world"], (CheckpointError, ValueError), error,
-                       lambda e: (e.args[0], e.bad_checkpoint) if isinstance(e, CheckpointError) else (str(e), None))
+    ckpt, state = comm.agreed(read, grid["world"], (CheckpointError, ValueError), error,
+                              lambda e: (e.args[0], e.bad_checkpoint) if isinstance(e, CheckpointError) else
+                              (str(e), None))
+    if not cfg.checkpoint.load_optimizer:  # the weights alone: moments, step count and loss scale of a fresh optimizer
+        state["optimizer"] = {**template(), "master": state["optimizer"]["master"]}
+    if not cfg.checkpoint.load_rng or state.get("rng") is None:  # the trainer reseeds from (seed, iteration)
+        state.pop("rng", None)
+    return ckpt, state
+
+
+def resume_line(ckpt: str, iteration: int, cfg: Config, rng_loaded: bool) -> str:
+    """The one line saying what a resume took from the checkpoint."""
+    c = cfg.checkpoint
+    if c.load_optimizer:
+        line = f"resumed from {ckpt} at iteration {iteration}"
+    else:
+        line = (f"loaded the weights, loop position and LR schedule of {ckpt} at iteration {iteration} with a fresh "
+                f"optimizer state (checkpoint.load_optimizer false: Adam's moments, step count and loss scale start "
+                f"afresh)")
+    if not rng_loaded:
+        line += (", RNG streams reseeded from train.seed (checkpoint.load_rng false)" if not c.load_rng else
+                 " (resharded to this layout)")
+    return line
+
+
+_LEFT_OUT = {"optimizer": ("optimizer state", "--no-save-optim", "--no-load-optim"),
+             "rng": ("RNG state", "--no-save-rng", "--no-load-rng")}
+
+
+def check_contents(meta: dict, cfg: Config, ckpt: str) -> None:
+    """A checkpoint saved without optimizer or RNG state (checkpoint.save_optimizer / save_rng
+    false) cannot be resumed as a whole: its loading must leave out the same."""
+    for name in meta.get("without", []):
+        if getattr(cfg.checkpoint, f"load_{name}"):
+            what, saved_by, load_flag = _LEFT_OUT[name]
+            raise CheckpointError(f"checkpoint '{ckpt}' holds no {what} (saved with checkpoint.save_{name} false, "
+                                  f"Megatron's {saved_by}): it can be fine-tuned from, not resumed; load its weights "
+                                  f"with --checkpoint.load_{name} false ({load_flag})")
 
 
 def check_optimizer(meta: dict, cfg: Config, ckpt: str) -> None:
     """Refuse optimizer state of another optim.name (AdamW's moments are no Muon buffer), unless
-    checkpoint.no_load_optim starts it fresh."""
+    checkpoint.load_optimizer false starts it fresh."""
     saved = meta.get("config", {}).get("optim", {}).get("name", "adamw")  # before Muon: AdamW's
-    if saved != cfg.optim.name and not cfg.checkpoint.no_load_optim:
+    if saved != cfg.optim.name and cfg.checkpoint.load_optimizer:
         raise CheckpointError(f"checkpoint '{ckpt}' holds {saved} optimizer state but optim.name is "
-                              f"{cfg.optim.name}; set checkpoint.no_load_optim true to start the "
+                              f"{cfg.optim.name}; set --checkpoint.load_optimizer false to start the "
                               f"{cfg.optim.name} state fresh (or optim.name {saved})")
-
-
-def fresh_optimizer(state: dict, cfg: Config) -> dict:
-    """checkpoint.no_load_optim: the state with its moments (Muon's buffer) zero and its step
-    count 0; the master weights, loop position and schedule still resume."""
-    if cfg.checkpoint.no_load_optim:
-        for kind in KINDS[1:]:
-            state["optimizer"][kind] = torch.zeros_like(state["optimizer"][kind])
-        state["optimizer"]["step"] = 0
-    return state
 
 
 def _own_files(ckpt: str, meta: dict, grid: ProcessGrid) -> dict:
@@ -103,7 +129,7 @@ def _own_files(ckpt: str, meta: dict, grid: ProcessGrid) -> dict:
     if state["optimizer"] is None:  # ZeRO-0: DP rank 0 holds the replicated optimizer state
         c = grid.coords()
         state["optimizer"] = load_rank_state(ckpt, meta, grid, rank=grid.rank_of(c.tp, 0, c.pp))["optimizer"]
-    return {**state, "rng": decode_rng(state["rng"])}
+    return {**state, "rng": decode_rng(state["rng"]) if state["rng"] is not None else None}
 
 
 class FullTensorReader(Protocol):  # sharded.ShardedReader, universal.UniversalReader
@@ -112,7 +138,8 @@ class FullTensorReader(Protocol):  # sharded.ShardedReader, universal.UniversalR
     def trainer_state(self) -> dict: ...
 
 
-def reshard_optimizer_state(reader: FullTensorReader, template: dict, tp_rank: int, tp_size: int) -> dict:
+def reshard_optimizer_state(reader: FullTensorReader, template: dict, tp_rank: int, tp_size: int,
+                            kinds: tuple[str, ...] = KINDS) -> dict:
     """This rank's optimizer state_dict in its new layout (`template` is the fresh optimizer's
     own state_dict: it supplies the partition map and the keys). The flat shards are built
     in host memory, whatever the run's device: the optimizer's load_state_dict copies each
@@ -121,12 +148,12 @@ def reshard_optimizer_state(reader: FullTensorReader, template: dict, tp_rank: i
     dp_rank = template["dp_rank"]
     # Frozen parameters (LoRA's base) sit after the trainable prefix and have master values only.
     flats = {k: torch.zeros(partition["shard_numel" if k == "master" else "trainable_numel"], dtype=torch.float32)
-             for k in KINDS}
+             for k in kinds}
     for name, entry in partition["params"].items():
         mine = [p for p in entry["shards"] if p["rank"] == dp_rank]
         if not mine:
             continue
-        for kind in KINDS if entry["trainable"] else ("master",):
+        for kind in kinds if entry["trainable"] else ("master",):
             full = fit_vocab(name, reader.full(name, kind), tuple(entry["full_shape"]))
             local = Placement.from_record(entry).shard(full, tp_rank, tp_size).reshape(-1)
             for p in mine:

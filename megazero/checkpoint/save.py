@@ -92,8 +92,37 @@ class Save:
     def seal(self) -> str:
         meta = {"format_version": FORMAT_VERSION, "iteration": self.iteration,
                 "layout": layout_of(self.cfg, self.grid), "config": self.cfg.to_dict(), "files": self.files}
+        if left_out(self.cfg):  # a weights-only checkpoint says so (full ones keep their metadata as it was)
+            meta["without"] = left_out(self.cfg)
         self.step(lambda: _seal(self.save_dir, self.final, meta, self.keep_last) if self.grid.rank == 0 else None)
         return self.final
+
+
+def left_out(cfg: Config) -> list[str]:
+    """What checkpoint.save_optimizer / save_rng false leave out of a checkpoint: "optimizer", "rng"."""
+    c = cfg.checkpoint
+    return [name for name, kept in (("optimizer", c.save_optimizer), ("rng", c.save_rng)) if not kept]
+
+
+def without_left_out(state: dict, cfg: Config) -> dict:
+    """A rank's state without what the config leaves out: the optimizer keeps its master weights
+    (the model's values), partition map and counters, not Adam's moments."""
+    out = left_out(cfg)
+    if "optimizer" in out and state["optimizer"] is not None:
+        state = {**state, "optimizer": {**state["optimizer"], "exp_avg": None, "exp_avg_sq": None}}
+    if "rng" in out:
+        state = {**state, "rng": None}
+    return state
+
+
+def weights_only_note(cfg: Config) -> str:
+    """The save line's note on a checkpoint without optimizer or RNG state ('' for a full one)."""
+    out = left_out(cfg)
+    if not out:
+        return ""
+    options = " and ".join(f"--checkpoint.load_{'optimizer' if n == 'optimizer' else 'rng'} false" for n in out)
+    return (f" (without {' and '.join('optimizer state' if n == 'optimizer' else 'RNG state' for n in out)}: it can "
+            f"be fine-tuned from, loaded with {options}, but not resumed bitwise)")
 
 
 def write_rank_file(path: str, rank_state: dict) -> dict:

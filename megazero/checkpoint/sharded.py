@@ -183,6 +183,9 @@ class ShardedReader:
         flat = torch.empty(entry["numel"], dtype=torch.float32)
         for piece in entry["shards"]:  # at ZeRO-0 one piece, on DP rank 0 (the state is replicated)
             values = self.optimizer_state(tp, pp, piece["rank"])[kind]
+            if values is None:  # checkpoint.save_optimizer false kept the master weights alone
+                raise CheckpointError(f"checkpoint '{self.ckpt}' holds no {kind} (saved with "
+                                      f"checkpoint.save_optimizer false): its weights alone can be read")
             flat[piece["param_offset"]: piece["param_offset"] + piece["length"]] = \
                 values[piece["offset"]: piece["offset"] + piece["length"]]
             del values  # unmaps the file

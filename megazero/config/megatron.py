@@ -189,22 +189,6 @@ def _train_samples(cfg: Config, values: list[str]) -> None:
     _set(cfg, "train.iters", iters + max(0, n - consumed) // t.global_batch_size)
 
 
-def _no_save(cfg: Config, values: list[str]) -> None:
-    """megazero's checkpoints always hold the optimizer and RNG states (a resume is bitwise)."""
-    if cfg.checkpoint.save:
-        raise ConfigError("--no-save-optim / --no-save-rng: megazero's checkpoints always hold the optimizer and RNG "
-                          "states so that a resume is bitwise; drop the flag (for weights alone, export one with "
-                          "`python -m megazero.convert --to hf` or --checkpoint.save_model_16bit true)")
-
-
-def _no_load(cfg: Config, values: list[str]) -> None:
-    """A resume reads a checkpoint whole; starting from weights alone goes through Hugging Face's format."""
-    if cfg.checkpoint.load:
-        raise ConfigError("--no-load-optim / --no-load-rng: megazero resumes a checkpoint whole (weights, optimizer, "
-                          "RNG, LR schedule); to start afresh from its weights, export them (python -m "
-                          "megazero.convert --to hf) and pass --checkpoint.init_from_hf DIR instead of --load")
-
-
 _POINTERS = ("latest", "latest_checkpointed_iteration.txt", "universal.json")
 """The files that make checkpoint.load a checkpoint to resume (megazero's, Megatron's, a universal one)."""
 
@@ -218,6 +202,13 @@ def _exit_on_missing(cfg: Config, values: list[str]) -> None:
     if not c.iteration and not any(os.path.isfile(os.path.join(c.load, n)) for n in _POINTERS):
         raise ConfigError(f"--exit-on-missing-checkpoint: --load {c.load} holds no checkpoint (none of "
                           f"{', '.join(_POINTERS)}); check the path")
+
+
+def _profile(cfg: Config, values: list[str]) -> None:
+    """Megatron's --profile alone brackets the steps for Nsight Systems; --use-pytorch-profiler
+    (logging.profiler torch, set as the line is read) traces them with torch.profiler instead."""
+    if cfg.logging.profiler == "none":
+        _set(cfg, "logging.profiler", "nsys")
 
 
 def _fsdp2(cfg: Config, values: list[str]) -> None:
@@ -343,14 +334,17 @@ FLAGS: tuple[Flag, ...] = (
     _switch("--mock-data", "data.mock", "true"),
     _key("--data-cache-path", "data.cache_dir"),
     Flag("--tokenizer-type", 1, note="`data.tokenizer`: GPT2BPETokenizer `gpt2bpe:V,M`; SentencePieceTokenizer, "
-                                     "Llama2Tokenizer `sentencepiece:F`; HuggingFaceTokenizer DIR with a "
-                                     "tokenizer.model `sentencepiece:DIR/tokenizer.model`; NullTokenizer none (token "
-                                     "ids below --vocab-size); GPT2BPETokenizer when left out", collect="tokenizer"),
-    Flag("--dataloader-type", 1, note="single, cyclic: megazero reads the dataset's (already shuffled) samples in "
-         "order, as single; named in the warning line", choices={"single": "", "cyclic": ""}),
+                                     "Llama2Tokenizer `sentencepiece:F`; HuggingFaceTokenizer with a local "
+                                     "--tokenizer-model DIR: its files decide (tokenizer.json `hf:DIR`, tokenizer.model "
+                                     "`sentencepiece:DIR`); NullTokenizer none (token ids below --vocab-size); "
+                                     "GPT2BPETokenizer when left out", collect="tokenizer"),
+    Flag("--dataloader-type", 1, note="single, cyclic: megazero's datasets reshuffle every epoch whatever the flag "
+         "(each epoch's documents in a new seeded order, its samples permuted within it), what cyclic adds to "
+         "single; named in the warning line", choices={"single": "", "cyclic": ""}),
     Flag("--vocab-file", 1, note="`data.tokenizer gpt2bpe:V,M` with --merge-file", collect="tokenizer"),
     Flag("--merge-file", 1, note="`data.tokenizer gpt2bpe:V,M` with --vocab-file", collect="tokenizer"),
-    Flag("--tokenizer-model", 1, note="`data.tokenizer sentencepiece:F`", collect="tokenizer"),
+    Flag("--tokenizer-model", 1, note="`data.tokenizer sentencepiece:F` (HuggingFaceTokenizer: `hf:DIR` or "
+         "`sentencepiece:DIR`)", collect="tokenizer"),
     # checkpoints
     _key("--save", "checkpoint.save"),
     _key("--load", "checkpoint.load", "`checkpoint.load` (also a Megatron save directory: its "
@@ -360,14 +354,14 @@ FLAGS: tuple[Flag, ...] = (
     _key("--ckpt-step", "checkpoint.iteration"),
     Flag("--ckpt-format", 1, note="torch, torch_dist: megazero's sharded format either way (resharded on load to any "
          "layout, like torch_dist); others refused", choices={"torch": "", "torch_dist": ""}),
-    Flag("--no-save-optim", 0, note="refused with --save: checkpoints always hold the optimizer state (bitwise resume)",
-         after=_no_save),
-    Flag("--no-save-rng", 0, note="refused with --save: checkpoints always hold the RNG states (bitwise resume)",
-         after=_no_save),
-    Flag("--no-load-optim", 0, note="refused with --load: a resume is whole; start from weights with "
-         "`checkpoint.init_from_hf`", after=_no_load),
-    Flag("--no-load-rng", 0, note="refused with --load: a resume is whole; start from weights with "
-         "`checkpoint.init_from_hf`", after=_no_load),
+    Flag("--no-save-optim", 0, (("checkpoint.save_optimizer", "false"),), "`checkpoint.save_optimizer false`: "
+         "checkpoints of the weights alone (fine-tuned from, not resumed bitwise; said at each save)"),
+    Flag("--no-save-rng", 0, (("checkpoint.save_rng", "false"),), "`checkpoint.save_rng false`: checkpoints "
+         "without the RNG streams (said at each save)"),
+    Flag("--no-load-optim", 0, (("checkpoint.load_optimizer", "false"),), "`checkpoint.load_optimizer false`: "
+         "the checkpoint's weights, loop position and LR schedule with a fresh optimizer state"),
+    Flag("--no-load-rng", 0, (("checkpoint.load_rng", "false"),), "`checkpoint.load_rng false`: RNG streams "
+         "reseeded from the seed and the iteration"),
     Flag("--exit-on-missing-checkpoint", 0, note="a `--load` directory without a checkpoint is an error (checked)",
          after=_exit_on_missing),
     Flag("--use-checkpoint-args", 0, note="what megazero always checks: the model keys must equal the checkpoint's "
@@ -380,6 +374,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--wandb-project", 1, (("logging.wandb", "true"), ("logging.wandb_project", None))),
     _key("--distributed-timeout-minutes", "train.timeout_minutes"),
     _key("--exit-duration-in-mins", "train.exit_duration_minutes"),
+    Flag("--profile", 0, note="`logging.profiler nsys` (a CUDA profiler range for Nsight Systems), or `torch` "
+         "with --use-pytorch-profiler", after=_profile),
+    Flag("--use-pytorch-profiler", 0, (("logging.profiler", "torch"),), "`logging.profiler torch`: a torch.profiler "
+         "trace per profiling rank beside the TensorBoard logs", needs="--profile"),
+    _key("--profile-step-start", "logging.profile_start"),
+    _key("--profile-step-end", "logging.profile_end"),
+    Flag("--profile-ranks", LIST, (("logging.profile_ranks", None),), "`logging.profile_ranks R ...` (rank 0 when left out)"),
     # kernel and implementation choices megazero makes itself, and what it always does
     _ignored("--attention-backend", 1), _ignored("--transformer-impl", 1), _ignored("--use-mcore-models"),
     _ignored("--use-flash-attn"), _ignored("--no-masked-softmax-fusion"), _ignored("--no-bias-gelu-fusion"),
@@ -403,8 +404,6 @@ FLAGS: tuple[Flag, ...] = (
     _ignored("--no-create-attention-mask-in-dataloader"), _ignored("--no-mmap-bin-files"),
     _ignored("--tiktoken-pattern", 1), _ignored("--use-contiguous-parameters-in-local-ddp"),
     _ignored("--wandb-exp-name", 1), _ignored("--wandb-save-dir", 1),
-    _ignored("--profile"), _ignored("--use-pytorch-profiler"), _ignored("--profile-step-start", 1),
-    _ignored("--profile-step-end", 1), _ignored("--profile-ranks", LIST),
     # FP8 needs Transformer Engine's FP8 GEMMs; megazero trains in fp32, bf16 or fp16
     *(_refused(name, nargs, _NO_FP8) for name, nargs in (
         ("--fp8-format", 1), ("--fp8-recipe", 1), ("--fp8-margin", 1), ("--fp8-interval", 1),
@@ -544,17 +543,8 @@ def _chosen(flag: Flag, value: str) -> str:
 
 def _tokenizer_spec(collected: dict[str, str]) -> str:
     kind = collected.get("--tokenizer-type", "GPT2BPETokenizer")
-    model = collected.get("--tokenizer-model")
     if kind == "NullTokenizer":
         return ""
-    if kind == "HuggingFaceTokenizer":  # a directory (Megatron also takes a hub name: no network here)
-        if not model or not os.path.isfile(os.path.join(model, "tokenizer.model")):
-            raise ConfigError(f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {model}: megazero reads a "
-                              f"local directory's SentencePiece tokenizer.model (a tokenizer.json alone is not read "
-                              f"yet); pass such a directory, or --tokenizer-type SentencePieceTokenizer FILE")
-        return f"sentencepiece:{os.path.join(model, 'tokenizer.model')}"
-    if kind == "Llama2Tokenizer":
-        kind = "SentencePieceTokenizer"
     try:
         return spec_from_megatron_args(kind, collected.get("--vocab-file"), collected.get("--merge-file"),
                                        collected.get("--tokenizer-model"))

@@ -80,6 +80,7 @@ def validate(cfg: Config, world_size: int) -> int:
     _validate_muon(o)
     _validate_zero(cfg)
     _validate_finetune(cfg.finetune)
+    _validate_profiler(cfg)
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
     _refuse(model_family_problem(m), tp_problem(m.num_heads, m.ffn_size, p.tp, m.query_groups),
@@ -164,6 +165,20 @@ def _validate_zero(cfg: Config) -> None:
     if changed and precision != "fp16":
         raise ConfigError(f"zero.{changed[0]} configures the fp16 loss scaler, but train.precision is {precision}; "
                           f"drop it or use --train.precision fp16")
+
+
+def _validate_profiler(cfg: Config) -> None:
+    lg = cfg.logging
+    if lg.profiler == "none":
+        return
+    if not 0 <= lg.profile_start < lg.profile_end:
+        raise ConfigError(f"logging.profile_start ({lg.profile_start}) and logging.profile_end ({lg.profile_end}) must "
+                          f"satisfy 0 <= start < end: the steps start to end - 1 are profiled")
+    if not all(isinstance(r, int) and r >= 0 for r in lg.profile_ranks):
+        raise ConfigError(f"logging.profile_ranks ({lg.profile_ranks}) must be global rank numbers, e.g. 0 1")
+    if lg.profiler == "torch" and not (lg.tensorboard or cfg.checkpoint.save or lg.jsonl):
+        raise ConfigError("logging.profiler torch writes its trace beside the run's logs: set logging.tensorboard "
+                          "(--tensorboard-dir), checkpoint.save or logging.jsonl")
 
 
 def _validate_finetune(f: FinetuneConfig) -> None:

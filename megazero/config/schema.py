@@ -294,9 +294,20 @@ class CheckpointConfig:
     while training goes on; the checkpoint is sealed and `latest` advanced at the first
     iteration after every rank finished. The next save, a signal's save and the end of the run
     wait for it."""
-    no_load_optim: bool = False
-    """Resume the model from checkpoint.load but start the optimizer state fresh (Megatron's --no-load-optim):
-    e.g. to switch optim.name; the iteration, data position and LR schedule still resume."""
+    save_optimizer: bool = True
+    """Checkpoints hold the optimizer state (Adam's moments). false (Megatron's --no-save-optim): about
+    a third of the size, the weights alone; such a checkpoint can be fine-tuned from (loaded with
+    checkpoint.load_optimizer false), not resumed bitwise."""
+    save_rng: bool = True
+    """Checkpoints hold every rank's RNG streams (dropout). false (Megatron's --no-save-rng): loaded with
+    checkpoint.load_rng false, the streams are reseeded from train.seed and the iteration."""
+    load_optimizer: bool = True
+    """Load the checkpoint's optimizer state. false (Megatron's --no-load-optim): its weights, loop position
+    and LR schedule, with Adam's moments, step count and loss scale started afresh (needed for a
+    checkpoint saved with checkpoint.save_optimizer false)."""
+    load_rng: bool = True
+    """Load the checkpoint's RNG streams. false (Megatron's --no-load-rng): reseed them from train.seed and
+    the iteration (needed for a checkpoint saved with checkpoint.save_rng false)."""
     init_from_hf: Optional[str] = None
     """Start from a Hugging Face GPT-2 directory (config.json + model.safetensors or
     pytorch_model.bin) at any layout; each rank reads only its slices. The model section must
@@ -335,6 +346,19 @@ class LoggingConfig:
     the run directory as config.yaml."""
     tensorboard: str | None = None
     """TensorBoard log directory: Megatron-LM's scalars under its tag names (`pip install tensorboard`)."""
+    profiler: Literal["none", "torch", "nsys"] = "none"
+    """Profile the training steps that begin with logging.profile_start to profile_end - 1 steps done
+    (the iterations logged as profile_start + 1 to profile_end), as Megatron-LM's --profile. torch: a
+    torch.profiler trace (CPU ops, and CUDA kernels on a GPU) on each rank of logging.profile_ranks,
+    written as rank{R}.iterations_{A}-{B}.pt.trace.json beside the TensorBoard logs (logging.tensorboard,
+    else the run directory: checkpoint.save or the JSONL's), for Perfetto, chrome://tracing or
+    TensorBoard's profiler plugin; nsys: a CUDA profiler range for `nsys profile --capture-range=cudaProfilerApi`."""
+    profile_start: int = 10
+    """The first profiled step (the steps already done when it begins)."""
+    profile_end: int = 12
+    """The step at which profiling stops (not profiled)."""
+    profile_ranks: list = field(default_factory=lambda: [0])
+    """The global ranks that profile."""
 
 
 @dataclass

@@ -41,6 +41,8 @@ MEGATRON_TYPES = {
     "GPT2BPETokenizer": "gpt2bpe",
     "SentencePieceTokenizer": "sentencepiece",
     "GPTSentencePieceTokenizer": "sentencepiece",
+    "Llama2Tokenizer": "sentencepiece",
+    "HuggingFaceTokenizer": "hf",
 }
 SPM_MODEL_NAME = "tokenizer.model"
 HF_TOKENIZER_NAME = "tokenizer.json"
@@ -279,8 +281,27 @@ def spec_from_megatron_args(
         if not tokenizer_model:
             raise DataError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
         return f"sentencepiece:{tokenizer_model}"
+    if kind == "hf":
+        return _hf_model_spec(tokenizer_type, tokenizer_model)
     names = ", ".join([*MEGATRON_TYPES, *KINDS])
     raise DataError(f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {names}")
+
+
+def _hf_model_spec(tokenizer_type: str, model: str | None) -> str:
+    """HuggingFaceTokenizer's --tokenizer-model: a local directory (its files decide, as for a bare
+    DIR spec) or a tokenizer.json; Megatron also takes a hub name, which needs the network."""
+    if not model:
+        raise DataError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model DIR (a directory with tokenizer.json)")
+    if os.path.isdir(model):
+        spec = spec_of_directory(model)
+        if spec is None:
+            raise DataError(f"--tokenizer-model {model}: the directory holds no tokenizer files (tokenizer.json, "
+                            f"tokenizer.model or vocab.json + merges.txt)")
+        return spec
+    if os.path.isfile(model) and model.endswith(".json"):
+        return f"hf:{model}"
+    raise DataError(f"--tokenizer-type {tokenizer_type} --tokenizer-model {model}: megazero reads a local directory "
+                    f"holding tokenizer.json (or the file itself), not a hub name; download the tokenizer first")
 
 
 def train_gpt2bpe(texts: Iterable[str], vocab_size: int, output_dir: str | os.PathLike) -> str:

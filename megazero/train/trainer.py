@@ -17,7 +17,7 @@ import torch
 
 from megazero.atomic import write_text
 from megazero.checkpoint.manager import CheckpointManager
-from megazero.checkpoint.resume import RESUME, resume_state, starting_point
+from megazero.checkpoint.resume import RESUME, resume_line, resume_state, starting_point
 from megazero.checkpoint.tensors import encode_rng
 from megazero.config.parse import describe
 from megazero.config.schema import Config
@@ -46,6 +46,7 @@ from megazero.train.metrics import (
     peak_memory_gib,
 )
 from megazero.train.parallelize import compile_notes, parallelize
+from megazero.train.profiler import StepProfiler
 from megazero.train.signals import StepSignals
 from megazero.train.summary import plan_check, run_prediction, startup_summary
 
@@ -80,6 +81,7 @@ class Trainer:
         self.stop = StopRequest(t.exit_duration_minutes)
         self.checkpoints = CheckpointManager(cfg, grid, self, self.is_logger)
         self.signals = StepSignals()  # the world's sums from the last step: read alike by every rank
+        self.profiler = StepProfiler(cfg, grid.rank, grid.device)
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load, cfg.checkpoint.iteration)
 
@@ -148,8 +150,7 @@ class Trainer:
             seed_everything(self.cfg.train.seed + self.iteration, self.grid.pp_rank, self.grid.tp_rank,
                             self.grid.device, self.tracker, self.grid.cp_rank)
         if self.grid.rank == 0:
-            how = "" if "rng" in state else " (resharded to this layout)"
-            print(f"resumed from {ckpt} at iteration {self.iteration}{how}", flush=True)
+            print(resume_line(ckpt, self.iteration, self.cfg, "rng" in state), flush=True)
             if schedule_change:
                 print(schedule_change, flush=True)
 
@@ -287,6 +288,7 @@ class Trainer:
         try:
             return self._train_loop()
         finally:  # the sinks are flushed and closed however the loop ends (a stop request, an error)
+            self.profiler.close()
             self.metrics.close()
 
     def _train_loop(self) -> list[dict]:
@@ -294,7 +296,8 @@ class Trainer:
         records, step_seconds, steps, tokens = [], 0.0, 0, 0  # throughput counts training steps only
         while self.iteration < t.iters:
             tic = time.perf_counter()
-            out = self.train_step()
+            with self.profiler.step(self.iteration):
+                out = self.train_step()
             step_seconds, steps = step_seconds + time.perf_counter() - tic, steps + 1
             tokens += out["batch_size"] * self.cfg.model.seq_length  # smaller during a batch-size ramp-up
             if self.iteration % t.log_interval == 0 or self.iteration == t.iters or self.eval_due():

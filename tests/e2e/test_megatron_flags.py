@@ -113,6 +113,10 @@ def test_bad_flags_are_one_line(args, message):
     ("--num-layers 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3",
      r"--num-layers-per-virtual-pipeline-stage \(3\) must divide the layers per pipeline stage \(num_layers / pp = "
      r"8 / 2\); pick a divisor of 4"),
+    ("--profile --profile-step-start 6 --profile-step-end 6 --save /tmp/x",
+     r"logging.profile_start \(6\) and logging.profile_end \(6\) must satisfy 0 <= start < end"),
+    ("--profile --use-pytorch-profiler", "logging.profiler torch writes its trace beside the run's logs: set "
+                                         "logging.tensorboard"),
 ])
 def test_flags_checked_against_the_built_config(args, message):
     with pytest.raises(ConfigError, match=message):
@@ -360,11 +364,13 @@ def test_llama_example_lines_map(tmp_path, capsys):
         "bf16", 1, True, 235.0)
     assert cfg.data.tokenizer is None and cfg.data.mock
     warning = capsys.readouterr().err.strip().splitlines()[-1]
-    assert warning.startswith("warning: Megatron-LM flags accepted with no effect here") and "--profile" in warning
+    assert warning.startswith("warning: Megatron-LM flags accepted with no effect here") and "--profile" not in warning
+    assert (cfg.logging.profiler, cfg.logging.profile_start, cfg.logging.profile_end) == ("nsys", 4, 6)
     cfg = load_config(None, None, shrunk_llama2_line(str(tmp_path / "tb")), 0, 4)
     m, t = cfg.model, cfg.train
     assert (m.normalization, m.num_query_groups, m.ffn_hidden_size, t.recompute, cfg.zero.stage) == (
         "rmsnorm", 2, 160, "full", 1)
+    assert (cfg.logging.profiler, cfg.logging.profile_ranks) == ("torch", [0])  # --use-pytorch-profiler
     assert "--dataloader-type cyclic" in capsys.readouterr().err
 
 
@@ -374,13 +380,10 @@ def test_llama_example_lines_map(tmp_path, capsys):
     ("--optimizer sgd", r"--optimizer sgd: megazero's ZeRO optimizer steps with adam only"),
     ("--ckpt-format zarr", "--ckpt-format zarr: megazero builds torch, torch_dist"),
     ("--dataloader-type external", "--dataloader-type external: megazero builds single, cyclic"),
-    ("--save /tmp/x --no-save-optim", "--no-save-optim / --no-save-rng: megazero's checkpoints always hold the "
-                                      "optimizer and RNG states"),
-    ("--load /tmp/x --no-load-rng", "--no-load-optim / --no-load-rng: megazero resumes a checkpoint whole"),
     ("--load /nonexistent --exit-on-missing-checkpoint", "--exit-on-missing-checkpoint: --load /nonexistent holds "
                                                           "no checkpoint"),
-    ("--tokenizer-type HuggingFaceTokenizer --tokenizer-model /nonexistent", "megazero reads a local directory's "
-                                                                             "SentencePiece tokenizer.model"),
+    ("--tokenizer-type HuggingFaceTokenizer --tokenizer-model /nonexistent", "megazero reads a local directory "
+                                                                             "holding tokenizer.json"),
 ])
 def test_llama_example_flags_refused_in_one_line(args, message):
     with pytest.raises(ConfigError, match=message):
@@ -392,7 +395,30 @@ def test_hugging_face_tokenizer_directory(spm_spec, tmp_path):
     (tmp_path / "tokenizer.model").symlink_to(spm_spec.split(":", 1)[1])
     cfg = load_config(None, None, ["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                                    str(tmp_path)], 0, 1)
-    assert cfg.data.tokenizer == f"sentencepiece:{tmp_path}/tokenizer.model"
+    assert cfg.data.tokenizer == f"sentencepiece:{tmp_path}"
+
+
+def _train_on(prefix: str, tokenizer_dir: str) -> list[tuple[int, float]]:
+    return _train(f"--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+                  f"--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 2 --train-iters 2 "
+                  f"--lr 1e-3 --data-path {prefix} --split 98,2,0 --tokenizer-type HuggingFaceTokenizer "
+                  f"--tokenizer-model {tokenizer_dir}".split())
+
+
+def test_hugging_face_tokenizer_json_directory_preprocesses_and_trains(llama3_tokenizer_dir, tmp_path):
+    """A Llama 3 style directory holding only tokenizer.json: preprocess_data.py and training both
+    take it through Megatron's flags (the dataset's sidecar names the same tokenizer)."""
+    from helpers import make_texts, write_jsonl
+    flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", llama3_tokenizer_dir]
+    cfg = load_config(None, None, ["--mock-data", *flags], 0, 1)
+    assert cfg.data.tokenizer == f"hf:{llama3_tokenizer_dir}"
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_texts(300))
+    done = subprocess.run([sys.executable, str(REPO / "data_tools" / "preprocess_data.py"), "--input", str(corpus),
+                           *flags, "--output-prefix", str(tmp_path / "c"), "--append-eod", "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    losses = run_distributed(_train_on, 1, str(tmp_path / "c_text_document"), llama3_tokenizer_dir)[0]
+    assert [i for i, _ in losses] == [1, 2]
 
 
 def _embedding_moves(decoupled_lr: str) -> dict[str, float]:

@@ -208,3 +208,21 @@ def test_check_compatibility(tmp_path: Path, bpe_spec: str, spm_spec: str) -> No
     (tmp_path / "b.meta.json").unlink()
     check_compatibility([bpe_data], spm_spec, 10_000)
     assert IndexedDataset(bpe_data).num_documents == 20
+
+
+def test_every_epoch_in_a_new_order(tmp_path: Path) -> None:
+    """What Megatron's --dataloader-type cyclic adds (a reshuffle per epoch) megazero's samples
+    always have: each epoch's documents in their own seeded order, its samples permuted within
+    the epoch. Two epochs cover the same documents, in different orders."""
+    docs = unique_token_dataset(tmp_path / "d", 60)
+    doc_of = np.concatenate([np.full(len(d), i) for i, d in enumerate(docs)])
+    train, _, _ = build([tmp_path / "d"], (400, 0, 0), split="1")
+    per_epoch = sum(len(d) for d in docs) // SEQ
+    first_docs = [[int(doc_of[train[i][0]]) for i in range(e * per_epoch, (e + 1) * per_epoch)] for e in (0, 1)]
+    assert first_docs[0] != first_docs[1]
+    nonempty = [i for i, d in enumerate(docs) if len(d)]
+    order = [[d for d in train.doc_order[e * len(docs):(e + 1) * len(docs)] if len(docs[d])] for e in (0, 1)]
+    assert sorted(order[0]) == sorted(order[1]) == nonempty and order[0] != order[1]
+    touched = [set(doc_of[np.stack([train[i][:-1] for i in range(e * per_epoch, (e + 1) * per_epoch)])].ravel())
+               for e in (0, 1)]
+    assert len(touched[0] ^ touched[1]) <= 2  # the same documents, but the under-SEQ tail of an epoch

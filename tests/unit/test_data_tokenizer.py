@@ -89,8 +89,12 @@ def test_megatron_flags_need_their_files() -> None:
         spec_from_megatron_args("GPT2BPETokenizer", None, None, None)
     with pytest.raises(DataError, match="--tokenizer-model"):
         spec_from_megatron_args("SentencePieceTokenizer", None, None, None)
-    with pytest.raises(DataError, match="not supported"):
+    with pytest.raises(DataError, match="HuggingFaceTokenizer needs --tokenizer-model DIR"):
         spec_from_megatron_args("HuggingFaceTokenizer", None, None, None)
+    with pytest.raises(DataError, match="not a hub name"):
+        spec_from_megatron_args("HuggingFaceTokenizer", None, None, "meta-llama/Meta-Llama-3-8B")
+    with pytest.raises(DataError, match="not supported"):
+        spec_from_megatron_args("TikTokenizer", None, None, None)
 
 
 @pytest.mark.parametrize("kind, size", [("gpt2bpe", 300), ("sentencepiece", 300)])
