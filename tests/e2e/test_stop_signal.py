@@ -68,3 +68,21 @@ def test_a_stop_signal_to_the_script_saves_and_exits_0(tmp_path, bpe_spec, sig):
     assert "saved and stopped cleanly at iteration" in out, out[-2000:]
     assert (save / "latest").exists()
     assert "== done" not in out  # stopped, not finished
+
+
+def test_sigterm_to_plain_torchruns_workers_saves_and_torchrun_exits_0(tmp_path):
+    """What the README says of plain torchrun: the signal sent to its workers (`pkill -TERM -P
+    <torchrun's pid>`), not to torchrun, stops them cleanly, and torchrun exits 0."""
+    jsonl, save = tmp_path / "m.jsonl", tmp_path / "ck"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "megazero.train", "--config", "configs/gpt2-tiny.yaml", "--data.mock", "true",
+           "--train.iters", "100000", "--checkpoint.save", str(save), "--logging.jsonl", str(jsonl)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_for_records(proc, jsonl, 2)
+    subprocess.run(["pkill", "-TERM", "-P", str(proc.pid)], check=True)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err
+    assert "SIGTERM: saved and stopped cleanly at iteration" in out
+    assert (save / "latest").exists()
