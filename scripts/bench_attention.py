@@ -75,10 +75,10 @@ def weight_grad_rows(tokens: int = 16384, out: int = 4096, inp: int = 1024) -> l
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16, help="sequences per batch (default: %(default)s)")
+    ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence (default: %(default)s)")
+    ap.add_argument("--heads", type=int, default=16, help="attention heads (default: %(default)s)")
+    ap.add_argument("--head-dim", type=int, default=64, help="channels per head (default: %(default)s)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention: no CUDA device; run it on a GPU machine", file=sys.stderr)

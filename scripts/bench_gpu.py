@@ -359,20 +359,20 @@ def profile_json(profile: Profile, step_s: float) -> dict:
 
 def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--iters", type=int, default=30, help="iterations per model, warm-up included")
-    ap.add_argument("--warmup", type=int, default=5, help="first iterations left out of the timing")
+    ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="model shapes to train (default: %(default)s)")
+    ap.add_argument("--iters", type=int, default=30, help="iterations per model, warm-up included (default: %(default)s)")
+    ap.add_argument("--warmup", type=int, default=5, help="first iterations left out of the timing (default: %(default)s)")
     ap.add_argument("--micro", type=int, default=0, help="micro-batch size for every model (0: per-model default)")
     ap.add_argument("--accum", type=int, default=0, help="micro-batches per iteration (0: per-model default)")
     ap.add_argument("--megazero", choices=list(OURS), default="both",
-                    help="megazero rows: eager, under train.compile (\"megazero compile\"), or both")
+                    help="megazero rows: eager, under train.compile (\"megazero compile\"), or both (default: %(default)s)")
     ap.add_argument("--peers", choices=list(PEERS), default="both",
-                    help="Hugging Face GPT-2 peers trained in the same run: eager, torch.compile, both or none")
-    ap.add_argument("--peer-iters", type=int, default=0, help="iterations per peer, warm-up included (0: --iters)")
+                    help="Hugging Face GPT-2 peers trained in the same run: eager, torch.compile, both or none (default: %(default)s)")
+    ap.add_argument("--peer-iters", type=int, default=0, help="iterations per peer, warm-up included (0: --iters) (default: %(default)s)")
     ap.add_argument("--profile", action="store_true",
                     help="after each run's timed iterations, print its CUDA kernel time by kind and host syncs")
     ap.add_argument("--profile-steps", type=int, default=1, help="iterations recorded by --profile (after one more "
-                    "to let the profiler settle)")
+                    "to let the profiler settle) (default: %(default)s)")
     ap.add_argument("--trace", help="with --profile, also write Chrome traces (MODEL-RUNNER.json) to this folder")
     ap.add_argument("--json", help="also write the rows (and profile summaries) to this JSON file")
     args, overrides = ap.parse_known_args(argv)

@@ -98,9 +98,9 @@ def main() -> None:
         print(json.dumps(build_rank(model, int(dp), int(rank), precision, sharded == "1")))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["774m", "1.5b"])
-    ap.add_argument("--dp", type=int, default=4)
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--models", nargs="+", default=["774m", "1.5b"], help="GPT-2 sizes to initialise (default: %(default)s)")
+    ap.add_argument("--dp", type=int, default=4, help="ranks the ZeRO-3 init shards over (default: %(default)s)")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="train.precision of the model (default: %(default)s)")
     ap.add_argument("--skip-materialized", action="store_true", help="only the sharded init")
     args = ap.parse_args()
     per_elem = {"fp32": 16, "bf16": 18}[args.precision]  # bf16 with fp32 gradient accumulation

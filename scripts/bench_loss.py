@@ -59,11 +59,11 @@ def measure(name: str, loss_fn: Callable, logits: torch.Tensor, labels: torch.Te
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--vocab", type=int, default=50257)
-    ap.add_argument("--padded", type=int, default=50304)
-    ap.add_argument("--iters", type=int, default=20)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens per loss call (default: %(default)s)")
+    ap.add_argument("--vocab", type=int, default=50257, help="true vocabulary size (default: %(default)s)")
+    ap.add_argument("--padded", type=int, default=50304, help="vocabulary padded for the matmul (default: %(default)s)")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (default: %(default)s)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_loss.py needs a CUDA device")

@@ -121,14 +121,14 @@ def per_rank(ranks: list[dict], key: str, scale: float, fmt: str) -> str:
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8], help="m = factor x pp")
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zbh1"])
-    parser.add_argument("--iters", type=int, default=2, help="timed iterations per case")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes (default: %(default)s)")
+    parser.add_argument("--factors", type=int, nargs="+", default=[1, 2, 4, 8], help="m = factor x pp (default: %(default)s)")
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zbh1"], help="pipeline schedules to compare (default: %(default)s)")
+    parser.add_argument("--iters", type=int, default=2, help="timed iterations per case (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=8, help="model.num_layers (default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=128, help="model.hidden_size (default: %(default)s)")
+    parser.add_argument("--seq", type=int, default=128, help="model.seq_length (default: %(default)s)")
+    parser.add_argument("--micro-batch", type=int, default=2, help="train.micro_batch_size (default: %(default)s)")
     args = parser.parse_args(argv)
 
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "

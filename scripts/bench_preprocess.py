@@ -75,11 +75,11 @@ def measure(preprocess, corpus: str | None, spec: str, workers: int, out: Path) 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", help="tokenizer spec; default: train an 8192-token GPT-2 BPE on the default corpus")
-    p.add_argument("--generated-mb", type=float, default=32.0, help="size of the generated corpus")
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--repeats", type=int, default=1, help="runs per row; the fastest is reported (shared machines are noisy)")
+    p.add_argument("--generated-mb", type=float, default=32.0, help="size of the generated corpus (default: %(default)s)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="tokenizing processes of each row (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per row; the fastest is reported (shared machines are noisy) (default: %(default)s)")
     p.add_argument("--output-json", help="also write the rows here")
     args = p.parse_args()
     preprocess = load_preprocess()

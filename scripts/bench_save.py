@@ -170,10 +170,10 @@ def summarize(runs: dict[str, list[dict]], interval: int, iters: int) -> list[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/gpt2-124m.yaml")
-    parser.add_argument("--interval", type=int, default=4, help="iterations between saves")
-    parser.add_argument("--saves", type=int, default=2, help="saves inside the measured window")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the three modes")
+    parser.add_argument("--config", default="configs/gpt2-124m.yaml", help="model config of the saved run (default: %(default)s)")
+    parser.add_argument("--interval", type=int, default=4, help="iterations between saves (default: %(default)s)")
+    parser.add_argument("--saves", type=int, default=2, help="saves inside the measured window (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the three modes (default: %(default)s)")
     parser.add_argument("--save-dir", default=None, help="where checkpoints go (default: a temporary directory)")
     args, overrides = parser.parse_known_args()
     if args.interval < 2 or args.saves < 1 or args.rounds < 1:

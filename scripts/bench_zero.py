@@ -169,16 +169,16 @@ def launch(fn, args: argparse.Namespace, *fn_args) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dp", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=4, help="timed iterations (after one warm-up)")
+    ap.add_argument("--dp", type=int, default=2, help="data-parallel ranks (default: %(default)s)")
+    ap.add_argument("--iters", type=int, default=4, help="timed iterations (after one warm-up) (default: %(default)s)")
     add_shape_flags(ap, layers=4, hidden=256, heads=4, seq=128, vocab=8192, micro=4)
-    ap.add_argument("--accum", type=int, default=1, help="micro-batches per iteration (1: theory applies as is)")
-    ap.add_argument("--bucket", type=int, default=1_000_000, help="zero.bucket_size (elements)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the fastest of each run is shown")
-    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per iteration (1: theory applies as is) (default: %(default)s)")
+    ap.add_argument("--bucket", type=int, default=1_000_000, help="zero.bucket_size (elements) (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the fastest of each run is shown (default: %(default)s)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for a run's ranks (default: %(default)s)")
     ap.add_argument("--runs", default="ZeRO-0,ZeRO-1,ZeRO-2,ZeRO-3,Muon-1,DDP,FSDP2",
-                    help="comma-separated runs to measure (DDP is always included: the ratios are against it)")
+                    help="comma-separated runs to measure (DDP is always included: the ratios are against it) (default: %(default)s)")
     args = ap.parse_args()
     n = args.dp
 

@@ -98,7 +98,7 @@ LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --quiet --world
 echo "== fine-tuning: $NPROC processes, tp $TP x pp $PP, ZeRO-$ZERO_STAGE, from $HF_DIR; outputs in $RUN_DIR"
 # megazero.launch is torchrun (same arguments) that exits 2 for a user error (config, data,
 # checkpoint) as megazero does, and ends any other failure in one line instead of a traceback.
-python -m megazero.launch --nproc_per_node "$NPROC" --max-restarts "${RESTARTS:-3}" --rdzv-backend c10d \
+launch python -m megazero.launch --nproc_per_node "$NPROC" --max-restarts "${RESTARTS:-3}" --rdzv-backend c10d \
   --rdzv-endpoint "127.0.0.1:${MASTER_PORT:-29500}" --rdzv-id megazero-finetune -m megazero.train "${train_args[@]}"
 
 latest="$SAVE/$(cat "$SAVE/latest")"

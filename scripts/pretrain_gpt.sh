@@ -83,7 +83,7 @@ LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --quiet --world
 echo "== training: $NPROC processes per node, tp $TP x pp $PP, ZeRO-$ZERO_STAGE; outputs in $RUN_DIR"
 # megazero.launch is torchrun (same arguments) that exits 2 for a user error (config, data,
 # checkpoint) as megazero does, and ends any other failure in one line instead of a traceback.
-python -m megazero.launch --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-restarts "$RESTARTS" \
+launch python -m megazero.launch --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-restarts "$RESTARTS" \
   --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-megazero}" \
   -m megazero.train "${train_args[@]}" --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@"
 

@@ -11,6 +11,7 @@ tests/e2e/test_megatron_flags.py and tests/e2e/test_deepspeed_config.py fail whi
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -50,6 +51,8 @@ def fill(name: str, text: str) -> str:
 
 
 def main() -> None:
+    # No options: a parser so that --help shows this docstring instead of rewriting the docs.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     for name in dict.fromkeys(doc for doc, *_ in BLOCKS):
         path = os.path.join(ROOT, name)
         with open(path) as f:

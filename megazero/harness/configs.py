@@ -31,9 +31,10 @@ def add_shape_flags(parser: argparse.ArgumentParser, layers: int, hidden: int, h
                     micro: int) -> None:
     """A benchmark's --layers --hidden --heads --seq --vocab --micro: the GPT-2 shape it builds
     (model_section) and its micro-batch size, with this benchmark's defaults."""
-    for flag, default in (("layers", layers), ("hidden", hidden), ("heads", heads), ("seq", seq), ("vocab", vocab),
-                          ("micro", micro)):
-        parser.add_argument(f"--{flag}", type=int, default=default)
+    for flag, default, key in (("layers", layers, "model.num_layers"), ("hidden", hidden, "model.hidden_size"),
+                               ("heads", heads, "model.num_heads"), ("seq", seq, "model.seq_length"),
+                               ("vocab", vocab, "model.vocab_size"), ("micro", micro, "train.micro_batch_size")):
+        parser.add_argument(f"--{flag}", type=int, default=default, help=f"{key} (default: %(default)s)")
 
 
 def model_section(args: argparse.Namespace) -> dict:
