@@ -155,11 +155,15 @@ class StopRequest:
         self.exit_duration_minutes = exit_duration_minutes
         self.deadline = PROCESS_START + exit_duration_minutes * 60 if exit_duration_minutes else None
         self.signalled = self.NONE
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        # Under megazero.launch a Ctrl-C (SIGINT, which torchrun forwards) is a stop request like
+        # SIGTERM; under plain torchrun or alone it keeps Python's KeyboardInterrupt.
+        stops = (signal.SIGTERM, signal.SIGINT) if os.environ.get("MEGAZERO_STOPPED_FILE") else (signal.SIGTERM,)
+        self.stops = stops
+        for sig in (*stops, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:
-        self.signalled = max(self.signalled, self.SIGTERM if signum == signal.SIGTERM else self.SIGUSR1)
+        self.signalled = max(self.signalled, self.SIGTERM if signum in self.stops else self.SIGUSR1)
 
     def code(self) -> int:
         """This rank's reason to stop now (NONE to go on)."""

@@ -17,7 +17,9 @@ from helpers import REPO, TINY_CONFIG, make_texts, write_jsonl
 from megazero.harness.spawn import free_port
 
 
-def test_sigterm_to_the_launcher_saves_and_exits_0(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_stop_signal_to_the_launcher_saves_and_exits_0(tmp_path, sig):
+    """SIGTERM, or Ctrl-C's SIGINT (the workers take it as a stop request under the launcher)."""
     jsonl, save = tmp_path / "m.jsonl", tmp_path / "ck"
     cmd = [sys.executable, "-m", "megazero.launch", "--nproc_per_node=2", f"--master_port={free_port()}",
            "-m", "megazero.train", "--config", "configs/gpt2-tiny.yaml", "--data.mock", "true",
@@ -28,12 +30,12 @@ def test_sigterm_to_the_launcher_saves_and_exits_0(tmp_path):
     while time.monotonic() < deadline and proc.poll() is None and \
             (not jsonl.exists() or len(jsonl.read_text().splitlines()) < 2):
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
-    assert "Traceback" not in err and "SignalException" not in err, err
-    assert "megazero.launch: SIGTERM: the workers saved and stopped\n" in err
-    assert "SIGTERM: saved and stopped cleanly at iteration" in out
+    assert "Traceback" not in err and "SignalException" not in err and "KeyboardInterrupt" not in err, err
+    assert f"megazero.launch: {sig.name}: the workers saved and stopped\n" in err
+    assert "saved and stopped cleanly at iteration" in out
     assert (save / "latest").exists()
 
 
