@@ -133,7 +133,8 @@ def test_crashed_save_keeps_previous_checkpoint(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resumed from" in proc.stdout and [r["iteration"] for r in recs] == [3, 4]
     assert sorted(os.listdir(ckpt)) == ["config.yaml", "iter_0000002", "iter_0000004", "latest",
-                                        "latest_checkpointed_iteration.txt"]  # Megatron-LM's name for latest
+                                        "latest_checkpointed_iteration.txt",  # Megatron-LM's name for latest
+                                        "wandb_run_id"]  # the run's id, which its metrics outputs record
 
 
 def test_corrupt_and_incomplete_checkpoints_are_refused(tmp_path):
@@ -184,4 +185,4 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, saving):
     assert int(latest.split("_")[1]) >= 3
     listing = sorted(os.listdir(ckpt))  # nothing left half-written; async: keep_last 2 applied
     kept = [latest] if saving == "sync" else [f"iter_{int(latest.split('_')[1]) - 1:07d}", latest]
-    assert listing == ["config.yaml", *kept, "latest", "latest_checkpointed_iteration.txt"], listing
+    assert listing == ["config.yaml", *kept, "latest", "latest_checkpointed_iteration.txt", "wandb_run_id"], listing
