@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -86,6 +86,63 @@ SAMPLES = [
 EXAMPLES = [{"prompt": "Question: what is two and two?\nAnswer:", "completion": " Four."},
             {"prompt": "", "completion": "An example without a prompt."},
             {"prompt": "Name a colour.", "completion": " Blue, like the sky over the sea."}]
+
+
+def save_random_gpt2(path: Path, **config: int) -> str:
+    """A random Hugging Face GPT-2 (`config`: GPT2Config's sizes; no dropout) with non-trivial
+    LayerNorms and biases, saved as safetensors under `path` (for checkpoint.init_from_hf)."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape) * 0.1)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+def momentum_checkpoints(args: list[str], root: str, between: Optional[Callable[[str], dict]] = None) -> dict:
+    """In each spawned rank, for an optimizer whose momentum lives in the exp_avg slot (Muon,
+    SGD): `args` with 2 steps, a save to root/save, 2 steps; a resume of the save; `between(root)`'s
+    entries; the refusal of an AdamW resume and an AdamW start from its weights with
+    checkpoint.load_optimizer false. What assert_momentum_checkpoints() checks."""
+    import torch
+
+    from megazero.checkpoint.base import CheckpointError
+    save = args + ["--train.iters", "4", "--checkpoint.save", f"{root}/save"]
+    tr = make_trainer(save)
+    [tr.train_step() for _ in range(2)]
+    tr.save_checkpoint(last=False)
+    buffers = tr.optimizer.state.read("exp_avg").clone()
+    out = {"straight": [tr.train_step()["loss"] for _ in range(2)],
+           "params": tr.optimizer.sharded.full_state_dict(), "momentum_norm": float(buffers.norm())}
+    resumed = make_trainer(save + ["--checkpoint.load", f"{root}/save"])
+    out["buffers_equal"] = torch.equal(resumed.optimizer.state.read("exp_avg"), buffers)
+    out["resumed"] = [resumed.train_step()["loss"] for _ in range(2)]
+    out["resumed_params"] = resumed.optimizer.sharded.full_state_dict()
+    out.update(between(root) if between is not None else {})
+    adamw = [*args, "--train.iters", "4", "--optim.name", "adamw", "--checkpoint.load", f"{root}/save"]
+    try:
+        make_trainer(adamw)
+    except CheckpointError as e:
+        out["refused"] = str(e)
+    out["fresh"] = make_trainer(adamw + ["--checkpoint.load_optimizer", "false"]).train_step()["loss"]
+    return out
+
+
+def assert_momentum_checkpoints(out: dict, name: str, fresh_tol: float) -> None:
+    """momentum_checkpoints(): the buffer saved and resumed bitwise, the AdamW resume refused in one
+    line naming `name`'s state and the option, the AdamW start's first loss the straight run's."""
+    import torch
+    assert out["momentum_norm"] > 0 and out["buffers_equal"]
+    assert out["resumed"] == out["straight"]  # bitwise
+    for key, p in out["params"].items():
+        assert torch.equal(p, out["resumed_params"][key]), key
+    assert out["refused"].count("\n") == 0 and f"holds {name} optimizer state" in out["refused"]
+    assert "checkpoint.load_optimizer false" in out["refused"]
+    assert abs(out["fresh"] - out["straight"][0]) < fresh_tol  # the same weights, a fresh AdamW
 
 
 def make_texts(n: int, seed: int = 0) -> list[str]:

@@ -159,17 +159,6 @@ def _swiglu_width(cfg: Config, values: list[str]) -> None:
         _set(cfg, "model.ffn_hidden_size", int(4 * cfg.model.hidden_size * 2 / 3 / 64) * 64)
 
 
-# Megatron's --optimizer values: the update rule megazero steps with. Muon (issue: optim.name) adds its row here.
-_OPTIMIZERS = {"adam": "AdamW (decoupled weight decay), megazero's optimizer"}
-
-
-def _optimizer(cfg: Config, values: list[str]) -> None:
-    """--optimizer adam is megazero's AdamW (Megatron's adam is AdamW too); SGD is not built."""
-    if values[0] not in _OPTIMIZERS:
-        raise ConfigError(f"--optimizer {values[0]}: megazero's ZeRO optimizer steps with "
-                          f"{', '.join(_OPTIMIZERS)} only; use --optimizer adam")
-
-
 def _train_samples(cfg: Config, values: list[str]) -> None:
     """--train-samples S: train.iters = the steps that consume S samples (batch ramp-up included),
     as Megatron counts them."""
@@ -320,8 +309,9 @@ FLAGS: tuple[Flag, ...] = (
     _key("--lr-warmup-samples", "optim.warmup_samples"),
     _key("--decoupled-lr", "optim.decoupled_lr"),
     _key("--decoupled-min-lr", "optim.decoupled_min_lr"),
-    Flag("--optimizer", 1, note="adam: megazero's AdamW (Megatron's adam is AdamW); sgd refused (not built)",
-         after=_optimizer),
+    # Megatron's adam is AdamW (decoupled weight decay), its sgd torch.optim.SGD, as megazero's.
+    _choice("--optimizer", "optim.name", {"adam": "adamw", "sgd": "sgd", "muon": "muon"}),
+    _key("--sgd-momentum", "optim.sgd_momentum"),
     _switch("--override-opt_param-scheduler", "optim.override_schedule", "true"),
     _key("--weight-decay", "optim.weight_decay"),
     _key("--clip-grad", "optim.clip_grad"),

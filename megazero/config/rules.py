@@ -78,6 +78,7 @@ def validate(cfg: Config, world_size: int) -> int:
         raise ConfigError(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
     _validate_warmup(o)
     _validate_muon(o)
+    _validate_sgd(o)
     _validate_zero(cfg)
     _validate_finetune(cfg.finetune)
     _validate_profiler(cfg)
@@ -106,6 +107,11 @@ def _validate_muon(o: OptimConfig) -> None:
         raise ConfigError(f"optim.muon_momentum ({o.muon_momentum:g}) must be in [0, 1), e.g. 0.95")
     if not 1 <= o.muon_ns_steps < 100:
         raise ConfigError(f"optim.muon_ns_steps ({o.muon_ns_steps}) must be in [1, 99], e.g. 5")
+
+
+def _validate_sgd(o: OptimConfig) -> None:
+    if not 0.0 <= o.sgd_momentum < 1.0:
+        raise ConfigError(f"optim.sgd_momentum ({o.sgd_momentum:g}) must be in [0, 1), e.g. 0.9")
 
 
 def _validate_warmup(o: OptimConfig) -> None:

@@ -193,16 +193,18 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "muon"] = "adamw"
-    """The optimizer: adamw, or muon: Muon (momentum orthogonalised by Newton-Schulz) on each block's
+    name: Literal["adamw", "muon", "sgd"] = "adamw"
+    """The optimizer: adamw; muon: Muon (momentum orthogonalised by Newton-Schulz) on each block's
     weight matrices (attention q, k, v and output, MLP up, gate and down), AdamW (the other optim.* keys)
-    on embeddings, the output layer, norms and biases."""
+    on embeddings, the output layer, norms and biases; sgd: torch.optim.SGD's update on every parameter
+    (momentum optim.sgd_momentum, weight decay as L2 added to the gradient, no Nesterov)."""
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
     """Learning rate at the end of decay."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay (not applied to biases and LayerNorm)."""
+    """AdamW decoupled weight decay (not applied to biases and LayerNorm); under optim.name sgd, SGD's L2
+    term (weight_decay x weight added to the gradient)."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0: off)."""
     warmup_iters: int = 0
@@ -244,6 +246,9 @@ class OptimConfig:
     muon_adjust_lr: Literal["original", "match_rms_adamw"] = "original"
     """optim.name muon: how a matrix's (out, in) shape scales muon_lr, as torch.optim.Muon's adjust_lr_fn:
     original sqrt(max(1, out/in)); match_rms_adamw 0.2 sqrt(max(out, in)) (then AdamW's LR and decay fit)."""
+    sgd_momentum: float = 0.9
+    """optim.name sgd: momentum of SGD's buffer (buffer = momentum x buffer + gradient; the first step's
+    buffer is the gradient), as Megatron's --sgd-momentum."""
     override_schedule: bool = False
     """On resume, use this config's LR schedule (lr, min_lr, warmup_iters, decay_iters, decay_style)
     instead of the checkpoint's (Megatron's --override-opt_param-scheduler)."""

@@ -36,6 +36,7 @@ from megazero.zero.clip import StepSums, clip_coefficient, reduce_step_sums
 from megazero.zero.muon import MuonExchange, is_muon_matrix, momentum_, ns_dtype
 from megazero.zero.partition import Range, sub_groups, with_trainable_flags
 from megazero.zero.precision import DynamicLossScaler
+from megazero.zero.sgd import sgd_
 from megazero.zero.shard import ShardedParameters
 from megazero.zero.state import MemoryOptimizerStore, NvmeOptimizerStore
 
@@ -201,6 +202,11 @@ class ZeroOptimizer:
                 st.exp_avg, st.exp_avg_sq = [st.exp_avg[i] for i in adam], [st.exp_avg_sq[i] for i in adam]
             # The update rule (AdamW: Megatron's --optimizer adam); once per LR the group's ranges take.
             for part_lr, part in _lr_parts(kept, lr, decoupled_lr):
+                if o.name == "sgd":  # torch.optim.SGD's rule, its momentum buffer in Adam's first-moment slot
+                    sgd_([masters[i] for i in part], [grads[i] for i in part], [st.exp_avg[i] for i in part],
+                         [masters[i] for i in part if kept[i].decay], lr=part_lr, weight_decay=o.weight_decay,
+                         momentum=o.sgd_momentum)
+                    continue
                 adamw_([masters[i] for i in part], [grads[i] for i in part], [st.exp_avg[i] for i in part],
                        [st.exp_avg_sq[i] for i in part], [masters[i] for i in part if kept[i].decay],
                        lr=part_lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,

@@ -377,7 +377,7 @@ def test_llama_example_lines_map(tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     ("--fp8-format hybrid", "--fp8-format: megazero has no FP8 training"),
     ("--fp8-param-gather", "--fp8-param-gather: megazero has no FP8 training"),
-    ("--optimizer sgd", r"--optimizer sgd: megazero's ZeRO optimizer steps with adam only"),
+    ("--optimizer lamb", "--optimizer lamb: megazero builds adam, sgd, muon"),
     ("--ckpt-format zarr", "--ckpt-format zarr: megazero builds torch, torch_dist"),
     ("--dataloader-type external", "--dataloader-type external: megazero builds single, cyclic"),
     ("--load /nonexistent --exit-on-missing-checkpoint", "--exit-on-missing-checkpoint: --load /nonexistent holds "

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from helpers import make_config, make_trainer, run_distributed
+from helpers import make_config, make_trainer, run_distributed, save_random_gpt2
 from megazero.checkpoint.sharded import CheckpointError
 from megazero.config import ConfigError
 
@@ -24,15 +24,7 @@ ARGS = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_hea
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A random GPT-2 with non-trivial LayerNorms and biases, saved as safetensors."""
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**HF, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape) * 0.1)
-    path = tmp_path_factory.mktemp("hf")
-    model.save_pretrained(str(path), safe_serialization=True)
-    return str(path)
+    return save_random_gpt2(tmp_path_factory.mktemp("hf"), **HF)
 
 
 def _transformers_loss(hf_dir: str) -> float:

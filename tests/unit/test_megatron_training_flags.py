@@ -1,7 +1,7 @@
 """What the Megatron-LM training flags of the Llama examples change: the zero-centred norm of
 --apply-layernorm-1p, LR schedules in samples (--lr-warmup-samples, --lr-decay-samples,
 --train-samples, also under a batch ramp-up) and the decoupled LR of the embedding and output
-layer (--decoupled-lr, --decoupled-min-lr)."""
+layer (--decoupled-lr, --decoupled-min-lr); --optimizer and --sgd-momentum."""
 
 from __future__ import annotations
 
@@ -88,3 +88,17 @@ def test_decoupled_schedule_follows_the_main_curve():
     assert main.decoupled(cfg.optim).min_lr == 1e-4  # type: ignore[union-attr]
     cfg.optim.decoupled_lr = None
     assert main.decoupled(cfg.optim) is None
+
+
+@pytest.mark.parametrize("flags, name, momentum", [("", "adamw", 0.9), ("--optimizer adam", "adamw", 0.9),
+                                                   ("--optimizer sgd", "sgd", 0.9),
+                                                   ("--optimizer sgd --sgd-momentum 0.8", "sgd", 0.8),
+                                                   ("--optimizer muon", "muon", 0.9)])
+def test_optimizer_flags_pick_the_update_rule(flags, name, momentum):
+    o = load_config(None, None, ["--mock-data", *flags.split()], 0, 1).optim
+    assert (o.name, o.sgd_momentum) == (name, momentum)
+
+
+def test_sgd_momentum_out_of_range_is_one_line():
+    with pytest.raises(ConfigError, match=r"optim.sgd_momentum \(1\) must be in \[0, 1\)"):
+        load_config(None, None, "--mock-data --optimizer sgd --sgd-momentum 1".split(), 0, 1)
