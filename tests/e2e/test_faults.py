@@ -299,11 +299,11 @@ def test_full_disk_during_a_save(tmp_path):
                              "directory (checkpoint.save) and resume with --checkpoint.load")
         assert out["stop_latest"] == "iter_0000002" and out["stop_intact"]
         assert out["stop_listing"] == ["config.yaml", "iter_0000001", "iter_0000002", "latest",
-                                       "latest_checkpointed_iteration.txt"]
+                                       "latest_checkpointed_iteration.txt", "wandb_run_id"]
         assert out["continue_last"].startswith(f"saving iteration 5 to {tmp_path}/continue failed on rank 1")
         assert out["continue_iteration"] == 5 and out["continue_latest"] == "iter_0000002"
         assert out["continue_listing"] == ["config.yaml", "iter_0000002", "iter_0000006", "latest",
-                                           "latest_checkpointed_iteration.txt"]
+                                           "latest_checkpointed_iteration.txt", "wandb_run_id"]
 
 
 def _background_save_failures(root: str) -> dict:
@@ -357,11 +357,12 @@ def test_full_disk_during_a_background_save(tmp_path):
         assert out["stop"] == f"saving iteration 4 to {tmp_path}/stop {failed}; {untouched}", out["stop"]
         assert out["stop_iteration"] == 5  # the first iteration after the failed write
         assert out["stop_latest"] == "iter_0000002" and out["stop_intact"]
-        assert out["stop_listing"] == ["config.yaml", "iter_0000002", "latest", "latest_checkpointed_iteration.txt"]
+        assert out["stop_listing"] == ["config.yaml", "iter_0000002", "latest", "latest_checkpointed_iteration.txt",
+                                         "wandb_run_id"]
         assert out["continue"] == f"saving iteration 5 to {tmp_path}/continue {failed}; {untouched}"
         assert out["continue_iteration"] == 5 and out["continue_latest"] == "iter_0000002" and out["continue_intact"]
         warning = (f"warning: saving iteration 4 to {tmp_path}/continue {failed}; {untouched} "
                    "(checkpoint.on_save_error continue: training on, retrying at the next interval)\n")
         assert out["continue_warned"] == (warning if rank == 0 else "")  # rank 0 logs
         assert out["continue_listing"] == ["config.yaml", "iter_0000002", "iter_0000006", "latest",
-                                           "latest_checkpointed_iteration.txt"]
+                                           "latest_checkpointed_iteration.txt", "wandb_run_id"]
