@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from megazero.atomic import publish
-from megazero.data import DataError
+from megazero.data import DataError, read_json
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -84,13 +84,9 @@ def best_dtype(vocab_size: int) -> np.dtype:
 def read_metadata(prefix: str | os.PathLike) -> dict[str, Any] | None:
     """The sidecar's contents, or None for a dataset without one (e.g. made by Megatron-LM)."""
     path = meta_path(prefix)
-    if not os.path.exists(path):
+    meta = read_json(path, "delete it or re-run preprocessing")
+    if meta is None:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path} is unreadable ({e}); delete it or re-run preprocessing") from None
     if not isinstance(meta, dict):
         raise DataError(f"{path} is not a JSON object; delete it or re-run preprocessing")
     return meta

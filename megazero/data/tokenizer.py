@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from megazero.atomic import atomic_write
-from megazero.data import DataError
+from megazero.data import DataError, read_json
 
 EOD_TOKEN = "<|endoftext|>"
 KINDS = ("gpt2bpe", "sentencepiece", "hf")
@@ -206,13 +206,7 @@ class HFTokenizer:
 
 def _json_entry(path: str, key: str) -> Any:
     """KEY of the JSON object in PATH; None when the file or the key is missing."""
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError) as e:
-        raise DataError(f"cannot read {path} ({e})") from None
+    value = read_json(path, "fix or remove it")
     return value.get(key) if isinstance(value, dict) else None
 
 
