@@ -1,4 +1,4 @@
 """What benchmark scripts (scripts/) and tests share, so that neither edits sys.path to reach
 the other: spawning ranks on this machine and collecting what each returned, free ports and
-torchrun command lines (spawn.py), the one config builder (configs.py), and the CUDA kernel-time
-breakdown of a profiled step (profile.py). Nothing in megazero imports this package."""
+torchrun command lines (spawn.py), and the one config builder (configs.py). Nothing in megazero
+imports this package."""

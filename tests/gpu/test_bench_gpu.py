@@ -1,7 +1,6 @@
-"""scripts/bench_gpu.py and megazero/harness/gpu_profile.py on CPU: the kernel classifier, the per-kind
-aggregation and its printout, the ratio table with peer rows (one failed), the CLI, one step
-of the Hugging Face peer, and gpu_check.sh's choice of interpreter. The GPU paths themselves
-run in scripts/gpu_check.sh."""
+"""scripts/bench_gpu.py on CPU: the kernel classifier, the per-kind aggregation and its printout,
+the ratio table with peer rows (one failed), the CLI, one step of the Hugging Face peer, and
+gpu_check.sh's choice of interpreter. The GPU paths themselves run in scripts/gpu_check.sh."""
 
 from __future__ import annotations
 
@@ -15,23 +14,16 @@ import pytest
 import torch
 
 from helpers import REPO, load_script
-from megazero.harness.gpu_profile import (
-    KINDS,
-    Profile,
-    breakdown,
-    collect,
-    format_profiles,
-    is_host_sync,
-    kernel_kind,
-    short_name,
-    top_kernels,
-)
 
 ROOT = str(REPO)
 bench_gpu = load_script("bench_gpu", "scripts")
 HF_COMPILE, HF_EAGER, MEGAZERO, MEGAZERO_COMPILE = (bench_gpu.HF_COMPILE, bench_gpu.HF_EAGER, bench_gpu.MEGAZERO,
                                                     bench_gpu.MEGAZERO_COMPILE)
 Row, add_ratios, table = bench_gpu.Row, bench_gpu.add_ratios, bench_gpu.table
+KINDS, Profile, breakdown, collect, format_profiles = (bench_gpu.KINDS, bench_gpu.Profile, bench_gpu.breakdown,
+                                                       bench_gpu.collect, bench_gpu.format_profiles)
+is_host_sync, kernel_kind, short_name, top_kernels = (bench_gpu.is_host_sync, bench_gpu.kernel_kind,
+                                                      bench_gpu.short_name, bench_gpu.top_kernels)
 
 NAMES = {
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": "GEMM",
