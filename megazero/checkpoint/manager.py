@@ -89,11 +89,9 @@ class CheckpointManager:
         except CheckpointSaveError as e:
             self._failed(e, last)
             return
-        if c.async_save:
-            if last:  # its failure goes through _failed there
-                self.finish(last=True)
-            return
-        if self.is_logger:
+        if c.async_save and last:  # its failure goes through _failed there
+            self.finish(last=True)
+        elif not c.async_save and self.is_logger:
             print(f"saved checkpoint {path}{weights_only_note(self.cfg)}", flush=True)
 
     def _rank_state(self) -> dict:

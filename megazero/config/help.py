@@ -17,9 +17,8 @@ def field_docs(section: str) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(SECTIONS[section])))
     cls = tree.body[0]
     assert isinstance(cls, ast.ClassDef)
-    body = cls.body
     docs = {}
-    for node, after in zip(body, body[1:]):
+    for node, after in zip(cls.body, cls.body[1:]):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
             docs[node.target.id] = " ".join(after.value.value.split())

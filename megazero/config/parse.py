@@ -206,7 +206,6 @@ def _is_list_key(name: str) -> bool:
     return annotation is list or list in typing.get_args(annotation)
 
 
-
 def describe(cfg: Config) -> str:
     """The resolved config as YAML (printed once, saved with the run)."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,5 +1,5 @@
 """A run's config made ready before any process group exists: auto values resolved, then checked
-without a change by config.py and by the modules that own what a check needs (a Hugging Face
+without a change by rules.py and by the modules that own what a check needs (a Hugging Face
 config.json, LoRA's projections, ZeRO's alignment). Torch-free: --validate-only loads torch only to
 size NVMe swap files."""
 
@@ -55,14 +55,13 @@ def preflight(cfg: Config, world_size: int = 1) -> None:
     c = cfg.checkpoint
     ckpt = resume_dir(c.load, c.iteration) if c.load else None
     saved = saved_config(ckpt) if ckpt else None
-    why = model_mismatch(saved, cfg, ckpt) if saved and ckpt else None
-    if why:
-        raise PreflightError(why)
     z = cfg.zero
-    why = nvme_path_problem(z.nvme_path) if "nvme" in (z.offload_optimizer, z.offload_param) else None
+    nvme = "nvme" in (z.offload_optimizer, z.offload_param)
+    why = (model_mismatch(saved, cfg, ckpt) if saved and ckpt else None) or \
+        (nvme_path_problem(z.nvme_path) if nvme else None)
     if why:
         raise PreflightError(why)
-    if "nvme" in (z.offload_optimizer, z.offload_param) and not cfg.finetune.lora_rank:
+    if nvme and not cfg.finetune.lora_rank:
         check_nvme_space(cfg, world_size)
 
 

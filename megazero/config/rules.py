@@ -74,11 +74,7 @@ def validate(cfg: Config, world_size: int) -> int:
         raise ConfigError(f"train.timeout_minutes ({t.timeout_minutes:g}) must be positive, e.g. 10")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout ({m.dropout}) must be in [0, 1)")
-    if o.min_lr > o.lr:
-        raise ConfigError(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
-    _validate_warmup(o)
-    _validate_muon(o)
-    _validate_sgd(o)
+    _validate_optim(o)
     _validate_zero(cfg)
     _validate_finetune(cfg.finetune)
     _validate_profiler(cfg)
@@ -100,26 +96,22 @@ def validate(cfg: Config, world_size: int) -> int:
     return dp
 
 
-def _validate_muon(o: OptimConfig) -> None:
+def _validate_optim(o: OptimConfig) -> None:
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
+    if not 0.0 <= o.warmup_fraction <= 1.0:
+        raise ConfigError(f"optim.warmup_fraction ({o.warmup_fraction:g}) must be in [0, 1], e.g. 0.01")
+    if o.warmup_fraction and o.warmup_iters:
+        raise ConfigError(f"optim.warmup_iters ({o.warmup_iters}) and optim.warmup_fraction ({o.warmup_fraction:g}) "
+                          f"both set the warm-up (--lr-warmup-iters, --lr-warmup-fraction); keep one, set the other to 0")
     if o.muon_lr < 0:
         raise ConfigError(f"optim.muon_lr ({o.muon_lr:g}) must not be negative, e.g. 0.02")
     if not 0.0 <= o.muon_momentum < 1.0:
         raise ConfigError(f"optim.muon_momentum ({o.muon_momentum:g}) must be in [0, 1), e.g. 0.95")
     if not 1 <= o.muon_ns_steps < 100:
         raise ConfigError(f"optim.muon_ns_steps ({o.muon_ns_steps}) must be in [1, 99], e.g. 5")
-
-
-def _validate_sgd(o: OptimConfig) -> None:
     if not 0.0 <= o.sgd_momentum < 1.0:
         raise ConfigError(f"optim.sgd_momentum ({o.sgd_momentum:g}) must be in [0, 1), e.g. 0.9")
-
-
-def _validate_warmup(o: OptimConfig) -> None:
-    if not 0.0 <= o.warmup_fraction <= 1.0:
-        raise ConfigError(f"optim.warmup_fraction ({o.warmup_fraction:g}) must be in [0, 1], e.g. 0.01")
-    if o.warmup_fraction and o.warmup_iters:
-        raise ConfigError(f"optim.warmup_iters ({o.warmup_iters}) and optim.warmup_fraction ({o.warmup_fraction:g}) "
-                          f"both set the warm-up (--lr-warmup-iters, --lr-warmup-fraction); keep one, set the other to 0")
 
 
 def warmup_length(o: OptimConfig, train_iters: int) -> float:

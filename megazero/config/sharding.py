@@ -62,12 +62,8 @@ class Sharding:
         """Model-state bytes of one rank holding Ψ (padded) parameter elements over N = dp ranks,
         with `element_bytes` per parameter, gradient and optimizer element: each partitioned
         kind is held as Ψ/N (plan/formulas.py gives the per-stage totals)."""
-        pb, gb, ob = element_bytes
-        shard = psi // dp if self.optimizer else psi
-
-        def held(partitioned: bool) -> int:
-            return shard if partitioned else psi
-        params, grads, optim = pb * held(self.parameters), gb * held(self.gradients), ob * held(self.optimizer)
+        params, grads, optim = (size * (psi // dp if partitioned else psi) for size, partitioned in
+                                zip(element_bytes, (self.parameters, self.gradients, self.optimizer)))
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
 

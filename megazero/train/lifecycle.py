@@ -157,9 +157,8 @@ class StopRequest:
         self.signalled = self.NONE
         # Under megazero.launch a Ctrl-C (SIGINT, which torchrun forwards) is a stop request like
         # SIGTERM; under plain torchrun or alone it keeps Python's KeyboardInterrupt.
-        stops = (signal.SIGTERM, signal.SIGINT) if os.environ.get("MEGAZERO_STOPPED_FILE") else (signal.SIGTERM,)
-        self.stops = stops
-        for sig in (*stops, signal.SIGUSR1):
+        self.stops = (signal.SIGTERM, signal.SIGINT) if os.environ.get("MEGAZERO_STOPPED_FILE") else (signal.SIGTERM,)
+        for sig in (*self.stops, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:
