@@ -26,6 +26,7 @@ from typing import AbstractSet, Any, Optional
 from megazero.config.help import show_value
 from megazero.config.parse import check_value, has_key, read_mapping
 from megazero.config.schema import Config, ConfigError
+from megazero.config.suggest import edit_distance
 
 # DeepSpeed key -> megazero key, value unchanged.
 SIMPLE = {
@@ -467,22 +468,9 @@ def misspelt(path: str) -> Optional[str]:
         here = {k[i] for k in known if len(k) > i and k[:i] == parts[:i]}
         if part in here:
             continue
-        near = sorted(c for c in here if _one_edit(part, c))
+        near = sorted(c for c in here if edit_distance(part, c) == 1)
         return ".".join(parts[:i] + near[:1] + parts[i + 1:]) if near else None
     return None
-
-
-def _one_edit(a: str, b: str) -> bool:
-    """Whether a and b differ by exactly one insertion, deletion, substitution or swap of neighbours."""
-    if a == b or abs(len(a) - len(b)) > 1:
-        return False
-    if len(a) == len(b):
-        diff = [i for i in range(len(a)) if a[i] != b[i]]
-        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
-                                  and a[diff[1]] == b[diff[0]])
-    short, long = sorted((a, b), key=len)
-    i = next((i for i in range(len(short)) if short[i] != long[i]), len(short))
-    return short[i:] == long[i + 1:]
 
 
 def _enabled(section: Any) -> bool:

@@ -47,12 +47,7 @@ def _plain(name: str) -> str:
 def closest(name: str, candidates: Iterable[tuple[str, str]]) -> str:
     """The suggestion of the (spelling, suggestion) pair whose spelling is nearest to `name`;
     on a tie the earlier pair (list the preferred kind first)."""
-    best, best_distance = "", None
-    for spelling, suggestion in candidates:
-        distance = edit_distance(_plain(name), _plain(spelling))
-        if best_distance is None or distance < best_distance:
-            best, best_distance = suggestion, distance
-    return best
+    return min(candidates, key=lambda pair: edit_distance(_plain(name), _plain(pair[0])), default=("", ""))[1]
 
 
 def key_candidates(keys: Iterable[str], dashes: bool = True) -> list[tuple[str, str]]:
@@ -60,9 +55,8 @@ def key_candidates(keys: Iterable[str], dashes: bool = True) -> list[tuple[str, 
     aliases and the bare key names (`num_heads`), each suggesting the full name
     (`--model.num_heads`, or without the dashes for a config file's keys)."""
     keys = list(keys)
-    show = (lambda key: f"--{key}") if dashes else (lambda key: key)
     prefix = "--" if dashes else ""
-    full = [(f"{prefix}{key}", show(key)) for key in keys]
-    aliases = [(alias if dashes else alias[2:], show(key)) for alias, key in ALIASES.items() if key in keys]
-    bare = [(f"{prefix}{key.split('.', 1)[1]}", show(key)) for key in keys]
+    full = [(f"{prefix}{key}", f"{prefix}{key}") for key in keys]
+    aliases = [(alias if dashes else alias[2:], f"{prefix}{key}") for alias, key in ALIASES.items() if key in keys]
+    bare = [(f"{prefix}{key.split('.', 1)[1]}", f"{prefix}{key}") for key in keys]
     return full + aliases + bare
