@@ -95,19 +95,14 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
 
 
 def fixed_from(args: argparse.Namespace) -> dict:
-    names = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "vpp": "vpp", "zero_stage": "zero_stage",
-             "micro_batch": "micro_batch", "recompute": "recompute", "cp_impl": "cp_impl"}
-    fixed = {field: getattr(args, attr) for field, attr in names.items() if getattr(args, attr) is not None}
+    fixed = {name: getattr(args, name) for name in ("tp", "cp", "pp", "dp", "vpp", "zero_stage", "micro_batch",
+                                                     "recompute", "cp_impl") if getattr(args, name) is not None}
     if "zero_stage" in fixed:
         sharding(fixed["zero_stage"], "--zero-stage")  # refuses a number that names no stage
     for key in ("tp", "cp", "pp", "dp", "vpp", "micro_batch"):
         if key in fixed and fixed[key] < 1:
             raise PlanError(f"--{key.replace('_', '-')} ({fixed[key]}) must be at least 1")
-    if args.sequence_parallel:
-        fixed["sequence_parallel"] = True
-    if args.offload_optimizer:
-        fixed["offload_optimizer"] = True
-    return fixed
+    return {**fixed, **{switch: True for switch in ("sequence_parallel", "offload_optimizer") if getattr(args, switch)}}
 
 
 # ---------------------------------------------------------------------------- output
