@@ -29,15 +29,21 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="configs/gpt2-cpu-demo.yaml")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/gpt2-cpu-demo.yaml",
+                   help="the model and its AdamW settings (default: %(default)s)")
     p.add_argument("--iters", type=int, default=120,
-                   help="iterations of each run (the config has 300; the schedule spans --iters)")
-    p.add_argument("--muon-lr", type=float, nargs="+", default=[0.02], help="Muon's peak LR(s), one run each")
-    p.add_argument("--muon-adjust-lr", default="original", choices=["original", "match_rms_adamw"])
-    p.add_argument("--eval-interval", type=int, default=10)
-    p.add_argument("--data-prefix", default="data/corpus_text_document")
-    p.add_argument("--tokenizer", default="gpt2bpe:data/tokenizer")
+                   help="iterations of each run (the config has 300; the schedule spans --iters) (default: %(default)s)")
+    p.add_argument("--muon-lr", type=float, nargs="+", default=[0.02],
+                   help="Muon's peak LR(s), one run each (default: %(default)s)")
+    p.add_argument("--muon-adjust-lr", default="original", choices=["original", "match_rms_adamw"],
+                   help="optim.muon_adjust_lr of the Muon runs (default: %(default)s)")
+    p.add_argument("--eval-interval", type=int, default=10,
+                   help="iterations between validation losses (default: %(default)s)")
+    p.add_argument("--data-prefix", default="data/corpus_text_document",
+                   help="the indexed dataset, made as pretrain_gpt.sh makes it when missing (default: %(default)s)")
+    p.add_argument("--tokenizer", default="gpt2bpe:data/tokenizer",
+                   help="its tokenizer spec (default: %(default)s)")
     return p.parse_args(argv)
 
 
