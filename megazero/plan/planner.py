@@ -211,7 +211,11 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
     shards = dp if zs.optimizer else 1
     padded = rp.padded(shards)
     states = zs.model_state_bytes(sum(padded), dp, elem)
-    host = host_shape(cfg, layout, padded, shards, accelerator)
+    # optim.name muon: its matrices keep one fp32 buffer, not Adam's two moments.
+    muon = rp.muon_shard_numel(shards) if cfg.optim.name == "muon" else 0
+    states = {**states, "optimizer": states["optimizer"] - F.MUON_SAVED_BYTES * muon,
+              "total": states["total"] - F.MUON_SAVED_BYTES * muon}
+    host = host_shape(cfg, layout, padded, shards, accelerator, muon)
     off_device = (states["optimizer"] if host.offload_optimizer != "none" else 0) + \
         (states["params"] if host.offload_param != "none" else 0)
     states = {**states, "total": states["total"] - off_device}
@@ -231,16 +235,18 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
                           F.transient_items(buffers, shape, rp.chunks[-1].post), moved)
 
 
-def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: int, accelerator: bool) -> F.HostShape:
+def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: int, accelerator: bool,
+               muon: int = 0) -> F.HostShape:
     """What offloading keeps in host memory for one rank of `layout`: the config's offload
-    modes (the planner's --offload-optimizer alone means cpu), its buffers and sub-groups."""
+    modes (the planner's --offload-optimizer alone means cpu), its buffers and sub-groups;
+    `muon` of the shard's elements are Muon's (no second moment)."""
     z = cfg.zero
     optimizer = (z.offload_optimizer if z.offload_optimizer != "none" else "cpu") if layout.offload_optimizer else "none"
     shard = sum(padded) // shards
     return F.HostShape(shard=shard, trainable=shard, largest_slice=max(padded) // shards, offload_optimizer=optimizer,
                        offload_param=z.offload_param if sharding(layout.zero_stage).parameters else "none", accelerator=accelerator,
                        param_bytes=F.STATE_BYTES[cfg.train.precision][0], sub_group_size=z.sub_group_size,
-                       buffer_count=z.buffer_count, prefetch=z.prefetch,
+                       buffer_count=z.buffer_count, prefetch=z.prefetch, muon=muon,
                        staging=PIECE_BYTES if cfg.checkpoint.save else 0,
                        snapshot=F.NVME_STEP_BYTES * shard if cfg.checkpoint.save and cfg.checkpoint.async_save
                        and optimizer != "nvme" else 0)
