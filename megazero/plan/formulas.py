@@ -19,7 +19,7 @@ grouped K/V, no biases, an untied output layer); each formula says where they ch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from megazero.config.schema import ModelConfig
 from megazero.config.sharding import Sharding, sharding
@@ -27,6 +27,7 @@ from megazero.parallel.comm import all_gather_volume, all_reduce_volume, reduce_
 from megazero.pipeline.schedules import ORDERS, message_target
 from megazero.zero import ALIGN
 from megazero.zero.grads import IN_FLIGHT_BYTES, MIN_IN_FLIGHT
+from megazero.zero.muon import assign_owners, ns_flops
 from megazero.zero.partition import bucket_numel
 
 GiB = 2 ** 30
@@ -162,6 +163,24 @@ def muon_shard_numels(numels: list[int], muon: list[bool], shards: int) -> list[
     slice_numel = bucket_numel(numels, shards) // shards
     return [sum(max(0, min(hi, (k + 1) * slice_numel) - max(lo, k * slice_numel)) for lo, hi in runs)
             for k in range(shards)]
+
+
+def muon_exchange_bytes(shapes: Iterable[tuple[int, int]], group: int, elem_bytes: int) -> int:
+    """Bytes one rank sends per step in Muon's exchange (zero/muon.py) over its stage group
+    (tp x cp x dp ranks): per owner, a reduce of that owner's whole matrices and a broadcast
+    of their orthogonalised updates, each counted at the buffer's size (comm.py's counters),
+    in Newton-Schulz's dtype (`elem_bytes`); nothing on one rank."""
+    return 0 if group == 1 else 2 * elem_bytes * sum(r * c for r, c in shapes)
+
+
+def muon_ns_flops(shapes: Sequence[tuple[int, int]], steps: int, owners: int) -> int:
+    """Newton-Schulz FLOPs per step on the busiest of `owners` ranks, the matrices assigned as
+    the exchange assigns them (balanced by FLOPs, each orthogonalised once)."""
+    costs = [ns_flops(s, steps) for s in shapes]
+    load = [0] * owners
+    for cost, owner in zip(costs, assign_owners(costs, owners)):
+        load[owner] += cost
+    return max(load, default=0)
 
 
 # ---------------------------------------------------------------------------- activations
@@ -603,14 +622,18 @@ def simulated_bubble(pp: int, vpp: int, m: int, schedule: str) -> float:
 
 
 def step_seconds(flops: float, peak_flops: float, efficiency: float, bubble: float, tp_s: float, pp_s: float,
-                 dp_s: float, dp_overlap: float, cp_s: float = 0.0) -> dict[str, float]:
+                 dp_s: float, dp_overlap: float, cp_s: float = 0.0, muon_flops: float = 0.0,
+                 muon_s: float = 0.0) -> dict[str, float]:
     """One iteration of one rank: compute at `efficiency` x peak stretched by the bubble, TP,
     PP and context-parallel transfers on the critical path (a bound: ring attention overlaps
     its transfers with the blocks), DP communication hidden behind backward except
-    (1 - dp_overlap) of it."""
+    (1 - dp_overlap) of it; under optim.name muon, its Newton-Schulz FLOPs and exchange after
+    the backward, exposed."""
     compute = flops / (peak_flops * efficiency)
     parts = {"compute": compute, "bubble": compute * bubble / (1 - bubble), "tp": tp_s, "pp": pp_s,
              "dp": dp_s * (1 - dp_overlap), "cp": cp_s}
+    if muon_flops or muon_s:
+        parts["muon"] = muon_flops / (peak_flops * efficiency) + muon_s
     parts["total"] = sum(parts.values())
     return parts
 

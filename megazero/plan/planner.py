@@ -94,8 +94,11 @@ class RankPrediction:
     """Transient bytes beside states and activations, by item (formulas.transient_items):
     gathered units, gradients in flight, communication buffers, logits."""
     bytes: dict[str, int]
-    """Bytes this rank sends per iteration over its dp (ZeRO's dp x cp), tp, cp, pp and embedding groups."""
+    """Bytes this rank sends per iteration over its dp (ZeRO's dp x cp), tp, cp, pp and embedding
+    groups, and under optim.name muon in Muon's exchange over its stage (tp x cp x dp)."""
     times: Optional[dict[str, float]] = None
+    muon_flops: int = 0
+    """Newton-Schulz FLOPs per step on the busiest rank of this stage (optim.name muon)."""
 
     @property
     def host(self) -> int:
@@ -228,11 +231,16 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
              "pp": F.pp_bytes(pp, vpp, r, m, shape),
              "cp": F.cp_bytes(shape, sum(c.layers for c in rp.chunks), m),
              "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
+    ns = 0
+    if cfg.optim.name == "muon":  # one owner per matrix among the stage's tp x cp x dp ranks
+        stage_ranks = layout.tp * layout.cp * layout.dp
+        moved["muon"] = F.muon_exchange_bytes(rp.muon_shapes, stage_ranks, 4 if cfg.train.precision == "fp32" else 2)
+        ns = F.muon_ns_flops(rp.muon_shapes, cfg.optim.muon_ns_steps, stage_ranks)
     tied_twice = any(c.pre and c.post for c in rp.chunks)
     buffers = F.BufferShape(tuple(padded), rp.tied, tied_twice, zs, dp, cfg.zero.prefetch, elem[0], wire,
                             gloo=not accelerator, shard_on_device=host.offload_param == "none" or (host.offload_param == "cpu" and not accelerator))
     return RankPrediction(r, rp.param_numel, states, F.host_items(host), F.peak_in_flight_bytes(order, sizes),
-                          F.transient_items(buffers, shape, rp.chunks[-1].post), moved)
+                          F.transient_items(buffers, shape, rp.chunks[-1].post), moved, muon_flops=ns)
 
 
 def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: int, accelerator: bool,
@@ -264,12 +272,12 @@ def add_times(out: Prediction, cfg: Config, cluster: Cluster) -> None:
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     flops = F.executed_flops_per_token(cfg.model, lay.recompute) * tokens / cluster.gpus
     spans = {"tp": lay.tp, "cp": lay.tp * lay.cp, "dp": lay.tp * lay.cp * lay.dp,
-             "pp": lay.tp * lay.cp * lay.dp * lay.pp}
+             "pp": lay.tp * lay.cp * lay.dp * lay.pp, "muon": lay.tp * lay.cp * lay.dp}
     for r in out.ranks:
-        secs = {k: (r.bytes[k] + (r.bytes["embed"] if k == "pp" else 0)) / (link_gbps(cluster, spans[k]) * 1e9)
+        secs = {k: (r.bytes.get(k, 0) + (r.bytes["embed"] if k == "pp" else 0)) / (link_gbps(cluster, spans[k]) * 1e9)
                 for k in spans}
         r.times = F.step_seconds(flops, cluster.peak_flops, cluster.efficiency, out.bubble, secs["tp"], secs["pp"],
-                                 secs["dp"], cluster.dp_overlap, secs["cp"])
+                                 secs["dp"], cluster.dp_overlap, secs["cp"], r.muon_flops, secs["muon"])
     times = out.slowest.times
     assert times is not None
     out.step_seconds = times["total"]

@@ -22,7 +22,7 @@ from megazero.parallel.comm import Group
 from megazero.parallel.placement import placement
 from megazero.pipeline.stages import stage_layers
 from megazero.plan.formulas import ChunkShape, muon_shard_numels
-from megazero.zero.muon import is_muon_matrix
+from megazero.zero.muon import is_muon_matrix, split_matrices
 from megazero.zero.partition import bucket_groups, bucket_numel
 from megazero.zero.stage3 import fetch_units
 
@@ -41,6 +41,8 @@ class RankParams:
     """Elements of the TP-replicated parameters (partial gradients under sequence parallelism)."""
     muon: tuple[tuple[bool, ...], ...] = ()
     """Per bucket, whether each parameter is a weight matrix Muon steps under optim.name muon."""
+    muon_shapes: tuple[tuple[int, int], ...] = ()
+    """The (out, in) shapes of the matrices Muon orthogonalises on this pipeline rank, whole over TP."""
 
     def padded(self, shards: int) -> list[int]:
         """Each bucket's padded size when partitioned over `shards` ranks."""
@@ -77,6 +79,8 @@ def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3:
     return RankParams(chunks=tuple(ChunkShape(len(c.layers), c.pre_process, c.post_process) for c in chunks),
                       buckets=tuple(tuple(p.numel() for _, p in named) for _, named in groups),
                       muon=tuple(tuple(is_muon_matrix(n) for n, _ in named) for _, named in groups),
+                      muon_shapes=tuple(m.shape for c in chunks for n, p in c.named_parameters() if is_muon_matrix(n)
+                                        for m in split_matrices(n, placement(p), tuple(p.shape), 0, tp)),
                       tied=tied,
                       param_numel=sum(p.numel() for c in chunks for p in c.parameters()),
                       replicated_numel=sum(p.numel() for c in chunks for p in c.parameters()

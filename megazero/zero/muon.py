@@ -75,8 +75,9 @@ def lr_factor(shape: tuple[int, int], rule: str) -> float:
 
 
 def ns_flops(shape: tuple[int, int], steps: int) -> int:
-    """Multiply-add FLOPs of Newton-Schulz on an (out, in) matrix: per iteration X X^T, the
-    polynomial's gram^2 and its product with X, on the wide orientation (m <= n)."""
+    """FLOPs (2 per multiply-add) of Newton-Schulz on an (out, in) matrix, on the wide
+    orientation X (m x n, m <= n); per iteration X = aX + (bA + cA A) X with A = X X^T:
+    A 2m^2 n, A A 2m^3, its sum with bA times X 2m^2 n (the elementwise terms left out)."""
     m, n = sorted(shape)
     return steps * (4 * m * m * n + 2 * m ** 3)
 
@@ -116,6 +117,43 @@ class Slot:
     pieces: list[tuple[int, Range]]
 
 
+def split_matrices(name: str, where: Placement, shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Matrix]:
+    """The matrices Muon orthogonalises in parameter `name` (TP-local `shape`): one per fused
+    block (q|k|v, gate|up), whole over TP, with where this TP rank holds each."""
+    dim = where.dim if where.dim is not None else 0
+    full = where.full_shape
+    # The full parameter's blocks along `dim` (q|k|v, gate|up: one matrix each) and this
+    # TP rank's part of each, which it stores one after another along `dim`.
+    blocks = where.ranges(0, 1) if where.sharded else [(0, full[dim])]
+    held = where.ranges(tp_rank, tp) if where.sharded else [(0, full[dim])]
+    cols = math.prod(shape) // shape[0]  # elements per row of the TP-local parameter
+    out, local = [], 0
+    for (lo, hi), (hlo, hhi) in zip(blocks, held):
+        mshape = (hi - lo, full[1]) if dim == 0 else (full[0], hi - lo)
+        m = Matrix(name, where, dim, lo, hi, mshape)
+        n = hhi - hlo
+        if dim == 0:  # rows: a contiguous run of the flattened local parameter
+            m.pieces.append((local * cols, (local + n) * cols, hlo - lo, n))
+        else:  # columns: only whole local parameters are contiguous
+            if len(blocks) != 1:
+                raise NotImplementedError(f"{name}: matrices fused along the input dimension")
+            m.pieces.append((0, math.prod(shape), hlo - lo, n))
+        local += n
+        out.append(m)
+    return out
+
+
+def assign_owners(costs: Sequence[int], owners: int) -> list[int]:
+    """Each matrix's owner: largest cost first to the least loaded owner (ties: the lower
+    index), the same on every rank."""
+    load = [0] * owners
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        owner[i] = min(range(owners), key=lambda o: (load[o], o))
+        load[owner[i]] += costs[i]
+    return owner
+
+
 class MuonExchange:
     """Gathers each matrix's update to its owner, orthogonalises, returns the result (see above)."""
 
@@ -128,45 +166,17 @@ class MuonExchange:
         for b, s in layout.slots():
             if s.name in muon and b.trainable and s.name not in self.slots:
                 self.slots[s.name] = Slot(s.shape, [])
-                matrices += self._split(s.name, placement(s.param), s.shape, tp_rank, tp)
+                matrices += split_matrices(s.name, placement(s.param), s.shape, tp_rank, tp)
         for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets(), layout.rank):
             if s.name in self.slots:
                 r = Range(b.index, start, end - start, offset, True, True, True)
                 self.slots[s.name].pieces.append((start - s.offset, r))
         self.owned = self._assign(matrices, group.size)
 
-    @staticmethod
-    def _split(name: str, where: Placement, shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Matrix]:
-        dim = where.dim if where.dim is not None else 0
-        full = where.full_shape
-        # The full parameter's blocks along `dim` (q|k|v, gate|up: one matrix each) and this
-        # TP rank's part of each, which it stores one after another along `dim`.
-        blocks = where.ranges(0, 1) if where.sharded else [(0, full[dim])]
-        held = where.ranges(tp_rank, tp) if where.sharded else [(0, full[dim])]
-        cols = math.prod(shape) // shape[0]  # elements per row of the TP-local parameter
-        out, local = [], 0
-        for (lo, hi), (hlo, hhi) in zip(blocks, held):
-            mshape = (hi - lo, full[1]) if dim == 0 else (full[0], hi - lo)
-            m = Matrix(name, where, dim, lo, hi, mshape)
-            n = hhi - hlo
-            if dim == 0:  # rows: a contiguous run of the flattened local parameter
-                m.pieces.append((local * cols, (local + n) * cols, hlo - lo, n))
-            else:  # columns: only whole local parameters are contiguous
-                if len(blocks) != 1:
-                    raise NotImplementedError(f"{name}: matrices fused along the input dimension")
-                m.pieces.append((0, math.prod(shape), hlo - lo, n))
-            local += n
-            out.append(m)
-        return out
-
     def _assign(self, matrices: list[Matrix], owners: int) -> list[list[Matrix]]:
         """Matrices per owner, largest Newton-Schulz cost first to the least loaded (ties: the
         lower index), each owner's in model order: the same on every rank."""
-        load = [0] * owners
-        owner: dict[int, int] = {}
-        for i in sorted(range(len(matrices)), key=lambda i: (-ns_flops(matrices[i].shape, self.steps), i)):
-            owner[i] = min(range(owners), key=lambda o: (load[o], o))
-            load[owner[i]] += ns_flops(matrices[i].shape, self.steps)
+        owner = assign_owners([ns_flops(m.shape, self.steps) for m in matrices], owners)
         return [[m for i, m in enumerate(matrices) if owner[i] == o] for o in range(owners)]
 
     # ------------------------------------------------------------------ the step
