@@ -66,17 +66,20 @@ def run_megazero(args: argparse.Namespace, stage: int, optim: str = "adamw") -> 
     tr.train_step()  # warm-up
     tr.grid.reset_counters()
     tr.train_step()
-    moved = tr.grid.bytes_moved()["dp"]
+    moved, exchange = tr.grid.bytes_moved()["dp"], tr.grid.bytes_moved().get("stage", {})
     planned = predict(tr.cfg, ParallelLayout(1, 1, args.dp, 1, stage, args.micro, "none"),
                       Cluster(args.dp, args.dp, 1.0, None), device="cpu").rank(0)
-    tic = time.perf_counter()
+    tic, cpu = time.perf_counter(), time.process_time()
     for _ in range(args.iters - 1):
         tr.train_step()
     elapsed = (time.perf_counter() - tic) / max(1, args.iters - 1)
+    cpu = (time.process_time() - cpu) / max(1, args.iters - 1)
     opt = tr.optimizer
     out = {"tokens_per_sec": tr.cfg.train.global_batch_size * args.seq / elapsed, "rss_mib": peak_rss_mib(),
-           "dp_bytes": sum(v for k, v in moved.items() if not k.endswith("_calls")),
+           "cpu_s": cpu, "dp_bytes": sum(v for k, v in moved.items() if not k.endswith("_calls")),
            "dp_ops": {k: v for k, v in moved.items() if not k.endswith("_calls")}, "planned_dp": planned.bytes["dp"],
+           "muon_bytes": sum(v for k, v in exchange.items() if not k.endswith("_calls")),
+           "planned_muon": (planned.bytes.get("muon", 0), getattr(planned, "muon_flops", 0)),
            "padded_numel": opt.layout.numel, "param_numel": opt.layout.param_numel,
            "micro": tr.num_microbatches, "memory": {"fp32": opt.model_state_bytes()},
            "peak_materialized": opt.sharded.peak_materialized_numel}
@@ -196,11 +199,15 @@ def main() -> None:
     # each run keeps its fastest round.
     results: dict[str, list[dict]] = {}
     rounds: list[dict[str, float]] = []  # tokens/s of every run, round by round
+    cpu_rounds: list[dict[str, float]] = []  # megazero runs' CPU seconds per iteration on rank 0
     for _ in range(args.rounds):
         rounds.append({})
+        cpu_rounds.append({})
         for name, (fn, arg) in runs.items():
             outs = launch(fn, args, arg)
             rounds[-1][name] = outs[0]["tokens_per_sec"]
+            if "cpu_s" in outs[0]:
+                cpu_rounds[-1][name] = outs[0]["cpu_s"]
             if name not in results or outs[0]["tokens_per_sec"] > results[name][0]["tokens_per_sec"]:
                 results[name] = outs
 
@@ -221,6 +228,12 @@ def main() -> None:
         if f"Muon-{stage}" in results and f"ZeRO-{stage}" in results:
             muon, adamw = (results[f"{k}-{stage}"][0]["tokens_per_sec"] for k in ("Muon", "ZeRO"))
             print(f"\nMuon at ZeRO-{stage}: iteration time {adamw / muon:.3f} x AdamW's ({100 * (adamw / muon - 1):+.1f}%)")
+            out = results[f"Muon-{stage}"][0]
+            cpu = [min(r[f"{k}-{stage}"] for r in cpu_rounds) for k in ("Muon", "ZeRO")]
+            print(f"  CPU time per iteration (rank 0, all its threads; robust to other load on a shared machine): "
+                  f"{cpu[0]:.2f} s against {cpu[1]:.2f} s, {cpu[0] / cpu[1]:.3f} x ({100 * (cpu[0] / cpu[1] - 1):+.1f}%)")
+            print(f"  its exchange sent {out['muon_bytes'] / MiB:.2f} MiB per rank (planner {out['planned_muon'][0] / MiB:.2f}); "
+                  f"Newton-Schulz {out['planned_muon'][1] / 1e9:.2f} GFLOP per step on the busiest rank (planner)")
 
     print("\nEvery round, tokens/s (vs DDP in the same round):\n")
     print("| round | " + " | ".join(runs) + " |")

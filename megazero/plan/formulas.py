@@ -19,13 +19,16 @@ grouped K/V, no biases, an untied output layer); each formula says where they ch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from megazero.config.schema import ModelConfig
 from megazero.config.sharding import Sharding, sharding
 from megazero.parallel.comm import all_gather_volume, all_reduce_volume, reduce_scatter_volume
 from megazero.pipeline.schedules import ORDERS, message_target
+from megazero.zero import ALIGN
 from megazero.zero.grads import IN_FLIGHT_BYTES, MIN_IN_FLIGHT
+from megazero.zero.muon import assign_owners, ns_flops
+from megazero.zero.partition import bucket_numel
 
 GiB = 2 ** 30
 
@@ -135,6 +138,49 @@ def model_state_bytes(psi: int, dp: int, stage: int, element_bytes: tuple[int, i
     With megazero's bf16 bytes: 18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N; with the paper's:
     16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (config/sharding.py: what each stage partitions)."""
     return sharding(stage).model_state_bytes(psi, dp, element_bytes)
+
+
+MUON_SAVED_BYTES = 4
+"""Bytes per element Muon (optim.name muon) saves on its matrices: one fp32 momentum buffer
+instead of Adam's two moments (zero/state.py stores no second moment for them)."""
+
+
+def muon_shard_numels(numels: list[int], muon: list[bool], shards: int) -> list[int]:
+    """Muon's elements in each DP rank's slice of one bucket holding parameters of `numels`
+    elements (laid as zero/partition.py lays them, each at a multiple of ALIGN), `muon` saying
+    which are Muon's matrices: the optimizer's Muon ranges, which take in the alignment
+    padding between two consecutive Muon parameters (zero/partition.py's FlatLayout.ranges)."""
+    runs: list[list[int]] = []
+    offset, after_muon = 0, False
+    for n, is_muon in zip(numels, muon):
+        if is_muon:
+            if after_muon:
+                runs[-1][1] = offset + n
+            else:
+                runs.append([offset, offset + n])
+        after_muon = is_muon
+        offset = -(-(offset + n) // ALIGN) * ALIGN
+    slice_numel = bucket_numel(numels, shards) // shards
+    return [sum(max(0, min(hi, (k + 1) * slice_numel) - max(lo, k * slice_numel)) for lo, hi in runs)
+            for k in range(shards)]
+
+
+def muon_exchange_bytes(shapes: Iterable[tuple[int, int]], group: int, elem_bytes: int) -> int:
+    """Bytes one rank sends per step in Muon's exchange (zero/muon.py) over its stage group
+    (tp x cp x dp ranks): per owner, a reduce of that owner's whole matrices and a broadcast
+    of their orthogonalised updates, each counted at the buffer's size (comm.py's counters),
+    in Newton-Schulz's dtype (`elem_bytes`); nothing on one rank."""
+    return 0 if group == 1 else 2 * elem_bytes * sum(r * c for r, c in shapes)
+
+
+def muon_ns_flops(shapes: Sequence[tuple[int, int]], steps: int, owners: int) -> int:
+    """Newton-Schulz FLOPs per step on the busiest of `owners` ranks, the matrices assigned as
+    the exchange assigns them (balanced by FLOPs, each orthogonalised once)."""
+    costs = [ns_flops(s, steps) for s in shapes]
+    load = [0] * owners
+    for cost, owner in zip(costs, assign_owners(costs, owners)):
+        load[owner] += cost
+    return max(load, default=0)
 
 
 # ---------------------------------------------------------------------------- activations
@@ -422,6 +468,8 @@ class HostShape:
     snapshot: int = 0
     """Bytes of checkpoint.async_save's host snapshot of the optimizer shard (master weights
     and moments, 12 B per element; none for NVMe state, whose reads are host copies already)."""
+    muon: int = 0
+    """Of the trainable elements, Muon's (optim.name muon): no second moment."""
 
 
 def nvme_step_buffer_bytes(x: HostShape) -> int:
@@ -440,7 +488,8 @@ def host_items(x: HostShape) -> dict[str, int]:
     the asynchronous save's snapshot."""
     window = max(x.prefetch + 2, 3) * x.largest_slice * x.param_bytes
     params = {"cpu": x.param_bytes * x.shard, "nvme": window}.get(x.offload_param, 0)
-    return {"optimizer_states": NVME_STEP_BYTES * x.trainable if x.offload_optimizer == "cpu" else 0,
+    states = NVME_STEP_BYTES * x.trainable - MUON_SAVED_BYTES * x.muon
+    return {"optimizer_states": states if x.offload_optimizer == "cpu" else 0,
             "nvme_step_buffers": nvme_step_buffer_bytes(x),
             "grad_shard": 4 * x.trainable if x.accelerator and x.offload_optimizer != "none" else 0,
             "param_shard": params, "staging": x.staging, "async_snapshot": x.snapshot}
@@ -573,14 +622,18 @@ def simulated_bubble(pp: int, vpp: int, m: int, schedule: str) -> float:
 
 
 def step_seconds(flops: float, peak_flops: float, efficiency: float, bubble: float, tp_s: float, pp_s: float,
-                 dp_s: float, dp_overlap: float, cp_s: float = 0.0) -> dict[str, float]:
+                 dp_s: float, dp_overlap: float, cp_s: float = 0.0, muon_flops: float = 0.0,
+                 muon_s: float = 0.0) -> dict[str, float]:
     """One iteration of one rank: compute at `efficiency` x peak stretched by the bubble, TP,
     PP and context-parallel transfers on the critical path (a bound: ring attention overlaps
     its transfers with the blocks), DP communication hidden behind backward except
-    (1 - dp_overlap) of it."""
+    (1 - dp_overlap) of it; under optim.name muon, its Newton-Schulz FLOPs and exchange after
+    the backward, exposed."""
     compute = flops / (peak_flops * efficiency)
     parts = {"compute": compute, "bubble": compute * bubble / (1 - bubble), "tp": tp_s, "pp": pp_s,
              "dp": dp_s * (1 - dp_overlap), "cp": cp_s}
+    if muon_flops or muon_s:
+        parts["muon"] = muon_flops / (peak_flops * efficiency) + muon_s
     parts["total"] = sum(parts.values())
     return parts
 

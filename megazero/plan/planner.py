@@ -94,8 +94,11 @@ class RankPrediction:
     """Transient bytes beside states and activations, by item (formulas.transient_items):
     gathered units, gradients in flight, communication buffers, logits."""
     bytes: dict[str, int]
-    """Bytes this rank sends per iteration over its dp (ZeRO's dp x cp), tp, cp, pp and embedding groups."""
+    """Bytes this rank sends per iteration over its dp (ZeRO's dp x cp), tp, cp, pp and embedding
+    groups, and under optim.name muon in Muon's exchange over its stage (tp x cp x dp)."""
     times: Optional[dict[str, float]] = None
+    muon_flops: int = 0
+    """Newton-Schulz FLOPs per step on the busiest rank of this stage (optim.name muon)."""
 
     @property
     def host(self) -> int:
@@ -211,7 +214,11 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
     shards = dp if zs.optimizer else 1
     padded = rp.padded(shards)
     states = zs.model_state_bytes(sum(padded), dp, elem)
-    host = host_shape(cfg, layout, padded, shards, accelerator)
+    # optim.name muon: its matrices keep one fp32 buffer, not Adam's two moments.
+    muon = rp.muon_shard_numel(shards) if cfg.optim.name == "muon" else 0
+    states = {**states, "optimizer": states["optimizer"] - F.MUON_SAVED_BYTES * muon,
+              "total": states["total"] - F.MUON_SAVED_BYTES * muon}
+    host = host_shape(cfg, layout, padded, shards, accelerator, muon)
     off_device = (states["optimizer"] if host.offload_optimizer != "none" else 0) + \
         (states["params"] if host.offload_param != "none" else 0)
     states = {**states, "total": states["total"] - off_device}
@@ -224,23 +231,30 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
              "pp": F.pp_bytes(pp, vpp, r, m, shape),
              "cp": F.cp_bytes(shape, sum(c.layers for c in rp.chunks), m),
              "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
+    ns = 0
+    if cfg.optim.name == "muon":  # one owner per matrix among the stage's tp x cp x dp ranks
+        stage_ranks = layout.tp * layout.cp * layout.dp
+        moved["muon"] = F.muon_exchange_bytes(rp.muon_shapes, stage_ranks, 4 if cfg.train.precision == "fp32" else 2)
+        ns = F.muon_ns_flops(rp.muon_shapes, cfg.optim.muon_ns_steps, stage_ranks)
     tied_twice = any(c.pre and c.post for c in rp.chunks)
     buffers = F.BufferShape(tuple(padded), rp.tied, tied_twice, zs, dp, cfg.zero.prefetch, elem[0], wire,
                             gloo=not accelerator, shard_on_device=host.offload_param == "none" or (host.offload_param == "cpu" and not accelerator))
     return RankPrediction(r, rp.param_numel, states, F.host_items(host), F.peak_in_flight_bytes(order, sizes),
-                          F.transient_items(buffers, shape, rp.chunks[-1].post), moved)
+                          F.transient_items(buffers, shape, rp.chunks[-1].post), moved, muon_flops=ns)
 
 
-def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: int, accelerator: bool) -> F.HostShape:
+def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: int, accelerator: bool,
+               muon: int = 0) -> F.HostShape:
     """What offloading keeps in host memory for one rank of `layout`: the config's offload
-    modes (the planner's --offload-optimizer alone means cpu), its buffers and sub-groups."""
+    modes (the planner's --offload-optimizer alone means cpu), its buffers and sub-groups;
+    `muon` of the shard's elements are Muon's (no second moment)."""
     z = cfg.zero
     optimizer = (z.offload_optimizer if z.offload_optimizer != "none" else "cpu") if layout.offload_optimizer else "none"
     shard = sum(padded) // shards
     return F.HostShape(shard=shard, trainable=shard, largest_slice=max(padded) // shards, offload_optimizer=optimizer,
                        offload_param=z.offload_param if sharding(layout.zero_stage).parameters else "none", accelerator=accelerator,
                        param_bytes=F.STATE_BYTES[cfg.train.precision][0], sub_group_size=z.sub_group_size,
-                       buffer_count=z.buffer_count, prefetch=z.prefetch,
+                       buffer_count=z.buffer_count, prefetch=z.prefetch, muon=muon,
                        staging=PIECE_BYTES if cfg.checkpoint.save else 0,
                        snapshot=F.NVME_STEP_BYTES * shard if cfg.checkpoint.save and cfg.checkpoint.async_save
                        and optimizer != "nvme" else 0)
@@ -258,12 +272,12 @@ def add_times(out: Prediction, cfg: Config, cluster: Cluster) -> None:
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     flops = F.executed_flops_per_token(cfg.model, lay.recompute) * tokens / cluster.gpus
     spans = {"tp": lay.tp, "cp": lay.tp * lay.cp, "dp": lay.tp * lay.cp * lay.dp,
-             "pp": lay.tp * lay.cp * lay.dp * lay.pp}
+             "pp": lay.tp * lay.cp * lay.dp * lay.pp, "muon": lay.tp * lay.cp * lay.dp}
     for r in out.ranks:
-        secs = {k: (r.bytes[k] + (r.bytes["embed"] if k == "pp" else 0)) / (link_gbps(cluster, spans[k]) * 1e9)
+        secs = {k: (r.bytes.get(k, 0) + (r.bytes["embed"] if k == "pp" else 0)) / (link_gbps(cluster, spans[k]) * 1e9)
                 for k in spans}
         r.times = F.step_seconds(flops, cluster.peak_flops, cluster.efficiency, out.bubble, secs["tp"], secs["pp"],
-                                 secs["dp"], cluster.dp_overlap, secs["cp"])
+                                 secs["dp"], cluster.dp_overlap, secs["cp"], r.muon_flops, secs["muon"])
     times = out.slowest.times
     assert times is not None
     out.step_seconds = times["total"]

@@ -21,7 +21,8 @@ from megazero.model.gpt import GPT, apply_tensor_parallel
 from megazero.parallel.comm import Group
 from megazero.parallel.placement import placement
 from megazero.pipeline.stages import stage_layers
-from megazero.plan.formulas import ChunkShape
+from megazero.plan.formulas import ChunkShape, muon_shard_numels
+from megazero.zero.muon import is_muon_matrix, split_matrices
 from megazero.zero.partition import bucket_groups, bucket_numel
 from megazero.zero.stage3 import fetch_units
 
@@ -38,10 +39,19 @@ class RankParams:
     param_numel: int
     replicated_numel: int = 0
     """Elements of the TP-replicated parameters (partial gradients under sequence parallelism)."""
+    muon: tuple[tuple[bool, ...], ...] = ()
+    """Per bucket, whether each parameter is a weight matrix Muon steps under optim.name muon."""
+    muon_shapes: tuple[tuple[int, int], ...] = ()
+    """The (out, in) shapes of the matrices Muon orthogonalises on this pipeline rank, whole over TP."""
 
     def padded(self, shards: int) -> list[int]:
         """Each bucket's padded size when partitioned over `shards` ranks."""
         return [bucket_numel(list(b), shards) for b in self.buckets]
+
+    def muon_shard_numel(self, shards: int) -> int:
+        """Muon's elements in the shard of the DP rank holding fewest of them (the most optimizer state)."""
+        per_rank = [muon_shard_numels(list(b), list(m), shards) for b, m in zip(self.buckets, self.muon)]
+        return min((sum(counts) for counts in zip(*per_rank)), default=0)
 
 
 def rank_params(m: ModelConfig, tp: int, pp: int, vpp: int, pp_rank: int, stage3: bool, bucket_size: int,
@@ -68,6 +78,9 @@ def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3:
     tied = tuple(i for i, (_, named) in enumerate(groups) if any(id(p) in tied_params for _, p in named))
     return RankParams(chunks=tuple(ChunkShape(len(c.layers), c.pre_process, c.post_process) for c in chunks),
                       buckets=tuple(tuple(p.numel() for _, p in named) for _, named in groups),
+                      muon=tuple(tuple(is_muon_matrix(n) for n, _ in named) for _, named in groups),
+                      muon_shapes=tuple(m.shape for c in chunks for n, p in c.named_parameters() if is_muon_matrix(n)
+                                        for m in split_matrices(n, placement(p), tuple(p.shape), 0, tp)),
                       tied=tied,
                       param_numel=sum(p.numel() for c in chunks for p in c.parameters()),
                       replicated_numel=sum(p.numel() for c in chunks for p in c.parameters()

@@ -65,7 +65,22 @@ def startup_summary(cfg: Config, grid: ProcessGrid, rank_params_numel: int, data
                      f"frozen; the memory plan below assumes every weight trains)")
     lines += data_lines(cfg, datasets[0], datasets[1], samples)
     lines.append(plan_line(plan, device_name, grid.device.type == "cuda", z.offload_optimizer, z.offload_param))
+    if cfg.optim.name == "muon":
+        lines.append(muon_line(plan, cfg.optim.muon_ns_steps))
     return "\n".join(lines)
+
+
+def muon_line(plan: Prediction, ns_steps: int) -> str:
+    """optim.name muon's costs, from the planner: on the pipeline rank with the most Newton-Schulz
+    work, its FLOPs per step (busiest owner) and the bytes each rank sends in the exchange; the
+    momentum's 4 B per matrix element (Adam's moments 8 B) is in the plan's optimizer states."""
+    r = max(plan.ranks, key=lambda r: r.muon_flops)
+    line = (f"muon: Newton-Schulz ({ns_steps} steps) {r.muon_flops / 1e9:,.2f} GFLOP per step on the busiest rank, "
+            f"exchange {size(r.bytes.get('muon', 0))} sent per rank per step (whole matrices to their owner "
+            f"and back; pp rank {r.pp_rank}); momentum 4 B per matrix element instead of Adam's 8")
+    if r.times and "muon" in r.times:
+        line += f"; about {1e3 * r.times['muon']:,.1f} ms of the step"
+    return line
 
 
 def data_lines(cfg: Config, train, valid, samples: int) -> list[str]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ from megazero.zero.partition import FlatLayout, Range
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic iteration
 NS_EPS = 1e-7
+NS_BATCH_NUMEL = 1 << 24  # at most this many elements of same-shaped matrices orthogonalised in one batch
 # The weight matrices Muon takes: each block's attention (fused q|k|v and output) and MLP (up,
 # or fused gate|up, and down) projections. Embeddings, the output layer, norms and biases are AdamW's.
 MATRICES = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
@@ -47,17 +48,21 @@ def orthogonalize(u: torch.Tensor, steps: int) -> torch.Tensor:
     """Newton-Schulz: U's nearest semi-orthogonal matrix, approximately (torch.optim.Muon's
     iteration on the wide orientation), in U's dtype: bf16 as torch's, or fp32 (fp32 training,
     where bf16's rounding of U would turn summation-order differences between layouts into
-    differences of the update)."""
+    differences of the update). A 3-D U is a batch of same-shaped matrices, each on its own."""
     a, b, c = NS_COEFFICIENTS
     x = u
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=NS_EPS)
+        x = x.mT
+    if x.dim() == 2:
+        x = x / x.norm().clamp(min=NS_EPS)
+    else:
+        x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=NS_EPS)
+    mul_add = torch.addmm if x.dim() == 2 else torch.baddbmm
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        x = mul_add(x, mul_add(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
 
 
 def ns_dtype(precision: str) -> torch.dtype:
@@ -75,8 +80,9 @@ def lr_factor(shape: tuple[int, int], rule: str) -> float:
 
 
 def ns_flops(shape: tuple[int, int], steps: int) -> int:
-    """Multiply-add FLOPs of Newton-Schulz on an (out, in) matrix: per iteration X X^T, the
-    polynomial's gram^2 and its product with X, on the wide orientation (m <= n)."""
+    """FLOPs (2 per multiply-add) of Newton-Schulz on an (out, in) matrix, on the wide
+    orientation X (m x n, m <= n); per iteration X = aX + (bA + cA A) X with A = X X^T:
+    A 2m^2 n, A A 2m^3, its sum with bA times X 2m^2 n (the elementwise terms left out)."""
     m, n = sorted(shape)
     return steps * (4 * m * m * n + 2 * m ** 3)
 
@@ -116,6 +122,43 @@ class Slot:
     pieces: list[tuple[int, Range]]
 
 
+def split_matrices(name: str, where: Placement, shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Matrix]:
+    """The matrices Muon orthogonalises in parameter `name` (TP-local `shape`): one per fused
+    block (q|k|v, gate|up), whole over TP, with where this TP rank holds each."""
+    dim = where.dim if where.dim is not None else 0
+    full = where.full_shape
+    # The full parameter's blocks along `dim` (q|k|v, gate|up: one matrix each) and this
+    # TP rank's part of each, which it stores one after another along `dim`.
+    blocks = where.ranges(0, 1) if where.sharded else [(0, full[dim])]
+    held = where.ranges(tp_rank, tp) if where.sharded else [(0, full[dim])]
+    cols = math.prod(shape) // shape[0]  # elements per row of the TP-local parameter
+    out, local = [], 0
+    for (lo, hi), (hlo, hhi) in zip(blocks, held):
+        mshape = (hi - lo, full[1]) if dim == 0 else (full[0], hi - lo)
+        m = Matrix(name, where, dim, lo, hi, mshape)
+        n = hhi - hlo
+        if dim == 0:  # rows: a contiguous run of the flattened local parameter
+            m.pieces.append((local * cols, (local + n) * cols, hlo - lo, n))
+        else:  # columns: only whole local parameters are contiguous
+            if len(blocks) != 1:
+                raise NotImplementedError(f"{name}: matrices fused along the input dimension")
+            m.pieces.append((0, math.prod(shape), hlo - lo, n))
+        local += n
+        out.append(m)
+    return out
+
+
+def assign_owners(costs: Sequence[int], owners: int) -> list[int]:
+    """Each matrix's owner: largest cost first to the least loaded owner (ties: the lower
+    index), the same on every rank."""
+    load = [0] * owners
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        owner[i] = min(range(owners), key=lambda o: (load[o], o))
+        load[owner[i]] += costs[i]
+    return owner
+
+
 class MuonExchange:
     """Gathers each matrix's update to its owner, orthogonalises, returns the result (see above)."""
 
@@ -128,46 +171,20 @@ class MuonExchange:
         for b, s in layout.slots():
             if s.name in muon and b.trainable and s.name not in self.slots:
                 self.slots[s.name] = Slot(s.shape, [])
-                matrices += self._split(s.name, placement(s.param), s.shape, tp_rank, tp)
+                matrices += split_matrices(s.name, placement(s.param), s.shape, tp_rank, tp)
         for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets(), layout.rank):
             if s.name in self.slots:
                 r = Range(b.index, start, end - start, offset, True, True, True)
                 self.slots[s.name].pieces.append((start - s.offset, r))
         self.owned = self._assign(matrices, group.size)
 
-    @staticmethod
-    def _split(name: str, where: Placement, shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Matrix]:
-        dim = where.dim if where.dim is not None else 0
-        full = where.full_shape
-        # The full parameter's blocks along `dim` (q|k|v, gate|up: one matrix each) and this
-        # TP rank's part of each, which it stores one after another along `dim`.
-        blocks = where.ranges(0, 1) if where.sharded else [(0, full[dim])]
-        held = where.ranges(tp_rank, tp) if where.sharded else [(0, full[dim])]
-        cols = math.prod(shape) // shape[0]  # elements per row of the TP-local parameter
-        out, local = [], 0
-        for (lo, hi), (hlo, hhi) in zip(blocks, held):
-            mshape = (hi - lo, full[1]) if dim == 0 else (full[0], hi - lo)
-            m = Matrix(name, where, dim, lo, hi, mshape)
-            n = hhi - hlo
-            if dim == 0:  # rows: a contiguous run of the flattened local parameter
-                m.pieces.append((local * cols, (local + n) * cols, hlo - lo, n))
-            else:  # columns: only whole local parameters are contiguous
-                if len(blocks) != 1:
-                    raise NotImplementedError(f"{name}: matrices fused along the input dimension")
-                m.pieces.append((0, math.prod(shape), hlo - lo, n))
-            local += n
-            out.append(m)
-        return out
-
     def _assign(self, matrices: list[Matrix], owners: int) -> list[list[Matrix]]:
         """Matrices per owner, largest Newton-Schulz cost first to the least loaded (ties: the
-        lower index), each owner's in model order: the same on every rank."""
-        load = [0] * owners
-        owner: dict[int, int] = {}
-        for i in sorted(range(len(matrices)), key=lambda i: (-ns_flops(matrices[i].shape, self.steps), i)):
-            owner[i] = min(range(owners), key=lambda o: (load[o], o))
-            load[owner[i]] += ns_flops(matrices[i].shape, self.steps)
-        return [[m for i, m in enumerate(matrices) if owner[i] == o] for o in range(owners)]
+        lower index), each owner's by shape, then in model order (same-shaped matrices lie
+        side by side in its buffer, to be orthogonalised as a batch): the same on every rank."""
+        owner = assign_owners([ns_flops(m.shape, self.steps) for m in matrices], owners)
+        return [sorted((m for i, m in enumerate(matrices) if owner[i] == o), key=lambda m: m.shape)
+                for o in range(owners)]
 
     # ------------------------------------------------------------------ the step
 
@@ -184,38 +201,68 @@ class MuonExchange:
     def step(self, views: Callable[[Range], torch.Tensor]) -> None:
         """Replace U (in the gradient ranges `views` gives) by lr_factor x O for every Muon
         element of this rank's shard (collective over the stage group)."""
-        mine: list[torch.Tensor] = []
+        mine: Optional[tuple[torch.Tensor, list[torch.Tensor]]] = None
         for o, matrices in enumerate(self.owned):
             flat, mats = self._buffer(matrices, zero=True)
             if self.contributes:
                 for m, view in zip(matrices, mats):
-                    for start, end, at, n in m.pieces:
-                        runs = self._runs_of(m, start, end)
-                        if not runs:
-                            continue
-                        part = view.narrow(m.dim, at, n)  # what this TP rank holds of m
-                        staging = torch.zeros(end - start, dtype=torch.float32, device=self.device)
-                        for lo, hi, glo, ghi, r in runs:
-                            staging[lo:hi].copy_(views(r)[glo:ghi])
-                        part.copy_(staging.view(part.shape))
+                    self._gather(m, view, views)
             comm.reduce(flat, o, self.group)
             if o == self.group.rank:
-                mine = [flat, *mats]
-        if mine:
-            for view in mine[1:]:
-                view.copy_(orthogonalize(view, self.steps))
+                mine = flat, mats
+        if mine is not None:
+            self._orthogonalize(self.owned[self.group.rank], *mine)
         for o, matrices in enumerate(self.owned):
-            flat, mats = (mine[0], mine[1:]) if o == self.group.rank else self._buffer(matrices, zero=False)
+            flat, mats = mine if o == self.group.rank and mine is not None else self._buffer(matrices, zero=False)
             comm.broadcast(flat, o, self.group)
             for m, view in zip(matrices, mats):
-                scale = lr_factor(m.shape, self.rule)
-                for start, end, at, n in m.pieces:
-                    runs = self._runs_of(m, start, end)
-                    if not runs:
-                        continue
-                    values = (view.narrow(m.dim, at, n).float() * scale).reshape(-1)
-                    for lo, hi, glo, ghi, r in runs:
-                        views(r)[glo:ghi].copy_(values[lo:hi])
+                self._return(m, view, views)
+
+    def _gather(self, m: Matrix, view: torch.Tensor, views: Callable[[Range], torch.Tensor]) -> None:
+        """This rank's elements of U into matrix m's `view` (rows of a TP part are contiguous
+        there: copied straight in; columns through a staging copy of the part)."""
+        for start, end, at, n in m.pieces:
+            runs = self._runs_of(m, start, end)
+            if not runs:
+                continue
+            part = view.narrow(m.dim, at, n)  # what this TP rank holds of m
+            flat = part.view(-1) if part.is_contiguous() else torch.zeros(end - start, dtype=view.dtype,
+                                                                         device=view.device)
+            for lo, hi, glo, ghi, r in runs:
+                flat[lo:hi].copy_(views(r)[glo:ghi])
+            if not part.is_contiguous():
+                part.copy_(flat.view(part.shape))
+
+    def _return(self, m: Matrix, view: torch.Tensor, views: Callable[[Range], torch.Tensor]) -> None:
+        """lr_factor x O of this rank's elements of matrix m into the gradient ranges (in fp32:
+        converted, then scaled)."""
+        scale = lr_factor(m.shape, self.rule)
+        for start, end, at, n in m.pieces:
+            runs = self._runs_of(m, start, end)
+            if not runs:
+                continue
+            part = view.narrow(m.dim, at, n)
+            values = part.reshape(-1)  # a view for rows, a copy for columns
+            for lo, hi, glo, ghi, r in runs:
+                out = views(r)[glo:ghi]
+                out.copy_(values[lo:hi])
+                out.mul_(scale)
+
+    def _orthogonalize(self, matrices: list[Matrix], flat: torch.Tensor, mats: list[torch.Tensor]) -> None:
+        """Newton-Schulz on this owner's matrices in place, same-shaped neighbours (adjacent in
+        `flat`) as batches of at most NS_BATCH_NUMEL elements."""
+        i, at = 0, 0
+        while i < len(matrices):
+            shape, numel = matrices[i].shape, mats[i].numel()
+            j = i + 1
+            while j < len(matrices) and matrices[j].shape == shape and (j - i + 1) * numel <= NS_BATCH_NUMEL:
+                j += 1
+            batch = flat[at: at + (j - i) * numel]
+            if j - i == 1:
+                mats[i].copy_(orthogonalize(mats[i], self.steps))
+            else:
+                batch.view(j - i, *shape).copy_(orthogonalize(batch.view(j - i, *shape), self.steps))
+            i, at = j, at + (j - i) * numel
 
     def _runs_of(self, m: Matrix, start: int, end: int) -> list[tuple[int, int, int, int, Range]]:
         """(lo, hi) in the run [start, end) of m's TP-local parameter, (lo, hi) in a shard

@@ -38,7 +38,7 @@ from megazero.zero.partition import Range, sub_groups, with_trainable_flags
 from megazero.zero.precision import DynamicLossScaler
 from megazero.zero.sgd import sgd_
 from megazero.zero.shard import ShardedParameters
-from megazero.zero.state import MemoryOptimizerStore, NvmeOptimizerStore
+from megazero.zero.state import Holes, MemoryOptimizerStore, NvmeOptimizerStore
 
 
 @dataclass
@@ -106,13 +106,15 @@ class ZeroOptimizer:
         z, n = self.cfg.zero, self.layout.trainable_numel
         # In fp32 with the parameters in device memory, the parameters are the master weights.
         separate = self.compute_dtype != torch.float32 or z.offload_param != "none"
+        # Muon's ranges keep one buffer (exp_avg, its momentum): no second moment is stored for them.
+        holes = Holes([(r.shard_offset, r.length) for r in self.ranges if r.muon])
 
         def build() -> MemoryOptimizerStore | NvmeOptimizerStore:
             if z.offload_optimizer == "none":
-                return MemoryOptimizerStore(n, self.grid.device, separate_master=separate)
+                return MemoryOptimizerStore(n, self.grid.device, separate_master=separate, holes=holes)
             if z.offload_optimizer == "cpu":
-                return MemoryOptimizerStore(n, torch.device("cpu"), separate_master=True, pin=z.pin_memory)
-            return NvmeOptimizerStore(n, self.groups, z.nvme_path, z.buffer_count, z.pin_memory)
+                return MemoryOptimizerStore(n, torch.device("cpu"), separate_master=True, pin=z.pin_memory, holes=holes)
+            return NvmeOptimizerStore(n, self.groups, z.nvme_path, z.buffer_count, z.pin_memory, holes)
         return comm.agreed(build, self.grid["world"])  # a full disk on one node stops every rank
 
     def _write_master(self, offset: int, values: torch.Tensor) -> None:
@@ -287,7 +289,7 @@ class ZeroOptimizer:
                 "precision": self.cfg.train.precision, "step": self.step_count,
                 "master": on_host("master", self._shard_values()),
                 "exp_avg": on_host("exp_avg", [self.state.read("exp_avg")]),
-                "exp_avg_sq": on_host("exp_avg_sq", [self.state.read("exp_avg_sq")]),
+                "exp_avg_sq": on_host("exp_avg_sq", self.state.read_pieces("exp_avg_sq")),  # Muon's as zeros
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "partition": self.layout.param_map()}
 

@@ -15,15 +15,19 @@ The optimizer steps its shard one sub-group (a list of `Range`s of at most
 
 Offloading therefore changes where state lives, not the step. Besides `iterate`, a store
 reads and writes whole kinds ("master", "exp_avg", "exp_avg_sq") for initialisation and
-checkpoints.
+checkpoints. Muon's ranges (optim.name muon) have no second moment: `exp_avg_sq` is stored
+without them (`Holes`), so a Muon element costs 4 bytes of moments instead of Adam's 8; reads
+and writes of the whole kind still use the shard's coordinates, the holes reading as zeros.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -45,8 +49,67 @@ class GroupState:
     device: torch.device
 
 
-def _views(flat: torch.Tensor, group: list[Range], base: int = 0) -> list[torch.Tensor]:
-    return [flat[r.shard_offset - base: r.shard_offset - base + r.length] for r in group]
+class Holes:
+    """Runs of the shard a kind does not store (Muon's ranges in exp_avg_sq): its elements are
+    kept end to end without them, each moved down by the holes' lengths before it."""
+
+    def __init__(self, spans: Sequence[tuple[int, int]] = ()) -> None:
+        """`spans`: (shard offset, length) of each hole, in shard order, not overlapping."""
+        self.starts = [o for o, _ in spans]
+        self.ends = [o + n for o, n in spans]
+        self.before = [0, *itertools.accumulate(n for _, n in spans)]  # hole elements before hole i
+
+    def at(self, offset: int) -> int:
+        """Where shard offset `offset` (not inside a hole) is stored."""
+        return offset - self.before[bisect.bisect_left(self.starts, offset)]
+
+    def stored(self, numel: int) -> int:
+        """Elements stored of a shard of `numel`."""
+        return numel - self.before[-1]
+
+    def kept(self, offset: int, length: int) -> list[tuple[int, int]]:
+        """(shard offset, length) of the stored parts of [offset, offset + length)."""
+        out, at, end = [], offset, offset + length
+        for lo, hi in zip(self.starts, self.ends):
+            if hi <= at or lo >= end:
+                continue
+            if lo > at:
+                out.append((at, lo - at))
+            at = max(at, hi)
+        if at < end:
+            out.append((at, end - at))
+        return out
+
+    def in_shard(self, stored: torch.Tensor, numel: int) -> list[torch.Tensor]:
+        """The stored values in shard coordinates, as pieces laid end to end: views of `stored`
+        and, for the holes, zeros (expanded, nothing allocated)."""
+        if not self.starts:
+            return [stored]
+        zero = stored.new_zeros(1)
+        out, at = [], 0
+        for lo, hi in zip([*self.starts, numel], [*self.ends, numel]):
+            if lo > at:
+                out.append(stored[self.at(at): self.at(at) + lo - at])
+            if hi > lo:
+                out.append(zero.expand(hi - lo))
+            at = hi
+        return out
+
+
+NO_HOLES = Holes()
+
+
+def _views(flat: torch.Tensor, group: list[Range], base: int = 0, holes: Holes = NO_HOLES) -> list[torch.Tensor]:
+    """Each range's state, `base` being where `flat` starts (in the kind's stored coordinates);
+    an empty view for a range in a hole."""
+    return [flat[:0] if holes.starts and r.muon else flat[holes.at(r.shard_offset) - base:
+                                                           holes.at(r.shard_offset) - base + r.length]
+            for r in group]
+
+
+def kind_holes(holes: Holes) -> dict[str, Holes]:
+    """Each kind's holes: Muon's elements have no second moment, and nothing else is left out."""
+    return {k: holes if k == "exp_avg_sq" else NO_HOLES for k in KINDS}
 
 
 def host_tensor(numel: int, pin: bool) -> torch.Tensor:
@@ -58,28 +121,37 @@ class MemoryOptimizerStore:
     """The shard's state as flat fp32 tensors on one device (the compute device, or the host
     for ZeRO-Offload)."""
 
-    def __init__(self, numel: int, device: torch.device, separate_master: bool, pin: bool = False) -> None:
-        self.device = device
-        def alloc() -> torch.Tensor:
-            return host_tensor(numel, pin) if device.type == "cpu" else torch.zeros(numel, device=device)
-        self.flat = {k: alloc() for k in KINDS if k != "master" or separate_master}
+    def __init__(self, numel: int, device: torch.device, separate_master: bool, pin: bool = False,
+                 holes: Holes = NO_HOLES) -> None:
+        self.device, self.numel, self.holes = device, numel, kind_holes(holes)
+        def alloc(n: int) -> torch.Tensor:
+            return host_tensor(n, pin) if device.type == "cpu" else torch.zeros(n, device=device)
+        self.flat = {k: alloc(self.holes[k].stored(numel)) for k in KINDS if k != "master" or separate_master}
         self.separate_master = separate_master
         self.reads_are_copies = False  # read() hands out views of the state itself
 
     def iterate(self, groups: list[list[Range]]) -> Iterator[tuple[list[Range], GroupState]]:
         for group in groups:
             yield group, GroupState(_views(self.flat["master"], group) if self.separate_master else None,
-                             _views(self.flat["exp_avg"], group), _views(self.flat["exp_avg_sq"], group),
-                             self.device)
+                             _views(self.flat["exp_avg"], group),
+                             _views(self.flat["exp_avg_sq"], group, holes=self.holes["exp_avg_sq"]), self.device)
 
     def write(self, kind: str, offset: int, values: torch.Tensor) -> None:
-        """Set [offset, offset + len(values)) of one kind (initialisation, loading)."""
+        """Set [offset, offset + len(values)) of one kind (initialisation, loading; shard
+        coordinates: what falls in a hole is dropped)."""
         if kind in self.flat:
-            self.flat[kind][offset: offset + values.numel()].copy_(values)
+            holes = self.holes[kind]
+            for lo, n in holes.kept(offset, values.numel()):
+                self.flat[kind][holes.at(lo): holes.at(lo) + n].copy_(values[lo - offset: lo - offset + n])
 
     def read(self, kind: str) -> torch.Tensor:
-        """The whole shard of one kind (checkpoints); a view, not a copy."""
+        """The whole shard of one kind as stored (holes left out); a view, not a copy."""
         return self.flat[kind]
+
+    def read_pieces(self, kind: str) -> list[torch.Tensor]:
+        """The whole shard of one kind in shard coordinates (checkpoints), as pieces laid end to
+        end: views of the state, and zeros for its holes."""
+        return self.holes[kind].in_shard(self.flat[kind], self.numel)
 
     def pieces(self, kind: str) -> Iterator[tuple[int, torch.Tensor]]:
         """(shard offset, values) pieces of one kind: here, the whole shard at once."""
@@ -97,22 +169,27 @@ class NvmeOptimizerStore:
     under `path`. Each sub-group owns a region of every file starting at a block boundary,
     so whole sub-groups move with large aligned reads and writes."""
 
-    def __init__(self, numel: int, groups: list[list[Range]], path: str, buffer_count: int, pin: bool) -> None:
-        self.numel, self.groups, self.path = numel, groups, path
+    def __init__(self, numel: int, groups: list[list[Range]], path: str, buffer_count: int, pin: bool,
+                 holes: Holes = NO_HOLES) -> None:
+        self.numel, self.groups, self.path, self.holes = numel, groups, path, kind_holes(holes)
         self.device = torch.device("cpu")
         self.separate_master = True
         self.reads_are_copies = True  # read() assembles a private copy
-        # Sub-group g covers shard elements [lo, hi) and sits at file offset self.where[g].
-        self.spans = [(g[0].shard_offset, g[-1].shard_offset + g[-1].length) for g in groups]
-        self.where, end = [], 0
-        for lo, hi in self.spans:
-            self.where.append(end)
-            end += padded((hi - lo) * 4)
-        self.file_bytes = end
-        check_space(path, 3 * end, "optimizer")
-        self.files = {k: SwapFile(path, k, end) for k in KINDS}
-        window = max((hi - lo for lo, hi in self.spans), default=0)
-        self.buffers = [{k: aligned_buffer(window * 4, pin).view(torch.float32) for k in KINDS}
+        # Sub-group g covers stored elements [lo, hi) of each kind and sits at file offset where[kind][g].
+        shard = [(g[0].shard_offset, g[-1].shard_offset + g[-1].length) for g in groups]
+        self.spans = {k: [(h.at(lo), h.at(hi)) for lo, hi in shard] for k, h in self.holes.items()}
+        self.where: dict[str, list[int]] = {}
+        self.file_bytes: dict[str, int] = {}
+        for kind, spans in self.spans.items():
+            self.where[kind], end = [], 0
+            for lo, hi in spans:
+                self.where[kind].append(end)
+                end += padded((hi - lo) * 4)
+            self.file_bytes[kind] = end
+        check_space(path, sum(self.file_bytes.values()), "optimizer")
+        self.files = {k: SwapFile(path, k, self.file_bytes[k]) for k in KINDS}
+        windows = {k: max((hi - lo for lo, hi in spans), default=0) for k, spans in self.spans.items()}
+        self.buffers = [{k: aligned_buffer(windows[k] * 4, pin).view(torch.float32) for k in KINDS}
                         for _ in range(buffer_count)]
         self.reader, self.writer = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
         self.staged: Optional[int] = None  # the sub-group buffer 0 holds for write()/read()
@@ -128,9 +205,10 @@ class NvmeOptimizerStore:
     write_s = property(lambda self: self._total("write_s"))
 
     def _io(self, g: int, buffer: dict[str, torch.Tensor], write: bool) -> None:
-        nbytes = padded((self.spans[g][1] - self.spans[g][0]) * 4)
         for kind in KINDS:
-            self.files[kind].io(buffer[kind].view(torch.uint8)[:nbytes], self.where[g], write)
+            lo, hi = self.spans[kind][g]
+            if hi > lo:
+                self.files[kind].io(buffer[kind].view(torch.uint8)[:padded((hi - lo) * 4)], self.where[kind][g], write)
 
     # ------------------------------------------------------------------ the step
 
@@ -156,8 +234,9 @@ class NvmeOptimizerStore:
                 if k + 1 < len(groups):
                     read_ahead(k + 1)
                 self._wait(reads.pop(k))
-                buf, base = self.buffers[k % count], self.spans[k][0]
-                yield group, GroupState(*(_views(buf[kind], group, base) for kind in KINDS), self.device)  # type: ignore[call-arg, arg-type]  # one list per kind
+                buf = self.buffers[k % count]
+                yield group, GroupState(*(_views(buf[kind], group, self.spans[kind][k][0], self.holes[kind])
+                                          for kind in KINDS), self.device)  # type: ignore[call-arg, arg-type]  # one list per kind
                 writes[k] = self.writer.submit(self._io, k, buf, True)
         finally:
             for f in [*reads.values(), *writes.values()]:
@@ -183,33 +262,41 @@ class NvmeOptimizerStore:
             self._io(self.staged, self.buffers[0], True)
             self.staged = None
 
-    def _overlaps(self, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
-        """(sub-group, start, end) of the parts of shard range [lo, hi) that a sub-group stores."""
-        for g, (a, b) in enumerate(self.spans):
+    def _overlaps(self, kind: str, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
+        """(sub-group, start, end) of the parts of stored range [lo, hi) of `kind` that a sub-group stores."""
+        for g, (a, b) in enumerate(self.spans[kind]):
             start, end = max(lo, a), min(hi, b)
             if start < end:
                 yield g, start, end
 
     def write(self, kind: str, offset: int, values: torch.Tensor) -> None:
-        """Set [offset, offset + len(values)) of one kind. Elements no sub-group covers are
-        padding, zero by construction, and not stored."""
-        for g, start, end in self._overlaps(offset, offset + values.numel()):
-            base = self.spans[g][0]
-            self._stage(g)[kind][start - base: end - base].copy_(values[start - offset: end - offset])
+        """Set [offset, offset + len(values)) of one kind (shard coordinates: what falls in a
+        hole is dropped). Elements no sub-group covers are padding, zero by construction, and
+        not stored."""
+        holes = self.holes[kind]
+        for piece, n in holes.kept(offset, values.numel()):
+            at = holes.at(piece)
+            for g, start, end in self._overlaps(kind, at, at + n):
+                base, src = self.spans[kind][g][0], piece - offset - at
+                self._stage(g)[kind][start - base: end - base].copy_(values[src + start: src + end])
 
     def pieces(self, kind: str) -> Iterator[tuple[int, torch.Tensor]]:
-        """(shard offset, values) of each sub-group's part of one kind, one at a time (each
+        """(stored offset, values) of each sub-group's part of one kind, one at a time (each
         valid until the next is asked for)."""
-        for g, (lo, hi) in enumerate(self.spans):
+        for g, (lo, hi) in enumerate(self.spans[kind]):
             yield lo, self._stage(g)[kind][: hi - lo]
 
     def read(self, kind: str) -> torch.Tensor:
-        """The whole shard of one kind (checkpoints; padding is zero) as a private host
-        tensor backed by a scratch file under nvme_path (see swap.scratch_tensor)."""
-        out = scratch_tensor(self.path, self.numel)
+        """The whole shard of one kind as stored (checkpoints; padding is zero) as a private
+        host tensor backed by a scratch file under nvme_path (see swap.scratch_tensor)."""
+        out = scratch_tensor(self.path, self.holes[kind].stored(self.numel))
         for lo, values in self.pieces(kind):
             out[lo: lo + values.numel()].copy_(values)
         return out
 
+    def read_pieces(self, kind: str) -> list[torch.Tensor]:
+        """The whole shard of one kind in shard coordinates: read()'s copy, with zeros for its holes."""
+        return self.holes[kind].in_shard(self.read(kind), self.numel)
+
     def nbytes(self) -> dict[str, int]:
-        return {"cpu": sum(t.numel() * 4 for b in self.buffers for t in b.values()), "nvme": 3 * self.file_bytes}
+        return {"cpu": sum(t.numel() * 4 for b in self.buffers for t in b.values()), "nvme": sum(self.file_bytes.values())}

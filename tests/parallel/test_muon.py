@@ -115,7 +115,7 @@ def _run(args: list[str], iters: int = 3) -> bytes:
     plain = muon.orthogonalize
 
     def counted(u: torch.Tensor, steps: int) -> torch.Tensor:
-        calls.append(tuple(u.shape))
+        calls.extend([tuple(u.shape[-2:])] * (u.shape[0] if u.dim() == 3 else 1))  # a batch: each of its matrices
         return plain(u, steps)
     muon.orthogonalize = counted
     try:
