@@ -260,6 +260,7 @@ def _train_and_resume(first: list[str], megatron_dir: str, second: list[str]) ->
     return losses, _train(second)
 
 
+@pytest.mark.slow  # suite budget: the Llama 3 example's line trains at tp 2 x pp 2 and resumes by default
 def test_megatron_line_trains_at_tp2_pp2_and_resumes(corpus, tmp_path):
     ckpt, megatron_dir = str(tmp_path / "ckpt"), str(tmp_path / "megatron")
     first = shrunk_175b_line(*corpus, ckpt)

@@ -29,9 +29,9 @@ def _max_diff(run: list[dict], ref: list[dict], key: str) -> float:
 
 
 @pytest.mark.parametrize("nproc, layout", [
-    (2, ["--parallel.pp", "2"]),
+    pytest.param(2, ["--parallel.pp", "2"], marks=pytest.mark.slow),  # suite budget: pp 2 in zbh1's case below
     pytest.param(4, ["--parallel.pp", "4"], marks=pytest.mark.slow),  # pp 4 by default: test_pipeline's
-    (2, ["--parallel.pp", "2", "--parallel.vpp", "2"]),
+    pytest.param(2, ["--parallel.pp", "2", "--parallel.vpp", "2"], marks=pytest.mark.slow),  # vpp: test_pipeline's
     # tp 2 x pp 2 x dp 2, slow (suite budget): tp 2 x pp 2 by default in test_pipeline's pp 4 case and the Megatron line
     pytest.param(8, ["--parallel.tp", "2", "--parallel.pp", "2"], marks=pytest.mark.slow),
     (4, ["--parallel.pp", "2", "--parallel.schedule", "zbh1", "--zero.stage", "2"]),  # deferred W, sharded grads

@@ -17,7 +17,8 @@ from helpers import REPO, TINY_CONFIG, make_texts, write_jsonl
 from megazero.harness.spawn import free_port
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],  # suite budget
+                         ids=lambda s: s.name)
 def test_a_stop_signal_to_the_launcher_saves_and_exits_0(tmp_path, sig):
     """SIGTERM, or Ctrl-C's SIGINT (the workers take it as a stop request under the launcher)."""
     jsonl, save = tmp_path / "m.jsonl", tmp_path / "ck"
@@ -47,7 +48,8 @@ def _wait_for_records(proc: subprocess.Popen, jsonl: Path, count: int, timeout: 
     assert proc.poll() is None, "the run ended before it was signalled"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1], ids=lambda s: s.name)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, *(pytest.param(s, marks=pytest.mark.slow)  # suite budget
+                                             for s in (signal.SIGINT, signal.SIGUSR1))], ids=lambda s: s.name)
 def test_a_stop_signal_to_the_script_saves_and_exits_0(tmp_path, bpe_spec, sig):
     """The signal goes to pretrain_gpt.sh's bash process alone (as `kill <pid>` would): the shell
     passes it on (scripts/args.sh `launch`), waits for the launcher and exits with its status."""

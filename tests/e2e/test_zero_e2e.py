@@ -30,7 +30,7 @@ def _check(run: list[dict], reference: list[dict], label: str) -> None:
 
 
 # Stages 1 and 2 are also checked parameter for parameter at dp 2 in test_zero.py (fast).
-@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow),
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow),
                                    pytest.param(2, marks=pytest.mark.slow), 3])
 def test_zero_stage_dp2_losses_equal_single_process(tmp_path, reference, stage):
     _check(_run(tmp_path, 2, ["--zero.stage", str(stage)], "run"), reference, f"stage {stage} dp 2")

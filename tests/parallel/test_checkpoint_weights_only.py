@@ -9,6 +9,7 @@ import io
 import json
 import os
 
+import pytest
 import torch
 
 from helpers import run_distributed
@@ -100,6 +101,7 @@ def _resharded_runs(full: str, weights: str) -> tuple[list[float], list[float], 
     return _run(_trainer([*at_tp2, weights, *FRESH])[0])[0], _run(_trainer([*at_tp2, full, *FRESH])[0])[0], refusal
 
 
+@pytest.mark.slow  # suite budget: the one-rank test keeps the weights-only save and load
 def test_weights_only_checkpoint_reshards(tmp_path):
     """Saved at dp 2 (ZeRO-1), loaded at tp 2: only the master weights are resharded."""
     results = run_distributed(_resharded_runs, 2, str(tmp_path / "full"), str(tmp_path / "weights"))

@@ -305,7 +305,8 @@ COMPILE = ["--train.compile", "true"]
 COMPILED = {"ring": RING + COMPILE, "ulysses-full": ULYSSES + COMPILE + ["--train.recompute", "full"]}
 
 
-@pytest.mark.parametrize("case", ["ring", pytest.param("ulysses-full", marks=pytest.mark.slow)])
+@pytest.mark.slow  # suite budget: compiled blocks are checked by test_step_costs by default
+@pytest.mark.parametrize("case", ["ring", "ulysses-full"])
 def test_compiled_blocks_with_context_parallelism(reference, case):
     """train.compile at cp 2: the blocks compiled around the eager attention core (ring, and
     Ulysses under full recomputation) give the single process's losses and norms."""
@@ -334,6 +335,7 @@ STATES_4 = {"cp2-dp2-zero3": RING + ["--zero.stage", "3"], "dp4-zero3": ["--zero
             "cp2-dp2-zero1": RING + ["--zero.stage", "1"], "dp4-zero1": ["--zero.stage", "1"]}
 
 
+@pytest.mark.slow  # suite budget: cp 2 x dp 2 ZeRO-3 runs by default in test_llama_family's checkpoint test
 def test_context_parallel_with_zero3_4_ranks(reference):
     """cp 2 x dp 2 at ZeRO-3 (sharded over dp x cp), ring and Ulysses (full recomputation); the
     model states of cp 2 x dp 2 equal dp 4's (ZeRO-1 and 3: shards over all 4) and the planner's."""
