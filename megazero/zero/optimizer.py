@@ -196,21 +196,21 @@ class ZeroOptimizer:
                 torch._foreach_mul_(grads, coef)
             masters = st.master if st.master is not None else [self.params.view(r) for r in group]
             adam = [i for i, r in enumerate(group) if not r.muon]  # every range under optim.name adamw
-            kept = [group[i] for i in adam]
+            kept, avg, avg_sq = [group[i] for i in adam], st.exp_avg, st.exp_avg_sq
             if len(adam) < len(group):  # Muon's elementwise first half: the gradients become its updates
                 momentum_([grads[i] for i, r in enumerate(group) if r.muon],
-                          [st.exp_avg[i] for i, r in enumerate(group) if r.muon], o.muon_momentum, o.muon_nesterov)
+                          [avg[i] for i, r in enumerate(group) if r.muon], o.muon_momentum, o.muon_nesterov)
                 masters, grads = [masters[i] for i in adam], [grads[i] for i in adam]
-                st.exp_avg, st.exp_avg_sq = [st.exp_avg[i] for i in adam], [st.exp_avg_sq[i] for i in adam]
+                avg, avg_sq = [avg[i] for i in adam], [avg_sq[i] for i in adam]
             # The update rule (AdamW: Megatron's --optimizer adam); once per LR the group's ranges take.
             for part_lr, part in _lr_parts(kept, lr, decoupled_lr):
                 if o.name == "sgd":  # torch.optim.SGD's rule, its momentum buffer in Adam's first-moment slot
-                    sgd_([masters[i] for i in part], [grads[i] for i in part], [st.exp_avg[i] for i in part],
+                    sgd_([masters[i] for i in part], [grads[i] for i in part], [avg[i] for i in part],
                          [masters[i] for i in part if kept[i].decay], lr=part_lr, weight_decay=o.weight_decay,
                          momentum=o.sgd_momentum)
                     continue
-                adamw_([masters[i] for i in part], [grads[i] for i in part], [st.exp_avg[i] for i in part],
-                       [st.exp_avg_sq[i] for i in part], [masters[i] for i in part if kept[i].decay],
+                adamw_([masters[i] for i in part], [grads[i] for i in part], [avg[i] for i in part],
+                       [avg_sq[i] for i in part], [masters[i] for i in part if kept[i].decay],
                        lr=part_lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                        step=self.step_count)
             if st.master is not None:
