@@ -88,18 +88,24 @@ EXAMPLES = [{"prompt": "Question: what is two and two?\nAnswer:", "completion": 
             {"prompt": "Name a colour.", "completion": " Blue, like the sky over the sea."}]
 
 
-def save_random_gpt2(path: Path, **config: int) -> str:
-    """A random Hugging Face GPT-2 (`config`: GPT2Config's sizes; no dropout) with non-trivial
-    LayerNorms and biases, saved as safetensors under `path` (for checkpoint.init_from_hf)."""
+def save_random_hf(path: Path, family: str = "gpt2", shard_size: Optional[str] = None, **config) -> str:
+    """A random Hugging Face GPT-2 (no dropout) or Llama (`family`; `config`: its Config's
+    sizes) with non-trivial norms and biases, saved as safetensors under `path` (for
+    checkpoint.init_from_hf); `shard_size` saves shards with an index."""
     import torch
     import transformers
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    if family == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config, resid_pdrop=0, embd_pdrop=0,
+                                                                     attn_pdrop=0))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn(p.shape) * 0.1)
-    model.save_pretrained(str(path), safe_serialization=True)
+    model.save_pretrained(str(path), safe_serialization=True,
+                          **({"max_shard_size": shard_size} if shard_size else {}))
     return str(path)
 
 

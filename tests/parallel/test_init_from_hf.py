@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from helpers import make_config, make_trainer, run_distributed, save_random_gpt2
+from helpers import make_config, make_trainer, run_distributed, save_random_hf
 from megazero.checkpoint.sharded import CheckpointError
 from megazero.config import ConfigError
 
@@ -24,7 +24,7 @@ ARGS = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_hea
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A random GPT-2 with non-trivial LayerNorms and biases, saved as safetensors."""
-    return save_random_gpt2(tmp_path_factory.mktemp("hf"), **HF)
+    return save_random_hf(tmp_path_factory.mktemp("hf"), **HF)
 
 
 def _transformers_loss(hf_dir: str) -> float:

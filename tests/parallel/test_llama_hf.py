@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import full_logits, make_config, make_trainer, run_distributed
+from helpers import full_logits, make_config, make_trainer, run_distributed, save_random_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,14 +32,8 @@ ARGS = ["--model.seq_length", "32", "--data.mock", "true", "--train.global_batch
 def hf_dir(tmp_path_factory, llama3_tokenizer_dir):
     """A random LlamaForCausalLM (grouped K/V, untied, no biases) with non-trivial norms, saved as
     safetensors shards with an index, beside a Llama 3 style tokenizer.json."""
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape) * 0.1)
     path = tmp_path_factory.mktemp("hf-llama")
-    model.save_pretrained(str(path), safe_serialization=True, max_shard_size="100KB")
+    save_random_hf(path, "llama", shard_size="100KB", **HF)
     assert (path / "model.safetensors.index.json").exists()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(llama3_tokenizer_dir, name), path)

@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_parity, logged_by_layout, logged_losses, make_config, make_trainer, run_distributed
+from helpers import (
+    assert_parity,
+    logged_by_layout,
+    logged_losses,
+    make_config,
+    make_trainer,
+    run_distributed,
+    save_random_hf,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,15 +36,7 @@ ARGS = ["--model.seq_length", "32", "--data.mock", "true", "--train.global_batch
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> str:
     """A random LlamaForCausalLM of llama-tiny's shape with non-trivial RMSNorm weights."""
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape) * 0.1)
-    path = tmp_path_factory.mktemp("hf-llama-muon")
-    model.save_pretrained(str(path), safe_serialization=True)
-    return str(path)
+    return save_random_hf(tmp_path_factory.mktemp("hf-llama-muon"), "llama", **HF)
 
 
 def _transformers_losses(hf_dir: str) -> list[float]:

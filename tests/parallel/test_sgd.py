@@ -17,7 +17,7 @@ from helpers import (
     make_trainer,
     momentum_checkpoints,
     run_distributed,
-    save_random_gpt2,
+    save_random_hf,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -35,7 +35,7 @@ ARGS = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_hea
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A random GPT-2 with non-trivial LayerNorms and biases, saved as safetensors."""
-    return save_random_gpt2(tmp_path_factory.mktemp("hf-sgd"), **HF)
+    return save_random_hf(tmp_path_factory.mktemp("hf-sgd"), **HF)
 
 
 def _torch_losses(hf_dir: str, momentum: float) -> list[float]:
