@@ -209,5 +209,5 @@ def _resharded(root: str) -> dict:
 
 def test_momentum_is_saved_resumed_bitwise_and_resharded(tmp_path):
     for out in run_distributed(_checkpoints, 2, str(tmp_path)):
-        assert_momentum_checkpoints(out, "muon", 1e-3)
+        assert_momentum_checkpoints(out, "muon")
         assert max(abs(a - b) for a, b in zip(out["resharded"], out["straight"], strict=True)) <= 1e-5

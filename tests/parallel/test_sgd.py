@@ -125,4 +125,4 @@ def _checkpoints(root: str) -> dict:
 def test_momentum_is_saved_and_resumed_bitwise(tmp_path):
     """dp 2 ZeRO-1: saved and resumed bitwise; an AdamW resume refused unless checkpoint.load_optimizer false."""
     for out in run_distributed(_checkpoints, 2, str(tmp_path)):
-        assert_momentum_checkpoints(out, "sgd", 1e-6)
+        assert_momentum_checkpoints(out, "sgd")
