@@ -214,8 +214,8 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
     shards = dp if zs.optimizer else 1
     padded = rp.padded(shards)
     states = zs.model_state_bytes(sum(padded), dp, elem)
-    # optim.name muon: its matrices keep one fp32 buffer, not Adam's two moments.
-    muon = rp.muon_shard_numel(shards) if cfg.optim.name == "muon" else 0
+    # Elements with one fp32 buffer, not Adam's two moments: Muon's matrices, SGD's every element.
+    muon = {"muon": rp.muon_shard_numel(shards), "sgd": sum(padded) // shards}.get(cfg.optim.name, 0)
     states = {**states, "optimizer": states["optimizer"] - F.MUON_SAVED_BYTES * muon,
               "total": states["total"] - F.MUON_SAVED_BYTES * muon}
     host = host_shape(cfg, layout, padded, shards, accelerator, muon)
@@ -247,7 +247,7 @@ def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: i
                muon: int = 0) -> F.HostShape:
     """What offloading keeps in host memory for one rank of `layout`: the config's offload
     modes (the planner's --offload-optimizer alone means cpu), its buffers and sub-groups;
-    `muon` of the shard's elements are Muon's (no second moment)."""
+    `muon` of the shard's elements keep no second moment (Muon's matrices, or all under SGD)."""
     z = cfg.zero
     optimizer = (z.offload_optimizer if z.offload_optimizer != "none" else "cpu") if layout.offload_optimizer else "none"
     shard = sum(padded) // shards

@@ -106,8 +106,9 @@ class ZeroOptimizer:
         z, n = self.cfg.zero, self.layout.trainable_numel
         # In fp32 with the parameters in device memory, the parameters are the master weights.
         separate = self.compute_dtype != torch.float32 or z.offload_param != "none"
-        # Muon's ranges keep one buffer (exp_avg, its momentum): no second moment is stored for them.
-        holes = Holes([(r.shard_offset, r.length) for r in self.ranges if r.muon])
+        # Muon's ranges, and SGD's all, keep one buffer (exp_avg, their momentum): no second moment.
+        holes = Holes([(0, n)] if self.cfg.optim.name == "sgd" else
+                      [(r.shard_offset, r.length) for r in self.ranges if r.muon])
 
         def build() -> MemoryOptimizerStore | NvmeOptimizerStore:
             if z.offload_optimizer == "none":

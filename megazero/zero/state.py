@@ -50,8 +50,9 @@ class GroupState:
 
 
 class Holes:
-    """Runs of the shard a kind does not store (Muon's ranges in exp_avg_sq): its elements are
-    kept end to end without them, each moved down by the holes' lengths before it."""
+    """Runs of the shard a kind does not store (exp_avg_sq of Muon's ranges, and of every range
+    under SGD): its elements are kept end to end without them, each moved down by the holes'
+    lengths before it."""
 
     def __init__(self, spans: Sequence[tuple[int, int]] = ()) -> None:
         """`spans`: (shard offset, length) of each hole, in shard order, not overlapping."""
@@ -60,8 +61,15 @@ class Holes:
         self.before = [0, *itertools.accumulate(n for _, n in spans)]  # hole elements before hole i
 
     def at(self, offset: int) -> int:
-        """Where shard offset `offset` (not inside a hole) is stored."""
-        return offset - self.before[bisect.bisect_left(self.starts, offset)]
+        """Where shard offset `offset` is stored (inside a hole: where the hole's next stored
+        element goes), i.e. `offset` less the hole elements before it."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        return offset if i < 0 else offset - self.before[i] - (min(offset, self.ends[i]) - self.starts[i])
+
+    def contains(self, offset: int) -> bool:
+        """Whether shard offset `offset` lies in a hole."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        return i >= 0 and offset < self.ends[i]
 
     def stored(self, numel: int) -> int:
         """Elements stored of a shard of `numel`."""
@@ -102,13 +110,13 @@ NO_HOLES = Holes()
 def _views(flat: torch.Tensor, group: list[Range], base: int = 0, holes: Holes = NO_HOLES) -> list[torch.Tensor]:
     """Each range's state, `base` being where `flat` starts (in the kind's stored coordinates);
     an empty view for a range in a hole."""
-    return [flat[:0] if holes.starts and r.muon else flat[holes.at(r.shard_offset) - base:
-                                                           holes.at(r.shard_offset) - base + r.length]
+    return [flat[:0] if holes.contains(r.shard_offset) else flat[holes.at(r.shard_offset) - base:
+                                                                 holes.at(r.shard_offset) - base + r.length]
             for r in group]
 
 
 def kind_holes(holes: Holes) -> dict[str, Holes]:
-    """Each kind's holes: Muon's elements have no second moment, and nothing else is left out."""
+    """Each kind's holes: only the second moment has them (Muon's elements, SGD's all)."""
     return {k: holes if k == "exp_avg_sq" else NO_HOLES for k in KINDS}
 
 

@@ -1,4 +1,4 @@
-"""optim.name muon's optimizer state: Muon's ranges keep one buffer (exp_avg, the momentum)
+"""optim.name muon's (and sgd's) optimizer state: Muon's ranges keep one buffer (exp_avg, the momentum)
 and no second moment, in device, host and NVMe stores alike; whole-kind reads and writes keep
 the shard's coordinates (the holes read as zeros), so checkpoints keep their format."""
 
@@ -65,3 +65,24 @@ def test_stores_keep_no_second_moment_for_muon(tmp_path):
         assert torch.equal(got["exp_avg_sq"][adam], values[adam] + 6)
         assert got["exp_avg_sq"][muon].eq(0).all() and got["exp_avg_sq"].numel() == NUMEL
     assert torch.equal(_step_and_read(plain, holes=False)["exp_avg_sq"][covered], values[covered] + 6)
+
+
+def test_sgd_stores_no_second_moment_at_all(tmp_path):
+    """optim.name sgd: one hole over the whole shard; every range's exp_avg_sq is empty, nothing
+    of it is allocated or written to disk, and it reads back as zeros in shard coordinates."""
+    whole = Holes([(0, NUMEL)])
+    memory = MemoryOptimizerStore(NUMEL, torch.device("cpu"), separate_master=True, holes=whole)
+    nvme = NvmeOptimizerStore(NUMEL, GROUPS, str(tmp_path), buffer_count=2, pin=False, holes=whole)
+    assert memory.flat["exp_avg_sq"].numel() == 0 and nvme.file_bytes["exp_avg_sq"] == 0
+    for store in (memory, nvme):
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            store.write(kind, 0, torch.arange(NUMEL, dtype=torch.float32))
+        store.flush()
+        for group, st in store.iterate(GROUPS):
+            assert [s.numel() for s in st.exp_avg_sq] == [0] * len(group)
+            assert [a.numel() for a in st.exp_avg] == [r.length for r in group]
+        second = torch.cat([p.reshape(-1) for p in store.read_pieces("exp_avg_sq")])
+        assert second.numel() == NUMEL and second.eq(0).all()
+        first = torch.cat([p.reshape(-1) for p in store.read_pieces("exp_avg")])
+        covered = torch.cat([torch.arange(r.shard_offset, r.shard_offset + r.length) for g in GROUPS for r in g])
+        assert torch.equal(first[covered], covered.float())  # the NVMe store keeps the ranges only
