@@ -109,6 +109,36 @@ def save_random_hf(path: Path, family: str = "gpt2", shard_size: Optional[str] =
     return str(path)
 
 
+def hf_adamw(params: list, o, lr: float):
+    """torch.optim.AdamW as megazero steps these parameters: weight decay on matrices, none on
+    1-D parameters (`o`: the run's optim section)."""
+    import torch
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": o.weight_decay},
+                              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
+                             lr=lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def hf_reference_losses(model, steps: int, vocab: int, seed: int, clip: float, step: Callable[[int], None],
+                        batch: int = 8, seq: int = 32) -> list[float]:
+    """A transformers model trained on megazero's mock global batches (sample i depends only on
+    (seed, i)): each step's loss, after the backward, one global-norm clip of every gradient
+    and `step(i)`, the reference optimizers' update."""
+    import torch
+
+    from megazero.data.mock import MockGPTDataset
+    ds = MockGPTDataset(batch * steps, seq, vocab, seed)
+    out = []
+    for i in range(steps):
+        rows = torch.stack([torch.as_tensor(ds[k]) for k in range(batch * i, batch * (i + 1))]).long()
+        model.zero_grad()
+        loss = model(input_ids=rows, labels=rows).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        step(i)
+        out.append(loss.item())
+    return out
+
+
 def momentum_checkpoints(args: list[str], root: str, between: Optional[Callable[[str], dict]] = None) -> dict:
     """In each spawned rank, for an optimizer whose momentum lives in the exp_avg slot (Muon,
     SGD): `args` with 2 steps, a save to root/save, 2 steps; a resume of the save; `between(root)`'s

@@ -9,6 +9,8 @@ import torch
 
 from helpers import (
     assert_momentum_checkpoints,
+    hf_adamw,
+    hf_reference_losses,
     make_config,
     make_trainer,
     momentum_checkpoints,
@@ -49,27 +51,17 @@ def _hf_matrices(model) -> list[tuple[torch.Tensor, slice]]:
 def _transformers_losses(hf_dir: str, adjust: str) -> list[float]:
     """GPT2LMHeadModel trained with torch.optim.Muon on (out, in) copies of its matrices and
     torch.optim.AdamW (decay on the other matrices only) on the rest, after one global-norm clip."""
-    from megazero.data.mock import MockGPTDataset
     cfg = make_config(ARGS)
     o = cfg.optim
-    ds = MockGPTDataset(8 * STEPS, 32, HF["vocab_size"], cfg.train.seed)
     model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, torch_dtype=torch.float32)
     matrices = _hf_matrices(model)
     leaves = [torch.nn.Parameter(w.detach()[:, cols].T.clone()) for w, cols in matrices]  # nn.Linear's (out, in)
     taken = {id(w) for w, _ in matrices}
-    rest = [p for p in model.parameters() if id(p) not in taken]
     muon = torch.optim.Muon(leaves, lr=MUON_LR, weight_decay=o.weight_decay, momentum=o.muon_momentum,
                             nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps, adjust_lr_fn=adjust)
-    adam = torch.optim.AdamW([{"params": [p for p in rest if p.dim() > 1], "weight_decay": o.weight_decay},
-                              {"params": [p for p in rest if p.dim() <= 1], "weight_decay": 0.0}],
-                             lr=LR, betas=(o.beta1, o.beta2), eps=o.eps)
-    out = []
-    for step in range(STEPS):
-        rows = torch.stack([torch.as_tensor(ds[i]) for i in range(8 * step, 8 * step + 8)]).long()
-        model.zero_grad()
-        loss = model(input_ids=rows, labels=rows).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+    adam = hf_adamw([p for p in model.parameters() if id(p) not in taken], o, LR)
+
+    def step(_: int) -> None:
         for leaf, (w, cols) in zip(leaves, matrices):
             leaf.grad = w.grad[:, cols].T.contiguous()
         muon.step()
@@ -77,8 +69,7 @@ def _transformers_losses(hf_dir: str, adjust: str) -> list[float]:
         with torch.no_grad():
             for leaf, (w, cols) in zip(leaves, matrices):
                 w[:, cols] = leaf.T
-        out.append(loss.item())
-    return out
+    return hf_reference_losses(model, STEPS, HF["vocab_size"], cfg.train.seed, o.clip_grad, step)
 
 
 def _losses(hf_dir: str, layout: list[str]) -> list:

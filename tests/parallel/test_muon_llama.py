@@ -10,6 +10,8 @@ import torch
 
 from helpers import (
     assert_parity,
+    hf_adamw,
+    hf_reference_losses,
     logged_by_layout,
     logged_losses,
     make_config,
@@ -43,30 +45,16 @@ def _transformers_losses(hf_dir: str) -> list[float]:
     """LlamaForCausalLM after one global-norm clip: torch.optim.Muon on the seven projections
     (already nn.Linear's (out, in)), torch.optim.AdamW on embeddings, output layer (decayed) and
     norms (not), on megazero's global batches (mock sample i depends only on (seed, i))."""
-    from megazero.data.mock import MockGPTDataset
     o = make_config(ARGS, base=LLAMA).optim
-    ds = MockGPTDataset(8 * STEPS, 32, HF["vocab_size"], 1234)
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
     matrices = [p for name, p in model.named_parameters() if name.endswith(tuple(f"{t}.weight" for t in MUON_TARGETS))]
     assert len(matrices) == 7 * HF["num_hidden_layers"]
     taken = {id(p) for p in matrices}
-    rest = [p for p in model.parameters() if id(p) not in taken]
     muon = torch.optim.Muon(matrices, lr=MUON_LR, weight_decay=o.weight_decay, momentum=o.muon_momentum,
                             nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps, adjust_lr_fn=o.muon_adjust_lr)
-    adam = torch.optim.AdamW([{"params": [p for p in rest if p.dim() > 1], "weight_decay": o.weight_decay},
-                              {"params": [p for p in rest if p.dim() <= 1], "weight_decay": 0.0}],
-                             lr=LR, betas=(o.beta1, o.beta2), eps=o.eps)
-    out = []
-    for step in range(STEPS):
-        rows = torch.stack([torch.as_tensor(ds[i]) for i in range(8 * step, 8 * step + 8)]).long()
-        model.zero_grad()
-        loss = model(input_ids=rows, labels=rows).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
-        muon.step()
-        adam.step()
-        out.append(loss.item())
-    return out
+    adam = hf_adamw([p for p in model.parameters() if id(p) not in taken], o, LR)
+    return hf_reference_losses(model, STEPS, HF["vocab_size"], 1234, o.clip_grad,
+                               lambda _: (muon.step(), adam.step()))
 
 
 def _layouts(hf_dir: str, layouts: dict[str, list[str]]) -> dict[str, list[tuple[float, float]]]:

@@ -13,6 +13,7 @@ import torch
 
 from helpers import (
     assert_momentum_checkpoints,
+    hf_reference_losses,
     make_config,
     make_trainer,
     momentum_checkpoints,
@@ -41,28 +42,20 @@ def hf_dir(tmp_path_factory):
 def _torch_losses(hf_dir: str, momentum: float) -> list[float]:
     """GPT2LMHeadModel trained with torch.optim.SGD: weight decay on the matrices (megazero decays
     no 1-D parameter), the LR of megazero's schedule set before each step."""
-    from megazero.data.mock import MockGPTDataset
     from megazero.train.lr import learning_rate
     cfg = make_config(ARGS)
     o = cfg.optim
-    ds = MockGPTDataset(8 * STEPS, 32, HF["vocab_size"], cfg.train.seed)
     model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, torch_dtype=torch.float32)
     params = list(model.parameters())
     sgd = torch.optim.SGD([{"params": [p for p in params if p.dim() > 1], "weight_decay": o.weight_decay},
                            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
                           lr=o.lr, momentum=momentum, foreach=False)
-    out = []
-    for step in range(STEPS):
-        rows = torch.stack([torch.as_tensor(ds[i]) for i in range(8 * step, 8 * step + 8)]).long()
-        model.zero_grad()
-        loss = model(input_ids=rows, labels=rows).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, o.clip_grad)
+
+    def step(i: int) -> None:
         for g in sgd.param_groups:
-            g["lr"] = learning_rate(step, o, cfg.train.iters)
+            g["lr"] = learning_rate(i, o, cfg.train.iters)
         sgd.step()
-        out.append(loss.item())
-    return out
+    return hf_reference_losses(model, STEPS, HF["vocab_size"], cfg.train.seed, o.clip_grad, step)
 
 
 def _losses(hf_dir: str) -> list[float]:
