@@ -1,5 +1,5 @@
 """The layout planner under optim.name muon against what training allocates, moves and computes:
-Muon's matrices keep one fp32 buffer (4 B per element instead of Adam's 8), and the planner's
+Muon's matrices keep one fp32 buffer (4 B per element instead of Adam's 8; SGD's every element), and the planner's
 optimizer-state bytes equal the optimizer's allocation on the DP rank holding the most; its
 exchange bytes equal the stage group's counters; its Newton-Schulz FLOPs equal torch's count
 of the iteration and a hand count; the start-up summary shows them."""
@@ -13,9 +13,10 @@ from helpers import run_distributed
 TINY = {"model": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "seq_length": 32, "vocab_size": 256},
         "train": {"micro_batch_size": 2, "global_batch_size": 8, "iters": 2},
         "zero": {"bucket_size": 20000}, "data": {"mock": True}, "optim": {"name": "muon"}}
-# On 2 ranks: dp at ZeRO 1 (fp32) and 3 (bf16), tp 2, and the optimizer in host memory.
+# On 2 ranks: dp at ZeRO 1 (fp32) and 3 (bf16), tp 2, and the optimizer in host memory; last, SGD,
+# which keeps its momentum alone (4 B per element, no exchange).
 LAYOUTS = [["--zero.stage", "1"], ["--zero.stage", "3", "--train.precision", "bf16"], ["--parallel.tp", "2"],
-           ["--zero.stage", "2", "--zero.offload_optimizer", "cpu"]]
+           ["--zero.stage", "2", "--zero.offload_optimizer", "cpu"], ["--zero.stage", "2", "--optim.name", "sgd"]]
 
 
 def _measure(layouts: list[list[str]]) -> list[dict]:
@@ -44,7 +45,7 @@ def _measure(layouts: list[list[str]]) -> list[dict]:
         state = tr.optimizer.model_state_bytes()
         out.append({"case": " ".join(overrides), "optimizer": state["optimizer"] + state["offloaded_host"],
                     "predicted": pred.states["optimizer"], "host": pred.host_items["optimizer_states"],
-                    "exchange": (sum(v for k, v in exchange.items() if not k.endswith("_calls")), pred.bytes["muon"])})
+                    "exchange": (sum(v for k, v in exchange.items() if not k.endswith("_calls")), pred.bytes.get("muon", 0))})
     return out
 
 
@@ -53,7 +54,7 @@ def measured() -> list[list[dict]]:
     return run_distributed(_measure, 2, LAYOUTS)
 
 
-def test_planner_optimizer_state_equals_the_allocation_under_muon(measured):
+def test_planner_optimizer_state_equals_the_allocation_under_muon_and_sgd(measured):
     for case in zip(*measured, strict=True):
         allocated = [r["optimizer"] for r in case]
         offloaded = "offload_optimizer" in case[0]["case"]  # in host memory: fp32 master weights too
@@ -64,7 +65,8 @@ def test_planner_optimizer_state_equals_the_allocation_under_muon(measured):
 def test_planner_exchange_bytes_equal_the_counters(measured):
     for rank in measured:
         for r in rank:
-            assert r["exchange"][0] == r["exchange"][1] > 0, r
+            sgd = "sgd" in r["case"]
+            assert r["exchange"][0] == r["exchange"][1] and (r["exchange"][0] == 0) == sgd, r
 
 
 def test_newton_schulz_flops_equal_a_count_of_the_iteration():

@@ -111,8 +111,11 @@ def test_single_process_matches_torch_adamw(reference):
         for g in adam.param_groups:
             g["lr"] = learning_rate(it, o, t.iters)
         adam.step()
+    # Adam divides by sqrt(v): an element whose gradient is near zero carries the last bits of the
+    # sums into its update, and those bits change with the CPU's kernels (2.1e-6 on one element of
+    # 16,384 on an AVX-512 machine; under 2e-6 on earlier CI machines).
     for name, p in model.named_parameters():
-        torch.testing.assert_close(reference["params"][name], p.detach(), rtol=0, atol=2e-6, msg=name)
+        torch.testing.assert_close(reference["params"][name], p.detach(), rtol=0, atol=5e-6, msg=name)
 
 
 def _comm_theory(stage: int, psi_bytes: float, n: int, micro: int) -> float:
