@@ -43,6 +43,20 @@ def make_trainer(args: Sequence[str] = (), base: str | dict = TINY_CONFIG):
         return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp))
 
 
+def warm_trainer_and_plan(args: Sequence[str], base: str | dict):
+    """make_trainer(args, base) after one warm-up step, its comm counters reset (the next step is
+    a steady one to measure), and the layout planner's prediction for this rank's pipeline stage."""
+    import torch.distributed as dist
+
+    from megazero.plan.planner import Cluster, predict, run_layout
+    cfg, tr = make_config(args, base, world=dist.get_world_size()), make_trainer(args, base)
+    tr.train_step()
+    tr.grid.reset_counters()
+    pred = predict(cfg, run_layout(cfg, tr.grid.dp, cfg.parallel.cp), Cluster(dist.get_world_size(), 8, 1.0, None),
+                   ranks=[tr.grid.pp_rank], device="cpu")
+    return tr, pred.rank(tr.grid.pp_rank)
+
+
 def make_grid(tp: int):
     """This spawned rank's grid of tp x dp (pp 1) on the gloo world it joined, for tests of
     single layers (a trainer builds its own)."""

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, make_config, run_distributed
+from helpers import REPO, make_config, run_distributed, warm_trainer_and_plan
 from megazero.plan import formulas as F
 
 ROOT = str(REPO)
@@ -59,35 +59,17 @@ SLOW_LAYOUTS = [
 
 def _measure(layouts: list[list[str]]) -> list[dict]:
     """Per layout, this rank's planner prediction beside what one training step measured."""
-    import contextlib
-    import io
-
     import torch
     import torch.distributed as dist
 
-    from megazero.config import build_config
-    from megazero.config.preflight import resolve_and_validate
-    from megazero.parallel.grid import ProcessGrid
     from megazero.plan.measure import ActivationMeter
-    from megazero.plan.planner import Cluster, ParallelLayout, predict
-    from megazero.train.trainer import Trainer
     out = []
     for overrides in layouts:
-        cfg = build_config(TINY, overrides)
-        dp = resolve_and_validate(cfg, dist.get_world_size())
-        with contextlib.redirect_stdout(io.StringIO()):
-            tr = Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp))
-        tr.train_step()  # warm-up: the counters and the meter see a steady iteration
-        tr.grid.reset_counters()
+        tr, pred = warm_trainer_and_plan(overrides, TINY)
         meter = ActivationMeter(lambda tr=tr: weight_storages(tr))
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             tr.train_step()
-        moved = tr.grid.bytes_moved()
-        p, z, t = cfg.parallel, cfg.zero, cfg.train
-        layout = ParallelLayout(p.tp, p.pp, dp, p.vpp, z.stage, t.micro_batch_size, t.recompute, p.sequence_parallel,
-                                False, p.cp, p.cp_impl)
-        pred = predict(cfg, layout, Cluster(dist.get_world_size(), 8, 1.0, None), ranks=[tr.grid.pp_rank],
-                       device="cpu").rank(tr.grid.pp_rank)
+        moved, p = tr.grid.bytes_moved(), tr.cfg.parallel
         out.append({"case": " ".join(overrides), "rank": dist.get_rank(),
                     "states": (_on_device(tr.optimizer.model_state_bytes()), pred.states),
                     "bytes": ({k: sum(v for group in groups for op, v in moved.get(group, {}).items()

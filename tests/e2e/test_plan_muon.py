@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import run_distributed
+from helpers import run_distributed, warm_trainer_and_plan
 
 TINY = {"model": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "seq_length": 32, "vocab_size": 256},
         "train": {"micro_batch_size": 2, "global_batch_size": 8, "iters": 2},
@@ -20,28 +20,11 @@ LAYOUTS = [["--zero.stage", "1"], ["--zero.stage", "3", "--train.precision", "bf
 
 
 def _measure(layouts: list[list[str]]) -> list[dict]:
-    import contextlib
-    import io
-
-    import torch.distributed as dist
-
-    from megazero.config import build_config
-    from megazero.config.preflight import resolve_and_validate
-    from megazero.parallel.grid import ProcessGrid
-    from megazero.plan.planner import Cluster, predict, run_layout
-    from megazero.train.trainer import Trainer
     out = []
     for overrides in layouts:
-        cfg = build_config(TINY, overrides)
-        dp = resolve_and_validate(cfg, dist.get_world_size())
-        with contextlib.redirect_stdout(io.StringIO()):
-            tr = Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp))
-        tr.train_step()
-        tr.grid.reset_counters()
+        tr, pred = warm_trainer_and_plan(overrides, TINY)
         tr.train_step()
         exchange = tr.grid.bytes_moved().get("stage", {})
-        pred = predict(cfg, run_layout(cfg, dp, cfg.parallel.cp), Cluster(dist.get_world_size(), 8, 1.0, None),
-                       ranks=[tr.grid.pp_rank], device="cpu").rank(tr.grid.pp_rank)
         state = tr.optimizer.model_state_bytes()
         out.append({"case": " ".join(overrides), "optimizer": state["optimizer"] + state["offloaded_host"],
                     "predicted": pred.states["optimizer"], "host": pred.host_items["optimizer_states"],
