@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import SAMPLES, load_script, make_texts
+from helpers import HF_TINY_GPT2, SAMPLES, load_script, make_texts, save_random_hf
 from megazero.data.tokenizer import train_gpt2bpe, train_sentencepiece
 
 
@@ -51,3 +51,9 @@ def cli():
     """preprocess_data.py, loaded once."""
     return load_script("preprocess_data")
 
+
+@pytest.fixture(scope="session")
+def hf_tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random GPT-2 of HF_TINY_GPT2 with non-trivial LayerNorms and biases, saved as safetensors
+    (never written to: the runs that start from it read it)."""
+    return save_random_hf(tmp_path_factory.mktemp("hf-gpt2"), **HF_TINY_GPT2)

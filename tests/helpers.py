@@ -102,6 +102,21 @@ EXAMPLES = [{"prompt": "Question: what is two and two?\nAnswer:", "completion": 
             {"prompt": "Name a colour.", "completion": " Blue, like the sky over the sea."}]
 
 
+HF_TINY_GPT2 = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=320, n_positions=48)
+
+
+def hf_tiny_gpt2_args(steps: int, optim: list[str]) -> list[str]:
+    """megazero's flags for the model of HF_TINY_GPT2 (no dropout, vocabulary from the checkpoint)
+    on mock data, 8 sequences of 32 tokens a step for `steps` steps, with the optimizer's flags
+    `optim`, weight decay 0.1 and small ZeRO buckets and sub-groups."""
+    h = HF_TINY_GPT2
+    return ["--model.num_layers", str(h["n_layer"]), "--model.hidden_size", str(h["n_embd"]), "--model.num_heads",
+            str(h["n_head"]), "--model.seq_length", "32", "--model.vocab_size", "auto", "--model.dropout", "0",
+            "--data.mock", "true", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
+            "--train.iters", str(steps), *optim, "--optim.weight_decay", "0.1", "--zero.sub_group_size", "5000",
+            "--zero.bucket_size", "20000"]
+
+
 def save_random_hf(path: Path, family: str = "gpt2", shard_size: Optional[str] = None, **config) -> str:
     """A random Hugging Face GPT-2 (no dropout) or Llama (`family`; `config`: its Config's
     sizes) with non-trivial norms and biases, saved as safetensors under `path` (for

@@ -8,33 +8,25 @@ import pytest
 import torch
 
 from helpers import (
+    HF_TINY_GPT2,
     assert_momentum_checkpoints,
     hf_adamw,
     hf_reference_losses,
+    hf_tiny_gpt2_args,
     make_config,
     make_trainer,
     momentum_checkpoints,
     run_distributed,
-    save_random_hf,
 )
 
 transformers = pytest.importorskip("transformers")
 
-HF = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=320, n_positions=48)
+HF = HF_TINY_GPT2  # the model of hf_tiny_gpt2_dir
 STEPS = 4
 LR, MUON_LR = 3e-3, 0.02
-ARGS = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4", "--model.seq_length",
-        "32", "--model.vocab_size", "auto", "--model.dropout", "0", "--data.mock", "true",
-        "--train.global_batch_size", "8", "--train.micro_batch_size", "2", "--train.iters", str(STEPS),
-        "--optim.name", "muon", "--optim.lr", str(LR), "--optim.min_lr", str(LR), "--optim.muon_lr", str(MUON_LR),
-        "--optim.decay_style", "constant", "--optim.warmup_iters", "0", "--optim.clip_grad", "0.5",
-        "--optim.weight_decay", "0.1", "--zero.sub_group_size", "5000", "--zero.bucket_size", "20000"]
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A random GPT-2 with non-trivial LayerNorms and biases, saved as safetensors."""
-    return save_random_hf(tmp_path_factory.mktemp("hf-muon"), **HF)
+ARGS = hf_tiny_gpt2_args(STEPS, [
+    "--optim.name", "muon", "--optim.lr", str(LR), "--optim.min_lr", str(LR), "--optim.muon_lr", str(MUON_LR),
+    "--optim.decay_style", "constant", "--optim.warmup_iters", "0", "--optim.clip_grad", "0.5"])
 
 
 def _hf_matrices(model) -> list[tuple[torch.Tensor, slice]]:
@@ -48,12 +40,12 @@ def _hf_matrices(model) -> list[tuple[torch.Tensor, slice]]:
     return out
 
 
-def _transformers_losses(hf_dir: str, adjust: str) -> list[float]:
+def _transformers_losses(hf_tiny_gpt2_dir: str, adjust: str) -> list[float]:
     """GPT2LMHeadModel trained with torch.optim.Muon on (out, in) copies of its matrices and
     torch.optim.AdamW (decay on the other matrices only) on the rest, after one global-norm clip."""
     cfg = make_config(ARGS)
     o = cfg.optim
-    model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    model = transformers.GPT2LMHeadModel.from_pretrained(hf_tiny_gpt2_dir, torch_dtype=torch.float32)
     matrices = _hf_matrices(model)
     leaves = [torch.nn.Parameter(w.detach()[:, cols].T.clone()) for w, cols in matrices]  # nn.Linear's (out, in)
     taken = {id(w) for w, _ in matrices}
@@ -72,22 +64,22 @@ def _transformers_losses(hf_dir: str, adjust: str) -> list[float]:
     return hf_reference_losses(model, STEPS, HF["vocab_size"], cfg.train.seed, o.clip_grad, step)
 
 
-def _losses(hf_dir: str, layout: list[str]) -> list:
-    tr = make_trainer(ARGS + layout + ["--checkpoint.init_from_hf", hf_dir])
+def _losses(hf_tiny_gpt2_dir: str, layout: list[str]) -> list:
+    tr = make_trainer(ARGS + layout + ["--checkpoint.init_from_hf", hf_tiny_gpt2_dir])
     return [tr.train_step()["loss"] for _ in range(STEPS)]
 
 
 @pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
-def test_single_process_trains_as_transformers_with_torch_muon(hf_dir, adjust):
-    expected = _transformers_losses(hf_dir, adjust)
-    ours, adamw = run_distributed(_both, 1, hf_dir, ["--optim.muon_adjust_lr", adjust])[0]
+def test_single_process_trains_as_transformers_with_torch_muon(hf_tiny_gpt2_dir, adjust):
+    expected = _transformers_losses(hf_tiny_gpt2_dir, adjust)
+    ours, adamw = run_distributed(_both, 1, hf_tiny_gpt2_dir, ["--optim.muon_adjust_lr", adjust])[0]
     assert max(abs(a - b) for a, b in zip(ours, expected, strict=True)) <= 1e-4, (ours, expected)
     # Muon's steps weigh: AdamW alone lands far outside that tolerance
     assert max(abs(a - b) for a, b in zip(adamw, expected, strict=True)) > 1e-2, (adamw, expected)
 
 
-def _both(hf_dir: str, layout: list[str]) -> tuple[list, list]:
-    return _losses(hf_dir, layout), _losses(hf_dir, layout + ["--optim.name", "adamw"])
+def _both(hf_tiny_gpt2_dir: str, layout: list[str]) -> tuple[list, list]:
+    return _losses(hf_tiny_gpt2_dir, layout), _losses(hf_tiny_gpt2_dir, layout + ["--optim.name", "adamw"])
 
 
 # ----------------------------------------------------------------------------- layouts

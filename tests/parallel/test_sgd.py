@@ -12,40 +12,32 @@ import pytest
 import torch
 
 from helpers import (
+    HF_TINY_GPT2,
     assert_momentum_checkpoints,
     hf_reference_losses,
+    hf_tiny_gpt2_args,
     make_config,
     make_trainer,
     momentum_checkpoints,
     run_distributed,
-    save_random_hf,
 )
 
 transformers = pytest.importorskip("transformers")
 
-HF = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=320, n_positions=48)
+HF = HF_TINY_GPT2  # the model of hf_tiny_gpt2_dir
 STEPS = 4
-ARGS = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4", "--model.seq_length",
-        "32", "--model.vocab_size", "auto", "--model.dropout", "0", "--data.mock", "true",
-        "--train.global_batch_size", "8", "--train.micro_batch_size", "2", "--train.iters", str(STEPS),
-        "--optim.name", "sgd", "--optim.sgd_momentum", "0.8", "--optim.lr", "0.2", "--optim.min_lr", "0.05",
-        "--optim.warmup_iters", "1", "--optim.decay_style", "cosine", "--optim.clip_grad", "0.5",
-        "--optim.weight_decay", "0.1", "--zero.sub_group_size", "5000", "--zero.bucket_size", "20000"]
+ARGS = hf_tiny_gpt2_args(STEPS, [
+    "--optim.name", "sgd", "--optim.sgd_momentum", "0.8", "--optim.lr", "0.2", "--optim.min_lr", "0.05",
+    "--optim.warmup_iters", "1", "--optim.decay_style", "cosine", "--optim.clip_grad", "0.5"])
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A random GPT-2 with non-trivial LayerNorms and biases, saved as safetensors."""
-    return save_random_hf(tmp_path_factory.mktemp("hf-sgd"), **HF)
-
-
-def _torch_losses(hf_dir: str, momentum: float) -> list[float]:
+def _torch_losses(hf_tiny_gpt2_dir: str, momentum: float) -> list[float]:
     """GPT2LMHeadModel trained with torch.optim.SGD: weight decay on the matrices (megazero decays
     no 1-D parameter), the LR of megazero's schedule set before each step."""
     from megazero.train.lr import learning_rate
     cfg = make_config(ARGS)
     o = cfg.optim
-    model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    model = transformers.GPT2LMHeadModel.from_pretrained(hf_tiny_gpt2_dir, torch_dtype=torch.float32)
     params = list(model.parameters())
     sgd = torch.optim.SGD([{"params": [p for p in params if p.dim() > 1], "weight_decay": o.weight_decay},
                            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
@@ -58,18 +50,18 @@ def _torch_losses(hf_dir: str, momentum: float) -> list[float]:
     return hf_reference_losses(model, STEPS, HF["vocab_size"], cfg.train.seed, o.clip_grad, step)
 
 
-def _losses(hf_dir: str) -> list[float]:
-    tr = make_trainer(ARGS + ["--checkpoint.init_from_hf", hf_dir])
+def _losses(hf_tiny_gpt2_dir: str) -> list[float]:
+    tr = make_trainer(ARGS + ["--checkpoint.init_from_hf", hf_tiny_gpt2_dir])
     return [tr.train_step()["loss"] for _ in range(STEPS)]
 
 
-def test_single_process_trains_as_transformers_with_torch_sgd(hf_dir):
-    expected = _torch_losses(hf_dir, make_config(ARGS).optim.sgd_momentum)
-    ours = run_distributed(_losses, 1, hf_dir)[0]
+def test_single_process_trains_as_transformers_with_torch_sgd(hf_tiny_gpt2_dir):
+    expected = _torch_losses(hf_tiny_gpt2_dir, make_config(ARGS).optim.sgd_momentum)
+    ours = run_distributed(_losses, 1, hf_tiny_gpt2_dir)[0]
     diff = max(abs(a - b) for a, b in zip(ours, expected, strict=True))
     assert diff <= 1e-5, (diff, ours, expected)
     # The momentum weighs: without it the losses land far outside that tolerance
-    plain = _torch_losses(hf_dir, 0.0)
+    plain = _torch_losses(hf_tiny_gpt2_dir, 0.0)
     assert max(abs(a - b) for a, b in zip(plain, expected, strict=True)) > 1e-3, (plain, expected, diff)
 
 
