@@ -26,8 +26,8 @@ OLD_SUFFIX = ".old"  # the previous version of a directory, while the new one is
 DEL_SUFFIX = ".del"  # a directory being deleted
 
 
-def fsync_dir(path: str) -> None:
-    """Make the renames and creations inside directory `path` durable."""
+def _fsync(path: str) -> None:
+    """Make file `path`'s data, or the renames and creations inside directory `path`, durable."""
     fd = os.open(path or ".", os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -39,19 +39,11 @@ def _parent(path: str) -> str:
     return os.path.dirname(os.path.abspath(path))
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def publish(tmp: str, path: str) -> None:
     """Rename the finished file `tmp` over `path`, durably (file, rename and directory)."""
-    _fsync_file(tmp)
+    _fsync(tmp)
     os.replace(tmp, path)
-    fsync_dir(_parent(path))
+    _fsync(_parent(path))
 
 
 @contextlib.contextmanager
@@ -66,14 +58,11 @@ def atomic_write(path: str, mode: str = "wb", encoding: Optional[str] = None) ->
     try:
         with open(tmp, mode, encoding=encoding) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-    fsync_dir(_parent(path))
 
 
 def write_bytes(path: str, data: bytes) -> None:
@@ -104,12 +93,12 @@ def commit_dir(path: str) -> None:
     renames leaves PATH.old complete; `recover_dir` (and readers, see `existing_dir`) find it."""
     path = path.rstrip("/")
     parent, tmp, old = _parent(path), path + TMP_SUFFIX, path + OLD_SUFFIX
-    fsync_dir(tmp)
+    _fsync(tmp)
     shutil.rmtree(old, ignore_errors=True)
     if os.path.exists(path):
         os.replace(path, old)
     os.replace(tmp, path)
-    fsync_dir(parent)
+    _fsync(parent)
     remove_dir(old)
 
 
@@ -121,7 +110,7 @@ def remove_dir(path: str) -> None:
         return
     shutil.rmtree(path + DEL_SUFFIX, ignore_errors=True)
     os.replace(path, path + DEL_SUFFIX)
-    fsync_dir(_parent(path))
+    _fsync(_parent(path))
     shutil.rmtree(path + DEL_SUFFIX, ignore_errors=True)
 
 
@@ -130,16 +119,14 @@ def recover_dir(path: str) -> None:
     path = path.rstrip("/")
     if not os.path.exists(path) and os.path.isdir(path + OLD_SUFFIX):
         os.replace(path + OLD_SUFFIX, path)
-        fsync_dir(_parent(path))
+        _fsync(_parent(path))
 
 
 def existing_dir(path: str) -> str:
     """`path`, or PATH.old when a crash interrupted its replacement (read-only readers use
     this instead of repairing the directory: they may run on many ranks at once)."""
     path = path.rstrip("/")
-    if not os.path.exists(path) and os.path.isdir(path + OLD_SUFFIX):
-        return path + OLD_SUFFIX
-    return path
+    return path + OLD_SUFFIX if not os.path.exists(path) and os.path.isdir(path + OLD_SUFFIX) else path
 
 
 def atomic_dir(path: str, write: Callable[[str], None]) -> None:

@@ -7,9 +7,8 @@ or a Hugging Face GPT-2 or Llama directory. The tokenizer is --tokenizer's (a sp
 Hugging Face directory), else the one the checkpoint names, else that of the Hugging Face
 directory its run started from (tokenizer.json, Llama 3 style, or tokenizer.model, Llama 2
 style). At most model.seq_length tokens fit, prompt included: a longer request is cut there
-with a warning. Under torchrun
-with N processes the model is split tp = N ways; every rank samples the same tokens
-(same seed, same gathered logits). Temperature 0 is greedy decoding.
+with a warning. Under torchrun with N processes the model is split tp = N ways; every rank
+samples the same tokens (same seed, same gathered logits). Temperature 0 is greedy decoding.
 
 `--prompts-file F` (one JSON object with a "prompt" per line) decodes --batch-size prompts
 together and writes one JSON line per prompt with its "completion" (stdout or --output).
@@ -32,6 +31,7 @@ import time
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megazero.checkpoint.adapter import adapters_folded
 from megazero.checkpoint.base import Checkpoint, CheckpointError
@@ -57,25 +57,16 @@ def build_model(ckpt: Checkpoint, tp: Group, device: torch.device | str = "cpu")
         model = apply_tensor_parallel(GPT(ckpt.model_config), tp)
     replace_meta_parameters([model], torch.device(device))
     params = dict(model.named_parameters())
-    seen = set()
+    missing = set(params)
     with torch.no_grad():
         for name, full in ckpt.tensors():
-            if name not in params:
-                continue
-            p = params[name]
-            where = placement(p)
-            p.copy_(where.shard(fit_vocab(name, full.float(), where.full_shape), tp.rank, tp.size))
-            seen.add(name)
-    missing = set(params) - seen
+            if name in params:
+                where = placement(params[name])
+                params[name].copy_(where.shard(fit_vocab(name, full.float(), where.full_shape), tp.rank, tp.size))
+                missing.discard(name)
     if missing:
         raise CheckpointError(f"the weights lack {len(missing)} parameters, e.g. {sorted(missing)[0]}")
     return model.eval()
-
-
-def generate(model: GPT, prompt: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, eod: Optional[int] = None) -> list[int]:
-    """Prompt + up to max_new_tokens sampled ids (stops early at `eod`)."""
-    return generate_batch(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, eod)[0]
 
 
 @torch.no_grad()
@@ -133,9 +124,6 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = _parser().parse_args(argv)
-
-    import torch.distributed as dist
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     with report_errors(OSError):
@@ -239,7 +227,10 @@ def _run(args: argparse.Namespace, ckpt: Checkpoint, grid: ProcessGrid, prompts:
     if args.offload == "none":
         model = build_model(ckpt, grid.tp_group, grid.device)
     else:
-        nvme_path = args.nvme_path or default_nvme_path(ckpt.ckpt)
+        # Beside the checkpoint when that directory is writable, else the temp directory (the weights file is
+        # unlinked as soon as it is open, so nothing is left behind either way).
+        beside = os.path.dirname(os.path.abspath(ckpt.ckpt))
+        nvme_path = args.nvme_path or (beside if os.access(beside, os.W_OK | os.X_OK) else tempfile.gettempdir())
         model, streamer = build_offloaded_model(ckpt, grid.device, args.offload, nvme_path, not args.no_prefetch)
     tic = time.perf_counter()
     try:
@@ -267,15 +258,8 @@ def streaming_report(streamer: BlockStreamer, where: str, new_tokens: int, secon
 
 
 def _size(nbytes: float) -> str:
-    unit = next((u for u in ("GiB", "MiB", "KiB") if nbytes >= 2 ** {"GiB": 30, "MiB": 20, "KiB": 10}[u]), "B")
-    return f"{nbytes / 2 ** {'GiB': 30, 'MiB': 20, 'KiB': 10, 'B': 0}[unit]:.1f} {unit}"
-
-
-def default_nvme_path(ckpt: str) -> str:
-    """Beside the checkpoint when that directory is writable, else the temp directory (the
-    weights file is unlinked as soon as it is open, so nothing is left behind either way)."""
-    beside = os.path.dirname(os.path.abspath(ckpt))
-    return beside if os.access(beside, os.W_OK | os.X_OK) else tempfile.gettempdir()
+    shift, unit = next(((s, u) for s, u in ((30, "GiB"), (20, "MiB"), (10, "KiB")) if nbytes >= 2 ** s), (0, "B"))
+    return f"{nbytes / 2 ** shift:.1f} {unit}"
 
 
 if __name__ == "__main__":

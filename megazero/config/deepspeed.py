@@ -86,15 +86,14 @@ HANDLED = ("gradient_accumulation_steps", "bf16.enabled", "bfloat16.enabled", "f
            "zero_optimization.stage3_prefetch_bucket_size")
 
 ADAM_TYPES = ("adam", "adamw", "fusedadam", "cpuadam")
-SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}  # -> optim.decay_style
 # DeepSpeed's defaults for the scheduler parameters a config leaves out.
 SCHEDULER_DEFAULTS = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log",
                       "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0001}
 # DeepSpeed's defaults where megazero's differ, for what a config leaves out: its Adam's (FusedAdam's) parameters,
-# as megazero keys, when the file has an optimizer section; no gradient clipping.
+# as megazero keys, when the file has an optimizer section.
 OPTIMIZER_DEFAULTS = {"optim.beta1": ("betas", 0.9), "optim.beta2": ("betas", 0.999), "optim.eps": ("eps", 1e-8),
                       "optim.weight_decay": ("weight_decay", 0.0)}
-CLIPPING_DEFAULT = 0.0
 
 
 @dataclass(frozen=True)
@@ -200,10 +199,8 @@ class DeepSpeedImport:
                 if self.defaults else None)
 
     def warning(self, path: str) -> Optional[str]:
-        if not self.unsupported:
-            return None
         return (f"warning: {path}: {len(self.unsupported)} DeepSpeed key(s) have no megazero equivalent and are "
-                f"ignored: {', '.join(self.unsupported)}")
+                f"ignored: {', '.join(self.unsupported)}" if self.unsupported else None)
 
 
 def load_deepspeed_config(path: str, base: Config, world_size: int,
@@ -222,8 +219,7 @@ def import_deepspeed(ds: dict, base: Config, world_size: int,
     if len(precision) > 1:
         raise ConfigError(f"DeepSpeed config enables both {precision[0]} and {precision[1]}; enable one")
     sections = {"optimizer": out.optimizer, "scheduler": out.scheduler, "zero_optimization": out.zero_optimization,
-                "bf16": out.precision, "bfloat16": out.precision, "fp16": out.precision,
-                "tensor_parallel": out.tensor_parallel}
+                "bf16": out.precision, "bfloat16": out.precision, "fp16": out.precision}
     for key, value in sorted(ds.items(), key=lambda item: item[0] == "scheduler"):  # it reads optim.lr
         if key in sections and isinstance(value, dict):
             sections[key](value, key)
@@ -231,7 +227,7 @@ def import_deepspeed(ds: dict, base: Config, world_size: int,
             out.walk(key, value)
     out.batch(ds)
     if "gradient_clipping" not in ds:
-        out.default("optim.clip_grad", CLIPPING_DEFAULT, "gradient_clipping")
+        out.default("optim.clip_grad", 0.0, "gradient_clipping")  # DeepSpeed's default: no clipping
     return out.result
 
 
@@ -254,7 +250,7 @@ class _Importer:
     def walk(self, path: str, value: Any) -> None:
         """Map `path` (a dotted DeepSpeed key) or report it; sections are walked key by key,
         a disabled section ("enabled": false) is off in DeepSpeed too."""
-        if value == "auto":
+        if value == "auto" or (path == "tensor_parallel.autotp_size" and value == 0):  # 0: AutoTP off (the default)
             return
         if path in SIMPLE and has_key(SIMPLE[path]):
             self.set(SIMPLE[path], value, path)
@@ -314,12 +310,6 @@ class _Importer:
             elif name != "enabled":
                 self.walk(f"{key}.{name}", value)
 
-    def tensor_parallel(self, section: dict, _: str) -> None:
-        for name, value in section.items():
-            if name == "autotp_size" and value == 0:
-                continue  # 0: AutoTP off (DeepSpeed's default)
-            self.walk(f"tensor_parallel.{name}", value)
-
     def zero_optimization(self, section: dict, _: str) -> None:
         reduce_bucket = section.get("reduce_bucket_size")
         for name, value in section.items():
@@ -333,16 +323,12 @@ class _Importer:
                     self.set("zero.bucket_size", value, path)
                 else:
                     self.unsupported(path, value)
-            elif name == "stage3_prefetch_bucket_size" and value != "auto":
-                self.set("zero.prefetch", self._prefetch_modules(value), path)
+            elif name == "stage3_prefetch_bucket_size" and value != "auto":  # elements; megazero counts blocks
+                m = self.base.model
+                block = 4 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * m.ffn_size
+                self.set("zero.prefetch", math.ceil(int(value) / block), path)
             else:
                 self.walk(path, value)
-
-    def _prefetch_modules(self, elements: int) -> int:
-        """DeepSpeed prefetches by elements, megazero by modules (transformer blocks)."""
-        m = self.base.model
-        block = 4 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * m.ffn_size
-        return math.ceil(int(elements) / block)
 
     def optimizer(self, section: dict, _: str) -> None:
         kind = str(section.get("type", "AdamW"))
@@ -371,7 +357,6 @@ class _Importer:
                               f"{', '.join(SCHEDULERS)} or leave the scheduler to optim.* keys")
         written = section.get("params", {})
         params = {**SCHEDULER_DEFAULTS, **written}
-        known = {"warmup_num_steps", "warmup_type", "total_num_steps", "last_batch_iteration"}
 
         def put(name: str, value: Any, param: str, replace: bool = False) -> None:
             """`value` (from params[param]) onto `name`: written, or DeepSpeed's default, named."""
@@ -386,24 +371,21 @@ class _Importer:
         elif params["warmup_type"] != "auto":
             self.unsupported("scheduler.params.warmup_type", params["warmup_type"])
         if kind == "WarmupCosineLR":
-            known |= {"warmup_min_ratio", "cos_min_ratio"}
             lr = self.result.sections.get("optim", {}).get("lr", self.base.optim.lr)
             if params["cos_min_ratio"] != "auto":
                 put("optim.min_lr", lr * params["cos_min_ratio"], "cos_min_ratio")
             if params["warmup_min_ratio"] not in (0, "auto"):
                 self.unsupported("scheduler.params.warmup_min_ratio", params["warmup_min_ratio"])
         else:
-            known |= {"warmup_min_lr", "warmup_max_lr"}
             # DeepSpeed's scheduler sets the LR, whatever optimizer.params.lr says.
             put("optim.lr", params["warmup_max_lr"], "warmup_max_lr", replace=True)
             put("optim.min_lr", params["warmup_min_lr"], "warmup_min_lr")
-        style = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}[kind]
-        self.set("optim.decay_style", style, "scheduler.type")
+        self.set("optim.decay_style", SCHEDULERS[kind], "scheduler.type")
         if kind != "WarmupLR":
             if "total_num_steps" not in params:
                 raise ConfigError(f"DeepSpeed scheduler {kind} needs params.total_num_steps (the decay length)")
             self.set("optim.decay_iters", params["total_num_steps"], "scheduler.params.total_num_steps")
-        for name in sorted(set(params) - known - set(SCHEDULER_DEFAULTS)):
+        for name in sorted(set(params) - set(SCHEDULER_DEFAULTS) - {"total_num_steps", "last_batch_iteration"}):
             if params[name] != "auto":
                 self.unsupported(f"scheduler.params.{name}", params[name])
 
@@ -421,12 +403,18 @@ class _Importer:
         if accumulation != "auto":
             accumulation = check_value("train.micro_batch_size", _whole(accumulation),
                                        "DeepSpeed gradient_accumulation_steps")
-        if given and len(known) == 2:
-            self._rederived(accumulation, known["micro_batch_size"], known["global_batch_size"])
+        micro, total = known.get("micro_batch_size"), known.get("global_batch_size")
+        if given and micro is not None and total is not None:  # the file's accumulation re-derived, with a note
+            if accumulation == "auto" or total % (micro * self.dp):  # indivisible: validate()'s error, not a note
+                return
+            now = total // (micro * self.dp)
+            if now != accumulation:
+                self.result.notes.append(f"note: DeepSpeed gradient_accumulation_steps ({accumulation}) is re-derived "
+                                         f"as {now} from the command line's batch sizes: train.global_batch_size "
+                                         f"{total} = train.micro_batch_size {micro} x {now} x dp {self.dp}")
             return
         if accumulation == "auto":
             return
-        micro, total = known.get("micro_batch_size"), known.get("global_batch_size")
         label = "train.global_batch_size" if "global_batch_size" in given else "DeepSpeed train_batch_size"
         if total is None:
             micro = self.base.train.micro_batch_size if micro is None else micro
@@ -440,18 +428,6 @@ class _Importer:
             raise ConfigError(f"DeepSpeed train_batch_size ({total}) must equal train_micro_batch_size_per_gpu x "
                               f"gradient_accumulation_steps x dp ({micro} x {accumulation} x {self.dp} = "
                               f"{micro * accumulation * self.dp}){MOVED}")
-
-    def _rederived(self, accumulation: Any, micro: int, total: int) -> None:
-        """The note saying what the file's gradient_accumulation_steps becomes with the command
-        line's batch sizes (an indivisible total is validate()'s error, not a note)."""
-        if accumulation == "auto" or total % (micro * self.dp):
-            return
-        now = total // (micro * self.dp)
-        if now == accumulation:  # nothing changed: nothing to say
-            return
-        self.result.notes.append(f"note: DeepSpeed gradient_accumulation_steps ({accumulation}) is re-derived as {now} "
-                                 f"from the command line's batch sizes: train.global_batch_size {total} = "
-                                 f"train.micro_batch_size {micro} x {now} x dp {self.dp}")
 
 
 MOVED = ("; fix one of them, or, for another world size than the file's, give the batch sizes on the command "

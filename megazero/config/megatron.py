@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from megazero.config.help import config_keys, show_value
 from megazero.config.schema import Config, ConfigError
-from megazero.config.sharding import STAGES, sharding
+from megazero.config.sharding import sharding
 from megazero.config.suggest import closest, key_candidates
 from megazero.data import DataError
 from megazero.data.tokenizer import spec_from_megatron_args
@@ -51,24 +51,19 @@ class Flag:
     """Why megazero refuses the flag (one line, raised as the line is translated)."""
 
 
-def _key(name: str, key: str, note: str = "") -> Flag:
-    return Flag(name, 1, ((key, None),), note)
+def _key(name: str, key: str, note: str = "", choices: Optional[dict[str, str]] = None) -> Flag:
+    return Flag(name, 1, ((key, None),), note, choices=choices)
 
 
 def _switch(name: str, key: str, value: str) -> Flag:
     return Flag(name, 0, ((key, value),))
 
 
-def _choice(name: str, key: str, choices: dict[str, str]) -> Flag:
-    return Flag(name, 1, ((key, None),), choices=choices)
-
-
-def _refused(name: str, nargs: int, why: str) -> Flag:
-    return Flag(name, nargs, note=f"refused: {why}", refused=why)
-
-
-def _ignored(name: str, nargs: int = 0) -> Flag:
-    return Flag(name, nargs, note="accepted, no effect")
+def _no_effect(*names: str, refused: str = "") -> tuple[Flag, ...]:
+    """Flags that change nothing here, written as README shows them ("--name X" takes a value): accepted
+    and named in one warning line, or refused with the reason `refused`."""
+    return tuple(Flag(name.removesuffix(" X"), int(name.endswith(" X")), refused=refused,
+                      note=f"refused: {refused}" if refused else "accepted, no effect") for name in names)
 
 
 # ---------------------------------------------------------------------------- the flags that need the whole config
@@ -82,16 +77,20 @@ def _set(cfg: Config, name: str, value: object) -> None:
     cfg.cli_keys |= {name}
 
 
-def _distributed_optimizer(cfg: Config, values: list[str]) -> None:
-    """Megatron's distributed optimizer shards the optimizer states over DP: ZeRO stage 1,
-    unless a stage was set (2 and 3 shard more)."""
-    if not sharding(cfg.zero.stage).optimizer:
-        _set(cfg, "zero.stage", next(s.stage for s in STAGES.values() if s.optimizer))
+def _zero_stage(stage: int) -> Callable[[Config, list[str]], None]:
+    """A flag that means ZeRO stage `stage` when zero.stage is 0 (a stage set that shards already stays):
+    Megatron's distributed optimizer shards the optimizer states over DP (stage 1), PyTorch FSDP2
+    parameters, gradients and optimizer states (stage 3)."""
+
+    def apply(cfg: Config, values: list[str]) -> None:
+        if sharding(cfg.zero.stage).replicated:
+            _set(cfg, "zero.stage", stage)
+    return apply
 
 
 def _virtual_stage_layers(cfg: Config, values: list[str]) -> None:
     """--num-layers-per-virtual-pipeline-stage N: vpp = layers per pipeline stage / N."""
-    n, m, p = _int("--num-layers-per-virtual-pipeline-stage", values[0]), cfg.model, cfg.parallel
+    n, m, p = _number("--num-layers-per-virtual-pipeline-stage", values[0]), cfg.model, cfg.parallel
     per_stage, rest = divmod(m.num_layers, p.pp)
     if n < 1 or rest or per_stage % n:
         raise ConfigError(f"--num-layers-per-virtual-pipeline-stage ({n}) must divide the layers per pipeline stage "
@@ -106,7 +105,7 @@ def _max_positions(cfg: Config, values: list[str]) -> None:
     """Learned positions: megazero learns exactly seq_length of them (GPT-2), so the two must
     agree. Rotary positions have no table (Megatron sizes its rotary cache with it): any length
     that holds a sample."""
-    n = _int("--max-position-embeddings", values[0])
+    n = _number("--max-position-embeddings", values[0])
     if cfg.model.position_embedding == "rope":
         if n < cfg.model.seq_length:
             raise ConfigError(f"--max-position-embeddings ({n}) is shorter than --seq-length "
@@ -139,14 +138,14 @@ def _no_position_embedding(cfg: Config, values: list[str]) -> None:
 
 def _rotary_percent(cfg: Config, values: list[str]) -> None:
     """megazero rotates every channel of a head (Llama); partial rotary (GPT-NeoX's 0.25) is not built."""
-    if _float("--rotary-percent", values[0]) != 1.0:
+    if _number("--rotary-percent", values[0], float) != 1.0:
         raise ConfigError(f"--rotary-percent {values[0]}: megazero rotates all of each head's channels; "
                           f"only --rotary-percent 1.0 is supported")
 
 
 def _kv_channels(cfg: Config, values: list[str]) -> None:
     """megazero's head width is hidden_size / num_heads; Megatron's --kv-channels may set another."""
-    n, m = _int("--kv-channels", values[0]), cfg.model
+    n, m = _number("--kv-channels", values[0]), cfg.model
     if n * m.num_heads != m.hidden_size:
         raise ConfigError(f"--kv-channels {n}: megazero's head width is --hidden-size / --num-attention-heads "
                           f"({m.hidden_size} / {m.num_heads}); drop the flag or set it to that")
@@ -163,7 +162,7 @@ def _train_samples(cfg: Config, values: list[str]) -> None:
     """--train-samples S: train.iters = the steps that consume S samples (batch ramp-up included),
     as Megatron counts them."""
     from megazero.config.rules import rampup_steps
-    n, t = _int("--train-samples", values[0]), cfg.train
+    n, t = _number("--train-samples", values[0]), cfg.train
     if "train.iters" in cfg.set_keys:
         raise ConfigError(f"--train-samples {n} and --train-iters {t.iters} both set the run's length; pass one")
     if t.rampup_batch_size is None:
@@ -200,28 +199,16 @@ def _profile(cfg: Config, values: list[str]) -> None:
         _set(cfg, "logging.profiler", "nsys")
 
 
-def _fsdp2(cfg: Config, values: list[str]) -> None:
-    """PyTorch FSDP2 shards parameters, gradients and optimizer states: ZeRO stage 3."""
-    if cfg.zero.stage == 0:
-        _set(cfg, "zero.stage", 3)
-
-
 def _accepted(cfg: Config, values: list[str]) -> None:
     """A flag whose meaning another flag carries (checked when the line is translated)."""
 
 
-def _float(flag: str, raw: str) -> float:
+def _number(flag: str, raw: str, kind: type = int) -> Any:
+    """A flag's value as an integer, or as a number (`kind` float)."""
     try:
-        return float(raw)
+        return kind(raw)
     except ValueError:
-        raise ConfigError(f"{flag} ({raw!r}) must be a number") from None
-
-
-def _int(flag: str, raw: str) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"{flag} ({raw!r}) must be an integer") from None
+        raise ConfigError(f"{flag} ({raw!r}) must be {'an integer' if kind is int else 'a number'}") from None
 
 
 # ---------------------------------------------------------------------------- the table
@@ -248,8 +235,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--swiglu", 0, (("model.activation", "swiglu"),), "`model.activation swiglu` (without --ffn-hidden-size: "
          "Megatron's width, 8h/3 rounded down to a multiple of 64)", after=_swiglu_width),
     _switch("--squared-relu", "model.activation", "squared_relu"),
-    _choice("--normalization", "model.normalization", {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}),
-    _choice("--position-embedding-type", "model.position_embedding", {"learned_absolute": "learned", "rope": "rope"}),
+    _key("--normalization", "model.normalization", choices={"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}),
+    _key("--position-embedding-type", "model.position_embedding",
+         choices={"learned_absolute": "learned", "rope": "rope"}),
     _switch("--use-rotary-position-embeddings", "model.position_embedding", "rope"),
     Flag("--no-position-embedding", 0, note="no learned position table: needs rotary positions (checked)",
          after=_no_position_embedding),
@@ -269,9 +257,9 @@ FLAGS: tuple[Flag, ...] = (
          after=_virtual_stage_layers),
     _switch("--sequence-parallel", "parallel.sequence_parallel", "true"),
     Flag("--use-distributed-optimizer", 0, note="`zero.stage 1` when `zero.stage` is 0 (2 and 3 shard further)",
-         after=_distributed_optimizer),
+         after=_zero_stage(1)),
     Flag("--use-torch-fsdp2", 0, note="`zero.stage 3` when `zero.stage` is 0 (parameters, gradients and optimizer "
-         "states sharded)", after=_fsdp2),
+         "states sharded)", after=_zero_stage(3)),
     _key("--context-parallel-size", "parallel.cp", "`parallel.cp X` (ring attention in Megatron's load-balanced "
          "order by default)"),
     Flag("--cp-comm-type", 1, note="`parallel.cp_impl`: p2p is `ring`, a2a is `ulysses`", after=_cp_comm_type),
@@ -310,7 +298,7 @@ FLAGS: tuple[Flag, ...] = (
     _key("--decoupled-lr", "optim.decoupled_lr"),
     _key("--decoupled-min-lr", "optim.decoupled_min_lr"),
     # Megatron's adam is AdamW (decoupled weight decay), its sgd torch.optim.SGD, as megazero's.
-    _choice("--optimizer", "optim.name", {"adam": "adamw", "sgd": "sgd", "muon": "muon"}),
+    _key("--optimizer", "optim.name", choices={"adam": "adamw", "sgd": "sgd", "muon": "muon"}),
     _key("--sgd-momentum", "optim.sgd_momentum"),
     _switch("--override-opt_param-scheduler", "optim.override_schedule", "true"),
     _key("--weight-decay", "optim.weight_decay"),
@@ -372,33 +360,27 @@ FLAGS: tuple[Flag, ...] = (
     _key("--profile-step-end", "logging.profile_end"),
     Flag("--profile-ranks", LIST, (("logging.profile_ranks", None),), "`logging.profile_ranks R ...` (rank 0 when left out)"),
     # kernel and implementation choices megazero makes itself, and what it always does
-    _ignored("--attention-backend", 1), _ignored("--transformer-impl", 1), _ignored("--use-mcore-models"),
-    _ignored("--use-flash-attn"), _ignored("--no-masked-softmax-fusion"), _ignored("--no-bias-gelu-fusion"),
-    _ignored("--no-bias-dropout-fusion"), _ignored("--no-bias-swiglu-fusion"), _ignored("--no-rope-fusion"),
-    _ignored("--no-gradient-accumulation-fusion"), _ignored("--no-persist-layer-norm"),
-    _ignored("--no-async-tensor-model-parallel-allreduce"), _ignored("--overlap-grad-reduce"),
-    _ignored("--overlap-param-gather"), _ignored("--tp-comm-overlap"), _ignored("--accumulate-allreduce-grads-in-fp32"),
-    _ignored("--fp16-lm-cross-entropy"), _ignored("--cross-entropy-loss-fusion"), _ignored("--use-distributed-sampler"),
-    _ignored("--make-vocab-size-divisible-by", 1), _ignored("--distributed-backend", 1), _ignored("--DDP-impl", 1),
-    _ignored("--data-impl", 1), _ignored("--num-workers", 1),
-    _ignored("--recompute-method", 1), _ignored("--recompute-num-layers", 1), _ignored("--exit-signal-handler"),
-    _ignored("--log-throughput"), _ignored("--log-params-norm"), _ignored("--log-num-zeros-in-grad"),
-    _ignored("--log-timers-to-tensorboard"), _ignored("--log-validation-ppl-to-tensorboard"),
-    _ignored("--log-memory-to-tensorboard"), _ignored("--timing-log-level", 1),
+    *_no_effect("--attention-backend X", "--transformer-impl X", "--use-mcore-models", "--use-flash-attn",
+                "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+                "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+                "--no-persist-layer-norm", "--no-async-tensor-model-parallel-allreduce", "--overlap-grad-reduce",
+                "--overlap-param-gather", "--tp-comm-overlap", "--accumulate-allreduce-grads-in-fp32",
+                "--fp16-lm-cross-entropy", "--cross-entropy-loss-fusion", "--use-distributed-sampler",
+                "--make-vocab-size-divisible-by X", "--distributed-backend X", "--DDP-impl X", "--data-impl X",
+                "--num-workers X", "--recompute-method X", "--recompute-num-layers X", "--exit-signal-handler",
+                "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
+                "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard", "--timing-log-level X"),
     # the fused scale-mask-softmax's (apex-era) fp16 guards: the scaling cancels out; SDPA's fused kernels
     # accumulate the softmax in fp32
-    _ignored("--apply-query-key-layer-scaling"), _ignored("--no-query-key-layer-scaling"),
-    _ignored("--attention-softmax-in-fp32"),
+    *_no_effect("--apply-query-key-layer-scaling", "--no-query-key-layer-scaling", "--attention-softmax-in-fp32"),
     # memory housekeeping, data-loading and naming details
-    _ignored("--manual-gc"), _ignored("--manual-gc-interval", 1), _ignored("--empty-unused-memory-level", 1),
-    _ignored("--no-create-attention-mask-in-dataloader"), _ignored("--no-mmap-bin-files"),
-    _ignored("--tiktoken-pattern", 1), _ignored("--use-contiguous-parameters-in-local-ddp"),
-    _ignored("--wandb-exp-name", 1), _ignored("--wandb-save-dir", 1),
+    *_no_effect("--manual-gc", "--manual-gc-interval X", "--empty-unused-memory-level X",
+                "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--tiktoken-pattern X",
+                "--use-contiguous-parameters-in-local-ddp", "--wandb-exp-name X", "--wandb-save-dir X"),
     # FP8 needs Transformer Engine's FP8 GEMMs; megazero trains in fp32, bf16 or fp16
-    *(_refused(name, nargs, _NO_FP8) for name, nargs in (
-        ("--fp8-format", 1), ("--fp8-recipe", 1), ("--fp8-margin", 1), ("--fp8-interval", 1),
-        ("--fp8-amax-history-len", 1), ("--fp8-amax-compute-algo", 1), ("--fp8-param-gather", 0),
-        ("--keep_fp8_weight_transpose_cache", 0))),
+    *_no_effect("--fp8-format X", "--fp8-recipe X", "--fp8-margin X", "--fp8-interval X", "--fp8-amax-history-len X",
+                "--fp8-amax-compute-algo X", "--fp8-param-gather", "--keep_fp8_weight_transpose_cache",
+                refused=_NO_FP8),
 )
 BY_NAME = {f.name: f for f in FLAGS}
 
@@ -423,19 +405,17 @@ class Translation:
     """The command line with every Megatron flag replaced by `--section.key value` overrides, in order."""
     ignored: list[str] = field(default_factory=list)
     """Flags accepted with no effect here, in the order given."""
-    later: list[tuple[Flag, list[str]]] = field(default_factory=list)
+    later: list[tuple[Callable[[Config, list[str]], None], list[str]]] = field(default_factory=list)
     collected: dict[str, str] = field(default_factory=dict)
-    used: bool = False
-    """Whether any Megatron flag was given (then MEGATRON_DEFAULTS apply)."""
     seen: list[str] = field(default_factory=list)
-    """The Megatron flags given, in order."""
+    """The Megatron flags given, in order (any: MEGATRON_DEFAULTS apply)."""
     setters: dict[str, tuple[str, str, list[str]]] = field(default_factory=dict)
     """megazero key -> (the Megatron flag that set it, as written, the value): two flags must agree on a key."""
 
     def defaults(self, has_config_file: bool) -> dict:
         """The sections a Megatron launch line starts from: MEGATRON_DEFAULTS when Megatron flags
         were given without a config file, else none."""
-        return MEGATRON_DEFAULTS if self.used and not has_config_file else {}
+        return MEGATRON_DEFAULTS if self.seen and not has_config_file else {}
 
     def defaults_note(self, has_config_file: bool) -> Optional[str]:
         """One line naming the Megatron defaults in effect (those the command line left alone)."""
@@ -447,15 +427,12 @@ class Translation:
 
     def apply(self, cfg: Config) -> None:
         """The flags that need the built config (every other key at its final value)."""
-        for flag, values in self.later:
-            assert flag.after is not None
-            flag.after(cfg, values)
+        for after, values in self.later:
+            after(cfg, values)
 
     def warning(self) -> Optional[str]:
-        if not self.ignored:
-            return None
         return (f"warning: Megatron-LM flags accepted with no effect here (kernel and implementation choices megazero "
-                f"makes itself): {', '.join(dict.fromkeys(self.ignored))}")
+                f"makes itself): {', '.join(dict.fromkeys(self.ignored))}" if self.ignored else None)
 
 
 def translate(args: list[str]) -> Translation:
@@ -471,14 +448,18 @@ def translate(args: list[str]) -> Translation:
             continue
         flag = BY_NAME.get(name) or _unknown(name)
         values, i = _values(flag, args, i, [inline] if has_value else None)
-        out.used = True
         _record(out, flag, values)
         out.seen.append(name)
     for name in out.seen:
         if BY_NAME[name].needs and BY_NAME[name].needs not in out.seen:
             raise ConfigError(f"{name} needs {BY_NAME[name].needs} (Megatron-LM ignores it without); add it")
-    spec = _tokenizer_spec(out.collected) if out.collected else None
-    if spec:  # NullTokenizer: none (the data are token ids; --vocab-size sizes the model)
+    kind = out.collected.get("--tokenizer-type", "GPT2BPETokenizer")
+    if out.collected and kind != "NullTokenizer":  # NullTokenizer: none (token ids; --vocab-size sizes the model)
+        try:
+            files = map(out.collected.get, ("--vocab-file", "--merge-file", "--tokenizer-model"))
+            spec = spec_from_megatron_args(kind, *files)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
         out.overrides += ["--data.tokenizer", spec]
     return out
 
@@ -508,7 +489,7 @@ def _record(out: Translation, flag: Flag, values: list[str]) -> None:
     if flag.collect:
         out.collected[flag.name] = values[0]
     elif flag.after is not None:
-        out.later.append((flag, values))
+        out.later.append((flag.after, values))
     elif not flag.sets:
         out.ignored.append(" ".join([flag.name, *values]) if flag.choices else flag.name)
     for key, value in flag.sets:
@@ -531,17 +512,6 @@ def _chosen(flag: Flag, value: str) -> str:
     return flag.choices[value]
 
 
-def _tokenizer_spec(collected: dict[str, str]) -> str:
-    kind = collected.get("--tokenizer-type", "GPT2BPETokenizer")
-    if kind == "NullTokenizer":
-        return ""
-    try:
-        return spec_from_megatron_args(kind, collected.get("--vocab-file"), collected.get("--merge-file"),
-                                       collected.get("--tokenizer-model"))
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-
-
 def _unknown(name: str) -> Flag:
     """The error for a flag that is neither megazero's nor a Megatron flag in the table: it names
     the nearest Megatron flag, megazero key or short alias (--tp: --parallel.tp)."""
@@ -560,7 +530,7 @@ def markdown_table() -> str:
     lines = ["| Megatron-LM flag | megazero |", "| --- | --- |"]
     for flag in FLAGS:
         if (flag.sets or flag.after or flag.collect or flag.choices) and not flag.refused:
-            lines.append(f"| `{flag.name}{_metavar(flag)}` | {_cell(flag)} |")
+            lines.append(f"| `{flag.name}{_METAVARS[flag.nargs]}` | {_cell(flag)} |")
     refused = [f for f in FLAGS if f.refused]
     for why in dict.fromkeys(f.refused for f in refused):
         names = ", ".join(f"`{f.name}`" for f in refused if f.refused == why)
@@ -577,8 +547,7 @@ def defaults_table() -> str:
                      for key, value in values.items())
 
 
-def _metavar(flag: Flag) -> str:
-    return {0: "", 1: " X", 3: " START INCREMENT SAMPLES", LIST: " ..."}[flag.nargs]
+_METAVARS = {0: "", 1: " X", 3: " START INCREMENT SAMPLES", LIST: " ..."}
 
 
 def _cell(flag: Flag) -> str:

@@ -6,6 +6,7 @@ Precedence is CLI > file > defaults. Every key is typed; unknown keys and wrong 
 
 from __future__ import annotations
 
+import contextlib
 import types
 import typing
 from typing import IO, Any, Callable, Literal, Optional
@@ -39,39 +40,24 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if value not in choices:
             raise ConfigError(f"{key} ({value!r}) must be one of {', '.join(map(str, choices))}")
         return value
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} ({value!r}) must be true or false")
-        return value
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} ({value!r}) must be an integer")
-        return value
-    if annotation is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} ({value!r}) must be a number")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{key} ({value!r}) must be a string")
-        return str(value)
-    if annotation is list:
-        if isinstance(value, str) and "," in value:  # `a,b,c`, as in --finetune.lora_targets c_attn,c_proj
-            value = split_list(value)
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            value = [value]  # a single prefix given on the CLI
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} ({value!r}) must be a list")
-        return value
-    raise TypeError(f"unsupported annotation {annotation} for {key}")
+    if annotation not in _ACCEPTED:
+        raise TypeError(f"unsupported annotation {annotation} for {key}")
+    if annotation is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if annotation is list and isinstance(value, str) and "," in value:  # --finetune.lora_targets c_attn,c_proj
+        value = split_list(value)
+    if annotation is list and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        value = [value]  # a single prefix given on the CLI
+    if isinstance(value, bool) != (annotation is bool) or not isinstance(value, _ACCEPTED[annotation]):
+        raise ConfigError(f"{key} ({value!r}) must be {_TYPE_WORDS[annotation]}")
+    return annotation(value) if annotation in (float, str) else value
 
 
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+_ACCEPTED: dict[type, type | tuple[type, ...]] = {bool: bool, int: int, float: (int, float), str: (str, int, float),
+                                                  list: list}
+"""The Python values a field of each type takes (true and false only for a bool field: bool is an int too)."""
 
 
 def type_name(annotation: Any) -> str:
@@ -150,9 +136,8 @@ def build_config(file_data: Optional[dict] = None, overrides: Optional[list[str]
             given.add(f"{section}.{key}")
     for section, key, value in parse_overrides(overrides or []):
         _apply(cfg, section, key, value)
-        given.add(f"{section}.{key}")
         cli.add(f"{section}.{key}")
-    cfg.set_keys, cfg.cli_keys = frozenset(given), frozenset(cli)
+    cfg.set_keys, cfg.cli_keys = frozenset(given | cli), frozenset(cli)
     return cfg
 
 

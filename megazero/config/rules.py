@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from megazero.config.schema import (
     Config,
@@ -25,56 +25,42 @@ def schedule_warnings(cfg: Config) -> list[str]:
     """Lines about a config that is valid but almost surely not meant: a context-parallel
     implementation chosen without context parallelism, an LR warm-up that lasts the whole run
     or leaves no decay phase."""
-    p = cfg.parallel
-    unused = [f"warning: parallel.cp_impl {p.cp_impl} has no effect at parallel.cp 1 (no context parallelism); "
-              f"set --parallel.cp N to split the sequence"] if p.cp == 1 and "parallel.cp_impl" in cfg.set_keys else []
-    return unused + _warmup_warnings(cfg)
-
-
-def _warmup_warnings(cfg: Config) -> list[str]:
-    t, o = cfg.train, cfg.optim
+    p, t, o = cfg.parallel, cfg.train, cfg.optim
+    lines = [f"warning: parallel.cp_impl {p.cp_impl} has no effect at parallel.cp 1 (no context parallelism); "
+             f"set --parallel.cp N to split the sequence"] if p.cp == 1 and "parallel.cp_impl" in cfg.set_keys else []
     warmup = warmup_length(o, t.iters)
-    if not warmup or not t.iters:
-        return []
-    if warmup >= t.iters:
-        return [f"warning: optim.warmup_iters ({warmup:g}) >= train.iters ({t.iters}): the whole run warms up "
-                f"and the LR never decays; lower optim.warmup_iters or raise train.iters"]
-    if o.decay_iters and warmup >= o.decay_iters:
-        return [f"warning: optim.warmup_iters ({warmup:g}) >= optim.decay_iters ({o.decay_iters}): the LR "
-                f"jumps to min_lr after the warm-up, with no decay; raise optim.decay_iters"]
-    return []
+    if warmup and t.iters and warmup >= t.iters:
+        lines.append(f"warning: optim.warmup_iters ({warmup:g}) >= train.iters ({t.iters}): the whole run warms up "
+                     f"and the LR never decays; lower optim.warmup_iters or raise train.iters")
+    elif warmup and t.iters and o.decay_iters and warmup >= o.decay_iters:
+        lines.append(f"warning: optim.warmup_iters ({warmup:g}) >= optim.decay_iters ({o.decay_iters}): the LR "
+                     f"jumps to min_lr after the warm-up, with no decay; raise optim.decay_iters")
+    return lines
 
 
 def validate(cfg: Config, world_size: int) -> int:
     """Check every value of a resolved config and their consistency; return the inferred
     data-parallel degree. Changes nothing."""
-    m, p, t, o, z = cfg.model, cfg.parallel, cfg.train, cfg.optim, cfg.zero
-    value: Any  # a number (model.vocab_size is resolved by now)
+    m, p, t = cfg.model, cfg.parallel, cfg.train
     if not cfg.data.mock and not cfg.data.prefix:
         raise ConfigError("no training data: set data.prefix (indexed dataset prefixes) or data.mock true")
-    for key, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
-                       ("model.num_heads", m.num_heads), ("model.seq_length", m.seq_length),
-                       ("model.vocab_size", m.vocab_size), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
-                       ("parallel.vpp", p.vpp), ("train.micro_batch_size", t.micro_batch_size),
-                       ("train.global_batch_size", t.global_batch_size), ("train.log_interval", t.log_interval),
-                       ("zero.sub_group_size", z.sub_group_size), ("zero.bucket_size", z.bucket_size),
-                       ("train.max_skipped_steps", t.max_skipped_steps)]:
-        if value < 1:
-            raise ConfigError(f"{key} ({value}) must be at least 1")
-    for key, value in [("train.iters", t.iters), ("train.eval_interval", t.eval_interval),
-                       ("train.eval_iters", t.eval_iters), ("optim.warmup_iters", o.warmup_iters),
-                       ("optim.lr", o.lr), ("optim.min_lr", o.min_lr), ("optim.clip_grad", o.clip_grad),
-                       ("optim.weight_decay", o.weight_decay), ("model.ffn_hidden_size", m.ffn_hidden_size),
-                       ("checkpoint.interval", cfg.checkpoint.interval),
-                       ("checkpoint.keep_last", cfg.checkpoint.keep_last),
-                       ("train.exit_duration_minutes", t.exit_duration_minutes)]:
-        if value < 0:
-            raise ConfigError(f"{key} ({value}) must not be negative")
+    for low, keys in ((1, ("model.num_layers", "model.hidden_size", "model.num_heads", "model.seq_length",
+                           "model.vocab_size", "parallel.tp", "parallel.pp", "parallel.vpp", "train.micro_batch_size",
+                           "train.global_batch_size", "train.log_interval", "zero.sub_group_size", "zero.bucket_size",
+                           "train.max_skipped_steps")),
+                      (0, ("train.iters", "train.eval_interval", "train.eval_iters", "optim.warmup_iters", "optim.lr",
+                           "optim.min_lr", "optim.clip_grad", "optim.weight_decay", "model.ffn_hidden_size",
+                           "checkpoint.interval", "checkpoint.keep_last", "train.exit_duration_minutes"))):
+        for key in keys:
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)  # a number (model.vocab_size is resolved by now)
+            if value < low:
+                raise ConfigError(f"{key} ({value}) must " + ("be at least 1" if low else "not be negative"))
     if t.timeout_minutes <= 0:
         raise ConfigError(f"train.timeout_minutes ({t.timeout_minutes:g}) must be positive, e.g. 10")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout ({m.dropout}) must be in [0, 1)")
-    _validate_optim(o)
+    _validate_optim(cfg.optim)
     _validate_zero(cfg)
     _validate_finetune(cfg.finetune)
     _validate_profiler(cfg)
@@ -210,9 +196,7 @@ def _validate_offload(z: ZeroConfig, stage: Sharding) -> None:
     if not z.nvme_path:
         raise ConfigError(f"{nvme[0]} needs zero.nvme_path: a directory on a local disk, "
                           "e.g. --zero.nvme_path /local_nvme")
-    why = nvme_path_problem(z.nvme_path)
-    if why:
-        raise ConfigError(why)
+    _refuse(nvme_path_problem(z.nvme_path))
 
 
 def nvme_path_problem(path: str) -> Optional[str]:

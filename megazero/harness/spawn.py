@@ -12,6 +12,8 @@ parent waiting: either ends the call with RankFailed, and the other ranks are st
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import pickle
 import queue as queue_module
@@ -38,10 +40,9 @@ def free_port() -> int:
 def torchrun_command(nproc: int, args: list[str], restarts: Optional[int] = None) -> list[str]:
     """`python -m torch.distributed.run ... -m megazero.train ARGS` with `nproc` local workers
     on a free port (and torchrun's --max-restarts when `restarts` is given)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    if restarts is not None:
-        cmd.append(f"--max-restarts={restarts}")
-    return [*cmd, f"--master_port={free_port()}", "-m", "megazero.train", *args]
+    restart = [] if restarts is None else [f"--max-restarts={restarts}"]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *restart,
+            f"--master_port={free_port()}", "-m", "megazero.train", *args]
 
 
 class RankFailed(RuntimeError):
@@ -66,14 +67,9 @@ class _Setup:
     streaming: bool = False
 
 
-class _Report:
+def _report(queue: Any, rank: int, value: Any) -> None:
     """A rank's report(value) for stream_ranks: the value reaches the parent while the rank runs on."""
-
-    def __init__(self, queue: Any, rank: int):
-        self.queue, self.rank = queue, rank
-
-    def __call__(self, value: Any) -> None:
-        self.queue.put((self.rank, "report", pickle.dumps(value)))
+    queue.put((rank, "report", pickle.dumps(value)))
 
 
 def _rank_main(rank: int, setup: _Setup, fn: Callable, args: tuple, queue: Any) -> None:
@@ -92,7 +88,7 @@ def _rank_main(rank: int, setup: _Setup, fn: Callable, args: tuple, queue: Any) 
             torch.cuda.set_device(rank)
         if setup.backend is not None:
             dist.init_process_group(setup.backend, rank=rank, world_size=setup.world)
-        fn_args = (_Report(queue, rank), *args) if setup.streaming else args
+        fn_args = (functools.partial(_report, queue, rank), *args) if setup.streaming else args
         # Plain pickle copies tensors into the message; the queue's own pickler would share
         # them through file descriptors that die with this process.
         queue.put((rank, "done", pickle.dumps(fn(*fn_args))))
@@ -109,10 +105,8 @@ def _next_message(queue: Any, procs: list, done: set[int], timeout: Optional[flo
     deadline = None if timeout is None else time.monotonic() + timeout
     dead_before = False
     while True:
-        try:
+        with contextlib.suppress(queue_module.Empty):
             return queue.get(timeout=1.0)
-        except queue_module.Empty:
-            pass
         dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
         if dead and dead_before:  # a second look: its last message may have been on its way
             code = procs[dead[0]].exitcode

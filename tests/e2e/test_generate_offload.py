@@ -16,7 +16,7 @@ from megazero.checkpoint.export import write_hf
 from megazero.checkpoint.load import open_checkpoint
 from megazero.config import ModelConfig
 from megazero.data.tokenizer import train_gpt2bpe
-from megazero.generate import build_model, generate, generate_batch
+from megazero.generate import build_model, generate_batch
 from megazero.generate import main as generate_main
 from megazero.inference.offload import build_offloaded_model
 from megazero.model.gpt import GPT
@@ -48,7 +48,7 @@ def hf_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def in_memory(hf_dir) -> dict:
     model = build_model(open_checkpoint(hf_dir), SOLO)
-    return {"alone": [generate(model, p, NEW_TOKENS, temperature=0.0) for p in PROMPTS],
+    return {"alone": [generate_batch(model, [p], NEW_TOKENS, temperature=0.0)[0] for p in PROMPTS],
             "batched": generate_batch(model, PROMPTS, NEW_TOKENS, temperature=0.0)}
 
 
@@ -68,7 +68,7 @@ def test_offloaded_generation_equals_in_memory(hf_dir, in_memory, tmp_path, offl
         # The blocks hold no weights of their own: only the embeddings and ln_f are resident.
         assert {p.device.type for n, p in model.named_parameters() if ".h." in n} == {"meta"}
         assert generate_batch(model, PROMPTS, NEW_TOKENS, temperature=0.0) == in_memory["alone"]
-        assert generate(model, PROMPTS[1], NEW_TOKENS, temperature=0.0) == in_memory["alone"][1]
+        assert generate_batch(model, [PROMPTS[1]], NEW_TOKENS, temperature=0.0)[0] == in_memory["alone"][1]
     finally:
         streamer.close()
     steps = 2 * NEW_TOKENS

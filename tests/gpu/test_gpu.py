@@ -164,15 +164,17 @@ def test_torch_and_hf_export_from_gpu_checkpoint(tmp_path, gpu_checkpoint):
 def test_generation_on_gpu(tmp_path, gpu_checkpoint):
     from megazero.checkpoint.load import open_checkpoint
     from megazero.data.tokenizer import train_gpt2bpe
-    from megazero.generate import build_model, generate
+    from megazero.generate import build_model, generate_batch
     from megazero.model.gpt import KVCache
 
     models = {device: build_model(open_checkpoint(gpu_checkpoint), SOLO, device) for device in ("cpu", "cuda")}
     cache = KVCache(models["cuda"], 1, 8)
     assert all(kv.k.is_cuda and kv.v.is_cuda for kv in cache.layers.values())
-    greedy = {d: generate(model, PROMPT_IDS, max_new_tokens=12, temperature=0.0) for d, model in models.items()}
+    greedy = {d: generate_batch(model, [PROMPT_IDS], max_new_tokens=12, temperature=0.0)[0]
+              for d, model in models.items()}
     assert len(greedy["cuda"]) == 16 and greedy["cuda"] == greedy["cpu"]
-    sampled = [generate(models["cuda"], PROMPT_IDS, 12, temperature=1.0, top_k=50, top_p=0.9, seed=s) for s in (7, 7)]
+    sampled = [generate_batch(models["cuda"], [PROMPT_IDS], 12, temperature=1.0, top_k=50, top_p=0.9, seed=s)[0]
+               for s in (7, 7)]
     assert sampled[0] == sampled[1]
 
     texts = [f"the model trains on {w} data and the loss falls" for w in ("gpu", "cpu", "tensor", "pipeline")] * 20

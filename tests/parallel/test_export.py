@@ -138,11 +138,11 @@ def test_reshard_to_impossible_layout_is_refused(tmp_path, source_checkpoint):
 
 def _greedy(path: str) -> list[int]:
     from megazero.checkpoint.load import open_checkpoint
-    from megazero.generate import build_model, generate
+    from megazero.generate import build_model, generate_batch
     from megazero.parallel.grid import ProcessGrid
     grid = ProcessGrid.create(tp=int(os.environ["WORLD_SIZE"]), pp=1)
     model = build_model(open_checkpoint(path), grid.tp_group)
-    return generate(model, [5, 17, 33, 2], max_new_tokens=12, temperature=0.0)
+    return generate_batch(model, [[5, 17, 33, 2]], max_new_tokens=12, temperature=0.0)[0]
 
 
 @pytest.mark.slow  # suite budget: generation is checked against transformers by default (test_generate_*)
@@ -158,10 +158,10 @@ def test_greedy_generation_equal_across_layouts(tmp_path, source_checkpoint):
 
 def test_sampling_is_deterministic_for_a_seed(tmp_path, source_checkpoint):
     from megazero.checkpoint.load import open_checkpoint
-    from megazero.generate import build_model, generate
+    from megazero.generate import build_model, generate_batch
     save, _ = source_checkpoint
     model = build_model(open_checkpoint(save), SOLO)
-    runs = [generate(model, [1, 2, 3], 20, temperature=1.0, top_k=50, top_p=0.9, seed=s) for s in (7, 7, 8)]
+    runs = [generate_batch(model, [[1, 2, 3]], 20, temperature=1.0, top_k=50, top_p=0.9, seed=s)[0] for s in (7, 7, 8)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
