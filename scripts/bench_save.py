@@ -75,7 +75,7 @@ class SaveClock:
 
         def timed_finish(*args, **kwargs):
             if self._last():
-                if manager.pending.iteration >= iters:  # the last save's own finish: not counted
+                if manager.pending.save.iteration >= iters:  # the last save's own finish: not counted
                     return finish(*args, **kwargs)
                 self._tail = True
                 return _timed(finish, args, kwargs, self._tail_ended)

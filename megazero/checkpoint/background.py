@@ -56,10 +56,6 @@ class BackgroundSave:
         finally:
             self._done.set()
 
-    @property
-    def iteration(self) -> int:
-        return self.save.iteration
-
     def votes(self) -> WriteVotes:
         """This rank's write, to be summed over the world in the step."""
         done = self._done.is_set()

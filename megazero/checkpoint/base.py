@@ -61,9 +61,8 @@ def complete_checkpoints(save_dir: str) -> list[str]:
     """Sealed checkpoint directories (with metadata.json), oldest first."""
     if not os.path.isdir(save_dir):
         return []
-    names = [n for n in os.listdir(save_dir)
-             if ITER_DIR.match(n) and os.path.isfile(os.path.join(save_dir, n, "metadata.json"))]
-    return sorted(names)
+    return sorted(n for n in os.listdir(save_dir)
+                  if ITER_DIR.match(n) and os.path.isfile(os.path.join(save_dir, n, "metadata.json")))
 
 
 def last_good_hint(ckpt: str) -> str:
@@ -158,13 +157,7 @@ class Checkpoint:
     adapters: Optional[Adapters] = None
     """A LoRA fine-tune's adapters (their names are in `shapes` too); None without LoRA."""
 
-    def names(self) -> list[str]:
-        return list(self.shapes)
-
-    def full_shape(self, name: str) -> tuple[int, ...]:
-        return self.shapes[name]
-
-    def tensors(self, kind: str = "master", dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, kind: str = "master") -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter once, shaped as `shapes` says; the source must hold them all."""
         if kind != "master":
             self._require_training(f"its {kind} tensors")
@@ -172,8 +165,7 @@ class Checkpoint:
         for name, t in self.stream(kind):
             if name in self.shapes and name not in seen:
                 seen.add(name)
-                t = fit_vocab(name, t, self.shapes[name])
-                yield name, t if dtype is None else t.to(dtype)
+                yield name, fit_vocab(name, t, self.shapes[name])
         missing = [n for n in self.shapes if n not in seen]
         if missing:
             raise CheckpointError(f"{self.kind} '{self.ckpt}' lacks {len(missing)} parameters of the model its "

@@ -39,17 +39,18 @@ import math
 import os
 import pickle
 import re
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
 from megazero.checkpoint.base import Checkpoint, CheckpointError
-from megazero.checkpoint.hf import CONV1D_SUFFIXES, TIED_HEAD, from_hf, hf_tokenizer_spec
-from megazero.checkpoint.hf_names import model_config_from_hf
+from megazero.checkpoint.hf import from_hf
+from megazero.checkpoint.hf_names import EMBEDDING, GPT2_CONV1D, HEAD, model_config_from_hf
 from megazero.checkpoint.tensors import plain_shapes
 from megazero.config.deepspeed import import_deepspeed
 from megazero.config.parse import build_config
 from megazero.config.schema import Config, ConfigError, ModelConfig
+from megazero.data.tokenizer import spec_of_directory
 
 
 class _LossScaler:
@@ -74,7 +75,6 @@ ALLOWED = [(_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
            (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address")]
 """The only non-torch types a DeepSpeed checkpoint may ask for (stand-ins, under DeepSpeed's names)."""
 
-STEP_DIR = re.compile(r"global_step(\d+)$")
 KIND_FILES = {"master": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 KIND = "DeepSpeed checkpoint"
 
@@ -129,10 +129,6 @@ def deepspeed_folder(path: str) -> Optional[str]:
     return None
 
 
-def is_deepspeed(path: str) -> bool:
-    return deepspeed_folder(path) is not None
-
-
 def find_hf_config(folder: str) -> Optional[str]:
     """config.json of the GPT-2 a DeepSpeed folder holds: in it or in its parent; None without one."""
     for where in (folder, os.path.dirname(os.path.abspath(folder))):
@@ -154,7 +150,7 @@ def checked_model(recorded: dict[str, tuple[int, ...]], stated: ModelConfig, fol
         m.vocab_size = wte[0]
     if m.num_heads <= 0 or m.hidden_size % m.num_heads:
         raise CheckpointError(f"model.num_heads ({m.num_heads}) must divide model.hidden_size ({m.hidden_size})")
-    expected = {n: hf_shape(n, s) for n, s in plain_shapes(m).items()}
+    expected = {n: s[::-1] if n.endswith(GPT2_CONV1D) else s for n, s in plain_shapes(m).items()}  # HF's Conv1D
     expected["transformer.wte.weight"] = (int(m.vocab_size), m.hidden_size)  # HF's has no padding rows
     fix = shapes_fix(recorded, m)
     for name in [*expected, *(n for n in recorded if n not in expected)]:
@@ -163,11 +159,6 @@ def checked_model(recorded: dict[str, tuple[int, ...]], stated: ModelConfig, fol
             raise CheckpointError(f"{KIND} '{folder}' does not hold this run's model: {name} has shape "
                                   f"{_shape(theirs)} there but {_shape(mine)} in the run's model section{fix}")
     return m
-
-
-def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A megazero parameter's shape as Hugging Face stores it (Conv1D weights transposed)."""
-    return shape[::-1] if name.endswith(CONV1D_SUFFIXES) else shape
 
 
 def shapes_fix(recorded: dict[str, tuple[int, ...]], m: ModelConfig) -> str:
@@ -225,7 +216,7 @@ class DeepSpeedReader:
         self.model_config = self._model(stated.model if stated else None)
         self.model_stated = self.hf_config is None
         self._ranks: Optional[list[dict]] = None
-        tokenizer = hf_tokenizer_spec(os.path.dirname(self.hf_config)) if self.hf_config else None
+        tokenizer = spec_of_directory(os.path.dirname(self.hf_config)) if self.hf_config else None
         self.config = self._run_config(tokenizer or (stated.data.tokenizer if stated and self.model_stated else None))
 
     def _model(self, stated: Optional[ModelConfig]) -> ModelConfig:
@@ -288,8 +279,8 @@ class DeepSpeedReader:
 
     def full(self, name: str, kind: str = "master") -> torch.Tensor:
         """The whole parameter `name` (megazero's name; the tied head is the embedding), fp32."""
-        if name == TIED_HEAD:
-            name = "transformer.wte.weight"
+        if name == HEAD:
+            name = EMBEDDING
         if name not in self.names:
             raise CheckpointError(f"{KIND} '{self.folder}' has no parameter {name}: not a GPT-2 of the shape its "
                                   f"config.json describes")
@@ -348,25 +339,23 @@ class DeepSpeedReader:
 
     # -- the rest of the training state
 
+    def _first_optimizer_state(self) -> tuple[dict, str]:
+        """DP rank 0's optimizer state (a universal folder's optimizer_state.pt) and its moments' key."""
+        if self.universal:
+            return load_ds_file(os.path.join(self.folder, "zero", "optimizer_state.pt")), "optimizer_state_dict"
+        return self._rank_states()[0], self.layout.moments
+
     def _optimizer_step(self) -> int:
         """Adam's step count (the same for every parameter and rank)."""
-        if self.universal:
-            step_file = glob.glob(os.path.join(self.folder, "zero", "*", "step.pt"))
-            if step_file:
-                return int(load_ds_file(step_file[0]))
-            state = load_ds_file(os.path.join(self.folder, "zero", "optimizer_state.pt"))
-            inner = state["optimizer_state_dict"]["state"]
-        else:
-            state = self._rank_states()[0]
-            inner = state[self.layout.moments]["state"]
+        if self.universal and (step_file := glob.glob(os.path.join(self.folder, "zero", "*", "step.pt"))):
+            return int(load_ds_file(step_file[0]))
+        state, moments = self._first_optimizer_state()
+        inner = state[moments]["state"]
         return int(inner[min(inner)]["step"])
 
     def _loss_scaler(self) -> Optional[dict]:
         """DeepSpeed's dynamic fp16 loss scaler as megazero's; None when it scaled statically or not at all."""
-        if self.universal:
-            scaler = load_ds_file(os.path.join(self.folder, "zero", "optimizer_state.pt")).get("loss_scaler")
-        else:
-            scaler = self._rank_states()[0].get("loss_scaler")
+        scaler = self._first_optimizer_state()[0].get("loss_scaler")
         values = vars(scaler) if isinstance(scaler, _LossScaler) else {}
         if not values.get("dynamic"):
             return None
@@ -430,12 +419,7 @@ def open_deepspeed(path: str, stated: Optional[Config] = None) -> Checkpoint:
         raise CheckpointError(f"'{path}' is not a DeepSpeed checkpoint (no 'latest' naming a global_stepN folder, "
                               f"and no *model_states.pt)")
     reader = DeepSpeedReader(folder, stated)
-    m: ModelConfig = reader.model_config
-    shapes = plain_shapes(m)
-
-    def stream(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((n, reader.full(n, kind)) for n in shapes)
-
+    shapes = plain_shapes(reader.model_config)
     kind = "DeepSpeed universal checkpoint" if reader.universal else KIND
-    return Checkpoint(folder, kind, m, reader.config.data.tokenizer, reader.meta["iteration"], shapes, stream,
-                      training=reader)
+    return Checkpoint(folder, kind, reader.model_config, reader.config.data.tokenizer, reader.meta["iteration"], shapes,
+                      lambda kind: ((n, reader.full(n, kind)) for n in shapes), training=reader)

@@ -64,39 +64,36 @@ def _check_hash(path: str, digest: str, expected: dict) -> None:
         raise DigestError(f"{os.path.basename(path)} fails its sha256 check")
 
 
-def file_entry(path: str) -> dict:
-    """The digest entry of a file already written (for writers that seek while writing)."""
+def _sha256(path: str, copy: Optional[IO[bytes]] = None) -> str:
+    """The file's sha256 in one sequential read (its bytes also written to `copy` when given)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(BLOCK):
             h.update(block)
-    return {"sha256": h.hexdigest(), "bytes": os.path.getsize(path)}
+            if copy is not None:
+                copy.write(block)
+    return h.hexdigest()
+
+
+def file_entry(path: str) -> dict:
+    """The digest entry of a file already written (for writers that seek while writing)."""
+    return {"sha256": _sha256(path), "bytes": os.path.getsize(path)}
 
 
 def verify(path: str, expected: dict) -> None:
     """Hash the file in one sequential read and compare (for files used through mmap)."""
     _check_size(path, expected)
-    _check_hash(path, file_entry(path)["sha256"], expected)
-
-
-def read_verified(path: str, expected: dict) -> io.BytesIO:
-    """The file's bytes in memory, read once and hashed as they arrive; checked before
-    they are returned."""
-    _check_size(path, expected)
-    data, h = io.BytesIO(), hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(BLOCK):
-            h.update(block)
-            data.write(block)
-    _check_hash(path, h.hexdigest(), expected)
-    data.seek(0)
-    return data
+    _check_hash(path, _sha256(path), expected)
 
 
 def load_torch(path: str, expected: dict) -> Any:
     """torch.load(weights_only=True) from the bytes read while hashing, once they checked
     out; a file over IN_MEMORY_BYTES is verified, then loaded memory-mapped."""
-    if os.path.getsize(path) <= IN_MEMORY_BYTES:
-        return torch.load(read_verified(path, expected), map_location="cpu", weights_only=True)
-    verify(path, expected)
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if os.path.getsize(path) > IN_MEMORY_BYTES:
+        verify(path, expected)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    _check_size(path, expected)
+    data = io.BytesIO()
+    _check_hash(path, _sha256(path, data), expected)
+    data.seek(0)
+    return torch.load(data, map_location="cpu", weights_only=True)

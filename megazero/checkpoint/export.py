@@ -67,28 +67,21 @@ def _record_offsets(f: IO[bytes]) -> dict[str, int]:
 
 def write_torch(reader: Checkpoint, output: str, dtype: torch.dtype) -> None:
     """One plain state_dict for megazero's non-parallel GPT-2 (load with strict=True), and
-    OUTPUT.config.json with the model config and tokenizer needed to use it."""
+    OUTPUT.config.json with the model config and tokenizer needed to use it and the file's digest."""
     assert isinstance(reader.model_config.vocab_size, int)
     shapes = _with_vocab_rows(reader, padded_vocab_size(reader.model_config.vocab_size, 1))  # re-padded for tp = 1
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     save_streaming(output, shapes, dtype,
                    ((n, fit_vocab(n, t, shapes[n])) for n, t in reader.tensors("master")))
-    write_sidecar(output + ".config.json", reader, digest.file_entry(output))
+    info = {"model": dataclasses.asdict(reader.model_config), "tokenizer": reader.tokenizer,
+            "iteration": reader.iteration, "source": os.path.abspath(reader.ckpt), **digest.file_entry(output)}
+    write_text(output + ".config.json", json.dumps(info, indent=1))
 
 
 def _with_vocab_rows(reader: Checkpoint, rows: int) -> dict[str, tuple[int, ...]]:
     """The checkpoint's shapes with `rows` rows of the token embedding and an untied output
     layer (their vocabulary padding)."""
-    shapes = {n: tuple(reader.full_shape(n)) for n in reader.names()}
-    return {n: (rows, *s[1:]) if n in (EMBEDDING, HEAD) else s for n, s in shapes.items()}
-
-
-def write_sidecar(path: str, reader: Checkpoint, weights: dict) -> None:
-    """The export's config beside it, with the weights file's digest (`weights`: sha256, bytes)."""
-    info = {"model": dataclasses.asdict(reader.model_config), "tokenizer": reader.tokenizer,
-            "iteration": reader.iteration, "source": os.path.abspath(reader.ckpt), **weights}
-    write_text(path, json.dumps(info, indent=1))
-
+    return {n: (rows, *s[1:]) if n in (EMBEDDING, HEAD) else s for n, s in reader.shapes.items()}
 
 
 def write_universal(reader: Checkpoint, output: str) -> None:
@@ -109,7 +102,6 @@ def write_universal(reader: Checkpoint, output: str) -> None:
     write_text(os.path.join(output, "universal.json"), json.dumps(meta, indent=1))
 
 
-
 def to_hf(name: str, full: torch.Tensor, m: ModelConfig) -> list[tuple[str, torch.Tensor]]:
     """A full (unsharded) megazero tensor as the HF tensors that store it (hf_names.py)."""
     if name in (EMBEDDING, HEAD):
@@ -120,18 +112,6 @@ def to_hf(name: str, full: torch.Tensor, m: ModelConfig) -> list[tuple[str, torc
             for p, t in zip(parts, full.split(rows), strict=True)]
 
 
-def hf_shapes(name: str, shape: tuple[int, ...], m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The HF tensors (name: shape) that store megazero tensor `name` of full shape `shape`."""
-    assert isinstance(m.vocab_size, int)
-    if name in (EMBEDDING, HEAD):
-        shape = (m.vocab_size, *shape[1:])
-    out = {}
-    for p in pieces(name, m):
-        part = (shape[0] if p.rows < 0 else p.rows, *shape[1:])
-        out[p.key] = tuple(reversed(part)) if p.transposed else part
-    return out
-
-
 def write_hf(output_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]],
              m: ModelConfig, dtype: torch.dtype = torch.float32, eos_token_id: int | None = None) -> None:
     """config.json + model.safetensors into `output_dir` (a GPT2LMHeadModel or LlamaForCausalLM
@@ -139,8 +119,9 @@ def write_hf(output_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], shape
     `tensors` yields them). A tied output layer is HF's tie: not stored."""
     os.makedirs(output_dir, exist_ok=True)
     tied = m.tie_embeddings
-    out_shapes = {k: v for name, shape in shapes.items() if not (tied and name == HEAD)
-                  for k, v in hf_shapes(name, shape, m).items()}
+    # The HF tensors' shapes: to_hf of meta tensors (no memory) of the full shapes.
+    out_shapes = {k: tuple(t.shape) for name, shape in shapes.items() if not (tied and name == HEAD)
+                  for k, t in to_hf(name, torch.empty(shape, device="meta"), m)}
     converted = (pair for name, t in tensors if not (tied and name == HEAD) for pair in to_hf(name, t, m))
     save_safetensors_streaming(os.path.join(output_dir, "model.safetensors"), out_shapes, dtype, converted,
                                metadata={"format": "pt"})

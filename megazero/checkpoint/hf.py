@@ -14,26 +14,23 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
 
 from megazero.checkpoint.base import Checkpoint, CheckpointError, safetensors_metadata
-from megazero.checkpoint.hf_names import GPT2_CONV1D as CONV1D_SUFFIXES
-from megazero.checkpoint.hf_names import Piece, model_config_from_hf, pieces
+from megazero.checkpoint.hf_names import EMBEDDING, GPT2_CONV1D, HEAD, Piece, model_config_from_hf, pieces
 from megazero.checkpoint.tensors import plain_shapes
 from megazero.config.schema import ModelConfig
 from megazero.data.tokenizer import spec_of_directory
 from megazero.parallel.placement import Placement, placement
 
-TIED_HEAD = "lm_head.weight"
-
 
 def from_hf(name: str, hf_tensor: torch.Tensor) -> torch.Tensor:
     """An HF GPT-2 tensor in megazero's storage layout (Conv1D weights transposed); the vocab
     padding rows are added by `fit_vocab` for the target tp."""
-    return hf_tensor.t().contiguous() if name.endswith(CONV1D_SUFFIXES) else hf_tensor
+    return hf_tensor.t().contiguous() if name.endswith(GPT2_CONV1D) else hf_tensor
 
 
 class HFFiles:
@@ -52,7 +49,11 @@ class HFFiles:
             for key, file in weight_map.items():
                 self._add(key, os.path.join(hf_dir, file))
             return
-        path = hf_weights_file(hf_dir)
+        found = [n for n in ("model.safetensors", "pytorch_model.bin") if os.path.isfile(os.path.join(hf_dir, n))]
+        if not found:
+            raise CheckpointError(f"checkpoint.init_from_hf {hf_dir} has neither model.safetensors nor "
+                                  f"pytorch_model.bin")
+        path = os.path.join(hf_dir, found[0])
         for key in self._open(path).keys():
             self._add(key, path)
 
@@ -80,9 +81,6 @@ class HFFiles:
         s = self.slice(key)
         return tuple(s.get_shape() if hasattr(s, "get_shape") else s.shape)
 
-    def tensor(self, key: str) -> torch.Tensor:
-        return self.slice(key)[:]
-
 
 def _normalised(key: str) -> str:
     """GPT2LMHeadModel's and LlamaForCausalLM's names: a bare GPT2Model / LlamaModel lacks the
@@ -92,30 +90,9 @@ def _normalised(key: str) -> str:
     return ("model." if key.startswith(("layers.", "embed_tokens.", "norm.")) else "transformer.") + key
 
 
-def read_config(hf_dir: str) -> ModelConfig:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"'{path}' not found: an HF directory needs config.json and model.safetensors")
-    with open(path) as f:
-        return model_config_from_hf(json.load(f))
-
-
-def read_hf(hf_dir: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """The model config of an HF GPT-2 or Llama directory and a lazy iterator over megazero's
-    tensors in megazero's layout (fused projections stacked, Linear-shaped; no vocab padding)."""
-    m = read_config(hf_dir)
-    files = HFFiles(hf_dir)
-
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for name in plain_shapes(m):
-            yield name, _stacked(files, name, m)
-
-    return m, tensors()
-
-
 def _stacked(files: HFFiles, name: str, m: ModelConfig) -> torch.Tensor:
     try:
-        parts = [files.tensor(p.key) for p in pieces(name, m)]
+        parts = [files.slice(p.key)[:] for p in pieces(name, m)]
     except KeyError as e:
         raise CheckpointError(f"{files.dir} has no tensor {e}: not a checkpoint of this model's shape") from None
     parts = [t.t() if p.transposed else t for p, t in zip(pieces(name, m), parts, strict=True)]
@@ -125,35 +102,25 @@ def _stacked(files: HFFiles, name: str, m: ModelConfig) -> torch.Tensor:
 def open_hf(path: str) -> Checkpoint:
     """A Hugging Face GPT-2 or Llama directory as a Checkpoint (weights only)."""
     try:
-        m = read_config(path)
-    except (FileNotFoundError, ValueError, KeyError) as e:
+        with open(os.path.join(path, "config.json")) as f:
+            m = model_config_from_hf(json.load(f))
+    except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"Hugging Face directory '{path}' cannot be read: {e}") from None
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         safetensors_metadata(single)
+    shapes = plain_shapes(m)
 
     def stream(kind: str) -> Iterator[tuple[str, torch.Tensor]]:
-        return read_hf(path)[1]
+        """megazero's tensors in megazero's layout (fused projections stacked, Linear-shaped; no
+        vocab padding), read one at a time."""
+        files = HFFiles(path)
+        return ((name, _stacked(files, name, m)) for name in shapes)
 
-    return Checkpoint(path, "Hugging Face directory", m, hf_tokenizer_spec(path), None, plain_shapes(m), stream)
-
-
-def hf_tokenizer_spec(hf_dir: str) -> Optional[str]:
-    """The megazero spec of the tokenizer files in an HF directory (GPT-2 BPE, a SentencePiece
-    tokenizer.model or a tokenizer.json: data/tokenizer.py's spec_of_directory)."""
-    return spec_of_directory(hf_dir)
+    return Checkpoint(path, "Hugging Face directory", m, spec_of_directory(path), None, shapes, stream)
 
 
 # ----------------------------------------------------------------------------- init_from_hf
-
-def hf_weights_file(hf_dir: str) -> str:
-    """model.safetensors, else pytorch_model.bin, of an HF directory."""
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        path = os.path.join(hf_dir, name)
-        if os.path.isfile(path):
-            return path
-    raise CheckpointError(f"checkpoint.init_from_hf {hf_dir} has neither model.safetensors nor pytorch_model.bin")
-
 
 class HFInitialValues:
     """A run's starting parameters read from an HF GPT-2 or Llama directory, one parameter's
@@ -169,12 +136,12 @@ class HFInitialValues:
         self.files, self.m = HFFiles(hf_dir), m
 
     def value(self, name: str, p: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
-        if name == TIED_HEAD and self.m.tie_embeddings:
-            name = "transformer.wte.weight"
+        if name == HEAD and self.m.tie_embeddings:
+            name = EMBEDDING
         full = placement(p).full_shape
         parts = pieces(name, self.m)
         rows = [full[0] if q.rows < 0 else q.rows for q in parts]
-        vocab = name in ("transformer.wte.weight", TIED_HEAD)
+        vocab = name in (EMBEDDING, HEAD)
         for q, r in zip(parts, rows, strict=True):
             self._check(q, (self.m.vocab_size if vocab else r, *full[1:]), name == "transformer.wpe.weight")
         where = placement(p) if tp_size > 1 else Placement(full)

@@ -55,11 +55,9 @@ def _take_model_keys(cfg: Config, theirs: ModelConfig, path: str) -> None:
     """Model keys the run did not set come from config.json; the ones it set must agree."""
     m = cfg.model
     for key in set_by_hf(theirs):
-        mine, hf_value = getattr(m, key), getattr(theirs, key)
-        if key == "ffn_hidden_size":
-            mine, hf_value = m.ffn_size, theirs.ffn_size
-        elif key == "num_query_groups":
-            mine, hf_value = m.query_groups, theirs.query_groups
+        # 0 stands for a value derived from the other keys: compare the values themselves
+        resolved = {"ffn_hidden_size": "ffn_size", "num_query_groups": "query_groups"}.get(key, key)
+        mine, hf_value = getattr(m, resolved), getattr(theirs, resolved)
         if mine == hf_value:
             continue
         if f"model.{key}" not in cfg.set_keys or mine == "auto":

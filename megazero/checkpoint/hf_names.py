@@ -33,7 +33,7 @@ _LLAMA_FUSED = {"attn.c_attn": ("self_attn.q_proj", "self_attn.k_proj", "self_at
 _LLAMA_TOP = {EMBEDDING: "model.embed_tokens.weight", "transformer.ln_f.weight": "model.norm.weight",
               HEAD: "lm_head.weight"}
 
-# The model keys each architecture fixes: (key, value, why).
+# The model keys each architecture fixes: (key, value).
 _GPT2 = [("normalization", "layernorm"), ("position_embedding", "learned"), ("activation", "gelu"),
          ("bias", True), ("tie_embeddings", True), ("num_query_groups", 0), ("zero_centered_norm", False)]
 _LLAMA = [("normalization", "rmsnorm"), ("position_embedding", "rope"), ("activation", "swiglu"),

@@ -19,7 +19,7 @@ import os
 from typing import Optional
 
 from megazero.checkpoint.base import Checkpoint, CheckpointError, complete_checkpoints, not_a_checkpoint
-from megazero.checkpoint.deepspeed import is_deepspeed, open_deepspeed
+from megazero.checkpoint.deepspeed import deepspeed_folder, open_deepspeed
 from megazero.checkpoint.hf import open_hf
 from megazero.checkpoint.meta import LATEST, MEGATRON_LATEST
 from megazero.checkpoint.plain import open_model_16bit, open_torch_export
@@ -34,35 +34,30 @@ def open_checkpoint(path: str, iteration: int = 0, stated: Optional[Config] = No
     (DeepSpeed's without config.json) holds, checked against the shapes it records."""
     if not os.path.exists(path):
         raise not_a_checkpoint(path, "no such file or directory")
+    complete = complete_checkpoints(path)
     if iteration:
-        if not complete_checkpoints(path):
+        if not complete:
             raise CheckpointError(f"--iteration {iteration} picks an iter_ directory inside a save directory, "
                                   f"but '{path}' holds none; pass the checkpoint itself without --iteration")
-        return open_sharded(_iteration_dir(path, iteration), "save directory")
+        ckpt = resolve(path, iteration)
+        if not os.path.isdir(ckpt):
+            raise CheckpointError(f"save directory '{path}' has no {os.path.basename(ckpt)} "
+                                  f"(complete checkpoints: {', '.join(complete)})")
+        return open_sharded(ckpt, "save directory")
     if os.path.isfile(path):
         return open_model_16bit(path) if path.endswith(".safetensors") else open_torch_export(path)
     if os.path.isfile(os.path.join(path, "universal.json")):
         return open_universal(path)
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return open_sharded(path, "iter_ directory")
-    if is_deepspeed(path):  # before `latest` and config.json: DeepSpeed's folders have both
+    if deepspeed_folder(path):  # before `latest` and config.json: DeepSpeed's folders have both
         return open_deepspeed(path, stated)
     if any(os.path.isfile(os.path.join(path, name)) for name in (LATEST, MEGATRON_LATEST)):
         return open_sharded(resolve(path), "save directory")
     if os.path.isfile(os.path.join(path, "config.json")):
         return open_hf(path)
-    complete = complete_checkpoints(path)
     if complete:
         raise CheckpointError(f"save directory '{path}' has no '{LATEST}' file; pass one of its "
                               f"checkpoints, e.g. {os.path.join(path, complete[-1])}")
     raise not_a_checkpoint(path, "a directory without latest, metadata.json, universal.json, config.json or "
                                  "*model_states.pt")
-
-
-def _iteration_dir(save_dir: str, iteration: int) -> str:
-    ckpt = resolve(save_dir, iteration)
-    if not os.path.isdir(ckpt):
-        have = ", ".join(complete_checkpoints(save_dir)) or "none"
-        raise CheckpointError(f"save directory '{save_dir}' has no {os.path.basename(ckpt)} "
-                              f"(complete checkpoints: {have})")
-    return ckpt

@@ -118,7 +118,7 @@ class CheckpointManager:
             self._failed(e, last)
             return
         if self.is_logger:
-            print(f"saved checkpoint {path} (written in the background since iteration {pending.iteration})"
+            print(f"saved checkpoint {path} (written in the background since iteration {pending.save.iteration})"
                   f"{weights_only_note(self.cfg)}", flush=True)
 
     def _failed(self, e: CheckpointSaveError, last: bool) -> None:

@@ -60,7 +60,7 @@ def open_model_16bit(path: str) -> Checkpoint:
     beside = os.path.join(os.path.dirname(os.path.abspath(path)), "metadata.json")
     if os.path.isfile(beside):  # written into an iter_ directory: its metadata has its digest and the rest
         meta = sharded.read_metadata(os.path.dirname(beside))
-        sharded.verify_file(os.path.dirname(beside), meta, os.path.basename(path))
+        sharded.checked_file(os.path.dirname(beside), meta, os.path.basename(path))
         tokenizer, iteration = meta["config"]["data"].get("tokenizer"), meta["iteration"]
     metadata = safetensors_metadata(path)
     info = metadata.get("megazero_model")

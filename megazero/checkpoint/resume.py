@@ -22,10 +22,10 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from megazero.checkpoint.base import KINDS, CheckpointError, last_good_hint
-from megazero.checkpoint.deepspeed import is_deepspeed
+from megazero.checkpoint.deepspeed import deepspeed_folder
 from megazero.checkpoint.load import open_checkpoint
 from megazero.checkpoint.meta import LATEST, MEGATRON_LATEST
-from megazero.checkpoint.save import layout_of
+from megazero.checkpoint.save import LEFT_OUT, layout_of
 from megazero.checkpoint.sharded import check_model, load_rank_state, read_metadata, resolve
 from megazero.checkpoint.tensors import decode_rng, fit_vocab
 from megazero.config.schema import Config
@@ -39,7 +39,7 @@ FRESH, HF, RESUME = "fresh", "hf", "resume"
 def starting_point(load: Optional[str], iteration: int = 0, init_from_hf: Optional[str] = "") -> str:
     """FRESH, HF or RESUME (see above), from the files alone: every rank decides alike."""
     if load and (iteration or any(os.path.isfile(os.path.join(load, n))
-                                  for n in ("universal.json", LATEST, MEGATRON_LATEST)) or is_deepspeed(load)):
+                                  for n in ("universal.json", LATEST, MEGATRON_LATEST)) or deepspeed_folder(load)):
         return RESUME
     return HF if init_from_hf else FRESH
 
@@ -52,7 +52,7 @@ def resume_state(load: str, iteration: int, cfg: Config, grid: ProcessGrid,
     layout, RNG streams. A bad checkpoint raises the same CheckpointError on every rank."""
     def read() -> tuple[str, dict]:
         # A universal or DeepSpeed checkpoint is always resharded; a megazero save only when its layout differs.
-        whole = os.path.isfile(os.path.join(load, "universal.json")) or is_deepspeed(load)
+        whole = os.path.isfile(os.path.join(load, "universal.json")) or deepspeed_folder(load) is not None
         ckpt = load if whole else resolve(load, iteration)
         if not whole:
             meta = read_metadata(ckpt)
@@ -98,16 +98,12 @@ def resume_line(ckpt: str, iteration: int, cfg: Config, rng_loaded: bool) -> str
     return line
 
 
-_LEFT_OUT = {"optimizer": ("optimizer state", "--no-save-optim", "--no-load-optim"),
-             "rng": ("RNG state", "--no-save-rng", "--no-load-rng")}
-
-
 def check_contents(meta: dict, cfg: Config, ckpt: str) -> None:
     """A checkpoint saved without optimizer or RNG state (checkpoint.save_optimizer / save_rng
     false) cannot be resumed as a whole: its loading must leave out the same."""
     for name in meta.get("without", []):
         if getattr(cfg.checkpoint, f"load_{name}"):
-            what, saved_by, load_flag = _LEFT_OUT[name]
+            what, saved_by, load_flag = LEFT_OUT[name]
             raise CheckpointError(f"checkpoint '{ckpt}' holds no {what} (saved with checkpoint.save_{name} false, "
                                   f"Megatron's {saved_by}): it can be fine-tuned from, not resumed; load its weights "
                                   f"with --checkpoint.load_{name} false ({load_flag})")

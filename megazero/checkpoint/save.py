@@ -37,7 +37,7 @@ from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 
 
-def save_sharded(save_dir: str, iteration: int, rank_state: dict | Callable[[], dict], cfg: Config, grid: ProcessGrid,
+def save_sharded(save_dir: str, iteration: int, rank_state: Callable[[], dict], cfg: Config, grid: ProcessGrid,
          keep_last: int = 0, extra: Optional[Callable[[str], list[str]]] = None) -> str:
     """Collective: every rank writes its state; rank 0 seals the checkpoint. Returns its path.
     `extra(directory)`, when given, is a collective writing more files (their paths relative
@@ -45,10 +45,9 @@ def save_sharded(save_dir: str, iteration: int, rank_state: dict | Callable[[], 
     every rank when any rank's write failed (nothing of the new checkpoint is kept)."""
     save = Save(save_dir, iteration, cfg, grid, keep_last)
     save.open()
-    # Built inside the step when given as a callable: assembling state can fail on one rank
-    # (scratch space for NVMe-swapped state) and must stop every rank alike.
-    save.record_rank_files(lambda: write_rank_file(save.rank_file,
-                                                   rank_state() if callable(rank_state) else rank_state))
+    # Built inside the step: assembling state can fail on one rank (scratch space for
+    # NVMe-swapped state) and must stop every rank alike.
+    save.record_rank_files(lambda: write_rank_file(save.rank_file, rank_state()))
     if extra is not None:
         save.add_extra(extra)
     return save.seal()
@@ -98,10 +97,14 @@ class Save:
         return self.final
 
 
+LEFT_OUT = {"optimizer": ("optimizer state", "--no-save-optim", "--no-load-optim"),
+            "rng": ("RNG state", "--no-save-rng", "--no-load-rng")}
+"""What checkpoint.save_X false leaves out: (what it is, Megatron's flags to save and load without it)."""
+
+
 def left_out(cfg: Config) -> list[str]:
     """What checkpoint.save_optimizer / save_rng false leave out of a checkpoint: "optimizer", "rng"."""
-    c = cfg.checkpoint
-    return [name for name, kept in (("optimizer", c.save_optimizer), ("rng", c.save_rng)) if not kept]
+    return [name for name in LEFT_OUT if not getattr(cfg.checkpoint, f"save_{name}")]
 
 
 def without_left_out(state: dict, cfg: Config) -> dict:
@@ -120,9 +123,9 @@ def weights_only_note(cfg: Config) -> str:
     out = left_out(cfg)
     if not out:
         return ""
-    options = " and ".join(f"--checkpoint.load_{'optimizer' if n == 'optimizer' else 'rng'} false" for n in out)
-    return (f" (without {' and '.join('optimizer state' if n == 'optimizer' else 'RNG state' for n in out)}: it can "
-            f"be fine-tuned from, loaded with {options}, but not resumed bitwise)")
+    options = " and ".join(f"--checkpoint.load_{n} false" for n in out)
+    return (f" (without {' and '.join(LEFT_OUT[n][0] for n in out)}: it can be fine-tuned from, loaded with "
+            f"{options}, but not resumed bitwise)")
 
 
 def write_rank_file(path: str, rank_state: dict) -> dict:

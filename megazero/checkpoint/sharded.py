@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -34,7 +34,7 @@ from megazero.checkpoint.base import (
 )
 from megazero.checkpoint.meta import LATEST, PointerError, model_mismatch, resume_dir
 from megazero.config.parse import build_config
-from megazero.config.schema import Config, ModelConfig
+from megazero.config.schema import Config
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.placement import Placement
 
@@ -79,30 +79,21 @@ def check_model(meta: dict, cfg: Config, ckpt: str) -> None:
         raise CheckpointError(why)
 
 
-def _checked(ckpt: str, meta: dict, name: str, check: Callable[[str, dict], Any]) -> Any:
+def checked_file(ckpt: str, meta: dict, name: str, check: Callable[[str, dict], Any] = digest.verify) -> Any:
+    """One file of a checkpoint checked against the sha256 its metadata.json records before any
+    value in it is used: `check` is digest.verify (one sequential read, before the file is
+    memory-mapped and read piece by piece) or digest.load_torch (read once, then loaded
+    without running any code from it)."""
     expected = meta["files"].get(name)
     if expected is None:
         raise CheckpointError(f"checkpoint '{ckpt}' has no {name} in its metadata.json", ckpt)
     return verified(os.path.join(ckpt, name), expected, f"checkpoint '{ckpt}'", bad_checkpoint=ckpt, check=check)
 
 
-def load_file(ckpt: str, meta: dict, name: str) -> Any:
-    """One file of a checkpoint, read once and its sha256 checked before any value is used,
-    loaded without running any code from it."""
-    return _checked(ckpt, meta, name, digest.load_torch)
-
-
-def verify_file(ckpt: str, meta: dict, name: str) -> str:
-    """Check one file against its sha256 (one sequential read) before it is memory-mapped
-    and read piece by piece; returns its path."""
-    _checked(ckpt, meta, name, digest.verify)
-    return os.path.join(ckpt, name)
-
-
 def load_rank_state(ckpt: str, meta: dict, grid: ProcessGrid, rank: Optional[int] = None) -> dict:
     """A rank's file (default: this rank's), read once, checksum-verified, then loaded."""
     c = grid.coords(rank)
-    return load_file(ckpt, meta, rank_file_name(c.tp, c.pp, grid.dp_cp_index(c)))
+    return checked_file(ckpt, meta, rank_file_name(c.tp, c.pp, grid.dp_cp_index(c)), digest.load_torch)
 
 
 class ShardedReader:
@@ -117,8 +108,8 @@ class ShardedReader:
         self.meta = read_metadata(ckpt)
         self._verified: set[str] = set()
         self.config = build_config(self.meta["config"])
-        layout = self.meta["layout"]
-        self.tp, self.pp, self.dp = layout["tp"], layout["pp"], layout["dp"]
+        self.model_config = self.config.model
+        self.tp, self.pp = self.meta["layout"]["tp"], self.meta["layout"]["pp"]
         # Partition maps are identical on every DP rank of a (tp, pp) coordinate.
         self.maps = {(tp, pp): self.optimizer_state(tp, pp, 0)["partition"]
                      for pp in range(self.pp) for tp in range(self.tp)}
@@ -131,25 +122,16 @@ class ShardedReader:
         """One rank file, memory-mapped (verified against its sha256 on first use)."""
         name = rank_file_name(tp, pp, dp)
         if name not in self._verified:
-            verify_file(self.ckpt, self.meta, name)
+            checked_file(self.ckpt, self.meta, name)
             self._verified.add(name)
         return torch.load(os.path.join(self.ckpt, name), map_location="cpu", weights_only=True, mmap=True)
 
     def optimizer_state(self, tp: int, pp: int, dp: int) -> dict:
         """One rank file's optimizer state, memory-mapped."""
         state = self._open(tp, pp, dp)
-        name = rank_file_name(tp, pp, dp)
         if state["optimizer"] is None:
-            raise CheckpointError(f"checkpoint '{self.ckpt}': {name} holds no optimizer state")
+            raise CheckpointError(f"checkpoint '{self.ckpt}': {rank_file_name(tp, pp, dp)} holds no optimizer state")
         return state["optimizer"]
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.config.model
-
-    @property
-    def iteration(self) -> int:
-        return self.meta["iteration"]
 
     def trainer_state(self) -> dict:
         """Loop position and optimizer counters (the same on every rank)."""
@@ -191,16 +173,11 @@ class ShardedReader:
             del values  # unmaps the file
         return flat.view(entry["shape"])
 
-    def tensors(self, kind: str = "master", dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.names():
-            t = self.full(name, kind)
-            yield name, t if dtype is None else t.to(dtype)
-
 
 def open_sharded(ckpt: str, kind: str) -> Checkpoint:
     """A save directory's checkpoint (`kind` says how it was named) as a Checkpoint."""
     reader = ShardedReader(ckpt)
     shapes = {n: reader.full_shape(n) for n in reader.names()}
-    return Checkpoint(ckpt, kind, reader.model_config, reader.config.data.tokenizer, reader.iteration, shapes,
-                      reader.tensors, training=reader, adapters=lora_adapters(reader.meta["config"].get("finetune"),
-                                                                              reader.full))
+    adapters = lora_adapters(reader.meta["config"].get("finetune"), reader.full)
+    return Checkpoint(ckpt, kind, reader.model_config, reader.config.data.tokenizer, reader.meta["iteration"], shapes,
+                      lambda kind: ((n, reader.full(n, kind)) for n in shapes), training=reader, adapters=adapters)

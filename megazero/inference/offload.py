@@ -114,11 +114,8 @@ class BlockStreamer:
     @staticmethod
     def _placeholders(block: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
         """(module, attribute, meta parameter) of each block parameter, in layout order."""
-        out = []
-        for name, p in block.named_parameters():
-            path, _, attr = name.rpartition(".")
-            out.append((block.get_submodule(path), attr, p))
-        return out
+        return [(block.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], p)
+                for name, p in block.named_parameters()]
 
     # ------------------------------------------------------------------ fetching
 

@@ -30,8 +30,6 @@ ALIGN = 16  # elements: each parameter starts on a 64-byte boundary of its block
 class WeightSlot(NamedTuple):
     """One parameter's place in a block's flat tensor."""
 
-    name: str
-    """Its name inside the block (attn.c_attn.weight, ...)."""
     shape: tuple[int, ...]
     offset: int
 
@@ -45,7 +43,7 @@ class BlockLayout:
         self.slots: dict[str, WeightSlot] = {}
         end = 0
         for name, p in block.named_parameters():
-            self.slots[name] = WeightSlot(name, tuple(p.shape), end)
+            self.slots[name] = WeightSlot(tuple(p.shape), end)
             end += -(-p.numel() // ALIGN) * ALIGN
         self.numel = end
         self.nbytes = end * self.itemsize

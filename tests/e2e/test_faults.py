@@ -165,7 +165,7 @@ def _resume_errors(root: str) -> dict:
     import torch.distributed as dist
 
     from megazero.checkpoint.export import write_universal
-    from megazero.checkpoint.sharded import ShardedReader
+    from megazero.checkpoint.load import open_checkpoint
     from megazero.errors import UserError
 
     save = os.path.join(root, "ck")
@@ -174,7 +174,7 @@ def _resume_errors(root: str) -> dict:
         for how in HOWS:
             shutil.copytree(save, os.path.join(root, how))
             _damage(os.path.join(root, how, "iter_0000002", BAD_SHARD), how)
-            write_universal(ShardedReader(os.path.join(save, "iter_0000002")), os.path.join(root, f"uni_{how}"))
+            write_universal(open_checkpoint(os.path.join(save, "iter_0000002")), os.path.join(root, f"uni_{how}"))
             _damage(os.path.join(root, f"uni_{how}", "exp_avg.safetensors"), how)
     dist.barrier()
     errors = {}

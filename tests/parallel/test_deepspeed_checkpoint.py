@@ -18,7 +18,8 @@ import yaml
 
 from helpers import make_trainer, run_distributed
 from megazero.checkpoint.base import CheckpointError
-from megazero.checkpoint.hf import TIED_HEAD, from_hf
+from megazero.checkpoint.hf import from_hf
+from megazero.checkpoint.hf_names import HEAD
 from megazero.checkpoint.load import open_checkpoint
 from megazero.checkpoint.tensors import fit_vocab
 from megazero.parallel.placement import placement
@@ -113,7 +114,7 @@ def _check_continuation(ds_dir: str, losses: list[float]) -> None:
     theirs = get_fp32_state_dict_from_zero_checkpoint(ds_dir)
     for r in results:
         for name, (value, where, tp_rank, tp) in r["weights"].items():
-            expected = fit_vocab(name, from_hf(name, theirs["transformer.wte.weight" if name == TIED_HEAD else name]),
+            expected = fit_vocab(name, from_hf(name, theirs["transformer.wte.weight" if name == HEAD else name]),
                                  where.full_shape)
             assert torch.equal(value, where.shard(expected.float(), tp_rank, tp)), name
     # The first megazero loss is DeepSpeed's next-step loss on the same batch; the next ones
@@ -171,10 +172,10 @@ def test_a_checkpoint_without_config_json_continues_and_converts_with_the_runs_m
              *(f"--model.{k}={v}" for k, v in MODEL.items())])
     convert(["--load", ds_dir, "--to", "hf", "--output", str(tmp_path / "hf"), "--config", str(tmp_path / "run.yaml")])
     exported = dict(open_checkpoint(str(tmp_path / "model.pt")).tensors())
-    assert exported.keys() == theirs.keys() - {TIED_HEAD}
+    assert exported.keys() == theirs.keys() - {HEAD}
     assert all(torch.equal(t, from_hf(n, theirs[n])) for n, t in exported.items())
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    assert hf.keys() == theirs.keys() - {TIED_HEAD} and all(torch.equal(t, theirs[n]) for n, t in hf.items())
+    assert hf.keys() == theirs.keys() - {HEAD} and all(torch.equal(t, theirs[n]) for n, t in hf.items())
 
 
 @pytest.mark.slow

@@ -183,7 +183,7 @@ def _resharded(root: str) -> dict:
     from megazero.checkpoint.export import write_universal
     from megazero.checkpoint.load import open_checkpoint
     if dist.get_rank() == 0:
-        write_universal(open_checkpoint(f"{root}/save").training, f"{root}/universal")
+        write_universal(open_checkpoint(f"{root}/save"), f"{root}/universal")
     dist.barrier()
     other = make_trainer(TINY + ["--train.iters", "4", "--parallel.tp", "2", "--zero.stage", "3",
                                  "--checkpoint.load", f"{root}/universal"])

@@ -7,7 +7,7 @@ import torch
 
 from helpers import SAMPLES, make_texts
 from megazero.checkpoint.export import write_hf
-from megazero.checkpoint.hf import read_hf
+from megazero.checkpoint.hf import open_hf
 from megazero.checkpoint.tensors import fit_vocab
 from megazero.config import ModelConfig
 from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe, train_sentencepiece
@@ -47,7 +47,8 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
 def test_import_roundtrip(tmp_path):
     model = _model()
     _write(model, tmp_path)
-    cfg, tensors = read_hf(str(tmp_path))
+    ckpt = open_hf(str(tmp_path))
+    cfg, tensors = ckpt.model_config, ckpt.tensors()
     assert cfg == ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=300)
     fresh = GPT(cfg)
     shapes = {n: placement(p).full_shape for n, p in fresh.named_parameters()}
@@ -79,7 +80,7 @@ def _foreign_sentencepiece(texts: list[str], out, **options) -> str:
 def test_exported_tokenizer_encodes_like_megazero_in_transformers(tmp_path, name):
     """AutoTokenizer.from_pretrained(export) gives megazero's ids and text back."""
     from megazero.checkpoint.export import write_hf_tokenizer
-    from megazero.checkpoint.hf import hf_tokenizer_spec
+    from megazero.data.tokenizer import spec_of_directory
     transformers = pytest.importorskip("transformers")
     ours = build_tokenizer(TOKENIZERS[name](make_texts(300) + SAMPLES, tmp_path / "tok"))
     export = tmp_path / "export"
@@ -92,7 +93,7 @@ def test_exported_tokenizer_encodes_like_megazero_in_transformers(tmp_path, name
         assert theirs.encode(text) == ids, text
         assert theirs.decode(ids) == ours.decode(ids), text
     assert theirs.eos_token_id == ours.eod
-    assert build_tokenizer(hf_tokenizer_spec(str(export))).identity() == ours.identity()  # megazero reads it back
+    assert build_tokenizer(spec_of_directory(str(export))).identity() == ours.identity()  # megazero reads it back
 
 
 def test_tokenizer_without_exact_equivalent_is_refused(tmp_path):
