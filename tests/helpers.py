@@ -179,7 +179,7 @@ def momentum_checkpoints(args: list[str], root: str, between: Optional[Callable[
     save = args + ["--train.iters", "4", "--checkpoint.save", f"{root}/save"]
     tr = make_trainer(save)
     [tr.train_step() for _ in range(2)]
-    tr.save_checkpoint(last=False)
+    tr.checkpoints.save(tr.iteration, last=False)
     buffers = tr.optimizer.state.read("exp_avg").clone()
     out = {"straight": [tr.train_step()["loss"] for _ in range(2)],
            "params": tr.optimizer.sharded.full_state_dict(), "momentum_norm": float(buffers.norm())}

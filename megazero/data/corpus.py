@@ -44,17 +44,14 @@ def default_corpus_documents() -> tuple[str, ...]:
     (its docstrings, pydoc style), then the shipped text files; deduplicated, fixed order.
     About 2.9 MB of English on CPython 3.11."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    docs = [*_topic_documents(), *_module_documents(stdlib), *_text_file_documents(stdlib)]
+    modules = (_render_module(name, tree) for name, tree in _stdlib_modules(stdlib))
+    docs = [*_topic_documents(), *modules, *_text_file_documents(stdlib)]
     return tuple(dict.fromkeys(d for d in docs if d.strip()))
 
 
 def write_default_corpus(path: str | os.PathLike) -> str:
     """Write the default corpus as JSONL ({"text": ...} per line) to path, atomically; return path."""
-    path = os.fspath(path)
-    with atomic_write(path, "w", encoding="utf-8") as f:
-        for doc in default_corpus_documents():
-            f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-    return path
+    return _write_jsonl(path, ({"text": doc} for doc in default_corpus_documents()))
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,14 +59,8 @@ def default_examples() -> tuple[tuple[str, str], ...]:
     """Question/answer pairs for fine-tuning, from the same standard-library source as the
     default corpus: for each documented public function or class, the prompt asks what it
     does and the completion is the first sentence of its docstring. Fixed order, deduplicated."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
     pairs: dict[str, str] = {}
-    for path in _stdlib_sources(stdlib):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-            continue
-        module = ".".join(path.relative_to(stdlib).with_suffix("").parts).removesuffix(".__init__")
+    for module, tree in _stdlib_modules(Path(sysconfig.get_paths()["stdlib"])):
         for name, doc in _public_docstrings(tree.body, module):
             answer = _first_sentence(doc)
             if answer:
@@ -99,10 +90,14 @@ def _first_sentence(doc: str) -> str:
 
 def write_default_examples(path: str | os.PathLike) -> str:
     """Write default_examples() as JSONL ({"prompt": ..., "completion": ...} per line), atomically."""
+    return _write_jsonl(path, ({"prompt": prompt, "completion": answer} for prompt, answer in default_examples()))
+
+
+def _write_jsonl(path: str | os.PathLike, records: Iterator[dict[str, str]]) -> str:
     path = os.fspath(path)
     with atomic_write(path, "w", encoding="utf-8") as f:
-        for prompt, completion in default_examples():
-            f.write(json.dumps({"prompt": prompt, "completion": completion}, ensure_ascii=False) + "\n")
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return path
 
 
@@ -114,36 +109,24 @@ def _topic_documents() -> list[str]:
     return [topics[name] for name in sorted(topics)]
 
 
-def _stdlib_sources(stdlib: Path) -> list[Path]:
-    """The standard library's .py files, sorted, pruning skipped folders before walking them
-    (site-packages alone can hold tens of thousands of files)."""
+def _stdlib_modules(stdlib: Path) -> Iterator[tuple[str, ast.Module]]:
+    """(dotted name, syntax tree) of the standard library's .py files, sorted, pruning skipped
+    folders before walking them (site-packages alone can hold tens of thousands of files)."""
     found: list[Path] = []
     for folder, dirs, files in os.walk(stdlib):
         dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
         found.extend(Path(folder, f) for f in files if f.endswith(".py"))
-    return sorted(found)
-
-
-def _module_documents(stdlib: Path) -> Iterator[str]:
-    for path in _stdlib_sources(stdlib):
-        rel = path.relative_to(stdlib)
+    for path in sorted(found):
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue  # e.g. lib2to3 fixtures written in Python 2
-        name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
-        doc = _render_module(name, tree)
-        if doc:
-            yield doc
+        yield ".".join(path.relative_to(stdlib).with_suffix("").parts).removesuffix(".__init__"), tree
 
 
 def _render_module(name: str, tree: ast.Module) -> str:
     """pydoc-like text: the module's docstring, then each documented class and function."""
-    parts = []
-    module_doc = ast.get_docstring(tree)
-    if module_doc:
-        parts.append(module_doc)
-    parts.extend(_render_members(tree.body, indent=""))
+    parts = [doc for doc in (ast.get_docstring(tree), *_render_members(tree.body, indent="")) if doc]
     if not parts:
         return ""
     title = f"Module {name}"
@@ -207,7 +190,8 @@ def resolve_inputs(spec: str, hf_split: str = "train") -> list[Source]:
             raise DataError(f"--input {spec!r}: no files match")
         return _file_sources(paths, hf_split)
     if os.path.isdir(spec):
-        if _is_saved_hf_dataset(spec):
+        saved = ("dataset_info.json", "state.json", "dataset_dict.json")  # what datasets' save_to_disk writes
+        if any(os.path.exists(os.path.join(spec, name)) for name in saved):
             return [_load_hf(spec, hf_split, from_disk=True)]
         paths = sorted(
             str(p) for p in Path(spec).rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.parts)
@@ -235,20 +219,13 @@ def _file_sources(paths: list[str], hf_split: str) -> list[Source]:
     return sources
 
 
-def _is_saved_hf_dataset(folder: str) -> bool:
-    return any(os.path.exists(os.path.join(folder, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
-
-
 def quiet_hugging_face() -> None:
     """Ask datasets and the hub client for no progress bars and no retry warnings, so a CLI's
     stderr holds only its own progress and its one `error:` line. Environment variables (read
     when those libraries are imported) cost nothing when no Hugging Face input is used."""
-    for name, value in (
-        ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"),
-        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
-        ("DATASETS_VERBOSITY", "error"),
-        ("HF_HUB_VERBOSITY", "error"),
-    ):
+    quiet = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+             "DATASETS_VERBOSITY": "error", "HF_HUB_VERBOSITY": "error"}
+    for name, value in quiet.items():
         os.environ.setdefault(name, value)
 
 
@@ -302,8 +279,7 @@ def read_chunks(sources: list[Source], keys: list[str], max_records: int = 512, 
         elif source.kind == "text":
             if len(keys) > 1:
                 raise DataError(f"{source.name} is plain text, one text per file; give one --json-keys key, not {len(keys)}")
-            with open(source.name, "rb") as f:
-                data = f.read()
+            data = Path(source.name).read_bytes()
             yield CorpusChunk("text", source.name, 1, [data], len(data))
         else:
             yield from _hf_chunks(source, keys, max_records)

@@ -23,11 +23,13 @@ the data or in cache_dir; the other ranks memory-map them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import numpy as np
@@ -114,7 +116,11 @@ def _cached_arrays(
     key = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
     base = os.path.join(cache_dir, f"{stem}.{key}")
     manifest = f"{base}.json"
-    cached = _load_manifest(manifest)
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            cached = json.load(f)
+    except (OSError, ValueError):  # missing or unreadable: built again
+        cached = None
     if cached is not None and cached["capacity"] >= needed:
         try:
             return {name: np.load(f"{base}.{name}.npy", mmap_mode="r") for name in cached["arrays"]}
@@ -135,14 +141,6 @@ def _cached_arrays(
     except OSError as e:
         raise DataError(f"cannot write the sample index cache in {cache_dir} ({e.strerror}); set data.cache_dir") from None
     return arrays
-
-
-def _load_manifest(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 # --- samples and labels ----------------------------------------------------------------------
@@ -236,10 +234,10 @@ class GPTDataset:
             "lengths_sha256": hashlib.sha256(np.ascontiguousarray(self.doc_lengths).tobytes()).hexdigest(),
         }
         stem = os.path.basename(indexed.prefix) + "_indexmap"
-        build = self._build_indices(seed)
+        build = functools.partial(self._packed_indices, seed)
         if self.one_example_per_sample:
             description["samples"] = "one example each"
-            build = self._build_example_indices(seed)
+            build = functools.partial(self._example_indices, seed)
             if is_builder:
                 self._warn_truncated()
         arrays = _cached_arrays(cache_dir, stem, description, num_samples, is_builder, build)
@@ -247,13 +245,10 @@ class GPTDataset:
         self.sample_starts = arrays.get("sample_starts")
         self.shuffle = arrays.get("shuffle")
 
-    def _build_example_indices(self, seed: int) -> Callable[[int], tuple[dict[str, np.ndarray], int]]:
+    def _example_indices(self, seed: int, needed: int) -> tuple[dict[str, np.ndarray], int]:
         """Sample k is example doc_order[k]: whole epochs of examples, each in its own seeded order."""
-        def build(needed: int) -> tuple[dict[str, np.ndarray], int]:
-            epochs = max(1, math.ceil(needed / len(self.doc_lengths)))
-            return {"doc_order": self._doc_order(seed, epochs)}, epochs * len(self.doc_lengths)
-
-        return build
+        epochs = max(1, math.ceil(needed / len(self.doc_lengths)))
+        return {"doc_order": self._doc_order(seed, epochs)}, epochs * len(self.doc_lengths)
 
     def _warn_truncated(self) -> None:
         longer = int((self.doc_lengths > self.seq_length + 1).sum())
@@ -262,19 +257,16 @@ class GPTDataset:
                   f"than seq_length + 1 ({self.seq_length + 1}) tokens and are truncated (their tail counts nothing); "
                   f"raise model.seq_length to keep them whole", file=sys.stderr, flush=True)
 
-    def _build_indices(self, seed: int) -> Callable[[int], tuple[dict[str, np.ndarray], int]]:
-        def build(needed: int) -> tuple[dict[str, np.ndarray], int]:
-            capacity = max(1, math.ceil(needed / self.block)) * self.block
-            # Sample k needs stream tokens up to k * seq_length + seq_length inclusive.
-            epochs = math.ceil((capacity * self.seq_length + 1) / self.tokens_per_epoch)
-            doc_order = self._doc_order(seed, epochs)
-            return {
-                "doc_order": doc_order,
-                "sample_starts": self._sample_starts(doc_order, capacity),
-                "shuffle": self._shuffle(seed, capacity),
-            }, capacity
-
-        return build
+    def _packed_indices(self, seed: int, needed: int) -> tuple[dict[str, np.ndarray], int]:
+        capacity = max(1, math.ceil(needed / self.block)) * self.block
+        # Sample k needs stream tokens up to k * seq_length + seq_length inclusive.
+        epochs = math.ceil((capacity * self.seq_length + 1) / self.tokens_per_epoch)
+        doc_order = self._doc_order(seed, epochs)
+        return {
+            "doc_order": doc_order,
+            "sample_starts": self._sample_starts(doc_order, capacity),
+            "shuffle": self._shuffle(seed, capacity),
+        }, capacity
 
     def _doc_order(self, seed: int, epochs: int) -> np.ndarray:
         """Each epoch's documents in an order seeded by (seed, epoch) alone."""
@@ -376,21 +368,17 @@ def blend_schedule(weights: Sequence[float], num_samples: int) -> tuple[np.ndarr
     return dataset_index, sample_index
 
 
+@dataclass(eq=False)  # compared and hashed by identity, as any dataset
 class BlendedDataset:
     """Samples drawn from several datasets: sample i is datasets[dataset_index[i]][sample_index[i]]."""
 
-    def __init__(
-        self,
-        datasets: list[GPTDataset | None],
-        dataset_index: np.ndarray,
-        sample_index: np.ndarray,
-        num_samples: int,
-    ) -> None:
-        self.datasets = datasets
-        self.dataset_index = dataset_index
-        self.sample_index = sample_index
-        self.num_samples = num_samples
-        self.loss_masked = any(d is not None and d.loss_masked for d in datasets)
+    datasets: list[GPTDataset | None]
+    dataset_index: np.ndarray
+    sample_index: np.ndarray
+    num_samples: int
+
+    def __post_init__(self) -> None:
+        self.loss_masked = any(d is not None and d.loss_masked for d in self.datasets)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -429,14 +417,19 @@ def build_train_valid_test_datasets(
     paths, weights = parse_blend(prefixes)
     fractions = parse_split(split)
     indexed = [IndexedDataset(p) for p in paths]
+
+    def dataset(ds: IndexedDataset, doc_range: tuple[int, int], n: int) -> GPTDataset:
+        return GPTDataset(ds, doc_range, seq_length, seed, n, cache_dir or _beside(ds), is_builder, vocab_size,
+                          pack_examples)
+
     result: list[GPTDataset | BlendedDataset | None] = []
     for s in range(3):
         if num_samples[s] <= 0 or fractions[s] == 0:
             result.append(None)
             continue
         ranges = [split_document_ranges(ds.num_documents, fractions)[s] for ds in indexed]
-        result.append(_build_split(indexed, ranges, weights, seq_length, seed, num_samples[s], cache_dir, is_builder,
-                                   vocab_size, pack_examples))
+        result.append(_build_split(indexed, ranges, weights, num_samples[s], cache_dir or _beside(indexed[0]),
+                                   is_builder, dataset))
     return tuple(result)
 
 
@@ -444,13 +437,10 @@ def _build_split(
     indexed: list[IndexedDataset],
     ranges: list[tuple[int, int]],
     weights: list[float] | None,
-    seq_length: int,
-    seed: int,
     num_samples: int,
-    cache_dir: str | None,
+    blend_dir: str,
     is_builder: bool,
-    vocab_size: int | None,
-    pack_examples: bool,
+    dataset: Callable[[IndexedDataset, tuple[int, int], int], GPTDataset],
 ) -> GPTDataset | BlendedDataset | None:
     if weights is None:
         # Weight by tokens in the split, as if the datasets were concatenated.
@@ -459,9 +449,7 @@ def _build_split(
     if sum(weights) <= 0:
         return None
     if len(indexed) == 1:
-        ds = indexed[0]
-        return GPTDataset(ds, ranges[0], seq_length, seed, num_samples, cache_dir or _beside(ds), is_builder, vocab_size,
-                          pack_examples)
+        return dataset(indexed[0], ranges[0], num_samples)
 
     def build(needed: int) -> tuple[dict[str, np.ndarray], int]:
         dataset_index, sample_index = blend_schedule(weights, needed)
@@ -470,15 +458,10 @@ def _build_split(
     # The schedule depends on the weights alone, so that is all its cache key holds.
     total = sum(weights)
     description = {"version": _INDEX_VERSION, "weights": [w / total for w in weights]}
-    blend_dir = cache_dir or _beside(indexed[0])
     arrays = _cached_arrays(blend_dir, "blend", description, num_samples, is_builder, build)
     dataset_index, sample_index = arrays["dataset_index"][:num_samples], arrays["sample_index"][:num_samples]
     counts = np.bincount(dataset_index, minlength=len(indexed))
-    datasets = [
-        GPTDataset(ds, rng, seq_length, seed, int(n), cache_dir or _beside(ds), is_builder, vocab_size, pack_examples)
-        if n else None
-        for ds, rng, n in zip(indexed, ranges, counts)
-    ]
+    datasets = [dataset(ds, rng, int(n)) if n else None for ds, rng, n in zip(indexed, ranges, counts)]
     return BlendedDataset(datasets, dataset_index, sample_index, num_samples)
 
 

@@ -31,11 +31,15 @@ SPM_USER_DEFINED = 4  # a piece type: matched in the text as a whole, before the
 
 def hf_tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, str]:
     """{file name: text} of tokenizer.json and tokenizer_config.json for transformers."""
+    from tokenizers import Tokenizer as Pipeline
+    from tokenizers import processors
+
     if isinstance(tok, GPT2BPETokenizer):
-        pipeline, special = _gpt2bpe_pipeline(tok), {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN,
-                                                    "unk_token": EOD_TOKEN}
+        pipeline = Pipeline.from_str(tok.pipeline_json())  # a copy: megazero's own keeps EOD as plain text
+        pipeline.post_processor = processors.ByteLevel(trim_offsets=False)
+        _special(pipeline, [EOD_TOKEN])
+        special = dict.fromkeys(("bos_token", "eos_token", "unk_token"), EOD_TOKEN)
     elif isinstance(tok, HFTokenizer):  # already a tokenizer.json: as it is, with its eos
-        from tokenizers import Tokenizer as Pipeline
         pipeline, special = Pipeline.from_str(tok.pipeline_json()), {"eos_token": tok.token(tok.eod)}
     else:
         pipeline, special = _sentencepiece_pipeline(tok)
@@ -48,16 +52,6 @@ def hf_tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, str]:
 def _special(pipeline: Any, names: list[str]) -> None:
     from tokenizers import AddedToken
     pipeline.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
-
-
-def _gpt2bpe_pipeline(tok: GPT2BPETokenizer) -> Any:
-    from tokenizers import Tokenizer as Pipeline
-    from tokenizers import processors
-
-    pipeline = Pipeline.from_str(tok.pipeline_json())  # a copy: megazero's own keeps EOD as plain text
-    pipeline.post_processor = processors.ByteLevel(trim_offsets=False)
-    _special(pipeline, [EOD_TOKEN])
-    return pipeline
 
 
 # ----------------------------------------------------------------------------- SentencePiece

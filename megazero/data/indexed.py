@@ -52,12 +52,10 @@ _CODE_OF = {np.dtype(t): code for code, t in DTYPE_CODES.items()}
 
 
 def index_path(prefix: str | os.PathLike) -> str:
-    """PREFIX.idx."""
     return f"{os.fspath(prefix)}.idx"
 
 
 def data_path(prefix: str | os.PathLike) -> str:
-    """PREFIX.bin."""
     return f"{os.fspath(prefix)}.bin"
 
 
@@ -170,12 +168,9 @@ class IndexedDataset:
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
 
-    def __getitem__(self, i: int) -> np.ndarray:
-        """Sequence i's tokens, a read-only view into the memory map."""
-        return self.get(i)
-
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens [offset, offset + length) of sequence i."""
+        """Tokens [offset, offset + length) of sequence i (ds[i]: all of them), a read-only view
+        into the memory map."""
         n = int(self.sequence_lengths[i])
         if length is None:
             length = n - offset
@@ -183,6 +178,8 @@ class IndexedDataset:
             raise IndexError(f"tokens [{offset}, {offset + length}) outside sequence {i} of length {n}")
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
         return self.tokens[start : start + length]
+
+    __getitem__ = get
 
     def document_spans(self) -> tuple[np.ndarray, np.ndarray]:
         """(start token, length) of every document in the flat token array.
@@ -224,25 +221,25 @@ class IndexedDatasetWriter:
     def add_item(self, tokens: Iterable[int] | np.ndarray) -> None:
         """Append one sequence to the current document."""
         arr = np.asarray(tokens)
-        self._check_range(arr)
-        self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._write(arr)
         self._lengths.append(arr.size)
 
-    def _check_range(self, arr: np.ndarray) -> None:
-        """Refuse ids the dtype cannot hold (numpy would wrap them silently); track the max id."""
+    def _write(self, arr: np.ndarray) -> None:
+        """Append tokens to the .bin, refusing ids the dtype cannot hold (numpy would wrap them
+        silently); track the max id."""
         if arr.size and arr.dtype.kind in "iu":
             lo, hi = int(arr.min()), int(arr.max())
             if lo < 0 or (self._limit is not None and hi > self._limit):
                 raise DataError(f"token id {hi if lo >= 0 else lo} does not fit {self.dtype}; use int32")
             self.max_token_id = max(self.max_token_id, hi)
+        self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append many one-sequence documents at once: tokens back to back, and their lengths."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.sum() != len(tokens):
             raise ValueError(f"lengths sum to {int(lengths.sum())} but {len(tokens)} tokens were given")
-        self._check_range(tokens)
-        self._bin.write(np.asarray(tokens).astype(self.dtype, copy=False).tobytes(order="C"))
+        self._write(np.asarray(tokens))
         first = len(self._lengths)
         self._lengths.extend(lengths.tolist())
         self._doc_indices.extend(range(first + 1, first + len(lengths) + 1))

@@ -29,7 +29,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from megazero.atomic import atomic_write
 from megazero.data import DataError, read_json
@@ -46,27 +46,64 @@ MEGATRON_TYPES = {
 }
 SPM_MODEL_NAME = "tokenizer.model"
 HF_TOKENIZER_NAME = "tokenizer.json"
+T = TypeVar("T")
 
 
-def _sha256_of_files(paths: Iterable[str]) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        digest.update(b"\x00")  # keep file boundaries part of the hash
-    return digest.hexdigest()
+class _TokenizerFiles:
+    """What every kind shares: the spec, the files (their bytes are part of its identity) and
+    one message for a file the library cannot read."""
+
+    kind: str
+    vocab_size: int
+    eod: int
+
+    def __init__(self, spec: str, files: tuple[str, ...]) -> None:
+        self.spec, self.files = spec, files
+        for path in files:
+            if not os.path.isfile(path):
+                raise DataError(f"tokenizer {spec!r}: {path} not found; train one with "
+                                f"data_tools/train_tokenizer.py or fix the path")
+
+    def _load(self, load: Callable[[], T], failure: str) -> T:
+        try:
+            return load()
+        except Exception as e:  # the libraries raise their own exception types for foreign files
+            raise DataError(f"tokenizer {self.spec!r}: {failure} ({e})") from None
+
+    def identity(self) -> dict[str, Any]:
+        digest = hashlib.sha256()
+        for path in self.files:
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            digest.update(b"\x00")  # keep file boundaries part of the hash
+        return {"type": self.kind, "vocab_size": self.vocab_size, "eod": self.eod, "sha256": digest.hexdigest()}
 
 
-def _require_file(path: str, spec: str) -> None:
-    if not os.path.isfile(path):
-        raise DataError(
-            f"tokenizer {spec!r}: {path} not found; train one with "
-            f"data_tools/train_tokenizer.py or fix the path"
-        )
+class _PipelineTokenizer(_TokenizerFiles):
+    """A `tokenizers` pipeline, run without its added bos/eos (documents are plain text,
+    preprocessing's --append-eod marks their ends)."""
+
+    _tok: Any
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def token(self, i: int) -> str:
+        return self._tok.id_to_token(i) or ""
+
+    def pipeline_json(self) -> str:
+        """The pipeline in tokenizer.json form (data/hf_tokenizer.py builds on it)."""
+        return self._tok.to_str()
 
 
-class GPT2BPETokenizer:
+class GPT2BPETokenizer(_PipelineTokenizer):
     """GPT-2's byte-level BPE from vocab.json + merges.txt, run by the `tokenizers` library.
 
     The text "<|endoftext|>" inside a document is encoded as ordinary text, never as the
@@ -78,14 +115,8 @@ class GPT2BPETokenizer:
     def __init__(self, vocab_file: str, merges_file: str) -> None:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-        self.spec = f"gpt2bpe:{vocab_file},{merges_file}"
-        for path in (vocab_file, merges_file):
-            _require_file(path, self.spec)
-        self.files = (vocab_file, merges_file)
-        try:
-            model = models.BPE.from_file(vocab_file, merges_file)
-        except Exception as e:  # the library raises its own exception types for bad files
-            raise DataError(f"tokenizer {self.spec!r}: cannot load BPE files ({e})") from None
+        super().__init__(f"gpt2bpe:{vocab_file},{merges_file}", (vocab_file, merges_file))
+        model = self._load(lambda: models.BPE.from_file(vocab_file, merges_file), "cannot load BPE files")
         self._tok = Tokenizer(model)
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         self._tok.decoder = decoders.ByteLevel()
@@ -95,24 +126,8 @@ class GPT2BPETokenizer:
         self.eod = eod
         self.vocab_size = self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch_fast(texts)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode(list(ids))
-
-    def identity(self) -> dict[str, Any]:
-        return _identity(self)
-
-    def pipeline_json(self) -> str:
-        """The `tokenizers` pipeline in tokenizer.json form (data/hf_tokenizer.py builds on it)."""
-        return self._tok.to_str()
-
-
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(_TokenizerFiles):
     """A SentencePiece model; the end-of-document id is the model's </s> (eos) piece."""
 
     kind = "sentencepiece"
@@ -120,13 +135,8 @@ class SentencePieceTokenizer:
     def __init__(self, model_file: str) -> None:
         import sentencepiece as spm
 
-        self.spec = f"sentencepiece:{model_file}"
-        _require_file(model_file, self.spec)
-        self.files = (model_file,)
-        try:
-            self._sp = spm.SentencePieceProcessor(model_file=model_file)
-        except Exception as e:  # sentencepiece raises RuntimeError/OSError for foreign files
-            raise DataError(f"tokenizer {self.spec!r}: not a SentencePiece model ({e})") from None
+        super().__init__(f"sentencepiece:{model_file}", (model_file,))
+        self._sp = self._load(lambda: spm.SentencePieceProcessor(model_file=model_file), "not a SentencePiece model")
         self.eod = self._sp.eos_id()
         if self.eod < 0:
             raise DataError(f"tokenizer {self.spec!r}: the model has no eos piece to use as end of document")
@@ -142,31 +152,21 @@ class SentencePieceTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode(list(ids))
 
-    def identity(self) -> dict[str, Any]:
-        return _identity(self)
 
-
-class HFTokenizer:
+class HFTokenizer(_PipelineTokenizer):
     """A Hugging Face tokenizer.json (any `tokenizers` pipeline: Llama 3's byte-level BPE, ...).
 
-    Text is encoded without the pipeline's added bos/eos (as the other kinds: documents are
-    plain text, preprocessing's --append-eod marks their ends); special tokens written in the
-    text (<|begin_of_text|>, ...) are matched, as transformers does. The end-of-document id is
-    the directory's eos token: tokenizer_config.json's eos_token, else config.json's (or
-    generation_config.json's) eos_token_id, the first of a list."""
+    Special tokens written in the text (<|begin_of_text|>, ...) are matched, as transformers
+    does. The end-of-document id is the directory's eos token: tokenizer_config.json's
+    eos_token, else config.json's (or generation_config.json's) eos_token_id, the first of a list."""
 
     kind = "hf"
 
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer
 
-        self.spec = f"hf:{path}"
-        _require_file(path, self.spec)
-        self.files = (path,)
-        try:
-            self._tok = Tokenizer.from_file(path)
-        except Exception as e:  # the library raises its own exception types for bad files
-            raise DataError(f"tokenizer {self.spec!r}: not a tokenizer.json ({e})") from None
+        super().__init__(f"hf:{path}", (path,))
+        self._tok = self._load(lambda: Tokenizer.from_file(path), "not a tokenizer.json")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = self._eos(os.path.dirname(path))
 
@@ -184,24 +184,6 @@ class HFTokenizer:
                 return eos
         raise DataError(f"tokenizer {self.spec!r}: no end-of-document token (eos_token in tokenizer_config.json "
                         f"or eos_token_id in config.json beside it)")
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
-
-    def identity(self) -> dict[str, Any]:
-        return _identity(self)
-
-    def token(self, i: int) -> str:
-        return self._tok.id_to_token(i) or ""
-
-    def pipeline_json(self) -> str:
-        return self._tok.to_str()
 
 
 def _json_entry(path: str, key: str) -> Any:
@@ -229,10 +211,6 @@ def spec_of_directory(directory: str) -> str | None:
 Tokenizer = GPT2BPETokenizer | SentencePieceTokenizer | HFTokenizer
 
 
-def _identity(tok: Tokenizer) -> dict[str, Any]:
-    return {"type": tok.kind, "vocab_size": tok.vocab_size, "eod": tok.eod, "sha256": _sha256_of_files(tok.files)}
-
-
 def build_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer a spec string names (see the module docstring for the forms)."""
     kind, sep, path = spec.partition(":")
@@ -248,16 +226,15 @@ def build_tokenizer(spec: str) -> Tokenizer:
             f"e.g. gpt2bpe:DIR (vocab.json + merges.txt), sentencepiece:FILE.model or hf:DIR (tokenizer.json)"
         )
     tokenizer: Tokenizer
-    if kind == "hf":
-        tokenizer = HFTokenizer(os.path.join(path, HF_TOKENIZER_NAME) if os.path.isdir(path) else path)
-    elif kind == "gpt2bpe":
+    if kind == "gpt2bpe":
         if "," in path:
             vocab_file, merges_file = path.split(",", 1)
         else:
             vocab_file, merges_file = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
         tokenizer = GPT2BPETokenizer(vocab_file, merges_file)
-    else:
-        tokenizer = SentencePieceTokenizer(os.path.join(path, SPM_MODEL_NAME) if os.path.isdir(path) else path)
+    else:  # one file, or the directory holding it under its usual name
+        cls, name = (HFTokenizer, HF_TOKENIZER_NAME) if kind == "hf" else (SentencePieceTokenizer, SPM_MODEL_NAME)
+        tokenizer = cls(os.path.join(path, name) if os.path.isdir(path) else path)
     tokenizer.spec = spec  # as the user wrote it, for messages and the dataset sidecar
     return tokenizer
 
@@ -275,15 +252,12 @@ def spec_from_megatron_args(
         if not tokenizer_model:
             raise DataError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
         return f"sentencepiece:{tokenizer_model}"
-    if kind == "hf":
-        return _hf_model_spec(tokenizer_type, tokenizer_model)
-    names = ", ".join([*MEGATRON_TYPES, *KINDS])
-    raise DataError(f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {names}")
-
-
-def _hf_model_spec(tokenizer_type: str, model: str | None) -> str:
-    """HuggingFaceTokenizer's --tokenizer-model: a local directory (its files decide, as for a bare
-    DIR spec) or a tokenizer.json; Megatron also takes a hub name, which needs the network."""
+    if kind != "hf":
+        names = ", ".join([*MEGATRON_TYPES, *KINDS])
+        raise DataError(f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {names}")
+    # HuggingFaceTokenizer's --tokenizer-model: a local directory (its files decide, as for a bare
+    # DIR spec) or a tokenizer.json; Megatron also takes a hub name, which needs the network.
+    model = tokenizer_model
     if not model:
         raise DataError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model DIR (a directory with tokenizer.json)")
     if os.path.isdir(model):
@@ -341,7 +315,7 @@ def train_sentencepiece(
 
     counter = _Counter(_paragraphs(texts))
     with tempfile.TemporaryDirectory() as tmp:
-        prefix = os.path.join(tmp, "tokenizer")
+        prefix = os.path.join(tmp, "tokenizer")  # writes tokenizer.model: SPM_MODEL_NAME
         try:
             spm.SentencePieceTrainer.train(
                 sentence_iterator=iter(counter),
@@ -367,7 +341,7 @@ def train_sentencepiece(
         except RuntimeError as e:  # e.g. vocab_size smaller than the byte and special pieces
             counter.require_some()
             raise DataError(f"sentencepiece training failed: {str(e).strip().splitlines()[-1]}") from None
-        _move_into(output_dir, [prefix + ".model"], rename={prefix + ".model": SPM_MODEL_NAME})
+        _move_into(output_dir, [prefix + ".model"])
     return f"sentencepiece:{os.path.join(output_dir, SPM_MODEL_NAME)}"
 
 
@@ -397,11 +371,10 @@ def _paragraphs(texts: Iterable[str]) -> Iterator[str]:
                 yield paragraph
 
 
-def _move_into(output_dir: str | os.PathLike, files: list[str], rename: dict[str, str] | None = None) -> None:
+def _move_into(output_dir: str | os.PathLike, files: list[str]) -> None:
     """Move files into output_dir, each via a temporary name, so none is ever half-written."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     for src in files:
-        name = (rename or {}).get(src, os.path.basename(src))
-        with open(src, "rb") as f, atomic_write(str(out / name)) as g:
+        with open(src, "rb") as f, atomic_write(str(out / os.path.basename(src))) as g:
             shutil.copyfileobj(f, g)

@@ -28,7 +28,7 @@ from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.plan import formulas as F
-from megazero.plan.planner import Cluster, RankPrediction, distinct_ranks, predict, run_layout
+from megazero.plan.planner import Cluster, distinct_ranks, predict, run_layout
 from megazero.train.summary import size
 from megazero.zero import ALIGN
 
@@ -116,24 +116,20 @@ def offloads(cfg: Config) -> bool:
 
 
 def host_need(cfg: Config, grid: ProcessGrid) -> HostNeed:
-    """The worst pipeline rank's host bytes per the planner; on a CPU-only machine the whole
-    predicted peak too (the device is the host)."""
-    p, z = cfg.parallel, cfg.zero
+    """The worst pipeline rank's host bytes per the planner (on a CPU-only machine the whole
+    predicted peak too: the device is the host), split into what the sub-group size changes
+    and what it does not."""
+    p, device_is_host = cfg.parallel, grid.device.type == "cpu"
     layout = run_layout(cfg, grid.dp, grid.cp)
     cluster = Cluster(grid.world_size, grid.world_size, 1.0, None)  # memory only: no device size, no times
     ranks = predict(cfg, layout, cluster, pp_layers=p.pp_layers, ranks=distinct_ranks(p.pp),
                     device=grid.device.type).ranks
-    worst = max(ranks, key=lambda r: r.host + (r.peak if grid.device.type == "cpu" else 0))
-    return need_of(worst, grid.device.type == "cpu", z.buffer_count)
-
-
-def need_of(rank: RankPrediction, device_is_host: bool, buffer_count: int) -> HostNeed:
-    """A rank's prediction split into what the sub-group size changes and what it does not."""
-    items = dict(rank.host_items)
+    worst = max(ranks, key=lambda r: r.host + (r.peak if device_is_host else 0))
+    items = dict(worst.host_items)
     step_buffers = items.pop("nvme_step_buffers")
     if device_is_host:
-        items["training"] = rank.peak
-    per_element = buffer_count * F.NVME_STEP_BYTES if step_buffers else 0
+        items["training"] = worst.peak
+    per_element = cfg.zero.buffer_count * F.NVME_STEP_BYTES if step_buffers else 0
     # The buffers' elements: min(sub_group_size, shard). Capping a smaller size there is exact
     # too, since only smaller sizes are ever tried.
     cap = step_buffers // per_element if per_element else 0

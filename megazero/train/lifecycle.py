@@ -45,10 +45,6 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _COMM_FILE = os.path.join(_PACKAGE_DIR, "parallel", "comm.py")  # every collective is issued and waited there
 
 
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
 def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -69,8 +65,7 @@ def remember_clean_stop() -> None:
     on a signal: the launcher then ends the job with status 0, not torchrun's SignalException."""
     path = os.environ.get("MEGAZERO_STOPPED_FILE")
     if path:
-        with open(path, "a"):
-            pass
+        open(path, "a").close()
 
 
 class LoadPathError(UserError):
@@ -128,7 +123,7 @@ def attempt_store(timeout_s: float) -> Optional[dist.Store]:
 
 def die_with_launcher(poll_s: float = 0.5) -> None:
     """Under torchrun, SIGKILL this worker as soon as its launcher is gone."""
-    if not under_torchrun():
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not under torchrun
         return
     launcher = os.getppid()
     if sys.platform.startswith("linux"):
@@ -198,12 +193,6 @@ def describe_comm_failure(error: BaseException, rank: int, timeout_s: Optional[f
     return _lost_peer_line(rank, where or "a collective", detail or type(error).__name__, timeout_s)
 
 
-def nccl_failure_line(rank: int, group: str, kind: str, timeout_s: Optional[float] = None) -> str:
-    """The line for a group whose NCCL watchdog reported `kind` (ProcessGrid.comm_errors)."""
-    after = f" after {timeout_s:g} s" if kind == "TIMEOUT" and timeout_s else ""
-    return _lost_peer_line(rank, f"a collective on group {group}", f"NCCL watchdog: {kind}{after}", timeout_s)
-
-
 def _lost_peer_line(rank: int, where: str, detail: str, timeout_s: Optional[float]) -> str:
     line = (f"rank {rank}: {where} failed: a peer process died or stopped responding ({detail}); the job stops; "
             f"run it again (or let torchrun --max-restarts) to resume from the latest checkpoint")
@@ -248,7 +237,10 @@ class NcclErrorWatch:
                     return
                 errors = self.grid.comm_errors()
             for group, kind in errors.items():
-                self.report(nccl_failure_line(self.grid.rank, group, kind, self.grid.timeout_s))
+                timeout_s = self.grid.timeout_s
+                after = f" after {timeout_s:g} s" if kind == "TIMEOUT" and timeout_s else ""
+                self.report(_lost_peer_line(self.grid.rank, f"a collective on group {group}",
+                                            f"NCCL watchdog: {kind}{after}", timeout_s))
                 return
 
     def stop(self) -> None:

@@ -72,10 +72,7 @@ class LRSchedule:
             return self.lr
         span = max(1, self.decay_iters - self.warmup_iters)
         progress = min(1.0, max(0.0, (step / self.unit - self.warmup_iters) / span))  # a step across the warm-up's end: 0
-        if self.decay_style == "linear":
-            coeff = 1.0 - progress
-        else:
-            coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
+        coeff = 1.0 - progress if self.decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr + coeff * (self.lr - self.min_lr)
 
     def current(self, batch: int = 1) -> float:
@@ -104,8 +101,3 @@ class LRSchedule:
             setattr(self, k, saved[k])
         return (f"lr schedule: keeping the checkpoint's; the config's change ({diff}) is ignored; "
                 f"pass --optim.override_schedule true to apply it")
-
-
-def learning_rate(it: int, optim: OptimConfig, total_iters: int) -> float:
-    """LR for iteration `it` (0-based) of a schedule built from the config, no step skipped."""
-    return LRSchedule.from_config(optim, total_iters).at(it)

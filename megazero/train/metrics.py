@@ -19,10 +19,7 @@ def device_peak_flops() -> tuple[str, Optional[float]]:
     if not torch.cuda.is_available():
         return "cpu", None
     name = torch.cuda.get_device_name()
-    for key, peak in PEAK_FLOPS.items():
-        if key in name:
-            return name, peak
-    return name, None
+    return name, next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
 
 
 def format_line(rec: dict, total_iters: int) -> str:

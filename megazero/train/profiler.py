@@ -47,17 +47,17 @@ class StepProfiler:
     def step(self, done: int) -> Iterator[None]:
         inside = self.kind != "none" and self.start <= done < self.end
         if not inside:
-            self._finish()
+            self.close()
             yield
             return
-        self._begin(done)
+        self._begin()
         with record_function(f"iteration {done + 1}"):  # the step's ops under the number it is logged with
             yield
         self.steps.append(done + 1)
         if done + 1 == self.end:
-            self._finish()
+            self.close()
 
-    def _begin(self, done: int) -> None:
+    def _begin(self) -> None:
         if self.torch_profile is not None or self.nsys_open:
             return
         if self.kind == "torch":
@@ -69,7 +69,7 @@ class StepProfiler:
             torch.cuda.profiler.start()
             self.nsys_open = True
 
-    def _finish(self) -> None:
+    def close(self) -> None:
         if self.torch_profile is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -83,6 +83,3 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
             torch.cuda.profiler.stop()
             self.nsys_open = False
-
-    def close(self) -> None:
-        self._finish()

@@ -213,11 +213,9 @@ def wandb_run_id(save_dir: Optional[str]) -> Optional[str]:
     if not save_dir:
         return None
     run_id = saved_run_id(save_dir)
-    if run_id:
-        return run_id
-    path = os.path.join(save_dir, WANDB_ID_FILE)
-    run_id = uuid.uuid4().hex[:12]
-    write_text(path, run_id)
+    if not run_id:
+        run_id = uuid.uuid4().hex[:12]
+        write_text(os.path.join(save_dir, WANDB_ID_FILE), run_id)
     return run_id
 
 

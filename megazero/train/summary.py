@@ -134,10 +134,9 @@ def plan_line(plan: Prediction, device_name: str, cuda: bool = True, offload_opt
     s = worst.states
     if offload_optimizer != "none" or offload_param != "none":
         where = {"params": _WHERE[offload_param], "grads": _WHERE["none"], "optimizer": _WHERE[offload_optimizer]}
-        sizes = {"params": s["params"], "grads": s["grads"], "optimizer": s["optimizer"]}
-        groups = [(place, [k for k in sizes if where[k] == place]) for place in _WHERE.values()]
+        groups = [(place, [k for k in where if where[k] == place]) for place in _WHERE.values()]
         states = "model states " + ", ".join(
-            f"{size(sum(sizes[k] for k in keys))} {place} = " + " + ".join(f"{k} {size(sizes[k])}" for k in keys)
+            f"{size(sum(s[k] for k in keys))} {place} = " + " + ".join(f"{k} {size(s[k])}" for k in keys)
             for place, keys in groups if keys)
         keys = ", ".join(f"zero.offload_{k} {v}" for k, v in (("optimizer", offload_optimizer), ("param", offload_param))
                          if v != "none")

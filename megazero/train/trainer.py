@@ -8,6 +8,7 @@ on (seed, i), and each DP rank takes a fixed slice of every global batch.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -96,11 +97,16 @@ class Trainer:
             summary = startup_summary(self.cfg, grid, self.optimizer.layout.param_numel,
                                       (self.train_ds, self.valid_ds), plan, self.device_name)
             notes = "".join(f"{n}\n" for n in compile_notes(self.cfg))
-            config = (f"--- config ---\n{describe(self.cfg)}--------------" if self.cfg.logging.print_config else
-                      f"config: {saved_config_path(self.cfg) or 'not saved (no checkpoint.save or logging.jsonl)'} "
+            # The resolved config is saved beside the run's outputs (checkpoint dir, else the JSONL's).
+            lg = self.cfg.logging
+            run_dir = self.cfg.checkpoint.save or (os.path.dirname(os.path.abspath(lg.jsonl)) if lg.jsonl else None)
+            saved = os.path.join(run_dir, "config.yaml") if run_dir else None
+            config = (f"--- config ---\n{describe(self.cfg)}--------------" if lg.print_config else
+                      f"config: {saved or 'not saved (no checkpoint.save or logging.jsonl)'} "
                       f"(print it at start-up with --print-config)")
             print(f"{summary}\n{notes}{config}", flush=True)
-            save_resolved_config(self.cfg)
+            if saved:
+                write_text(saved, describe(self.cfg))
         return plan
 
     # ------------------------------------------------------------------ checkpoints
@@ -124,10 +130,6 @@ class Trainer:
         if not self.optimizer.all_finite():  # every rank agrees: none writes, all stop
             raise TrainingError(f"refusing to save iteration {iteration}: the weights hold inf/NaN; the last "
                                 f"saved checkpoint is intact; lower optim.lr or enable optim.clip_grad and resume")
-
-    def save_checkpoint(self, last: bool = True) -> None:
-        """Save this iteration now (collective): see CheckpointManager.save."""
-        self.checkpoints.save(self.iteration, last)
 
     def load_checkpoint(self, load_dir: str, iteration: int) -> None:
         """Resume from `load_dir` (a save directory, iter_ directory or universal checkpoint;
@@ -178,9 +180,9 @@ class Trainer:
     def counted_tokens(self, batches: list[Microbatch]) -> torch.Tensor:
         """Labels that count in the loss in the whole global batch: all micro-batches of all DP
         ranks, each context-parallel rank its chunks (every pipeline stage holds the labels, so
-        every stage can count). The loss is
-        normalised once, by this number, so every layout computes the same gradient. It stays
-        on the device: the losses divide by it there, and nothing waits for it."""
+        every stage can count). The loss is normalised once, by this number, so every layout
+        computes the same gradient. It stays on the device: the losses divide by it there, and
+        nothing waits for it."""
         count = torch.zeros((), dtype=torch.int64, device=self.grid.device)
         for _, labels in batches:
             count += (labels >= 0).sum()
@@ -204,18 +206,9 @@ class Trainer:
         stats: dict = {}
         loss = forward_backward_pipelining(self.chunks, batches, num_tokens, self.grid, self.cfg.parallel.schedule,
                                            self.optimizer.compute_dtype, self.optimizer, forward_only, stats, timers)
-        if timers is not untimed:
-            assert self.timers is not None
-            self.timers.add("comm_wait", stats["wait_s"])  # blocked on pipeline neighbours
+        if isinstance(timers, PhaseTimers):
+            timers.add("comm_wait", stats["wait_s"])  # blocked on pipeline neighbours
         return loss
-
-    def global_loss(self, local: Optional[torch.Tensor]) -> Optional[float]:
-        """Sum the per-rank shares over dp x cp (on the last stage, where the loss exists)."""
-        if local is None:
-            return None
-        local = local.clone()
-        comm.all_reduce(local, self.grid.dp_cp_group)
-        return float(local)
 
     def train_step(self) -> dict:
         batch = rampup_batch(self.cfg.train, self.grid.dp, self.consumed_samples)  # global_batch_size without ramp-up
@@ -270,8 +263,11 @@ class Trainer:
         total, n = 0.0, self.cfg.train.eval_iters
         for i in range(n):
             batches = self.microbatches(self.valid_ds, i * self.cfg.train.global_batch_size)
-            loss = self.global_loss(self.run_schedule(batches, forward_only=True))
-            total += loss if loss is not None else 0.0
+            loss = self.run_schedule(batches, forward_only=True)
+            if loss is not None:  # the last stage: sum the per-rank shares over dp x cp
+                loss = loss.clone()
+                comm.all_reduce(loss, self.grid.dp_cp_group)
+                total += float(loss)
         return total / n if self.is_logger else None
 
     def run(self) -> list[dict]:
@@ -325,25 +321,22 @@ class Trainer:
         """Record one logged iteration (with validation when due) and print/write it; `steps`
         training steps since the last record, `step_seconds` their mean time."""
         rec = self.record(out, tokens_per_sec, steps, step_seconds)
-        t = self.cfg.train
         if self.eval_due():
             val = self.evaluate()
             if self.is_logger:
                 assert val is not None  # the logger is on the last stage
                 rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 50.0))
         if self.is_logger:
-            print(format_line(rec, t.iters), flush=True)
-            self._check_plan_once(rec)
+            print(format_line(rec, self.cfg.train.iters), flush=True)
+            # At the first log line: the planner's prediction beside the measured figures (on CPUs
+            # RSS is no GPU memory).
+            if self.plan is not None and self.grid.device.type == "cuda":
+                print(plan_check(self.plan, self.grid.pp_rank, rec["peak_mem_gib"], rec["tokens_per_sec"], True),
+                      flush=True)
+            self.plan = None
             self.metrics.write(rec)
         self.grid.reset_counters()  # bytes per iteration count training steps only (logging.timers)
         return rec
-
-    def _check_plan_once(self, rec: dict) -> None:
-        """At the first log line: the planner's prediction beside the measured figures."""
-        if self.plan is not None and self.grid.device.type == "cuda":  # on CPUs RSS is no GPU memory
-            print(plan_check(self.plan, self.grid.pp_rank, rec["peak_mem_gib"], rec["tokens_per_sec"], True),
-                  flush=True)
-        self.plan = None
 
     def record(self, out: dict, tokens_per_sec: float, steps: int = 1, step_seconds: float = 0.0) -> dict:
         tflops = self.flops_per_token * tokens_per_sec / self.grid.world_size / 1e12
@@ -375,36 +368,19 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
     """(train, valid) datasets: the mock stream, or indexed data with cached sample indices."""
     m, t = cfg.model, cfg.train
     assert isinstance(m.vocab_size, int)
-    vocab_size = m.vocab_size
     needed = (t.iters + 1) * t.global_batch_size
     eval_needed = max(1, t.eval_iters) * t.global_batch_size
     if cfg.data.mock:
         return (MockGPTDataset(needed, m.seq_length, m.vocab_size, t.seed),
                 MockGPTDataset(eval_needed, m.seq_length, m.vocab_size, t.seed + 1))
     check_compatibility(cfg.data.prefix, cfg.data.tokenizer, m.vocab_size)
-
-    def build(is_builder: bool):
-        assert cfg.data.prefix is not None
-        return build_train_valid_test_datasets(
-            [str(p) for p in cfg.data.prefix], cfg.data.split, m.seq_length, t.seed,
-            (needed, eval_needed, eval_needed), cfg.data.cache_dir, is_builder, vocab_size=vocab_size,
-            pack_examples=cfg.data.pack_examples)
-
+    assert cfg.data.prefix is not None
+    build = functools.partial(build_train_valid_test_datasets, [str(p) for p in cfg.data.prefix], cfg.data.split,
+                              m.seq_length, t.seed, (needed, eval_needed, eval_needed), cfg.data.cache_dir,
+                              vocab_size=m.vocab_size, pack_examples=cfg.data.pack_examples)
     # One rank builds and caches the sample indices; the others load them. A failure on the
     # builder reaches every rank (instead of leaving them waiting at a barrier).
-    built = comm.agreed(lambda: build(True) if grid.rank == 0 else None, grid["world"], (DataError,),
+    built = comm.agreed(lambda: build(is_builder=True) if grid.rank == 0 else None, grid["world"], (DataError,),
                         lambda rank, message: DataError(message))
-    train, valid, _ = built if grid.rank == 0 else build(False)
+    train, valid, _ = built if grid.rank == 0 else build(is_builder=False)
     return train, valid
-
-
-def saved_config_path(cfg: Config) -> Optional[str]:
-    """Where the resolved config is written: beside the run's outputs (checkpoint dir, else the JSONL's)."""
-    run_dir = cfg.checkpoint.save or (os.path.dirname(os.path.abspath(cfg.logging.jsonl)) if cfg.logging.jsonl else None)
-    return os.path.join(run_dir, "config.yaml") if run_dir else None
-
-
-def save_resolved_config(cfg: Config) -> None:
-    path = saved_config_path(cfg)
-    if path:
-        write_text(path, describe(cfg))

@@ -389,7 +389,7 @@ def _save_at_cp2_then_resume(save: str, universal: str) -> dict:
     for i in range(ITERS):
         out["straight"].append(t.train_step()["loss"])
         if i == 1:
-            t.save_checkpoint(last=False)
+            t.checkpoints.save(t.iteration, last=False)
     if dist.get_rank() == 0:
         with contextlib.redirect_stdout(io.StringIO()):
             convert_main(["--load", save, "--to", "universal", "--output", universal])

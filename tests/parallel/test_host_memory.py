@@ -152,7 +152,7 @@ def _snapshot_bytes(save: str) -> tuple[int, int]:
                        "--checkpoint.async_save", "true", "--model.seq_length", "32",
                        "--train.global_batch_size", "4", "--train.micro_batch_size", "2"])
     tr.train_step()
-    tr.save_checkpoint()
+    tr.checkpoints.save(tr.iteration)
     layout = run_layout(tr.cfg, tr.grid.dp, tr.grid.cp)
     rank = predict(tr.cfg, layout, Cluster(2, 2, 1.0, None), ranks=[0], device="cpu").rank(0)
     assert tr.checkpoints.snapshot is not None

@@ -109,7 +109,7 @@ def _lora_then_logits(hf_dir: str, save: str) -> torch.Tensor:
                                     "--checkpoint.save", save], base=BASE)
     for _ in range(2):
         t.train_step()
-    t.save_checkpoint(last=False)
+    t.checkpoints.save(t.iteration, last=False)
     return full_logits(t, ROWS)
 
 

@@ -159,7 +159,7 @@ def _parallel_then_resume(hf_dir: str, save: str, iters: int, half: int) -> dict
     for i in range(iters):
         out["straight"].append(t.train_step()["loss"])
         if i + 1 == half:
-            t.save_checkpoint(last=False)
+            t.checkpoints.save(t.iteration, last=False)
             out["logits"] = full_logits(t, ROWS)
     for name, layout in [("resumed", TP2_DP2_Z3), ("resharded", ["--zero.stage", "1"])]:
         t = make_trainer(ARGS + layout + ["--train.iters", str(iters), "--checkpoint.load", save])
@@ -312,7 +312,7 @@ def _train_and_save(args: list[str], save: str, iters: int) -> None:
     t = make_trainer(ARGS + args + ["--train.iters", str(iters), "--checkpoint.save", save])
     for _ in range(iters):
         t.train_step()
-    t.save_checkpoint(last=False)
+    t.checkpoints.save(t.iteration, last=False)
 
 
 @pytest.mark.slow

@@ -111,7 +111,7 @@ def _checkpoint_through_files(root: str, nvme: str) -> dict:
             raise OSError(errno.ENOSPC, "No space left on device")
         os.posix_fallocate = no_room
     try:
-        first.save_checkpoint()
+        first.checkpoints.save(first.iteration)
         failure = None
     except CheckpointSaveError as e:
         failure = str(e)

@@ -145,7 +145,7 @@ def _nan_loss_run(tmp: str) -> dict:
     tr.optimizer._shard_values()[0][0] = float("inf")
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            tr.save_checkpoint()
+            tr.checkpoints.save(tr.iteration)
         refused = None
     except TrainingError as e:
         refused = str(e)

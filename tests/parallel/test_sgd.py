@@ -34,7 +34,7 @@ ARGS = hf_tiny_gpt2_args(STEPS, [
 def _torch_losses(hf_tiny_gpt2_dir: str, momentum: float) -> list[float]:
     """GPT2LMHeadModel trained with torch.optim.SGD: weight decay on the matrices (megazero decays
     no 1-D parameter), the LR of megazero's schedule set before each step."""
-    from megazero.train.lr import learning_rate
+    from megazero.train.lr import LRSchedule
     cfg = make_config(ARGS)
     o = cfg.optim
     model = transformers.GPT2LMHeadModel.from_pretrained(hf_tiny_gpt2_dir, torch_dtype=torch.float32)
@@ -45,7 +45,7 @@ def _torch_losses(hf_tiny_gpt2_dir: str, momentum: float) -> list[float]:
 
     def step(i: int) -> None:
         for g in sgd.param_groups:
-            g["lr"] = learning_rate(i, o, cfg.train.iters)
+            g["lr"] = LRSchedule.from_config(o, cfg.train.iters).at(i)
         sgd.step()
     return hf_reference_losses(model, STEPS, HF["vocab_size"], cfg.train.seed, o.clip_grad, step)
 

@@ -98,7 +98,7 @@ def test_single_process_matches_torch_adamw(reference):
                "weight_decay": o.weight_decay},
               {"params": [p for n, p in model.named_parameters() if n in no_decay], "weight_decay": 0.0}]
     adam = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
-    from megazero.train.lr import learning_rate
+    from megazero.train.lr import LRSchedule
     ds = MockGPTDataset((t.iters + 1) * t.global_batch_size, m.seq_length, m.vocab_size, t.seed)
     for it in range(3):
         adam.zero_grad()
@@ -109,7 +109,7 @@ def test_single_process_matches_torch_adamw(reference):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
         assert abs(float(norm) - reference["norms"][it]) < 1e-5
         for g in adam.param_groups:
-            g["lr"] = learning_rate(it, o, t.iters)
+            g["lr"] = LRSchedule.from_config(o, t.iters).at(it)
         adam.step()
     # Adam divides by sqrt(v): an element whose gradient is near zero carries the last bits of the
     # sums into its update, and those bits change with the CPU's kernels (2.1e-6 on one element of
