@@ -43,7 +43,7 @@ def dry_grid(dp: int, rank: int):
     from megazero.parallel.comm import Group
     from megazero.parallel.grid import ProcessGrid
     grid = ProcessGrid(tp=1, pp=1, dp=dp, rank=rank)
-    for kind in ("tp", "dp", "pp", "mp", "embed"):
+    for kind in ("tp", "dp", "pp", "embed"):
         ranks = next(r for r in grid.group_ranks(kind) if rank in r)
         grid.groups[kind] = Group(kind, None, ranks, ranks.index(rank))
     # Every rank is built alone: agreements (comm.agreed) over the world are this rank's own.

@@ -24,9 +24,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from megazero.config.sharding import sharding
 from megazero.harness.configs import add_shape_flags, make_config, model_section
 from megazero.harness.spawn import run_ranks
-from megazero.plan.formulas import STATE_BYTES, model_state_bytes
+from megazero.plan.formulas import STATE_BYTES
 from megazero.plan.planner import Cluster, ParallelLayout, predict
 
 MiB = 2 ** 20
@@ -267,7 +268,7 @@ def main() -> None:
     for stage, out in zero.items():
         for precision in ("fp32", "bf16"):
             mem = out["memory"][precision]
-            f = model_state_bytes(out["padded_numel"], n, stage, STATE_BYTES[precision])["total"]
+            f = sharding(stage).model_state_bytes(out["padded_numel"], n, STATE_BYTES[precision])["total"]
             label = {("fp32", 0): "16Ψ", ("fp32", 1): "8Ψ+8Ψ/N", ("fp32", 2): "4Ψ+12Ψ/N", ("fp32", 3): "16Ψ/N",
                      ("bf16", 0): "18Ψ", ("bf16", 1): "6Ψ+12Ψ/N", ("bf16", 2): "2Ψ+16Ψ/N",
                      ("bf16", 3): "18Ψ/N"}[(precision, stage)]

@@ -26,6 +26,7 @@ HF stores the four projections as Conv1D ([in, out]); here they are nn.Linear-sh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import zlib
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.config.schema import ModelConfig
+from megazero.model.cross_entropy import vocab_parallel_cross_entropy
 from megazero.model.layers import (
     ColumnParallelLinear,
     Dropout,
@@ -46,7 +48,6 @@ from megazero.model.layers import (
     padded_vocab_size,
     placed_parameter,
     split_parameter_,
-    vocab_parallel_cross_entropy,
 )
 from megazero.model.rotary import Llama3Scaling, apply_rotary, inverse_frequencies, rotary_tables
 from megazero.parallel.comm import Group, solo_group
@@ -66,7 +67,7 @@ class CausalSelfAttention(nn.Module):
         self.groups = cfg.query_groups  # this rank's K/V heads: grouped-query attention when fewer
         self.head_dim = cfg.head_dim
         self.tp_size = 1
-        self.cp, self.cp_impl = solo_group(), "ring"  # context parallelism: apply_cp
+        self.cp, self.cp_impl = solo_group(), "ring"  # context parallelism: GPT.apply_context_parallel
         self.dropout = cfg.dropout
         self.tracker = tracker
         # The fused projection's rows are q | k | v, each split over the TP ranks on its own
@@ -82,11 +83,6 @@ class CausalSelfAttention(nn.Module):
         self.heads //= tp.size  # c_attn's split hands each rank whole heads of q, k and v
         self.groups //= tp.size
         self.tp_size = tp.size
-
-    def apply_cp(self, cp: Group, impl: str) -> None:
-        """Context parallelism: this rank holds its zig-zag positions of each sequence
-        (parallel/context.py) and attends over the whole of it through the cp group."""
-        self.cp, self.cp_impl = cp, impl
 
     def attend(self, qkv: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0,
                rope: Optional[Rope] = None) -> torch.Tensor:
@@ -104,17 +100,14 @@ class CausalSelfAttention(nn.Module):
             k, v = kv.append(k, v, pos)
             mask = kv.mask
         if self.cp.size > 1 and kv is None:
-            attend = functools.partial(context_attention, q, k, v, self.cp, self.cp_impl, self._causal_attention,
-                                       self._dropout_p())
+            causal = functools.partial(self._attention, mask=None, causal=True)
+            attend = functools.partial(context_attention, q, k, v, self.cp, self.cp_impl, causal, self._dropout_p())
             # Ulysses' whole-sequence attention picks its own stream (_attention); the ring drops
             # this rank's queries' probabilities: from the per-rank stream.
             y = self._in_rank_stream(attend) if self.cp_impl == "ring" else attend()
         else:
             y = self._attention(q, k, v, mask, pos == 0 and mask is None)
         return y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
-
-    def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self._attention(q, k, v, None, True)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                    causal: bool) -> torch.Tensor:
@@ -268,8 +261,7 @@ class GPT(nn.Module):
                 self.transformer.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size,
                                                     _weight=torch.empty(cfg.seq_length, cfg.hidden_size))
             self.transformer.drop = Dropout(cfg.dropout, tracker)
-        self.transformer.h = nn.ModuleDict(
-            {str(i): Block(cfg, tracker) for i in self.layers})
+        self.transformer.h = nn.ModuleDict({str(i): Block(cfg, tracker) for i in self.layers})
         if post_process:
             self.transformer.ln_f = norm(cfg)
             # The output layer: its own weight when untied; tied, the last stage keeps its own
@@ -306,7 +298,7 @@ class GPT(nn.Module):
                 module.sequence_parallel = True  # type: ignore[assignment]  # torch types Module attributes Tensor | Module
         for p in self.parameters():
             if not (where := placement(p)).sharded:
-                place(p, where.with_sequence_parallel())
+                place(p, dataclasses.replace(where, sequence_parallel=True))
 
     def apply_context_parallel(self, cp: Group, impl: str) -> None:
         """Context parallelism (nothing to do at cp = 1): every sequence reaches this rank as
@@ -319,16 +311,13 @@ class GPT(nn.Module):
         self.cp = cp
         for module in self.modules():
             if isinstance(module, CausalSelfAttention):
-                module.apply_cp(cp, impl)
+                module.cp, module.cp_impl = cp, impl
 
     def hidden_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
         """Shape of the hidden states a stage passes on for [batch, seq] tokens."""
         return batch, seq // self.tp.size if self.sequence_parallel else seq, self.cfg.hidden_size
 
     # ------------------------------------------------------------------ forward
-
-    def head_weight(self) -> torch.Tensor:
-        return self.lm_head.weight if hasattr(self, "lm_head") else self.transformer.wte.weight
 
     def forward(self, x: torch.Tensor, cache: Optional["KVCache"] = None) -> torch.Tensor:
         """Tokens [b, s] on the first stage (hidden states `hidden_shape` elsewhere) ->
@@ -370,15 +359,16 @@ class GPT(nn.Module):
         if not self.post_process:
             return x
         x = self.transformer.ln_f(x)
-        weight = self.head_weight() if tied is None else tied.head(self.head_weight())
+        weight = self.lm_head.weight if hasattr(self, "lm_head") else self.transformer.wte.weight
+        if tied is not None:
+            weight = tied.head(weight)
         return column_parallel_linear(x, weight, None, self.weight_grads, self.tp, self.sequence_parallel)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy [b, s] from vocab-parallel logits (padding masked out); 0, with
         no gradient, where a label is negative (a prompt or padding token of fine-tuning data)."""
         assert isinstance(self.cfg.vocab_size, int)
-        loss = vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size)
-        return loss.masked_fill(labels < 0, 0.0)
+        return vocab_parallel_cross_entropy(logits, labels, self.tp, self.cfg.vocab_size).masked_fill(labels < 0, 0.0)
 
     # ------------------------------------------------------------------ init
 
@@ -455,10 +445,8 @@ def rotary_frequencies(cfg: ModelConfig) -> Optional[torch.Tensor]:
     """The rotary inverse frequencies of model.position_embedding rope (None: learned positions)."""
     if cfg.position_embedding != "rope":
         return None
-    scaling = None
-    if cfg.rope_scaling == "llama3":
-        scaling = Llama3Scaling(cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-                                cfg.rope_original_max_position)
+    scaling = Llama3Scaling(cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                            cfg.rope_original_max_position) if cfg.rope_scaling == "llama3" else None
     return inverse_frequencies(cfg.head_dim, cfg.rope_base, scaling)
 
 
@@ -521,8 +509,7 @@ class KVCache:
             raise ValueError(f"cannot cache {max_len} positions: model.seq_length is {model.cfg.seq_length}")
         p = next(model.parameters())
         heads = model.cfg.query_groups // model.tp.size  # K/V heads: one per query group
-        head_dim = model.cfg.head_dim
-        self.layers = {i: LayerKV(batch, heads, max_len, head_dim, p.dtype, p.device) for i in model.layers}
+        self.layers = {i: LayerKV(batch, heads, max_len, model.cfg.head_dim, p.dtype, p.device) for i in model.layers}
         self.length = 0
         self.pad = None if pad is None else pad.to(p.device).view(batch, 1)
 

@@ -1,6 +1,6 @@
-"""Tensor-parallel building blocks: vocab-parallel embedding, column/row-parallel linear,
-vocab-parallel cross-entropy (cross_entropy.py, re-exported here), and the bookkeeping that
-maps a TP shard to its full tensor.
+"""Tensor-parallel building blocks: vocab-parallel embedding, column/row-parallel linear (the
+vocab-parallel cross-entropy is cross_entropy.py), and the bookkeeping that maps a TP shard to
+its full tensor.
 
 Layers are built whole (tp = 1), where each is exactly its torch twin (the f/g functions
 are identities); `apply_tp(tp)` then splits one over a TP group, in place: it keeps this
@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.model.cross_entropy import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy  # re-export
 from megazero.parallel.comm import Group, copy_to_tp, leave_tp, solo_group
 from megazero.parallel.placement import Placement, place, placement
 from megazero.parallel.random import RNGTracker

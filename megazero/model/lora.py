@@ -45,12 +45,10 @@ from megazero.parallel.comm import copy_to_tp, reduce_from_tp
 from megazero.parallel.placement import Placement, place, placement
 from megazero.parallel.random import RNGTracker, in_stream
 
-ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-
 
 def is_adapter(name: str) -> bool:
     """Whether parameter `name` is a LoRA adapter weight."""
-    return name.endswith(ADAPTER_SUFFIXES)
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
 
 
 class LoRA:

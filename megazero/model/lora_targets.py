@@ -47,14 +47,10 @@ def adapted(targets: list[str], m: ModelConfig) -> list[Target]:
     if not uses_hf_names(m):
         return [Target(module, None, None) for module in adapted_modules(targets)]
     names = {n for t in targets for n in _FAMILY_ALIASES.get(t, (t,))}
-    gated = m.activation == "swiglu"
-    out = []
-    for name, (module, index) in FAMILY_PARTS.items():
-        if name in names:
-            if module == "mlp.c_fc" and not gated:  # one c_fc: gate_proj and up_proj both mean all of it
-                out.append(Target(module, None, None))
-            else:
-                out.append(Target(module, name if index is not None else None, index))
+    # Without SwiGLU there is one c_fc: gate_proj and up_proj both mean all of it.
+    whole = () if m.activation == "swiglu" else ("mlp.c_fc",)
+    out = [Target(module, None, None) if index is None or module in whole else Target(module, name, index)
+           for name, (module, index) in FAMILY_PARTS.items() if name in names]
     return list(dict.fromkeys(out))
 
 

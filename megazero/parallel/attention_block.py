@@ -73,8 +73,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
 def dropout_scale(seed: int, shape: torch.Size, dropout: float, dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
     """The dropout mask of one block from its seed, as factors: 0 where dropped, 1/(1-p) where kept."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     keep = torch.rand(shape, generator=generator, device=device) >= dropout
     return keep.to(dtype) / (1.0 - dropout)
 
@@ -133,9 +132,8 @@ def _cpu_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 def _cpu_flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, extras: tuple, causal: bool, scale: float,
                         dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
-    return dq, dk, dv
 
 
 CPU_FLASH = BlockKernel("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, dropout=False)
@@ -157,10 +155,9 @@ def _cuda_flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     cum_q, cum_k, max_q, max_k, seed, offset = extras  # Philox seed and offset: the forward's mask
     # The sequence lengths of this block (the final out / lse may cover a different slice).
     max_q, max_k = q.shape[-2], k.shape[-2]
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), cum_q, cum_k, max_q, max_k, dropout, causal,
         seed, offset, scale=scale)
-    return dq, dk, dv
 
 
 CUDA_FLASH = BlockKernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward, dropout=True)

@@ -25,7 +25,6 @@ The f/g pairs (Megatron's names in brackets) are one autograd Function per colle
 
     copy_to_tp        identity  / all-reduce       [f: enter a TP region]
     reduce_from_tp    all-reduce / identity        [g: leave a TP region]
-    scatter_to_tp     split last dim / all-gather
     gather_from_tp    all-gather last dim / split
 
 and those of sequence parallelism (Korthikanti et al., 2022), which replace copy_to_tp /
@@ -87,12 +86,12 @@ class Group:
         limit_s = None if self.timeout_s is None else self.timeout_s * self.size
         return _Threaded(self._thread.submit(fn, *args, pg=self.side_pg), self.name, limit_s)
 
-    def count(self, op: str, nbytes: float) -> None:
-        self.counter[op] += int(nbytes)
-        self.counter[op + "_calls"] += 1
-
-    def note(self, op: str, t: Optional[torch.Tensor], peer: Optional[int] = None) -> None:
-        """Record one call, as issued (see record_calls); `t` None for a picklable object."""
+    def issue(self, op: str, t: Optional[torch.Tensor], nbytes: Optional[float], peer: Optional[int] = None) -> None:
+        """Count one call putting `nbytes` on the wire (None: nothing counted, e.g. a receive) and
+        record it as issued (see record_calls); `t` None for a picklable object."""
+        if nbytes is not None:
+            self.counter[op] += int(nbytes)
+            self.counter[op + "_calls"] += 1
         if self.record is not None:
             shape, dtype = (tuple(t.shape), str(t.dtype)) if t is not None else ((), "object")
             self.record.append(Call(self.name, op, shape, dtype, peer))
@@ -212,8 +211,7 @@ def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist
     """In-place all-reduce. Ring traffic per rank: 2 (n-1)/n of the tensor."""
     if group.size == 1:
         return None
-    group.count("all_reduce", all_reduce_volume(_nbytes(t), group.size))
-    group.note("all_reduce", t)
+    group.issue("all_reduce", t, all_reduce_volume(_nbytes(t), group.size))
     return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
 
 
@@ -223,8 +221,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group,
     if group.size == 1:
         out.copy_(shard)
         return None
-    group.count("all_gather", all_gather_volume(_nbytes(shard), group.size))
-    group.note("all_gather", shard)
+    group.issue("all_gather", shard, all_gather_volume(_nbytes(shard), group.size))
     work = _ALL_GATHER(out, shard.contiguous(), group=group.pg, async_op=async_op)
     return _Async(work) if async_op else None
 
@@ -244,8 +241,7 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group,
     if n == 1:
         out.copy_(full)
         return _Done() if async_op else None
-    group.count("reduce_scatter", reduce_scatter_volume(_nbytes(out), n))
-    group.note("reduce_scatter", full)
+    group.issue("reduce_scatter", full, reduce_scatter_volume(_nbytes(out), n))
     if dist.get_backend(group.pg) != "gloo":
         return _REDUCE_SCATTER(out, full.contiguous(), group=group.pg, async_op=async_op)
     if async_op:
@@ -297,40 +293,34 @@ def all_to_all(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
     if group.size == 1:
         out.copy_(t)
         return
-    group.count("all_to_all", all_to_all_volume(_nbytes(t), group.size))
-    group.note("all_to_all", t)
+    group.issue("all_to_all", t, all_to_all_volume(_nbytes(t), group.size))
     dist.all_to_all_single(out, t.contiguous(), group=group.pg)
 
 
 def reduce(t: torch.Tensor, dst_index: int, group: Group) -> None:
     """Sum `t` over the group into the member with index `dst_index` (not a global rank);
     elsewhere `t` is left undefined."""
-    if group.size == 1:
-        return
-    group.count("reduce", _nbytes(t))
-    group.note("reduce", t)
-    dist.reduce(t, dst=group.ranks[dst_index], group=group.pg)
+    if group.size > 1:
+        group.issue("reduce", t, _nbytes(t))
+        dist.reduce(t, dst=group.ranks[dst_index], group=group.pg)
 
 
 def broadcast(t: torch.Tensor, src_index: int, group: Group) -> None:
     """Broadcast from the group member with index `src_index` (not a global rank)."""
-    if group.size == 1:
-        return
-    group.count("broadcast", _nbytes(t))
-    group.note("broadcast", t)
-    dist.broadcast(t, src=group.ranks[src_index], group=group.pg)
+    if group.size > 1:
+        group.issue("broadcast", t, _nbytes(t))
+        dist.broadcast(t, src=group.ranks[src_index], group=group.pg)
 
 
 def send(t: torch.Tensor, dst_rank: int, group: Group) -> dist.Work:
-    group.count("send", _nbytes(t))
-    group.note("send", t, dst_rank)
+    group.issue("send", t, _nbytes(t), dst_rank)
     work = dist.isend(t, dst_rank, group=group.pg)
     assert work is not None  # None only on a rank outside the group
     return work
 
 
 def recv(t: torch.Tensor, src_rank: int, group: Group) -> dist.Work:
-    group.note("recv", t, src_rank)
+    group.issue("recv", t, None, src_rank)
     work = dist.irecv(t, src_rank, group=group.pg)
     assert work is not None
     return work
@@ -340,9 +330,7 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], group: Group) -> list[di
     """Issue a batch of ('send'|'recv', tensor, global_rank) exchanges at once."""
     p2p = []
     for kind, t, peer in ops:
-        if kind == "send":
-            group.count("send", _nbytes(t))
-        group.note(kind, t, peer)
+        group.issue(kind, t, _nbytes(t) if kind == "send" else None, peer)
         p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group.pg))
     return dist.batch_isend_irecv(p2p) if p2p else []
 
@@ -352,9 +340,8 @@ def all_gather_object(obj: Any, group: Group) -> list[Any]:
     if group.size == 1:
         return [obj]
     out: list[Any] = [None] * group.size
-    group.note("all_gather_object", None)
+    group.issue("all_gather_object", None, 0)
     dist.all_gather_object(out, obj, group=group.pg)
-    group.count("all_gather_object", 0)
     return out
 
 
@@ -364,30 +351,18 @@ def broadcast_object(obj: Any, src_index: int, group: Group) -> Any:
     if group.size == 1:
         return obj
     box = [obj]
-    group.note("broadcast_object", None)
+    group.issue("broadcast_object", None, 0)
     dist.broadcast_object_list(box, src=group.ranks[src_index], group=group.pg)
-    group.count("broadcast_object", 0)
     return box[0]
 
 
 def barrier(group: Group) -> None:
     if group.size > 1:
-        group.note("barrier", None)
+        group.issue("barrier", None, None)
         dist.barrier(group=group.pg)
 
 
-# ----------------------------------------------------------------------------- helpers
-
-
-def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    return x.chunk(group.size, dim=dim)[group.rank].contiguous()
-
-
-def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    moved = x.movedim(dim, 0).contiguous()
-    out = torch.empty((group.size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_into(out, moved, group)
-    return out.movedim(0, dim).contiguous() if dim else out
+# ----------------------------------------------------------------------------- f/g pairs
 
 
 def _summed_in_place(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -396,9 +371,6 @@ def _summed_in_place(x: torch.Tensor, group: Group) -> torch.Tensor:
     x = x.contiguous()
     all_reduce(x, group)
     return x
-
-
-# ----------------------------------------------------------------------------- f/g pairs
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -433,26 +405,25 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToTP(torch.autograd.Function):
+class _TransposedPair(torch.autograd.Function):
+    """A collective forward, its transpose backward: an all-gather's transpose is a
+    reduce-scatter (each rank's gradient of the whole tensor is partial, from its weight
+    shard: sum them, keep this rank's part) or a split, and vice versa."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, -1, group)
+    def forward(ctx, x, group, forward_fn, backward_fn):
+        ctx.group, ctx.backward_fn = group, backward_fn
+        return forward_fn(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, grad.dim() - 1, ctx.group), None
+        return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, x.dim() - 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None
+def transposed_pair(x: torch.Tensor, group: Group, forward_fn: Callable, backward_fn: Callable) -> torch.Tensor:
+    """forward_fn(x, group) forward, backward_fn(grad, group) backward: a collective whose
+    transpose is another (e.g. Ulysses' two all-to-alls, parallel/context.py)."""
+    return _TransposedPair.apply(x, group, forward_fn, backward_fn)
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -463,12 +434,19 @@ def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _ReduceFromTP.apply(x, group)
 
 
-def scatter_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.size == 1 else _ScatterToTP.apply(x, group)
-
-
 def gather_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return x if group.size == 1 else _GatherFromTP.apply(x, group)
+    return x if group.size == 1 else transposed_pair(x, group, _gather_last, _split_last)
+
+
+def _gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    moved = x.movedim(-1, 0).contiguous()
+    out = torch.empty((group.size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into(out, moved, group)
+    return out.movedim(0, -1).contiguous()
+
+
+def _split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x.chunk(group.size, dim=-1)[group.rank].contiguous()
 
 
 # ----------------------------------------------------------------------------- sequence parallelism
@@ -500,35 +478,14 @@ def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
-class _SequencePair(torch.autograd.Function):
-    """One of the collectives above forward, its transpose backward: an all-gather's
-    transpose is a reduce-scatter (each rank's gradient of the whole sequence is partial, from
-    its weight shard: sum them, keep this rank's positions) and vice versa."""
-
-    @staticmethod
-    def forward(ctx, x, group, forward_fn, backward_fn):
-        ctx.group, ctx.backward_fn = group, backward_fn
-        return forward_fn(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.backward_fn(grad, ctx.group), None, None, None
-
-
-def transposed_pair(x: torch.Tensor, group: Group, forward_fn: Callable, backward_fn: Callable) -> torch.Tensor:
-    """forward_fn(x, group) forward, backward_fn(grad, group) backward: a collective whose
-    transpose is another (e.g. Ulysses' two all-to-alls, parallel/context.py)."""
-    return _SequencePair.apply(x, group, forward_fn, backward_fn)
-
-
 def gather_from_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a TP region from the sequence-split stream: [b, s/n, h] -> [b, s, h]."""
-    return x if group.size == 1 else _SequencePair.apply(x, group, gather_sequence, reduce_scatter_sequence)
+    return x if group.size == 1 else transposed_pair(x, group, gather_sequence, reduce_scatter_sequence)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Leave a TP region into the sequence-split stream: partial [b, s, h] -> summed [b, s/n, h]."""
-    return x if group.size == 1 else _SequencePair.apply(x, group, reduce_scatter_sequence, gather_sequence)
+    return x if group.size == 1 else transposed_pair(x, group, reduce_scatter_sequence, gather_sequence)
 
 
 def leave_tp(x: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:

@@ -46,11 +46,6 @@ def shard_sequence(x: np.ndarray, rank: int, size: int) -> np.ndarray:
     return x if size == 1 else x[:, zigzag_positions(x.shape[1], rank, size)]
 
 
-def _gathered_order(seq_len: int, size: int) -> np.ndarray:
-    """The positions of the sequence the way an all-gather over the cp ranks lays it out."""
-    return np.concatenate([zigzag_positions(seq_len, r, size) for r in range(size)])
-
-
 # ----------------------------------------------------------------------------- Ulysses
 
 
@@ -75,9 +70,10 @@ def _heads_to_seq(y: torch.Tensor, group: comm.Group) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=8)
 def _orders(seq: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gathered order of a sequence's positions and its inverse (position p sits at index
-    natural[p] when gathered): the same for every layer and micro-batch, so built once."""
-    gathered = torch.as_tensor(_gathered_order(seq, n), device=device)
+    """The gathered order of a sequence's positions (as an all-gather over the cp ranks lays
+    them out) and its inverse (position p sits at index natural[p] when gathered): the same
+    for every layer and micro-batch, so built once."""
+    gathered = torch.as_tensor(np.concatenate([zigzag_positions(seq, r, n) for r in range(n)]), device=device)
     natural = torch.empty_like(gathered)
     natural[gathered] = torch.arange(seq, device=device)
     return gathered, natural

@@ -18,7 +18,7 @@ channel), so every tensor that meets a collective, a p2p op, the loss or a metri
 created on `grid.device`; without CUDA they are gloo's and `grid.device` is the CPU.
 Host copies for checkpoints go through `parallel/host.py`.
 
-Timeouts, stated once: every group the grid creates (tp, cp, dp, dp_cp, pp, mp, embed, stage, the
+Timeouts, stated once: every group the grid creates (tp, cp, dp, dp_cp, pp, embed, stage, the
 world, and gloo's duplicate of ZeRO's group for the communication thread) gets `grid.timeout_s`
 (train.timeout_minutes), so a collective or p2p op that waits longer on a stopped or dead
 peer fails instead of hanging (torch's default for a new group is 30 minutes on gloo). Gloo
@@ -33,7 +33,7 @@ import datetime
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,25 +42,14 @@ from megazero.config.rules import world_problem
 from megazero.parallel.comm import Group
 
 
-class _Dimension:
-    """A read-only attribute of the grid for one dimension (`tp`, `dp`, ...)."""
+class _GroupOf:
+    """`grid.tp_group` and its kin: the grid's group of one kind (read-only)."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
 
-
-class _GroupOf(_Dimension):
-    """`grid.tp_group` and its kin: the grid's group of one kind."""
-
     def __get__(self, grid: "ProcessGrid", owner: type) -> Group:
         return grid.groups[self.kind]
-
-
-class _CoordOf(_Dimension):
-    """`grid.tp_rank` and its kin: this rank's index along one dimension."""
-
-    def __get__(self, grid: "ProcessGrid", owner: type) -> int:
-        return getattr(grid.coords(), self.kind)
 
 
 class Coords(NamedTuple):
@@ -93,6 +82,7 @@ class ProcessGrid:
                 raise ValueError(f"parallel degree {name} ({getattr(self, name)}) must be at least 1")
         if self.timeout_s <= 0:
             raise ValueError(f"the process-group timeout ({self.timeout_s:g} s) must be positive")
+        self.tp_rank, self.dp_rank, self.pp_rank, self.cp_rank = self.coords()  # this rank's coordinates
 
     @property
     def timeout(self) -> datetime.timedelta:
@@ -130,14 +120,11 @@ class ProcessGrid:
             return [[self.rank_of(i, j, k, m) for j in d for m in c] for k in p for i in t]
         if kind == "pp":
             return [[self.rank_of(i, j, k, m) for k in p] for j in d for m in c for i in t]
-        if kind == "mp":  # tensor x pipeline: one model replica's parameters
-            return [[self.rank_of(i, j, k, m) for k in p for i in t] for j in d for m in c]
         if kind == "stage":  # every rank of one pipeline stage (tp x cp x dp): Muon's matrix owners
             return [[self.rank_of(i, j, k, m) for j in d for m in c for i in t] for k in p]
         if kind == "embed":  # first and last stage hold the tied embedding
             return [sorted({g[0], g[-1]}) for g in self.group_ranks("pp")]
         raise KeyError(kind)
-
 
     @property
     def is_first_stage(self) -> bool:
@@ -162,20 +149,15 @@ class ProcessGrid:
     cp_group = _GroupOf("cp")
     dp_cp_group = _GroupOf("dp_cp")  # what ZeRO shards and reduces over
     pp_group = _GroupOf("pp")
-    mp_group = _GroupOf("mp")  # tensor x pipeline: one model replica
     stage_group = _GroupOf("stage")  # tensor x context x data: one pipeline stage's ranks
     embed_group = _GroupOf("embed")
-    tp_rank = _CoordOf("tp")
-    dp_rank = _CoordOf("dp")
-    cp_rank = _CoordOf("cp")
-    pp_rank = _CoordOf("pp")
 
     def build_groups(self) -> None:
         """Create every process group once, each with the grid's timeout. All ranks call
         new_group for all groups in the same order (a torch.distributed requirement), keeping
         only their own. At cp 1 the dp x cp group is the DP group (no second communicator).
         On gloo ZeRO's group also gets a duplicate for its asynchronous reduce-scatters."""
-        kinds = ("tp", "dp", "pp", "mp", "embed", "stage") + (("cp", "dp_cp") if self.cp > 1 else ())
+        kinds = ("tp", "dp", "pp", "embed", "stage") + (("cp", "dp_cp") if self.cp > 1 else ())
         for kind in kinds:
             for ranks in self.group_ranks(kind):
                 pg = _new_group(ranks, self.world_size, self.timeout)
@@ -229,14 +211,10 @@ class ProcessGrid:
                    cp=cp)
         options = _bind_cuda_device() if backend == "nccl" else {}
         if not dist.is_initialized():
-            if store is not None:
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=grid.timeout,
-                                        **options)
-            elif "MASTER_ADDR" in os.environ:
-                dist.init_process_group(backend, timeout=grid.timeout, **options)
-            else:  # plain `python -m megazero.train`: a world of one
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=grid.timeout,
-                                        **options)
+            if store is None and "MASTER_ADDR" not in os.environ:  # plain `python -m megazero.train`: a world of one
+                store, rank, world_size = dist.HashStore(), 0, 1
+            joined: dict[str, Any] = {} if store is None else {"store": store, "rank": rank, "world_size": world_size}
+            dist.init_process_group(backend, timeout=grid.timeout, **joined, **options)
         grid.build_groups()
         return grid
 

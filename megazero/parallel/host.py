@@ -29,13 +29,6 @@ class HostStaging:
         self.piece_bytes = piece_bytes
         self._buffer: Optional[torch.Tensor] = None
 
-    def _staging(self, nbytes: int) -> torch.Tensor:
-        """The first `nbytes` of the buffer, grown (never beyond piece_bytes) when needed."""
-        if self._buffer is None or self._buffer.numel() < nbytes:
-            # Pinning needs a CUDA driver; a CUDA tensor cannot exist without one anyway.
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        return self._buffer[:nbytes]
-
     def host_bytes(self, t: torch.Tensor) -> Iterator[torch.Tensor]:
         """t's bytes in row-major order as pieces of the host buffer: each is valid only
         until the next one is asked for.
@@ -46,7 +39,10 @@ class HostStaging:
         raw = t.contiguous().reshape(-1).view(torch.uint8)  # reshape first: a 0-d tensor has no bytes view
         for start in range(0, raw.numel(), self.piece_bytes):
             piece = raw[start: start + self.piece_bytes]
-            host = self._staging(piece.numel())
+            if self._buffer is None or self._buffer.numel() < piece.numel():  # grown, never beyond piece_bytes
+                # Pinning needs a CUDA driver; a CUDA tensor cannot exist without one anyway.
+                self._buffer = torch.empty(piece.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            host = self._buffer[: piece.numel()]
             host.copy_(piece)  # blocking: the buffer is complete, and free of the last piece, on return
             yield host
 
@@ -55,20 +51,14 @@ class HostStaging:
         for piece in self.host_bytes(t):
             f.write(piece.numpy().data)
 
-    def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst (a contiguous host tensor of src's size and dtype) <- src, from any device."""
-        out, offset = dst.view(-1).view(torch.uint8), 0
-        for piece in self.host_bytes(src):
-            out[offset: offset + piece.numel()].copy_(piece)
-            offset += piece.numel()
-
     def concat(self, pieces: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One flat host tensor of `dtype` holding `pieces` end to end, copied out in turn."""
         out = torch.empty(sum(p.numel() for p in pieces), dtype=dtype)
-        offset = 0
+        raw, offset = out.view(torch.uint8), 0
         for p in pieces:
-            self.copy_into(out[offset: offset + p.numel()], p.to(dtype))
-            offset += p.numel()
+            for piece in self.host_bytes(p.to(dtype)):
+                raw[offset: offset + piece.numel()].copy_(piece)
+                offset += piece.numel()
         return out
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -95,8 +85,7 @@ class HostSnapshot:
         numel = sum(p.numel() for p in pieces)
         out = self._tensors.get(name)
         if out is None or out.numel() != numel or out.dtype != dtype:
-            out = torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
-            self._tensors[name] = out
+            out = self._tensors[name] = torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
         offset = 0
         for p in pieces:
             # One piece's dtype conversion at most is made on its device; copy_ then moves it.

@@ -20,7 +20,6 @@ here), not in a side table keyed by parameter: ZeRO points `.data` at its own bu
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -48,9 +47,6 @@ class Placement:
     @property
     def sharded(self) -> bool:
         return self.dim is not None
-
-    def with_sequence_parallel(self) -> Placement:
-        return dataclasses.replace(self, sequence_parallel=True)
 
     def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         """This TP rank's shard of a full tensor (`full` itself when replicated)."""

@@ -46,20 +46,13 @@ from megazero.parallel import comm
 from megazero.parallel.attention_block import BlockKernel, accumulation_dtype, default_scale, pick
 
 
-class _Ring:
-    """One rank's neighbours in the cp group, and the exchange of one tensor with them."""
-
-    def __init__(self, group: comm.Group):
-        self.group = group
-        n, r = group.size, group.rank
-        self.next, self.prev = group.ranks[(r + 1) % n], group.ranks[(r - 1) % n]
-
-    def start(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Send `send` to the next rank and receive the previous rank's (same shape): returns the
-        receive buffer and the handles to wait before reading it (or changing `send`)."""
-        incoming = torch.empty_like(send)
-        works = comm.batch_p2p([("send", send, self.next), ("recv", incoming, self.prev)], self.group)
-        return incoming, works
+def _pass_on(send: torch.Tensor, group: comm.Group) -> tuple[torch.Tensor, list]:
+    """Send `send` to the next rank of the ring and receive the previous rank's (same shape):
+    returns the receive buffer and the handles to wait before reading it (or changing `send`)."""
+    n, r = group.size, group.rank
+    incoming = torch.empty_like(send)
+    return incoming, comm.batch_p2p([("send", send, group.ranks[(r + 1) % n]),
+                                     ("recv", incoming, group.ranks[(r - 1) % n])], group)
 
 
 def _wait(works: list) -> None:
@@ -81,6 +74,13 @@ def _block_of(step: int, group: comm.Group) -> tuple[str, str]:
     if step == 0:
         return "both", "both"
     return ("both", "first") if j < r else ("second", "both")
+
+
+def _block(step: int, group: comm.Group, q: torch.Tensor, kv: torch.Tensor, rep: int) -> tuple:
+    """_block_of's rows and columns, and q, k, v of them: contiguous, k and v widened to q's heads."""
+    rows, cols = _block_of(step, group)
+    k, v = (_widen(_part(t, cols), rep).contiguous() for t in (kv[0], kv[1]))
+    return rows, cols, _part(q, rows).contiguous(), k, v
 
 
 def _part(x: torch.Tensor, which: str, dim: int = -2) -> torch.Tensor:
@@ -107,7 +107,7 @@ def _fold(dx: torch.Tensor, rep: int) -> torch.Tensor:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group: comm.Group, kernel: BlockKernel, scale: float, dropout: float):
-        ring, n, rep = _Ring(group), group.size, q.shape[1] // k.shape[1]
+        n, rep = group.size, q.shape[1] // k.shape[1]
         kv = torch.stack([k, v]).contiguous()
         acc = accumulation_dtype(q.dtype)
         # Laid out [b, s, h, d] as SDPA's output is, so that the caller's merge of the heads into
@@ -118,11 +118,9 @@ class _RingAttention(torch.autograd.Function):
         extras = []
         for step in range(n):
             if step + 1 < n:  # the next block travels while this one is attended
-                incoming, works = ring.start(kv)
-            rows, cols = _block_of(step, group)
-            qb, kb, vb = _part(q, rows), _part(kv[0], cols), _part(kv[1], cols)
-            block_out, block_lse, extra = kernel.forward(qb.contiguous(), _widen(kb, rep).contiguous(),
-                                                         _widen(vb, rep).contiguous(), step == 0, scale, dropout)
+                incoming, works = _pass_on(kv, group)
+            rows, _, qb, kb, vb = _block(step, group, q, kv, rep)
+            block_out, block_lse, extra = kernel.forward(qb, kb, vb, step == 0, scale, dropout)
             extras.append(extra)
             _merge(_part(out, rows), _part(lse, rows, -1), block_out, block_lse)
             if step + 1 < n:
@@ -138,7 +136,6 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, kernel, scale, n = ctx.group, ctx.kernel, ctx.scale, ctx.group.size
         rep = q.shape[1] // k.shape[1]
-        ring = _Ring(group)
         dout = dout.contiguous()
         kv = torch.stack([k, v]).contiguous()
         acc = accumulation_dtype(q.dtype)
@@ -147,12 +144,9 @@ class _RingAttention(torch.autograd.Function):
         dkv_in, dkv_works = torch.zeros(kv.shape, dtype=acc, device=q.device), []
         for step in range(n):
             if step + 1 < n:
-                incoming, works = ring.start(kv)
-            rows, cols = _block_of(step, group)
-            qb, kb, vb = _part(q, rows), _part(kv[0], cols), _part(kv[1], cols)
-            rows_lse = _part(lse, rows, -1)
-            dqb, dkb, dvb = kernel.backward(_part(dout, rows), qb.contiguous(), _widen(kb, rep).contiguous(),
-                                            _widen(vb, rep).contiguous(), _part(out, rows), rows_lse,
+                incoming, works = _pass_on(kv, group)
+            rows, cols, qb, kb, vb = _block(step, group, q, kv, rep)
+            dqb, dkb, dvb = kernel.backward(_part(dout, rows), qb, kb, vb, _part(out, rows), _part(lse, rows, -1),
                                             ctx.extras[step], step == 0, scale, ctx.dropout)
             _part(dq, rows).add_(dqb)
             _wait(dkv_works)
@@ -161,7 +155,7 @@ class _RingAttention(torch.autograd.Function):
             _part(dkv[1], cols).add_(_fold(dvb, rep))
             # On to the next rank, who holds this block at the next step; after the last step
             # the next rank is the block's owner.
-            dkv_in, dkv_works = ring.start(dkv)
+            dkv_in, dkv_works = _pass_on(dkv, group)
             if step + 1 < n:
                 _wait(works)
                 kv = incoming

@@ -64,7 +64,14 @@ class WeightGradStore:
             self._filling = []
 
     def put(self, param: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor) -> None:
-        self._filling.append((param, grad_out, x))
+        """The weight gradient of a boxed parameter: filed while deferring, else accumulated as
+        the parameter's own backward would, inside the backward that calls this."""
+        if not param.requires_grad:
+            return
+        if self.deferring:
+            self._filling.append((param, grad_out, x))
+        else:
+            torch.autograd.backward(param, _weight_grad(grad_out, x))
 
     def pending(self) -> int:
         """W passes filed and not yet run."""
@@ -133,9 +140,8 @@ def _eager_gathered_linear() -> Callable:
     only runs with sequence parallelism need."""
     def apply(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
               store: Optional[WeightGradStore], group: Group) -> torch.Tensor:
-        if store is None:
-            return _GatheredLinear.apply(x, weight, bias, group, None, (weight,))
-        return _GatheredLinear.apply(x, weight.detach(), bias, group, store, (weight,))  # boxed: see `linear`
+        # With a store the weight goes in detached, its parameter boxed: see `linear`.
+        return _GatheredLinear.apply(x, weight if store is None else weight.detach(), bias, group, store, (weight,))
     return torch.compiler.disable(apply)
 
 
@@ -159,7 +165,7 @@ class _DeferrableLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        _file_weight_grad(ctx.store, ctx.param, grad_out, x)
+        ctx.store.put(ctx.param, grad_out, x)
         return grad_x, None, _bias_grad(ctx, grad_out), None, None
 
 
@@ -167,17 +173,6 @@ def _bias_grad(ctx, grad_out: torch.Tensor) -> Optional[torch.Tensor]:
     if ctx.has_bias and ctx.needs_input_grad[2]:
         return grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
     return None
-
-
-def _file_weight_grad(store: WeightGradStore, param: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor) -> None:
-    """The weight gradient of a boxed parameter: filed while `store` defers, else accumulated
-    as the parameter's own backward would, inside this one."""
-    if not param.requires_grad:
-        return
-    if store.deferring:
-        store.put(param, grad_out, x)
-    else:
-        torch.autograd.backward(param, _weight_grad(grad_out, x))
 
 
 class _GatheredLinear(torch.autograd.Function):
@@ -198,7 +193,7 @@ class _GatheredLinear(torch.autograd.Function):
         grad_x = reduce_scatter_sequence(grad_out.matmul(weight), ctx.group) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.store is not None:
-            _file_weight_grad(ctx.store, ctx.param, grad_out, full)
+            ctx.store.put(ctx.param, grad_out, full)
         elif ctx.needs_input_grad[1]:
             grad_weight = _weight_grad(grad_out, full)
         return grad_x, grad_weight, _bias_grad(ctx, grad_out), None, None, None

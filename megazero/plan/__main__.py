@@ -11,6 +11,7 @@ one you fix with --tp/--pp/--dp/--zero-stage/..., or training's --parallel.tp/cp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Optional
@@ -61,15 +62,13 @@ LAYOUT_KEYS = {"parallel.tp": "tp", "parallel.cp": "cp", "parallel.pp": "pp", "p
 def take_layout_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     """Move --parallel.tp/cp/pp/dp/vpp and --zero.stage (VALUE or =VALUE) from `overrides` into the
     fixed layout of `args`; the other overrides are returned. One given both ways must agree."""
-    rest, i = [], 0
-    while i < len(overrides):
-        name, has_value, inline = overrides[i][2:].partition("=")
-        if not overrides[i].startswith("--") or name not in LAYOUT_KEYS:
-            rest.append(overrides[i])
-            i += 1
+    rest, items = [], iter(overrides)
+    for item in items:
+        name, has_value, inline = item[2:].partition("=")
+        if not item.startswith("--") or name not in LAYOUT_KEYS:
+            rest.append(item)
             continue
-        raw = inline if has_value else (overrides[i + 1] if i + 1 < len(overrides) else "")
-        i += 1 if has_value else 2
+        raw = inline if has_value else next(items, "")
         attr, flag = LAYOUT_KEYS[name], "--" + LAYOUT_KEYS[name].replace("_", "-")
         if not raw.isdigit():
             raise PlanError(f"--{name} ({raw!r}) must be a whole number, e.g. --{name} 2 (or {flag} 2)")
@@ -129,19 +128,15 @@ def row(i: int, p: Prediction, variants: int = 1) -> str:
     return (f"| {i} | {lay.tp} | {lay.pp} | {lay.vpp} | {lay.dp} | {lay.zero_stage} | {micro} | {recompute} | {cp} "
             f"| {w.params / 1e6:,.1f}M | {gib(w.states['total'])} | {gib(w.activations)} | {gib(w.peak)} "
             f"| {'yes' if p.fits else 'no'} | {gib(moved['tp'])} | {gib(moved['cp'])} | {gib(moved['pp'])} "
-            f"| {gib(moved['dp'])} "
-            f"| {100 * p.bubble:.1f}% | {time} |")
+            f"| {gib(moved['dp'])} | {100 * p.bubble:.1f}% | {time} |")
 
 
 def distinct(preds: list[Prediction]) -> list[tuple[Prediction, int]]:
     """One row per layout apart from its micro-batch: the first (fastest) of each, with how many
     micro-batch variants it stands for (they differ only in activation memory, rarely in time)."""
-    groups: dict[tuple, list[Prediction]] = {}
+    groups: dict[object, list[Prediction]] = {}
     for p in preds:
-        lay = p.layout
-        key = (lay.tp, lay.cp, lay.pp, lay.vpp, lay.dp, lay.zero_stage, lay.recompute, lay.sequence_parallel,
-               lay.offload_optimizer)
-        groups.setdefault(key, []).append(p)
+        groups.setdefault(dataclasses.replace(p.layout, micro_batch=0), []).append(p)
     return [(group[0], len(group)) for group in groups.values()]
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from megazero.config.schema import ModelConfig
-from megazero.config.sharding import Sharding, sharding
+from megazero.config.sharding import Sharding
 from megazero.parallel.comm import all_gather_volume, all_reduce_volume, reduce_scatter_volume
 from megazero.pipeline.schedules import ORDERS, message_target
 from megazero.zero import ALIGN
@@ -69,8 +69,7 @@ def model_flops_per_token(m: ModelConfig) -> float:
     SwiGLU and the output layer enter through `matmul_parameters`; the scores are q k^T over
     all a heads whatever the K/V groups, so they stay 4 s h. Rotary positions, norms and
     activations are elementwise: no matmul FLOPs (Megatron-LM's and PaLM's convention)."""
-    h, L, s = m.hidden_size, m.num_layers, m.seq_length
-    return 6 * matmul_parameters(m) + 12 * L * h * s
+    return 6 * matmul_parameters(m) + 12 * m.num_layers * m.hidden_size * m.seq_length
 
 
 def block_matmul_parameters(m: ModelConfig) -> int:
@@ -127,17 +126,13 @@ def executed_flops_per_token(m: ModelConfig, recompute: str) -> float:
 
 # Bytes per parameter element held as (parameters, gradients, optimizer states). megazero keeps
 # fp32 gradient buffers at every precision (Megatron's main_grad) and fp32 master weights in
-# 16-bit runs; the ZeRO paper's mixed precision keeps 16-bit gradients (K = 12).
+# 16-bit runs; the ZeRO paper's mixed precision keeps 16-bit gradients (K = 12). A rank holding
+# Ψ (padded) elements over N = dp ranks (config/sharding.py's model_state_bytes: stage 1 shards
+# the optimizer states, 2 also the gradients, 3 also the parameters) then keeps at stages 0-3,
+# with megazero's bf16 bytes: 18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N; with the paper's: 16Ψ,
+# 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N.
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 4, 12), "fp16": (2, 4, 12)}
 ZERO_PAPER_BYTES = (2, 2, 12)
-
-
-def model_state_bytes(psi: int, dp: int, stage: int, element_bytes: tuple[int, int, int]) -> dict[str, int]:
-    """Model-state bytes of one rank holding Ψ (padded) parameter elements over N = dp ranks:
-    stage 1 shards the optimizer states, 2 also the gradients, 3 also the parameters.
-    With megazero's bf16 bytes: 18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N, 18Ψ/N; with the paper's:
-    16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (config/sharding.py: what each stage partitions)."""
-    return sharding(stage).model_state_bytes(psi, dp, element_bytes)
 
 
 MUON_SAVED_BYTES = 4
@@ -153,11 +148,10 @@ def muon_shard_numels(numels: list[int], muon: list[bool], shards: int) -> list[
     runs: list[list[int]] = []
     offset, after_muon = 0, False
     for n, is_muon in zip(numels, muon):
-        if is_muon:
-            if after_muon:
-                runs[-1][1] = offset + n
-            else:
-                runs.append([offset, offset + n])
+        if is_muon and after_muon:
+            runs[-1][1] = offset + n
+        elif is_muon:
+            runs.append([offset, offset + n])
         after_muon = is_muon
         offset = -(-(offset + n) // ALIGN) * ALIGN
     slice_numel = bucket_numel(numels, shards) // shards
@@ -423,18 +417,15 @@ def comm_buffer_bytes(x: BufferShape) -> int:
     return (launched_in_flight(x) + 1) * x.largest_unit() // x.dp * x.wire_bytes
 
 
-def logits_bytes(x: ActivationShape) -> int:
-    """The head's fp32 logits (this rank's V/t of them) and, in backward, their gradient."""
-    return 2 * 4 * x.micro_batch * x.seq * x.vocab // x.tp
-
-
 def transient_items(x: BufferShape, shape: ActivationShape, last: bool) -> dict[str, int]:
     """Every transient item of one rank at the peak (bytes): gathered units, gradients in
-    flight, communication buffers, logits (on the last stage). The optimizer step comes after
-    that peak and adds little to the model states (its fused AdamW updates in place, its norm
-    keeps one fp32 norm per 256 elements: zero/clip.py's row_norms)."""
+    flight, communication buffers, and on the last stage the head's fp32 logits (this rank's
+    V/t of them) with, in backward, their gradient. The optimizer step comes after that peak
+    and adds little to the model states (its fused AdamW updates in place, its norm keeps one
+    fp32 norm per 256 elements: zero/clip.py's row_norms)."""
+    logits = 2 * 4 * shape.micro_batch * shape.seq * shape.vocab // shape.tp
     return {"gathered_units": gathered_units_bytes(x), "grads_in_flight": grads_in_flight_bytes(x),
-            "comm_buffers": comm_buffer_bytes(x), "logits": logits_bytes(shape) if last else 0}
+            "comm_buffers": comm_buffer_bytes(x), "logits": logits if last else 0}
 
 
 # ---------------------------------------------------------------------------- host memory
@@ -450,9 +441,7 @@ class HostShape:
     """One rank's share of what offloading keeps in host memory."""
 
     shard: int
-    """Elements of this rank's parameter shard (padded; Ψ/N at stage 3)."""
-    trainable: int
-    """Of which trainable: what gradients and optimizer states cover."""
+    """Elements of this rank's parameter shard (padded; Ψ/N at stage 3), all trainable."""
     largest_slice: int
     """This rank's slice of its largest bucket (a stage-3 fetch unit)."""
     offload_optimizer: str
@@ -469,29 +458,24 @@ class HostShape:
     """Bytes of checkpoint.async_save's host snapshot of the optimizer shard (master weights
     and moments, 12 B per element; none for NVMe state, whose reads are host copies already)."""
     muon: int = 0
-    """Of the trainable elements, Muon's (optim.name muon): no second moment."""
-
-
-def nvme_step_buffer_bytes(x: HostShape) -> int:
-    """offload_optimizer nvme: buffer_count sub-group buffers of master and moments; a
-    sub-group holds at most zero.sub_group_size elements, and never more than the shard."""
-    if x.offload_optimizer != "nvme":
-        return 0
-    return x.buffer_count * NVME_STEP_BYTES * min(x.sub_group_size, x.trainable)
+    """Of the shard's elements, Muon's (optim.name muon): no second moment."""
 
 
 def host_items(x: HostShape) -> dict[str, int]:
     """Host bytes by item: optimizer states (offload_optimizer cpu: master and moments, 12 B
-    per element), NVMe step buffers, the fp32 gradient shard copied out of an accelerator,
-    the parameter shard (offload_param cpu) or its fetch window (nvme: `prefetch` + 2 slices
-    read ahead and in use, at least the step's 3: staged, read ahead, written back), staging,
-    the asynchronous save's snapshot."""
+    per element), NVMe step buffers (offload_optimizer nvme: buffer_count sub-group buffers of
+    master and moments, a sub-group at most zero.sub_group_size elements and never more than
+    the shard), the fp32 gradient shard copied out of an accelerator, the parameter shard
+    (offload_param cpu) or its fetch window (nvme: `prefetch` + 2 slices read ahead and in use,
+    at least the step's 3: staged, read ahead, written back), staging, the asynchronous save's
+    snapshot."""
     window = max(x.prefetch + 2, 3) * x.largest_slice * x.param_bytes
     params = {"cpu": x.param_bytes * x.shard, "nvme": window}.get(x.offload_param, 0)
-    states = NVME_STEP_BYTES * x.trainable - MUON_SAVED_BYTES * x.muon
+    states = NVME_STEP_BYTES * x.shard - MUON_SAVED_BYTES * x.muon
+    step_buffers = x.buffer_count * NVME_STEP_BYTES * min(x.sub_group_size, x.shard)
     return {"optimizer_states": states if x.offload_optimizer == "cpu" else 0,
-            "nvme_step_buffers": nvme_step_buffer_bytes(x),
-            "grad_shard": 4 * x.trainable if x.accelerator and x.offload_optimizer != "none" else 0,
+            "nvme_step_buffers": step_buffers if x.offload_optimizer == "nvme" else 0,
+            "grad_shard": 4 * x.shard if x.accelerator and x.offload_optimizer != "none" else 0,
             "param_shard": params, "staging": x.staging, "async_snapshot": x.snapshot}
 
 

@@ -171,12 +171,6 @@ def activation_shape(cfg: Config, layout: ParallelLayout, attention: str = "flas
                              fused_norm=device != "cpu", rope=m.position_embedding == "rope")
 
 
-def schedule_of(cfg: Config, layout: ParallelLayout) -> str:
-    if layout.pp == 1:
-        return "none"
-    return "interleaved" if layout.vpp > 1 else cfg.parallel.schedule
-
-
 def distinct_ranks(pp: int) -> list[int]:
     """The first, one middle and the last pipeline rank: the others repeat the middle one."""
     return sorted({0, min(1, pp - 1), pp - 1})
@@ -189,10 +183,9 @@ def predict(cfg: Config, layout: ParallelLayout, cluster: Cluster, attention: st
     first, the last, and rank 1, which keeps the most micro-batches of the middle ones)."""
     if ranks is None:
         ranks = list(range(layout.pp)) if pp_layers else distinct_ranks(layout.pp)
-    t, z = cfg.train, cfg.zero
-    m = t.global_batch_size // (layout.micro_batch * layout.dp)
+    m = cfg.train.global_batch_size // (layout.micro_batch * layout.dp)
     shape = activation_shape(cfg, layout, attention, device)
-    schedule = schedule_of(cfg, layout)
+    schedule = "none" if layout.pp == 1 else "interleaved" if layout.vpp > 1 else cfg.parallel.schedule
     out = Prediction(layout, schedule, m, F.pipeline_bubble(layout.pp, layout.vpp, m, schedule),
                      [rank_prediction(cfg, layout, r, m, shape, schedule, pp_layers, device != "cpu") for r in ranks],
                      int(cluster.memory_gib * F.GiB * (1 - cluster.headroom)))
@@ -200,7 +193,7 @@ def predict(cfg: Config, layout: ParallelLayout, cluster: Cluster, attention: st
         add_times(out, cfg, cluster)
     if layout.offload_optimizer:
         out.notes.append("optimizer states in host memory (stepped there)")
-    if sharding(z.stage).parameters and layout.pp > 1:
+    if sharding(cfg.zero.stage).parameters and layout.pp > 1:
         out.notes.append("ZeRO-3 with pp > 1 gathers every stage's parameters per micro-batch")
     return out
 
@@ -213,15 +206,14 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
     rp = rank_params(cfg.model, layout.tp, pp, vpp, r, zs.parameters, cfg.zero.bucket_size, pp_layers)
     shards = dp if zs.optimizer else 1
     padded = rp.padded(shards)
-    states = zs.model_state_bytes(sum(padded), dp, elem)
+    states = zs.model_state_bytes(sum(padded), dp, elem)  # a new dict, adjusted in place here
     # Elements with one fp32 buffer, not Adam's two moments: Muon's matrices, SGD's every element.
     muon = {"muon": rp.muon_shard_numel(shards), "sgd": sum(padded) // shards}.get(cfg.optim.name, 0)
-    states = {**states, "optimizer": states["optimizer"] - F.MUON_SAVED_BYTES * muon,
-              "total": states["total"] - F.MUON_SAVED_BYTES * muon}
+    states["optimizer"] -= F.MUON_SAVED_BYTES * muon
     host = host_shape(cfg, layout, padded, shards, accelerator, muon)
     off_device = (states["optimizer"] if host.offload_optimizer != "none" else 0) + \
         (states["params"] if host.offload_param != "none" else 0)
-    states = {**states, "total": states["total"] - off_device}
+    states["total"] -= F.MUON_SAVED_BYTES * muon + off_device
     sizes = [F.chunk_activation_bytes(c, shape) for c in rp.chunks]
     order = activation_events(ORDERS[schedule](pp, vpp, r, m)) if pp > 1 else [(True, 0), (False, 0)]
     wire = 2 if cfg.zero.reduce_dtype == "bf16" else 4
@@ -251,7 +243,7 @@ def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: i
     z = cfg.zero
     optimizer = (z.offload_optimizer if z.offload_optimizer != "none" else "cpu") if layout.offload_optimizer else "none"
     shard = sum(padded) // shards
-    return F.HostShape(shard=shard, trainable=shard, largest_slice=max(padded) // shards, offload_optimizer=optimizer,
+    return F.HostShape(shard=shard, largest_slice=max(padded) // shards, offload_optimizer=optimizer,
                        offload_param=z.offload_param if sharding(layout.zero_stage).parameters else "none", accelerator=accelerator,
                        param_bytes=F.STATE_BYTES[cfg.train.precision][0], sub_group_size=z.sub_group_size,
                        buffer_count=z.buffer_count, prefetch=z.prefetch, muon=muon,
@@ -260,22 +252,18 @@ def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: i
                        and optimizer != "nvme" else 0)
 
 
-def link_gbps(cluster: Cluster, span: int) -> float:
-    """Bandwidth of a group whose ranks lie within `span` consecutive ranks: NVLink when they
-    share a node, the network otherwise (ranks: TP innermost, then DP, PP outermost)."""
-    return cluster.intra_gbps if span <= cluster.gpus_per_node else cluster.inter_gbps
-
-
 def add_times(out: Prediction, cfg: Config, cluster: Cluster) -> None:
     lay = out.layout
     assert cluster.peak_flops is not None  # times are estimated only with a peak
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     flops = F.executed_flops_per_token(cfg.model, lay.recompute) * tokens / cluster.gpus
+    # A group whose ranks lie within `span` consecutive ranks (TP innermost, then CP, DP, PP
+    # outermost) talks over NVLink when they share a node, over the network otherwise.
     spans = {"tp": lay.tp, "cp": lay.tp * lay.cp, "dp": lay.tp * lay.cp * lay.dp,
              "pp": lay.tp * lay.cp * lay.dp * lay.pp, "muon": lay.tp * lay.cp * lay.dp}
+    gbps = {k: cluster.intra_gbps if span <= cluster.gpus_per_node else cluster.inter_gbps for k, span in spans.items()}
     for r in out.ranks:
-        secs = {k: (r.bytes.get(k, 0) + (r.bytes["embed"] if k == "pp" else 0)) / (link_gbps(cluster, spans[k]) * 1e9)
-                for k in spans}
+        secs = {k: (r.bytes.get(k, 0) + (r.bytes["embed"] if k == "pp" else 0)) / (gbps[k] * 1e9) for k in spans}
         r.times = F.step_seconds(flops, cluster.peak_flops, cluster.efficiency, out.bubble, secs["tp"], secs["pp"],
                                  secs["dp"], cluster.dp_overlap, secs["cp"], r.muon_flops, secs["muon"])
     times = out.slowest.times

@@ -8,13 +8,9 @@ import torch.nn.functional as F
 
 from helpers import make_grid, run_distributed
 from megazero.config import ModelConfig
+from megazero.model.cross_entropy import vocab_parallel_cross_entropy
 from megazero.model.gpt import GPT
-from megazero.model.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
-)
+from megazero.model.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megazero.parallel.comm import gather_from_tp
 from megazero.parallel.placement import Placement, placement
 from megazero.train.parallelize import apply_tensor_parallel
