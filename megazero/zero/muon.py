@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -113,15 +113,6 @@ class Matrix:
     columns), each a contiguous run of this TP rank's flattened parameter."""
 
 
-@dataclass
-class Slot:
-    """A Muon parameter's elements in this rank's shard: (offset in the flattened TP-local
-    parameter, shard range) pieces."""
-
-    shape: tuple[int, ...]
-    pieces: list[tuple[int, Range]]
-
-
 def split_matrices(name: str, where: Placement, shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Matrix]:
     """The matrices Muon orthogonalises in parameter `name` (TP-local `shape`): one per fused
     block (q|k|v, gate|up), whole over TP, with where this TP rank holds each."""
@@ -166,16 +157,18 @@ class MuonExchange:
                  contributes: bool, device: torch.device, steps: int, rule: str, dtype: torch.dtype) -> None:
         self.group, self.contributes, self.device, self.steps, self.rule = group, contributes, device, steps, rule
         self.dtype = dtype  # Newton-Schulz's, and the buffers' (each element has one contributor: exact in any)
-        self.slots: dict[str, Slot] = {}
+        # A Muon parameter's elements in this rank's shard: (offset in the flattened TP-local
+        # parameter, shard range) pieces.
+        self.pieces: dict[str, list[tuple[int, Range]]] = {}
         matrices: list[Matrix] = []
         for b, s in layout.slots():
-            if s.name in muon and b.trainable and s.name not in self.slots:
-                self.slots[s.name] = Slot(s.shape, [])
+            if s.name in muon and b.trainable and s.name not in self.pieces:
+                self.pieces[s.name] = []
                 matrices += split_matrices(s.name, placement(s.param), s.shape, tp_rank, tp)
         for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets(), layout.rank):
-            if s.name in self.slots:
+            if s.name in self.pieces:
                 r = Range(b.index, start, end - start, offset, True, True, True)
-                self.slots[s.name].pieces.append((start - s.offset, r))
+                self.pieces[s.name].append((start - s.offset, r))
         self.owned = self._assign(matrices, group.size)
 
     def _assign(self, matrices: list[Matrix], owners: int) -> list[list[Matrix]]:
@@ -221,13 +214,8 @@ class MuonExchange:
     def _gather(self, m: Matrix, view: torch.Tensor, views: Callable[[Range], torch.Tensor]) -> None:
         """This rank's elements of U into matrix m's `view` (rows of a TP part are contiguous
         there: copied straight in; columns through a staging copy of the part)."""
-        for start, end, at, n in m.pieces:
-            runs = self._runs_of(m, start, end)
-            if not runs:
-                continue
-            part = view.narrow(m.dim, at, n)  # what this TP rank holds of m
-            flat = part.view(-1) if part.is_contiguous() else torch.zeros(end - start, dtype=view.dtype,
-                                                                         device=view.device)
+        for part, runs in self._held(m, view):
+            flat = part.view(-1) if part.is_contiguous() else part.new_zeros(part.numel())
             for lo, hi, glo, ghi, r in runs:
                 flat[lo:hi].copy_(views(r)[glo:ghi])
             if not part.is_contiguous():
@@ -237,11 +225,7 @@ class MuonExchange:
         """lr_factor x O of this rank's elements of matrix m into the gradient ranges (in fp32:
         converted, then scaled)."""
         scale = lr_factor(m.shape, self.rule)
-        for start, end, at, n in m.pieces:
-            runs = self._runs_of(m, start, end)
-            if not runs:
-                continue
-            part = view.narrow(m.dim, at, n)
+        for part, runs in self._held(m, view):
             values = part.reshape(-1)  # a view for rows, a copy for columns
             for lo, hi, glo, ghi, r in runs:
                 out = views(r)[glo:ghi]
@@ -264,12 +248,16 @@ class MuonExchange:
                 batch.view(j - i, *shape).copy_(orthogonalize(batch.view(j - i, *shape), self.steps))
             i, at = j, at + (j - i) * numel
 
-    def _runs_of(self, m: Matrix, start: int, end: int) -> list[tuple[int, int, int, int, Range]]:
-        """(lo, hi) in the run [start, end) of m's TP-local parameter, (lo, hi) in a shard
-        range, and that range: each piece of the run this rank's shard holds."""
-        out = []
-        for off, r in self.slots[m.name].pieces:
-            lo, hi = max(start, off), min(end, off + r.length)
-            if lo < hi:
-                out.append((lo - start, hi - start, lo - off, hi - off, r))
-        return out
+    def _held(self, m: Matrix, view: torch.Tensor
+              ) -> Iterator[tuple[torch.Tensor, list[tuple[int, int, int, int, Range]]]]:
+        """For each run of m's TP-local parameter that this rank's shard holds pieces of: what
+        this TP rank holds of m (a view of its `view`), and per piece (lo, hi) in the run, (lo,
+        hi) in a shard range, and that range."""
+        for start, end, at, n in m.pieces:
+            runs = []
+            for off, r in self.pieces[m.name]:
+                lo, hi = max(start, off), min(end, off + r.length)
+                if lo < hi:
+                    runs.append((lo - start, hi - start, lo - off, hi - off, r))
+            if runs:
+                yield view.narrow(m.dim, at, n), runs
