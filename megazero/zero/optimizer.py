@@ -56,15 +56,6 @@ EMBEDDING_OR_OUTPUT = ("transformer.wte.weight", "lm_head.weight")
 """The parameters Megatron's --decoupled-lr steps at their own LR (the input embedding, the output layer)."""
 
 
-def _lr_parts(group: Sequence[Range], lr: float, decoupled_lr: Optional[float]) -> list[tuple[float, list[int]]]:
-    """The group's range indices by the LR they step at: all at `lr` unless a decoupled LR is given."""
-    if decoupled_lr is None:
-        return [(lr, list(range(len(group))))]
-    parts = [(lr, [i for i, r in enumerate(group) if not r.decoupled]),
-             (decoupled_lr, [i for i, r in enumerate(group) if r.decoupled])]
-    return [(part_lr, part) for part_lr, part in parts if part]
-
-
 class ZeroOptimizer:
     """ZeRO stages 0-3: AdamW on this rank's shard of `sharded` (see the module docstring)."""
 
@@ -196,26 +187,25 @@ class ZeroOptimizer:
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
             masters = st.master if st.master is not None else [self.params.view(r) for r in group]
-            adam = [i for i, r in enumerate(group) if not r.muon]  # every range under optim.name adamw
-            kept, avg, avg_sq = [group[i] for i in adam], st.exp_avg, st.exp_avg_sq
-            if len(adam) < len(group):  # Muon's elementwise first half: the gradients become its updates
-                momentum_([grads[i] for i, r in enumerate(group) if r.muon],
-                          [avg[i] for i, r in enumerate(group) if r.muon], o.muon_momentum, o.muon_nesterov)
-                masters, grads = [masters[i] for i in adam], [grads[i] for i in adam]
-                avg, avg_sq = [avg[i] for i in adam], [avg_sq[i] for i in adam]
-            # The update rule (AdamW: Megatron's --optimizer adam); once per LR the group's ranges take.
-            for part_lr, part in _lr_parts(kept, lr, decoupled_lr):
+            muon = [i for i, r in enumerate(group) if r.muon]  # none under optim.name adamw
+            if muon:  # Muon's elementwise first half: the gradients become its updates
+                momentum_([grads[i] for i in muon], [st.exp_avg[i] for i in muon], o.muon_momentum, o.muon_nesterov)
+            # The update rule (AdamW: Megatron's --optimizer adam); the embedding and output layer
+            # apart, at optim.decoupled_lr when that is set (a tensor's update is the same either way).
+            for decoupled in (False, True):
+                part = [i for i, r in enumerate(group) if not r.muon and r.decoupled == decoupled]
+                part_lr = decoupled_lr if decoupled and decoupled_lr is not None else lr
+                decayed = [masters[i] for i in part if group[i].decay]
                 if o.name == "sgd":  # torch.optim.SGD's rule, its momentum buffer in Adam's first-moment slot
-                    sgd_([masters[i] for i in part], [grads[i] for i in part], [avg[i] for i in part],
-                         [masters[i] for i in part if kept[i].decay], lr=part_lr, weight_decay=o.weight_decay,
-                         momentum=o.sgd_momentum)
-                    continue
-                adamw_([masters[i] for i in part], [grads[i] for i in part], [avg[i] for i in part],
-                       [avg_sq[i] for i in part], [masters[i] for i in part if kept[i].decay],
-                       lr=part_lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                       step=self.step_count)
+                    sgd_([masters[i] for i in part], [grads[i] for i in part], [st.exp_avg[i] for i in part],
+                         decayed, lr=part_lr, weight_decay=o.weight_decay, momentum=o.sgd_momentum)
+                else:
+                    adamw_([masters[i] for i in part], [grads[i] for i in part], [st.exp_avg[i] for i in part],
+                           [st.exp_avg_sq[i] for i in part], decayed, lr=part_lr, weight_decay=o.weight_decay,
+                           beta1=o.beta1, beta2=o.beta2, eps=o.eps, step=self.step_count)
             if st.master is not None:
-                self.params.set_ranges(kept, masters)
+                adam = [i for i, r in enumerate(group) if not r.muon]
+                self.params.set_ranges([group[i] for i in adam], [masters[i] for i in adam])
         if self.muon is not None:
             self._muon_step(lr)
         self.params.flush()
