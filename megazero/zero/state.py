@@ -39,14 +39,13 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 @dataclass
 class GroupState:
-    """One sub-group's optimizer state as fp32 tensors on `device`, one per range. `master`
-    is None when the store keeps no separate master weights (fp32 training without
-    offload: the parameters are the masters)."""
+    """One sub-group's optimizer state as fp32 tensors, one per range. `master` is None when
+    the store keeps no separate master weights (fp32 training without offload: the
+    parameters are the masters)."""
 
     master: Optional[list[torch.Tensor]]
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
-    device: torch.device
 
 
 class Holes:
@@ -142,7 +141,7 @@ class MemoryOptimizerStore:
         for group in groups:
             yield group, GroupState(_views(self.flat["master"], group) if self.separate_master else None,
                              _views(self.flat["exp_avg"], group),
-                             _views(self.flat["exp_avg_sq"], group, holes=self.holes["exp_avg_sq"]), self.device)
+                             _views(self.flat["exp_avg_sq"], group, holes=self.holes["exp_avg_sq"]))
 
     def write(self, kind: str, offset: int, values: torch.Tensor) -> None:
         """Set [offset, offset + len(values)) of one kind (initialisation, loading; shard
@@ -180,20 +179,14 @@ class NvmeOptimizerStore:
     def __init__(self, numel: int, groups: list[list[Range]], path: str, buffer_count: int, pin: bool,
                  holes: Holes = NO_HOLES) -> None:
         self.numel, self.groups, self.path, self.holes = numel, groups, path, kind_holes(holes)
-        self.device = torch.device("cpu")
         self.separate_master = True
         self.reads_are_copies = True  # read() assembles a private copy
         # Sub-group g covers stored elements [lo, hi) of each kind and sits at file offset where[kind][g].
         shard = [(g[0].shard_offset, g[-1].shard_offset + g[-1].length) for g in groups]
         self.spans = {k: [(h.at(lo), h.at(hi)) for lo, hi in shard] for k, h in self.holes.items()}
-        self.where: dict[str, list[int]] = {}
-        self.file_bytes: dict[str, int] = {}
-        for kind, spans in self.spans.items():
-            self.where[kind], end = [], 0
-            for lo, hi in spans:
-                self.where[kind].append(end)
-                end += padded((hi - lo) * 4)
-            self.file_bytes[kind] = end
+        sizes = {k: [padded((hi - lo) * 4) for lo, hi in spans] for k, spans in self.spans.items()}
+        self.where = {k: [0, *itertools.accumulate(n)] for k, n in sizes.items()}  # the file's length last
+        self.file_bytes = {k: where[-1] for k, where in self.where.items()}
         check_space(path, sum(self.file_bytes.values()), "optimizer")
         self.files = {k: SwapFile(path, k, self.file_bytes[k]) for k in KINDS}
         windows = {k: max((hi - lo for lo, hi in spans), default=0) for k, spans in self.spans.items()}
@@ -244,7 +237,7 @@ class NvmeOptimizerStore:
                 self._wait(reads.pop(k))
                 buf = self.buffers[k % count]
                 yield group, GroupState(*(_views(buf[kind], group, self.spans[kind][k][0], self.holes[kind])
-                                          for kind in KINDS), self.device)  # type: ignore[call-arg, arg-type]  # one list per kind
+                                          for kind in KINDS))  # type: ignore[arg-type]  # one list per kind
                 writes[k] = self.writer.submit(self._io, k, buf, True)
         finally:
             for f in [*reads.values(), *writes.values()]:
