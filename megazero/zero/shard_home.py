@@ -17,6 +17,7 @@ coordinates.
 from __future__ import annotations
 
 import bisect
+import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional, Protocol
 
@@ -87,21 +88,19 @@ class NvmeShard:
     written back on a writer thread while the next bucket's region, already read ahead on
     the reader thread, is updated. A bucket therefore costs one read and one write per step,
     overlapped with the update of its neighbours; host memory holds at most the staged
-    bucket, the one read ahead and `max_writes` being written. A read of a region waits for
+    bucket, the one read ahead and the one being written. A read of a region waits for
     that region's write, so `load` always sees the latest values."""
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, path: str, pin: bool, max_writes: int = 1) -> None:
-        self.layout, self.dtype, self.pin, self.max_writes = layout, dtype, pin, max_writes
-        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, path: str, pin: bool) -> None:
+        self.layout, self.dtype, self.pin = layout, dtype, pin
         self.in_shard_order = sorted(layout.buckets, key=lambda b: b.shard_offset)
         self.starts = [b.shard_offset for b in self.in_shard_order]
-        self.where, end = [], 0
-        for b in layout.buckets:
-            self.where.append(end)
-            end += padded(b.shard_numel * self.itemsize)
-        self.file_bytes = end
-        check_space(path, end, "parameter")
-        self.file = SwapFile(path, "params", end)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.region_bytes = [padded(b.shard_numel * itemsize) for b in layout.buckets]
+        self.where = [0, *itertools.accumulate(self.region_bytes)]  # the file's length last
+        self.file_bytes = self.where[-1]
+        check_space(path, self.file_bytes, "parameter")
+        self.file = SwapFile(path, "params", self.file_bytes)
         self.reader = ThreadPoolExecutor(1)  # file I/O releases the GIL: it overlaps compute
         self.writer = ThreadPoolExecutor(1)
         self.writing: dict[int, Future] = {}  # bucket -> its region's write in flight
@@ -109,31 +108,24 @@ class NvmeShard:
         self.staged: Optional[int] = None
         self.stage_buffer: Optional[torch.Tensor] = None
 
-    def _nbytes(self, b: int) -> int:
-        return padded(self.layout.buckets[b].shard_numel * self.itemsize)
-
     def _read_region(self, b: int) -> torch.Tensor:
         """Bucket b's region in a fresh aligned buffer (after its pending write, if any)."""
         pending = self.writing.get(b)
         if pending is not None:
             pending.result()
-        buffer = aligned_buffer(self._nbytes(b), self.pin)
+        buffer = aligned_buffer(self.region_bytes[b], self.pin)
         self.file.io(buffer, self.where[b], write=False)
         return buffer.view(self.dtype)
 
     def _write_region(self, b: int, buffer: torch.Tensor) -> None:
-        """Write bucket b's staged region on the writer thread, keeping at most
-        `max_writes` buffers in flight."""
-        while len(self.writing) >= self.max_writes:
-            self._finish_write(next(iter(self.writing)))
-        self.writing[b] = self.writer.submit(self.file.io, buffer.view(torch.uint8)[: self._nbytes(b)],
+        """Write bucket b's staged region on the writer thread, once the previous write is done."""
+        for previous in list(self.writing):
+            # Wait before forgetting it: a read on the reader thread that finds no pending
+            # write for a bucket must be able to trust the file.
+            self.writing[previous].result()
+            del self.writing[previous]
+        self.writing[b] = self.writer.submit(self.file.io, buffer.view(torch.uint8)[: self.region_bytes[b]],
                                              self.where[b], True)
-
-    def _finish_write(self, b: int) -> None:
-        # Wait before forgetting it: a read on the reader thread that finds no pending
-        # write for b must be able to trust the file.
-        self.writing[b].result()
-        del self.writing[b]
 
     def load(self, b: Bucket) -> Future:
         self.flush()
