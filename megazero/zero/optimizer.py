@@ -150,7 +150,7 @@ class ZeroOptimizer:
         any rank saw inf/NaN in a gradient or in its `loss` share; the global loss (one TP
         rank per loss replica adds its share); the summed `extra`. At stage 0 DP replicas
         hold the same reduced gradients, so only rank 0 of dp x cp adds them."""
-        pieces = ((self.grads.view(r), r.counted) for r in (self.ranges if self.owns_state else ()))
+        pieces = ((self.grads.buffers.view(r), r.counted) for r in (self.ranges if self.owns_state else ()))
         count_loss = loss is not None and self.grid.tp_rank == 0
         return reduce_step_sums(pieces, loss, count_loss, extra, self.grid["world"], self.grid.device)
 
@@ -180,7 +180,7 @@ class ZeroOptimizer:
         if self.host_grads is not None:  # their copies of what the TP sum of sequence parallelism changed are stale
             self.host_grads.wait()
             for r in self.sharded.sp_grads.ranges if self.sharded.sp_grads is not None else ():
-                self.host_grads.view(r).copy_(self.grads.view(r))
+                self.host_grads.view(r).copy_(self.grads.buffers.view(r))
         for group, st in self.state.iterate(self.groups):
             # fp32 gradients where the step runs; scaled in place (zeroed before the next use)
             grads = [self._grad(r) for r in group]
@@ -216,7 +216,7 @@ class ZeroOptimizer:
 
     def _grad(self, r: Range) -> torch.Tensor:
         """The fp32 gradient of range r where the step runs (host memory under ZeRO-Offload)."""
-        return self.host_grads.view(r) if self.host_grads is not None else self.grads.view(r)
+        return self.host_grads.view(r) if self.host_grads is not None else self.grads.buffers.view(r)
 
     def _muon_step(self, lr: float) -> None:
         """Muon's second half: each matrix's update orthogonalised by its owner (MuonExchange),
@@ -326,7 +326,7 @@ class ZeroOptimizer:
         counted apart, by where it lives (`offloaded_host`: host memory, `offloaded_nvme`:
         swap files)."""
         z = self.cfg.zero
-        grads = sum(t.numel() * t.element_size() for t in self.grads.tensors())
+        grads = sum(t.numel() * t.element_size() for t in self.grads.buffers.tensors())
         kept = {"params": (self.params.nbytes(), z.offload_param != "none"),
                 "optimizer": (self.state.nbytes(), z.offload_optimizer != "none")}
         out = {"grads": grads, "offloaded_host": 0, "offloaded_nvme": 0}

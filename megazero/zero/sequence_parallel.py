@@ -47,7 +47,7 @@ class SequenceParallelGrads:
         """After the DP reduction, before clipping and the step: one TP all-reduce of every piece."""
         if not self.ranges or self.tp.size == 1:
             return
-        views = [self.grads.view(r) for r in self.ranges]
+        views = [self.grads.buffers.view(r) for r in self.ranges]
         flat = torch.cat(views)
         comm.all_reduce(flat, self.tp)
         for view, summed in zip(views, flat.split([v.numel() for v in views])):

@@ -284,7 +284,7 @@ def _overflow(stage: int) -> dict:
     tr.run_schedule(tr.microbatches(tr.train_ds, 0), forward_only=False)
     opt.finish_grad_sync()
     if dist.get_rank() == 1:  # one rank alone sees the overflow
-        opt.grads.own_slice(opt.layout.buckets[0])[3] = float("inf")
+        opt.grads.buffers.own_slice(opt.layout.buckets[0])[3] = float("inf")
     result = opt.step(1e-3)
     after = opt.sharded.full_state_dict()
     unchanged = all(torch.equal(before[k], after[k]) for k in before)
