@@ -24,6 +24,7 @@ from typing import Optional, Protocol
 import torch
 
 from megazero.zero.partition import Bucket, FlatLayout
+from megazero.zero.state import flat_zeros
 from megazero.zero.swap import SwapFile, aligned_buffer, check_space, padded
 
 
@@ -58,8 +59,7 @@ class MemoryShard:
     """The shard as one flat tensor on `device` (the compute device, or the host)."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool = False) -> None:
-        self.flat = torch.zeros(numel, dtype=dtype, device=device,
-                                pin_memory=pin and device.type == "cpu" and torch.cuda.is_available())
+        self.flat = flat_zeros(numel, device, pin, dtype)
 
     def load(self, b: Bucket) -> Future:
         return _done(self.flat[b.shard_offset: b.shard_offset + b.shard_numel])

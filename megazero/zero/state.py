@@ -119,9 +119,10 @@ def kind_holes(holes: Holes) -> dict[str, Holes]:
     return {k: holes if k == "exp_avg_sq" else NO_HOLES for k in KINDS}
 
 
-def host_tensor(numel: int, pin: bool) -> torch.Tensor:
-    """fp32 zeros in host memory, page-locked when asked and a GPU exists (pinning needs CUDA)."""
-    return torch.zeros(numel, pin_memory=pin and torch.cuda.is_available())
+def flat_zeros(numel: int, device: torch.device, pin: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Zeros on `device`; in host memory page-locked when asked and a GPU exists (pinning needs CUDA)."""
+    pin = pin and device.type == "cpu" and torch.cuda.is_available()
+    return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin)
 
 
 class MemoryOptimizerStore:
@@ -131,9 +132,8 @@ class MemoryOptimizerStore:
     def __init__(self, numel: int, device: torch.device, separate_master: bool, pin: bool = False,
                  holes: Holes = NO_HOLES) -> None:
         self.device, self.numel, self.holes = device, numel, kind_holes(holes)
-        def alloc(n: int) -> torch.Tensor:
-            return host_tensor(n, pin) if device.type == "cpu" else torch.zeros(n, device=device)
-        self.flat = {k: alloc(self.holes[k].stored(numel)) for k in KINDS if k != "master" or separate_master}
+        self.flat = {k: flat_zeros(self.holes[k].stored(numel), device, pin) for k in KINDS
+                     if k != "master" or separate_master}
         self.separate_master = separate_master
         self.reads_are_copies = False  # read() hands out views of the state itself
 
@@ -263,13 +263,6 @@ class NvmeOptimizerStore:
             self._io(self.staged, self.buffers[0], True)
             self.staged = None
 
-    def _overlaps(self, kind: str, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
-        """(sub-group, start, end) of the parts of stored range [lo, hi) of `kind` that a sub-group stores."""
-        for g, (a, b) in enumerate(self.spans[kind]):
-            start, end = max(lo, a), min(hi, b)
-            if start < end:
-                yield g, start, end
-
     def write(self, kind: str, offset: int, values: torch.Tensor) -> None:
         """Set [offset, offset + len(values)) of one kind (shard coordinates: what falls in a
         hole is dropped). Elements no sub-group covers are padding, zero by construction, and
@@ -277,9 +270,10 @@ class NvmeOptimizerStore:
         holes = self.holes[kind]
         for piece, n in holes.kept(offset, values.numel()):
             at = holes.at(piece)
-            for g, start, end in self._overlaps(kind, at, at + n):
-                base, src = self.spans[kind][g][0], piece - offset - at
-                self._stage(g)[kind][start - base: end - base].copy_(values[src + start: src + end])
+            for g, (lo, hi) in enumerate(self.spans[kind]):  # the sub-groups storing part of [at, at + n)
+                start, end, src = max(at, lo), min(at + n, hi), piece - offset - at
+                if start < end:
+                    self._stage(g)[kind][start - lo: end - lo].copy_(values[src + start: src + end])
 
     def pieces(self, kind: str) -> Iterator[tuple[int, torch.Tensor]]:
         """(stored offset, values) of each sub-group's part of one kind, one at a time (each
