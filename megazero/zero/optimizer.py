@@ -190,19 +190,19 @@ class ZeroOptimizer:
             muon = [i for i, r in enumerate(group) if r.muon]  # none under optim.name adamw
             if muon:  # Muon's elementwise first half: the gradients become its updates
                 momentum_([grads[i] for i in muon], [st.exp_avg[i] for i in muon], o.muon_momentum, o.muon_nesterov)
-            # The update rule (AdamW: Megatron's --optimizer adam); the embedding and output layer
-            # apart, at optim.decoupled_lr when that is set (a tensor's update is the same either way).
-            for decoupled in (False, True):
-                part = [i for i, r in enumerate(group) if not r.muon and r.decoupled == decoupled]
+            # The update rule (AdamW: Megatron's --optimizer adam), once per weight decay and LR the
+            # group's ranges take: the embedding and output layer at optim.decoupled_lr when that is set.
+            for decoupled, decay in itertools.product((False, True), (True, False)):
+                part = [i for i, r in enumerate(group) if not r.muon and (r.decoupled, r.decay) == (decoupled, decay)]
                 part_lr = decoupled_lr if decoupled and decoupled_lr is not None else lr
-                decayed = [masters[i] for i in part if group[i].decay]
+                wd = o.weight_decay if decay else 0.0
                 if o.name == "sgd":  # torch.optim.SGD's rule, its momentum buffer in Adam's first-moment slot
                     sgd_([masters[i] for i in part], [grads[i] for i in part], [st.exp_avg[i] for i in part],
-                         decayed, lr=part_lr, weight_decay=o.weight_decay, momentum=o.sgd_momentum)
+                         lr=part_lr, weight_decay=wd, momentum=o.sgd_momentum)
                 else:
                     adamw_([masters[i] for i in part], [grads[i] for i in part], [st.exp_avg[i] for i in part],
-                           [st.exp_avg_sq[i] for i in part], decayed, lr=part_lr, weight_decay=o.weight_decay,
-                           beta1=o.beta1, beta2=o.beta2, eps=o.eps, step=self.step_count)
+                           [st.exp_avg_sq[i] for i in part], lr=part_lr, weight_decay=wd, beta1=o.beta1,
+                           beta2=o.beta2, eps=o.eps, step=self.step_count)
             if st.master is not None:
                 adam = [i for i, r in enumerate(group) if not r.muon]
                 self.params.set_ranges([group[i] for i in adam], [masters[i] for i in adam])
