@@ -110,10 +110,6 @@ class _Pool:
         self._base.clear()
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 @dataclass(eq=False)
 class _Filling:
     """A stage-2/3 bucket's full fp32 gradient being filled in one backward. A pooled buffer
@@ -184,12 +180,10 @@ class GradientSync:
         # Nothing to sum with and nothing to round to a wire dtype: a full bucket filled only to be
         # added into the shard would be a second copy of it (the largest, a block's, at the peak).
         self._direct = self.sharded and dp.size == 1 and reduce_dtype == torch.float32
-        self._slot_of = {id(s.param): (b, s) for b, s in self._trainable_slots()}
-        for b, s in self._trainable_slots():
+        self._slots = [(b, s) for b in layout.trainable_buckets() for s in b.slots]
+        self._slot_of = {id(s.param): (b, s) for b, s in self._slots}
+        for b, s in self._slots:
             s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
-
-    def _trainable_slots(self) -> list[tuple[Bucket, FlatSlot]]:
-        return [(b, s) for b in self.layout.trainable_buckets() for s in b.slots]
 
     # ------------------------------------------------------------------ views
 
@@ -209,7 +203,7 @@ class GradientSync:
         # accumulates in place and a bucket is ready to send without a copy. Otherwise the
         # hook adds each backward's gradient into fp32 storage and drops it.
         in_place = not self.sharded and self.model_dtype == torch.float32
-        for b, s in self._trainable_slots():
+        for b, s in self._slots:
             s.param.grad = self.bucket_view(b, s) if in_place else None
 
     @contextlib.contextmanager
@@ -299,7 +293,7 @@ class GradientSync:
         self._reduced.add(b.index)
         final = self.on_final is not None and self._sync and b.index not in self.tied_buckets
         # Stages 2/3 hold the bucket on the wire and its reduced slice until waited (nothing at one rank).
-        held = _nbytes(wire) + sum(_nbytes(t) for t in pooled if t is not wire) if self.sharded and handle else 0
+        held = wire.nbytes + sum(t.nbytes for t in pooled if t is not wire) if self.sharded and handle else 0
         self._launched(_InFlight(handle, then, wire, held, b if final else None, pooled))
 
     def _reduce_scatter(self, b: Bucket, full: torch.Tensor, add: bool, pooled: bool = False) -> tuple:

@@ -326,7 +326,7 @@ class ZeroOptimizer:
         counted apart, by where it lives (`offloaded_host`: host memory, `offloaded_nvme`:
         swap files)."""
         z = self.cfg.zero
-        grads = sum(t.numel() * t.element_size() for t in self.grads.buffers.tensors())
+        grads = sum(t.nbytes for t in self.grads.buffers.tensors())
         kept = {"params": (self.params.nbytes(), z.offload_param != "none"),
                 "optimizer": (self.state.nbytes(), z.offload_optimizer != "none")}
         out = {"grads": grads, "offloaded_host": 0, "offloaded_nvme": 0}

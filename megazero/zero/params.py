@@ -125,7 +125,7 @@ class ParamStore:
         """Bytes held, by where they live (the device type, "cpu" or "nvme")."""
         if self.home is not None:
             return self.home.nbytes()
-        return {self.device.type: sum(t.numel() * t.element_size() for t in self._whole.tensors())}
+        return {self.device.type: sum(t.nbytes for t in self._whole.tensors())}
 
     def all_gather(self, dp: comm.Group, buckets: Iterable[Bucket]) -> None:
         """Stages 1/2: every rank updated its slices of `buckets`; launch the all-gathers that

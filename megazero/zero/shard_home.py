@@ -74,7 +74,7 @@ class MemoryShard:
         """Writes are immediate in memory."""
 
     def nbytes(self) -> dict[str, int]:
-        return {self.flat.device.type: self.flat.numel() * self.flat.element_size()}
+        return {self.flat.device.type: self.flat.nbytes}
 
     def resident_on(self, device: torch.device) -> bool:
         return self.flat.device == device

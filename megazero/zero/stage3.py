@@ -232,7 +232,7 @@ class ParamGatherer:
                 self._point(b, mine)
                 return
             full = self.full[b]
-            self.spare.fill(full.untyped_storage(), full.numel() * full.element_size())
+            self.spare.fill(full.untyped_storage(), full.nbytes)
             self.materialized_numel += self.layout.buckets[b].numel
             self.peak_materialized_numel = max(self.peak_materialized_numel, self.materialized_numel)
             self.pending[b] = comm.all_gather_into(full, mine, self.dp, async_op=True)

@@ -168,7 +168,7 @@ class MemoryOptimizerStore:
         """Writes are immediate in memory."""
 
     def nbytes(self) -> dict[str, int]:
-        return {self.device.type: sum(t.numel() * t.element_size() for t in self.flat.values())}
+        return {self.device.type: sum(t.nbytes for t in self.flat.values())}
 
 
 class NvmeOptimizerStore:
