@@ -32,7 +32,7 @@ from megazero.parallel.host import HostSnapshot, HostStaging
 from megazero.parallel.placement import placement
 from megazero.parallel.weight_grad import WeightGradSink
 from megazero.zero.adamw import adamw_
-from megazero.zero.clip import StepSums, clip_coefficient, reduce_step_sums
+from megazero.zero.clip import clip_coefficient, reduce_step_sums
 from megazero.zero.muon import MuonExchange, is_muon_matrix, momentum_, ns_dtype
 from megazero.zero.partition import Range, sub_groups, with_trainable_flags
 from megazero.zero.precision import DynamicLossScaler
@@ -133,8 +133,10 @@ class ZeroOptimizer:
 
     @property
     def weight_grad_sink(self) -> Optional[WeightGradSink]:
-        """See ShardedParameters.weight_grad_sink (the schedule's W passes hand their gradients to it)."""
-        return self.sharded.weight_grad_sink
+        """Where zbh1's deferred weight gradients go instead of autograd (the schedule's W passes hand
+        them to it): at stage 3 straight into the gradient sync (their parameters are released by the
+        time W runs); else None."""
+        return self.grads.add_grad if self.sharded.gatherer is not None else None
 
     @property
     def owns_state(self) -> bool:
@@ -143,16 +145,6 @@ class ZeroOptimizer:
         return not self.sharding.replicated or self.grid.dp_cp_group.rank == 0
 
     # ------------------------------------------------------------------ step
-
-    def step_sums(self, loss: Optional[torch.Tensor] = None, extra: Sequence[float] = ()) -> StepSums:
-        """The world's sums behind a step, read once: the global L2 norm of the gradients
-        over TP, PP and DP, each element once (still scaled by any fp16 loss scale); whether
-        any rank saw inf/NaN in a gradient or in its `loss` share; the global loss (one TP
-        rank per loss replica adds its share); the summed `extra`. At stage 0 DP replicas
-        hold the same reduced gradients, so only rank 0 of dp x cp adds them."""
-        pieces = ((self.grads.buffers.view(r), r.counted) for r in (self.ranges if self.owns_state else ()))
-        count_loss = loss is not None and self.grid.tp_rank == 0
-        return reduce_step_sums(pieces, loss, count_loss, extra, self.grid["world"], self.grid.device)
 
     @torch.no_grad()
     def step(self, lr: float, loss: Optional[torch.Tensor] = None, extra: Sequence[float] = (),
@@ -165,7 +157,11 @@ class ZeroOptimizer:
         device->host read. `decoupled_lr`: the LR of the embedding and output layer's ranges
         (optim.decoupled_lr's schedule), else `lr` for them too."""
         self.params.wait_all()  # the step writes the slices the last gathers read
-        sums = self.step_sums(loss, extra)
+        # The world's sums: the gradients' global norm, each element once (at stage 0 DP replicas hold
+        # the same reduced gradients: rank 0 of dp x cp adds them); the loss, one TP rank per replica.
+        pieces = ((self.grads.buffers.view(r), r.counted) for r in (self.ranges if self.owns_state else ()))
+        sums = reduce_step_sums(pieces, loss, loss is not None and self.grid.tp_rank == 0, extra, self.grid["world"],
+                                self.grid.device)
         scale = self.scaler.scale if self.scaler is not None else None
         norm = sums.grad_norm * (1.0 / scale) if scale is not None else sums.grad_norm
         result = StepResult(grad_norm=norm, skipped=sums.overflow, loss_scale=scale, loss=sums.loss,

@@ -110,12 +110,6 @@ class ShardedParameters:
         partial_over_tp = any(placement(s.param).sequence_parallel for _, s in slots)
         self.sp_grads = SequenceParallelGrads(self.layout, self.grads, grid.tp_group) if partial_over_tp else None
 
-    @property
-    def weight_grad_sink(self) -> Optional[Callable[[nn.Parameter, torch.Tensor], None]]:
-        """Where zbh1's deferred weight gradients go instead of autograd: at stage 3 straight into
-        the gradient sync (their parameters are released by the time W runs); else None."""
-        return self.grads.add_grad if self.gatherer is not None else None
-
     def _offloads_gradients(self) -> bool:
         """Whether the optimizer steps in host memory apart from the device's gradients."""
         return self.cfg.zero.offload_optimizer != "none" and self.grid.device.type != "cpu"
