@@ -33,7 +33,7 @@ the post-step all-gathers of stages 1-2 (`params.wait_all`).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -193,11 +193,11 @@ class ShardedParameters:
     # ------------------------------------------------------------------ stage 3: full parameters on request
 
     @contextlib.contextmanager
-    def gathered_parameters(self) -> Iterator[None]:
-        """Inside, every parameter holds its full value (read-only: changes are not kept).
-        At stages 0-2 parameters are always full (once the post-step gathers are waited)."""
+    def gathered_parameters(self, buckets: Optional[Iterable[int]] = None) -> Iterator[None]:
+        """Inside, every parameter (or those of `buckets`) holds its full value (read-only: changes
+        are not kept). At stages 0-2 parameters are always full (once the post-step gathers are waited)."""
         self.params.wait_all()
-        newly = self.gatherer.fetch_all() if self.gatherer is not None else []
+        newly = self.gatherer.fetch_all(buckets) if self.gatherer is not None else []
         try:
             yield
         finally:
@@ -209,17 +209,12 @@ class ShardedParameters:
         """(name, parameter, full value) for this model-parallel rank (or its trainable parameters
         only, e.g. LoRA's adapters); at stage 3 (collective over DP) a bucket is gathered, handed
         out and released before the next, so at most one unit is materialized beyond the shards."""
-        self.params.wait_all()
-        for index, bucket in enumerate(self.layout.buckets):
+        for bucket in self.layout.buckets:
             if trainable_only and not bucket.trainable:
                 continue
-            fetched = self.gatherer is not None and index not in self.gatherer.gathered
-            if fetched and self.gatherer is not None:
-                self.gatherer.fetch(index)
-            for slot in bucket.slots:
-                yield slot.name, slot.param, slot.param.detach()
-            if fetched and self.gatherer is not None:
-                self.gatherer.release(index)
+            with self.gathered_parameters([bucket.index]):
+                for slot in bucket.slots:
+                    yield slot.name, slot.param, slot.param.detach()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of this model-parallel rank in full, as copies (any stage; at
