@@ -183,13 +183,9 @@ class MuonExchange:
 
     def _buffer(self, matrices: Sequence[Matrix], zero: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One owner's matrices laid end to end in one buffer, and a view of each."""
-        total = sum(math.prod(m.shape) for m in matrices)
-        flat = (torch.zeros if zero else torch.empty)(total, dtype=self.dtype, device=self.device)
-        views, at = [], 0
-        for m in matrices:
-            views.append(flat[at: at + math.prod(m.shape)].view(m.shape))
-            at += math.prod(m.shape)
-        return flat, views
+        sizes = [math.prod(m.shape) for m in matrices]
+        flat = (torch.zeros if zero else torch.empty)(sum(sizes), dtype=self.dtype, device=self.device)
+        return flat, [part.view(m.shape) for part, m in zip(flat.split(sizes), matrices)]
 
     def step(self, views: Callable[[Range], torch.Tensor]) -> None:
         """Replace U (in the gradient ranges `views` gives) by lr_factor x O for every Muon
