@@ -267,7 +267,8 @@ def _plans(order: Order, pp: int, vpp: int, m: int) -> tuple[tuple[Step, ...], .
     plans: list[list[Step]] = [[] for _ in range(pp)]
     arrived: set[tuple[int, Action]] = set()  # (rank, action): the action's input has come in
     while any(pending):
-        ready = [r for r in range(pp) if pending[r] and _input_arrived(pending[r][0], r, arrived, pp, vpp)]
+        ready = [r for r in range(pp) if pending[r] and (message_source(pending[r][0], pp, vpp, r) is None
+                                                         or (r, pending[r][0]) in arrived)]
         if not ready:
             stuck = {r: pending[r][0] for r in range(pp) if pending[r]}
             raise ValueError(f"{order.__name__}(pp {pp}, vpp {vpp}, m {m}) deadlocks on its own data: the next "
@@ -286,10 +287,6 @@ def _plans(order: Order, pp: int, vpp: int, m: int) -> tuple[tuple[Step, ...], .
             if sends[r] or receives[r]:
                 plans[r].append(tuple(sends[r] + receives[r]))
     return tuple(tuple(plan) for plan in plans)
-
-
-def _input_arrived(action: Action, pp_rank: int, arrived: set[tuple[int, Action]], pp: int, vpp: int) -> bool:
-    return message_source(action, pp, vpp, pp_rank) is None or (pp_rank, action) in arrived
 
 
 # ----------------------------------------------------------------------------- executor
