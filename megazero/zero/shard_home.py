@@ -131,9 +131,9 @@ class NvmeShard:
         self.flush()
         return self.reader.submit(lambda: self._read_region(b.index)[: b.shard_numel])
 
-    def _stage(self, offset: int) -> tuple[torch.Tensor, int]:
+    def _stage(self, offset: int) -> tuple[torch.Tensor, int, int]:
         """The staging buffer holding the bucket that contains shard element `offset`, and
-        that bucket's first shard element; the bucket after it is read ahead."""
+        that bucket's [first, last + 1) shard elements; the bucket after it is read ahead."""
         at = bisect.bisect_right(self.starts, offset) - 1
         bucket = self.in_shard_order[at]
         if self.staged != bucket.index:
@@ -150,21 +150,19 @@ class NvmeShard:
             if nxt is not None and nxt.trainable == bucket.trainable:  # a step stops at the frozen buckets
                 self.ahead = (nxt.index, self.reader.submit(self._read_region, nxt.index))
         assert self.stage_buffer is not None
-        return self.stage_buffer, bucket.shard_offset
+        return self.stage_buffer, bucket.shard_offset, bucket.shard_offset + bucket.shard_numel
 
     def read(self, offset: int, numel: int) -> torch.Tensor:
         out, at = [], offset
         while at < offset + numel:  # bucket by bucket
-            buffer, base = self._stage(at)
-            b = self.staged
-            assert b is not None  # staged by _stage
-            end = min(offset + numel, base + self.layout.buckets[b].shard_numel)
+            buffer, base, bucket_end = self._stage(at)
+            end = min(offset + numel, bucket_end)
             out.append(buffer[at - base: end - base].clone())
             at = end
         return out[0] if len(out) == 1 else torch.cat(out) if out else torch.empty(0, dtype=self.dtype)
 
     def write(self, offset: int, values: torch.Tensor) -> None:
-        buffer, base = self._stage(offset)
+        buffer, base, _ = self._stage(offset)
         buffer[offset - base: offset - base + values.numel()].copy_(values)
 
     def flush(self) -> None:
