@@ -169,15 +169,12 @@ class MuonExchange:
             if s.name in self.pieces:
                 r = Range(b.index, start, end - start, offset, True, True, True)
                 self.pieces[s.name].append((start - s.offset, r))
-        self.owned = self._assign(matrices, group.size)
-
-    def _assign(self, matrices: list[Matrix], owners: int) -> list[list[Matrix]]:
-        """Matrices per owner, largest Newton-Schulz cost first to the least loaded (ties: the
-        lower index), each owner's by shape, then in model order (same-shaped matrices lie
-        side by side in its buffer, to be orthogonalised as a batch): the same on every rank."""
-        owner = assign_owners([ns_flops(m.shape, self.steps) for m in matrices], owners)
-        return [sorted((m for i, m in enumerate(matrices) if owner[i] == o), key=lambda m: m.shape)
-                for o in range(owners)]
+        # Matrices per owner, largest Newton-Schulz cost first to the least loaded (ties: the lower
+        # index), each owner's by shape, then in model order (same-shaped matrices lie side by side
+        # in its buffer, to be orthogonalised as a batch): the same on every rank.
+        owner = assign_owners([ns_flops(m.shape, steps) for m in matrices], group.size)
+        self.owned = [sorted((m for i, m in enumerate(matrices) if owner[i] == o), key=lambda m: m.shape)
+                      for o in range(group.size)]
 
     # ------------------------------------------------------------------ the step
 
