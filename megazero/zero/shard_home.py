@@ -49,12 +49,6 @@ class ShardHome(Protocol):
         (not a fresh read or copy), which parameters may view in place of a gathered copy."""
 
 
-def _done(value: torch.Tensor) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
-
-
 class MemoryShard:
     """The shard as one flat tensor on `device` (the compute device, or the host)."""
 
@@ -62,7 +56,9 @@ class MemoryShard:
         self.flat = flat_zeros(numel, device, pin, dtype)
 
     def load(self, b: Bucket) -> Future:
-        return _done(self.flat[b.shard_offset: b.shard_offset + b.shard_numel])
+        done: Future = Future()
+        done.set_result(self.flat[b.shard_offset: b.shard_offset + b.shard_numel])
+        return done
 
     def read(self, offset: int, numel: int) -> torch.Tensor:
         return self.flat[offset: offset + numel]
