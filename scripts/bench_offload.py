@@ -64,7 +64,7 @@ def bench_adamw(args: argparse.Namespace) -> None:
         best = float("inf")
         for step in range(1, 6):
             tic = time.perf_counter()
-            adamw_([p], [g], [m], [v], [p], lr=1e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, step=step)
+            adamw_([p], [g], [m], [v], lr=1e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, step=step)
             best = min(best, time.perf_counter() - tic)
         print(f"{numel:>12,} {numel / best / 1e6:>13.0f} {numel / best / bound:>8.0%}")
 

@@ -124,11 +124,7 @@ def one_f_one_b_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
     forward and one backward, and drains the remaining backwards. Same bubble as GPipe,
     but at most pp - r micro-batches' activations are alive on rank r."""
     _single_chunk("1f1b", vpp)
-    warmup = min(pp - 1 - pp_rank, m)
-    order = [Action(True, 0, j) for j in range(warmup)]
-    for j in range(m - warmup):
-        order += [Action(True, 0, warmup + j), Action(False, 0, j)]
-    return order + [Action(False, 0, j) for j in range(m - warmup, m)]
+    return _warmup_then_alternate(min(pp - 1 - pp_rank, m), pp, 1, m)
 
 
 def zbh1_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
@@ -139,26 +135,33 @@ def zbh1_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
     the cool-down, where rank r waits p - 1 - r B-times for the last rank's final gradient.
     In flight (forward done, W not yet) on any rank: at most pp micro-batches, 1F1B's peak."""
     _single_chunk("zbh1", vpp)
-    warmup = min(pp - 1 - pp_rank, m)
-    order = [Action(True, 0, j) for j in range(warmup)]
+    order: list[Action] = []
     weights_done = 0
-    for j in range(m):
-        if warmup + j < m:
-            order.append(Action(True, 0, warmup + j))
-        order.append(Action(False, 0, j))
-        if j + 1 - weights_done > pp_rank:  # more than r W passes pending: run the oldest
-            order.append(Action(False, 0, weights_done, weight=True))
+    for action in one_f_one_b_order(pp, vpp, pp_rank, m):
+        order.append(action)
+        if not action.forward and action.microbatch + 1 - weights_done > pp_rank:  # more than r W passes pending
+            order.append(Action(False, 0, weights_done, weight=True))  # run the oldest
             weights_done += 1
     return order + [Action(False, 0, j, weight=True) for j in range(weights_done, m)]
 
 
-def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
-    """(chunk, micro-batch) of the k-th forward (or backward) of a rank in the interleaved
-    schedule: micro-batches go in groups of pp, each group through chunk 0, 1, ... in
-    turn (backwards through the chunks in reverse)."""
+def _virtual(k: int, pp: int, vpp: int, forward: bool) -> Action:
+    """The k-th forward (or backward) of a rank in the interleaved schedule: micro-batches go
+    in groups of pp, each group through chunk 0, 1, ... in turn (backwards through the
+    chunks in reverse). At vpp 1, micro-batch k through chunk 0."""
     group, within = divmod(k, pp * vpp)
     chunk, i = divmod(within, pp)
-    return (chunk if forward else vpp - 1 - chunk), group * pp + i
+    return Action(forward, chunk if forward else vpp - 1 - chunk, group * pp + i)
+
+
+def _warmup_then_alternate(warmup: int, pp: int, vpp: int, m: int) -> list[Action]:
+    """`warmup` forwards, then one forward and one backward in turn, then the remaining
+    backwards: the m x vpp of each, in `_virtual`'s order."""
+    total = m * vpp
+    order = [_virtual(k, pp, vpp, True) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [_virtual(warmup + k, pp, vpp, True), _virtual(k, pp, vpp, False)]
+    return order + [_virtual(k, pp, vpp, False) for k in range(total - warmup, total)]
 
 
 def interleaved_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
@@ -168,19 +171,12 @@ def interleaved_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
     chunks plus two per rank still ahead of it (one forward there, one backward back)."""
     if m % pp:
         raise ValueError(f"the interleaved schedule needs micro-batches ({m}) to be a multiple of pp ({pp})")
-    total = m * vpp
-    warmup = min((pp - 1 - pp_rank) * 2 + (vpp - 1) * pp, total)
-    order = [Action(True, *_virtual(k, pp, vpp, True)) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [Action(True, *_virtual(warmup + k, pp, vpp, True)), Action(False, *_virtual(k, pp, vpp, False))]
-    return order + [Action(False, *_virtual(k, pp, vpp, False)) for k in range(total - warmup, total)]
+    return _warmup_then_alternate(min((pp - 1 - pp_rank) * 2 + (vpp - 1) * pp, m * vpp), pp, vpp, m)
 
 
 def forward_only_order(pp: int, vpp: int, pp_rank: int, m: int) -> list[Action]:
     """Evaluation: the forwards alone, micro-batches in order through the chunks in turn."""
-    if vpp == 1:
-        return [Action(True, 0, j) for j in range(m)]
-    return [Action(True, *_virtual(k, pp, vpp, True)) for k in range(m * vpp)]
+    return [_virtual(k, pp, vpp, True) for k in range(m * vpp)]
 
 
 def activation_events(order: Sequence[Action]) -> list[tuple[bool, int]]:
@@ -271,7 +267,8 @@ def _plans(order: Order, pp: int, vpp: int, m: int) -> tuple[tuple[Step, ...], .
     plans: list[list[Step]] = [[] for _ in range(pp)]
     arrived: set[tuple[int, Action]] = set()  # (rank, action): the action's input has come in
     while any(pending):
-        ready = [r for r in range(pp) if pending[r] and _input_arrived(pending[r][0], r, arrived, pp, vpp)]
+        ready = [r for r in range(pp) if pending[r] and (message_source(pending[r][0], pp, vpp, r) is None
+                                                         or (r, pending[r][0]) in arrived)]
         if not ready:
             stuck = {r: pending[r][0] for r in range(pp) if pending[r]}
             raise ValueError(f"{order.__name__}(pp {pp}, vpp {vpp}, m {m}) deadlocks on its own data: the next "
@@ -290,10 +287,6 @@ def _plans(order: Order, pp: int, vpp: int, m: int) -> tuple[tuple[Step, ...], .
             if sends[r] or receives[r]:
                 plans[r].append(tuple(sends[r] + receives[r]))
     return tuple(tuple(plan) for plan in plans)
-
-
-def _input_arrived(action: Action, pp_rank: int, arrived: set[tuple[int, Action]], pp: int, vpp: int) -> bool:
-    return message_source(action, pp, vpp, pp_rank) is None or (pp_rank, action) in arrived
 
 
 # ----------------------------------------------------------------------------- executor

@@ -25,11 +25,7 @@ def stage_layers(num_layers: int, pp: int, vpp: int, pp_rank: int,
         start = sum(pp_layers[:pp_rank])
         return [list(range(start, start + pp_layers[pp_rank]))]
     per_chunk = num_layers // (pp * vpp)
-    chunks = []
-    for v in range(vpp):
-        first = (v * pp + pp_rank) * per_chunk
-        chunks.append(list(range(first, first + per_chunk)))
-    return chunks
+    return [list(range((v * pp + pp_rank) * per_chunk, (v * pp + pp_rank + 1) * per_chunk)) for v in range(vpp)]
 
 
 def build_model_chunks(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> list[GPT]:

@@ -15,16 +15,10 @@ import torch
 
 
 def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-           exp_avg_sqs: list[torch.Tensor], decayed: list[torch.Tensor], *, lr: float, weight_decay: float,
-           beta1: float, beta2: float, eps: float, step: int) -> None:
-    """One AdamW step (bias-corrected, decoupled weight decay) of lists of flat fp32 tensors,
-    in place: once for the tensors in `decayed` (weight decay applied) and once for the rest."""
-    is_decayed = {id(t) for t in decayed}
-    for wd, keep in ((weight_decay, True), (0.0, False)):
-        idx = [i for i, p in enumerate(params) if (id(p) in is_decayed) == keep]
-        if not idx:
-            continue
-        step_t = torch.tensor(float(step), device=params[idx[0]].device)  # read, not updated, by the kernel
-        torch._fused_adamw_([params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                            [exp_avg_sqs[i] for i in idx], [], [step_t] * len(idx), lr=lr, beta1=beta1, beta2=beta2,
-                            weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+           exp_avg_sqs: list[torch.Tensor], *, lr: float, weight_decay: float, beta1: float, beta2: float, eps: float,
+           step: int) -> None:
+    """One AdamW step (bias-corrected, decoupled weight decay) of lists of flat fp32 tensors, in place."""
+    if params:
+        step_t = torch.tensor(float(step), device=params[0].device)  # read, not updated, by the kernel
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step_t] * len(params), lr=lr, beta1=beta1,
+                            beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)

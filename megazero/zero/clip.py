@@ -71,12 +71,8 @@ def reduce_step_sums(pieces: Iterable[tuple[torch.Tensor, bool]], loss: Optional
         sums = torch.cat([sums, torch.tensor(list(extra), dtype=torch.float64).to(device, non_blocking=True)])
     comm.all_reduce(sums, world)
     host = sums.tolist()  # the iteration's one device->host read
-    overflow = not all(map(_finite, host[:3]))
+    overflow = not all(map(math.isfinite, host[:3]))
     return StepSums(grad_norm=math.sqrt(host[0]) if host[0] >= 0 else math.nan, overflow=overflow, loss=host[2], extra=host[3:])
-
-
-def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

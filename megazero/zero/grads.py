@@ -49,7 +49,7 @@ from torch import nn
 
 from megazero.config.sharding import Sharding
 from megazero.parallel import comm
-from megazero.zero.partition import Bucket, FlatBuffers, FlatLayout, FlatSlot, Range
+from megazero.zero.partition import Bucket, FlatBuffers, FlatLayout, FlatSlot
 
 # Bounded reductions in flight (see _InFlight.held) are capped by the bytes they hold, not by
 # their number: a count that suits 100 MB buckets (two: one on the wire while the next fills)
@@ -110,10 +110,6 @@ class _Pool:
         self._base.clear()
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 @dataclass(eq=False)
 class _Filling:
     """A stage-2/3 bucket's full fp32 gradient being filled in one backward. A pooled buffer
@@ -171,6 +167,7 @@ class GradientSync:
         self.sharded = sharding.gradients
         self.tied_buckets = tied_buckets  # summed over `embed` (None on stages without the embedding)
         self.on_reduced, self.on_final = on_reduced, on_final
+        # This rank's fp32 gradients: buffers.view(range), buffers.own_slice(bucket) (its reduced slice).
         self.buffers = FlatBuffers(layout, sharded=self.sharded, dtype=torch.float32, device=device,
                                    trainable_only=True)
         self.reduced_numel = 0
@@ -183,29 +180,16 @@ class GradientSync:
         # Nothing to sum with and nothing to round to a wire dtype: a full bucket filled only to be
         # added into the shard would be a second copy of it (the largest, a block's, at the peak).
         self._direct = self.sharded and dp.size == 1 and reduce_dtype == torch.float32
-        self._slot_of = {id(s.param): (b, s) for b, s in self._trainable_slots()}
-        for b, s in self._trainable_slots():
+        self._slots = [(b, s) for b in layout.trainable_buckets() for s in b.slots]
+        self._slot_of = {id(s.param): (b, s) for b, s in self._slots}
+        for b, s in self._slots:
             s.param.register_post_accumulate_grad_hook(lambda p, b=b, s=s: self._grad_ready(b, s, p))
 
-    def _trainable_slots(self) -> list[tuple[Bucket, FlatSlot]]:
-        return [(b, s) for b in self.layout.trainable_buckets() for s in b.slots]
-
     # ------------------------------------------------------------------ views
-
-    def view(self, r: Range) -> torch.Tensor:
-        """This rank's fp32 gradient of one range of its shard."""
-        return self.buffers.view(r)
-
-    def own_slice(self, b: Bucket) -> torch.Tensor:
-        """This rank's reduced gradient of bucket b."""
-        return self.buffers.own_slice(b)
 
     def bucket_view(self, b: Bucket, s: FlatSlot) -> torch.Tensor:
         """Full buffers: parameter s's place in the fp32 gradient bucket b."""
         return self.buffers.full[b.index][s.offset: s.offset + s.numel].view(s.shape)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return self.buffers.tensors()
 
     # ------------------------------------------------------------------ accumulation
 
@@ -213,13 +197,13 @@ class GradientSync:
         self.wait()  # nothing may still write into the buffers zeroed here
         self._ready.clear()
         self._reduced.clear()
-        for g in self.tensors():
+        for g in self.buffers.tensors():
             g.zero_()
         # fp32 model with full buffers: gradients are views into the buckets, so autograd
         # accumulates in place and a bucket is ready to send without a copy. Otherwise the
         # hook adds each backward's gradient into fp32 storage and drops it.
         in_place = not self.sharded and self.model_dtype == torch.float32
-        for b, s in self._trainable_slots():
+        for b, s in self._slots:
             s.param.grad = self.bucket_view(b, s) if in_place else None
 
     @contextlib.contextmanager
@@ -244,7 +228,7 @@ class GradientSync:
         (autograd's, already dropped by p) that is the whole bucket becomes that buffer itself:
         no second copy of the largest gradient (the tied embedding's) while it waits to be reduced."""
         if self._direct:
-            add_gradient(self.own_slice(b)[s.offset: s.offset + s.numel].view(s.shape), grad)
+            add_gradient(self.buffers.own_slice(b)[s.offset: s.offset + s.numel].view(s.shape), grad)
             return
         filling = self._pending.get(b.index)
         if filling is None:
@@ -292,7 +276,7 @@ class GradientSync:
         pooled: tuple[torch.Tensor, ...] = ()
         if self.sharded:
             if self._direct:  # already in the shard
-                handle, then, wire = None, None, self.own_slice(b)[:0]
+                handle, then, wire = None, None, self.buffers.own_slice(b)[:0]
             else:
                 filling = self._pending.pop(b.index)
                 handle, then, wire, pooled = self._reduce_scatter(b, filling.complete(b), add=True,
@@ -309,7 +293,7 @@ class GradientSync:
         self._reduced.add(b.index)
         final = self.on_final is not None and self._sync and b.index not in self.tied_buckets
         # Stages 2/3 hold the bucket on the wire and its reduced slice until waited (nothing at one rank).
-        held = _nbytes(wire) + sum(_nbytes(t) for t in pooled if t is not wire) if self.sharded and handle else 0
+        held = wire.nbytes + sum(t.nbytes for t in pooled if t is not wire) if self.sharded and handle else 0
         self._launched(_InFlight(handle, then, wire, held, b if final else None, pooled))
 
     def _reduce_scatter(self, b: Bucket, full: torch.Tensor, add: bool, pooled: bool = False) -> tuple:
@@ -318,7 +302,7 @@ class GradientSync:
         Once waited, it writes (stage 1) or adds (stages 2/3, once per micro-batch) this rank's
         slice into its fp32 gradient slice. A `pooled` full bucket goes back to the pool once
         nothing reads it any more."""
-        into = self.own_slice(b)
+        into = self.buffers.own_slice(b)
         if self.dp.size == 1:  # nothing to sum with: no wire, no second full-size buffer kept in flight
             (into.add_ if add else into.copy_)(self._on_wire(full).to(into.dtype))
             if pooled:
@@ -368,7 +352,7 @@ class GradientSync:
             self._pool.give(t)
         if f.final is not None:  # the slice holds the iteration's reduced gradient now
             assert self.on_final is not None  # set when `final` is
-            self.on_final(f.final, self.own_slice(f.final))
+            self.on_final(f.final, self.buffers.own_slice(f.final))
 
     @property
     def in_flight(self) -> int:
@@ -397,6 +381,6 @@ class GradientSync:
         for index in self.tied_buckets:
             b = self.layout.buckets[index]
             assert self.embed is not None  # given with the tied buckets
-            comm.all_reduce(self.own_slice(b), self.embed)
+            comm.all_reduce(self.buffers.own_slice(b), self.embed)
             if self.on_final is not None:
-                self.on_final(b, self.own_slice(b))
+                self.on_final(b, self.buffers.own_slice(b))

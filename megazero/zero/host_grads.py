@@ -15,14 +15,14 @@ from typing import Optional
 import torch
 
 from megazero.zero.partition import Bucket, Range
-from megazero.zero.state import host_tensor
+from megazero.zero.state import flat_zeros
 
 
 class HostGradients:
     """An fp32 host copy of this rank's trainable gradient shard, filled bucket by bucket."""
 
     def __init__(self, numel: int, device: torch.device, pin: bool) -> None:
-        self.flat = host_tensor(numel, pin)
+        self.flat = flat_zeros(numel, torch.device("cpu"), pin)
         self.device = device
         self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.events: list[torch.cuda.Event] = []

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -113,15 +113,6 @@ class Matrix:
     columns), each a contiguous run of this TP rank's flattened parameter."""
 
 
-@dataclass
-class Slot:
-    """A Muon parameter's elements in this rank's shard: (offset in the flattened TP-local
-    parameter, shard range) pieces."""
-
-    shape: tuple[int, ...]
-    pieces: list[tuple[int, Range]]
-
-
 def split_matrices(name: str, where: Placement, shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Matrix]:
     """The matrices Muon orthogonalises in parameter `name` (TP-local `shape`): one per fused
     block (q|k|v, gate|up), whole over TP, with where this TP rank holds each."""
@@ -166,37 +157,32 @@ class MuonExchange:
                  contributes: bool, device: torch.device, steps: int, rule: str, dtype: torch.dtype) -> None:
         self.group, self.contributes, self.device, self.steps, self.rule = group, contributes, device, steps, rule
         self.dtype = dtype  # Newton-Schulz's, and the buffers' (each element has one contributor: exact in any)
-        self.slots: dict[str, Slot] = {}
+        # A Muon parameter's elements in this rank's shard: (offset in the flattened TP-local
+        # parameter, shard range) pieces.
+        self.pieces: dict[str, list[tuple[int, Range]]] = {}
         matrices: list[Matrix] = []
         for b, s in layout.slots():
-            if s.name in muon and b.trainable and s.name not in self.slots:
-                self.slots[s.name] = Slot(s.shape, [])
+            if s.name in muon and b.trainable and s.name not in self.pieces:
+                self.pieces[s.name] = []
                 matrices += split_matrices(s.name, placement(s.param), s.shape, tp_rank, tp)
         for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets(), layout.rank):
-            if s.name in self.slots:
+            if s.name in self.pieces:
                 r = Range(b.index, start, end - start, offset, True, True, True)
-                self.slots[s.name].pieces.append((start - s.offset, r))
-        self.owned = self._assign(matrices, group.size)
-
-    def _assign(self, matrices: list[Matrix], owners: int) -> list[list[Matrix]]:
-        """Matrices per owner, largest Newton-Schulz cost first to the least loaded (ties: the
-        lower index), each owner's by shape, then in model order (same-shaped matrices lie
-        side by side in its buffer, to be orthogonalised as a batch): the same on every rank."""
-        owner = assign_owners([ns_flops(m.shape, self.steps) for m in matrices], owners)
-        return [sorted((m for i, m in enumerate(matrices) if owner[i] == o), key=lambda m: m.shape)
-                for o in range(owners)]
+                self.pieces[s.name].append((start - s.offset, r))
+        # Matrices per owner, largest Newton-Schulz cost first to the least loaded (ties: the lower
+        # index), each owner's by shape, then in model order (same-shaped matrices lie side by side
+        # in its buffer, to be orthogonalised as a batch): the same on every rank.
+        owner = assign_owners([ns_flops(m.shape, steps) for m in matrices], group.size)
+        self.owned = [sorted((m for i, m in enumerate(matrices) if owner[i] == o), key=lambda m: m.shape)
+                      for o in range(group.size)]
 
     # ------------------------------------------------------------------ the step
 
     def _buffer(self, matrices: Sequence[Matrix], zero: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One owner's matrices laid end to end in one buffer, and a view of each."""
-        total = sum(math.prod(m.shape) for m in matrices)
-        flat = (torch.zeros if zero else torch.empty)(total, dtype=self.dtype, device=self.device)
-        views, at = [], 0
-        for m in matrices:
-            views.append(flat[at: at + math.prod(m.shape)].view(m.shape))
-            at += math.prod(m.shape)
-        return flat, views
+        sizes = [math.prod(m.shape) for m in matrices]
+        flat = (torch.zeros if zero else torch.empty)(sum(sizes), dtype=self.dtype, device=self.device)
+        return flat, [part.view(m.shape) for part, m in zip(flat.split(sizes), matrices)]
 
     def step(self, views: Callable[[Range], torch.Tensor]) -> None:
         """Replace U (in the gradient ranges `views` gives) by lr_factor x O for every Muon
@@ -221,13 +207,8 @@ class MuonExchange:
     def _gather(self, m: Matrix, view: torch.Tensor, views: Callable[[Range], torch.Tensor]) -> None:
         """This rank's elements of U into matrix m's `view` (rows of a TP part are contiguous
         there: copied straight in; columns through a staging copy of the part)."""
-        for start, end, at, n in m.pieces:
-            runs = self._runs_of(m, start, end)
-            if not runs:
-                continue
-            part = view.narrow(m.dim, at, n)  # what this TP rank holds of m
-            flat = part.view(-1) if part.is_contiguous() else torch.zeros(end - start, dtype=view.dtype,
-                                                                         device=view.device)
+        for part, runs in self._held(m, view):
+            flat = part.view(-1) if part.is_contiguous() else part.new_zeros(part.numel())
             for lo, hi, glo, ghi, r in runs:
                 flat[lo:hi].copy_(views(r)[glo:ghi])
             if not part.is_contiguous():
@@ -237,11 +218,7 @@ class MuonExchange:
         """lr_factor x O of this rank's elements of matrix m into the gradient ranges (in fp32:
         converted, then scaled)."""
         scale = lr_factor(m.shape, self.rule)
-        for start, end, at, n in m.pieces:
-            runs = self._runs_of(m, start, end)
-            if not runs:
-                continue
-            part = view.narrow(m.dim, at, n)
+        for part, runs in self._held(m, view):
             values = part.reshape(-1)  # a view for rows, a copy for columns
             for lo, hi, glo, ghi, r in runs:
                 out = views(r)[glo:ghi]
@@ -264,12 +241,16 @@ class MuonExchange:
                 batch.view(j - i, *shape).copy_(orthogonalize(batch.view(j - i, *shape), self.steps))
             i, at = j, at + (j - i) * numel
 
-    def _runs_of(self, m: Matrix, start: int, end: int) -> list[tuple[int, int, int, int, Range]]:
-        """(lo, hi) in the run [start, end) of m's TP-local parameter, (lo, hi) in a shard
-        range, and that range: each piece of the run this rank's shard holds."""
-        out = []
-        for off, r in self.slots[m.name].pieces:
-            lo, hi = max(start, off), min(end, off + r.length)
-            if lo < hi:
-                out.append((lo - start, hi - start, lo - off, hi - off, r))
-        return out
+    def _held(self, m: Matrix, view: torch.Tensor
+              ) -> Iterator[tuple[torch.Tensor, list[tuple[int, int, int, int, Range]]]]:
+        """For each run of m's TP-local parameter that this rank's shard holds pieces of: what
+        this TP rank holds of m (a view of its `view`), and per piece (lo, hi) in the run, (lo,
+        hi) in a shard range, and that range."""
+        for start, end, at, n in m.pieces:
+            runs = []
+            for off, r in self.pieces[m.name]:
+                lo, hi = max(start, off), min(end, off + r.length)
+                if lo < hi:
+                    runs.append((lo - start, hi - start, lo - off, hi - off, r))
+            if runs:
+                yield view.narrow(m.dim, at, n), runs

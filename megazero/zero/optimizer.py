@@ -32,7 +32,7 @@ from megazero.parallel.host import HostSnapshot, HostStaging
 from megazero.parallel.placement import placement
 from megazero.parallel.weight_grad import WeightGradSink
 from megazero.zero.adamw import adamw_
-from megazero.zero.clip import StepSums, clip_coefficient, reduce_step_sums
+from megazero.zero.clip import clip_coefficient, reduce_step_sums
 from megazero.zero.muon import MuonExchange, is_muon_matrix, momentum_, ns_dtype
 from megazero.zero.partition import Range, sub_groups, with_trainable_flags
 from megazero.zero.precision import DynamicLossScaler
@@ -54,15 +54,6 @@ class StepResult:
 
 EMBEDDING_OR_OUTPUT = ("transformer.wte.weight", "lm_head.weight")
 """The parameters Megatron's --decoupled-lr steps at their own LR (the input embedding, the output layer)."""
-
-
-def _lr_parts(group: Sequence[Range], lr: float, decoupled_lr: Optional[float]) -> list[tuple[float, list[int]]]:
-    """The group's range indices by the LR they step at: all at `lr` unless a decoupled LR is given."""
-    if decoupled_lr is None:
-        return [(lr, list(range(len(group))))]
-    parts = [(lr, [i for i, r in enumerate(group) if not r.decoupled]),
-             (decoupled_lr, [i for i, r in enumerate(group) if r.decoupled])]
-    return [(part_lr, part) for part_lr, part in parts if part]
 
 
 class ZeroOptimizer:
@@ -142,8 +133,10 @@ class ZeroOptimizer:
 
     @property
     def weight_grad_sink(self) -> Optional[WeightGradSink]:
-        """See ShardedParameters.weight_grad_sink (the schedule's W passes hand their gradients to it)."""
-        return self.sharded.weight_grad_sink
+        """Where zbh1's deferred weight gradients go instead of autograd (the schedule's W passes hand
+        them to it): at stage 3 straight into the gradient sync (their parameters are released by the
+        time W runs); else None."""
+        return self.grads.add_grad if self.sharded.gatherer is not None else None
 
     @property
     def owns_state(self) -> bool:
@@ -152,16 +145,6 @@ class ZeroOptimizer:
         return not self.sharding.replicated or self.grid.dp_cp_group.rank == 0
 
     # ------------------------------------------------------------------ step
-
-    def step_sums(self, loss: Optional[torch.Tensor] = None, extra: Sequence[float] = ()) -> StepSums:
-        """The world's sums behind a step, read once: the global L2 norm of the gradients
-        over TP, PP and DP, each element once (still scaled by any fp16 loss scale); whether
-        any rank saw inf/NaN in a gradient or in its `loss` share; the global loss (one TP
-        rank per loss replica adds its share); the summed `extra`. At stage 0 DP replicas
-        hold the same reduced gradients, so only rank 0 of dp x cp adds them."""
-        pieces = ((self.grads.view(r), r.counted) for r in (self.ranges if self.owns_state else ()))
-        count_loss = loss is not None and self.grid.tp_rank == 0
-        return reduce_step_sums(pieces, loss, count_loss, extra, self.grid["world"], self.grid.device)
 
     @torch.no_grad()
     def step(self, lr: float, loss: Optional[torch.Tensor] = None, extra: Sequence[float] = (),
@@ -174,7 +157,11 @@ class ZeroOptimizer:
         device->host read. `decoupled_lr`: the LR of the embedding and output layer's ranges
         (optim.decoupled_lr's schedule), else `lr` for them too."""
         self.params.wait_all()  # the step writes the slices the last gathers read
-        sums = self.step_sums(loss, extra)
+        # The world's sums: the gradients' global norm, each element once (at stage 0 DP replicas hold
+        # the same reduced gradients: rank 0 of dp x cp adds them); the loss, one TP rank per replica.
+        pieces = ((self.grads.buffers.view(r), r.counted) for r in (self.ranges if self.owns_state else ()))
+        sums = reduce_step_sums(pieces, loss, loss is not None and self.grid.tp_rank == 0, extra, self.grid["world"],
+                                self.grid.device)
         scale = self.scaler.scale if self.scaler is not None else None
         norm = sums.grad_norm * (1.0 / scale) if scale is not None else sums.grad_norm
         result = StepResult(grad_norm=norm, skipped=sums.overflow, loss_scale=scale, loss=sums.loss,
@@ -189,33 +176,32 @@ class ZeroOptimizer:
         if self.host_grads is not None:  # their copies of what the TP sum of sequence parallelism changed are stale
             self.host_grads.wait()
             for r in self.sharded.sp_grads.ranges if self.sharded.sp_grads is not None else ():
-                self.host_grads.view(r).copy_(self.grads.view(r))
+                self.host_grads.view(r).copy_(self.grads.buffers.view(r))
         for group, st in self.state.iterate(self.groups):
             # fp32 gradients where the step runs; scaled in place (zeroed before the next use)
             grads = [self._grad(r) for r in group]
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
             masters = st.master if st.master is not None else [self.params.view(r) for r in group]
-            adam = [i for i, r in enumerate(group) if not r.muon]  # every range under optim.name adamw
-            kept, avg, avg_sq = [group[i] for i in adam], st.exp_avg, st.exp_avg_sq
-            if len(adam) < len(group):  # Muon's elementwise first half: the gradients become its updates
-                momentum_([grads[i] for i, r in enumerate(group) if r.muon],
-                          [avg[i] for i, r in enumerate(group) if r.muon], o.muon_momentum, o.muon_nesterov)
-                masters, grads = [masters[i] for i in adam], [grads[i] for i in adam]
-                avg, avg_sq = [avg[i] for i in adam], [avg_sq[i] for i in adam]
-            # The update rule (AdamW: Megatron's --optimizer adam); once per LR the group's ranges take.
-            for part_lr, part in _lr_parts(kept, lr, decoupled_lr):
+            muon = [i for i, r in enumerate(group) if r.muon]  # none under optim.name adamw
+            if muon:  # Muon's elementwise first half: the gradients become its updates
+                momentum_([grads[i] for i in muon], [st.exp_avg[i] for i in muon], o.muon_momentum, o.muon_nesterov)
+            # The update rule (AdamW: Megatron's --optimizer adam), once per weight decay and LR the
+            # group's ranges take: the embedding and output layer at optim.decoupled_lr when that is set.
+            for decoupled, decay in itertools.product((False, True), (True, False)):
+                part = [i for i, r in enumerate(group) if not r.muon and (r.decoupled, r.decay) == (decoupled, decay)]
+                part_lr = decoupled_lr if decoupled and decoupled_lr is not None else lr
+                wd = o.weight_decay if decay else 0.0
                 if o.name == "sgd":  # torch.optim.SGD's rule, its momentum buffer in Adam's first-moment slot
-                    sgd_([masters[i] for i in part], [grads[i] for i in part], [avg[i] for i in part],
-                         [masters[i] for i in part if kept[i].decay], lr=part_lr, weight_decay=o.weight_decay,
-                         momentum=o.sgd_momentum)
-                    continue
-                adamw_([masters[i] for i in part], [grads[i] for i in part], [avg[i] for i in part],
-                       [avg_sq[i] for i in part], [masters[i] for i in part if kept[i].decay],
-                       lr=part_lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
-                       step=self.step_count)
+                    sgd_([masters[i] for i in part], [grads[i] for i in part], [st.exp_avg[i] for i in part],
+                         lr=part_lr, weight_decay=wd, momentum=o.sgd_momentum)
+                else:
+                    adamw_([masters[i] for i in part], [grads[i] for i in part], [st.exp_avg[i] for i in part],
+                           [st.exp_avg_sq[i] for i in part], lr=part_lr, weight_decay=wd, beta1=o.beta1,
+                           beta2=o.beta2, eps=o.eps, step=self.step_count)
             if st.master is not None:
-                self.params.set_ranges(kept, masters)
+                adam = [i for i, r in enumerate(group) if not r.muon]
+                self.params.set_ranges([group[i] for i in adam], [masters[i] for i in adam])
         if self.muon is not None:
             self._muon_step(lr)
         self.params.flush()
@@ -226,7 +212,7 @@ class ZeroOptimizer:
 
     def _grad(self, r: Range) -> torch.Tensor:
         """The fp32 gradient of range r where the step runs (host memory under ZeRO-Offload)."""
-        return self.host_grads.view(r) if self.host_grads is not None else self.grads.view(r)
+        return self.host_grads.view(r) if self.host_grads is not None else self.grads.buffers.view(r)
 
     def _muon_step(self, lr: float) -> None:
         """Muon's second half: each matrix's update orthogonalised by its owner (MuonExchange),
@@ -336,7 +322,7 @@ class ZeroOptimizer:
         counted apart, by where it lives (`offloaded_host`: host memory, `offloaded_nvme`:
         swap files)."""
         z = self.cfg.zero
-        grads = sum(t.numel() * t.element_size() for t in self.grads.tensors())
+        grads = sum(t.nbytes for t in self.grads.buffers.tensors())
         kept = {"params": (self.params.nbytes(), z.offload_param != "none"),
                 "optimizer": (self.state.nbytes(), z.offload_optimizer != "none")}
         out = {"grads": grads, "offloaded_host": 0, "offloaded_nvme": 0}

@@ -51,20 +51,17 @@ class ParamStore:
                 self.home.write(offset, piece)
                 write_master(offset, piece)
             self.home.flush()
-        else:
-            for b in self.layout.buckets:
-                self._fill_bucket(b, initial, write_master)
-
-    def _fill_bucket(self, b: Bucket, initial: Initial, write_master: Callable) -> None:
-        flat = torch.zeros(b.numel, device=self.device)  # fp32: the master slice comes from it
-        for s in b.slots:
-            flat[s.offset: s.offset + s.numel].copy_(initial(b, s))
-        lo, hi = b.slice_of(self.layout.rank)
-        write_master(b.shard_offset, flat[lo:hi])
-        bucket = self._whole.full[b.index]
-        bucket.copy_(flat)
-        for s in b.slots:
-            s.param.data = bucket[s.offset: s.offset + s.numel].view(s.shape)
+            return
+        for b in self.layout.buckets:
+            flat = torch.zeros(b.numel, device=self.device)  # fp32: the master slice comes from it
+            for s in b.slots:
+                flat[s.offset: s.offset + s.numel].copy_(initial(b, s))
+            lo, hi = b.slice_of(self.layout.rank)
+            write_master(b.shard_offset, flat[lo:hi])
+            bucket = self._whole.full[b.index]
+            bucket.copy_(flat)
+            for s in b.slots:
+                s.param.data = bucket[s.offset: s.offset + s.numel].view(s.shape)
 
     def view(self, r: Range) -> torch.Tensor:
         """The elements of one range of this rank's shard, in place (the shard in memory)."""
@@ -125,7 +122,7 @@ class ParamStore:
         """Bytes held, by where they live (the device type, "cpu" or "nvme")."""
         if self.home is not None:
             return self.home.nbytes()
-        return {self.device.type: sum(t.numel() * t.element_size() for t in self._whole.tensors())}
+        return {self.device.type: sum(t.nbytes for t in self._whole.tensors())}
 
     def all_gather(self, dp: comm.Group, buckets: Iterable[Bucket]) -> None:
         """Stages 1/2: every rank updated its slices of `buckets`; launch the all-gathers that

@@ -19,7 +19,7 @@ only. Frozen buckets are still sharded (stage 3) and gathered like the others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
@@ -153,22 +153,20 @@ class FlatLayout:
         Padding between two parameters with the same treatment is folded into one run: it is
         zero in parameters, gradients and moments alike, so updating it changes nothing.
         """
+        def treatment(r: Range) -> tuple:
+            return r.bucket, r.decay, r.counted, r.decoupled, r.muon
+
         runs: list[Range] = []
         for b, s, start, end, offset in self.slot_pieces(self.trainable_buckets(), self.rank):
-            prev = runs[-1] if runs else None
-            if (prev is not None and prev.bucket == b.index and prev.decay == decays[s.name]
-                    and prev.counted == counted[s.name] and prev.decoupled == (s.name in decoupled)
-                    and prev.muon == (s.name in muon)):
-                prev.length = end - prev.start
+            r = Range(b.index, start, end - start, offset, decays[s.name], counted[s.name], s.name in decoupled,
+                      s.name in muon)
+            if runs and treatment(runs[-1]) == treatment(r):
+                runs[-1].length = end - runs[-1].start
             else:
-                runs.append(Range(b.index, start, end - start, offset, decays[s.name], counted[s.name],
-                                  s.name in decoupled, s.name in muon))
-        out = []
-        for r in runs:  # split long runs so no sub-group has to hold more than max_len
-            for off in range(0, r.length, max_len):
-                out.append(Range(r.bucket, r.start + off, min(max_len, r.length - off), r.shard_offset + off,
-                                 r.decay, r.counted, r.decoupled, r.muon))
-        return out
+                runs.append(r)
+        # long runs split, so no sub-group has to hold more than max_len
+        return [replace(r, start=r.start + off, length=min(max_len, r.length - off), shard_offset=r.shard_offset + off)
+                for r in runs for off in range(0, r.length, max_len)]
 
 
 def with_trainable_flags(param_map: dict) -> dict:

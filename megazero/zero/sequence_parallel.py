@@ -25,19 +25,15 @@ from megazero.zero.grads import GradientSync
 from megazero.zero.partition import FlatLayout, Range
 
 
-def sequence_parallel_ranges(layout: FlatLayout) -> list[Range]:
-    """The runs of this rank's gradient shard that belong to parameters placed `sequence_parallel`."""
-    return [Range(b.index, start, end - start, offset, decay=False, counted=False)
-            for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets(), layout.rank)
-            if placement(s.param).sequence_parallel]
-
-
 class SequenceParallelGrads:
     """All-reduces the partial gradients of sequence-parallel parameters over TP in one call."""
 
     def __init__(self, layout: FlatLayout, grads: GradientSync, tp: comm.Group):
         self.grads, self.tp = grads, tp
-        self.ranges = sequence_parallel_ranges(layout)
+        # the runs of this rank's gradient shard that belong to parameters placed `sequence_parallel`
+        self.ranges = [Range(b.index, start, end - start, offset, decay=False, counted=False)
+                       for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets(), layout.rank)
+                       if placement(s.param).sequence_parallel]
         where = [(r.bucket, r.start, r.length, r.shard_offset) for r in self.ranges]
         if any(other != where for other in comm.all_gather_object(where, tp)):
             raise RuntimeError("sequence parallelism: the ZeRO gradient shards of the TP ranks hold different "
@@ -47,7 +43,7 @@ class SequenceParallelGrads:
         """After the DP reduction, before clipping and the step: one TP all-reduce of every piece."""
         if not self.ranges or self.tp.size == 1:
             return
-        views = [self.grads.view(r) for r in self.ranges]
+        views = [self.grads.buffers.view(r) for r in self.ranges]
         flat = torch.cat(views)
         comm.all_reduce(flat, self.tp)
         for view, summed in zip(views, flat.split([v.numel() for v in views])):

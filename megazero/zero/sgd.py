@@ -13,14 +13,9 @@ from __future__ import annotations
 import torch
 
 
-def sgd_(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor],
-         decayed: list[torch.Tensor], *, lr: float, weight_decay: float, momentum: float) -> None:
-    """One SGD step of lists of flat fp32 tensors, in place: once for the tensors in `decayed`
-    (weight decay applied) and once for the rest."""
-    is_decayed = {id(t) for t in decayed}
-    for wd, keep in ((weight_decay, True), (0.0, False)):
-        idx = [i for i, p in enumerate(params) if (id(p) in is_decayed) == keep]
-        if idx:
-            torch._fused_sgd_([params[i] for i in idx], [grads[i] for i in idx], [buffers[i] for i in idx],
-                              weight_decay=wd, momentum=momentum, lr=lr, dampening=0.0, nesterov=False,
-                              maximize=False, is_first_step=False)
+def sgd_(params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor], *, lr: float,
+         weight_decay: float, momentum: float) -> None:
+    """One SGD step of lists of flat fp32 tensors, in place."""
+    if params:
+        torch._fused_sgd_(params, grads, buffers, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0,
+                          nesterov=False, maximize=False, is_first_step=False)

@@ -33,7 +33,7 @@ the post-step all-gathers of stages 1-2 (`params.wait_all`).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -109,12 +109,6 @@ class ShardedParameters:
             c.register_state_dict_pre_hook(self._refuse_sharded_state_dict)
         partial_over_tp = any(placement(s.param).sequence_parallel for _, s in slots)
         self.sp_grads = SequenceParallelGrads(self.layout, self.grads, grid.tp_group) if partial_over_tp else None
-
-    @property
-    def weight_grad_sink(self) -> Optional[Callable[[nn.Parameter, torch.Tensor], None]]:
-        """Where zbh1's deferred weight gradients go instead of autograd: at stage 3 straight into
-        the gradient sync (their parameters are released by the time W runs); else None."""
-        return self.grads.add_grad if self.gatherer is not None else None
 
     def _offloads_gradients(self) -> bool:
         """Whether the optimizer steps in host memory apart from the device's gradients."""
@@ -199,11 +193,11 @@ class ShardedParameters:
     # ------------------------------------------------------------------ stage 3: full parameters on request
 
     @contextlib.contextmanager
-    def gathered_parameters(self) -> Iterator[None]:
-        """Inside, every parameter holds its full value (read-only: changes are not kept).
-        At stages 0-2 parameters are always full (once the post-step gathers are waited)."""
+    def gathered_parameters(self, buckets: Optional[Iterable[int]] = None) -> Iterator[None]:
+        """Inside, every parameter (or those of `buckets`) holds its full value (read-only: changes
+        are not kept). At stages 0-2 parameters are always full (once the post-step gathers are waited)."""
         self.params.wait_all()
-        newly = self.gatherer.fetch_all() if self.gatherer is not None else []
+        newly = self.gatherer.fetch_all(buckets) if self.gatherer is not None else []
         try:
             yield
         finally:
@@ -215,17 +209,12 @@ class ShardedParameters:
         """(name, parameter, full value) for this model-parallel rank (or its trainable parameters
         only, e.g. LoRA's adapters); at stage 3 (collective over DP) a bucket is gathered, handed
         out and released before the next, so at most one unit is materialized beyond the shards."""
-        self.params.wait_all()
-        for index, bucket in enumerate(self.layout.buckets):
+        for bucket in self.layout.buckets:
             if trainable_only and not bucket.trainable:
                 continue
-            fetched = self.gatherer is not None and index not in self.gatherer.gathered
-            if fetched and self.gatherer is not None:
-                self.gatherer.fetch(index)
-            for slot in bucket.slots:
-                yield slot.name, slot.param, slot.param.detach()
-            if fetched and self.gatherer is not None:
-                self.gatherer.release(index)
+            with self.gathered_parameters([bucket.index]):
+                for slot in bucket.slots:
+                    yield slot.name, slot.param, slot.param.detach()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of this model-parallel rank in full, as copies (any stage; at

@@ -17,12 +17,14 @@ coordinates.
 from __future__ import annotations
 
 import bisect
+import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional, Protocol
 
 import torch
 
 from megazero.zero.partition import Bucket, FlatLayout
+from megazero.zero.state import flat_zeros
 from megazero.zero.swap import SwapFile, aligned_buffer, check_space, padded
 
 
@@ -47,21 +49,16 @@ class ShardHome(Protocol):
         (not a fresh read or copy), which parameters may view in place of a gathered copy."""
 
 
-def _done(value: torch.Tensor) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
-
-
 class MemoryShard:
     """The shard as one flat tensor on `device` (the compute device, or the host)."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool = False) -> None:
-        self.flat = torch.zeros(numel, dtype=dtype, device=device,
-                                pin_memory=pin and device.type == "cpu" and torch.cuda.is_available())
+        self.flat = flat_zeros(numel, device, pin, dtype)
 
     def load(self, b: Bucket) -> Future:
-        return _done(self.flat[b.shard_offset: b.shard_offset + b.shard_numel])
+        done: Future = Future()
+        done.set_result(self.flat[b.shard_offset: b.shard_offset + b.shard_numel])
+        return done
 
     def read(self, offset: int, numel: int) -> torch.Tensor:
         return self.flat[offset: offset + numel]
@@ -73,7 +70,7 @@ class MemoryShard:
         """Writes are immediate in memory."""
 
     def nbytes(self) -> dict[str, int]:
-        return {self.flat.device.type: self.flat.numel() * self.flat.element_size()}
+        return {self.flat.device.type: self.flat.nbytes}
 
     def resident_on(self, device: torch.device) -> bool:
         return self.flat.device == device
@@ -87,21 +84,19 @@ class NvmeShard:
     written back on a writer thread while the next bucket's region, already read ahead on
     the reader thread, is updated. A bucket therefore costs one read and one write per step,
     overlapped with the update of its neighbours; host memory holds at most the staged
-    bucket, the one read ahead and `max_writes` being written. A read of a region waits for
+    bucket, the one read ahead and the one being written. A read of a region waits for
     that region's write, so `load` always sees the latest values."""
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, path: str, pin: bool, max_writes: int = 1) -> None:
-        self.layout, self.dtype, self.pin, self.max_writes = layout, dtype, pin, max_writes
-        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, path: str, pin: bool) -> None:
+        self.layout, self.dtype, self.pin = layout, dtype, pin
         self.in_shard_order = sorted(layout.buckets, key=lambda b: b.shard_offset)
         self.starts = [b.shard_offset for b in self.in_shard_order]
-        self.where, end = [], 0
-        for b in layout.buckets:
-            self.where.append(end)
-            end += padded(b.shard_numel * self.itemsize)
-        self.file_bytes = end
-        check_space(path, end, "parameter")
-        self.file = SwapFile(path, "params", end)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.region_bytes = [padded(b.shard_numel * itemsize) for b in layout.buckets]
+        self.where = [0, *itertools.accumulate(self.region_bytes)]  # the file's length last
+        self.file_bytes = self.where[-1]
+        check_space(path, self.file_bytes, "parameter")
+        self.file = SwapFile(path, "params", self.file_bytes)
         self.reader = ThreadPoolExecutor(1)  # file I/O releases the GIL: it overlaps compute
         self.writer = ThreadPoolExecutor(1)
         self.writing: dict[int, Future] = {}  # bucket -> its region's write in flight
@@ -109,39 +104,32 @@ class NvmeShard:
         self.staged: Optional[int] = None
         self.stage_buffer: Optional[torch.Tensor] = None
 
-    def _nbytes(self, b: int) -> int:
-        return padded(self.layout.buckets[b].shard_numel * self.itemsize)
-
     def _read_region(self, b: int) -> torch.Tensor:
         """Bucket b's region in a fresh aligned buffer (after its pending write, if any)."""
         pending = self.writing.get(b)
         if pending is not None:
             pending.result()
-        buffer = aligned_buffer(self._nbytes(b), self.pin)
+        buffer = aligned_buffer(self.region_bytes[b], self.pin)
         self.file.io(buffer, self.where[b], write=False)
         return buffer.view(self.dtype)
 
     def _write_region(self, b: int, buffer: torch.Tensor) -> None:
-        """Write bucket b's staged region on the writer thread, keeping at most
-        `max_writes` buffers in flight."""
-        while len(self.writing) >= self.max_writes:
-            self._finish_write(next(iter(self.writing)))
-        self.writing[b] = self.writer.submit(self.file.io, buffer.view(torch.uint8)[: self._nbytes(b)],
+        """Write bucket b's staged region on the writer thread, once the previous write is done."""
+        for previous in list(self.writing):
+            # Wait before forgetting it: a read on the reader thread that finds no pending
+            # write for a bucket must be able to trust the file.
+            self.writing[previous].result()
+            del self.writing[previous]
+        self.writing[b] = self.writer.submit(self.file.io, buffer.view(torch.uint8)[: self.region_bytes[b]],
                                              self.where[b], True)
-
-    def _finish_write(self, b: int) -> None:
-        # Wait before forgetting it: a read on the reader thread that finds no pending
-        # write for b must be able to trust the file.
-        self.writing[b].result()
-        del self.writing[b]
 
     def load(self, b: Bucket) -> Future:
         self.flush()
         return self.reader.submit(lambda: self._read_region(b.index)[: b.shard_numel])
 
-    def _stage(self, offset: int) -> tuple[torch.Tensor, int]:
+    def _stage(self, offset: int) -> tuple[torch.Tensor, int, int]:
         """The staging buffer holding the bucket that contains shard element `offset`, and
-        that bucket's first shard element; the bucket after it is read ahead."""
+        that bucket's [first, last + 1) shard elements; the bucket after it is read ahead."""
         at = bisect.bisect_right(self.starts, offset) - 1
         bucket = self.in_shard_order[at]
         if self.staged != bucket.index:
@@ -158,21 +146,19 @@ class NvmeShard:
             if nxt is not None and nxt.trainable == bucket.trainable:  # a step stops at the frozen buckets
                 self.ahead = (nxt.index, self.reader.submit(self._read_region, nxt.index))
         assert self.stage_buffer is not None
-        return self.stage_buffer, bucket.shard_offset
+        return self.stage_buffer, bucket.shard_offset, bucket.shard_offset + bucket.shard_numel
 
     def read(self, offset: int, numel: int) -> torch.Tensor:
         out, at = [], offset
         while at < offset + numel:  # bucket by bucket
-            buffer, base = self._stage(at)
-            b = self.staged
-            assert b is not None  # staged by _stage
-            end = min(offset + numel, base + self.layout.buckets[b].shard_numel)
+            buffer, base, bucket_end = self._stage(at)
+            end = min(offset + numel, bucket_end)
             out.append(buffer[at - base: end - base].clone())
             at = end
         return out[0] if len(out) == 1 else torch.cat(out) if out else torch.empty(0, dtype=self.dtype)
 
     def write(self, offset: int, values: torch.Tensor) -> None:
-        buffer, base = self._stage(offset)
+        buffer, base, _ = self._stage(offset)
         buffer[offset - base: offset - base + values.numel()].copy_(values)
 
     def flush(self) -> None:

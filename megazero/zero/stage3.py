@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -232,7 +232,7 @@ class ParamGatherer:
                 self._point(b, mine)
                 return
             full = self.full[b]
-            self.spare.fill(full.untyped_storage(), full.numel() * full.element_size())
+            self.spare.fill(full.untyped_storage(), full.nbytes)
             self.materialized_numel += self.layout.buckets[b].numel
             self.peak_materialized_numel = max(self.peak_materialized_numel, self.materialized_numel)
             self.pending[b] = comm.all_gather_into(full, mine, self.dp, async_op=True)
@@ -257,9 +257,9 @@ class ParamGatherer:
                 self.materialized_numel -= self.layout.buckets[b].numel
             self._free_storage(b)
 
-    def fetch_all(self) -> list[int]:
-        """Gather every bucket; return those that were not gathered before."""
-        newly = [b for b in range(len(self.full)) if b not in self.gathered]
+    def fetch_all(self, buckets: Optional[Iterable[int]] = None) -> list[int]:
+        """Gather these buckets (every one by default); return those that were not gathered before."""
+        newly = [b for b in (range(len(self.full)) if buckets is None else buckets) if b not in self.gathered]
         for b in newly:
             self.fetch(b, wait=False)
         for b in newly:

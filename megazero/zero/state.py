@@ -39,14 +39,13 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 @dataclass
 class GroupState:
-    """One sub-group's optimizer state as fp32 tensors on `device`, one per range. `master`
-    is None when the store keeps no separate master weights (fp32 training without
-    offload: the parameters are the masters)."""
+    """One sub-group's optimizer state as fp32 tensors, one per range. `master` is None when
+    the store keeps no separate master weights (fp32 training without offload: the
+    parameters are the masters)."""
 
     master: Optional[list[torch.Tensor]]
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
-    device: torch.device
 
 
 class Holes:
@@ -120,9 +119,10 @@ def kind_holes(holes: Holes) -> dict[str, Holes]:
     return {k: holes if k == "exp_avg_sq" else NO_HOLES for k in KINDS}
 
 
-def host_tensor(numel: int, pin: bool) -> torch.Tensor:
-    """fp32 zeros in host memory, page-locked when asked and a GPU exists (pinning needs CUDA)."""
-    return torch.zeros(numel, pin_memory=pin and torch.cuda.is_available())
+def flat_zeros(numel: int, device: torch.device, pin: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Zeros on `device`; in host memory page-locked when asked and a GPU exists (pinning needs CUDA)."""
+    pin = pin and device.type == "cpu" and torch.cuda.is_available()
+    return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin)
 
 
 class MemoryOptimizerStore:
@@ -132,9 +132,8 @@ class MemoryOptimizerStore:
     def __init__(self, numel: int, device: torch.device, separate_master: bool, pin: bool = False,
                  holes: Holes = NO_HOLES) -> None:
         self.device, self.numel, self.holes = device, numel, kind_holes(holes)
-        def alloc(n: int) -> torch.Tensor:
-            return host_tensor(n, pin) if device.type == "cpu" else torch.zeros(n, device=device)
-        self.flat = {k: alloc(self.holes[k].stored(numel)) for k in KINDS if k != "master" or separate_master}
+        self.flat = {k: flat_zeros(self.holes[k].stored(numel), device, pin) for k in KINDS
+                     if k != "master" or separate_master}
         self.separate_master = separate_master
         self.reads_are_copies = False  # read() hands out views of the state itself
 
@@ -142,7 +141,7 @@ class MemoryOptimizerStore:
         for group in groups:
             yield group, GroupState(_views(self.flat["master"], group) if self.separate_master else None,
                              _views(self.flat["exp_avg"], group),
-                             _views(self.flat["exp_avg_sq"], group, holes=self.holes["exp_avg_sq"]), self.device)
+                             _views(self.flat["exp_avg_sq"], group, holes=self.holes["exp_avg_sq"]))
 
     def write(self, kind: str, offset: int, values: torch.Tensor) -> None:
         """Set [offset, offset + len(values)) of one kind (initialisation, loading; shard
@@ -169,7 +168,7 @@ class MemoryOptimizerStore:
         """Writes are immediate in memory."""
 
     def nbytes(self) -> dict[str, int]:
-        return {self.device.type: sum(t.numel() * t.element_size() for t in self.flat.values())}
+        return {self.device.type: sum(t.nbytes for t in self.flat.values())}
 
 
 class NvmeOptimizerStore:
@@ -180,20 +179,14 @@ class NvmeOptimizerStore:
     def __init__(self, numel: int, groups: list[list[Range]], path: str, buffer_count: int, pin: bool,
                  holes: Holes = NO_HOLES) -> None:
         self.numel, self.groups, self.path, self.holes = numel, groups, path, kind_holes(holes)
-        self.device = torch.device("cpu")
         self.separate_master = True
         self.reads_are_copies = True  # read() assembles a private copy
         # Sub-group g covers stored elements [lo, hi) of each kind and sits at file offset where[kind][g].
         shard = [(g[0].shard_offset, g[-1].shard_offset + g[-1].length) for g in groups]
         self.spans = {k: [(h.at(lo), h.at(hi)) for lo, hi in shard] for k, h in self.holes.items()}
-        self.where: dict[str, list[int]] = {}
-        self.file_bytes: dict[str, int] = {}
-        for kind, spans in self.spans.items():
-            self.where[kind], end = [], 0
-            for lo, hi in spans:
-                self.where[kind].append(end)
-                end += padded((hi - lo) * 4)
-            self.file_bytes[kind] = end
+        sizes = {k: [padded((hi - lo) * 4) for lo, hi in spans] for k, spans in self.spans.items()}
+        self.where = {k: [0, *itertools.accumulate(n)] for k, n in sizes.items()}  # the file's length last
+        self.file_bytes = {k: where[-1] for k, where in self.where.items()}
         check_space(path, sum(self.file_bytes.values()), "optimizer")
         self.files = {k: SwapFile(path, k, self.file_bytes[k]) for k in KINDS}
         windows = {k: max((hi - lo for lo, hi in spans), default=0) for k, spans in self.spans.items()}
@@ -244,7 +237,7 @@ class NvmeOptimizerStore:
                 self._wait(reads.pop(k))
                 buf = self.buffers[k % count]
                 yield group, GroupState(*(_views(buf[kind], group, self.spans[kind][k][0], self.holes[kind])
-                                          for kind in KINDS), self.device)  # type: ignore[call-arg, arg-type]  # one list per kind
+                                          for kind in KINDS))  # type: ignore[arg-type]  # one list per kind
                 writes[k] = self.writer.submit(self._io, k, buf, True)
         finally:
             for f in [*reads.values(), *writes.values()]:
@@ -270,13 +263,6 @@ class NvmeOptimizerStore:
             self._io(self.staged, self.buffers[0], True)
             self.staged = None
 
-    def _overlaps(self, kind: str, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
-        """(sub-group, start, end) of the parts of stored range [lo, hi) of `kind` that a sub-group stores."""
-        for g, (a, b) in enumerate(self.spans[kind]):
-            start, end = max(lo, a), min(hi, b)
-            if start < end:
-                yield g, start, end
-
     def write(self, kind: str, offset: int, values: torch.Tensor) -> None:
         """Set [offset, offset + len(values)) of one kind (shard coordinates: what falls in a
         hole is dropped). Elements no sub-group covers are padding, zero by construction, and
@@ -284,9 +270,10 @@ class NvmeOptimizerStore:
         holes = self.holes[kind]
         for piece, n in holes.kept(offset, values.numel()):
             at = holes.at(piece)
-            for g, start, end in self._overlaps(kind, at, at + n):
-                base, src = self.spans[kind][g][0], piece - offset - at
-                self._stage(g)[kind][start - base: end - base].copy_(values[src + start: src + end])
+            for g, (lo, hi) in enumerate(self.spans[kind]):  # the sub-groups storing part of [at, at + n)
+                start, end, src = max(at, lo), min(at + n, hi), piece - offset - at
+                if start < end:
+                    self._stage(g)[kind][start - lo: end - lo].copy_(values[src + start: src + end])
 
     def pieces(self, kind: str) -> Iterator[tuple[int, torch.Tensor]]:
         """(stored offset, values) of each sub-group's part of one kind, one at a time (each

@@ -333,7 +333,7 @@ def _full_grads(optimizer, chunks) -> dict:
     out = {}
     for b in optimizer.layout.trainable_buckets():
         full = torch.empty(b.numel, device=optimizer.grid.device)
-        comm.all_gather_into(full, optimizer.grads.own_slice(b), optimizer.grid.dp_group)
+        comm.all_gather_into(full, optimizer.grads.buffers.own_slice(b), optimizer.grid.dp_group)
         out |= {s.name: full[s.offset: s.offset + s.numel].view(s.shape)
                 for s in b.slots}
     return out

@@ -110,7 +110,7 @@ def _nan_gradient(stage: int, precision: str) -> dict:
     tr.run_schedule(tr.microbatches(tr.train_ds, 0), forward_only=False)
     opt.finish_grad_sync()
     if dist.get_rank() == 1:  # one rank alone sees the NaN
-        opt.grads.own_slice(opt.layout.buckets[-1])[0] = float("nan")
+        opt.grads.buffers.own_slice(opt.layout.buckets[-1])[0] = float("nan")
     result = opt.step(1e-3)
     return {"skipped": result.skipped, "unchanged": _same(before, _snapshot(opt))}
 

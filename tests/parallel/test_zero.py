@@ -287,7 +287,7 @@ def _overflow(stage: int) -> dict:
     tr.run_schedule(tr.microbatches(tr.train_ds, 0), forward_only=False)
     opt.finish_grad_sync()
     if dist.get_rank() == 1:  # one rank alone sees the overflow
-        opt.grads.own_slice(opt.layout.buckets[0])[3] = float("inf")
+        opt.grads.buffers.own_slice(opt.layout.buckets[0])[3] = float("inf")
     result = opt.step(1e-3)
     after = opt.sharded.full_state_dict()
     unchanged = all(torch.equal(before[k], after[k]) for k in before)
@@ -491,8 +491,9 @@ def test_fused_adamw_matches_torch_reference_update():
     states = [[torch.randn(300, generator=g), torch.randn(300, generator=g) * 0.1,
                torch.rand(300, generator=g) * 0.01] for _ in range(2)]
     a = [[t.clone() for t in s] for s in states]
-    hp = dict(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, step=3)
-    adamw_([s[0] for s in a], grads, [s[1] for s in a], [s[2] for s in a], [a[0][0]], **hp)
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, step=3)
+    for i, wd in enumerate((0.1, 0.0)):
+        adamw_([a[i][0]], [grads[i]], [a[i][1]], [a[i][2]], weight_decay=wd, **hp)
     for i, (wd, s) in enumerate(zip((0.1, 0.0), states, strict=True)):
         p = torch.nn.Parameter(s[0].clone())
         ref = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd, foreach=False)
