@@ -90,6 +90,11 @@ SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR
 # DeepSpeed's defaults for the scheduler parameters a config leaves out.
 SCHEDULER_DEFAULTS = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log",
                       "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0001}
+# The parameters each scheduler's constructor takes: another one (cos_min_ratio under WarmupLR) is listed as unsupported.
+_WARMUP = {"warmup_num_steps", "warmup_type", "last_batch_iteration"}
+SCHEDULER_PARAMS = {"WarmupLR": _WARMUP | {"warmup_min_lr", "warmup_max_lr"},
+                    "WarmupDecayLR": _WARMUP | {"warmup_min_lr", "warmup_max_lr", "total_num_steps"},
+                    "WarmupCosineLR": _WARMUP | {"warmup_min_ratio", "cos_min_ratio", "total_num_steps"}}
 # DeepSpeed's defaults where megazero's differ, for what a config leaves out: its Adam's (FusedAdam's) parameters,
 # as megazero keys, when the file has an optimizer section.
 OPTIMIZER_DEFAULTS = {"optim.beta1": ("betas", 0.9), "optim.beta2": ("betas", 0.999), "optim.eps": ("eps", 1e-8),
@@ -385,7 +390,7 @@ class _Importer:
             if "total_num_steps" not in params:
                 raise ConfigError(f"DeepSpeed scheduler {kind} needs params.total_num_steps (the decay length)")
             self.set("optim.decay_iters", params["total_num_steps"], "scheduler.params.total_num_steps")
-        for name in sorted(set(params) - set(SCHEDULER_DEFAULTS) - {"total_num_steps", "last_batch_iteration"}):
+        for name in sorted(set(written) - SCHEDULER_PARAMS[kind]):
             if params[name] != "auto":
                 self.unsupported(f"scheduler.params.{name}", params[name])
 
@@ -405,7 +410,7 @@ class _Importer:
                                        "DeepSpeed gradient_accumulation_steps")
         micro, total = known.get("micro_batch_size"), known.get("global_batch_size")
         if given and micro is not None and total is not None:  # the file's accumulation re-derived, with a note
-            if accumulation == "auto" or total % (micro * self.dp):  # indivisible: validate()'s error, not a note
+            if accumulation == "auto" or micro < 1 or total % (micro * self.dp):  # validate()'s error, not a note
                 return
             now = total // (micro * self.dp)
             if now != accumulation:

@@ -193,7 +193,7 @@ def predict(cfg: Config, layout: ParallelLayout, cluster: Cluster, attention: st
         add_times(out, cfg, cluster)
     if layout.offload_optimizer:
         out.notes.append("optimizer states in host memory (stepped there)")
-    if sharding(cfg.zero.stage).parameters and layout.pp > 1:
+    if sharding(layout.zero_stage).parameters and layout.pp > 1:
         out.notes.append("ZeRO-3 with pp > 1 gathers every stage's parameters per micro-batch")
     return out
 

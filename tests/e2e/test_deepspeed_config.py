@@ -175,6 +175,27 @@ def test_one_batch_size_on_the_command_line(tmp_path, capsys):
     assert "re-derived" not in capsys.readouterr().err
 
 
+def test_a_zero_micro_batch_on_the_command_line_gets_the_validation_line(tmp_path):
+    """Checked by validation's one line (no division by it while the file's batch keys are read)."""
+    with pytest.raises(ConfigError, match=r"train.micro_batch_size \(0\) must be at least 1"):
+        _load(tmp_path, ZERO3_OFFLOAD_BF16, world=2, overrides=["--train.micro_batch_size", "0"])
+
+
+def test_a_parameter_of_another_scheduler_is_listed_as_unsupported(tmp_path, capsys):
+    """cos_min_ratio belongs to WarmupCosineLR, warmup_max_lr to WarmupLR and WarmupDecayLR: each
+    under the other is not read, and said so (DeepSpeed's constructor would refuse it)."""
+    warmup = FP16_ADAM_WARMUP["scheduler"]
+    _load(tmp_path, {**FP16_ADAM_WARMUP, "scheduler": {**warmup, "params": {**warmup["params"], "cos_min_ratio": 0.1}}},
+          world=16)
+    assert "scheduler.params.cos_min_ratio (0.1)" in capsys.readouterr().err
+    cosine = {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10, "total_num_steps": 100,
+                                                   "cos_min_ratio": 0.1, "warmup_max_lr": 1e-3}}
+    cfg = _load(tmp_path, {**FP16_ADAM_WARMUP, "scheduler": cosine}, world=16)
+    err = capsys.readouterr().err
+    assert "scheduler.params.warmup_max_lr (0.001)" in err and "cos_min_ratio" not in err
+    assert cfg.optim.decay_style == "cosine" and cfg.optim.decay_iters == 100
+
+
 # ----------------------------------------------------------------------------- README's table (generated from ROWS)
 
 

@@ -126,6 +126,8 @@ def test_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_pat
     reference = _records_uninterrupted(tmp_path, 2, RESTART_ARGS)
     assert [{k: r.get(k) for k in EXACT} for r in records] == [{k: r.get(k) for k in EXACT} for r in reference]
     assert_tensorboard_matches(tb, records)
+
+
 @pytest.mark.slow
 def test_worker_killed_at_random_moments_never_changes_the_result(tmp_path):
     """tp 2 x dp 2, ZeRO-2, a save every iteration: kills land before, during and after saves."""

@@ -375,3 +375,14 @@ def test_llama_configs_plan_with_their_published_parameter_counts(capsys, config
     assert code == 0, err
     assert f"{published / 1e9:.2f}B parameters" in out and "rope, rmsnorm, swiglu, 8 query groups, no bias" in out
     assert "tp2 pp2 dp2 z1 mb1 selective" in out and "pp rank 1:" in out
+
+
+def test_the_zero3_pipeline_note_follows_the_candidate_layout():
+    """The planner ranks layouts of every ZeRO stage from one config: the note is the layout's."""
+    from megazero.plan.planner import Cluster, ParallelLayout, predict
+    note = "ZeRO-3 with pp > 1 gathers every stage's parameters per micro-batch"
+    for config_stage in ("0", "3"):
+        cfg = make_config(["--zero.stage", config_stage], base=TINY)
+        for stage in range(4):
+            pred = predict(cfg, ParallelLayout(1, 2, 1, zero_stage=stage, micro_batch=2), Cluster(2, 8, 80.0, None))
+            assert (note in pred.notes) == (stage == 3), (config_stage, stage, pred.notes)
