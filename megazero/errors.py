@@ -96,7 +96,10 @@ def _job_marker(attempt: bool = True) -> Optional[str]:
     except (OSError, IndexError):
         return None
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if attempt else "all"
-    return os.path.join(tempfile.gettempdir(), f"megazero-error-{launcher}-{started}-{restart}")
+    # megazero.launch's own directory, which it removes at exit; under plain torchrun the
+    # system's (_remove_stale_markers clears what launchers that have exited left there).
+    where = os.environ.get("MEGAZERO_LAUNCH_DIR") or tempfile.gettempdir()
+    return os.path.join(where, f"megazero-error-{launcher}-{started}-{restart}")
 
 
 def _remove_stale_markers() -> None:

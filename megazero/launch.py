@@ -10,13 +10,19 @@ naming the first worker that failed, its exit status or signal, and torchrun's r
 A stop signal sent to the launcher (SIGTERM, SIGINT; torchrun forwards it to the workers, which
 save and stop: train/lifecycle.StopRequest) ends the job in one line and exit status 0 when the
 workers stopped cleanly, where torchrun prints a SignalException traceback and exits 1.
+
+It leaves nothing in the system's temporary directory: torchrun's log directory (without
+--log-dir, torchelastic makes a ``torchelastic_*`` one there per launch, holding each attempt's
+error files, and never removes it) and the workers' markers live in one directory of the
+launcher's own ($MEGAZERO_LAUNCH_DIR), removed when the launcher ends, however it ends.
 """
 
 from __future__ import annotations
 
-import contextlib
+import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -26,17 +32,28 @@ from megazero.errors import EXIT_USER_ERROR
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    scratch = tempfile.mkdtemp(prefix="megazero-launch-")
+    try:
+        return _run(args, scratch)
+    finally:  # also after restarts, failures and signals: the job's scratch goes with it
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, scratch: str) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    if not args.log_dir:  # a --log-dir of the user's is theirs to keep
+        args.log_dir = os.path.join(scratch, "torchelastic")
+    os.environ["MEGAZERO_LAUNCH_DIR"] = scratch  # the workers' markers (errors._job_marker)
     # The workers leave this file when they end in a UserError (errors._remember_user_error).
-    fd, marker = tempfile.mkstemp(prefix="megazero-user-error.")
-    os.close(fd)
-    os.remove(marker)
+    marker = os.path.join(scratch, "user-error")
     os.environ["MEGAZERO_USER_ERROR_FILE"] = marker
-    stopped = marker + ".stopped"  # left by workers that saved and stopped on a signal
+    stopped = os.path.join(scratch, "stopped")  # left by workers that saved and stopped on a signal
     os.environ["MEGAZERO_STOPPED_FILE"] = stopped
     # torchrun's per-worker "failed (exitcode ...)" and "closing signal" lines repeat what the
     # summary line below says; its agent's warnings (restarts, rendezvous) stay.
@@ -47,8 +64,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run(args)
     except SignalException as signalled:
         clean = os.path.exists(stopped)
-        with contextlib.suppress(OSError):
-            os.remove(stopped)
         name = signal.Signals(signalled.sigval).name
         if clean:
             print(f"megazero.launch: {name}: the workers saved and stopped", file=sys.stderr, flush=True)
@@ -58,7 +73,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 128 + signalled.sigval
     except ChildFailedError as failed:
         if os.path.exists(marker):
-            os.remove(marker)
             return EXIT_USER_ERROR
         rank, failure = failed.get_first_failure()
         status = (f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}")

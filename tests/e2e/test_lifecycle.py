@@ -376,3 +376,32 @@ def test_lost_node_restarts_at_the_smaller_world_size(tmp_path):
     final = read_jsonl(jsonl)[-1]
     assert final["iteration"] == 16
     assert abs(final["loss"] - _final_loss_uninterrupted(tmp_path, 1, args)) <= 1e-4
+
+
+def test_a_launch_with_a_restart_or_a_user_error_leaves_nothing_in_the_temporary_directory(tmp_path):
+    """torchelastic made a torchelastic_* directory per launch in the system's temporary
+    directory and left it (about 40 after a short trial), and the workers' error markers stayed
+    there too. Under megazero.launch: a worker killed once and restarted, then a config error
+    under --max-restarts 1, and the temporary directory (a fresh one: $TMPDIR) is as before."""
+    scratch, work = tmp_path / "tmp", tmp_path / "work"
+    scratch.mkdir()
+    work.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TMPDIR": str(scratch)}
+    jsonl = str(work / "m.jsonl")
+
+    def launch(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "megazero.launch", "--nproc_per_node=2", "--max-restarts=1",
+                                 f"--master_port={free_port()}", "-m", "megazero.train", "--config",
+                                 os.path.join(ROOT, "configs/gpt2-tiny.yaml"), "--data.mock", "true", *args],
+                                cwd=work, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    proc = launch("--train.iters", "4", "--logging.jsonl", jsonl)
+    _wait_for(lambda: _logged_past(jsonl, 0), proc)
+    os.kill(_children(proc.pid)[-1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and out.count("iter 1/4 ") == 2, err[-3000:]  # the restart started over
+    assert [r["iteration"] for r in read_jsonl(jsonl)] == [1, 2, 3, 4]
+    proc = launch("--parallel.tp", "3")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "must be divisible by parallel.tp (3)" in err, err[-3000:]
+    assert sorted(os.listdir(scratch)) == []
