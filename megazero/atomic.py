@@ -12,6 +12,7 @@ A crash at any moment leaves either the old complete file or the new complete on
     prepare_dir(path) / commit_dir(path)       the same in two steps, for writers that are
                                                several processes (sharded checkpoints)
     remove_dir(path)                           delete, never leaving a half-deleted PATH
+    rename_aside(path, new)                    move a file or directory to a free name
 """
 
 from __future__ import annotations
@@ -112,6 +113,14 @@ def remove_dir(path: str) -> None:
     os.replace(path, path + DEL_SUFFIX)
     _fsync(_parent(path))
     shutil.rmtree(path + DEL_SUFFIX, ignore_errors=True)
+
+
+def rename_aside(path: str, new: str) -> None:
+    """Move file or directory `path` to `new`, which must not exist (nothing is replaced), durably."""
+    if os.path.lexists(new):
+        raise FileExistsError(f"{new} exists; not moving {path} over it")
+    os.rename(path, new)
+    _fsync(_parent(new))
 
 
 def recover_dir(path: str) -> None:

@@ -6,7 +6,10 @@
 # dataset, then trains a small GPT-2 on CPU with tp 2 x pp 2 x dp 2 and ZeRO-1, evaluating
 # and checkpointing as it goes. Running it again resumes from the last checkpoint: the script
 # saves to and resumes from $RUN_DIR/checkpoints, or the --checkpoint.save DIR (--save DIR) given
-# as an argument (unless --checkpoint.load is given too).
+# as an argument (unless --checkpoint.load is given too). The metrics go to $RUN_DIR/metrics.jsonl;
+# with a save directory of one's own (and no RUN_DIR), beside it, to DIR.metrics.jsonl, so that
+# they never meet the default run's (a run never cuts or extends another's metrics: it moves
+# them aside, to the same name with that run's id).
 #
 # The config is checked for the world size before anything is prepared or launched. When a
 # worker dies, torchrun restarts every worker (up to RESTARTS times) and they resume from the
@@ -32,7 +35,14 @@ NPROC=${NPROC:-8}
 TP=${TP:-2}
 PP=${PP:-2}
 ZERO_STAGE=${ZERO_STAGE:-1}
+# Where checkpoints go and where a run resumes from: one directory. The user's own save directory
+# is both (their arguments come last: a --checkpoint.load of theirs still wins); its metrics go
+# beside it unless RUN_DIR says where.
+METRICS=""
+if SAVE=$(flag_value "$SAVE_FLAGS" "$@") && [[ -z ${RUN_DIR:-} ]]; then METRICS=${SAVE%/}.metrics.jsonl; fi
 RUN_DIR=${RUN_DIR:-runs/gpt2-cpu-demo}
+SAVE=${SAVE:-$RUN_DIR/checkpoints}
+METRICS=${METRICS:-$RUN_DIR/metrics.jsonl}
 DATA_DIR=${DATA_DIR:-data}
 VOCAB_SIZE=${VOCAB_SIZE:-8192}
 TOKENIZER=${TOKENIZER:-gpt2bpe:$DATA_DIR/tokenizer}
@@ -42,13 +52,10 @@ RESTARTS=${RESTARTS:-3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Each rendezvous round gets a fresh store hosted by rank 0 (none of a failed attempt's keys).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
-# Where checkpoints go and where a run resumes from: one directory. The user's own save directory
-# is both (their arguments come last: a --checkpoint.load of theirs still wins).
-SAVE=$(flag_value "$SAVE_FLAGS" "$@") || SAVE=$RUN_DIR/checkpoints
 train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE"
   --data.mock false --data.prefix "$DATA_PREFIX"
   --checkpoint.save "$SAVE" --checkpoint.load "$SAVE"
-  --logging.jsonl "$RUN_DIR/metrics.jsonl" ${ITERS:+--train.iters "$ITERS"})
+  --logging.jsonl "$METRICS" ${ITERS:+--train.iters "$ITERS"})
 
 # 0. Check the config for the largest world size before preparing data or starting any process
 #    (the vocabulary is the tokenizer's once it exists, else the size it is about to be trained with).
@@ -80,13 +87,13 @@ fi
 #    dataset, the checkpoint it resumes) are checked as start-up would, before any process starts.
 LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --quiet --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" \
   --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@" > /dev/null
-echo "== training: $NPROC processes per node, tp $TP x pp $PP, ZeRO-$ZERO_STAGE; outputs in $RUN_DIR"
+echo "== training: $NPROC processes per node, tp $TP x pp $PP, ZeRO-$ZERO_STAGE; checkpoints in $SAVE, metrics in $METRICS"
 # megazero.launch is torchrun (same arguments) that exits 2 for a user error (config, data,
 # checkpoint) as megazero does, and ends any other failure in one line instead of a traceback.
 launch python -m megazero.launch --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-restarts "$RESTARTS" \
   --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-megazero}" \
   -m megazero.train "${train_args[@]}" --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@"
 
-echo "== done. metrics: $RUN_DIR/metrics.jsonl  checkpoints: $SAVE (latest: $(cat "$SAVE/latest"))"
+echo "== done. metrics: $METRICS  checkpoints: $SAVE (latest: $(cat "$SAVE/latest"))"
 echo "   resolved config: $SAVE/config.yaml; run again to resume. To train longer, raise ITERS and"
 echo "   pass --optim.override_schedule true: a resumed run keeps the checkpoint's LR schedule (its decay length) otherwise"

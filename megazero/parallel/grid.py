@@ -103,6 +103,11 @@ class ProcessGrid:
     def rank_of(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
         return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
+    @property
+    def logging_rank(self) -> int:
+        """The rank that holds the loss and speaks for the run: the last stage's first rank."""
+        return self.rank_of(0, 0, self.pp - 1)
+
     def dp_cp_index(self, c: Coords) -> int:
         """The member index of coordinates `c` in their dp x cp group: ZeRO's shard rank."""
         return c.dp * self.cp + c.cp

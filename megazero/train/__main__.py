@@ -24,7 +24,7 @@ from megazero.config.rules import schedule_warnings
 from megazero.config.schema import Config, ConfigError
 from megazero.errors import exit_if_failed_before, report_errors
 from megazero.train import lifecycle
-from megazero.train.sinks import refuse_foreign_metrics
+from megazero.train.sinks import set_aside_other_runs
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -64,8 +64,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         require_logging_packages(cfg)
         lifecycle.refuse_missing_load(cfg)
         starting = starting_point_line(cfg, args.config or args.deepspeed_config)
-        if not lifecycle.restart_count():  # a restart is the run that claimed its metrics outputs
-            refuse_foreign_metrics(cfg)
     if starting and speaks:
         print(starting, flush=True)
     if speaks:
@@ -77,6 +75,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                 preflight(cfg, args.world_size)
         print(f"config OK for {args.world_size} process(es)" + (" (files not checked)" if args.config_only else ""))
         return
+    if not lifecycle.restart_count() and is_logging_rank(cfg, args.world_size):
+        # Before any rank starts training (the others never touch the metrics outputs); a
+        # restart is the run that claimed them.
+        with report_errors(OSError, every_rank=True):
+            for line in set_aside_other_runs(cfg):
+                print(line, flush=True)
     lifecycle.die_with_launcher()
     restarted = lifecycle.resume_on_restart(cfg)
     if restarted and int(os.environ.get("RANK", "0")) == 0:
@@ -112,6 +116,16 @@ def train(cfg: Config) -> None:
         dist.destroy_process_group()
         return
     _leave(0)
+
+
+def is_logging_rank(cfg: Config, world_size: int) -> bool:
+    """Whether this process is the rank that writes the metrics (the grid's rule, no process group yet)."""
+    from megazero.parallel.grid import ProcessGrid
+
+    p = cfg.parallel
+    layout = ProcessGrid(tp=p.tp, pp=p.pp, dp=world_size // (p.tp * p.pp * p.cp), cp=p.cp,
+                         rank=int(os.environ.get("RANK", "0")))
+    return layout.rank == layout.logging_rank
 
 
 def _leave(status: int) -> NoReturn:

@@ -113,7 +113,7 @@ class MetricsWriter:
         if not self.enabled:
             return []
         lg, notes = self.cfg.logging, []
-        claim(self.cfg)  # refuse_foreign_metrics checked at start-up that these outputs are this run's
+        claim(self.cfg)  # start-up moved another run's outputs aside (sinks.set_aside_other_runs)
         if lg.jsonl:
             dropped = drop_records_after(lg.jsonl, iteration)
             if dropped:

@@ -11,8 +11,10 @@ that after a restart each iteration is there once:
 
 That is for the run's own earlier attempts. A JSONL file or TensorBoard directory written by
 another run is never cut or appended to: each records its run's identity beside it (the run
-id its save directory keeps, the one its W&B run has too, and a digest of its model), and a
-start-up that is not that run refuses in one line (`refuse_foreign_metrics`).
+id its save directory keeps, the one its W&B run has too, and when it started), and a run that
+starts afresh (it does not resume a checkpoint of its own save directory) takes a new run id and
+moves another run's outputs aside, to the same name with that run's id or start time
+(`set_aside_other_runs`), so that running a command twice just works and nothing is lost.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ import hashlib
 import json
 import math
 import os
+import time
 import uuid
 from typing import Optional, Protocol
 
-from megazero.atomic import atomic_write, write_text
+from megazero.atomic import atomic_write, rename_aside, write_text
 from megazero.config.schema import Config
-from megazero.errors import UserError
 
 
 class Sink(Protocol):
@@ -42,10 +44,6 @@ RUN_FILE = "megazero_run.json"
 """The identity of the run that writes a TensorBoard directory, inside it; a JSONL file's is FILE.run.json."""
 
 
-class ForeignMetricsError(UserError):
-    """A metrics file or directory another run wrote: this run would cut or extend its records."""
-
-
 def metrics_outputs(cfg: Config) -> list[tuple[str, str, str]]:
     """(config key, path, its identity file) of each metrics output the run writes to a path."""
     lg, out = cfg.logging, []
@@ -58,34 +56,59 @@ def metrics_outputs(cfg: Config) -> list[tuple[str, str, str]]:
 
 def run_identity(cfg: Config, run_id: Optional[str]) -> dict:
     """What a metrics output records of its run: the run id (None without a save directory:
-    such a run cannot be resumed, each start is a run of its own), where it saves, its model."""
+    such a run cannot be resumed, each start is a run of its own), where it saves, its model,
+    when it started (what names its outputs once moved aside when it has no id)."""
     model = json.dumps(dataclasses.asdict(cfg.model), sort_keys=True)
     return {"run_id": run_id, "save": os.path.abspath(cfg.checkpoint.save) if cfg.checkpoint.save else None,
-            "model": hashlib.sha256(model.encode()).hexdigest()[:16]}
+            "model": hashlib.sha256(model.encode()).hexdigest()[:16], "started": time.strftime("%Y%m%d-%H%M%S")}
 
 
-def refuse_foreign_metrics(cfg: Config) -> None:
-    """At start-up, on every rank (reading only): refuse when a metrics output the config names
-    records another run (another run id, or none, or another model). A file without an
-    identity (written before megazero recorded one) is taken as this run's."""
-    mine = run_identity(cfg, saved_run_id(cfg.checkpoint.save))
+def continues_its_run(cfg: Config) -> bool:
+    """Whether the run resumes a checkpoint of its own save directory: the same run again (a
+    resume, the scripts' re-run), which keeps its run id and appends to its metrics."""
+    save, load = cfg.checkpoint.save, cfg.checkpoint.load
+    return bool(save and load and os.path.abspath(load) == os.path.abspath(save)
+                and os.path.isfile(os.path.join(save, "latest")))
+
+
+def set_aside_other_runs(cfg: Config) -> list[str]:
+    """At the first start of a run (not a torchrun restart: that is the run that claimed its
+    outputs), on the logging rank alone, the one that writes them: a run that starts afresh
+    takes a new run id, and each metrics output another run wrote is moved aside, to the same
+    name with that run's id or start time. An output without an identity (written before
+    megazero recorded one) is taken as this run's. Returns one line per output moved."""
+    if cfg.checkpoint.save and saved_run_id(cfg.checkpoint.save) and not continues_its_run(cfg):
+        # A fresh start in a save directory another run used: a W&B run of its own, not that one's.
+        write_text(os.path.join(cfg.checkpoint.save, WANDB_ID_FILE), new_run_id())
+    mine = saved_run_id(cfg.checkpoint.save)
+    lines = []
     for key, path, identity in metrics_outputs(cfg):
         if not os.path.exists(path) or not os.path.isfile(identity):
             continue
         with open(identity) as f:
             owner = json.load(f)
-        if owner.get("run_id") is not None and owner.get("run_id") == mine["run_id"] and (
-                owner.get("model") == mine["model"] or _has_checkpoint(cfg.checkpoint.save)):
-            continue  # with a checkpoint to resume, its own check names the model key that differs
-        whose = (f"run {owner['run_id']}, saving to {owner.get('save')}" if owner.get("run_id") else
-                 "a run without checkpoint.save")
-        model = "" if owner.get("model") == mine["model"] else " with another model"
-        raise ForeignMetricsError(f"{key} {path} holds the metrics of another run ({whose}{model}); this run "
-                                  f"would cut or extend them: pass --{key} with another path (or remove it)")
+        if owner.get("run_id") is not None and owner.get("run_id") == mine:
+            continue  # this run's own: a resume appends (and drops what it logs again)
+        aside = _aside_name(path, owner.get("run_id") or owner.get("started") or
+                            time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path))))
+        # The records first, their identity second: a crash between leaves the records aside and
+        # no file under the old name, never records without an identity (taken as this run's).
+        rename_aside(path, aside)
+        if os.path.isfile(identity):  # a JSONL's sits beside it; a TensorBoard directory took its own along
+            rename_aside(identity, aside + ".run.json")
+        lines.append(f"{key}: {path} held the metrics of another run; moved them to {aside}")
+    return lines
 
 
-def _has_checkpoint(save: Optional[str]) -> bool:
-    return save is not None and os.path.isfile(os.path.join(save, "latest"))
+def _aside_name(path: str, tag: str) -> str:
+    """PATH with `tag` before its extension (metrics.jsonl -> metrics.TAG.jsonl; tb -> tb.TAG),
+    numbered when that name is taken (an output of the same run moved aside before)."""
+    stem, ext = os.path.splitext(path.rstrip(os.sep)) if os.path.isfile(path) else (path.rstrip(os.sep), "")
+    name, n = f"{stem}.{tag}{ext}", 1
+    while os.path.exists(name):
+        n += 1
+        name = f"{stem}.{tag}-{n}{ext}"
+    return name
 
 
 def claim(cfg: Config) -> None:
@@ -206,6 +229,10 @@ def saved_run_id(save_dir: Optional[str]) -> Optional[str]:
         return f.read().strip()
 
 
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
 def wandb_run_id(save_dir: Optional[str]) -> Optional[str]:
     """The id of the run saving to `save_dir` (its W&B run id, and the owner its metrics
     outputs record), kept there so that a restart or a resume is the same run; None without
@@ -214,7 +241,7 @@ def wandb_run_id(save_dir: Optional[str]) -> Optional[str]:
         return None
     run_id = saved_run_id(save_dir)
     if not run_id:
-        run_id = uuid.uuid4().hex[:12]
+        run_id = new_run_id()
         write_text(os.path.join(save_dir, WANDB_ID_FILE), run_id)
     return run_id
 

@@ -72,8 +72,7 @@ class Trainer:
         self.skipped_iters = 0
         self.skipped_in_a_row = 0
         self.schedule = LRSchedule.from_config(cfg.optim, t)
-        # The rank that holds the loss and speaks for the run: last stage, first TP/DP rank.
-        self.is_logger = grid.rank == grid.rank_of(0, 0, grid.pp - 1)
+        self.is_logger = grid.rank == grid.logging_rank
         self.metrics = MetricsWriter(cfg, self.is_logger)
         self.flops_per_token = model_flops_per_token(cfg.model)
         self.device_name, self.peak_flops = device_peak_flops()

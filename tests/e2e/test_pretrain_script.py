@@ -49,11 +49,15 @@ def test_main_job_trains_evaluates_saves_and_resumes(tmp_path):
 
 def test_a_save_directory_of_ones_own_is_where_the_script_resumes_from(tmp_path, bpe_spec):
     """--checkpoint.save DIR on the command line: the run saves there and, run again, resumes
-    from there (not from $RUN_DIR/checkpoints, which never exists). Short form: one process."""
+    from there (not from $RUN_DIR/checkpoints). Its metrics go beside DIR, to DIR.metrics.jsonl,
+    not to runs/gpt2-cpu-demo/metrics.jsonl, the default run's (issue 46, 1). Short form: one process."""
     save = tmp_path / "mine" / "ck"
     env = {**os.environ, "CONFIG": TINY_CONFIG, "NPROC": "1", "TP": "1", "PP": "1", "ZERO_STAGE": "0",
            "TOKENIZER": bpe_spec, "INPUT": str(write_jsonl(tmp_path / "corpus.jsonl", make_texts(200))),
-           "DATA_DIR": str(tmp_path / "data"), "RUN_DIR": str(tmp_path / "run")}
+           "DATA_DIR": str(tmp_path / "data")}
+    env.pop("RUN_DIR", None)
+    default = REPO / "runs" / "gpt2-cpu-demo" / "metrics.jsonl"
+    before = default.stat().st_mtime_ns if default.exists() else None
     for iters in (2, 4):
         proc = subprocess.run(["bash", "scripts/pretrain_gpt.sh", "--train.iters", str(iters), "--checkpoint.save",
                                str(save), "--checkpoint.interval", "2"], cwd=ROOT, capture_output=True, text=True,
@@ -61,9 +65,10 @@ def test_a_save_directory_of_ones_own_is_where_the_script_resumes_from(tmp_path,
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         assert open(save / "latest").read() == f"iter_{iters:07d}"
         assert ("resumed from" in proc.stdout) == (iters == 4), proc.stdout
-    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    records = [json.loads(line) for line in open(tmp_path / "mine" / "ck.metrics.jsonl")]
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert (default.stat().st_mtime_ns if default.exists() else None) == before
+    assert f"checkpoints in {save}, metrics in {save}.metrics.jsonl" in proc.stdout
 
 
 def test_bad_layout_is_refused_before_anything_is_prepared_or_launched(tmp_path):

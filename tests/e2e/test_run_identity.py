@@ -1,12 +1,14 @@
 """What a run starts from and writes into, when settings disagree (issue 39, 1 and 6): a config
 file's checkpoint.load against the command line's init_from_hf or save directory, a metrics file
-another run wrote, and a finished run started again."""
+another run wrote (moved aside: issue 46, 1), and a finished run started again."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,32 +24,50 @@ def _train(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=240)
 
 
-def test_a_finished_run_says_so_and_foreign_metrics_are_refused(tmp_path):
+def test_a_finished_run_says_so_and_another_runs_metrics_are_moved_aside(tmp_path):
     config = tmp_path / "run.yaml"
     jsonl, save = tmp_path / "run" / "metrics.jsonl", tmp_path / "run" / "ck"
     config.write_text((REPO / "configs" / "gpt2-tiny.yaml").read_text() +
-                      f"checkpoint:\n  save: {save}\n  load: {save}\nlogging:\n  jsonl: {jsonl}\n")
-    first = _train("--config", str(config), "--train.iters", "2")
+                      f"checkpoint:\n  save: {save}\n  load: {save}\n")
+    first = _train("--config", str(config), "--train.iters", "2", "--logging.jsonl", str(jsonl))
     assert first.returncode == 0, first.stderr[-2000:]
-    records = jsonl.read_text()
-    # (6) Started again: nothing to do, said in one line, exit 0, the metrics untouched.
-    again = _train("--config", str(config), "--train.iters", "2")
+    records, run_id = jsonl.read_text(), (save / "wandb_run_id").read_text()
+    # (39.6) Started again: nothing to do, said in one line, exit 0, the metrics untouched.
+    again = _train("--config", str(config), "--train.iters", "2", "--logging.jsonl", str(jsonl))
     assert again.returncode == 0 and "already at train.iters 2; nothing to train\n" in again.stdout, again.stderr
-    assert jsonl.read_text() == records
-    # (1) Another run (its own save directory, from scratch) would cut the file's records: refused in one line.
+    assert jsonl.read_text() == records and "moved" not in again.stdout
+    # (46.1) Another run (its own save directory, from scratch) was refused, exit 2; now the file
+    # moves aside with its identity, under the old run's id, said in one line, and the run runs.
     other = _train("--config", str(config), "--train.iters", "2", "--checkpoint.load", "null",
-                   "--checkpoint.save", str(tmp_path / "other"))
-    assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
-    assert other.stderr.startswith(f"error: logging.jsonl {jsonl} holds the metrics of another run (run ")
-    assert other.stderr.endswith("this run would cut or extend them: pass --logging.jsonl with another path "
-                                 "(or remove it)\n")
-    assert jsonl.read_text() == records
+                   "--checkpoint.save", str(tmp_path / "other"), "--logging.jsonl", str(jsonl))
+    assert other.returncode == 0, other.stderr[-2000:]
+    aside = tmp_path / "run" / f"metrics.{run_id}.jsonl"
+    assert f"logging.jsonl: {jsonl} held the metrics of another run; moved them to {aside}\n" in other.stdout
+    assert aside.read_text() == records and json.loads(Path(f"{aside}.run.json").read_text())["run_id"] == run_id
+    assert [r["iteration"] for r in map(json.loads, jsonl.read_text().splitlines())] == [1, 2]
+    assert json.loads(Path(f"{jsonl}.run.json").read_text())["run_id"] == (tmp_path / "other" / "wandb_run_id").read_text()
     # With a path of its own it runs; the line says where it starts from and where it saves.
     branch = _train("--config", str(config), "--train.iters", "3", "--checkpoint.save", str(tmp_path / "other"),
                     "--logging.jsonl", str(tmp_path / "other.jsonl"))
     assert branch.returncode == 0, branch.stderr[-2000:]
     assert (f"starting from the checkpoint in checkpoint.load {save} (from {config}); saving into checkpoint.save "
             f"{tmp_path / 'other'} (from the command line)\n") in branch.stdout
+
+
+def test_the_same_command_twice_without_a_save_directory_just_works(tmp_path):
+    """The README's example (no checkpoint.save: each start is a run of its own) failed the second
+    time with 'holds the metrics of another run', exit 2. Now the first run's metrics move aside,
+    named by its start time, and nothing is lost."""
+    jsonl = tmp_path / "tiny" / "metrics.jsonl"
+    command = ("--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--train.iters", "2",
+               "--logging.jsonl", str(jsonl))
+    assert _train(*command).returncode == 0
+    records, started = jsonl.read_text(), json.loads(Path(f"{jsonl}.run.json").read_text())["started"]
+    second = _train(*command)
+    assert second.returncode == 0, second.stderr[-2000:]
+    aside = tmp_path / "tiny" / f"metrics.{started}.jsonl"
+    assert f"held the metrics of another run; moved them to {aside}\n" in second.stdout, second.stdout
+    assert aside.read_text() == records and len(jsonl.read_text().splitlines()) == 2
 
 
 def test_init_from_hf_against_a_checkpoint_in_load(tmp_path):

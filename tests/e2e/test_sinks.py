@@ -19,7 +19,15 @@ from helpers import (
     run_distributed,
     tensorboard_scalars,
 )
-from megazero.train.sinks import SAMPLES_RUN, TensorBoardSink, WandbSink, drop_records_after
+from megazero.train.sinks import (
+    SAMPLES_RUN,
+    TensorBoardSink,
+    WandbSink,
+    claim,
+    drop_records_after,
+    saved_run_id,
+    set_aside_other_runs,
+)
 
 ROOT = str(REPO)
 
@@ -115,6 +123,40 @@ def test_wandb_restarts_resume_one_run_per_save_directory(tmp_path, monkeypatch)
     monkeypatch.delenv("WANDB_MODE")  # megazero's default, offline: W&B cannot resume there
     WandbSink(cfg)
     assert calls == [("init", None, None), ("init", run_id, None)]
+
+
+def test_another_runs_tensorboard_and_wandb_run_are_set_aside_and_a_resume_keeps_its_own(tmp_path):
+    """A fresh run into a save directory another run used: a new run id (its own W&B run, not a
+    resume of the other's), that run's TensorBoard directory and JSONL moved aside under its id.
+    The same run resuming its checkpoint keeps both in place; a second move numbers the name."""
+    save, tb, jsonl = tmp_path / "ck", tmp_path / "tb", tmp_path / "m.jsonl"
+    outputs = ["--checkpoint.save", str(save), "--logging.tensorboard", str(tb), "--logging.jsonl", str(jsonl)]
+    first = make_config(outputs)
+    claim(first)  # as the first run's sinks open
+    jsonl.write_text('{"iteration": 1}\n')
+    (tb / "events.out.tfevents.1").write_text("first")
+    old_id = saved_run_id(str(save))
+    (save / "latest").write_text("iter_0000004")
+    resume = make_config([*outputs, "--checkpoint.load", str(save)])
+    assert set_aside_other_runs(resume) == [] and saved_run_id(str(save)) == old_id
+    fresh = make_config([*outputs, "--model.hidden_size", "32"])
+    lines = set_aside_other_runs(fresh)
+    new_id = saved_run_id(str(save))
+    assert new_id not in (None, old_id)
+    assert lines == [f"logging.jsonl: {jsonl} held the metrics of another run; moved them to {tmp_path}/m.{old_id}.jsonl",
+                     f"logging.tensorboard: {tb} held the metrics of another run; moved them to {tmp_path}/tb.{old_id}"]
+    assert sorted(os.listdir(tmp_path)) == ["ck", f"m.{old_id}.jsonl", f"m.{old_id}.jsonl.run.json", f"tb.{old_id}"]
+    assert (tmp_path / f"tb.{old_id}" / "events.out.tfevents.1").read_text() == "first"
+    # The old run resumes in place of the new one's outputs: the new one's move aside, numbered when taken.
+    claim(fresh)
+    (save / "wandb_run_id").write_text(old_id)
+    jsonl.write_text('{"iteration": 2}\n')
+    assert len(set_aside_other_runs(resume)) == 2 and (tmp_path / f"m.{new_id}.jsonl").exists()
+    claim(resume)
+    jsonl.write_text("")
+    (save / "wandb_run_id").write_text(new_id)
+    set_aside_other_runs(resume)
+    assert (tmp_path / f"m.{old_id}-2.jsonl").exists() and (tmp_path / f"tb.{old_id}-2").is_dir()
 
 
 # ----------------------------------------------------------------------------- start-up
