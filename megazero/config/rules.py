@@ -74,12 +74,33 @@ def validate(cfg: Config, world_size: int) -> int:
     if t.rampup_batch_size is not None:
         rampup_steps(t, dp)  # its one-line errors
     _validate_pipeline(cfg, dp)
+    _validate_moe(cfg, dp)
     if p.sequence_parallel:
         _refuse(sequence_parallel_problem(m.seq_length, p.tp, p.cp))
         if p.tp > 1 and cfg.finetune.lora_rank:
             raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
                               f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
+    _refuse(not_built_yet_problem(m))
     return dp
+
+
+def not_built_yet_problem(m: ModelConfig) -> Optional[str]:
+    """Model keys that validate but whose layers megazero does not build yet, refused here rather than
+    trained as a dense model. The one place to shorten as each lands (issue 45: the MoE layer, QK-norm,
+    kv_channels, qkv_bias)."""
+    later = "they come with issue 45's model code; set it back for now"
+    if m.num_experts:
+        return (f"model.num_experts {m.num_experts}: mixture-of-experts layers are not built yet; {later} "
+                f"(--model.num_experts 0 trains the dense model)")
+    if m.qk_layernorm:
+        return f"model.qk_layernorm true: per-head q/k RMSNorm is not built yet; {later} (--model.qk_layernorm false)"
+    if m.kv_channels and m.kv_channels != m.head_dim:
+        return (f"model.kv_channels {m.kv_channels}: a head size other than hidden_size / num_heads ({m.head_dim}) "
+                f"is not built yet; {later} (--model.kv_channels 0)")
+    if m.qkv_bias and not m.bias:
+        return (f"model.qkv_bias true with model.bias false: q/k/v-only biases are not built yet; {later} "
+                f"(--model.qkv_bias false, or --model.bias true for every bias)")
+    return None
 
 
 def _validate_optim(o: OptimConfig) -> None:
@@ -235,6 +256,95 @@ def _validate_pipeline(cfg: Config, dp: int) -> None:
         raise ConfigError("parallel.schedule interleaved needs parallel.vpp > 1")
 
 
+def _validate_moe(cfg: Config, dp: int) -> None:
+    """The mixture-of-experts keys (model.moe_*, parallel.ep / etp) and the experts' folding of the grid."""
+    m, p = cfg.model, cfg.parallel
+    for key in ("num_experts", "moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size", "moe_router_num_groups",
+                "moe_router_group_topk", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
+                "kv_channels"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key} ({getattr(m, key)}) must not be negative")
+    if p.ep < 1 or p.etp < 0:
+        raise ConfigError(f"parallel.ep ({p.ep}) must be at least 1 and parallel.etp ({p.etp}) not negative "
+                          f"(0 means parallel.tp)")
+    if not m.num_experts:
+        if p.ep > 1 or p.expert_tp != p.tp:
+            raise ConfigError(f"parallel.ep ({p.ep}) and parallel.etp ({p.etp}) split experts, but model.num_experts "
+                              f"is 0 (a dense model); set model.num_experts, or parallel.ep 1 and parallel.etp 0")
+        return
+    _refuse(moe_layers_problem(m), moe_router_problem(m), moe_capacity_problem(m, cfg.set_keys),
+            expert_grid_problem(p.tp, p.cp, dp, p.ep, p.expert_tp, m.num_experts),
+            expert_width_problem(m.moe_ffn_size, m.moe_shared_expert_ffn_hidden_size, p.expert_tp, p.tp))
+
+
+def moe_layers_problem(m: ModelConfig) -> Optional[str]:
+    """Which layers are MoE (moe_layer_freq) and the experts' widths."""
+    freq = m.moe_layer_freq
+    if isinstance(freq, list):
+        if len(freq) != m.num_layers or any(isinstance(v, bool) or v not in (0, 1) for v in freq):
+            return (f"model.moe_layer_freq ({freq}) must list 0 (dense) or 1 (MoE) for each of model.num_layers "
+                    f"({m.num_layers}) layers, e.g. {[0] + [1] * (m.num_layers - 1)}, or be an integer k")
+        if 1 not in freq:
+            return (f"model.moe_layer_freq ({freq}) makes no layer MoE; put a 1 where a layer has experts, "
+                    f"or set model.num_experts 0 for a dense model")
+    elif freq < 1:
+        return f"model.moe_layer_freq ({freq}) must be at least 1 (every k-th layer is MoE; 1: every layer)"
+    if m.moe_shared_expert_gate and not m.moe_shared_expert_ffn_hidden_size:
+        return ("model.moe_shared_expert_gate gates the shared expert, but model.moe_shared_expert_ffn_hidden_size "
+                "is 0 (none); set its width or drop the gate")
+    return None
+
+
+def moe_router_problem(m: ModelConfig) -> Optional[str]:
+    """The router's top-k, group-limited routing, score function and expert bias."""
+    e, k = m.num_experts, m.moe_router_topk
+    if not 1 <= k <= e:
+        return f"model.moe_router_topk ({k}) must be in 1..model.num_experts ({e}), e.g. {min(2, e)}"
+    if k == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax:
+        return ("model.moe_router_topk 1 with softmax after the top-k gives every token weight 1 and the router no "
+                "gradient; set model.moe_router_pre_softmax true or moe_router_topk 2")
+    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
+        return (f"model.moe_router_pre_softmax applies to softmax scores, but moe_router_score_function is "
+                f"{m.moe_router_score_function}; drop moe_router_pre_softmax")
+    if m.moe_router_topk_scaling_factor is not None and m.moe_router_topk_scaling_factor <= 0:
+        return f"model.moe_router_topk_scaling_factor ({m.moe_router_topk_scaling_factor:g}) must be positive, or null"
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        return ("model.moe_router_enable_expert_bias biases sigmoid scores (DeepSeek-V3); set "
+                "model.moe_router_score_function sigmoid or drop the expert bias")
+    return group_routing_problem(e, k, m.moe_router_num_groups, m.moe_router_group_topk)
+
+
+def group_routing_problem(experts: int, topk: int, groups: int, group_topk: int) -> Optional[str]:
+    """Group-limited routing: equal groups of experts, top-k drawn from group_topk of them."""
+    if not groups:
+        return (f"model.moe_router_group_topk ({group_topk}) needs model.moe_router_num_groups; set it or drop "
+                f"group_topk") if group_topk else None
+    if experts % groups:
+        divisors = [d for d in range(2, experts + 1) if experts % d == 0]
+        return (f"model.moe_router_num_groups ({groups}) must divide model.num_experts ({experts}) into equal groups;"
+                f" try {_nearest(divisors, groups)}")
+    if not 1 <= group_topk <= groups:
+        return f"model.moe_router_group_topk ({group_topk}) must be in 1..model.moe_router_num_groups ({groups})"
+    if topk > group_topk * (experts // groups):
+        return (f"model.moe_router_topk ({topk}) exceeds the experts of moe_router_group_topk ({group_topk}) groups "
+                f"of {experts // groups}; raise moe_router_group_topk or lower moe_router_topk")
+    return None
+
+
+def moe_capacity_problem(m: ModelConfig, set_keys: frozenset[str]) -> Optional[str]:
+    """Token dropping: a positive capacity factor, and its keys only with one."""
+    if m.moe_capacity_factor is not None:
+        if m.moe_capacity_factor <= 0:
+            return (f"model.moe_capacity_factor ({m.moe_capacity_factor:g}) must be positive, e.g. 1.25, or null "
+                    f"(dropless)")
+        return None
+    for key in ("moe_token_drop_policy", "moe_pad_to_capacity"):
+        if f"model.{key}" in set_keys:
+            return (f"model.{key} applies when tokens are dropped, but model.moe_capacity_factor is null (dropless); "
+                    f"set a capacity factor, e.g. 1.25, or drop {key}")
+    return None
+
+
 def _refuse(*problems: Optional[str]) -> None:
     """Raise the first problem found, if any."""
     for problem in problems:
@@ -362,3 +472,41 @@ def zbh1_problem(vpp: int, compile: bool) -> Optional[str]:
         return ("parallel.schedule zbh1 cannot defer weight gradients inside compiled blocks; use --train.compile "
                 "false or --parallel.schedule 1f1b")
     return None
+
+
+def expert_grid_problem(tp: int, cp: int, dp: int, ep: int, etp: int, num_experts: int = 0) -> Optional[str]:
+    """Experts fold the tp x cp x dp ranks of each pipeline stage as etp x ep x expert-dp, so etp x ep
+    must divide them; ep must also divide num_experts (when given: each EP rank holds whole experts).
+    The refusal names the nearest valid values."""
+    stage, where = tp * cp * dp, f"tp x cp x dp ({tp} x {cp} x {dp} = {tp * cp * dp})"
+    if ep < 1 or etp < 1:
+        return f"parallel.ep ({ep}) and parallel.etp ({etp}) must be at least 1"
+    if stage % etp:
+        return (f"parallel.etp ({etp}) must divide the ranks of a pipeline stage, {where}; try etp "
+                f"{_nearest([d for d in range(1, stage + 1) if stage % d == 0], etp)}")
+    fits = [d for d in range(1, stage // etp + 1) if (stage // etp) % d == 0 and not (num_experts and num_experts % d)]
+    if stage % (etp * ep):
+        return (f"parallel.ep ({ep}) x parallel.etp ({etp}) must divide the ranks of a pipeline stage, {where}; "
+                f"try ep {_nearest(fits, ep)}")
+    if num_experts and num_experts % ep:
+        return (f"parallel.ep ({ep}) must divide model.num_experts ({num_experts}): each EP rank holds whole "
+                f"experts; try ep {_nearest(fits, ep)}")
+    return None
+
+
+def expert_width_problem(width: int, shared_width: int, etp: int, tp: int) -> Optional[str]:
+    """Expert tensor parallelism splits each expert's MLP over etp ranks; the shared expert, a dense
+    MLP, splits over tp."""
+    if width % etp:
+        return (f"the experts' MLP width ({width}, model.moe_ffn_hidden_size) must be divisible by parallel.etp "
+                f"({etp}); change one")
+    if shared_width % tp:
+        return (f"model.moe_shared_expert_ffn_hidden_size ({shared_width}) must be divisible by parallel.tp ({tp})")
+    return None
+
+
+def _nearest(options: list[int], want: int) -> str:
+    """The options nearest to `want`, below and above: "2 or 4", or one of them."""
+    below = [o for o in options if o < want]
+    above = [o for o in options if o > want]
+    return " or ".join(str(o) for o in (below[-1:] + above[:1])) or str(want)

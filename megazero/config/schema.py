@@ -71,6 +71,62 @@ class ModelConfig:
     """Norm weights stored as w and applied as 1 + w (initialised to 0), for LayerNorm and RMSNorm alike, so
     weight decay pulls them toward 1, not 0 (Megatron's --apply-layernorm-1p)."""
 
+    num_experts: int = 0
+    """Mixture of experts: routed experts per MoE layer (Megatron's --num-experts); 0 means a dense model.
+    MoE layers are not built yet: a value above 0 is refused at start-up."""
+    moe_router_topk: int = 2
+    """MoE: experts each token is routed to (at most num_experts)."""
+    moe_ffn_hidden_size: int = 0
+    """MoE: each routed expert's MLP width (fine-grained experts); 0 means the MLP width of dense layers."""
+    moe_layer_freq: Union[int, list] = 1
+    """MoE: which layers are MoE: an integer k (layers 0, k, 2k, ... are MoE) or a 0/1 list with one entry
+    per layer, e.g. [0, 1, 1, 1] for DeepSeek-style first layers dense; dense layers use ffn_hidden_size."""
+    moe_shared_expert_ffn_hidden_size: int = 0
+    """MoE: MLP width of the shared expert every token also passes through (Qwen2-MoE, DeepSeek); 0: none."""
+    moe_shared_expert_gate: bool = False
+    """MoE: scale the shared expert's output by a sigmoid gate of the token (Qwen2-MoE)."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """MoE: router scores from the logits: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)."""
+    moe_router_pre_softmax: bool = False
+    """MoE: softmax over all experts before the top-k (OLMoE, Qwen2-MoE); false: top-k of the logits, then
+    softmax over the k chosen (Mixtral, Qwen3-MoE)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """MoE: multiply the chosen experts' weights by this factor (DeepSeek-V3: 2.5); null: unscaled."""
+    moe_router_num_groups: int = 0
+    """MoE: group-limited routing (DeepSeek-V3): experts split into this many equal groups, each token
+    choosing its top-k among the experts of moe_router_group_topk groups; 0: off."""
+    moe_router_group_topk: int = 0
+    """MoE: groups each token may route to under moe_router_num_groups (at most num_groups)."""
+    moe_router_enable_expert_bias: bool = False
+    """MoE: aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing the
+    top-k, updated after each global batch by moe_router_bias_update_rate x sign(mean count - count), with
+    counts summed over every data rank; checkpointed. Needs moe_router_score_function sigmoid."""
+    moe_router_bias_update_rate: float = 1e-3
+    """MoE: step size of the expert-bias update (DeepSeek-V3: 1e-3)."""
+    moe_load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    """MoE: load-balancing loss: aux_loss (per micro-batch, counts over tp x cp), seq_aux_loss (per sequence,
+    DeepSeek-V2), global_aux_loss (counts also over dp) or none; scaled by moe_aux_loss_coeff."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE: coefficient of the load-balancing loss (0: off; 1e-2 is a usual start)."""
+    moe_z_loss_coeff: float = 0.0
+    """MoE: coefficient of the router z-loss, mean(logsumexp(logits)^2) (0: off; 1e-3 is a usual start)."""
+    moe_capacity_factor: Optional[float] = None
+    """MoE: expert capacity as a multiple of the tokens an expert gets under perfect balance; tokens beyond it
+    are dropped (they pass through the residual); null: dropless."""
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """MoE with moe_capacity_factor: which tokens an over-full expert drops: probs (lowest routing weight) or
+    position (latest in the batch)."""
+    moe_pad_to_capacity: bool = False
+    """MoE with moe_capacity_factor: pad every expert's input to its full capacity (fixed shapes)."""
+    qk_layernorm: bool = False
+    """Per-head RMSNorm of q and k before rotary embeddings (Qwen3, OLMoE). Not built yet: true is refused."""
+    kv_channels: int = 0
+    """Head size when it is not hidden_size / num_heads (Qwen3: 128 with h 2048 and 32 heads); 0 means
+    hidden_size / num_heads. Not built yet: another value is refused."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections even when model.bias is false (Qwen2). Not built yet: true with
+    model.bias false is refused."""
+
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
@@ -83,6 +139,12 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Each routed expert's MLP width (moe_ffn_hidden_size, or the dense layers' width when 0)."""
+        return self.moe_ffn_hidden_size or self.ffn_size
 
 
 @dataclass
@@ -110,6 +172,18 @@ class ParallelConfig:
     """How attention sees the whole sequence under cp > 1: ring (K/V blocks passed around the
     cp ranks, merged by log-sum-exp) or ulysses (all-to-all to whole sequences of heads / cp;
     num_heads divisible by tp x cp)."""
+    ep: int = 1
+    """Expert-parallel degree: ranks that split the routed experts (num_experts / ep each), tokens reaching
+    them by an all-to-all. Experts fold the tp x cp x dp ranks of each pipeline stage as etp x ep x expert-dp,
+    so ep can span data- and context-parallel ranks (Megatron's --expert-model-parallel-size)."""
+    etp: int = 0
+    """Expert tensor-parallel degree: ranks that split each expert's MLP; 0 means parallel.tp
+    (Megatron's --expert-tensor-parallel-size)."""
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel degree: etp, or tp when 0."""
+        return self.etp or self.tp
 
 
 @dataclass

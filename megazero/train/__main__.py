@@ -96,7 +96,7 @@ def train(cfg: Config) -> None:
 
     timeout_s = cfg.train.timeout_minutes * 60
     grid = ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, timeout_s, lifecycle.attempt_store(timeout_s),
-                              cp=cfg.parallel.cp)
+                              cp=cfg.parallel.cp, ep=cfg.parallel.ep, etp=cfg.parallel.expert_tp)
     lost_peer = lifecycle.LostPeerExit()  # a lost peer: one line per surviving rank, exit 1, not a traceback
     watch = lifecycle.NcclErrorWatch(grid, lost_peer)
     try:
