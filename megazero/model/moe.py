@@ -47,7 +47,7 @@ from megazero.model.router import (
 )
 from megazero.parallel.comm import Group, all_reduce, solo_group
 from megazero.parallel.dispatch import LocalDispatch, TokenDispatcher
-from megazero.parallel.placement import Placement, place
+from megazero.parallel.placement import Placement, place, placement
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -78,9 +78,14 @@ def expert_loop_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
 class _ExpertWeight(nn.Module):
     """One 3-D weight [E, out, in]: a module of its own so that its name ends in `.weight`."""
 
-    def __init__(self, shape: tuple[int, int, int]):
+    def __init__(self, shape: tuple[int, int, int], experts: int = 0):
         super().__init__()
-        self.weight = place(nn.Parameter(torch.empty(shape)), Placement(shape))
+        self.weight = place(nn.Parameter(torch.empty(shape)), Placement(shape, experts=experts))
+
+    def keep_experts(self, ep: Group) -> None:
+        """Keep this expert-parallel rank's whole experts (the placement keeps the full shape)."""
+        where = placement(self.weight)
+        self.weight = place(nn.Parameter(where.expert_shard(self.weight.detach(), ep.rank, ep.size).clone()), where)
 
 
 class GroupedExperts(nn.Module):
@@ -90,8 +95,8 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.activation = activation
         gated = activation == "swiglu"
-        self.c_fc = _ExpertWeight((num_experts, (2 if gated else 1) * ffn, hidden))
-        self.c_proj = _ExpertWeight((num_experts, hidden, ffn))
+        self.c_fc = _ExpertWeight((num_experts, (2 if gated else 1) * ffn, hidden), num_experts)
+        self.c_proj = _ExpertWeight((num_experts, hidden, ffn), num_experts)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return grouped_mm(activate(grouped_mm(x, self.c_fc.weight, counts), self.activation),
@@ -143,6 +148,14 @@ class MoE(nn.Module):
         self.loss_scale = 1.0
         self.stats: Optional[MoEStats] = None
 
+    def apply_ep(self, ep: Group, dispatcher: TokenDispatcher) -> None:
+        """Expert parallelism (from outside, like tensor parallelism): keep this rank's E/ep
+        experts, and let `dispatcher` carry the tokens to the ranks of theirs."""
+        if ep.size > 1:
+            self.experts.c_fc.keep_experts(ep)
+            self.experts.c_proj.keep_experts(ep)
+        self.dispatcher = dispatcher
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -167,8 +180,8 @@ class MoE(nn.Module):
         kept = torch.arange(pairs.numel(), device=pairs.device) if keep is None else keep.reshape(-1).nonzero()[:, 0]
         order = kept[torch.argsort(pairs[kept], stable=True)]  # pair indices, grouped by expert
         counts = torch.bincount(pairs[order], minlength=self.spec.router.num_experts).cpu()
-        local, local_counts = self.dispatcher.dispatch(flat[order // k], counts)
-        outputs = self.dispatcher.combine(self.experts(local, local_counts))
+        local, local_counts, sent = self.dispatcher.dispatch(flat[order // k], counts)
+        outputs = self.dispatcher.combine(self.experts(local, local_counts), sent)
         per_pair = outputs.new_zeros(tokens * k, flat.shape[-1]).index_copy(0, order, outputs)
         weights = routing.probs.to(outputs.dtype).unsqueeze(-1)
         return (per_pair.view(tokens, k, -1) * weights).sum(dim=1)
