@@ -44,6 +44,7 @@ from megazero.model.layers import (
     RowParallelLinear,
     TiedRows,
     VocabParallelEmbedding,
+    activate,
     column_parallel_linear,
     padded_vocab_size,
     placed_parameter,
@@ -187,15 +188,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.c_proj(activate(self.c_fc(x), self.activation)))
-
-
-def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "swiglu":
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    if activation == "squared_relu":
-        return F.relu(x).square()
-    return F.gelu(x, approximate="tanh")
 
 
 class ZeroCenteredLayerNorm(nn.LayerNorm):

@@ -244,3 +244,13 @@ class Dropout(nn.Dropout):
             with self.tracker.fork("tp"):
                 return super().forward(x)
         return super().forward(x)
+
+
+def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """An MLP's activation (dense or expert): gelu (tanh), squared_relu, or swiglu on gate | up halves."""
+    if activation == "swiglu":
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "squared_relu":
+        return F.relu(x).square()
+    return F.gelu(x, approximate="tanh")

@@ -297,6 +297,18 @@ def all_to_all(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
     dist.all_to_all_single(out, t.contiguous(), group=group.pg)
 
 
+def all_to_all_uneven(t: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: Group) -> torch.Tensor:
+    """Rows [sum(send_rows), ...] of `t`, send_rows[i] of them to member i in order -> the rows
+    each member sent here, member by member ([sum(recv_rows), ...]). Counts every row that leaves."""
+    out = t.new_empty((sum(recv_rows),) + tuple(t.shape[1:]))
+    if group.size == 1:
+        return out.copy_(t)
+    row = _nbytes(t[:1]) if t.shape[0] else 0
+    group.issue("all_to_all", t, row * (sum(send_rows) - send_rows[group.rank]))
+    dist.all_to_all_single(out, t.contiguous(), recv_rows, send_rows, group=group.pg)
+    return out
+
+
 def reduce(t: torch.Tensor, dst_index: int, group: Group) -> None:
     """Sum `t` over the group into the member with index `dst_index` (not a global rank);
     elsewhere `t` is left undefined."""
@@ -424,6 +436,25 @@ def transposed_pair(x: torch.Tensor, group: Group, forward_fn: Callable, backwar
     """forward_fn(x, group) forward, backward_fn(grad, group) backward: a collective whose
     transpose is another (e.g. Ulysses' two all-to-alls, parallel/context.py)."""
     return _TransposedPair.apply(x, group, forward_fn, backward_fn)
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """all_to_all_uneven forward; backward, the same exchange reversed (the rows' gradients go
+    back to where the rows came from)."""
+
+    @staticmethod
+    def forward(ctx, x, send_rows, recv_rows, group):
+        ctx.send_rows, ctx.recv_rows, ctx.group = send_rows, recv_rows, group
+        return all_to_all_uneven(x, send_rows, recv_rows, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all_uneven(grad, ctx.recv_rows, ctx.send_rows, ctx.group), None, None, None
+
+
+def exchange_rows(x: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: Group) -> torch.Tensor:
+    """all_to_all_uneven with its transpose as the backward (expert parallelism's token exchange)."""
+    return x if group.size == 1 else _AllToAllRows.apply(x, send_rows, recv_rows, group)
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:

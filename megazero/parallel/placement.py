@@ -8,6 +8,10 @@ gradient is a partial sum over TP under sequence parallelism. Every reader asks
 turn a placement into tensors, so initialization, resharding, HF import and export never
 special-case a layer.
 
+An expert's weight ([E, out, in], one slice per expert of an MoE layer) says so in `experts`
+(E): its dimension 0 is split over the expert-parallel group, whole experts per rank, before
+its `dim` is split over the expert-tensor-parallel group.
+
 Blocks of unequal size along the split dimension (fused q|k|v under grouped-query attention,
 where k and v have fewer rows than q) are listed in `parts`, their full sizes; each is cut
 over the ranks on its own, as `stride`'s equal blocks are.
@@ -35,6 +39,7 @@ class Placement:
     stride: int = 1  # equal blocks of `dim` split separately (3 for a fused q|k|v)
     sequence_parallel: bool = False  # replicated, but each TP rank's gradient is partial (sum it over TP)
     parts: tuple[int, ...] = ()  # unequal blocks' full sizes along `dim` (q|k|v with grouped K/V); else `stride`
+    experts: int = 0  # an expert weight: dim 0 holds this many experts, split over expert-parallel ranks
 
     def _blocks(self, length: int) -> list[int]:
         """The blocks' sizes along `dim` of a tensor `length` long there (full, or one shard of
@@ -54,6 +59,14 @@ class Placement:
             return full
         blocks = full.split(self._blocks(full.shape[self.dim]), dim=self.dim)  # e.g. q, k, v: each split on its own
         return torch.cat([b.chunk(size, dim=self.dim)[rank] for b in blocks], dim=self.dim)
+
+    def expert_shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """This expert-parallel rank's experts of a full expert weight (`full` itself otherwise)."""
+        if not self.experts or size == 1:
+            return full
+        if self.experts % size:
+            raise ValueError(f"{self.experts} experts cannot be split over {size} expert-parallel ranks")
+        return full.chunk(size, dim=0)[rank]
 
     def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """Inverse of `shard`: the full tensor from every TP rank's shard, in rank order."""

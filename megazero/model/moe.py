@@ -1,0 +1,252 @@
+"""The mixture-of-experts layer: a Block's MLP when its layer is an MoE layer.
+
+Each token goes to k of E experts chosen by the router (router.py); each expert is an MLP of
+its own (`moe_ffn_hidden_size` wide, the run's activation); the token's output is the sum of
+its experts' outputs weighted by the router's probabilities, plus, when the model has one, a
+shared expert that every token passes through (Qwen2-MoE: scaled by a sigmoid gate).
+
+Parameter names (layer i; E experts, F = moe_ffn_hidden_size, h = hidden_size):
+
+    transformer.h.{i}.mlp.router.weight              [E, h]
+    transformer.h.{i}.mlp.experts.c_fc.weight        [E, 2F, h] (gate | up under swiglu), else [E, F, h]
+    transformer.h.{i}.mlp.experts.c_proj.weight      [E, h, F]
+    transformer.h.{i}.mlp.shared_expert.c_fc/c_proj  a dense MLP (gpt.MLP) of the shared width
+    transformer.h.{i}.mlp.shared_expert_gate.weight  [1, h]
+
+The experts' weights are 3-D, one slice per expert, so that all experts compute as one
+grouped GEMM over the tokens sorted by expert (`grouped_mm`). How the sorted tokens reach the
+rank that holds their expert is the dispatcher's business (parallel/dispatch.py), set from
+outside; the layer knows only the interface.
+
+The load-balancing and z-losses of a training forward are attached to the layer's output
+(`_AttachLoss`): their gradient, scaled by `loss_scale` (what the trainer sets so that they
+count like the LM loss, averaged over micro-batches and data ranks), joins the backward
+wherever that output's gradient comes from, a later layer or another pipeline stage. Their
+values, the tokens per expert and the tokens dropped are kept in `stats` for the logs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from megazero.model.layers import activate
+from megazero.model.router import (
+    RouterSpec,
+    Routing,
+    TopKRouter,
+    aux_loss,
+    seq_aux_loss,
+    sequence_counts,
+    tokens_per_expert,
+    z_loss,
+)
+from megazero.parallel.comm import Group, all_reduce, solo_group
+from megazero.parallel.dispatch import LocalDispatch, TokenDispatcher
+from megazero.parallel.placement import Placement, place, placement
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [N, in] sorted by expert, weight [E, out, in], counts [E] -> [N, out]: row block j of x
+    times expert j's weight transposed, as one grouped GEMM (torch._grouped_mm) where this
+    torch has it, else a loop over the experts (equal to it bit for bit on the CPU)."""
+    if hasattr(torch, "_grouped_mm") and _grouped_mm_fits(x, weight):
+        offsets = counts.cumsum(0).to(device=x.device, dtype=torch.int32)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    return expert_loop_mm(x, weight, counts)
+
+
+def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """CUDA's grouped GEMM takes bf16 only, with rows 16-byte aligned; the CPU's takes any float."""
+    if x.device.type != "cuda":
+        return True
+    return x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 \
+        and weight.shape[1] % 8 == 0
+
+
+def expert_loop_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The reference of grouped_mm: one matmul per expert over its rows."""
+    pieces = x.split(counts.tolist())
+    return torch.cat([piece @ weight[j].t() for j, piece in enumerate(pieces)]) if len(pieces) else x.new_zeros(
+        0, weight.shape[1])
+
+
+class _ExpertWeight(nn.Module):
+    """One 3-D weight [E, out, in]: a module of its own so that its name ends in `.weight`."""
+
+    def __init__(self, shape: tuple[int, int, int], experts: int = 0):
+        super().__init__()
+        self.weight = place(nn.Parameter(torch.empty(shape)), Placement(shape, experts=experts))
+
+    def keep_experts(self, ep: Group) -> None:
+        """Keep this expert-parallel rank's whole experts (the placement keeps the full shape)."""
+        where = placement(self.weight)
+        self.weight = place(nn.Parameter(where.expert_shard(self.weight.detach(), ep.rank, ep.size).clone()), where)
+
+
+class GroupedExperts(nn.Module):
+    """E expert MLPs whose weights are stacked: c_fc [E, (2)F, h], c_proj [E, h, F]."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, activation: str):
+        super().__init__()
+        self.activation = activation
+        gated = activation == "swiglu"
+        self.c_fc = _ExpertWeight((num_experts, (2 if gated else 1) * ffn, hidden), num_experts)
+        self.c_proj = _ExpertWeight((num_experts, hidden, ffn), num_experts)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return grouped_mm(activate(grouped_mm(x, self.c_fc.weight, counts), self.activation),
+                          self.c_proj.weight, counts)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The MoE layer's settings from the model keys (Megatron's names, without the moe_ prefix)."""
+
+    router: RouterSpec
+    ffn_hidden_size: int
+    load_balancing: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    capacity_factor: Optional[float] = None  # None: dropless
+    token_drop_policy: str = "probs"  # probs | position
+    pad_to_capacity: bool = False
+    shared_expert_gate: bool = False
+
+
+@dataclass
+class MoEStats:
+    """One forward's figures for the logs (detached)."""
+
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    tokens_per_expert: torch.Tensor  # [E] over the ranks that split the micro-batch
+    dropped: torch.Tensor  # (token, expert) pairs dropped by the capacity
+
+
+class MoE(nn.Module):
+    """Router, experts and (optionally) a shared expert; `dispatcher` says how tokens travel."""
+
+    def __init__(self, hidden: int, activation: str, spec: MoESpec, shared_expert: Optional[nn.Module] = None):
+        super().__init__()
+        self.spec = spec
+        self.router = TopKRouter(hidden, spec.router)
+        self.experts = GroupedExperts(spec.router.num_experts, hidden, spec.ffn_hidden_size, activation)
+        self.shared_expert = shared_expert
+        if shared_expert is not None and spec.shared_expert_gate:
+            self.shared_expert_gate = _ExpertWeight((1, 1, hidden))  # a [1, h] linear, stored [1, 1, h]
+        self.dispatcher: TokenDispatcher = LocalDispatch()
+        # Ranks that hold parts of the same micro-batch's tokens (sequence parallelism, context
+        # parallelism): the load-balancing counts are summed over them. The data-parallel group
+        # too for global_aux_loss. Set from outside, like the dispatcher.
+        self.split_group: Group = solo_group()
+        self.data_group: Group = solo_group()
+        self.loss_scale = 1.0
+        self.stats: Optional[MoEStats] = None
+
+    def apply_ep(self, ep: Group, dispatcher: TokenDispatcher) -> None:
+        """Expert parallelism (from outside, like tensor parallelism): keep this rank's E/ep
+        experts, and let `dispatcher` carry the tokens to the ranks of theirs."""
+        if ep.size > 1:
+            self.experts.c_fc.keep_experts(ep)
+            self.experts.c_proj.keep_experts(ep)
+        self.dispatcher = dispatcher
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.router(flat)
+        keep = self._within_capacity(routing, flat.shape[0])
+        out = self._experts(flat, routing, keep)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if hasattr(self, "shared_expert_gate"):
+                shared = shared * torch.sigmoid(flat @ self.shared_expert_gate.weight[0].t())
+            out = out + shared
+        out = out.view(shape)
+        if torch.is_grad_enabled():
+            out = self._losses(out, routing, keep, shape[0])
+        return out
+
+    def _experts(self, flat: torch.Tensor, routing: Routing, keep: Optional[torch.Tensor]) -> torch.Tensor:
+        """Sort the kept (token, expert) pairs by expert, run the experts, and sum each token's
+        outputs weighted by its probabilities (a dropped pair adds nothing)."""
+        tokens, k = routing.experts.shape
+        pairs = routing.experts.reshape(-1)
+        kept = torch.arange(pairs.numel(), device=pairs.device) if keep is None else keep.reshape(-1).nonzero()[:, 0]
+        order = kept[torch.argsort(pairs[kept], stable=True)]  # pair indices, grouped by expert
+        counts = torch.bincount(pairs[order], minlength=self.spec.router.num_experts).cpu()
+        local, local_counts, sent = self.dispatcher.dispatch(flat[order // k], counts)
+        outputs = self.dispatcher.combine(self.experts(local, local_counts), sent)
+        per_pair = outputs.new_zeros(tokens * k, flat.shape[-1]).index_copy(0, order, outputs)
+        weights = routing.probs.to(outputs.dtype).unsqueeze(-1)
+        return (per_pair.view(tokens, k, -1) * weights).sum(dim=1)
+
+    def _within_capacity(self, routing: Routing, tokens: int) -> Optional[torch.Tensor]:
+        """[T, k] which pairs an expert takes under the capacity factor (None: dropless, all).
+        Each expert takes at most ceil(T·k/E · factor) of its pairs: those of the highest
+        probability (policy probs) or the first tokens (policy position)."""
+        factor = self.spec.capacity_factor
+        if factor is None:
+            return None
+        num_experts, k = self.spec.router.num_experts, self.spec.router.topk
+        capacity = math.ceil(tokens * k / num_experts * factor)
+        pairs = routing.experts.reshape(-1)
+        # Rank each pair among its expert's by the policy's key: sort by key, then stably by expert.
+        key = -routing.probs.reshape(-1) if self.spec.token_drop_policy == "probs" else \
+            torch.arange(pairs.numel(), device=pairs.device, dtype=torch.float)
+        by_key = torch.argsort(key, stable=True)
+        by_expert = by_key[torch.argsort(pairs[by_key], stable=True)]
+        starts = torch.bincount(pairs, minlength=num_experts).cumsum(0) - torch.bincount(pairs, minlength=num_experts)
+        rank_in_expert = torch.empty_like(pairs)
+        rank_in_expert[by_expert] = torch.arange(pairs.numel(), device=pairs.device) - starts[pairs[by_expert]]
+        return (rank_in_expert < capacity).view_as(routing.experts)
+
+    def _losses(self, out: torch.Tensor, routing: Routing, keep: Optional[torch.Tensor], batch: int) -> torch.Tensor:
+        """Compute this micro-batch's load-balancing and z-losses, keep them for the logs, and
+        attach them (scaled by loss_scale) to the output's backward."""
+        spec, num_experts = self.spec, self.spec.router.num_experts
+        tokens = routing.experts.shape[0]
+        counts = tokens_per_expert(routing.experts, num_experts)
+        all_counts = counts.clone()
+        all_reduce(all_counts, self.split_group)  # the micro-batch's counts over the ranks that split it
+        total = tokens * self.split_group.size
+        zero = routing.logits.new_zeros(())
+        balance = zero
+        if spec.load_balancing == "aux_loss":
+            balance = aux_loss(routing.scores, all_counts, total, spec.router.topk, spec.aux_loss_coeff)
+        elif spec.load_balancing == "global_aux_loss":
+            global_counts = all_counts.clone()
+            all_reduce(global_counts, self.data_group)
+            balance = aux_loss(routing.scores, global_counts, total * self.data_group.size, spec.router.topk,
+                               spec.aux_loss_coeff) * self.data_group.size
+        elif spec.load_balancing == "seq_aux_loss":
+            seq_counts = sequence_counts(routing.experts, batch, num_experts)
+            all_reduce(seq_counts, self.split_group)
+            balance = seq_aux_loss(routing.scores, routing.experts, batch, total // batch, spec.router.topk,
+                                   spec.aux_loss_coeff, seq_counts)
+        z = z_loss(routing.logits, spec.z_loss_coeff) / self.split_group.size if spec.z_loss_coeff else zero
+        dropped = zero if keep is None else (~keep).sum().float()
+        self.stats = MoEStats(balance.detach(), z.detach(), all_counts, dropped)
+        total_loss = balance + z
+        if not total_loss.requires_grad:
+            return out
+        return _AttachLoss.apply(out, total_loss * self.loss_scale)
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Returns `out` unchanged; its backward also starts `loss`'s backward (gradient 1), so an
+    auxiliary loss joins the model's gradient wherever `out`'s gradient comes from."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)

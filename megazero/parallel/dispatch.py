@@ -1,0 +1,130 @@
+"""How routed tokens reach their experts and come back: the token dispatchers.
+
+The MoE layer (model/moe.py) sorts its (token, expert) pairs by expert and hands them to a
+dispatcher with the number of pairs per expert. The dispatcher returns the pairs that this
+rank's experts compute, grouped by local expert, with their counts; `combine` takes the
+experts' outputs back in that order and returns them in the order `dispatch` was given. The
+model never knows how the tokens travelled.
+
+- `LocalDispatch`: every expert is on this rank (expert parallelism 1): nothing moves.
+- `AllToAllDispatch`: the experts are split over the expert-parallel group (rank r holds the
+  r-th E/ep of them); each rank sends each (token, expert) pair to the rank of its expert and
+  gets back its experts' outputs: one all-to-all of the counts, one of the tokens, and the
+  reverse one to combine. What travels is what is computed.
+- `AllGatherDispatch`: every rank gathers the pairs of the whole expert-parallel group, computes
+  its experts' share, and a reduce-scatter brings each rank its own pairs' outputs (Megatron's
+  allgather dispatcher: more bytes, no count exchange before the tokens move).
+
+Every rank of a group issues the same collectives in the same order, whatever the routing:
+a dispatcher's calls depend only on the layer's shape, never on how many tokens an expert got.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from megazero.parallel.comm import (
+    Group,
+    all_gather_into,
+    all_to_all,
+    exchange_rows,
+    reduce_scatter_into,
+    transposed_pair,
+)
+
+
+class TokenDispatcher(Protocol):
+    def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """tokens [N, h] sorted by global expert, counts [E] (int64 on the CPU: their sum is N)
+        -> this rank's experts' tokens [M, h] grouped by local expert, their counts [E_local]
+        (CPU), and what `combine` needs to send the outputs back."""
+        ...
+
+    def combine(self, outputs: torch.Tensor, state: Any) -> torch.Tensor:
+        """The experts' outputs [M, h] in `dispatch`'s returned order -> [N, h] in its input order."""
+        ...
+
+
+class LocalDispatch:
+    """All experts live here: dispatch and combine are identities."""
+
+    def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        return tokens, counts, None
+
+    def combine(self, outputs: torch.Tensor, state: Any) -> torch.Tensor:
+        return outputs
+
+
+def _by_local_expert(blocks: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Row indices that regroup rows arriving as blocks [source q][local expert j] (sizes
+    `blocks` [P, E_local], block (q, j) starting at row starts[q, j]) by local expert, each
+    expert's rows in source order."""
+    sources, experts = blocks.shape
+    pieces = [torch.arange(int(starts[q, j]), int(starts[q, j] + blocks[q, j]))
+              for j in range(experts) for q in range(sources)]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+class AllToAllDispatch:
+    """Expert parallelism by all-to-all over `ep`: rank r holds experts [r·E/ep, (r+1)·E/ep)."""
+
+    def __init__(self, ep: Group):
+        self.ep = ep
+
+    def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        n = self.ep.size
+        send = counts.view(n, -1)  # row q: how many pairs go to each of member q's experts
+        recv = torch.empty_like(send, device=tokens.device)
+        all_to_all(recv, send.to(tokens.device), self.ep)
+        recv = recv.cpu()
+        send_rows, recv_rows = send.sum(1).tolist(), recv.sum(1).tolist()
+        arrived = exchange_rows(tokens, send_rows, recv_rows, self.ep)  # [source][local expert]
+        starts = (recv.view(-1).cumsum(0) - recv.view(-1)).view_as(recv)
+        order = _by_local_expert(recv, starts).to(tokens.device)
+        return arrived[order], recv.sum(0), (order, send_rows, recv_rows)
+
+    def combine(self, outputs: torch.Tensor, state: Any) -> torch.Tensor:
+        order, send_rows, recv_rows = state
+        arrived_order = outputs[torch.argsort(order)]  # back to [source][local expert]
+        return exchange_rows(arrived_order, recv_rows, send_rows, self.ep)
+
+
+class AllGatherDispatch:
+    """Expert parallelism by all-gather over `ep` (each rank's pairs padded to the longest),
+    and a reduce-scatter back."""
+
+    def __init__(self, ep: Group):
+        self.ep = ep
+
+    def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        n, h = self.ep.size, tokens.shape[-1]
+        every = torch.empty(n * counts.numel(), dtype=counts.dtype, device=tokens.device)
+        all_gather_into(every, counts.to(tokens.device), self.ep)
+        every = every.cpu().view(n, -1)  # [source, global expert]
+        longest = int(every.sum(1).max())
+        padded = torch.cat([tokens, tokens.new_zeros(longest - tokens.shape[0], h)])
+        gathered = transposed_pair(padded, self.ep, _gather_rows, _reduce_scatter_rows)  # [n · longest, h]
+        mine = every.view(n, n, -1)[:, self.ep.rank]  # [source, local expert]
+        starts = every.cumsum(1) - every  # each source's expert blocks, from its own first row
+        first = starts.view(n, n, -1)[:, self.ep.rank] + torch.arange(n).unsqueeze(1) * longest
+        order = _by_local_expert(mine, first).to(tokens.device)
+        return gathered[order], mine.sum(0), (order, longest, tokens.shape[0])
+
+    def combine(self, outputs: torch.Tensor, state: Any) -> torch.Tensor:
+        order, longest, rows = state
+        every = outputs.new_zeros(self.ep.size * longest, outputs.shape[-1]).index_copy(0, order, outputs)
+        return transposed_pair(every, self.ep, _reduce_scatter_rows, _gather_rows)[:rows]
+
+
+def _gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = x.new_empty((group.size * x.shape[0],) + tuple(x.shape[1:]))
+    all_gather_into(out, x.contiguous(), group)
+    return out
+
+
+def _reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] // group.size,) + tuple(x.shape[1:]))
+    reduce_scatter_into(out, x.contiguous(), group)
+    return out
