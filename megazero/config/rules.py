@@ -63,6 +63,10 @@ def validate(cfg: Config, world_size: int) -> int:
     _validate_optim(cfg.optim)
     _validate_zero(cfg)
     _validate_finetune(cfg.finetune)
+    if cfg.optim.name == "muon" and cfg.finetune.lora_rank:
+        raise ConfigError(f"optim.name muon with finetune.lora_rank {cfg.finetune.lora_rank}: LoRA freezes the block "
+                          f"matrices Muon steps, so Muon would step nothing (the adapters train with AdamW); use "
+                          f"--optim.name adamw")
     _validate_profiler(cfg)
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")

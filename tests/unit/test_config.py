@@ -74,6 +74,9 @@ def test_data_prefix_accepts_single_value():
      "parallel.sequence_parallel splits model.seq_length (66) over parallel.tp (4): make it a multiple of 4"),
     (["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--finetune.lora_rank", "8"], 2,
      "parallel.sequence_parallel cannot be combined with finetune.lora_rank (8)"),
+    # issue 46, 5: Muon under LoRA stepped nothing, while its start-up line counted Newton-Schulz FLOPs
+    (["--optim.name", "muon", "--finetune.lora_rank", "8"], 1,
+     "optim.name muon with finetune.lora_rank 8: LoRA freezes the block matrices Muon steps"),
 ])
 def test_bad_config_messages(overrides, world, message):
     with pytest.raises(ConfigError) as err:
