@@ -216,6 +216,11 @@ class DeepSpeedImport:
         return (f"{path}: DeepSpeed's defaults for what it leaves out: {', '.join(self.defaults)}"
                 if self.defaults else None)
 
+    def written(self) -> set[str]:
+        """The megazero keys the file's own keys set (DeepSpeed's defaults for what it leaves out aside)."""
+        defaults = {line.split()[0] for line in self.defaults}
+        return {f"{section}.{key}" for section, values in self.sections.items() for key in values} - defaults
+
     def warning(self, path: str) -> Optional[str]:
         return (f"warning: {path}: {len(self.unsupported)} DeepSpeed key(s) have no megazero equivalent and are "
                 f"ignored: {', '.join(self.unsupported)}" if self.unsupported else None)
