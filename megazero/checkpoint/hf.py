@@ -122,6 +122,15 @@ def open_hf(path: str) -> Checkpoint:
 
 # ----------------------------------------------------------------------------- init_from_hf
 
+def hf_contents(hf_dir: str) -> tuple[str, int]:
+    """What an HF directory holds, for the start-up line: its architecture (config.json's
+    `architectures`, else its model_type) and its number of weight tensors (headers only)."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    name = (hf.get("architectures") or [hf.get("model_type", "unknown architecture")])[0]
+    return str(name), len(HFFiles(hf_dir).keys())
+
+
 class HFInitialValues:
     """A run's starting parameters read from an HF GPT-2 or Llama directory, one parameter's
     TP shard at a time: safetensors slices (or a memory-mapped weights_only pytorch_model.bin)

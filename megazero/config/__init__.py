@@ -1,6 +1,7 @@
 """Typed run configuration, one module per concern: schema.py (the sections), parse.py (files and
 `--section.key value` overrides, recording the keys set), help.py (--help-config, README's table),
-resolve.py (auto values), rules.py (validation; the one home of the layout rules), sharding.py (what
+resolve.py (auto values), rules.py (validation; the one home of the layout rules), reads.py (the keys only
+some choice reads), sharding.py (what
 each ZeRO stage partitions, chosen once from zero.stage), megatron.py and
 deepspeed.py (the front-ends), preflight.py (every check before a run starts). This package
 re-exports what most callers use; the front-ends are imported by their own path (they sit higher)."""

@@ -75,15 +75,21 @@ FIXED = {
     "optimizer.params.amsgrad": False,
     "optimizer.params.torch_adam": None,  # implementation choices: any value
     "optimizer.params.fused": None,
+    "optimizer.params.foreach": None,
     "wall_clock_breakdown": False,
     "zero_allow_untested_optimizer": None,
 }
+
+# "type": "SGD" is torch.optim.SGD (DeepSpeed builds any torch.optim class by name): its parameters megazero's
+# SGD (optim.name sgd) has only at the value it always uses; another value is refused, as the run could not do it.
+SGD_FIXED = {"dampening": 0, "nesterov": False, "maximize": False}
 
 # Keys read by the importer's own code (beside SIMPLE and FIXED): with those, what a typo is checked against.
 HANDLED = ("gradient_accumulation_steps", "bf16.enabled", "bfloat16.enabled", "fp16.enabled", "fp16.initial_scale_power",
            "optimizer.type", "optimizer.params.betas", "scheduler.type", "scheduler.params.total_num_steps",
            "scheduler.params.last_batch_iteration", "zero_optimization.allgather_bucket_size",
-           "zero_optimization.stage3_prefetch_bucket_size")
+           "zero_optimization.stage3_prefetch_bucket_size", "optimizer.params.momentum",
+           *(f"optimizer.params.{name}" for name in SGD_FIXED))
 
 ADAM_TYPES = ("adam", "adamw", "fusedadam", "cpuadam")
 SCHEDULERS = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}  # -> optim.decay_style
@@ -99,6 +105,7 @@ SCHEDULER_PARAMS = {"WarmupLR": _WARMUP | {"warmup_min_lr", "warmup_max_lr"},
 # as megazero keys, when the file has an optimizer section.
 OPTIMIZER_DEFAULTS = {"optim.beta1": ("betas", 0.9), "optim.beta2": ("betas", 0.999), "optim.eps": ("eps", 1e-8),
                       "optim.weight_decay": ("weight_decay", 0.0)}
+SGD_DEFAULTS = {"optim.sgd_momentum": ("momentum", 0.0), "optim.weight_decay": ("weight_decay", 0.0)}  # torch's
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,12 @@ ROWS = (
          "optimizer.params.weight_decay"),
         "`optim.lr`, `optim.beta1`, `optim.beta2`, `optim.eps`, `optim.weight_decay`",
         "`optimizer.type` Adam/AdamW; `optimizer.params` `lr`, `betas`, `eps`, `weight_decay`"),
+    Row(("optimizer.type", "optimizer.params.momentum", "optimizer.params.dampening", "optimizer.params.nesterov",
+         "optimizer.params.maximize"),
+        "`optim.name sgd`, `optim.sgd_momentum` (torch's default 0 when left out), `optim.lr`, `optim.weight_decay`; "
+        "`dampening` 0, `nesterov` and `maximize` false only (another value is refused in one line)",
+        "`optimizer.type` SGD (torch.optim.SGD); `optimizer.params` `lr`, `momentum`, `weight_decay`, `dampening`, "
+        "`nesterov`, `maximize`"),
     Row(("scheduler.type", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
          "scheduler.params.warmup_num_steps"),
         "`optim.min_lr`, `optim.lr`, `optim.warmup_iters`, `optim.decay_style constant`",
@@ -179,7 +192,7 @@ ROWS = (
          "optimizer.params.bias_correction", "optimizer.params.amsgrad"),
         "accepted at these values (what megazero always does); another value is listed as unsupported",
         values=True),
-    Row(("optimizer.params.torch_adam", "optimizer.params.fused", "zero_allow_untested_optimizer",
+    Row(("optimizer.params.torch_adam", "optimizer.params.fused", "optimizer.params.foreach", "zero_allow_untested_optimizer",
          "scheduler.params.last_batch_iteration"),
         "accepted with any value: implementation choices megazero makes itself, and the scheduler's starting "
         "iteration (megazero's checkpoint holds the iteration)"),
@@ -202,6 +215,11 @@ class DeepSpeedImport:
         """One line naming DeepSpeed's defaults in effect (as the Megatron path names Megatron's)."""
         return (f"{path}: DeepSpeed's defaults for what it leaves out: {', '.join(self.defaults)}"
                 if self.defaults else None)
+
+    def written(self) -> set[str]:
+        """The megazero keys the file's own keys set (DeepSpeed's defaults for what it leaves out aside)."""
+        defaults = {line.split()[0] for line in self.defaults}
+        return {f"{section}.{key}" for section, values in self.sections.items() for key in values} - defaults
 
     def warning(self, path: str) -> Optional[str]:
         return (f"warning: {path}: {len(self.unsupported)} DeepSpeed key(s) have no megazero equivalent and are "
@@ -337,23 +355,46 @@ class _Importer:
 
     def optimizer(self, section: dict, _: str) -> None:
         kind = str(section.get("type", "AdamW"))
-        if kind.lower() not in ADAM_TYPES:
-            raise ConfigError(f"DeepSpeed optimizer.type ({kind}) is not supported: megazero trains with AdamW; "
-                              f"use \"type\": \"AdamW\"")
+        params = section.get("params", {}) if isinstance(section.get("params"), dict) else {}
+        if kind.lower() == "sgd":
+            self.set("optim.name", "sgd", "optimizer.type")
+            self._sgd_params(params)
+        elif kind.lower() in ADAM_TYPES:
+            self._adam_params(params)
+        else:
+            raise ConfigError(f"DeepSpeed optimizer.type ({kind}) is not supported: megazero trains with Adam/AdamW "
+                              f"or SGD; use \"type\": \"AdamW\" or \"SGD\" (or optim.name muon for Muon)")
         for name, value in section.items():
-            if name == "params" and isinstance(value, dict):
-                for param, inner in value.items():
-                    if param == "betas" and inner != "auto":
-                        self.set("optim.beta1", inner[0], "optimizer.params.betas[0]")
-                        self.set("optim.beta2", inner[1], "optimizer.params.betas[1]")
-                    else:
-                        self.walk(f"optimizer.params.{param}", inner)
-            elif name != "type":
+            if name != "type" and not (name == "params" and isinstance(value, dict)):
                 self.walk(f"optimizer.{name}", value)
-        written = section.get("params", {}) if isinstance(section.get("params"), dict) else {}
-        for key, (param, value) in OPTIMIZER_DEFAULTS.items():
-            if param not in written:
+        for key, (param, value) in (SGD_DEFAULTS if kind.lower() == "sgd" else OPTIMIZER_DEFAULTS).items():
+            if param not in params:
                 self.default(key, value, f"optimizer.params.{param}")
+
+    def _adam_params(self, params: dict) -> None:
+        for param, inner in params.items():
+            if param == "betas" and inner != "auto":
+                self.set("optim.beta1", inner[0], "optimizer.params.betas[0]")
+                self.set("optim.beta2", inner[1], "optimizer.params.betas[1]")
+            else:
+                self.walk(f"optimizer.params.{param}", inner)
+
+    def _sgd_params(self, params: dict) -> None:
+        """torch.optim.SGD's parameters: lr, momentum and weight_decay mapped, the rest at megazero's
+        fixed values (or refused), Adam's (betas, eps) listed as unsupported."""
+        for param, inner in params.items():
+            path = f"optimizer.params.{param}"
+            if param == "momentum":
+                self.set("optim.sgd_momentum", inner, path)
+            elif param in SGD_FIXED:
+                if inner not in ("auto", SGD_FIXED[param]):
+                    raise ConfigError(f"DeepSpeed {path} ({show_value(inner)}): megazero's SGD (optim.name sgd) runs "
+                                      f"with dampening 0, no Nesterov and no maximize; drop it or set "
+                                      f"{param} {show_value(SGD_FIXED[param])}")
+            elif param in ("lr", "weight_decay") or FIXED.get(path, 0) is None:
+                self.walk(path, inner)
+            else:
+                self.unsupported(path, inner)
 
     def scheduler(self, section: dict, _: str) -> None:
         kind = section.get("type")

@@ -49,6 +49,9 @@ class Flag:
     """Another flag that must be on the line too (Megatron ignores this one without it)."""
     refused: str = ""
     """Why megazero refuses the flag (one line, raised as the line is translated)."""
+    implies: tuple[tuple[str, object], ...] = ()
+    """(megazero key, Megatron's argparse default): what the flag turns on takes Megatron's default for a key
+    nothing set (--group-query-attention alone is multi-query); named in the defaults line."""
 
 
 def _key(name: str, key: str, note: str = "", choices: Optional[dict[str, str]] = None) -> Flag:
@@ -243,7 +246,8 @@ FLAGS: tuple[Flag, ...] = (
          after=_no_position_embedding),
     _key("--rotary-base", "model.rope_base"),
     Flag("--rotary-percent", 1, note="1.0 only (every channel of a head rotates; checked)", after=_rotary_percent),
-    Flag("--group-query-attention", 0, note="grouped-query attention: with --num-query-groups", after=_accepted),
+    Flag("--group-query-attention", 0, note="grouped-query attention: `model.num_query_groups` from --num-query-groups, "
+         "else 1 (Megatron's default: multi-query)", implies=(("model.num_query_groups", 1),)),
     Flag("--num-query-groups", 1, (("model.num_query_groups", None),), needs="--group-query-attention"),
     Flag("--kv-channels", 1, note="must equal --hidden-size / --num-attention-heads (checked)", after=_kv_channels),
     _switch("--untie-embeddings-and-output-weights", "model.tie_embeddings", "false"),
@@ -411,6 +415,8 @@ class Translation:
     """The Megatron flags given, in order (any: MEGATRON_DEFAULTS apply)."""
     setters: dict[str, tuple[str, str, list[str]]] = field(default_factory=dict)
     """megazero key -> (the Megatron flag that set it, as written, the value): two flags must agree on a key."""
+    implied: list[str] = field(default_factory=list)
+    """Megatron's defaults that flags given implied (Flag.implies), as 'key value (flag)', once applied."""
 
     def defaults(self, has_config_file: bool) -> dict:
         """The sections a Megatron launch line starts from: MEGATRON_DEFAULTS when Megatron flags
@@ -421,7 +427,7 @@ class Translation:
         """One line naming the Megatron defaults in effect (those the command line left alone)."""
         given = {arg[2:].split("=", 1)[0] for arg in self.overrides if arg.startswith("--")}
         kept = [f"{section}.{key} {show_value(value)}" for section, values in self.defaults(has_config_file).items()
-                for key, value in values.items() if f"{section}.{key}" not in given]
+                for key, value in values.items() if f"{section}.{key}" not in given] + self.implied
         return (f"Megatron-LM launch line: Megatron's defaults for what it leaves out: {', '.join(kept)}"
                 if kept else None)
 
@@ -429,6 +435,11 @@ class Translation:
         """The flags that need the built config (every other key at its final value)."""
         for after, values in self.later:
             after(cfg, values)
+        for name in dict.fromkeys(self.seen):
+            for key, value in BY_NAME[name].implies:
+                if key not in cfg.set_keys:  # a file's or the command line's value wins
+                    _set(cfg, key, value)
+                    self.implied.append(f"{key} {show_value(value)} ({name})")
 
     def warning(self) -> Optional[str]:
         return (f"warning: Megatron-LM flags accepted with no effect here (kernel and implementation choices megazero "
@@ -490,7 +501,7 @@ def _record(out: Translation, flag: Flag, values: list[str]) -> None:
         out.collected[flag.name] = values[0]
     elif flag.after is not None:
         out.later.append((flag.after, values))
-    elif not flag.sets:
+    elif not flag.sets and not flag.implies:
         out.ignored.append(" ".join([flag.name, *values]) if flag.choices else flag.name)
     for key, value in flag.sets:
         given = [value] if value is not None else [_chosen(flag, v) for v in values]
@@ -529,13 +540,14 @@ def markdown_table() -> str:
     """README's Megatron-LM migration table, one row per flag (the no-effect flags in one row)."""
     lines = ["| Megatron-LM flag | megazero |", "| --- | --- |"]
     for flag in FLAGS:
-        if (flag.sets or flag.after or flag.collect or flag.choices) and not flag.refused:
+        if (flag.sets or flag.after or flag.collect or flag.choices or flag.implies) and not flag.refused:
             lines.append(f"| `{flag.name}{_METAVARS[flag.nargs]}` | {_cell(flag)} |")
     refused = [f for f in FLAGS if f.refused]
     for why in dict.fromkeys(f.refused for f in refused):
         names = ", ".join(f"`{f.name}`" for f in refused if f.refused == why)
         lines.append(f"| {names} | refused in one line: {why} |")
-    ignored = ", ".join(f"`{f.name}`" for f in FLAGS if not (f.sets or f.after or f.collect or f.choices or f.refused))
+    ignored = ", ".join(f"`{f.name}`" for f in FLAGS
+                        if not (f.sets or f.after or f.collect or f.choices or f.implies or f.refused))
     lines.append(f"| {ignored} | accepted and named in one warning line: kernel and implementation choices megazero "
                  f"makes itself, or what it always does |")
     return "\n".join(lines)

@@ -22,12 +22,10 @@ from megazero.config.sharding import Sharding, sharding
 
 
 def schedule_warnings(cfg: Config) -> list[str]:
-    """Lines about a config that is valid but almost surely not meant: a context-parallel
-    implementation chosen without context parallelism, an LR warm-up that lasts the whole run
-    or leaves no decay phase."""
-    p, t, o = cfg.parallel, cfg.train, cfg.optim
-    lines = [f"warning: parallel.cp_impl {p.cp_impl} has no effect at parallel.cp 1 (no context parallelism); "
-             f"set --parallel.cp N to split the sequence"] if p.cp == 1 and "parallel.cp_impl" in cfg.set_keys else []
+    """Lines about a config that is valid but almost surely not meant: an LR warm-up that lasts
+    the whole run or leaves no decay phase. (Keys set that the run never reads: config/reads.py.)"""
+    t, o = cfg.train, cfg.optim
+    lines = []
     warmup = warmup_length(o, t.iters)
     if warmup and t.iters and warmup >= t.iters:
         lines.append(f"warning: optim.warmup_iters ({warmup:g}) >= train.iters ({t.iters}): the whole run warms up "
@@ -63,6 +61,10 @@ def validate(cfg: Config, world_size: int) -> int:
     _validate_optim(cfg.optim)
     _validate_zero(cfg)
     _validate_finetune(cfg.finetune)
+    if cfg.optim.name == "muon" and cfg.finetune.lora_rank:
+        raise ConfigError(f"optim.name muon with finetune.lora_rank {cfg.finetune.lora_rank}: LoRA freezes the block "
+                          f"matrices Muon steps, so Muon would step nothing (the adapters train with AdamW); use "
+                          f"--optim.name adamw")
     _validate_profiler(cfg)
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")

@@ -20,6 +20,7 @@ from megazero.config.help import reference
 from megazero.config.megatron import translate
 from megazero.config.parse import build_config, load_yaml, parse_overrides
 from megazero.config.preflight import preflight, resolve_and_validate, starting_point_line
+from megazero.config.reads import unread_warning
 from megazero.config.rules import schedule_warnings
 from megazero.config.schema import Config, ConfigError
 from megazero.errors import exit_if_failed_before, report_errors
@@ -163,11 +164,13 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
     file_data = load_yaml(path) if path else megatron.defaults(has_config_file=bool(deepspeed))
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     cfg = build_config(file_data, overrides)
+    written: set[str] = set()  # the keys a DeepSpeed file sets
     if deepspeed:
         given = {f"{section}.{key}" for section, key, _ in parse_overrides(overrides)}
         imported = load_deepspeed_config(deepspeed, cfg, world_size, given)
         merged = {s: {**file_data.get(s, {}), **imported.sections.get(s, {})} for s in {*file_data, *imported.sections}}
         cfg = build_config(merged, overrides)
+        written = imported.written()
         for line in (*imported.notes, imported.defaults_note(deepspeed), imported.warning(deepspeed)) \
                 if rank == 0 else ():
             if line:
@@ -178,6 +181,12 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
             if line:
                 print(line, file=sys.stderr, flush=True)
     resolve_and_validate(cfg, world_size)
+    # Keys chosen for this run: the command line's (Megatron flags too) and a DeepSpeed file's. A YAML
+    # config is a template reused across layouts (gpt2-124m.yaml names a pipeline schedule at pp 1 for
+    # whoever raises pp), so its keys are not warned of.
+    unread = unread_warning(cfg, cfg.cli_keys | written)
+    if unread and rank == 0:
+        print(unread, file=sys.stderr, flush=True)
     return cfg
 
 

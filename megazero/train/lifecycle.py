@@ -144,7 +144,8 @@ class StopRequest:
     """Why this rank wants to stop before train.iters; the trainer takes the maximum code over
     all ranks (train/signals.py), so every rank saves and stops at the same iteration."""
 
-    NONE, DEADLINE, SIGUSR1, SIGTERM = range(4)
+    NONE, DEADLINE, SIGUSR1, SIGTERM, SIGINT = range(5)
+    _NAMES = {SIGUSR1: "SIGUSR1", SIGTERM: "SIGTERM", SIGINT: "SIGINT"}
 
     def __init__(self, exit_duration_minutes: float):
         self.exit_duration_minutes = exit_duration_minutes
@@ -157,7 +158,9 @@ class StopRequest:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:
-        self.signalled = max(self.signalled, self.SIGTERM if signum in self.stops else self.SIGUSR1)
+        # Each signal keeps its own code, so the stop line names the one received (Ctrl-C: SIGINT).
+        code = {signal.SIGTERM: self.SIGTERM, signal.SIGINT: self.SIGINT}.get(signal.Signals(signum), self.SIGUSR1)
+        self.signalled = max(self.signalled, code)
 
     def code(self) -> int:
         """This rank's reason to stop now (NONE to go on)."""
@@ -168,7 +171,7 @@ class StopRequest:
     def reason(self, code: int) -> str:
         if code == self.DEADLINE:
             return f"train.exit_duration_minutes ({self.exit_duration_minutes:g}) reached"
-        return "SIGTERM" if code == self.SIGTERM else "SIGUSR1"
+        return self._NAMES[code]
 
 
 def describe_comm_failure(error: BaseException, rank: int, timeout_s: Optional[float] = None) -> Optional[str]:

@@ -21,6 +21,7 @@ class StepSignals:
     deadline: int = 0  # train.exit_duration_minutes reached
     sigusr1: int = 0
     sigterm: int = 0
+    sigint: int = 0  # Ctrl-C under megazero.launch: a stop like SIGTERM, named as itself
     save_ended: int = 0  # checkpoint.async_save: the background write in flight ended,
     save_failed: int = 0  # and failed
 
@@ -28,7 +29,8 @@ class StepSignals:
     def of_rank(cls, stop_code: int, write: WriteVotes) -> StepSignals:
         """This rank's record: its reason to stop now (StopRequest.code) and its background write."""
         return cls(deadline=int(stop_code == StopRequest.DEADLINE), sigusr1=int(stop_code == StopRequest.SIGUSR1),
-                   sigterm=int(stop_code == StopRequest.SIGTERM), save_ended=write.ended, save_failed=write.failed)
+                   sigterm=int(stop_code == StopRequest.SIGTERM), sigint=int(stop_code == StopRequest.SIGINT),
+                   save_ended=write.ended, save_failed=write.failed)
 
     def pack(self) -> list[float]:
         return [float(v) for v in astuple(self)]
@@ -41,7 +43,7 @@ class StepSignals:
         """The largest reason to stop any rank voted for (StopRequest.NONE: go on), so every rank
         saves and stops at the same iteration."""
         voted = ((StopRequest.DEADLINE, self.deadline), (StopRequest.SIGUSR1, self.sigusr1),
-                 (StopRequest.SIGTERM, self.sigterm))
+                 (StopRequest.SIGTERM, self.sigterm), (StopRequest.SIGINT, self.sigint))
         return max((code for code, ranks in voted if ranks), default=StopRequest.NONE)
 
     @property

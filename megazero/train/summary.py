@@ -16,13 +16,17 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megazero.config.schema import Config
+from megazero.checkpoint.hf import hf_contents
+from megazero.checkpoint.resume import HF, starting_point
+from megazero.config.rules import warmup_length
+from megazero.config.schema import Config, ModelConfig
 from megazero.model.lora import adapter_shapes
 from megazero.parallel.grid import ProcessGrid
 from megazero.plan import formulas as F
 from megazero.plan.planner import Cluster, Prediction, predict, run_layout
 from megazero.plan.ranks import rank_params
 from megazero.train.batch_rampup import samples_after
+from megazero.zero.muon import MATRICES
 
 
 def run_prediction(cfg: Config, grid: ProcessGrid, peak_flops: Optional[float]) -> Prediction:
@@ -46,7 +50,8 @@ def startup_summary(cfg: Config, grid: ProcessGrid, rank_params_numel: int, data
     samples = samples_after(t, grid.dp, t.iters)  # fewer than iters x global batch during a ramp-up
     chunks = f" x vpp {p.vpp}" if p.vpp > 1 else ""
     cp = f" x cp {grid.cp} ({p.cp_impl})" if grid.cp > 1 else ""
-    lines = [f"megazero: GPT-2 {total / 1e6:,.1f}M parameters ({rank_params_numel / 1e6:,.1f}M on rank 0); "
+    lines = [f"megazero: {family(m)} {total / 1e6:,.1f}M parameters ({architecture(m)}; "
+             f"{rank_params_numel / 1e6:,.1f}M on rank 0); "
              f"world {grid.world_size} = tp {grid.tp}{cp} x pp {grid.pp}{chunks} x dp {grid.dp} ({grid.backend}), "
              f"ZeRO-{z.stage}, {t.precision}, recompute {t.recompute}" +
              (f", schedule {p.schedule}" if grid.pp > 1 else ""),
@@ -63,11 +68,55 @@ def startup_summary(cfg: Config, grid: ProcessGrid, rank_params_numel: int, data
         lines.append(f"LoRA: rank {f.lora_rank}, alpha {f.lora_alpha:g} on {', '.join(f.lora_targets)}: "
                      f"{trainable:,} trainable parameters ({100 * trainable / total:.2f}% of the model; the rest "
                      f"frozen; the memory plan below assumes every weight trains)")
+    lines.append(optim_line(cfg))
+    c = cfg.checkpoint
+    if c.init_from_hf and starting_point(c.load, c.iteration, c.init_from_hf) == HF:
+        architecture_name, tensors = hf_contents(c.init_from_hf)
+        lines.append(f"initialized from Hugging Face {c.init_from_hf} ({architecture_name}, {tensors:,} tensors)")
     lines += data_lines(cfg, datasets[0], datasets[1], samples)
     lines.append(plan_line(plan, device_name, grid.device.type == "cuda", z.offload_optimizer, z.offload_param))
     if cfg.optim.name == "muon":
         lines.append(muon_line(plan, cfg.optim.muon_ns_steps))
     return "\n".join(lines)
+
+
+def family(m: ModelConfig) -> str:
+    """The model family the keys make: GPT-2 (layernorm, learned positions, gelu, biases, tied),
+    Llama-style (rmsnorm, rotary, SwiGLU), else a GPT of its own mix."""
+    if (m.normalization, m.position_embedding, m.activation) == ("rmsnorm", "rope", "swiglu"):
+        return "Llama-style GPT"
+    gpt2 = (m.normalization, m.position_embedding, m.activation, m.bias, m.tie_embeddings) == (
+        "layernorm", "learned", "gelu", True, True)
+    return "GPT-2" if gpt2 and m.query_groups == m.num_heads and not m.zero_centered_norm else "GPT"
+
+
+def architecture(m: ModelConfig) -> str:
+    """The choices that make the family: 'rmsnorm, rope, swiglu, 4 heads / 2 KV groups, untied'."""
+    groups = "" if m.query_groups == m.num_heads else \
+        f" / {m.query_groups} KV group{'s' if m.query_groups > 1 else ''}"
+    position = "rope" if m.position_embedding == "rope" else "learned positions"
+    parts = [m.normalization + (" (1 + w)" if m.zero_centered_norm else ""), position, m.activation,
+             f"{m.num_heads} heads{groups}", "tied" if m.tie_embeddings else "untied"]
+    return ", ".join(parts + ([] if m.bias else ["no biases"]))
+
+
+def optim_line(cfg: Config) -> str:
+    """The optimizer that runs and its LRs: AdamW, Muon on the block matrices with AdamW on the
+    rest, or SGD; then the schedule they share."""
+    o, t = cfg.optim, cfg.train
+    adam = f"(betas {o.beta1:g}, {o.beta2:g}, eps {o.eps:g}, weight decay {o.weight_decay:g})"
+    if o.name == "muon":
+        matrices = len(MATRICES) * cfg.model.num_layers  # each block's attention and MLP projections
+        line = f"optim: muon {o.muon_lr:g} on {matrices} matrices + adamw {o.lr:g} on the rest {adam}"
+    elif o.name == "sgd":
+        line = f"optim: sgd lr {o.lr:g} momentum {o.sgd_momentum:g}, weight decay {o.weight_decay:g} (L2)"
+    else:
+        line = f"optim: adamw lr {o.lr:g} {adam}"
+    if o.decoupled_lr is not None:
+        line += f"; embedding and output layer lr {o.decoupled_lr:g}"
+    warmup = warmup_length(o, t.iters)
+    return (line + f"; warm-up {warmup:g} iterations, {o.decay_style} decay to {o.min_lr:g}"
+            + (f", clip {o.clip_grad:g}" if o.clip_grad else ", no clipping"))
 
 
 def muon_line(plan: Prediction, ns_steps: int) -> str:

@@ -196,6 +196,25 @@ def test_a_parameter_of_another_scheduler_is_listed_as_unsupported(tmp_path, cap
     assert cfg.optim.decay_style == "cosine" and cfg.optim.decay_iters == 100
 
 
+def test_sgd_is_translated_with_its_momentum(tmp_path, capsys):
+    """Issue 46, 5: "type": "SGD" (torch.optim.SGD under DeepSpeed) was refused with "megazero trains
+    with AdamW"; it is optim.name sgd, with its lr, momentum and weight decay (torch's 0 when left out)."""
+    sgd = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.8, "weight_decay": 1e-4, "nesterov": False,
+                                     "foreach": True}}
+    no_scheduler = {k: v for k, v in FP16_ADAM_WARMUP.items() if k != "scheduler"}  # it would set the LR
+    o = _load(tmp_path, {**no_scheduler, "optimizer": sgd}, world=16).optim
+    assert (o.name, o.lr, o.sgd_momentum, o.weight_decay) == ("sgd", 0.05, 0.8, 1e-4)
+    assert "optim.beta2" not in capsys.readouterr().err  # Adam's defaults are not SGD's
+    o = _load(tmp_path, {**FP16_ADAM_WARMUP, "optimizer": {"type": "SGD", "params": {"lr": 0.05}}}, world=16).optim
+    assert (o.name, o.sgd_momentum, o.weight_decay) == ("sgd", 0.0, 0.0)
+    assert "optim.sgd_momentum 0, optim.weight_decay 0" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"DeepSpeed optimizer.params.nesterov \(true\): megazero's SGD"):
+        _load(tmp_path, {**FP16_ADAM_WARMUP, "optimizer": {"type": "SGD", "params": {"nesterov": True}}}, world=16)
+    with pytest.raises(ConfigError, match=r"optimizer.type \(Lamb\) is not supported: megazero trains with Adam/AdamW "
+                                          r"or SGD"):
+        _load(tmp_path, {**FP16_ADAM_WARMUP, "optimizer": {"type": "Lamb"}}, world=16)
+
+
 # ----------------------------------------------------------------------------- README's table (generated from ROWS)
 
 

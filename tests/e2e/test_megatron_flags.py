@@ -143,6 +143,23 @@ def test_llama_model_flags():
         "squared_relu", "rope", 0, True, True)
 
 
+def test_group_query_attention_alone_is_multi_query_as_in_megatron(tmp_path, capsys):
+    """Issue 46, 4: Megatron's --num-query-groups defaults to 1, so --group-query-attention alone
+    is multi-query (megazero used to build plain multi-head attention in silence); the defaults
+    line says so. A file's model.num_query_groups wins over Megatron's default."""
+    base = "--mock-data --num-attention-heads 4 --hidden-size 64 --group-query-attention".split()
+    assert load_config(None, None, base, 0, 1).model.num_query_groups == 1
+    assert "model.num_query_groups 1 (--group-query-attention)" in capsys.readouterr().err.splitlines()[0]
+    assert load_config(None, None, [*base, "--num-query-groups", "2"], 0, 1).model.num_query_groups == 2
+    assert "num_query_groups" not in capsys.readouterr().err
+    (tmp_path / "c.yaml").write_text("model:\n  num_query_groups: 2\n")
+    assert load_config(str(tmp_path / "c.yaml"), None, base, 0, 1).model.num_query_groups == 2
+    (tmp_path / "d.yaml").write_text("model:\n  num_layers: 2\n")
+    assert load_config(str(tmp_path / "d.yaml"), None, base, 0, 1).model.num_query_groups == 1
+    assert capsys.readouterr().err.strip() == ("Megatron-LM launch line: Megatron's defaults for what it leaves out: "
+                                               "model.num_query_groups 1 (--group-query-attention)")
+
+
 @pytest.mark.parametrize("args, message", [
     ("--rotary-percent 0.5", r"--rotary-percent 0.5: megazero rotates all of each head's channels; only "
                              r"--rotary-percent 1.0 is supported"),

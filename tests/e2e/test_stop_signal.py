@@ -36,7 +36,7 @@ def test_a_stop_signal_to_the_launcher_saves_and_exits_0(tmp_path, sig):
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err and "SignalException" not in err and "KeyboardInterrupt" not in err, err
     assert f"megazero.launch: {sig.name}: the workers saved and stopped\n" in err
-    assert "saved and stopped cleanly at iteration" in out
+    assert f"{sig.name}: saved and stopped cleanly at iteration" in out
     assert (save / "latest").exists()
 
 

@@ -166,6 +166,21 @@ def test_other_model_shape_is_refused(tmp_path):
     assert "holds a model with model.hidden_size = 64, but this run has 128" in proc.stderr
 
 
+def test_ctrl_c_under_the_launcher_is_named_sigint(tmp_path):
+    """Issue 46, 6: a worker under megazero.launch takes Ctrl-C's SIGINT as a stop request; its
+    line used to say SIGTERM."""
+    cmd = [sys.executable, "-m", "megazero.train", *BASE, "--train.iters", "100000"]
+    env = {**os.environ, "MEGAZERO_STOPPED_FILE": str(tmp_path / "stopped")}  # as megazero.launch sets it
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:
+        if line.startswith("iter 2/"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "SIGINT: stopped cleanly at iteration" in out and "SIGTERM" not in out, out[-2000:]
+
+
 @pytest.mark.parametrize("saving", ["sync", "async"])
 def test_sigterm_saves_and_exits_cleanly(tmp_path, saving):
     """async: a save every iteration, so that the signal's save first waits for one in flight."""

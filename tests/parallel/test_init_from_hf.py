@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from helpers import make_config, make_trainer, run_distributed, save_random_hf
+from helpers import REPO, make_config, make_trainer, run_distributed, save_random_hf
 from megazero.checkpoint.sharded import CheckpointError
 from megazero.config import ConfigError
 
@@ -75,6 +77,19 @@ def test_single_process_reads_pytorch_model_bin_too(hf_dir, tmp_path):
     expected = _transformers_loss(hf_dir)
     [losses] = run_distributed(_first_losses, 1, str(tmp_path), [[]])
     assert abs(losses[0] - expected) <= 1e-4
+
+
+def test_the_start_up_says_the_run_starts_from_the_hf_weights(hf_dir):
+    """Issue 46, 6: a run from checkpoint.init_from_hf says so, with the architecture and the
+    number of tensors read from (it said nothing of where its weights came from)."""
+    from safetensors import safe_open
+    with safe_open(os.path.join(hf_dir, "model.safetensors"), framework="pt") as f:
+        tensors = [k for k in f.keys() if not k.endswith((".attn.bias", ".attn.masked_bias"))]  # buffers
+    proc = subprocess.run([sys.executable, "-m", "megazero.train", *ARGS, "--train.iters", "1",
+                           "--checkpoint.init_from_hf", hf_dir], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"initialized from Hugging Face {hf_dir} (GPT2LMHeadModel, {len(tensors)} tensors)\n" in proc.stdout
 
 
 def _edited(hf_dir: str, tmp_path, **changes) -> str:

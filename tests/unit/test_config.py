@@ -74,6 +74,9 @@ def test_data_prefix_accepts_single_value():
      "parallel.sequence_parallel splits model.seq_length (66) over parallel.tp (4): make it a multiple of 4"),
     (["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--finetune.lora_rank", "8"], 2,
      "parallel.sequence_parallel cannot be combined with finetune.lora_rank (8)"),
+    # issue 46, 5: Muon under LoRA stepped nothing, while its start-up line counted Newton-Schulz FLOPs
+    (["--optim.name", "muon", "--finetune.lora_rank", "8"], 1,
+     "optim.name muon with finetune.lora_rank 8: LoRA freezes the block matrices Muon steps"),
 ])
 def test_bad_config_messages(overrides, world, message):
     with pytest.raises(ConfigError) as err:
@@ -335,7 +338,8 @@ def test_deepspeed_zero3_bf16_config_round_trips(tmp_path, capsys):
     ({"fp16": {"enabled": True}}, "DeepSpeed config enables both bf16 and fp16; enable one"),
     ({"train_batch_size": 30}, "DeepSpeed train_batch_size (30) must equal train_micro_batch_size_per_gpu x "
                                "gradient_accumulation_steps x dp (4 x 4 x 2 = 32)"),
-    ({"optimizer": {"type": "Lamb"}}, "DeepSpeed optimizer.type (Lamb) is not supported: megazero trains with AdamW"),
+    ({"optimizer": {"type": "Lamb"}}, "DeepSpeed optimizer.type (Lamb) is not supported: megazero trains with Adam/AdamW "
+                                         "or SGD"),
     ({"zero_optimization": {"stage": 5}}, "zero.stage (5) must be 0, 1, 2 or 3"),
     ({"gradient_clipping": "high"}, "DeepSpeed gradient_clipping (megazero optim.clip_grad) ('high') must be a number"),
 ])
@@ -478,6 +482,41 @@ def test_unused_cp_impl_is_named_and_scripts_validate_quietly():
            "--config-only", "--parallel.cp_impl", "ulysses", "--optim.warmup_iters", "100"]
     loud = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert loud.returncode == 0 and loud.stderr.count("warning:") == 2, loud.stderr
-    assert "warning: parallel.cp_impl ulysses has no effect at parallel.cp 1 (no context parallelism)" in loud.stderr
+    assert "warning: set but not read by this run, so they change nothing: parallel.cp_impl (read with " \
+           "parallel.cp > 1)" in loud.stderr
     quiet = subprocess.run([*cmd, "--quiet"], cwd=REPO, capture_output=True, text=True)
     assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.startswith("config OK")
+
+
+def test_keys_set_that_the_run_never_reads_are_named_in_one_warning(tmp_path, capsys):
+    """Issue 46, 5: optim.muon_lr (or any key the chosen options never read) was accepted in silence;
+    the command line's and a DeepSpeed file's keys get one warning naming them all. A YAML config is a
+    template (gpt2-124m.yaml names a pipeline schedule at pp 1): its keys are not warned of."""
+    from megazero.train.__main__ import load_config
+    cfg = load_config("configs/gpt2-tiny.yaml", None, ["--data.mock", "true", "--optim.muon_lr", "0.05",
+                                                       "--optim.muon_ns_steps", "3", "--finetune.lora_alpha", "8"])
+    assert cfg.optim.muon_lr == 0.05  # set, and named
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: set but not read by this run, so they change nothing: optim.muon_lr (read with optim.name muon), "
+        "optim.muon_ns_steps (read with optim.name muon), finetune.lora_alpha (read with finetune.lora_rank > 0); "
+        "drop them or make that choice"]
+    load_config("configs/gpt2-tiny.yaml", None, ["--data.mock", "true", "--optim.name", "muon", "--optim.muon_lr",
+                                                 "0.05"])
+    load_config(f"{REPO}/configs/gpt2-124m.yaml", None, ["--data.mock", "true"], world_size=1)
+    assert capsys.readouterr().err == ""
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 16, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6}}}')
+    load_config(str(ds), None, ["--data.mock", "true", "--optim.name", "sgd"], world_size=1)
+    warning = capsys.readouterr().err.splitlines()[-1]
+    assert warning == ("warning: set but not read by this run, so they change nothing: optim.eps (read with optim.name "
+                       "adamw or muon); drop them or make that choice")  # not DeepSpeed's defaults (beta1 ...)
+
+
+def test_every_read_only_row_names_keys_of_the_schema():
+    """A row left behind by a renamed key would silently stop warning."""
+    import fnmatch
+
+    from megazero.config import config_keys
+    from megazero.config.reads import READ_ONLY
+    keys = [key for key, *_ in config_keys()]
+    assert [p for row in READ_ONLY for p in row.keys if not fnmatch.filter(keys, p)] == []
