@@ -199,3 +199,28 @@ def test_an_export_writes_the_runs_data_tokenizer_when_it_is_another(hf_dir, tmp
     assert build_tokenizer(spec_of_directory(export)).identity() == build_tokenizer(bpe_spec).identity()
     text = "the model"
     assert transformers.AutoTokenizer.from_pretrained(export).encode(text) == build_tokenizer(bpe_spec).encode(text)
+
+
+def test_a_checkpoint_of_another_hf_model_names_a_fix_that_resumes(hf_dir, tmp_path):
+    """Resuming a run that started from another Llama directory: refused, and the fix the line
+    names (that run's init_from_hf, not --model.KEY, which config.json would refuse) resumes."""
+    import math
+    import re
+
+    from megazero.checkpoint.sharded import CheckpointError, check_model, read_metadata
+    narrow = save_random_hf(tmp_path / "narrow", "llama", **{**HF, "hidden_size": 32, "intermediate_size": 48})
+    save = str(tmp_path / "save")
+    run_distributed(_one_step_saved, 1, narrow, save, [])
+    ckpt = os.path.join(save, "iter_0000001")
+    resume = ARGS + ["--checkpoint.load", save, "--checkpoint.save", save, "--train.iters", "2"]
+    with pytest.raises(CheckpointError) as refused:
+        check_model(read_metadata(ckpt), make_config(resume + ["--checkpoint.init_from_hf", hf_dir], base=BASE), ckpt)
+    fix = re.search(r"pass (--checkpoint\.init_from_hf) (\S+), the directory", str(refused.value))
+    assert fix and fix.group(2) == narrow, str(refused.value)
+    assert math.isfinite(run_distributed(_resumed_step, 1, resume + list(fix.groups()))[0])
+
+
+def _resumed_step(args: list[str]) -> float:
+    t = make_trainer(args, base=BASE)
+    assert t.iteration == 1  # resumed, not started over
+    return t.train_step()["loss"]
