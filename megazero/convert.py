@@ -1,9 +1,11 @@
 """`python -m megazero.convert --load CKPT --to torch|hf|universal --output OUT [--dtype ...]`
 
   torch      one plain state_dict of the non-parallel GPT-2 (+ OUT.config.json), streamed
-  hf         a Hugging Face GPT-2 directory: config.json, model.safetensors and, when the
-             checkpoint names a tokenizer, tokenizer.json + tokenizer_config.json (for
-             transformers' AutoTokenizer) beside megazero's own tokenizer files
+  hf         a Hugging Face GPT-2 or Llama directory: config.json, model.safetensors and the
+             run's tokenizer: the tokenizer files of the Hugging Face directory it started
+             from (checkpoint.init_from_hf), else data.tokenizer's as tokenizer.json +
+             tokenizer_config.json (for transformers' AutoTokenizer) beside megazero's own files;
+             generate --load OUT and AutoTokenizer.from_pretrained(OUT) need no --tokenizer
   universal  a parallelism-agnostic checkpoint that resumes at any layout (needs the
              optimizer state: from a save, iter_ or universal checkpoint)
 
@@ -34,11 +36,10 @@ import torch
 from megazero.atomic import atomic_dir
 from megazero.checkpoint.adapter import base_only, describe_adapters, has_adapters, merge_lora
 from megazero.checkpoint.base import Checkpoint
-from megazero.checkpoint.export import write_hf, write_hf_tokenizer, write_torch, write_universal
+from megazero.checkpoint.export import write_hf, write_run_tokenizer, write_torch, write_universal
 from megazero.checkpoint.load import open_checkpoint
 from megazero.config import Config, ConfigError, build_config, load_yaml, parse_overrides
 from megazero.data import DataError
-from megazero.data.tokenizer import build_tokenizer
 from megazero.errors import UserError, report_errors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -104,20 +105,18 @@ def with_adapters_handled(ckpt: Checkpoint, merge: bool) -> Checkpoint:
 
 
 def write_hf_export(ckpt: Checkpoint, output: str, dtype: torch.dtype) -> None:
-    """HF GPT-2 directory: weights, config and the tokenizer the checkpoint names."""
+    """HF GPT-2 or Llama directory: weights, config and the tokenizer the run was trained with."""
     eos = None
-    if ckpt.tokenizer:
-        try:
-            tokenizer = build_tokenizer(ckpt.tokenizer)
+    try:
+        tokenizer = write_run_tokenizer(ckpt, output)
+        if tokenizer is None:
+            print(f"warning: {ckpt.kind} '{ckpt.ckpt}' names no tokenizer (data.tokenizer) and did not start from a "
+                  f"Hugging Face directory with one; the export has none", file=sys.stderr)
+        else:
             eos = tokenizer.eod
-            write_hf_tokenizer(tokenizer, output, ckpt.model_config.seq_length)
-        except DataError as e:  # the weights are still worth having; say what is missing
-            print(f"warning: {e}; exported without a tokenizer for transformers", file=sys.stderr)
-    else:
-        print(f"warning: {ckpt.kind} '{ckpt.ckpt}' names no tokenizer (data.tokenizer); the export has none",
-              file=sys.stderr)
+    except DataError as e:  # the weights are still worth having; say what is missing
+        print(f"warning: {e}; exported without a tokenizer for transformers", file=sys.stderr)
     write_hf(output, ckpt.tensors("master"), ckpt.shapes, ckpt.model_config, dtype, eos_token_id=eos)
-
 
 if __name__ == "__main__":
     main()

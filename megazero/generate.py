@@ -208,9 +208,8 @@ def _check_args(args: argparse.Namespace, world: int) -> None:
 def started_from_tokenizer(ckpt: Checkpoint) -> Optional[str]:
     """The tokenizer of the Hugging Face directory a run without data.tokenizer started from
     (checkpoint.init_from_hf: tokenizer.json, tokenizer.model, ...), if it has one."""
-    config = getattr(ckpt.training, "config", None)
-    start = config.checkpoint.init_from_hf if config is not None else None
-    return spec_of_directory(start) if start and os.path.isdir(start) else None
+    start = ckpt.started_from_hf()
+    return spec_of_directory(start) if start else None
 
 
 def _encode(tokenizer: Tokenizer, text: str, n: int) -> list[int]:

@@ -11,7 +11,7 @@
 # $RUN_DIR/checkpoints, or the --checkpoint.save DIR given as an argument, unless --checkpoint.load is).
 #
 # MODEL=llama fine-tunes a Hugging Face model of the Llama family instead (HF_DIR, required: a
-# LlamaForCausalLM directory; its tokenizer.model serves as TOKENIZER unless one is given):
+# LlamaForCausalLM directory with its tokenizer: tokenizer.json, Llama 3 style, or tokenizer.model):
 # configs/llama-finetune.yaml, LoRA rank 32 on q/k/v/o/gate/up/down_proj under ZeRO-3 over all
 # NPROC ranks, the 16-bit model and the whole adapter saved with each checkpoint.
 #
@@ -19,11 +19,16 @@
 #   MODEL [gpt2]   gpt2 or llama (then CONFIG [configs/llama-finetune.yaml], TP/PP [1], ZERO_STAGE [3],
 #                  RUN_DIR [runs/llama-finetune])
 #   CONFIG [configs/gpt2-cpu-demo.yaml]   NPROC [8]  TP [2]  PP [2]  ZERO_STAGE [1]
-#   DATA_DIR [data]   TOKENIZER [gpt2bpe:$DATA_DIR/tokenizer]     (passed on to the main job too)
+#   DATA_DIR [data]   TOKENIZER [HF_DIR's own when it has one (tokenizer.json: hf:HF_DIR; tokenizer.model:
+#                  sentencepiece:HF_DIR; vocab.json + merges.txt: gpt2bpe:HF_DIR), else gpt2bpe:$DATA_DIR/tokenizer]
+#                  (passed on to the main job too)
 #   PRETRAIN_RUN_DIR [runs/gpt2-cpu-demo]   the main job's outputs (its RUN_DIR)
 #   PRETRAIN_ITERS [the config's]   iterations of the main job, when this script runs it
 #   FT_INPUT [pairs from the embedded corpus]   JSONL with "prompt" and "completion" fields
 #   FT_PREFIX [$DATA_DIR/qa_prompt_completion_document, built if absent]   WORKERS [2] tokenizing processes
+#          a set this script built (FT_PREFIX.derived.json names its tokenizer; at the default FT_PREFIX, one
+#          without that manifest too) is rebuilt, said in one line, when TOKENIZER is another tokenizer now;
+#          a set of your own (FT_PREFIX given, no manifest) is never touched
 #   RUN_DIR [runs/gpt2-cpu-demo-finetune]   ITERS [100]   LR [3e-4]   MIN_LR [3e-5]   WARMUP [10]
 #   HF_DIR [$RUN_DIR/init_hf_<main job's iteration>]   the Hugging Face GPT-2 directory fine-tuning
 #          starts from; when it exists already, the main job is neither run nor exported
@@ -35,6 +40,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/args.sh
 
+# A Hugging Face directory given as HF_DIR is fine-tuned with its own tokenizer (unless TOKENIZER names one):
+# the data must be tokenized as the model was trained.
+if [[ -z ${TOKENIZER:-} && -n ${HF_DIR:-} && -f $HF_DIR/config.json ]]; then
+  if hf_tokenizer=$(python -m megazero.harness.derived_data tokenizer "$HF_DIR"); then export TOKENIZER=$hf_tokenizer; fi
+fi
 case ${MODEL:=gpt2} in
   gpt2) ;;
   llama)
@@ -42,7 +52,10 @@ case ${MODEL:=gpt2} in
       echo "error: MODEL=llama fine-tunes a Hugging Face Llama directory: set HF_DIR to one (config.json, model.safetensors)" >&2
       exit 2
     fi
-    if [[ -z ${TOKENIZER:-} && -f $HF_DIR/tokenizer.model ]]; then export TOKENIZER=sentencepiece:$HF_DIR; fi
+    if [[ -z ${TOKENIZER:-} ]]; then
+      echo "error: HF_DIR $HF_DIR holds no tokenizer (tokenizer.json or tokenizer.model): add the model's tokenizer files there, or set TOKENIZER to its tokenizer (hf:DIR, sentencepiece:FILE)" >&2
+      exit 2
+    fi
     export CONFIG=${CONFIG:-configs/llama-finetune.yaml} TP=${TP:-1} PP=${PP:-1} ZERO_STAGE=${ZERO_STAGE:-3}
     RUN_DIR=${RUN_DIR:-runs/llama-finetune} ;;
   *) echo "error: MODEL $MODEL is gpt2 or llama" >&2; exit 2 ;;
@@ -53,12 +66,13 @@ export DATA_DIR=${DATA_DIR:-data}
 export TOKENIZER=${TOKENIZER:-gpt2bpe:$DATA_DIR/tokenizer}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 PRETRAIN_RUN_DIR=${PRETRAIN_RUN_DIR:-runs/gpt2-cpu-demo}
-FT_PREFIX=${FT_PREFIX:-$DATA_DIR/qa_prompt_completion_document}
+own_prefix=$DATA_DIR/qa_prompt_completion_document
+FT_PREFIX=${FT_PREFIX:-$own_prefix}
 RUN_DIR=${RUN_DIR:-runs/gpt2-cpu-demo-finetune}
 ITERS=${ITERS:-100}
 
 # 1-2. The starting point: HF_DIR when it names an existing Hugging Face GPT-2 directory (any
-# export, or a published GPT-2 with its tokenizer as TOKENIZER); else the main job's latest
+# export, or a published GPT-2: its tokenizer files are TOKENIZER's default); else the main job's latest
 # checkpoint (the main job is run first when it has none), exported once per checkpoint.
 if [[ -z ${HF_DIR:-} || ! -f $HF_DIR/config.json ]]; then
   pretrained=$PRETRAIN_RUN_DIR/checkpoints
@@ -73,11 +87,15 @@ if [[ -z ${HF_DIR:-} || ! -f $HF_DIR/config.json ]]; then
   fi
 fi
 
-# 3. Fine-tuning data: prompt/completion pairs tokenized once, with their loss mask.
-if [[ ! -f $FT_PREFIX.idx ]]; then
-  echo "== building the fine-tuning dataset $FT_PREFIX (+ _loss_mask)"
+# 3. Fine-tuning data: prompt/completion pairs tokenized with their loss mask, once per tokenizer (see FT_PREFIX).
+own=()
+if [[ $FT_PREFIX == "$own_prefix" ]]; then own=(--own); fi
+stale=$(python -m megazero.harness.derived_data check "$FT_PREFIX" "$TOKENIZER" "${own[@]}")
+if [[ -n $stale ]]; then
+  echo "== fine-tuning dataset (+ _loss_mask): $stale"
   python data_tools/preprocess_data.py --prompt-key prompt --completion-key completion --tokenizer "$TOKENIZER" \
     --workers "${WORKERS:-2}" --output-prefix "${FT_PREFIX%_prompt_completion_document}" ${FT_INPUT:+--input "$FT_INPUT"}
+  python -m megazero.harness.derived_data record "$FT_PREFIX" "$TOKENIZER"
 fi
 
 # 4. Fine-tune from the export, or resume when the save directory ($RUN_DIR/checkpoints, or the user's

@@ -174,6 +174,13 @@ class Checkpoint:
     def trainer_state(self) -> dict:
         return self._require_training("its optimizer state").trainer_state()
 
+    def started_from_hf(self) -> Optional[str]:
+        """The Hugging Face directory the run started from (checkpoint.init_from_hf), while it
+        still exists; None for a run that did not, or a checkpoint that does not record its run."""
+        config = getattr(self.training, "config", None)
+        start = config.checkpoint.init_from_hf if config is not None else None
+        return start if start and os.path.isdir(start) else None
+
     @property
     def meta(self) -> dict:
         return self._require_training("its run config").meta

@@ -3,8 +3,8 @@ memory stays near one full tensor however large the model.
 
     write_torch      one plain torch state_dict of the non-parallel model + FILE.config.json
     write_universal  the universal format (universal.py), which resumes at any layout
-    write_hf         a Hugging Face GPT-2 or Llama directory (the mapping: hf_names.py); write_hf_tokenizer
-                     adds the tokenizer, for megazero and for transformers
+    write_hf         a Hugging Face GPT-2 or Llama directory (the mapping: hf_names.py); write_run_tokenizer
+                     adds the tokenizer the run was trained with, for megazero and for transformers
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from megazero.checkpoint.tensors import fit_vocab, save_safetensors_streaming
 from megazero.checkpoint.universal import UNIVERSAL_VERSION
 from megazero.config.schema import ModelConfig
 from megazero.data.hf_tokenizer import hf_tokenizer_files
-from megazero.data.tokenizer import SPM_MODEL_NAME, Tokenizer
+from megazero.data.tokenizer import SPM_MODEL_NAME, Tokenizer, build_tokenizer, spec_of_directory
 from megazero.model.layers import padded_vocab_size
 from megazero.parallel.host import HostStaging
 
@@ -126,6 +126,45 @@ def write_hf(output_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], shape
     save_safetensors_streaming(os.path.join(output_dir, "model.safetensors"), out_shapes, dtype, converted,
                                metadata={"format": "pt"})
     write_text(os.path.join(output_dir, "config.json"), json.dumps(hf_config(m, eos_token_id), indent=2))
+
+
+# A Hugging Face directory's tokenizer files, whichever of them it has (GPT-2: vocab.json + merges.txt,
+# Llama 2: tokenizer.model, Llama 3: tokenizer.json; the config files carry special tokens and templates).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                      SPM_MODEL_NAME, "vocab.json", "merges.txt")
+
+
+def write_run_tokenizer(reader: Checkpoint, output_dir: str) -> Tokenizer | None:
+    """The tokenizer the run was trained with, into its HF export; None when it names none.
+
+    A run that started from a Hugging Face directory (checkpoint.init_from_hf) and kept its
+    tokenizer (data.tokenizer unset, or the same files) gets that directory's tokenizer files
+    as they are, so transformers sees the original's special tokens and chat template; any
+    other gets data.tokenizer written by write_hf_tokenizer."""
+    start = reader.started_from_hf()
+    start_spec = spec_of_directory(start) if start else None
+    spec = reader.tokenizer or start_spec
+    if spec is None:
+        return None
+    tokenizer = build_tokenizer(spec)
+    if start and start_spec and build_tokenizer(start_spec).identity() == tokenizer.identity():
+        _copy_tokenizer_files(start, tokenizer, output_dir, reader.model_config.seq_length)
+    else:
+        write_hf_tokenizer(tokenizer, output_dir, reader.model_config.seq_length)
+    return tokenizer
+
+
+def _copy_tokenizer_files(source_dir: str, tokenizer: Tokenizer, output_dir: str, model_max_length: int) -> None:
+    """SOURCE_DIR's tokenizer files into OUTPUT_DIR; a directory without tokenizer.json or
+    tokenizer_config.json (GPT-2 or Llama 2 style) gets megazero's, so AutoTokenizer loads it."""
+    for name in HF_TOKENIZER_FILES:
+        path = os.path.join(source_dir, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                write_bytes(os.path.join(output_dir, name), f.read())
+    for name, text in hf_tokenizer_files(tokenizer, model_max_length).items():
+        if not os.path.isfile(os.path.join(source_dir, name)):
+            write_text(os.path.join(output_dir, name), text)
 
 
 def write_hf_tokenizer(tokenizer: Tokenizer, output_dir: str, model_max_length: int) -> None:

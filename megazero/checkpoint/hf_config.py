@@ -10,6 +10,7 @@ import os
 from megazero.checkpoint.hf_names import hf_key, model_config_from_hf, set_by_hf
 from megazero.config.resolve import tokenizer_size
 from megazero.config.schema import Config, ConfigError, ModelConfig
+from megazero.data.tokenizer import spec_of_directory
 
 
 def resolve_init_from_hf(cfg: Config) -> None:
@@ -43,8 +44,11 @@ def resolve_init_from_hf(cfg: Config) -> None:
                           f"GPT-2 uses the tanh GELU (gelu_new)")
     assert isinstance(theirs.vocab_size, int)
     if cfg.data.tokenizer and tokenizer_size(cfg.data.tokenizer) > theirs.vocab_size:
+        own = spec_of_directory(d)  # the tokenizer files beside the weights, when the directory has them
+        fix = f": --data.tokenizer {own}" if own else " (its tokenizer files, e.g. --data.tokenizer hf:DIR)"
         raise ConfigError(f"data.tokenizer {cfg.data.tokenizer!r} has {tokenizer_size(cfg.data.tokenizer)} tokens but "
-                          f"the model in {d} only {theirs.vocab_size}; use the tokenizer that model was trained with")
+                          f"the model in {d} only {theirs.vocab_size}; use the tokenizer that model was trained "
+                          f"with{fix}")
     _take_model_keys(cfg, theirs, path)
     if m.position_embedding == "learned" and m.seq_length > theirs.seq_length:
         raise ConfigError(f"model.seq_length ({m.seq_length}) exceeds n_positions ({theirs.seq_length}) in {path}; "

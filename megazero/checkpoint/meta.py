@@ -55,17 +55,31 @@ def model_mismatch(saved: dict, cfg: Config, ckpt: str) -> Optional[str]:
     for key in MODEL_KEYS:
         if saved_model.get(key) != getattr(cfg.model, key):
             return (f"checkpoint '{ckpt}' holds a model with model.{key} = {saved_model.get(key)}, but this run has "
-                    f"{getattr(cfg.model, key)}; use the checkpoint's model config (--model.{key} "
-                    f"{saved_model.get(key)})")
+                    f"{getattr(cfg.model, key)}; {_model_fix(saved, cfg, key, saved_model.get(key))}")
     theirs = _adapters(saved.get("finetune") or {"lora_rank": 0})
     mine = _adapters(dataclasses.asdict(cfg.finetune))
     if mine == theirs:
         return None
-    fix = ("to fine-tune a pretrained checkpoint with LoRA, export it (convert --to hf) and start from it with "
-           "--checkpoint.init_from_hf" if not theirs["lora_rank"] else
-           "use the checkpoint's finetune settings, or fold its adapters in (convert --merge-lora --to hf) and "
-           "start a new run from that with --checkpoint.init_from_hf")
+    # Each fix is whole: starting from an export with checkpoint.load still set would be refused next.
+    start = "--checkpoint.init_from_hf HF_DIR --checkpoint.load null"
+    fix = (f"to fine-tune it with LoRA, export it (python -m megazero.convert --load {ckpt} --to hf --output HF_DIR) "
+           f"and start from that: {start}" if not theirs["lora_rank"] else
+           f"use the checkpoint's finetune settings, or fold its adapters in (python -m megazero.convert --load "
+           f"{ckpt} --to hf --merge-lora --output HF_DIR) and start a new run from that: {start}")
     return f"checkpoint '{ckpt}' was saved with LoRA {theirs} but this run has {mine}; {fix}"
+
+
+def _model_fix(saved: dict, cfg: Config, key: str, value: object) -> str:
+    """The fix for a model key that differs from the checkpoint's. A run whose model comes from
+    checkpoint.init_from_hf cannot set the key against that directory's config.json: it names
+    the directory the checkpoint's run started from, or starting from its own instead."""
+    mine = cfg.checkpoint.init_from_hf
+    if not mine:
+        return f"use the checkpoint's model config (--model.{key} {value})"
+    theirs = (saved.get("checkpoint") or {}).get("init_from_hf")
+    if theirs and os.path.abspath(theirs) != os.path.abspath(mine):
+        return f"pass --checkpoint.init_from_hf {theirs}, the directory that run started from"
+    return f"pass --checkpoint.load null to start from {mine} instead"
 
 
 def _adapters(f: dict) -> dict:

@@ -76,7 +76,8 @@ def starting_point_line(cfg: Config, config_path: Optional[str] = None) -> Optio
     """When a checkpoint in checkpoint.load meets a setting that asks for another start, one line
     naming which wins and where each came from, or a refusal (PreflightError):
     - checkpoint.init_from_hf: refused, unless checkpoint.load is the run's own save directory
-      (a restart or re-run of a run that started from those weights: the resume wins, said once);
+      (a restart or re-run of a run that started from those weights: the resume wins, said once;
+      the directory still gives the model's shape to a config without model keys);
     - checkpoint.load and checkpoint.save from different places (a file's and the command
       line's) naming different directories: the run starts from one and saves into the other."""
     c = cfg.checkpoint
@@ -87,9 +88,11 @@ def starting_point_line(cfg: Config, config_path: Optional[str] = None) -> Optio
     if c.init_from_hf:
         hf = f"checkpoint.init_from_hf {c.init_from_hf} ({origin(cfg, 'checkpoint.init_from_hf', config_path)})"
         if not own:
+            # Both fixes keep init_from_hf: a config without model keys (configs/llama-finetune.yaml)
+            # takes the model's shape from it, so dropping it would leave a GPT-2 of the defaults.
             raise PreflightError(f"{load} holds a checkpoint, which a run resumes from in place of {hf}; pass "
-                                 f"--checkpoint.load null to start from {c.init_from_hf}, or drop "
-                                 f"checkpoint.init_from_hf to resume")
+                                 f"--checkpoint.load null to start from {c.init_from_hf}, or --checkpoint.save "
+                                 f"{c.load} to resume that run in its own save directory")
         return f"resuming from the checkpoint in {load}, this run's save directory: {hf} is for a fresh start"
     save_origin = origin(cfg, "checkpoint.save", config_path)
     if c.save and not own and save_origin != origin(cfg, "checkpoint.load", config_path):

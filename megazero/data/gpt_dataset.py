@@ -513,9 +513,14 @@ def check_compatibility(prefixes: Sequence[Any] | None, tokenizer_spec: str | No
             )
 
 
+def same_tokenizer(identity: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether two tokenizer identities (Tokenizer.identity(), as sidecars store them) are the
+    same tokenizer: same kind, size and file bytes, wherever the files are."""
+    return all(identity.get(f) == other.get(f) for f in ("type", "vocab_size", "sha256"))
+
+
 def _check_same_tokenizer(path: str, identity: dict[str, Any], other_name: str, other: dict[str, Any]) -> None:
-    fields = ("type", "vocab_size", "sha256")
-    if all(identity.get(f) == other.get(f) for f in fields):
+    if same_tokenizer(identity, other):
         return
     mine, theirs = (f"{i.get('type')} vocab {i.get('vocab_size')} sha256 {str(i.get('sha256'))[:12]}" for i in (identity, other))
     raise DataError(

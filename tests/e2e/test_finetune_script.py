@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 
 import pytest
 
-from helpers import EXAMPLES, REPO
+from helpers import EXAMPLES, REPO, SAMPLES, make_texts
 from megazero.harness.spawn import free_port
 
 ROOT = str(REPO)
@@ -111,7 +112,51 @@ def test_model_llama_fine_tunes_a_hf_llama_with_lora_under_zero3(tmp_path, bpe_s
     PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "llama"), latest / "adapter")
 
 
+def test_model_llama_takes_the_directorys_tokenizer_json_and_rebuilds_data_made_with_another(
+        tmp_path, llama3_tokenizer_dir: str) -> None:
+    """MODEL=llama with a Llama 3 style directory (tokenizer.json, no tokenizer.model): the
+    question/answer set is tokenized with hf:HF_DIR, not the demo GPT-2 tokenizer; a set the
+    script made earlier with another tokenizer is rebuilt, said in one line (issue 46, 2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megazero.data.indexed import read_metadata
+    from megazero.data.tokenizer import train_gpt2bpe
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                 intermediate_size=48, max_position_embeddings=64, vocab_size=300)).save_pretrained(llama)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(llama3_tokenizer_dir, name), llama)
+    other = train_gpt2bpe(make_texts(200) + SAMPLES, 280, tmp_path / "bpe")  # fits the model too: both runs train
+    env = {**_given_hf_model(tmp_path, other), "MODEL": "llama", "HF_DIR": str(llama), "ITERS": "1"}
+    del env["CONFIG"]
+    args = ("--train.micro_batch_size", "1", "--train.global_batch_size", "2", "--model.seq_length", "32")
+    prefix = tmp_path / "data" / "qa_prompt_completion_document"
+    first = _run(env, *args)
+    assert f"== fine-tuning dataset (+ _loss_mask): building {prefix} with tokenizer {other}\n" in first.stdout
+    del env["TOKENIZER"]
+    second = _run({**env, "RUN_DIR": str(tmp_path / "ft2")}, *args)
+    assert (f"== fine-tuning dataset (+ _loss_mask): rebuilding {prefix}: it was made with tokenizer {other}, not "
+            f"hf:{llama}\n") in second.stdout
+    assert read_metadata(str(prefix))["tokenizer_spec"] == f"hf:{llama}"
+    assert len(_records(tmp_path / "ft2")) == 1
+    third = _run({**env, "RUN_DIR": str(tmp_path / "ft3")}, *args)  # the same tokenizer: the set is kept
+    assert "fine-tuning dataset" not in third.stdout
+
+
 def test_model_llama_needs_a_hf_directory(tmp_path) -> None:
     proc = subprocess.run(["bash", "scripts/finetune_gpt.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "MODEL": "llama", "HF_DIR": str(tmp_path)})
     assert proc.returncode == 2 and proc.stderr.startswith("error: MODEL=llama fine-tunes a Hugging Face Llama")
+
+
+def test_model_llama_without_a_tokenizer_in_hf_dir_is_one_line(tmp_path) -> None:
+    """A Llama directory with neither tokenizer.json nor tokenizer.model, and no TOKENIZER: refused
+    before anything is built, instead of tokenizing with the demo GPT-2 tokenizer."""
+    (tmp_path / "config.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZER"}
+    proc = subprocess.run(["bash", "scripts/finetune_gpt.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**env, "MODEL": "llama", "HF_DIR": str(tmp_path), "DATA_DIR": str(tmp_path / "data")})
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: HF_DIR {tmp_path} holds no tokenizer (tokenizer.json or tokenizer.model): add the model's tokenizer "
+        f"files there, or set TOKENIZER to its tokenizer (hf:DIR, sentencepiece:FILE)\n"), proc.stderr
+    assert not (tmp_path / "data").exists()

@@ -82,11 +82,35 @@ def test_init_from_hf_against_a_checkpoint_in_load(tmp_path):
         starting_point_line(cfg, "demo.yaml")
     assert str(refused.value) == (f"checkpoint.load {ckpt} (from demo.yaml) holds a checkpoint, which a run resumes "
                                   f"from in place of checkpoint.init_from_hf W/hf (from the command line); pass "
-                                  f"--checkpoint.load null to start from W/hf, or drop checkpoint.init_from_hf to "
-                                  f"resume")
+                                  f"--checkpoint.load null to start from W/hf, or --checkpoint.save {ckpt} to resume "
+                                  f"that run in its own save directory")
     own = build_config({"checkpoint": {"load": str(ckpt), "save": str(ckpt), "init_from_hf": "W/hf"}})
     assert starting_point_line(own, "demo.yaml") == (
         f"resuming from the checkpoint in checkpoint.load {ckpt} (from demo.yaml), this run's save directory: "
         f"checkpoint.init_from_hf W/hf (from demo.yaml) is for a fresh start")
     empty = build_config({"checkpoint": {"load": str(tmp_path / "none")}}, ["--checkpoint.init_from_hf", "W/hf"])
     assert starting_point_line(empty) is None  # nothing to resume: the weights are read
+
+
+def test_the_fixes_the_init_from_hf_refusal_names_start_from_the_llama_config(tmp_path):
+    """configs/llama-finetune.yaml (no model keys: init_from_hf gives them) with another run's
+    checkpoint in checkpoint.load: refused; each fix the line names, followed as written, starts
+    (issue 46, 3): --checkpoint.load null from the HF weights, --checkpoint.save LOAD resuming."""
+    import re
+
+    from helpers import save_random_hf
+    hf = save_random_hf(tmp_path / "hf", "llama", vocab_size=128, hidden_size=32, intermediate_size=48,
+                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                        max_position_embeddings=32)
+    other, mine = str(tmp_path / "other"), str(tmp_path / "mine")
+    small = ["--config", "configs/llama-finetune.yaml", "--checkpoint.init_from_hf", hf, "--data.mock", "true",
+             "--train.global_batch_size", "1", "--train.iters", "1", "--model.seq_length", "16"]
+    assert _train(*small, "--checkpoint.save", other).returncode == 0
+    refused = _train(*small, "--train.iters", "2", "--checkpoint.load", other, "--checkpoint.save", mine)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    fixes = re.findall(r"(--checkpoint\.\w+) (\S+) to ", refused.stderr)
+    assert fixes == [("--checkpoint.load", "null"), ("--checkpoint.save", other)], refused.stderr
+    for fix in fixes:
+        run = _train(*small, "--train.iters", "2", "--checkpoint.load", other, "--checkpoint.save", mine, *fix)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert ("resuming from the checkpoint" in run.stdout) == (fix[0] == "--checkpoint.save"), run.stdout

@@ -4,6 +4,7 @@ rank reading only its slices; its first loss is transformers' loss on the same b
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -133,5 +134,30 @@ def test_a_tokenizer_larger_than_the_checkpoint_vocabulary_is_refused(hf_dir, tm
     tokens = build_tokenizer(spec).vocab_size
     small = _edited(hf_dir, tmp_path / "hf", vocab_size=tokens - 1)
     with pytest.raises(ConfigError, match=rf"has {tokens} tokens but the model in .* only {tokens - 1}; use the "
-                                          rf"tokenizer that model was trained with"):
+                                          rf"tokenizer that model was trained with \(its tokenizer files"):
         make_config(ARGS + ["--checkpoint.init_from_hf", small, "--data.tokenizer", spec], world=1)
+
+
+def _one_step(args: list[str]) -> float:
+    return make_trainer(args).train_step()["loss"]
+
+
+def test_a_directory_with_its_tokenizer_names_it_and_that_fix_starts(hf_dir, tmp_path, bpe_spec):
+    """The refusal of a tokenizer larger than the model names the directory's own tokenizer;
+    the run given that --data.tokenizer starts (issue 46, 3)."""
+    import re
+    import shutil
+
+    from megazero.data.tokenizer import train_gpt2bpe
+    with_tokenizer = _edited(hf_dir, tmp_path / "hf")
+    own = train_gpt2bpe(["the list of words and the words of the list"] * 20, 280, tmp_path / "own")
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(os.path.join(own.partition(":")[2], name), with_tokenizer)
+    big = bpe_spec  # 400 ids, over the model's 300
+    args = ARGS + ["--checkpoint.init_from_hf", with_tokenizer, "--train.iters", "1"]
+    with pytest.raises(ConfigError) as refused:
+        make_config(args + ["--data.tokenizer", big], world=1)
+    fix = re.search(r"(--data\.tokenizer) (\S+)$", str(refused.value))
+    assert fix and fix.groups() == ("--data.tokenizer", f"gpt2bpe:{with_tokenizer}"), str(refused.value)
+    loss = run_distributed(_one_step, 1, args + ["--data.tokenizer", big, *fix.groups()])[0]
+    assert math.isfinite(loss)  # the run started and took its first step

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import full_logits, make_config, make_trainer, run_distributed, save_random_hf
+from helpers import SAMPLES, full_logits, make_config, make_texts, make_trainer, run_distributed, save_random_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -154,3 +154,73 @@ def test_generate_from_the_run_uses_the_tokenizer_it_started_from(hf_dir, tmp_pa
     out = capsys.readouterr().out
     tok = build_tokenizer(hf_dir)
     assert out.startswith("the model") and len(tok.encode(out.rstrip("\n"))) >= len(tok.encode("the model"))
+
+
+# ----------------------------------------------------------------------------- exports keep their tokenizer
+
+
+def _one_step_saved(hf_dir: str, save: str, extra: list[str]) -> None:
+    t = make_trainer(ARGS + extra + ["--train.iters", "1", "--checkpoint.init_from_hf", hf_dir,
+                                     "--checkpoint.save", save], base=BASE)
+    t.train_step()
+    t.checkpoints.save(t.iteration, last=False)
+
+
+def test_an_export_of_a_run_from_hf_carries_that_directorys_tokenizer(hf_dir, tmp_path, capsys):
+    """A run from init_from_hf without data.tokenizer, exported with convert --to hf: the export
+    holds the directory's tokenizer files, so generate --load EXPORT needs no --tokenizer and
+    AutoTokenizer.from_pretrained(EXPORT) encodes as megazero does (issue 46, 7)."""
+    from megazero.convert import main as convert
+    from megazero.data.tokenizer import build_tokenizer
+    from megazero.generate import main as generate_main
+    save, export = str(tmp_path / "save"), str(tmp_path / "export")
+    run_distributed(_one_step_saved, 1, hf_dir, save, [])
+    convert(["--load", save, "--to", "hf", "--output", export])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert open(os.path.join(export, name)).read() == open(os.path.join(hf_dir, name)).read(), name
+    ours, theirs = build_tokenizer(hf_dir), transformers.AutoTokenizer.from_pretrained(export)
+    for text in ("the model", "Question: what is two and two?\nAnswer: Four."):
+        assert theirs(text, add_special_tokens=False).input_ids == ours.encode(text)
+    assert theirs.eos_token_id == ours.eod
+    capsys.readouterr()
+    generate_main(["--load", export, "--prompt", "the model", "--temperature", "0", "--max-new-tokens", "3"])
+    assert capsys.readouterr().out.startswith("the model")
+
+
+def test_an_export_writes_the_runs_data_tokenizer_when_it_is_another(hf_dir, tmp_path):
+    """data.tokenizer other than the starting directory's (here a GPT-2 BPE of 280 ids): the
+    export carries the tokenizer the run was trained with, not the directory's."""
+    from megazero.convert import main as convert
+    from megazero.data.tokenizer import build_tokenizer, spec_of_directory, train_gpt2bpe
+    bpe_spec = train_gpt2bpe(make_texts(200) + SAMPLES, 280, tmp_path / "bpe")
+    save, export = str(tmp_path / "save"), str(tmp_path / "export")
+    run_distributed(_one_step_saved, 1, hf_dir, save, ["--data.tokenizer", bpe_spec])
+    convert(["--load", save, "--to", "hf", "--output", export])
+    assert build_tokenizer(spec_of_directory(export)).identity() == build_tokenizer(bpe_spec).identity()
+    text = "the model"
+    assert transformers.AutoTokenizer.from_pretrained(export).encode(text) == build_tokenizer(bpe_spec).encode(text)
+
+
+def test_a_checkpoint_of_another_hf_model_names_a_fix_that_resumes(hf_dir, tmp_path):
+    """Resuming a run that started from another Llama directory: refused, and the fix the line
+    names (that run's init_from_hf, not --model.KEY, which config.json would refuse) resumes."""
+    import math
+    import re
+
+    from megazero.checkpoint.sharded import CheckpointError, check_model, read_metadata
+    narrow = save_random_hf(tmp_path / "narrow", "llama", **{**HF, "hidden_size": 32, "intermediate_size": 48})
+    save = str(tmp_path / "save")
+    run_distributed(_one_step_saved, 1, narrow, save, [])
+    ckpt = os.path.join(save, "iter_0000001")
+    resume = ARGS + ["--checkpoint.load", save, "--checkpoint.save", save, "--train.iters", "2"]
+    with pytest.raises(CheckpointError) as refused:
+        check_model(read_metadata(ckpt), make_config(resume + ["--checkpoint.init_from_hf", hf_dir], base=BASE), ckpt)
+    fix = re.search(r"pass (--checkpoint\.init_from_hf) (\S+), the directory", str(refused.value))
+    assert fix and fix.group(2) == narrow, str(refused.value)
+    assert math.isfinite(run_distributed(_resumed_step, 1, resume + list(fix.groups()))[0])
+
+
+def _resumed_step(args: list[str]) -> float:
+    t = make_trainer(args, base=BASE)
+    assert t.iteration == 1  # resumed, not started over
+    return t.train_step()["loss"]

@@ -341,3 +341,29 @@ def test_the_16bit_model_of_a_lora_run_folds_its_adapters_in(trained):
     assert torch.allclose(sixteen[name].float(), whole[name], atol=2e-3)
     base = dict(open_checkpoint(os.path.join(save, "iter_0000003")).tensors())[name]
     assert (whole[name] - base).abs().max() > 1e-3  # folded: not the base weight
+
+
+def test_lora_on_a_plain_checkpoint_names_a_fix_that_starts(tmp_path):
+    """A LoRA run resuming a checkpoint saved without adapters is refused; the export and the
+    start the line names, followed as written (HF_DIR filled in), start the LoRA run."""
+    import math
+    import re
+
+    from megazero.checkpoint.sharded import CheckpointError, check_model, read_metadata
+    from megazero.convert import main as convert
+    plain, hf = str(tmp_path / "plain"), str(tmp_path / "hf")
+    run_distributed(_train_and_save, 1, ["--finetune.lora_rank", "0"], plain, 1)
+    ckpt = os.path.join(plain, "iter_0000001")
+    with pytest.raises(CheckpointError) as refused:
+        check_model(read_metadata(ckpt), make_config(ARGS + ["--checkpoint.load", plain]), ckpt)
+    line = str(refused.value).replace("HF_DIR", hf)
+    export = re.search(r"\(python -m megazero\.convert (.*?)\)", line)
+    start = re.search(r"start from that: (.*)$", line)
+    assert export and start, line
+    convert(export.group(1).split())
+    args = ARGS + ["--checkpoint.load", plain, "--train.iters", "1", "--model.vocab_size", "auto", *start.group(1).split()]
+    assert math.isfinite(run_distributed(_first_loss, 1, args)[0])
+
+
+def _first_loss(args: list[str]) -> float:
+    return make_trainer(args).train_step()["loss"]

@@ -126,3 +126,26 @@ def test_merge_keeps_the_loss_masks(cli, capsys, tmp_path: Path, bpe_spec: str) 
     code, _, err = run(cli, capsys, "--merge", parts[0], str(tmp_path / "t_text_document"), "--output-prefix",
                        str(tmp_path / "x"))
     assert code == 2 and "has a loss mask (fine-tuning examples) but" in err and not (tmp_path / "x.idx").exists()
+
+
+def test_a_set_the_script_derived_is_rebuilt_when_its_tokenizer_changes(cli, capsys, tmp_path: Path, bpe_spec: str,
+                                                                      spm_spec: str) -> None:
+    """scripts/finetune_gpt.sh's check (megazero.harness.derived_data): a set with its manifest
+    is kept for the same tokenizer files wherever they are, rebuilt for another; a set without
+    one is the user's, except at the script's own place (made by an older script)."""
+    import shutil
+
+    from megazero.harness.derived_data import rebuild_reason, record
+    src = write_examples(tmp_path / "qa.jsonl", EXAMPLES)
+    prefix = str(tmp_path / "qa_prompt_completion_document")
+    assert rebuild_reason(prefix, bpe_spec, own_place=False) == f"building {prefix} with tokenizer {bpe_spec}"
+    assert run(cli, capsys, "--input", str(src), "--prompt-key", "prompt", "--completion-key", "completion",
+               "--tokenizer", bpe_spec, "--output-prefix", str(tmp_path / "qa"))[0] == 0
+    stale = f"rebuilding {prefix}: it was made with tokenizer {bpe_spec}, not {spm_spec}"
+    assert rebuild_reason(prefix, spm_spec, own_place=False) is None  # no manifest: the user's own set
+    assert rebuild_reason(prefix, spm_spec, own_place=True) == stale  # an older script's, at its own place
+    assert rebuild_reason(prefix, bpe_spec, own_place=True) is None
+    record(prefix, bpe_spec)
+    assert rebuild_reason(prefix, spm_spec, own_place=False) == stale
+    moved = shutil.copytree(bpe_spec.partition(":")[2], tmp_path / "elsewhere")
+    assert rebuild_reason(prefix, f"gpt2bpe:{moved}", own_place=False) is None  # the same files elsewhere
