@@ -15,6 +15,7 @@ from megazero.config.schema import (
     FinetuneConfig,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     TrainConfig,
     ZeroConfig,
 )
@@ -83,7 +84,18 @@ def validate(cfg: Config, world_size: int) -> int:
             raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
                               f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
     _refuse(not_built_yet_problem(m))
+    _refuse(expert_split_not_built_problem(p, m))
     return dp
+
+
+def expert_split_not_built_problem(p: ParallelConfig, m: ModelConfig) -> Optional[str]:
+    """Experts split over ranks (ep > 1 or etp > 1): the layer and its dispatchers exist, but ZeRO's
+    reduction of expert gradients over the expert-data-parallel group does not yet; experts whole
+    on every rank (ep 1, etp 1) train at every dense layout."""
+    if m.num_experts and (p.ep > 1 or p.expert_tp > 1):
+        return (f"parallel.ep {p.ep} x parallel.etp {p.expert_tp} (etp defaults to tp): experts split over ranks do not "
+                f"train yet (issue 45); use --parallel.ep 1 --parallel.etp 1 (each rank holds every expert)")
+    return None
 
 
 def not_built_yet_problem(m: ModelConfig) -> Optional[str]:
@@ -91,9 +103,9 @@ def not_built_yet_problem(m: ModelConfig) -> Optional[str]:
     trained as a dense model. The one place to shorten as each lands (issue 45: the MoE layer, QK-norm,
     kv_channels, qkv_bias)."""
     later = "they come with issue 45's model code; set it back for now"
-    if m.num_experts:
-        return (f"model.num_experts {m.num_experts}: mixture-of-experts layers are not built yet; {later} "
-                f"(--model.num_experts 0 trains the dense model)")
+    if m.moe_router_enable_expert_bias:
+        return (f"model.moe_router_enable_expert_bias true: the aux-loss-free bias update is not built yet; {later} "
+                f"(--model.moe_router_enable_expert_bias false)")
     if m.qk_layernorm:
         return f"model.qk_layernorm true: per-head q/k RMSNorm is not built yet; {later} (--model.qk_layernorm false)"
     if m.kv_channels and m.kv_channels != m.head_dim:

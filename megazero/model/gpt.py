@@ -50,9 +50,11 @@ from megazero.model.layers import (
     placed_parameter,
     split_parameter_,
 )
+from megazero.model.moe import MoE, moe_spec
 from megazero.model.rotary import Llama3Scaling, apply_rotary, inverse_frequencies, rotary_tables
 from megazero.parallel.comm import Group, solo_group
 from megazero.parallel.context import context_attention, zigzag_positions
+from megazero.parallel.dispatch import TokenDispatcher
 from megazero.parallel.placement import place, placement
 from megazero.parallel.random import RNGTracker, in_stream
 from megazero.parallel.weight_grad import WeightGradStore
@@ -177,13 +179,14 @@ class MLP(nn.Module):
     gate | up (stride 2: each split over the TP ranks, so a rank's gate and up rows pair
     up), and the activation is silu(gate) x up."""
 
-    def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker]):
+    def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker], width: int = 0):
+        """`width`: the hidden width when not model.ffn_size (an MoE layer's shared expert)."""
         super().__init__()
         self.activation = cfg.activation
-        gated = cfg.activation == "swiglu"
-        self.c_fc = ColumnParallelLinear(cfg.hidden_size, (2 if gated else 1) * cfg.ffn_size, bias=cfg.bias,
+        gated, width = cfg.activation == "swiglu", width or cfg.ffn_size
+        self.c_fc = ColumnParallelLinear(cfg.hidden_size, (2 if gated else 1) * width, bias=cfg.bias,
                                          stride=2 if gated else 1)
-        self.c_proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
+        self.c_proj = RowParallelLinear(width, cfg.hidden_size, bias=cfg.bias)
         self.dropout = Dropout(cfg.dropout, tracker)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,12 +216,16 @@ def norm(cfg: ModelConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker]):
+    def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker], moe: bool = False):
+        """`moe`: the MLP is a mixture of experts (model.num_experts, model.moe_layer_freq)."""
         super().__init__()
         self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg, tracker)
         self.ln_2 = norm(cfg)
-        self.mlp = MLP(cfg, tracker)
+        self.mlp: nn.Module = MLP(cfg, tracker)
+        if moe:
+            width = cfg.moe_shared_expert_ffn_hidden_size
+            self.mlp = MoE(cfg.hidden_size, cfg.activation, moe_spec(cfg), MLP(cfg, tracker, width) if width else None)
 
     def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0,
                 rope: Optional[Rope] = None) -> torch.Tensor:
@@ -235,7 +242,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, tracker: Optional[RNGTracker] = None,
                  layers: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True):
         super().__init__()
-        self.cfg, self.tp, self.cp, self.tracker = cfg, solo_group(), solo_group(), tracker
+        self.cfg, self.tp, self.cp, self.ep, self.tracker = cfg, solo_group(), solo_group(), solo_group(), tracker
         self.sequence_parallel = False
         self.layers = list(range(cfg.num_layers) if layers is None else layers)
         self.pre_process, self.post_process = pre_process, post_process
@@ -253,7 +260,7 @@ class GPT(nn.Module):
                 self.transformer.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size,
                                                     _weight=torch.empty(cfg.seq_length, cfg.hidden_size))
             self.transformer.drop = Dropout(cfg.dropout, tracker)
-        self.transformer.h = nn.ModuleDict({str(i): Block(cfg, tracker) for i in self.layers})
+        self.transformer.h = nn.ModuleDict({str(i): Block(cfg, tracker, is_moe_layer(cfg, i)) for i in self.layers})
         if post_process:
             self.transformer.ln_f = norm(cfg)
             # The output layer: its own weight when untied; tied, the last stage keeps its own
@@ -291,6 +298,8 @@ class GPT(nn.Module):
         for p in self.parameters():
             if not (where := placement(p)).sharded:
                 place(p, dataclasses.replace(where, sequence_parallel=True))
+        for layer in moe_layers(self):  # each TP rank routes its own positions: counts summed over tp
+            layer.split_groups.append(self.tp)
 
     def apply_context_parallel(self, cp: Group, impl: str) -> None:
         """Context parallelism (nothing to do at cp = 1): every sequence reaches this rank as
@@ -304,6 +313,16 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, CausalSelfAttention):
                 module.cp, module.cp_impl = cp, impl
+        for layer in moe_layers(self):  # each cp rank routes its own positions: counts summed over cp
+            layer.split_groups.append(cp)
+
+    def apply_expert_parallel(self, ep: Group, dispatcher: TokenDispatcher, dp: Group) -> None:
+        """Mixture of experts: each MoE layer keeps this rank's experts of the `ep` group and sends
+        tokens to the others' by `dispatcher`; global_aux_loss counts tokens over `dp` too."""
+        self.ep = ep
+        for layer in moe_layers(self):
+            layer.apply_ep(ep, dispatcher)
+            layer.data_group = dp
 
     def hidden_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
         """Shape of the hidden states a stage passes on for [batch, seq] tokens."""
@@ -377,7 +396,9 @@ class GPT(nn.Module):
         the same model; a model built on the meta device is materialized from this, one
         parameter at a time."""
         p = self.get_parameter(name)
-        return placement(p).shard(self._full_init(name, p, seed), self.tp.rank, self.tp.size)
+        where = placement(p)
+        return where.expert_shard(where.shard(self._full_init(name, p, seed), self.tp.rank, self.tp.size),
+                                  self.ep.rank, self.ep.size)
 
     def _full_init(self, name: str, p: nn.Parameter, seed: int) -> torch.Tensor:
         full_shape = placement(p).full_shape
@@ -431,6 +452,20 @@ class GPT(nn.Module):
             head = [] if tied else [("lm_head.weight", self.lm_head.weight)]
             out.append(ModelUnit(t.ln_f, self, [self], _named(t.ln_f, "transformer.ln_f") + head, tied))
         return out
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether block `layer` is an MoE layer: every moe_layer_freq-th one from the first (Megatron's
+    int form), or as the 0/1 list says."""
+    if not cfg.num_experts:
+        return False
+    freq = cfg.moe_layer_freq
+    return bool(freq[layer]) if isinstance(freq, list) else layer % freq == 0
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The MoE layers of a model (chunk), in order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def rotary_frequencies(cfg: ModelConfig) -> Optional[torch.Tensor]:

@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from megazero.config.schema import ModelConfig
 from megazero.model.layers import activate
 from megazero.model.router import (
     RouterSpec,
@@ -118,6 +119,16 @@ class MoESpec:
     shared_expert_gate: bool = False
 
 
+def moe_spec(cfg: ModelConfig) -> MoESpec:
+    """The MoE layer's settings from a ModelConfig's moe_* keys."""
+    router = RouterSpec(cfg.num_experts, cfg.moe_router_topk, cfg.moe_router_score_function,
+                        cfg.moe_router_pre_softmax, cfg.moe_router_topk_scaling_factor, cfg.moe_router_num_groups,
+                        cfg.moe_router_group_topk, cfg.moe_router_enable_expert_bias)
+    return MoESpec(router, cfg.moe_ffn_size, cfg.moe_load_balancing, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff,
+                   cfg.moe_capacity_factor, cfg.moe_token_drop_policy, cfg.moe_pad_to_capacity,
+                   cfg.moe_shared_expert_gate)
+
+
 @dataclass
 class MoEStats:
     """One forward's figures for the logs (detached)."""
@@ -140,13 +151,16 @@ class MoE(nn.Module):
         if shared_expert is not None and spec.shared_expert_gate:
             self.shared_expert_gate = _ExpertWeight((1, 1, hidden))  # a [1, h] linear, stored [1, 1, h]
         self.dispatcher: TokenDispatcher = LocalDispatch()
-        # Ranks that hold parts of the same micro-batch's tokens (sequence parallelism, context
-        # parallelism): the load-balancing counts are summed over them. The data-parallel group
-        # too for global_aux_loss. Set from outside, like the dispatcher.
-        self.split_group: Group = solo_group()
+        # Groups whose ranks hold parts of the same micro-batch's tokens (tp under sequence
+        # parallelism, cp): the load-balancing counts are summed over them. The data-parallel
+        # group too for global_aux_loss. Set from outside, like the dispatcher.
+        self.split_groups: list[Group] = []
         self.data_group: Group = solo_group()
         self.loss_scale = 1.0
         self.stats: Optional[MoEStats] = None
+        # Sums over the training forwards since `take_totals` (recomputations not counted): aux, z,
+        # dropped, then the tokens of each expert.
+        self.totals: Optional[torch.Tensor] = None  # (not a tensor made here: the model may be built on meta)
 
     def apply_ep(self, ep: Group, dispatcher: TokenDispatcher) -> None:
         """Expert parallelism (from outside, like tensor parallelism): keep this rank's E/ep
@@ -211,10 +225,9 @@ class MoE(nn.Module):
         attach them (scaled by loss_scale) to the output's backward."""
         spec, num_experts = self.spec, self.spec.router.num_experts
         tokens = routing.experts.shape[0]
-        counts = tokens_per_expert(routing.experts, num_experts)
-        all_counts = counts.clone()
-        all_reduce(all_counts, self.split_group)  # the micro-batch's counts over the ranks that split it
-        total = tokens * self.split_group.size
+        all_counts = self._over_split(tokens_per_expert(routing.experts, num_experts))  # the micro-batch's
+        split = math.prod(g.size for g in self.split_groups)
+        total = tokens * split
         zero = routing.logits.new_zeros(())
         balance = zero
         if spec.load_balancing == "aux_loss":
@@ -225,17 +238,33 @@ class MoE(nn.Module):
             balance = aux_loss(routing.scores, global_counts, total * self.data_group.size, spec.router.topk,
                                spec.aux_loss_coeff) * self.data_group.size
         elif spec.load_balancing == "seq_aux_loss":
-            seq_counts = sequence_counts(routing.experts, batch, num_experts)
-            all_reduce(seq_counts, self.split_group)
+            seq_counts = self._over_split(sequence_counts(routing.experts, batch, num_experts))
             balance = seq_aux_loss(routing.scores, routing.experts, batch, total // batch, spec.router.topk,
                                    spec.aux_loss_coeff, seq_counts)
-        z = z_loss(routing.logits, spec.z_loss_coeff) / self.split_group.size if spec.z_loss_coeff else zero
+        # This rank's share of the mean over the micro-batch's tokens (the shares sum to it).
+        z = z_loss(routing.logits, spec.z_loss_coeff) / split if spec.z_loss_coeff else zero
         dropped = zero if keep is None else (~keep).sum().float()
         self.stats = MoEStats(balance.detach(), z.detach(), all_counts, dropped)
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            figures = torch.cat([torch.stack([balance.detach(), z.detach(), dropped]), all_counts])
+            self.totals = figures if self.totals is None else self.totals + figures
         total_loss = balance + z
         if not total_loss.requires_grad:
             return out
         return _AttachLoss.apply(out, total_loss * self.loss_scale)
+
+
+    def _over_split(self, counts: torch.Tensor) -> torch.Tensor:
+        """`counts` summed over the ranks that split the micro-batch's tokens."""
+        for group in self.split_groups:
+            all_reduce(counts, group)
+        return counts
+
+    def take_totals(self) -> torch.Tensor:
+        """[aux, z, dropped, tokens of expert 0, 1, ...] summed over the training forwards since
+        the last call, and reset."""
+        totals, self.totals = self.totals, None
+        return torch.zeros(3 + self.spec.router.num_experts) if totals is None else totals
 
 
 class _AttachLoss(torch.autograd.Function):

@@ -34,6 +34,10 @@ def format_line(rec: dict, total_iters: int) -> str:
         parts.append(f"scale {rec['loss_scale']:.0f}")
     if rec.get("skipped_iters"):
         parts.append(f"skipped {rec['skipped_iters']}")
+    if "moe_aux_loss" in rec:  # the worst layer's busiest expert over the mean; dropped pairs when any
+        parts.append(f"aux {rec['moe_aux_loss']:.4g} | imbalance {rec['moe_imbalance']:.2f}")
+        if rec.get("moe_dropped"):
+            parts.append(f"dropped {rec['moe_dropped']}")
     if "time_forward_s" in rec:
         parts.append(" ".join(f"{label} {1e3 * rec['time_' + key + '_s']:.1f} ms" for key, label in PHASES.items()))
         parts.append("sent " + " ".join(f"{g} {rec['bytes_' + g] / 2**20:.2f} MiB" for g in MOVED if 'bytes_' + g in rec))

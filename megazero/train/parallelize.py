@@ -12,7 +12,9 @@ this rank's trainable share of the model:
    With `parallel.sequence_parallel` the activations between TP regions are split along
    the sequence as well (GPT.apply_sequence_parallel). With `parallel.cp` each rank holds
    its zig-zag positions of every sequence and attention spans the cp group by ring or
-   Ulysses (GPT.apply_context_parallel).
+   Ulysses (GPT.apply_context_parallel). Mixture-of-experts layers keep this rank's experts
+   of the expert-parallel group, tokens reaching the others' by a dispatcher
+   (GPT.apply_expert_parallel).
 3. LoRA (`finetune.lora_rank` > 0): every parameter is frozen and the targeted projections
    get trainable adapters, sharded like their base layers (megazero.model.lora); ZeRO then
    keeps gradients and optimizer state for the adapters alone.
@@ -50,6 +52,7 @@ from megazero.config.schema import Config
 from megazero.model.gpt import GPT, apply_tensor_parallel
 from megazero.model.layers import apply_sparse_embedding_grad
 from megazero.model.lora import apply_lora, initial_adapter, is_adapter
+from megazero.parallel.dispatch import AllToAllDispatch, LocalDispatch
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import RNGTracker, recompute_rng_context
 from megazero.pipeline.stages import build_model_chunks
@@ -68,6 +71,8 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
         if cfg.parallel.sequence_parallel:
             chunk.apply_sequence_parallel()
         chunk.apply_context_parallel(grid.cp_group, cfg.parallel.cp_impl)
+        chunk.apply_expert_parallel(grid.ep_group, AllToAllDispatch(grid.ep_group) if grid.ep > 1 else LocalDispatch(),
+                                    grid.dp_group)
         apply_lora(chunk, cfg.finetune, tracker)
         if cfg.train.compile:
             apply_compile(chunk)

@@ -34,6 +34,7 @@ from megazero.parallel.host import HostSnapshot
 from megazero.parallel.random import get_rng_states, seed_everything, set_rng_states
 from megazero.pipeline.schedules import Microbatch, forward_backward_no_pipelining, forward_backward_pipelining, untimed
 from megazero.plan.formulas import model_flops_per_token
+from megazero.train import moe
 from megazero.train.batch_rampup import rampup_batch
 from megazero.train.host_memory import fit_host_memory
 from megazero.train.lifecycle import StopRequest, remember_clean_stop
@@ -218,6 +219,8 @@ class Trainer:
             c.train()
         self.optimizer.zero_grad()
         batches = self.microbatches(self.train_ds, self.consumed_samples, batch)
+        scaler = self.optimizer.scaler
+        moe.scale_losses(self.chunks, len(batches), self.grid, scaler.scale if scaler is not None else None)
         loss = self.run_schedule(batches, forward_only=False)
         with self._phase("comm_wait"):  # the DP reductions still in flight after the last backward
             self.optimizer.finish_grad_sync()
@@ -231,7 +234,9 @@ class Trainer:
         self.consumed_samples += batch
         # The global loss came with the step's sums; it is reported where the loss is computed.
         out = {"loss": result.loss if loss is not None else None, "lr": lr, "grad_norm": result.grad_norm,
-               "loss_scale": result.loss_scale, "batch_size": batch}
+               "loss_scale": result.loss_scale, "batch_size": batch,
+               **moe.step_figures(self.chunks, len(batches), self.grid, self.cfg.model,
+                                  self.cfg.parallel.sequence_parallel)}
         self._count_skip(result.skipped, out)
         return out
 
@@ -348,6 +353,7 @@ class Trainer:
                "skipped_iters": self.skipped_iters}
         if out.get("loss_scale") is not None:
             rec["loss_scale"] = out["loss_scale"]
+        rec.update({k: v for k, v in out.items() if k.startswith("moe_") and (k != "moe_dropped" or v)})
         if self.timers is not None:
             rec.update(self.timers.take(steps))
             rec.update(bytes_per_iteration(self.grid.bytes_moved(), steps))

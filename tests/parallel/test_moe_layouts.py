@@ -1,0 +1,82 @@
+"""A Mixtral-style mixture of experts (configs/mixtral-tiny.yaml, experts whole on every rank:
+ep 1, etp 1) at every dense layout equals the single process: fp32, dropless, same seed and
+global batch; per iteration the LM loss, the gradient norm (the load-balancing and z-losses'
+gradients included) and the logged aux and z-losses within 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import assert_parity, logged_by_layout, make_trainer, run_distributed
+
+MIXTRAL = "configs/mixtral-tiny.yaml"
+ITERS = 3
+# Large coefficients, so that the losses' gradients weigh in the gradient norm.
+SHORT = ["--train.iters", str(ITERS), "--model.seq_length", "32", "--train.global_batch_size", "8",
+         "--train.micro_batch_size", "2", "--model.moe_aux_loss_coeff", "0.1", "--model.moe_z_loss_coeff", "0.01"]
+
+
+def _records(extra: list[str]) -> list[tuple[float, ...]]:
+    """(loss, grad norm, aux loss, z-loss) of each iteration on the logging rank (empty elsewhere)."""
+    import contextlib
+    import io
+    tr = make_trainer(SHORT + extra, base=MIXTRAL)
+    with contextlib.redirect_stdout(io.StringIO()):
+        records = tr.run()
+    return [(r["loss"], r["grad_norm"], r["moe_aux_loss"], r["moe_z_loss"]) for r in records] if tr.is_logger else []
+
+
+def _layouts(layouts: dict[str, list[str]]) -> dict[str, list]:
+    return logged_by_layout(_records, layouts)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[tuple[float, ...]]:
+    return run_distributed(_records, 1, [])[0]
+
+
+TP2, CP2, PP2 = ["--parallel.tp", "2"], ["--parallel.cp", "2"], ["--parallel.pp", "2"]
+LAYOUTS_2 = {
+    "dp2-zero1": ["--zero.stage", "1"],
+    "tp2-sp": TP2 + ["--parallel.sequence_parallel", "true"],
+    "tp2": TP2,
+    "cp2-ring": CP2,
+    "pp2-1f1b-recompute": PP2 + ["--train.recompute", "full"],
+}
+LAYOUTS_4 = {
+    "tp2-pp2-zbh1": TP2 + PP2 + ["--parallel.schedule", "zbh1"],
+    "pp2-vpp2-interleaved": PP2 + ["--parallel.vpp", "2"],
+    "cp2-ulysses-dp2-zero3": CP2 + ["--parallel.cp_impl", "ulysses", "--zero.stage", "3"],
+    "dp4-zero2-offload": ["--zero.stage", "2", "--zero.offload_optimizer", "cpu"],
+    "tp2-cp2-sp-selective": TP2 + CP2 + ["--parallel.sequence_parallel", "true", "--train.recompute", "selective"],
+}
+
+
+def test_moe_layouts_on_2_ranks(reference):
+    """Data parallelism, tp 2 with and without sequence parallelism, cp 2, pp 2 with full recompute."""
+    assert_parity(run_distributed(_layouts, 2, LAYOUTS_2)[0], reference, ITERS)
+
+
+@pytest.mark.slow
+def test_moe_layouts_on_4_ranks(reference):
+    """ZB-H1 and interleaved pipelines, Ulysses with ZeRO-3, ZeRO-2 offload, tp x cp with selective recompute."""
+    assert_parity(run_distributed(_layouts, 4, LAYOUTS_4)[0], reference, ITERS)
+
+
+def test_moe_losses_do_not_depend_on_how_the_batch_is_cut():
+    """The sequence-wise load-balancing loss and the z-loss are means over sequences and tokens:
+    the same whatever the micro-batch size and gradient accumulation (and data ranks)."""
+    seq = ["--model.moe_load_balancing", "seq_aux_loss"]
+    cuts = {"micro1": seq + ["--train.micro_batch_size", "1"], "micro4": seq + ["--train.micro_batch_size", "4"],
+            "micro2-dp2": seq + ["--zero.stage", "1"]}
+    one = run_distributed(_records, 1, seq)[0]
+    assert_parity(run_distributed(_layouts, 2, {"micro2-dp2": cuts.pop("micro2-dp2")})[0], one, ITERS)
+    for extra in cuts.values():
+        assert_parity({"cut": run_distributed(_records, 1, extra)[0]}, one, ITERS)
+
+
+def test_moe_reference_learns_and_balances(reference):
+    """The aux loss sits near its coefficient per layer (an even load gives exactly it) and the LM loss falls."""
+    assert all(0.1 * 4 * 0.9 < aux < 0.1 * 4 * 1.5 for _, _, aux, _ in reference)
+    longer = run_distributed(_records, 1, ["--train.iters", "8"])[0]
+    assert longer[-1][0] < longer[0][0]
