@@ -85,6 +85,9 @@ def validate(cfg: Config, world_size: int) -> int:
                               f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
     _refuse(not_built_yet_problem(m))
     _refuse(expert_split_not_built_problem(p, m))
+    if m.num_experts and cfg.optim.name == "muon":
+        raise ConfigError(f"optim.name muon with model.num_experts {m.num_experts}: Muon on the experts' matrices is "
+                          f"not built yet (issue 45), and AdamW would step them instead; use --optim.name adamw")
     return dp
 
 

@@ -20,6 +20,7 @@ from megazero.checkpoint.hf import hf_contents
 from megazero.checkpoint.resume import HF, starting_point
 from megazero.config.rules import warmup_length
 from megazero.config.schema import Config, ModelConfig
+from megazero.model.gpt import is_moe_layer
 from megazero.model.lora import adapter_shapes
 from megazero.parallel.grid import ProcessGrid
 from megazero.plan import formulas as F
@@ -97,6 +98,9 @@ def architecture(m: ModelConfig) -> str:
     position = "rope" if m.position_embedding == "rope" else "learned positions"
     parts = [m.normalization + (" (1 + w)" if m.zero_centered_norm else ""), position, m.activation,
              f"{m.num_heads} heads{groups}", "tied" if m.tie_embeddings else "untied"]
+    if m.num_experts:
+        moe = sum(is_moe_layer(m, i) for i in range(m.num_layers))
+        parts.append(f"{m.num_experts} experts (top-{m.moe_router_topk}) in {moe} of {m.num_layers} layers")
     return ", ".join(parts + ([] if m.bias else ["no biases"]))
 
 
