@@ -4,17 +4,19 @@
 (`--num-layers 24 --fp16 --data-path 0.3 A 0.7 B ...`) into `--section.key value` overrides,
 and the same rows generate README's migration table (`markdown_table()`). A flag that
 changes nothing here (a kernel or implementation choice megazero makes itself) is accepted
-and named in one warning line; an unknown flag is an error naming the closest megazero key
-or Megatron flag. A few flags need the whole config (the virtual pipeline size is layers per
-stage over N, the distributed optimizer means ZeRO 1 unless a stage is set); they are checked
-or applied once the config is built (`Translation.apply`).
+and named in one warning line; flags outside megazero's reach are refused, all of them named
+in one line; an unknown flag is an error naming the closest megazero key or Megatron flag. A
+few flags need the whole config (the virtual pipeline size is layers per stage over N, the
+distributed optimizer means ZeRO 1 unless a stage is set); they are checked or applied once
+the config is built (`Translation.apply`).
 """
 
 from __future__ import annotations
 
+import ast
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from megazero.config.help import config_keys, show_value
 from megazero.config.schema import Config, ConfigError
@@ -52,6 +54,12 @@ class Flag:
     implies: tuple[tuple[str, object], ...] = ()
     """(megazero key, Megatron's argparse default): what the flag turns on takes Megatron's default for a key
     nothing set (--group-query-attention alone is multi-query); named in the defaults line."""
+    convert: Optional[Callable[[str, str], str]] = None
+    """(flag, Megatron's value) -> megazero's value, for a value written in another form (--moe-layer-freq's
+    Python list expressions); a value it cannot read is refused in one line."""
+    tell: Optional[Callable[[list[str]], Optional[str]]] = None
+    """The flag's values -> one line saying how megazero does it when that differs from what Megatron would
+    (--moe-router-dtype fp64: megazero routes in fp32), or None; printed as the line is read."""
 
 
 def _key(name: str, key: str, note: str = "", choices: Optional[dict[str, str]] = None) -> Flag:
@@ -147,11 +155,76 @@ def _rotary_percent(cfg: Config, values: list[str]) -> None:
 
 
 def _kv_channels(cfg: Config, values: list[str]) -> None:
-    """megazero's head width is hidden_size / num_heads; Megatron's --kv-channels may set another."""
+    """--kv-channels: the head width. Equal to hidden_size / num_heads it is the width megazero uses
+    anyway (Llama lines pass it), so it sets nothing; another width (Qwen3: 128 at h 2048 and 32
+    heads) is model.kv_channels."""
     n, m = _number("--kv-channels", values[0]), cfg.model
+    if n < 1:
+        raise ConfigError(f"--kv-channels ({n}) must be a positive head width, e.g. --hidden-size / "
+                          f"--num-attention-heads ({m.hidden_size} / {m.num_heads})")
     if n * m.num_heads != m.hidden_size:
-        raise ConfigError(f"--kv-channels {n}: megazero's head width is --hidden-size / --num-attention-heads "
-                          f"({m.hidden_size} / {m.num_heads}); drop the flag or set it to that")
+        _set(cfg, "model.kv_channels", n)
+
+
+def _moe_layer_recompute(cfg: Config, values: list[str]) -> None:
+    """Megatron recomputes the MoE layers alone; megazero's nearest is recomputing whole blocks
+    (train.recompute full), which recomputes each MoE layer too (selective covers only attention)."""
+    _set(cfg, "train.recompute", "full")
+
+
+def _moe_layer_recompute_line(values: list[str]) -> str:
+    return ("--moe-layer-recompute: megazero recomputes whole transformer blocks, each MoE layer among them "
+            "(train.recompute full): the MoE layers' activations are freed as in Megatron, attention's too")
+
+
+def _router_dtype_line(values: list[str]) -> Optional[str]:
+    """megazero computes router logits and probabilities in fp32 in every precision: fp32 is what it
+    does; fp64 is said."""
+    return (None if values[0] == "fp32" else f"--moe-router-dtype {values[0]}: megazero routes in fp32 in every "
+            f"precision (router logits, probabilities and combine weights), not {values[0]}")
+
+
+_FREQ_LIMIT = 1 << 20
+"""Most entries a --moe-layer-freq list expression may build (a model has far fewer layers)."""
+
+
+def _layer_freq(flag: str, raw: str) -> str:
+    """Megatron's --moe-layer-freq: an integer k (every k-th layer MoE) or a Python list expression
+    over + and * such as ([0]*3+[1]*29) or [0,1,1,1], as megazero's model.moe_layer_freq (an integer,
+    or the 0/1 list written as YAML). Read by walking the expression's syntax tree, never by eval."""
+    try:
+        value = _freq_value(ast.parse(raw.strip(), mode="eval").body)
+    except (SyntaxError, ValueError):
+        raise ConfigError(f"{flag} {raw!r}: write an integer k (every k-th layer MoE) or a list of 0 (dense) and "
+                          f"1 (MoE) built with + and *, e.g. '([0]*3+[1]*29)' or '[0,1,1,1]'") from None
+    return str(value) if isinstance(value, int) else f"[{', '.join(map(str, value))}]"
+
+
+def _freq_value(node: ast.expr) -> int | list[int]:
+    """An integer or list of integers from List, integer Constant and BinOp(+, *) nodes (ValueError otherwise)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.List):
+        entries = [_freq_value(item) for item in node.elts]
+        flat = [entry for entry in entries if isinstance(entry, int)]
+        return flat if len(flat) == len(entries) else _not_a_layer_pattern("a nested list")
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult))):
+        return _not_a_layer_pattern(f"{type(node).__name__} is neither a list, an integer, + nor *")
+    left, right = _freq_value(node.left), _freq_value(node.right)
+    if isinstance(left, int) and isinstance(right, int):
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    if isinstance(left, list) and isinstance(right, list):
+        return left + right if isinstance(node.op, ast.Add) else _not_a_layer_pattern("a list times a list")
+    count, items = (left, right) if isinstance(left, int) else (right, left)
+    if isinstance(node.op, ast.Add) or not isinstance(count, int) or not isinstance(items, list):
+        return _not_a_layer_pattern("a list added to an integer")
+    if len(items) * count > _FREQ_LIMIT:
+        return _not_a_layer_pattern("too long")
+    return items * count
+
+
+def _not_a_layer_pattern(why: str) -> NoReturn:
+    raise ValueError(why)
 
 
 def _swiglu_width(cfg: Config, values: list[str]) -> None:
@@ -217,7 +290,9 @@ def _number(flag: str, raw: str, kind: type = int) -> Any:
 # ---------------------------------------------------------------------------- the table
 
 _NO_FP8 = ("megazero has no FP8 training (it needs Transformer Engine's FP8 matmuls on a Hopper-class GPU); "
-           "train in bf16 (--bf16) and drop the --fp8-* flags")
+           "train in bf16 (--bf16) and drop the FP8 flags")
+_NO_DEEPEP = ("DeepEP's fused dispatch kernels (Megatron's flex dispatcher) are outside megazero's reach; its experts "
+              "get their tokens by --moe-token-dispatcher-type alltoall or allgather: drop the flag")
 _ONE_DROPOUT = "`model.dropout` (one value for both; they must agree)"
 
 FLAGS: tuple[Flag, ...] = (
@@ -249,7 +324,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--group-query-attention", 0, note="grouped-query attention: `model.num_query_groups` from --num-query-groups, "
          "else 1 (Megatron's default: multi-query)", implies=(("model.num_query_groups", 1),)),
     Flag("--num-query-groups", 1, (("model.num_query_groups", None),), needs="--group-query-attention"),
-    Flag("--kv-channels", 1, note="must equal --hidden-size / --num-attention-heads (checked)", after=_kv_channels),
+    Flag("--kv-channels", 1, note="`model.kv_channels` when it differs from --hidden-size / --num-attention-heads "
+         "(Qwen3); equal to it, nothing to set", after=_kv_channels),
+    _switch("--qk-layernorm", "model.qk_layernorm", "true"),
+    _switch("--add-qkv-bias", "model.qkv_bias", "true"),
     _switch("--untie-embeddings-and-output-weights", "model.tie_embeddings", "false"),
     _switch("--disable-bias-linear", "model.bias", "false"),
     _switch("--add-bias-linear", "model.bias", "true"),
@@ -267,6 +345,41 @@ FLAGS: tuple[Flag, ...] = (
     _key("--context-parallel-size", "parallel.cp", "`parallel.cp X` (ring attention in Megatron's load-balanced "
          "order by default)"),
     Flag("--cp-comm-type", 1, note="`parallel.cp_impl`: p2p is `ring`, a2a is `ulysses`", after=_cp_comm_type),
+    # mixture of experts (issue 45)
+    _key("--num-experts", "model.num_experts"),
+    _key("--moe-router-topk", "model.moe_router_topk"),
+    _key("--expert-model-parallel-size", "parallel.ep"),
+    _key("--expert-tensor-parallel-size", "parallel.etp"),
+    _key("--moe-ffn-hidden-size", "model.moe_ffn_hidden_size"),
+    Flag("--moe-layer-freq", 1, (("model.moe_layer_freq", None),), "`model.moe_layer_freq`: an integer k as it is, a "
+         "list expression such as `([0]*3+[1]*29)` as the 0/1 list it builds", convert=_layer_freq),
+    _key("--moe-router-load-balancing-type", "model.moe_load_balancing",
+         choices={t: t for t in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")}),
+    _key("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff"),
+    _key("--moe-z-loss-coeff", "model.moe_z_loss_coeff"),
+    _key("--moe-router-score-function", "model.moe_router_score_function",
+         choices={"softmax": "softmax", "sigmoid": "sigmoid"}),
+    _switch("--moe-router-pre-softmax", "model.moe_router_pre_softmax", "true"),
+    _key("--moe-router-topk-scaling-factor", "model.moe_router_topk_scaling_factor"),
+    _key("--moe-router-num-groups", "model.moe_router_num_groups"),
+    _key("--moe-router-group-topk", "model.moe_router_group_topk"),
+    _switch("--moe-router-enable-expert-bias", "model.moe_router_enable_expert_bias", "true"),
+    _key("--moe-router-bias-update-rate", "model.moe_router_bias_update_rate"),
+    _key("--moe-shared-expert-intermediate-size", "model.moe_shared_expert_ffn_hidden_size"),
+    _switch("--moe-shared-expert-gate", "model.moe_shared_expert_gate", "true"),
+    _key("--moe-expert-capacity-factor", "model.moe_capacity_factor"),
+    # Megatron ignores the drop policy of a dropless model (and asserts on padding without a capacity)
+    Flag("--moe-token-drop-policy", 1, (("model.moe_token_drop_policy", None),),
+         choices={"probs": "probs", "position": "position"}, needs="--moe-expert-capacity-factor"),
+    Flag("--moe-pad-expert-input-to-capacity", 0, (("model.moe_pad_to_capacity", "true"),),
+         needs="--moe-expert-capacity-factor"),
+    _key("--moe-token-dispatcher-type", "parallel.moe_dispatcher",
+         choices={"alltoall": "alltoall", "allgather": "allgather"}),
+    Flag("--moe-router-dtype", 1, note="fp32: what megazero always does (routing in fp32 in every precision); "
+         "fp64 is said in one line and routed in fp32", choices={"fp32": "", "fp64": ""}, tell=_router_dtype_line),
+    _switch("--moe-per-layer-logging", "logging.moe_per_layer", "true"),
+    Flag("--moe-layer-recompute", 0, note="`train.recompute full` (whole blocks recomputed, each MoE layer among "
+         "them; said in one line)", after=_moe_layer_recompute, tell=_moe_layer_recompute_line),
     # batch and iterations
     _key("--micro-batch-size", "train.micro_batch_size"),
     _key("--global-batch-size", "train.global_batch_size"),
@@ -381,6 +494,17 @@ FLAGS: tuple[Flag, ...] = (
     *_no_effect("--manual-gc", "--manual-gc-interval X", "--empty-unused-memory-level X",
                 "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--tiktoken-pattern X",
                 "--use-contiguous-parameters-in-local-ddp", "--wandb-exp-name X", "--wandb-save-dir X"),
+    # MoE kernels: megazero's experts always compute as one grouped GEMM, its dispatch is its own
+    *_no_effect("--moe-grouped-gemm", "--moe-use-legacy-grouped-gemm", "--moe-permute-fusion", "--moe-router-fusion",
+                "--moe-shared-expert-overlap"),
+    # MoE features outside megazero's reach (they change what is trained, or need kernels it does not have)
+    *_no_effect("--moe-enable-deepep", "--moe-deepep-num-sms X", refused=_NO_DEEPEP),
+    *_no_effect("--moe-use-upcycling", refused="megazero does not turn a dense checkpoint into an MoE one; train the "
+                "MoE from scratch or from a Hugging Face MoE checkpoint (checkpoint.init_from_hf), and drop the flag"),
+    *_no_effect("--moe-router-padding-for-fp8", refused=_NO_FP8),
+    *_no_effect("--moe-input-jitter-eps X", "--moe-router-topk-limited-devices X", "--moe-router-force-load-balancing",
+                refused="megazero's router has no input jitter, device-limited routing (use --moe-router-num-groups "
+                        "with --moe-router-group-topk) or forced balancing; drop the flag"),
     # FP8 needs Transformer Engine's FP8 GEMMs; megazero trains in fp32, bf16 or fp16
     *_no_effect("--fp8-format X", "--fp8-recipe X", "--fp8-margin X", "--fp8-interval X", "--fp8-amax-history-len X",
                 "--fp8-amax-compute-algo X", "--fp8-param-gather", "--keep_fp8_weight_transpose_cache",
@@ -417,6 +541,10 @@ class Translation:
     """megazero key -> (the Megatron flag that set it, as written, the value): two flags must agree on a key."""
     implied: list[str] = field(default_factory=list)
     """Megatron's defaults that flags given implied (Flag.implies), as 'key value (flag)', once applied."""
+    told: list[str] = field(default_factory=list)
+    """Lines the flags' `tell` said (how megazero does what they ask), in order, once each."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Refused flags -> why: all of them named in one error line once the line is read."""
 
     def defaults(self, has_config_file: bool) -> dict:
         """The sections a Megatron launch line starts from: MEGATRON_DEFAULTS when Megatron flags
@@ -461,6 +589,9 @@ def translate(args: list[str]) -> Translation:
         values, i = _values(flag, args, i, [inline] if has_value else None)
         _record(out, flag, values)
         out.seen.append(name)
+    if out.refused:  # every flag outside megazero's reach at once, grouped by the reason
+        reasons = {why: [n for n, w in out.refused.items() if w == why] for why in out.refused.values()}
+        raise ConfigError("; ".join(f"{', '.join(names)}: {why}" for why, names in reasons.items()))
     for name in out.seen:
         if BY_NAME[name].needs and BY_NAME[name].needs not in out.seen:
             raise ConfigError(f"{name} needs {BY_NAME[name].needs} (Megatron-LM ignores it without); add it")
@@ -494,14 +625,18 @@ def _values(flag: Flag, args: list[str], i: int, inline: Optional[list[str]]) ->
 
 def _record(out: Translation, flag: Flag, values: list[str]) -> None:
     if flag.refused:
-        raise ConfigError(f"{flag.name}: {flag.refused}")
+        out.refused[flag.name] = flag.refused
+        return
     if flag.choices is not None and not flag.sets:  # a value checked, nothing set
         _chosen(flag, values[0])
+    said = flag.tell(values) if flag.tell else None
+    if said and said not in out.told:
+        out.told.append(said)
     if flag.collect:
         out.collected[flag.name] = values[0]
     elif flag.after is not None:
         out.later.append((flag.after, values))
-    elif not flag.sets and not flag.implies:
+    elif not flag.sets and not flag.implies and not flag.tell:
         out.ignored.append(" ".join([flag.name, *values]) if flag.choices else flag.name)
     for key, value in flag.sets:
         given = [value] if value is not None else [_chosen(flag, v) for v in values]
@@ -514,7 +649,9 @@ def _record(out: Translation, flag: Flag, values: list[str]) -> None:
 
 
 def _chosen(flag: Flag, value: str) -> str:
-    """megazero's spelling of a flag's value (the value itself unless the flag has choices)."""
+    """megazero's spelling of a flag's value (the value itself unless the flag has choices or a converter)."""
+    if flag.convert is not None:
+        return flag.convert(flag.name, value)
     if flag.choices is None:
         return value
     if value not in flag.choices:
@@ -540,14 +677,14 @@ def markdown_table() -> str:
     """README's Megatron-LM migration table, one row per flag (the no-effect flags in one row)."""
     lines = ["| Megatron-LM flag | megazero |", "| --- | --- |"]
     for flag in FLAGS:
-        if (flag.sets or flag.after or flag.collect or flag.choices or flag.implies) and not flag.refused:
+        if (flag.sets or flag.after or flag.collect or flag.choices or flag.implies or flag.tell) and not flag.refused:
             lines.append(f"| `{flag.name}{_METAVARS[flag.nargs]}` | {_cell(flag)} |")
     refused = [f for f in FLAGS if f.refused]
     for why in dict.fromkeys(f.refused for f in refused):
         names = ", ".join(f"`{f.name}`" for f in refused if f.refused == why)
         lines.append(f"| {names} | refused in one line: {why} |")
     ignored = ", ".join(f"`{f.name}`" for f in FLAGS
-                        if not (f.sets or f.after or f.collect or f.choices or f.implies or f.refused))
+                        if not (f.sets or f.after or f.collect or f.choices or f.implies or f.tell or f.refused))
     lines.append(f"| {ignored} | accepted and named in one warning line: kernel and implementation choices megazero "
                  f"makes itself, or what it always does |")
     return "\n".join(lines)

@@ -50,7 +50,9 @@ READ_ONLY = (
     ReadOnly(("model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
               "model.rope_original_max_position"), "model.rope_scaling llama3 with rope",
              lambda c: c.model.position_embedding == "rope" and c.model.rope_scaling == "llama3"),
-    ReadOnly(("model.moe_*",), "model.num_experts > 0", lambda c: c.model.num_experts > 0),
+    ReadOnly(("model.moe_*", "logging.moe_per_layer"), "model.num_experts > 0", lambda c: c.model.num_experts > 0),
+    # at ep 1 each rank holds every expert: no token travels, whichever dispatcher is named
+    ReadOnly(("parallel.moe_dispatcher",), "parallel.ep > 1", lambda c: c.parallel.ep > 1),
     ReadOnly(("train.eval_iters",), "train.eval_interval > 0", lambda c: c.train.eval_interval > 0),
     ReadOnly(("logging.profile_start", "logging.profile_end", "logging.profile_ranks"), "logging.profiler torch or nsys",
              lambda c: c.logging.profiler != "none"),

@@ -179,6 +179,10 @@ class ParallelConfig:
     etp: int = 0
     """Expert tensor-parallel degree: ranks that split each expert's MLP; 0 means parallel.tp
     (Megatron's --expert-tensor-parallel-size)."""
+    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach their experts under ep > 1: alltoall (each rank sends only the routed tokens to the
+    ranks holding their experts) or allgather (every EP rank gathers all tokens, keeps those for its experts,
+    and the outputs return by a reduce-scatter); Megatron's --moe-token-dispatcher-type."""
 
     @property
     def expert_tp(self) -> int:
@@ -438,6 +442,8 @@ class LoggingConfig:
     """The step at which profiling stops (not profiled)."""
     profile_ranks: list = field(default_factory=lambda: [0])
     """The global ranks that profile."""
+    moe_per_layer: bool = False
+    """MoE: log each MoE layer's load-balancing and z-loss besides their sums (Megatron's --moe-per-layer-logging)."""
 
 
 @dataclass

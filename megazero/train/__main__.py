@@ -177,7 +177,7 @@ def load_config(path: Optional[str], deepspeed: Optional[str], overrides: list[s
                 print(line, file=sys.stderr, flush=True)
     megatron.apply(cfg)
     if rank == 0:
-        for line in (megatron.defaults_note(bool(path or deepspeed)), megatron.warning()):
+        for line in (megatron.defaults_note(bool(path or deepspeed)), *megatron.told, megatron.warning()):
             if line:
                 print(line, file=sys.stderr, flush=True)
     resolve_and_validate(cfg, world_size)
