@@ -530,9 +530,12 @@ def test_llama2_line_trains_at_tp2_pp2(tmp_path):
 
 # ----------------------------------------------------------------------------- the MoE examples (issue 45, 8)
 
-MOE_NOT_BUILT = ("error: model.num_experts 8: mixture-of-experts layers are not built yet; they come with issue 45's "
-                 "model code; set it back for now (--model.num_experts 0 trains the dense model)")
-"""Where an MoE line stops until the MoE layers land (rules.not_built_yet_problem); then these lines train."""
+MOE_NOT_BUILT = ("error: parallel.ep 2 x parallel.etp 1 (etp defaults to tp): experts split over ranks do not train yet "
+                 "(issue 45); use --parallel.ep 1 --parallel.etp 1 (each rank holds every expert)")
+"""Where the Mixtral line stops until experts split over ranks train (rules.expert_split_not_built_problem)."""
+QK_NORM_NOT_BUILT = ("error: model.qk_layernorm true: per-head q/k RMSNorm is not built yet; they come with issue 45's "
+                     "model code; set it back for now (--model.qk_layernorm false)")
+"""Where the Qwen3-MoE line stops until QK-norm is built (rules.not_built_yet_problem)."""
 
 
 def shrunk_mixtral_line(ckpt: str, iters: int = 4) -> list[str]:
@@ -602,13 +605,15 @@ def test_moe_example_lines_map(tmp_path, capsys):
     assert (p.pp, p.ep, p.etp, p.moe_dispatcher) == (2, 2, 1, "alltoall")
 
 
-@pytest.mark.parametrize("line", [shrunk_mixtral_line, shrunk_qwen3_moe_line])
-def test_moe_example_lines_stop_only_at_the_not_built_refusal(line, tmp_path):
-    """Every rule but one passes at pp 2 x ep 2 (4 ranks): the line stops at the refusal of MoE layers
-    not built yet, in one line. Once they land, these lines train (test them as the Llama lines are)."""
+@pytest.mark.parametrize("line, refusal", [(shrunk_mixtral_line, MOE_NOT_BUILT),
+                                           (shrunk_qwen3_moe_line, QK_NORM_NOT_BUILT)])
+def test_moe_example_lines_stop_only_at_the_not_built_refusal(line, refusal, tmp_path):
+    """Every rule but one passes at pp 2 x ep 2 (4 ranks): the line stops at the refusal of what is
+    not built yet (experts split over ranks; QK-norm), in one line. Once that lands, these lines
+    train (test them as the Llama lines are)."""
     with pytest.raises(ConfigError) as err:
         load_config(None, None, line(str(tmp_path / "ckpt")), 0, 4)
-    assert f"error: {err.value}" == MOE_NOT_BUILT
+    assert f"error: {err.value}" == refusal
 
 
 def test_cli_validates_the_mixtral_line_up_to_the_not_built_refusal(tmp_path):
