@@ -157,14 +157,26 @@ def launcher_gone(parent: int, expected: Optional[str]) -> Optional[str]:
     while its workers were still starting leaves them orphans: they would train on, join the
     next job's rendezvous on the same master port and write into its checkpoint directory.
     `expected` is megazero.launch's pid (alive but not our parent: we are a nested job's worker,
-    its variable inherited); under plain torchrun an orphan's parent is init."""
-    if expected is not None and int(expected) != parent and not _alive(int(expected)):
+    its variable inherited); under plain torchrun an orphan's parent is init, unless init may be
+    the launcher itself (torchrun as a container's first process): then it is never called gone."""
+    if expected is not None and expected.isdigit() and int(expected) != parent and not _alive(int(expected)):
         return (f"the launcher that started this worker (megazero.launch, pid {expected}) is gone (killed while "
                 f"its workers started); exiting before touching the checkpoints")
-    if expected is None and parent == 1:
+    if expected is None and parent == 1 and not _may_be_launcher(1):
         return ("the launcher that started this worker (torchrun) is gone (killed while its workers started); "
                 "exiting before touching the checkpoints")
     return None
+
+
+def _may_be_launcher(pid: int) -> bool:
+    """Whether process `pid` may be a launcher: a Python process, or one whose command line names
+    torch (torchrun, or a shell running it); unknown counts as may."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().decode(errors="replace").lower()
+    except OSError:
+        return True
+    return "python" in command or "torch" in command
 
 
 def _alive(pid: int) -> bool:
