@@ -23,15 +23,15 @@ from megazero.train.lifecycle import FINISHED, STOPPED, launcher_gone
 TINY = ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--train.iters", "1", "--train.log_interval", "1"]
 
 
-def _python(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True, capture_output=True, timeout=timeout,
+def _python(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, text=True, capture_output=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})})
 
 
 def _train_with(tmp_path, patch: str) -> subprocess.CompletedProcess:
     """`python -m megazero.train TINY` with `patch` (Python run first) injecting the late event."""
     args = [*TINY, "--checkpoint.save", str(tmp_path / "ck")]
-    return _python(f"{patch}\nfrom megazero.train.__main__ import main\nmain({args!r})")
+    return _python("-c", f"{patch}\nfrom megazero.train.__main__ import main\nmain({args!r})")
 
 
 def test_a_worker_whose_launcher_died_while_it_started_leaves_with_one_line(tmp_path):
@@ -39,10 +39,8 @@ def test_a_worker_whose_launcher_died_while_it_started_leaves_with_one_line(tmp_
     which then trained the killed job on, into the resumed job's rendezvous (same master port)
     and checkpoint directory. A worker finding another parent than its launcher now leaves."""
     save, killed = tmp_path / "ck", _dead_pid()
-    done = subprocess.run([sys.executable, "-m", "megazero.train", *TINY, "--checkpoint.save", str(save)],
-                          cwd=REPO, text=True, capture_output=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "RANK": "1",
-                               "TORCHELASTIC_RUN_ID": "killed", "MEGAZERO_LAUNCHER_PID": str(killed)})
+    done = _python("-m", "megazero.train", *TINY, "--checkpoint.save", str(save),
+                   env={"RANK": "1", "TORCHELASTIC_RUN_ID": "killed", "MEGAZERO_LAUNCHER_PID": str(killed)})
     assert done.returncode == 1, done.stderr
     assert done.stderr.splitlines() == [
         f"error: rank 1: the launcher that started this worker (megazero.launch, pid {killed}) is gone "
@@ -129,8 +127,8 @@ def test_a_peer_lost_at_the_final_barrier_is_one_line(tmp_path):
 def test_a_console_that_cannot_take_the_last_lines_keeps_the_status():
     """stdout closed under the run (a pipe's reader gone): the finished run still ends 0 (the
     interpreter's own exit ends such a run 120, and the flush used to raise: a traceback, 1)."""
-    done = _python("import os, sys\nfrom megazero.train.__main__ import _leave\n"
-                   "sys.stdout.write('iter 1/1\\n')\nos.close(1)\n_leave(0)", {"PYTHONUNBUFFERED": ""})  # held in the buffer
+    done = _python("-c", "import os, sys\nfrom megazero.train.__main__ import _leave\n"
+                   "sys.stdout.write('iter 1/1\\n')\nos.close(1)\n_leave(0)", env={"PYTHONUNBUFFERED": ""})  # held in the buffer
     assert done.returncode == 0, done.stderr
     assert done.stderr.startswith("warning: rank 0: could not flush <stdout>: ") and done.stderr.count("\n") == 1
 
