@@ -29,6 +29,7 @@ import tempfile
 from typing import Optional, Sequence
 
 from megazero.errors import EXIT_USER_ERROR
+from megazero.train.lifecycle import FINISHED, LAUNCHER_PID, STOPPED
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -53,8 +54,9 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
     # The workers leave this file when they end in a UserError (errors._remember_user_error).
     marker = os.path.join(scratch, "user-error")
     os.environ["MEGAZERO_USER_ERROR_FILE"] = marker
-    stopped = os.path.join(scratch, "stopped")  # left by workers that saved and stopped on a signal
+    stopped = os.path.join(scratch, "stopped")  # left by workers whose run is over: saved and stopped, or finished
     os.environ["MEGAZERO_STOPPED_FILE"] = stopped
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # a worker that finds another parent was orphaned: it leaves
     # torchrun's per-worker "failed (exitcode ...)" and "closing signal" lines repeat what the
     # summary line below says; its agent's warnings (restarts, rendezvous) stay.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
@@ -63,10 +65,14 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
     try:
         run(args)
     except SignalException as signalled:
-        clean = os.path.exists(stopped)
+        ended = _clean_end(stopped)
         name = signal.Signals(signalled.sigval).name
-        if clean:
+        if ended == STOPPED:
             print(f"megazero.launch: {name}: the workers saved and stopped", file=sys.stderr, flush=True)
+            return 0
+        if ended == FINISHED:  # too late to stop anything: the job is complete
+            print(f"megazero.launch: {name} after the workers finished and saved; nothing was stopped",
+                  file=sys.stderr, flush=True)
             return 0
         print(f"error: megazero.launch: {name}: the workers were stopped before they could save (a stop during "
               f"start-up or a save); the last checkpoint is intact", file=sys.stderr, flush=True)
@@ -80,7 +86,23 @@ def _run(args: argparse.Namespace, scratch: str) -> int:
               f"ended with {status} after {args.max_restarts} allowed restart(s); its output above says why",
               file=sys.stderr, flush=True)
         return 1
+    finally:
+        # torchrun's handlers raise SignalException wherever this process is: from now on a stop
+        # signal would turn the job's status into a traceback after the job is over.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     return 0
+
+
+def _clean_end(path: str) -> Optional[str]:
+    """How the workers' run ended by what they left in `path` (lifecycle.remember_clean_end):
+    STOPPED if any stopped on a signal, else FINISHED if any finished, else None."""
+    try:
+        with open(path) as f:
+            said = set(f.read().split())
+    except OSError:
+        return None
+    return next((how for how in (STOPPED, FINISHED) if how in said), None)
 
 
 if __name__ == "__main__":

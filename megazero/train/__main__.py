@@ -10,6 +10,7 @@ command-line overrides and Megatron flags (in the order given)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -89,7 +90,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     train(cfg)
 
 
-def train(cfg: Config) -> None:
+def train(cfg: Config) -> NoReturn:
+    """Train, then leave with a status that says how the run ended: 0 once its last iteration
+    and save are done (a stop signal arriving later changes nothing), otherwise non-zero after
+    one line saying why (see _leave)."""
     import torch.distributed as dist  # here, not at the top: --help and --validate-only need no torch
 
     from megazero.parallel.grid import ProcessGrid
@@ -104,18 +108,18 @@ def train(cfg: Config) -> None:
         with report_errors():  # a checkpoint, data or training error: the same on every rank
             try:
                 Trainer(cfg, grid).run()
+                lifecycle.remember_clean_end(lifecycle.FINISHED)  # the last checkpoint is sealed
+                dist.barrier()  # no rank tears its communicators down while a peer still uses them
             except RuntimeError as e:
                 line = lifecycle.describe_comm_failure(e, grid.rank, timeout_s)
                 if line is None:
                     raise
                 lost_peer(line)
     except SystemExit as stop:  # the error line is printed: leave without teardown (below)
-        _leave(stop.code if isinstance(stop.code, int) else 1)
-    dist.barrier()  # no rank tears its communicators down while a peer still uses them
+        _leave(exit_status(stop.code))
     watch.stop()
     if grid.backend == "nccl":
         dist.destroy_process_group()
-        return
     _leave(0)
 
 
@@ -129,14 +133,34 @@ def is_logging_rank(cfg: Config, world_size: int) -> bool:
     return layout.rank == layout.logging_rank
 
 
+def exit_status(code: object) -> int:
+    """The status the interpreter would end with for sys.exit(code): None is success, an int is
+    itself, anything else (a message) is printed and is status 1: never a silent failure."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(f"error: {code}", file=sys.stderr, flush=True)
+    return 1
+
+
 def _leave(status: int) -> NoReturn:
     """Exit with `status` once every output is written and closed (metrics, checkpoints: the
     trainer closed them on its way out), without tearing the process groups' C++ state down:
     that teardown (a gloo or NCCL thread's std::thread still joinable) occasionally aborted a
     finished run, or one that had printed its one-line error, with "terminate called without an
-    active exception" (SIGABRT, about 1 run in 5 of a checkpoint's model mismatch)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    active exception" (SIGABRT, about 1 run in 5 of a checkpoint's model mismatch). No atexit
+    handler or interpreter shutdown runs either: nothing after this line can change the status.
+    A console that cannot take the last lines (a closed pipe) is said on stderr, but does not
+    turn a finished run into a failed one (the interpreter's own exit would make it status 120)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError) as e:  # ValueError: the stream was closed
+            with contextlib.suppress(OSError, ValueError):
+                print(f"warning: rank {os.environ.get('RANK', '0')}: could not flush {stream.name}: {e}; "
+                      f"its last lines may be lost (exit status {status} regardless)", file=sys.__stderr__,
+                      flush=True)
     os._exit(status)
 
 

@@ -8,6 +8,7 @@
   leaves its workers training on and writing checkpoints. `die_with_launcher` ends a worker
   the moment its launcher goes (the kernel's parent-death signal, and a parent-pid watchdog
   where that is missing); SIGKILL runs no handler, so the checkpoint directory is not touched.
+  A worker whose launcher died before it got there (while it started) leaves with one line.
 - Early stop: SIGTERM (torchrun's and Slurm's), SIGUSR1 (Slurm's `--signal` before the
   time limit) and `train.exit_duration_minutes` become a save and a clean exit (`StopRequest`).
 - Lost peers: a collective whose peer died or stopped responding becomes one line naming
@@ -19,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import os
@@ -60,12 +62,19 @@ def resume_on_restart(cfg: Config) -> Optional[str]:
     return f"torchrun restart {restart_count()} of {limit}: resuming from the latest checkpoint in {c.save}"
 
 
-def remember_clean_stop() -> None:
-    """Leave word for megazero.launch ($MEGAZERO_STOPPED_FILE) that this worker saved and stopped
-    on a signal: the launcher then ends the job with status 0, not torchrun's SignalException."""
+STOPPED, FINISHED = "stopped", "finished"
+"""What a worker leaves in $MEGAZERO_STOPPED_FILE (see remember_clean_end)."""
+
+
+def remember_clean_end(how: str) -> None:
+    """Leave word for megazero.launch ($MEGAZERO_STOPPED_FILE) that this worker's run is over and
+    its last checkpoint sealed: it saved and `STOPPED` on a signal, or `FINISHED` train.iters. A
+    stop signal reaching the launcher after that (torchrun raises SignalException) then ends the
+    job with status 0: there is nothing left to save."""
     path = os.environ.get("MEGAZERO_STOPPED_FILE")
     if path:
-        open(path, "a").close()
+        with contextlib.suppress(OSError), open(path, "a") as f:  # a word lost only costs that late-signal case
+            f.write(how + "\n")
 
 
 class LoadPathError(UserError):
@@ -121,17 +130,68 @@ def attempt_store(timeout_s: float) -> Optional[dist.Store]:
     return dist.PrefixStore(f"megazero/attempt_{restart_count()}", store)
 
 
+LAUNCHER_PID = "MEGAZERO_LAUNCHER_PID"
+"""Set by megazero.launch to its own pid: the parent its workers must have."""
+
+
 def die_with_launcher(poll_s: float = 0.5) -> None:
-    """Under torchrun, SIGKILL this worker as soon as its launcher is gone."""
+    """Under torchrun, SIGKILL this worker as soon as its launcher is gone; leave at once (one
+    line, status 1) when it is gone already."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # not under torchrun
         return
-    launcher = os.getppid()
     if sys.platform.startswith("linux"):
         # The parent-death signal follows the thread that forked us: torchrun forks from its
         # main thread, and the watchdog below covers any case where that does not hold.
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    launcher = os.getppid()  # read after prctl: a launcher that died in between shows here (prctl(2))
+    gone = launcher_gone(launcher, os.environ.pop(LAUNCHER_PID, None) or None)  # popped: not our children's
+    if gone:
+        print(f"error: rank {os.environ.get('RANK', '?')}: {gone}", file=sys.stderr, flush=True)
+        os._exit(1)
     threading.Thread(target=_watch_parent, args=(launcher, poll_s), name="megazero-launcher-watch",
                      daemon=True).start()
+
+
+def launcher_gone(parent: int, expected: Optional[str]) -> Optional[str]:
+    """Why this worker's launcher is already gone (None: it is our `parent`). A launcher SIGKILLed
+    while its workers were still starting leaves them orphans: they would train on, join the
+    next job's rendezvous on the same master port and write into its checkpoint directory.
+    `expected` is megazero.launch's pid (alive but not our parent: we are a nested job's worker,
+    its variable inherited); under plain torchrun an orphan's parent is init, unless init may be
+    the launcher itself (torchrun as a container's first process): then it is never called gone."""
+    if expected is not None and expected.isdigit() and int(expected) != parent and not _alive(int(expected)):
+        return (f"the launcher that started this worker (megazero.launch, pid {expected}) is gone (killed while "
+                f"its workers started); exiting before touching the checkpoints")
+    if expected is None and parent == 1 and not _may_be_launcher(1):
+        return ("the launcher that started this worker (torchrun) is gone (killed while its workers started); "
+                "exiting before touching the checkpoints")
+    return None
+
+
+def _may_be_launcher(pid: int) -> bool:
+    """Whether process `pid` may be a launcher: a Python process, or one whose command line names
+    torch (torchrun, or a shell running it); unknown counts as may."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().decode(errors="replace").lower()
+    except OSError:
+        return True
+    return "python" in command or "torch" in command
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def _watch_parent(launcher: int, poll_s: float) -> None:

@@ -37,7 +37,7 @@ from megazero.plan.formulas import model_flops_per_token
 from megazero.train import moe
 from megazero.train.batch_rampup import rampup_batch
 from megazero.train.host_memory import fit_host_memory
-from megazero.train.lifecycle import StopRequest, remember_clean_stop
+from megazero.train.lifecycle import STOPPED, StopRequest, remember_clean_end
 from megazero.train.lr import LRSchedule
 from megazero.train.metrics import (
     MetricsWriter,
@@ -309,7 +309,7 @@ class Trainer:
                 if self.is_logger:
                     print(f"{self.stop.reason(stop)}: {'saved and ' if saved else ''}stopped cleanly at iteration "
                           f"{self.iteration}", flush=True)
-                remember_clean_stop()
+                remember_clean_end(STOPPED)
                 break
         self.checkpoints.close()
         return records
