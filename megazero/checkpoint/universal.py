@@ -56,7 +56,7 @@ class UniversalReader:
 
     def trainer_state(self) -> dict:
         state = {k: self.meta[k] for k in ("iteration", "consumed_samples", "skipped_iters", "step", "loss_scaler")}
-        return {**state, "lr_schedule": self.meta.get("lr_schedule")}
+        return {**state, "lr_schedule": self.meta.get("lr_schedule"), "moe_expert_bias": self.meta.get("moe_expert_bias")}
 
 
 def _remake(path: str, source: str | None = None) -> str:

@@ -106,9 +106,6 @@ def not_built_yet_problem(m: ModelConfig) -> Optional[str]:
     trained as a dense model. The one place to shorten as each lands (issue 45: the MoE layer, QK-norm,
     kv_channels, qkv_bias)."""
     later = "they come with issue 45's model code; set it back for now"
-    if m.moe_router_enable_expert_bias:
-        return (f"model.moe_router_enable_expert_bias true: the aux-loss-free bias update is not built yet; {later} "
-                f"(--model.moe_router_enable_expert_bias false)")
     if m.qk_layernorm:
         return f"model.qk_layernorm true: per-head q/k RMSNorm is not built yet; {later} (--model.qk_layernorm false)"
     if m.kv_channels and m.kv_channels != m.head_dim:

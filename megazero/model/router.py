@@ -69,10 +69,10 @@ class TopKRouter(nn.Module):
         self.spec = spec
         shape = (spec.num_experts, hidden_size)
         self.weight = place(nn.Parameter(torch.empty(shape)), Placement(shape))
-        # The aux-loss-free balancing bias: not a parameter (no gradient, no optimizer state);
-        # updated from the tokens each expert got over a global batch (update_expert_bias).
-        self.expert_bias: Optional[torch.Tensor]
-        self.register_buffer("expert_bias", torch.zeros(spec.num_experts) if spec.enable_expert_bias else None)
+        # The aux-loss-free balancing bias [E]: no parameter (no gradient, no optimizer state),
+        # no buffer (the model may be built on the meta device): the trainer owns every layer's
+        # bias, updates it after each global batch and sets it here (train/moe.py).
+        self.expert_bias: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [T, h] (any dtype) -> the routing of its T tokens."""

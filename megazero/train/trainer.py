@@ -65,6 +65,7 @@ class Trainer:
         t = cfg.train
         self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device, cp_rank=grid.cp_rank)
         self.chunks, self.optimizer = parallelize(cfg, grid, self.tracker)
+        self.moe = moe.MoESteps(cfg.model, self.chunks, grid, cfg.parallel.sequence_parallel)
         self.train_ds, self.valid_ds = build_datasets(cfg, grid)
         # Fine-tuning data: some labels count nothing, so the loss divides by a count of the rest.
         self.loss_masked = self.train_ds.loss_masked
@@ -119,7 +120,8 @@ class Trainer:
         return {"optimizer": self.optimizer.state_dict(snapshot) if self.optimizer.owns_state else None,
                 "rng": encode_rng(get_rng_states(self.tracker)),
                 "iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                "skipped_iters": self.skipped_iters, "lr_schedule": self.schedule.state_dict()}
+                "skipped_iters": self.skipped_iters, "lr_schedule": self.schedule.state_dict(),
+                "moe_expert_bias": self.moe.state_dict()}
 
     def full_parameters(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
         """Collective: this rank's parameters, each value full over DP (the 16-bit export, adapters)."""
@@ -143,6 +145,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
         self.skipped_iters = state["skipped_iters"]
+        self.moe.load_state_dict(state.get("moe_expert_bias"))
         # A checkpoint from before the schedule was saved advanced it on every iteration.
         saved_schedule = state.get("lr_schedule") or {**self.schedule.state_dict(), "steps": self.iteration}
         schedule_change = self.schedule.resume(saved_schedule, self.cfg.optim.override_schedule)
@@ -234,9 +237,7 @@ class Trainer:
         self.consumed_samples += batch
         # The global loss came with the step's sums; it is reported where the loss is computed.
         out = {"loss": result.loss if loss is not None else None, "lr": lr, "grad_norm": result.grad_norm,
-               "loss_scale": result.loss_scale, "batch_size": batch,
-               **moe.step_figures(self.chunks, len(batches), self.grid, self.cfg.model,
-                                  self.cfg.parallel.sequence_parallel)}
+               "loss_scale": result.loss_scale, "batch_size": batch, **self.moe.figures(len(batches))}
         self._count_skip(result.skipped, out)
         return out
 

@@ -80,3 +80,40 @@ def test_moe_reference_learns_and_balances(reference):
     assert all(0.1 * 4 * 0.9 < aux < 0.1 * 4 * 1.5 for _, _, aux, _ in reference)
     longer = run_distributed(_records, 1, ["--train.iters", "8"])[0]
     assert longer[-1][0] < longer[0][0]
+
+
+BIAS = ["--model.moe_router_score_function", "sigmoid", "--model.moe_router_enable_expert_bias", "true",
+        "--model.moe_router_bias_update_rate", "0.05", "--model.moe_load_balancing", "none"]
+
+
+def _bias_run(root: str) -> dict:
+    """Aux-loss-free balancing in one rank of each layout: 3 iterations straight (the bias table
+    after them), and the same run saved at 2 and resumed to 3."""
+    import contextlib
+    import io
+    args = SHORT[2:] + BIAS + ["--train.iters", "3", "--checkpoint.interval", "2"]
+    out = {}
+    for name, extra in {"straight": [], "resumed": ["--checkpoint.load", f"{root}/straight",
+                                                    "--checkpoint.iteration", "2"]}.items():
+        tr = make_trainer(args + extra + ["--checkpoint.save", f"{root}/{name}"], base=MIXTRAL)
+        with contextlib.redirect_stdout(io.StringIO()):
+            records = tr.run()
+        out[name] = ([(r["loss"], r["grad_norm"]) for r in records], tr.moe.state_dict())
+    return out
+
+
+def test_expert_bias_updates_from_every_ranks_counts_and_resumes(tmp_path):
+    """b += rate · sign(mean(c) − c) after each global batch, with the counts of every data rank:
+    the bias moves the routing of the next steps, so dp 2 equals one process only when the counts
+    were summed over both; a resume from iteration 2 continues bit for bit with the saved bias."""
+    one = run_distributed(_bias_run, 1, str(tmp_path / "one"))[0]
+    two = run_distributed(_bias_run, 2, str(tmp_path / "two"))[0]
+    straight, bias = one["straight"]
+    # 3 steps of ± rate (or 0 where an expert got exactly the mean): odd multiples where every step moved it
+    assert bias is not None and any(b != 0 for row in bias for b in row)
+    assert all(abs(b) <= 3 * 0.05 + 1e-6 and round(b / 0.05) == pytest.approx(b / 0.05, abs=1e-4)
+               for row in bias for b in row)
+    resumed, resumed_bias = one["resumed"]
+    assert resumed == straight[2:] and resumed_bias == bias
+    assert_parity({"dp2": two["straight"][0]}, straight, 3)
+    assert two["straight"][1] == bias

@@ -1,6 +1,6 @@
 """The mixture-of-experts keys (issue 45, 1): typed and validated in one line each, the defaults a
-dense model, and what megazero cannot train yet (the expert-bias update, experts split over
-ranks) refused at start-up instead of trained otherwise."""
+dense model, and what megazero cannot train yet (experts split over ranks, Muon on experts)
+refused at start-up instead of trained otherwise."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from megazero.config import ConfigError, build_config
 from megazero.config.preflight import resolve_and_validate
 
 MOE = ["--model.num_experts", "8", "--model.num_layers", "4"]
-BIAS_NOT_BUILT = "model.moe_router_enable_expert_bias true: the aux-loss-free bias update is not built yet;"
 SPLIT_NOT_BUILT = "parallel.ep 4 x parallel.etp 1 (etp defaults to tp): experts split over ranks do not train yet"
 
 
@@ -44,12 +43,10 @@ def test_defaults_are_a_dense_model():
     ["--parallel.ep", "4", "--parallel.tp", "2", "--parallel.etp", "1"],
 ])
 def test_a_valid_moe_config_passes_every_rule(overrides):
-    """Valid configs pass; the two settings whose training is not built yet are refused by name."""
+    """Valid configs pass; experts split over ranks, whose training is not built yet, are refused by name."""
     world = 8 if "--parallel.ep" in overrides else 1
     if "--parallel.ep" in overrides:
         assert _refusal(MOE + overrides, world).startswith(SPLIT_NOT_BUILT)
-    elif "--model.moe_router_enable_expert_bias" in overrides:
-        assert _refusal(MOE + overrides, world).startswith(BIAS_NOT_BUILT)
     else:
         assert resolve_and_validate(build_config({"data": {"mock": True}}, MOE + overrides), world) == world
 
@@ -114,10 +111,11 @@ def test_dense_keys_at_their_dense_values_pass():
     assert resolve_and_validate(cfg, 1) == 1
 
 
-def test_training_with_the_expert_bias_stops_at_start_up_with_one_line():
+def test_training_with_experts_split_over_ranks_stops_at_start_up_with_one_line():
     proc = subprocess.run([sys.executable, "-m", "megazero.train", "--config", "configs/gpt2-tiny.yaml",
-                           "--model.num_experts", "8", "--model.moe_router_score_function", "sigmoid",
-                           "--model.moe_router_enable_expert_bias", "true"], capture_output=True, text=True)
+                           "--model.num_experts", "8", "--parallel.ep", "4", "--parallel.etp", "1", "--validate-only",
+                           "--train.global_batch_size", "32",
+                           "--world-size", "8"], capture_output=True, text=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: {BIAS_NOT_BUILT} they come with issue 45's model code; set "
-                                                f"it back for now (--model.moe_router_enable_expert_bias false)"]
+    assert proc.stderr.strip().splitlines() == [f"error: {SPLIT_NOT_BUILT} (issue 45); use --parallel.ep 1 "
+                                                f"--parallel.etp 1 (each rank holds every expert)"]
