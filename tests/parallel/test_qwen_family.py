@@ -58,6 +58,18 @@ def test_qwen_layouts_equal_the_single_process():
         assert reference[family][-1][0] < reference[family][0][0], reference[family]  # it trains
 
 
+def test_a_resume_without_the_qwen_keys_is_refused_naming_the_key():
+    """A Qwen3-style checkpoint does not resume as a model without QK-norm: one line naming the key."""
+    import dataclasses
+
+    from megazero.checkpoint.meta import model_mismatch
+    from megazero.config import build_config
+    saved = build_config({"data": {"mock": True}}, MODELS["qwen3"])
+    why = model_mismatch({"model": dataclasses.asdict(saved.model)}, build_config({}), "CK")
+    assert why is not None and why.startswith("checkpoint 'CK' holds a model with model.qk_layernorm = True, but "
+                                              "this run has False"), why
+
+
 # ----------------------------------------------------------------------------- Hugging Face in and out
 
 transformers = pytest.importorskip("transformers")
