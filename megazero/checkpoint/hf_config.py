@@ -1,4 +1,4 @@
-"""checkpoint.init_from_hf: a Hugging Face GPT-2 or Llama config.json resolved into the run's
+"""checkpoint.init_from_hf: a Hugging Face GPT-2, Llama, Qwen2 or Qwen3 config.json resolved into the run's
 model section (hf_names.py reads it), torch-free, so it is checked before torch loads
 (hf.py reads the weights)."""
 
@@ -14,7 +14,7 @@ from megazero.data.tokenizer import spec_of_directory
 
 
 def resolve_init_from_hf(cfg: Config) -> None:
-    """Resolve against checkpoint.init_from_hf: a GPT-2 or Llama directory whose config.json gives
+    """Resolve against checkpoint.init_from_hf: a GPT-2, Llama or Qwen directory whose config.json gives
     the model keys the run leaves unset and agrees with those it sets (refused otherwise, naming
     both values); model.vocab_size auto becomes its vocabulary size."""
     d, m = cfg.checkpoint.init_from_hf, cfg.model
@@ -36,8 +36,8 @@ def resolve_init_from_hf(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.init_from_hf {d}: its config.json lacks {e} for its model_type "
                           f"{hf.get('model_type')!r}; save the model with save_pretrained()") from None
     except ValueError as e:
-        raise ConfigError(f"checkpoint.init_from_hf {d}: {e}; only GPT-2 (model_type gpt2) and Llama "
-                          f"(model_type llama) weights can start a megazero run") from None
+        raise ConfigError(f"checkpoint.init_from_hf {d}: {e}; only GPT-2 (model_type gpt2), Llama (llama), Qwen2 "
+                          f"(qwen2) and Qwen3 (qwen3) weights can start a megazero run") from None
     if hf.get("model_type") == "gpt2" and hf.get("activation_function", "gelu_new") not in ("gelu_new",
                                                                                           "gelu_pytorch_tanh"):
         raise ConfigError(f"checkpoint.init_from_hf {d} uses activation {hf['activation_function']}; megazero's "
@@ -60,7 +60,8 @@ def _take_model_keys(cfg: Config, theirs: ModelConfig, path: str) -> None:
     m = cfg.model
     for key in set_by_hf(theirs):
         # 0 stands for a value derived from the other keys: compare the values themselves
-        resolved = {"ffn_hidden_size": "ffn_size", "num_query_groups": "query_groups"}.get(key, key)
+        resolved = {"ffn_hidden_size": "ffn_size", "num_query_groups": "query_groups", "kv_channels": "head_dim"}.get(
+            key, key)
         mine, hf_value = getattr(m, resolved), getattr(theirs, resolved)
         if mine == hf_value:
             continue

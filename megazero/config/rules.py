@@ -67,8 +67,9 @@ def validate(cfg: Config, world_size: int) -> int:
                           f"matrices Muon steps, so Muon would step nothing (the adapters train with AdamW); use "
                           f"--optim.name adamw")
     _validate_profiler(cfg)
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads})")
+    if m.hidden_size % m.num_heads and not m.kv_channels:  # with kv_channels the heads need not tile h
+        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads}); "
+                          f"or set model.kv_channels, the head size")
     _refuse(model_family_problem(m), tp_problem(m.num_heads, m.ffn_size, p.tp, m.query_groups),
             cp_problem(m.seq_length, p.cp))  # then cp >= 1
     _refuse(ulysses_problem(m.num_heads, p.tp, p.cp, p.cp_impl), world_problem(world_size, p.tp, p.pp, p.cp))
@@ -83,7 +84,6 @@ def validate(cfg: Config, world_size: int) -> int:
         if p.tp > 1 and cfg.finetune.lora_rank:
             raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
                               f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
-    _refuse(not_built_yet_problem(m))
     _refuse(expert_split_not_built_problem(p, m))
     if m.num_experts and cfg.optim.name == "muon":
         raise ConfigError(f"optim.name muon with model.num_experts {m.num_experts}: Muon on the experts' matrices is "
@@ -98,22 +98,6 @@ def expert_split_not_built_problem(p: ParallelConfig, m: ModelConfig) -> Optiona
     if m.num_experts and (p.ep > 1 or p.expert_tp > 1):
         return (f"parallel.ep {p.ep} x parallel.etp {p.expert_tp} (etp defaults to tp): experts split over ranks do not "
                 f"train yet (issue 45); use --parallel.ep 1 --parallel.etp 1 (each rank holds every expert)")
-    return None
-
-
-def not_built_yet_problem(m: ModelConfig) -> Optional[str]:
-    """Model keys that validate but whose layers megazero does not build yet, refused here rather than
-    trained as a dense model. The one place to shorten as each lands (issue 45: the MoE layer, QK-norm,
-    kv_channels, qkv_bias)."""
-    later = "they come with issue 45's model code; set it back for now"
-    if m.qk_layernorm:
-        return f"model.qk_layernorm true: per-head q/k RMSNorm is not built yet; {later} (--model.qk_layernorm false)"
-    if m.kv_channels and m.kv_channels != m.head_dim:
-        return (f"model.kv_channels {m.kv_channels}: a head size other than hidden_size / num_heads ({m.head_dim}) "
-                f"is not built yet; {later} (--model.kv_channels 0)")
-    if m.qkv_bias and not m.bias:
-        return (f"model.qkv_bias true with model.bias false: q/k/v-only biases are not built yet; {later} "
-                f"(--model.qkv_bias false, or --model.bias true for every bias)")
     return None
 
 
@@ -388,7 +372,9 @@ def model_family_problem(m: ModelConfig) -> Optional[str]:
         return (f"model.num_query_groups ({m.num_query_groups}) must divide model.num_heads ({m.num_heads}); "
                 f"1 is multi-query, 0 means num_heads")
     if m.position_embedding == "rope" and m.head_dim % 2:
-        return f"rotary embeddings need an even head dimension: model.hidden_size / model.num_heads is {m.head_dim}"
+        size = f"model.kv_channels is {m.kv_channels}" if m.kv_channels else \
+            f"model.hidden_size / model.num_heads is {m.head_dim}"
+        return f"rotary embeddings need an even head dimension: {size}"
     if m.rope_scaling == "llama3" and not (m.rope_scaling_factor > 0 and
                                            m.rope_high_freq_factor > m.rope_low_freq_factor > 0):
         return (f"model.rope_scaling llama3 needs rope_scaling_factor > 0 and rope_high_freq_factor "

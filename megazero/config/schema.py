@@ -27,7 +27,8 @@ class ModelConfig:
     hidden_size: int = 64
     """Model width h."""
     num_heads: int = 4
-    """Attention heads; must divide hidden_size and be divisible by parallel.tp."""
+    """Attention heads; must divide hidden_size (unless kv_channels sets the head size) and be divisible by
+    parallel.tp."""
     seq_length: int = 64
     """Tokens per sample (context length); also the number of learned positions."""
     vocab_size: Union[int, Literal["auto"]] = "auto"
@@ -119,13 +120,14 @@ class ModelConfig:
     moe_pad_to_capacity: bool = False
     """MoE with moe_capacity_factor: pad every expert's input to its full capacity (fixed shapes)."""
     qk_layernorm: bool = False
-    """Per-head RMSNorm of q and k before rotary embeddings (Qwen3, OLMoE). Not built yet: true is refused."""
+    """Per-head RMSNorm of q and k after their projection, before rotary embeddings (Qwen3): one weight of
+    head size shared by all heads, epsilon layernorm_eps."""
     kv_channels: int = 0
-    """Head size when it is not hidden_size / num_heads (Qwen3: 128 with h 2048 and 32 heads); 0 means
-    hidden_size / num_heads. Not built yet: another value is refused."""
+    """Head size when it is not hidden_size / num_heads (Qwen3: 128 with h 2048 and 32 heads): q is
+    num_heads x kv_channels wide, k and v query groups x kv_channels; 0 means hidden_size / num_heads."""
     qkv_bias: bool = False
-    """Biases on the q, k and v projections even when model.bias is false (Qwen2). Not built yet: true with
-    model.bias false is refused."""
+    """Biases on the q, k and v projections even when model.bias is false (Qwen2); the output projection
+    and the MLP keep model.bias."""
 
     @property
     def ffn_size(self) -> int:
@@ -138,8 +140,18 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """Each attention head's width: kv_channels, or hidden_size / num_heads when 0."""
+        return self.kv_channels or self.hidden_size // self.num_heads
 
+    @property
+    def q_width(self) -> int:
+        """The query projection's width (and the output projection's input): num_heads x head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """The key (and the value) projection's width: query groups x head_dim."""
+        return self.query_groups * self.head_dim
 
     @property
     def moe_ffn_size(self) -> int:

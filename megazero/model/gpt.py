@@ -14,6 +14,7 @@ Parameter names are Hugging Face GPT2LMHeadModel's, one to one:
     transformer.h.{i}.ln_1.{weight,bias}
     transformer.h.{i}.attn.c_attn.{weight,bias}    weight [3h/tp, h] = HF Conv1D weight^T
     transformer.h.{i}.attn.c_proj.{weight,bias}    weight [h, h/tp]  = HF Conv1D weight^T
+    transformer.h.{i}.attn.{q,k}_norm.weight       [head_dim], whole on every rank (model.qk_layernorm)
     transformer.h.{i}.ln_2.{weight,bias}
     transformer.h.{i}.mlp.c_fc.{weight,bias}       weight [4h/tp, h] = HF Conv1D weight^T
     transformer.h.{i}.mlp.c_proj.{weight,bias}     weight [h, 4h/tp] = HF Conv1D weight^T
@@ -21,7 +22,9 @@ Parameter names are Hugging Face GPT2LMHeadModel's, one to one:
     lm_head.weight      only on a last stage without the embedding: its tied copy of wte
 
 HF stores the four projections as Conv1D ([in, out]); here they are nn.Linear-shaped
-([out, in]), so export transposes them and strips the vocab padding.
+([out, in]), so export transposes them and strips the vocab padding. The Llama family
+(hf_names.py) renames them; with model.kv_channels the attention's q and output widths are
+num_heads x kv_channels instead of h, and with model.qkv_bias c_attn alone has a bias.
 """
 
 from __future__ import annotations
@@ -75,17 +78,28 @@ class CausalSelfAttention(nn.Module):
         self.tracker = tracker
         # The fused projection's rows are q | k | v, each split over the TP ranks on its own
         # (stride 3, or the three sizes under grouped-query attention), so a rank owns whole
-        # query heads and the K/V groups they read.
-        d, h = self.head_dim, cfg.hidden_size
-        parts = () if self.groups == self.heads else (h, self.groups * d, self.groups * d)
-        self.c_attn = ColumnParallelLinear(h, h + 2 * self.groups * d, bias=cfg.bias, stride=3, parts=parts)
-        self.c_proj = RowParallelLinear(h, h, bias=cfg.bias)
+        # query heads and the K/V groups they read. q is heads x head_dim wide, which is not
+        # the hidden size when model.kv_channels sets the head size (Qwen3).
+        q, kv, h = cfg.q_width, cfg.kv_width, cfg.hidden_size
+        parts = () if self.groups == self.heads else (q, kv, kv)
+        self.c_attn = ColumnParallelLinear(h, q + 2 * kv, bias=cfg.bias or cfg.qkv_bias, stride=3, parts=parts)
+        self.c_proj = RowParallelLinear(q, h, bias=cfg.bias)
         self.resid_dropout = Dropout(cfg.dropout, tracker)
+        # QK-norm (Qwen3): one RMSNorm over each head's width, its weight shared by every head.
+        self.q_norm = head_norm(cfg) if cfg.qk_layernorm else None
+        self.k_norm = head_norm(cfg) if cfg.qk_layernorm else None
 
     def apply_tp(self, tp: Group) -> None:
         self.heads //= tp.size  # c_attn's split hands each rank whole heads of q, k and v
         self.groups //= tp.size
         self.tp_size = tp.size
+        # The q/k norm weights stay whole on every rank, but each rank applies them to its own
+        # heads only: their gradients are partial sums over TP (with or without sequence
+        # parallelism), completed by the same TP all-reduce as sequence-parallel LayerNorms'.
+        for n in (self.q_norm, self.k_norm):
+            if n is not None:
+                for w in n.parameters():
+                    place(w, dataclasses.replace(placement(w), sequence_parallel=True))
 
     def attend(self, qkv: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0,
                rope: Optional[Rope] = None) -> torch.Tensor:
@@ -96,6 +110,8 @@ class CausalSelfAttention(nn.Module):
             q, k, v = split_heads(qkv, self.heads, self.head_dim)
         else:
             q, k, v = split_grouped_heads(qkv, self.heads, self.groups, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # before rotary, as Qwen3 does
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         mask = None
@@ -205,6 +221,11 @@ class ZeroCenteredRMSNorm(nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+def head_norm(cfg: ModelConfig) -> nn.Module:
+    """model.qk_layernorm's RMSNorm of one head's width (applied as 1 + w with zero_centered_norm)."""
+    return (ZeroCenteredRMSNorm if cfg.zero_centered_norm else nn.RMSNorm)(cfg.head_dim, eps=cfg.layernorm_eps)
 
 
 def norm(cfg: ModelConfig) -> nn.Module:
@@ -404,7 +425,8 @@ class GPT(nn.Module):
         full_shape = placement(p).full_shape
         if name == "lm_head.weight" and self.cfg.tie_embeddings:
             name = "transformer.wte.weight"  # identical to the first stage's copy
-        if ".ln_" in name or name.startswith("transformer.ln_f"):
+        if ".ln_" in name or name.startswith("transformer.ln_f") or name.endswith(("attn.q_norm.weight",
+                                                                                    "attn.k_norm.weight")):
             ones = name.endswith("weight") and not self.cfg.zero_centered_norm  # 1 + w starts at 1 either way
             return (torch.ones if ones else torch.zeros)(full_shape, device="cpu")
         if name.endswith("bias"):

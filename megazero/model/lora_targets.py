@@ -64,7 +64,7 @@ def hf_target_names(targets: list[str], m: ModelConfig) -> list[str]:
 
 def part_rows(m: ModelConfig, module: str, index: int) -> tuple[int, int]:
     """[lo, hi) of part `index` among the rows of fused projection `module` (full, unsharded)."""
-    q, kv, ffn = m.hidden_size, m.query_groups * m.head_dim, m.ffn_size
+    q, kv, ffn = m.q_width, m.kv_width, m.ffn_size
     sizes = (q, kv, kv) if module == "attn.c_attn" else (ffn, ffn)
     return sum(sizes[:index]), sum(sizes[: index + 1])
 

@@ -6,8 +6,8 @@ saved activations within 10%, the bubble against the executor's simulated orders
 the published anchors (ZeRO paper, Korthikanti et al. 2022).
 
 Units: bytes, elements, seconds, FLOP. Symbols: b micro-batch size, s sequence length,
-h hidden size, a heads, g K/V width (query groups x head size; h without grouped-query
-attention), f MLP width, V padded vocabulary, t tensor-parallel degree, m micro-batches per
+h hidden size, a heads, q query width (heads x head size: h unless model.kv_channels sets the
+head size), g K/V width (query groups x head size; q without grouped-query attention), f MLP width, V padded vocabulary, t tensor-parallel degree, m micro-batches per
 iteration, p pipeline degree, v model chunks per pipeline rank, N data-parallel degree,
 Ψ padded parameter elements of one rank.
 
@@ -65,20 +65,21 @@ GPUS = {
 
 def model_flops_per_token(m: ModelConfig) -> float:
     """Training FLOPs per token: 6 x (matmul parameters, incl. the head) plus attention
-    scores and weighted values (forward 4 s h per layer, x3 with backward). Grouped K/V,
+    scores and weighted values (forward 4 s q per layer, x3 with backward). Grouped K/V,
     SwiGLU and the output layer enter through `matmul_parameters`; the scores are q k^T over
-    all a heads whatever the K/V groups, so they stay 4 s h. Rotary positions, norms and
-    activations are elementwise: no matmul FLOPs (Megatron-LM's and PaLM's convention)."""
-    return 6 * matmul_parameters(m) + 12 * m.num_layers * m.hidden_size * m.seq_length
+    all a heads whatever the K/V groups, so they stay 4 s q (q = h unless kv_channels sets the
+    head size). Rotary positions, norms (QK-norm too) and activations are elementwise: no matmul
+    FLOPs (Megatron-LM's and PaLM's convention)."""
+    return 6 * matmul_parameters(m) + 12 * m.num_layers * m.q_width * m.seq_length
 
 
 def block_matmul_parameters(m: ModelConfig) -> int:
-    """Weights one block multiplies by each token: q and the output projection h x h each,
-    k and v h x g each (g = query groups x head size), and the MLP's two matrices h x f
-    (GELU, squared ReLU) or three (SwiGLU: gate, up, down). GPT-2: 4 h^2 + 2 h f."""
+    """Weights one block multiplies by each token: q and the output projection h x q each (q =
+    heads x head size, h unless kv_channels), k and v h x g each (g = query groups x head size),
+    and the MLP's two matrices h x f (GELU, squared ReLU) or three (SwiGLU: gate, up, down).
+    GPT-2: 4 h^2 + 2 h f."""
     h, f = m.hidden_size, m.ffn_size
-    kv = m.query_groups * m.head_dim
-    return 2 * h * h + 2 * h * kv + (3 if m.activation == "swiglu" else 2) * h * f
+    return 2 * h * m.q_width + 2 * h * m.kv_width + (3 if m.activation == "swiglu" else 2) * h * f
 
 
 def matmul_parameters(m: ModelConfig) -> int:
@@ -90,12 +91,14 @@ def matmul_parameters(m: ModelConfig) -> int:
 
 def block_parameters(m: ModelConfig) -> int:
     """Every parameter of one block: the matmul weights, their biases when model.bias (q, k, v
-    and the MLP's first layer are h + 2 g and f wide, 2 f for SwiGLU's fused gate and up; both
-    output projections h), and two norms (LayerNorm: weight and bias; RMSNorm: a weight)."""
+    and the MLP's first layer are q + 2 g and f wide, 2 f for SwiGLU's fused gate and up; both
+    output projections h; with qkv_bias alone, q + 2 g), two norms (LayerNorm: weight and bias;
+    RMSNorm: a weight), and QK-norm's two head-size weights."""
     h, f = m.hidden_size, m.ffn_size
-    kv = m.query_groups * m.head_dim
-    biases = (h + 2 * kv) + h + (2 if m.activation == "swiglu" else 1) * f + h if m.bias else 0
-    return block_matmul_parameters(m) + biases + 2 * norm_parameters(m)
+    qkv = m.q_width + 2 * m.kv_width if m.bias or m.qkv_bias else 0
+    biases = qkv + (h + (2 if m.activation == "swiglu" else 1) * f + h if m.bias else 0)
+    qk_norm = 2 * m.head_dim if m.qk_layernorm else 0
+    return block_matmul_parameters(m) + biases + 2 * norm_parameters(m) + qk_norm
 
 
 def norm_parameters(m: ModelConfig) -> int:
@@ -116,9 +119,9 @@ def model_parameters(m: ModelConfig, vocab: int = 0) -> int:
 def executed_flops_per_token(m: ModelConfig, recompute: str) -> float:
     """What the hardware runs: the model FLOPs plus the recomputed forward (full: every block,
     2 x matmul parameters of the blocks + attention; selective: the attention core alone)."""
-    h, L, s = m.hidden_size, m.num_layers, m.seq_length
-    extra = {"none": 0.0, "selective": 4 * L * h * s,
-             "full": 2 * L * block_matmul_parameters(m) + 4 * L * h * s}[recompute]
+    q, L, s = m.q_width, m.num_layers, m.seq_length
+    extra = {"none": 0.0, "selective": 4 * L * q * s,
+             "full": 2 * L * block_matmul_parameters(m) + 4 * L * q * s}[recompute]
     return model_flops_per_token(m) + extra
 
 
@@ -214,7 +217,11 @@ class ActivationShape:
     attention; ulysses: also the head-sharded output of its whole-sequence attention and two
     int64 orderings of the whole sequence."""
     kv_hidden: int = 0
-    """K/V width g (query groups x head size, all TP ranks together); 0: hidden (no grouping)."""
+    """K/V width g (query groups x head size, all TP ranks together); 0: `q` (no grouping)."""
+    q_hidden: int = 0
+    """Query width q (heads x head size, all TP ranks together); 0: hidden (model.kv_channels unset)."""
+    qk_norm: bool = False
+    """QK-norm: RMSNorm of each q and k head (model.qk_layernorm)."""
     gated: bool = False
     """SwiGLU: the MLP keeps its fused gate | up output (2 f), silu(gate) and the product."""
     rmsnorm: bool = False
@@ -227,8 +234,16 @@ class ActivationShape:
     cos / sin tables."""
 
     @property
+    def q(self) -> int:
+        return self.q_hidden or self.hidden
+
+    @property
     def kv(self) -> int:
-        return self.kv_hidden or self.hidden
+        return self.kv_hidden or self.q
+
+    @property
+    def head_size(self) -> int:
+        return self.q // self.heads
 
 
 def norm_bytes(x: ActivationShape) -> tuple[int, int]:
@@ -245,7 +260,7 @@ def rope_table_bytes(x: ActivationShape, layers: int) -> int:
     chunk, shared by its layers; in 16-bit each layer casts them for q and again for k."""
     if not x.rope or x.recompute != "none":
         return 0
-    sd = x.seq * (x.hidden // x.heads)
+    sd = x.seq * x.head_size
     return 2 * 4 * sd if x.act_bytes == 4 else layers * 4 * x.act_bytes * sd
 
 
@@ -267,9 +282,10 @@ def layer_activation_bytes(x: ActivationShape) -> int:
     parallelism divides s by cp everywhere (`seq` is this rank's share); Ulysses adds its
     attention's output and the sequence orderings.
 
-    The Llama family: q, k, v are h + 2 g wide (grouped K/V); SwiGLU keeps 4 sbf (gate | up,
-    silu(gate), the product); rotary attention keeps the rotated q and k, sb (h + g), unless
-    recomputed; the norms keep `norm_bytes`."""
+    The Llama family: q, k, v are q + 2 g wide (grouped K/V; q = h unless kv_channels), the
+    attention output q; SwiGLU keeps 4 sbf (gate | up, silu(gate), the product); rotary attention
+    keeps the rotated q and k, sb (q + g), unless recomputed; the norms keep `norm_bytes` (QK-norm's
+    input is q | k | v's, kept already: only its statistics per head, and on the CPU its x * rstd)."""
     b, s, h, t, e = x.micro_batch, x.seq, x.hidden, x.tp, x.act_bytes
     sbh = s * b * h
     seq_split = t if x.sequence_parallel else 1
@@ -278,17 +294,19 @@ def layer_activation_bytes(x: ActivationShape) -> int:
     mask = x.mask_bytes if x.dropout else 0
     per_element, per_token = norm_bytes(x)
     replicated = 2 * (per_element + e) * sbh + mask * 2 * sbh + 2 * b * s * per_token
-    split = e * s * b * (2 * x.hidden + 2 * x.kv + (4 if x.gated else 2) * x.ffn)
+    split = e * s * b * (2 * x.q + 2 * x.kv + (4 if x.gated else 2) * x.ffn)
     core = orderings = 0
     if x.recompute == "none":
         if x.rope:
-            split += e * s * b * (x.hidden + x.kv)
+            split += e * s * b * (x.q + x.kv)
+        if x.qk_norm:  # its input is a view of q | k | v, already kept: what the norm keeps beyond it
+            split += (per_element - e) * s * b * (x.q + x.kv) + per_token * s * b * (x.q + x.kv) // x.head_size
         if x.attention == "flash" or x.cp > 1:  # context parallelism attends by flash-style blocks
             core = 4 * x.heads * s * b
         else:
             core = (2 * e + mask if x.dropout else e) * x.heads * s * s * b
         if x.cp > 1 and x.cp_impl == "ulysses":
-            core += e * sbh  # its attention's own output (the all-to-all back copies it)
+            core += e * s * b * x.q  # its attention's own output (the all-to-all back copies it)
             orderings = 2 * 8 * s * x.cp  # int64 gathered <-> natural order of the whole sequence
     return replicated // seq_split + (split + core) // t + orderings
 
@@ -546,12 +564,12 @@ def cp_bytes(x: ActivationShape, layers: int, m: int) -> int:
     if x.cp == 1:
         return 0
     per_width = x.micro_batch * x.seq * x.act_bytes
-    local, local_kv = per_width * x.hidden // x.tp, per_width * x.kv // x.tp
+    local, local_kv = per_width * x.q // x.tp, per_width * x.kv // x.tp
     if x.cp_impl == "ring":
         forward = replay = 2 * (x.cp - 1) * local_kv
         backward = forward + 2 * x.cp * local_kv * 4 // x.act_bytes
     else:
-        groups = x.kv // (x.hidden // x.heads) // x.tp
+        groups = x.kv // x.head_size // x.tp
         widened = local if groups % x.cp else local_kv
         forward = backward = (x.cp - 1) * (2 * local + 2 * widened) // x.cp
         replay = forward if x.recompute == "full" else (x.cp - 1) * (local + 2 * widened) // x.cp

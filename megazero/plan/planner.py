@@ -166,7 +166,8 @@ def activation_shape(cfg: Config, layout: ParallelLayout, attention: str = "flas
                              tp=layout.tp, sequence_parallel=layout.sequence_parallel and layout.tp > 1,
                              recompute=layout.recompute, act_bytes=act, dropout=m.dropout > 0, attention=attention,
                              mask_bytes=act if device == "cpu" else 1, stats_bytes=act if device == "cpu" else 4,
-                             cp=layout.cp, cp_impl=layout.cp_impl, kv_hidden=m.query_groups * m.head_dim,
+                             cp=layout.cp, cp_impl=layout.cp_impl, kv_hidden=m.kv_width, q_hidden=m.q_width,
+                             qk_norm=m.qk_layernorm,
                              gated=m.activation == "swiglu", rmsnorm=m.normalization == "rmsnorm",
                              fused_norm=device != "cpu", rope=m.position_embedding == "rope")
 

@@ -98,10 +98,16 @@ def architecture(m: ModelConfig) -> str:
     position = "rope" if m.position_embedding == "rope" else "learned positions"
     parts = [m.normalization + (" (1 + w)" if m.zero_centered_norm else ""), position, m.activation,
              f"{m.num_heads} heads{groups}", "tied" if m.tie_embeddings else "untied"]
+    if m.q_width != m.hidden_size:
+        parts.append(f"head size {m.head_dim}")
+    if m.qk_layernorm:
+        parts.append("qk-norm")
+    if m.qkv_bias and not m.bias:
+        parts.append("q/k/v biases")
     if m.num_experts:
         moe = sum(is_moe_layer(m, i) for i in range(m.num_layers))
         parts.append(f"{m.num_experts} experts (top-{m.moe_router_topk}) in {moe} of {m.num_layers} layers")
-    return ", ".join(parts + ([] if m.bias else ["no biases"]))
+    return ", ".join(parts + ([] if m.bias or m.qkv_bias else ["no biases"]))
 
 
 def optim_line(cfg: Config) -> str:

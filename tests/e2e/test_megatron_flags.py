@@ -164,8 +164,7 @@ def test_group_query_attention_alone_is_multi_query_as_in_megatron(tmp_path, cap
 @pytest.mark.parametrize("args, message", [
     ("--rotary-percent 0.5", r"--rotary-percent 0.5: megazero rotates all of each head's channels; only "
                              r"--rotary-percent 1.0 is supported"),
-    ("--kv-channels 64", r"model.kv_channels 64: a head size other than hidden_size / num_heads \(32\) is not built "
-                         r"yet"),
+    ("--kv-channels 33", r"rotary embeddings need an even head dimension: model.kv_channels is 33"),
     ("--no-position-embedding --position-embedding-type learned_absolute", "--no-position-embedding without rotary "
                                                                            "positions"),
     ("--max-position-embeddings 16", r"--max-position-embeddings \(16\) is shorter than --seq-length \(32\)"),
@@ -532,12 +531,8 @@ def test_llama2_line_trains_at_tp2_pp2(tmp_path):
 
 MOE_NOT_BUILT = ("error: parallel.ep 2 x parallel.etp 1 (etp defaults to tp): experts split over ranks do not train yet "
                  "(issue 45); use --parallel.ep 1 --parallel.etp 1 (each rank holds every expert)")
-"""Where the Mixtral line stops until experts split over ranks train (rules.expert_split_not_built_problem)."""
-QK_NORM_NOT_BUILT = ("error: model.qk_layernorm true: per-head q/k RMSNorm is not built yet; they come with issue 45's "
-                     "model code; set it back for now (--model.qk_layernorm false)")
-"""Where the Qwen3-MoE line stops until QK-norm is built (rules.not_built_yet_problem)."""
-
-
+"""Where the Mixtral and Qwen3-MoE lines stop until experts split over ranks train
+(rules.expert_split_not_built_problem); the Qwen3 line's QK-norm and head size pass."""
 def shrunk_mixtral_line(ckpt: str, iters: int = 4) -> list[str]:
     """Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh, every flag kept, sizes shrunk,
     pp 4 x ep 8 made pp 2 x ep 2 (4 ranks), mock data with token ids for the Llama 2 tokenizer, fp32
@@ -599,17 +594,17 @@ def test_moe_example_lines_map(tmp_path, capsys):
     m, p = cfg.model, cfg.parallel
     assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_layer_freq, m.moe_load_balancing) == (
         8, 2, 32, [1, 1, 1, 1], "global_aux_loss")
-    assert (m.qk_layernorm, m.kv_channels, m.head_dim, m.num_query_groups, m.layernorm_eps) == (True, 32, 16, 2, 1e-6)
+    assert (m.qk_layernorm, m.kv_channels, m.head_dim, m.num_query_groups, m.layernorm_eps) == (True, 32, 32, 2, 1e-6)
     assert (m.moe_router_score_function, m.moe_router_topk_scaling_factor, m.moe_aux_loss_coeff) == (
         "softmax", 1.0, 0.001)
     assert (p.pp, p.ep, p.etp, p.moe_dispatcher) == (2, 2, 1, "alltoall")
 
 
 @pytest.mark.parametrize("line, refusal", [(shrunk_mixtral_line, MOE_NOT_BUILT),
-                                           (shrunk_qwen3_moe_line, QK_NORM_NOT_BUILT)])
+                                           (shrunk_qwen3_moe_line, MOE_NOT_BUILT)])
 def test_moe_example_lines_stop_only_at_the_not_built_refusal(line, refusal, tmp_path):
     """Every rule but one passes at pp 2 x ep 2 (4 ranks): the line stops at the refusal of what is
-    not built yet (experts split over ranks; QK-norm), in one line. Once that lands, these lines
+    not built yet (experts split over ranks), in one line. Once that lands, these lines
     train (test them as the Llama lines are)."""
     with pytest.raises(ConfigError) as err:
         load_config(None, None, line(str(tmp_path / "ckpt")), 0, 4)

@@ -92,17 +92,34 @@ def test_bad_moe_values_are_one_line_each(overrides, world, message):
     assert message in _refusal(MOE + overrides, world)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["--parallel.ep", "2"], "parallel.ep (2) and parallel.etp (0) split experts, but model.num_experts is 0 "
-                             "(a dense model); set model.num_experts, or parallel.ep 1 and parallel.etp 0"),
-    (["--model.qk_layernorm", "true"], "model.qk_layernorm true: per-head q/k RMSNorm is not built yet"),
-    (["--model.kv_channels", "8"], "model.kv_channels 8: a head size other than hidden_size / num_heads (16) is "
-                                   "not built yet"),
-    (["--model.qkv_bias", "true", "--model.bias", "false"], "model.qkv_bias true with model.bias false: q/k/v-only "
-                                                            "biases are not built yet"),
+def test_dense_split_without_experts_is_refused():
+    assert ("parallel.ep (2) and parallel.etp (0) split experts, but model.num_experts is 0 (a dense model); set "
+            "model.num_experts, or parallel.ep 1 and parallel.etp 0") in _refusal(["--parallel.ep", "2"], 2)
+
+
+QWEN = ["--model.normalization", "rmsnorm", "--model.position_embedding", "rope", "--model.activation", "swiglu",
+        "--model.bias", "false", "--model.num_query_groups", "2"]
+
+
+@pytest.mark.parametrize("overrides, tp", [
+    (["--model.qk_layernorm", "true", "--model.kv_channels", "24"], 2),  # Qwen3: QK-norm, heads of 24, not h / heads
+    (["--model.qkv_bias", "true"], 2),  # Qwen2: biases on q, k, v alone
+    (["--model.num_heads", "3", "--model.kv_channels", "16", "--model.num_query_groups", "1"], 1),  # 64 / 3: no
 ])
-def test_dense_keys_not_built_yet_are_refused(overrides, message):
-    assert message in _refusal(overrides, 2)
+def test_dense_attention_keys_validate(overrides, tp):
+    """QK-norm, a head size of its own and q/k/v-only biases are built: they pass validation."""
+    cfg = build_config({"data": {"mock": True}}, QWEN + overrides + ["--parallel.tp", str(tp)])
+    assert resolve_and_validate(cfg, tp) == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--model.kv_channels", "15"], "rotary embeddings need an even head dimension: model.kv_channels is 15"),
+    (["--model.kv_channels", "-8"], "model.kv_channels (-8) must not be negative"),
+    (["--model.num_heads", "3"], "model.hidden_size (64) must be divisible by model.num_heads (3); or set "
+                                 "model.kv_channels, the head size"),
+])
+def test_bad_head_sizes_are_one_line(overrides, message):
+    assert message in _refusal(QWEN + overrides)
 
 
 def test_dense_keys_at_their_dense_values_pass():

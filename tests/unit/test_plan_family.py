@@ -17,7 +17,8 @@ LLAMA = {"normalization": "rmsnorm", "position_embedding": "rope", "activation":
 SHAPES = {"gpt2": {}, "llama": LLAMA, "llama-tied": {**LLAMA, "tie_embeddings": True},
           "gqa-bias-gelu": {"num_query_groups": 2, "ffn_hidden_size": 96},
           "swiglu-bias-mha": {"activation": "swiglu", "position_embedding": "rope", "tie_embeddings": False},
-          "multi-query-rmsnorm": {"num_query_groups": 1, "normalization": "rmsnorm", "bias": False}}
+          "multi-query-rmsnorm": {"num_query_groups": 1, "normalization": "rmsnorm", "bias": False},
+          "qwen3": {**LLAMA, "qk_layernorm": True, "kv_channels": 24}, "qwen2": {**LLAMA, "qkv_bias": True}}
 
 
 def model_config(extra: dict, layers: int = 4):
@@ -27,11 +28,13 @@ def model_config(extra: dict, layers: int = 4):
 
 def hand_count(m, tp: int, layers: int, pre: bool, post: bool) -> int:
     """One rank's parameters, written out matrix by matrix: column-parallel weights and
-    biases split over tp, row-parallel weights split, their biases and the norms whole."""
+    biases split over tp, row-parallel weights split, their biases and the norms whole (QK-norm's too)."""
     h, f, kv, gates = m.hidden_size, m.ffn_size, m.query_groups * m.head_dim, 2 if m.activation == "swiglu" else 1
+    q = m.num_heads * m.head_dim
     vocab = padded_vocab_size(m.vocab_size, tp)
     norm = h if m.normalization == "rmsnorm" else 2 * h
-    attention = (h + 2 * kv) * h // tp + h * h // tp + (((h + 2 * kv) // tp + h) if m.bias else 0)
+    attention = (q + 2 * kv) * h // tp + q * h // tp + ((q + 2 * kv) // tp if m.bias or m.qkv_bias else 0)
+    attention += (h if m.bias else 0) + (2 * m.head_dim if m.qk_layernorm else 0)
     mlp = gates * f * h // tp + f * h // tp + ((gates * f // tp + h) if m.bias else 0)
     total = layers * (attention + mlp + 2 * norm)
     if pre:
@@ -86,13 +89,13 @@ def counted_flops_per_token(m) -> float:
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_model_flops_equal_counted_flops(shape):
-    """6 x matmul parameters (SwiGLU's three matrices, grouped K/V, the head) + 12 L h s equal
+    """6 x matmul parameters (SwiGLU's three matrices, grouped K/V, the head) + 12 L q s equal
     the FLOPs torch counts (a vocabulary of whole 128-rows, so the head has no padding)."""
     m = model_config({**SHAPES[shape], "vocab_size": 256}).model
     assert F.model_flops_per_token(m) == counted_flops_per_token(m)
     h, L, s, f, kv = m.hidden_size, m.num_layers, m.seq_length, m.ffn_size, m.query_groups * m.head_dim
-    mlp = (3 if m.activation == "swiglu" else 2) * h * f
-    assert F.model_flops_per_token(m) == 6 * (L * (2 * h * h + 2 * h * kv + mlp) + 256 * h) + 12 * L * h * s
+    q, mlp = m.num_heads * m.head_dim, (3 if m.activation == "swiglu" else 2) * h * f  # q: h unless kv_channels
+    assert F.model_flops_per_token(m) == 6 * (L * (2 * h * q + 2 * h * kv + mlp) + 256 * h) + 12 * L * q * s
 
 
 def test_gpt2_formulas_unchanged():
