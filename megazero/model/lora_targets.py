@@ -81,3 +81,8 @@ def check_targets(targets: list, m: Optional[ModelConfig] = None) -> None:
         if not family and not adapted_modules([t]):
             raise ConfigError(f"finetune.lora_targets names {t!r}, which matches no GPT-2 module; use c_attn, "
                               f"c_proj, c_fc, mlp.c_proj or attn.c_proj")
+    if m is not None and m.num_experts and any(t.module.startswith("mlp.") for t in adapted(targets, m)):
+        mlp = [t for t in targets if any(a.module.startswith("mlp.") for a in adapted([t], m))]
+        raise ConfigError(f"finetune.lora_targets {', '.join(mlp)}: the MLP of a mixture-of-experts model is its "
+                          f"experts, which have no LoRA adapters yet (issue 45); adapt the attention projections "
+                          f"(q_proj, k_proj, v_proj, o_proj)")
