@@ -3,8 +3,10 @@
 Predicts, per GPU, model states (ZeRO), saved activations (recompute, sequence parallelism,
 in-flight micro-batches), peak memory, bytes moved per step by TP, PP and DP, the pipeline
 bubble, step time, tokens/s and MFU, for every layout the model and cluster allow (or the
-one you fix with --tp/--pp/--dp/--zero-stage/..., or training's --parallel.tp/cp/pp/dp/vpp and
---zero.stage), and ranks those that fit. Config keys can be overridden as in training
+one you fix with --tp/--pp/--dp/--zero-stage/--ep/..., or training's --parallel.tp/cp/pp/dp/vpp/ep/etp
+and --zero.stage), and ranks those that fit. A mixture of experts also gets ep among the candidates
+(etp: --etp, else the config's parallel.etp, 0 meaning tp), its experts' memory per GPU and the
+tokens' all-to-all bytes. Config keys can be overridden as in training
 (--train.global_batch_size 1024).
 """
 
@@ -42,7 +44,7 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     ap.add_argument("--headroom", type=float, default=0.1, help="fraction of GPU memory kept free (0.1)")
     ap.add_argument("--attention", choices=["flash", "math"], default="flash",
                     help="fused attention (no s x s scores kept) or the unfused math kernel")
-    for name in ("tp", "cp", "pp", "dp", "vpp", "zero-stage", "micro-batch"):
+    for name in ("tp", "cp", "pp", "dp", "vpp", "zero-stage", "micro-batch", "ep", "etp"):
         ap.add_argument(f"--{name}", type=int, help=f"fix {name.replace('-', ' ')}")
     ap.add_argument("--cp-impl", choices=["ring", "ulysses"], help="context parallelism by ring attention "
                                                                    "(default) or Ulysses")
@@ -55,7 +57,7 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
 
 
 LAYOUT_KEYS = {"parallel.tp": "tp", "parallel.cp": "cp", "parallel.pp": "pp", "parallel.dp": "dp",
-               "parallel.vpp": "vpp", "zero.stage": "zero_stage"}
+               "parallel.vpp": "vpp", "zero.stage": "zero_stage", "parallel.ep": "ep", "parallel.etp": "etp"}
 """Config overrides that fix the layout, as training reads them: --parallel.tp 2 is --tp 2 here."""
 
 
@@ -95,10 +97,10 @@ def cluster_from(args: argparse.Namespace) -> Cluster:
 
 def fixed_from(args: argparse.Namespace) -> dict:
     fixed = {name: getattr(args, name) for name in ("tp", "cp", "pp", "dp", "vpp", "zero_stage", "micro_batch",
-                                                     "recompute", "cp_impl") if getattr(args, name) is not None}
+                                                     "recompute", "cp_impl", "ep", "etp") if getattr(args, name) is not None}
     if "zero_stage" in fixed:
         sharding(fixed["zero_stage"], "--zero-stage")  # refuses a number that names no stage
-    for key in ("tp", "cp", "pp", "dp", "vpp", "micro_batch"):
+    for key in ("tp", "cp", "pp", "dp", "vpp", "micro_batch", "ep", "etp"):
         if key in fixed and fixed[key] < 1:
             raise PlanError(f"--{key.replace('_', '-')} ({fixed[key]}) must be at least 1")
     return {**fixed, **{switch: True for switch in ("sequence_parallel", "offload_optimizer") if getattr(args, switch)}}
@@ -116,19 +118,28 @@ HEADER = ("| # | tp | pp | vpp | dp | ZeRO | micro-batch | recompute | cp | para
           "| MFU |")
 
 
-def row(i: int, p: Prediction, variants: int = 1) -> str:
+MOE_HEADER = HEADER.replace("| dp |", "| dp | ep |").replace("| params/GPU |", "| params/GPU | experts/GPU |") \
+    .replace("| DP GiB/step |", "| DP GiB/step | EP GiB/step |")
+"""With experts: ep, the experts' parameters per GPU, and the tokens' exchange (expert-dp's bytes are in DP's)."""
+
+
+def row(i: int, p: Prediction, variants: int = 1, moe: bool = False) -> str:
     w, lay = p.worst, p.layout
-    moved = {k: max(r.bytes[k] + (r.bytes["embed"] if k == "pp" else 0) for r in p.ranks)
-             for k in ("tp", "cp", "pp", "dp")}
+    extra = {"pp": "embed", "dp": "expert_dp"}
+    moved = {k: max(r.bytes.get(k, 0) + r.bytes.get(extra.get(k, ""), 0) for r in p.ranks)
+             for k in ("tp", "cp", "pp", "dp", "ep")}
     time = (f"{p.step_seconds:.2f} | {p.tokens_per_sec / 1e3:,.1f}k | {100 * p.mfu:.1f}%" if p.step_seconds and p.tokens_per_sec is not None and p.mfu is not None
             else "- | - | -")
     micro = f"{lay.micro_batch}" + (f" (best of {variants})" if variants > 1 else "")
     recompute = lay.recompute + (" + sp" if lay.sequence_parallel else "") + (" + offload" if lay.offload_optimizer else "")
     cp = f"{lay.cp}" + (f" {lay.cp_impl}" if lay.cp > 1 else "")
-    return (f"| {i} | {lay.tp} | {lay.pp} | {lay.vpp} | {lay.dp} | {lay.zero_stage} | {micro} | {recompute} | {cp} "
-            f"| {w.params / 1e6:,.1f}M | {gib(w.states['total'])} | {gib(w.activations)} | {gib(w.peak)} "
+    ep = f" {lay.ep} |" if moe else ""
+    experts = f" {w.expert_params / 1e6:,.1f}M |" if moe else ""
+    ep_bytes = f" {gib(moved['ep'])} |" if moe else ""
+    return (f"| {i} | {lay.tp} | {lay.pp} | {lay.vpp} | {lay.dp} |{ep} {lay.zero_stage} | {micro} | {recompute} | {cp} "
+            f"| {w.params / 1e6:,.1f}M |{experts} {gib(w.states['total'])} | {gib(w.activations)} | {gib(w.peak)} "
             f"| {'yes' if p.fits else 'no'} | {gib(moved['tp'])} | {gib(moved['cp'])} | {gib(moved['pp'])} "
-            f"| {gib(moved['dp'])} | {100 * p.bubble:.1f}% | {time} |")
+            f"| {gib(moved['dp'])} |{ep_bytes} {100 * p.bubble:.1f}% | {time} |")
 
 
 def distinct(preds: list[Prediction]) -> list[tuple[Prediction, int]]:
@@ -150,7 +161,9 @@ def detail(p: Prediction) -> list[str]:
                      f"{gib(s['grads'])} + optimizer {gib(s['optimizer'])} + activations {gib(r.activations)} + "
                      f"buffers {gib(r.buffers)} = {gib(r.peak)} GiB" + (f" (+{gib(r.host)} GiB host)" if r.host else "")
                      + f" | sends TP {gib(r.bytes['tp'])} CP {gib(r.bytes['cp'])} PP {gib(r.bytes['pp'] + r.bytes['embed'])} "
-                     f"DP {gib(r.bytes['dp'])} GiB")
+                     f"DP {gib(r.bytes['dp'])} GiB" + (f" | experts {r.expert_params / 1e6:,.1f}M params, sends EP "
+                                                      f"{gib(r.bytes['ep'])} expert-DP {gib(r.bytes['expert_dp'])} GiB"
+                                                      if "ep" in r.bytes else ""))
         if r.times:
             lines.append("    step " + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in r.times.items()))
     return lines + [f"  note: {n}" for n in p.notes]
@@ -169,9 +182,17 @@ def family(m) -> str:
     return f"GPT ({', '.join(options)})," if options else "GPT-2"
 
 
+def experts(m) -> str:
+    """' (12.88B active: 8 experts, top-2, in 32 of 32 layers)' for a mixture of experts."""
+    if not m.num_experts:
+        return ""
+    return (f" ({count(F.model_parameters(m, active=True))} active: {m.num_experts} experts, top-{m.moe_router_topk}, "
+            f"in {len(F.moe_layer_indices(m))} of {m.num_layers} layers)")
+
+
 def print_table(cfg, cluster: Cluster, preds: list[Prediction], top: int) -> None:
     m = cfg.model
-    print(f"{family(m)} {count(F.model_parameters(m))} parameters, {m.num_layers} layers, hidden "
+    print(f"{family(m)} {count(F.model_parameters(m))} parameters{experts(m)}, {m.num_layers} layers, hidden "
           f"{m.hidden_size}, {m.num_heads} heads, seq {m.seq_length}, vocab {m.vocab_size}; global batch {cfg.train.global_batch_size}, {cfg.train.precision}; "
           f"{cluster.gpus} x {cluster.name}: {cluster.memory_gib:g} GiB ({100 * cluster.headroom:.0f}% kept free), "
           + (f"{cluster.peak_flops / 1e12:g} TFLOP/s at {100 * cluster.efficiency:.0f}%, " if cluster.peak_flops
@@ -181,10 +202,11 @@ def print_table(cfg, cluster: Cluster, preds: list[Prediction], top: int) -> Non
     fitting = sum(p.fits for p in preds)
     print(f"{len(preds)} valid layouts, {fitting} fit; " + ("all shown" if top == 0 else
           f"the {len(shown)} fastest distinct ones (micro-batch variants folded into their best)"))
-    print(HEADER)
-    print("|" + "---|" * HEADER.count(" | ") + "---|")
+    header = MOE_HEADER if m.num_experts else HEADER
+    print(header)
+    print("|" + "---|" * header.count(" | ") + "---|")
     for i, (p, variants) in enumerate(shown, 1):
-        print(row(i, p, variants))
+        print(row(i, p, variants, bool(m.num_experts)))
     if len(shown) == 1 or len(preds) == 1:
         print("\n".join(detail(shown[0][0])))
     print(explain(preds))

@@ -18,12 +18,14 @@ grouped K/V, no biases, an untied output layer); each formula says where they ch
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from megazero.config.schema import ModelConfig
 from megazero.config.sharding import Sharding
-from megazero.parallel.comm import all_gather_volume, all_reduce_volume, reduce_scatter_volume
+from megazero.model.gpt import is_moe_layer
+from megazero.parallel.comm import all_gather_volume, all_reduce_volume, all_to_all_volume, reduce_scatter_volume
 from megazero.pipeline.schedules import ORDERS, message_target
 from megazero.zero import ALIGN
 from megazero.zero.grads import IN_FLIGHT_BYTES, MIN_IN_FLIGHT
@@ -60,68 +62,101 @@ GPUS = {
     "v100": GPU("V100 SXM2 32GB", 32, PEAK_FLOPS["V100"], 150, 12.5),
 }
 
-# ---------------------------------------------------------------------------- FLOPs
+# ---------------------------------------------------------------------------- parameters and FLOPs
+# A mixture of experts (model.num_experts > 0) counts two ways: total parameters (every expert:
+# memory) and active ones (what one token multiplies: the router, its k experts and the shared
+# expert: FLOPs and MFU). Head sizes other than h / heads (model.kv_channels), q/k norms
+# (model.qk_layernorm) and q/k/v-only biases (model.qkv_bias) are read from the config alone.
+
+
+def head_size(m: ModelConfig) -> int:
+    """model.kv_channels, or h / heads when 0."""
+    return m.kv_channels or m.hidden_size // m.num_heads
+
+
+def mlp_matrices(m: ModelConfig) -> int:
+    """An MLP's matrices: two (GELU, squared ReLU) or three (SwiGLU: gate, up, down)."""
+    return 3 if m.activation == "swiglu" else 2
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters, incl. the head) plus attention
-    scores and weighted values (forward 4 s q per layer, x3 with backward). Grouped K/V,
-    SwiGLU and the output layer enter through `matmul_parameters`; the scores are q k^T over
-    all a heads whatever the K/V groups, so they stay 4 s q (q = h unless kv_channels sets the
-    head size). Rotary positions, norms (QK-norm too) and activations are elementwise: no matmul
-    FLOPs (Megatron-LM's and PaLM's convention)."""
-    return 6 * matmul_parameters(m) + 12 * m.num_layers * m.q_width * m.seq_length
+    """Training FLOPs per token: 6 x (active matmul parameters, incl. the head) plus attention
+    scores and weighted values (forward 4 s x heads x head size per layer, x3 with backward).
+    Grouped K/V, SwiGLU, the experts a token reaches and the output layer enter through
+    `matmul_parameters`; the scores are q k^T over all heads whatever the K/V groups (4 s h
+    when head size x heads = h). Rotary positions, norms, activations and the experts'
+    weighting are elementwise: no matmul FLOPs (Megatron-LM's and PaLM's convention)."""
+    return 6 * matmul_parameters(m) + 12 * m.num_layers * m.num_heads * head_size(m) * m.seq_length
 
 
-def block_matmul_parameters(m: ModelConfig) -> int:
-    """Weights one block multiplies by each token: q and the output projection h x q each (q =
-    heads x head size, h unless kv_channels), k and v h x g each (g = query groups x head size),
-    and the MLP's two matrices h x f (GELU, squared ReLU) or three (SwiGLU: gate, up, down).
-    GPT-2: 4 h^2 + 2 h f."""
-    h, f = m.hidden_size, m.ffn_size
-    return 2 * h * m.q_width + 2 * h * m.kv_width + (3 if m.activation == "swiglu" else 2) * h * f
+def moe_layer_indices(m: ModelConfig) -> list[int]:
+    """The blocks whose MLP is a mixture of experts (model.moe_layer_freq)."""
+    return [i for i in range(m.num_layers) if is_moe_layer(m, i)]
 
 
-def matmul_parameters(m: ModelConfig) -> int:
-    """The blocks' matmul weights plus the output layer's V x h (tied or not, the head
-    multiplies every token by it; V the real vocabulary, not its TP padding)."""
+def block_matmul_parameters(m: ModelConfig, layer: int = 0, active: bool = True) -> int:
+    """Weights block `layer` multiplies by each token: q and the output projection h x (heads x
+    head size) each, k and v h x g each (g = query groups x head size), and the MLP's matrices
+    h x f (`mlp_matrices`). GPT-2: 4 h^2 + 2 h f. An MoE block's MLP is the router E x h, k
+    experts (all E with `active` False) of `mlp_matrices` x h x F each, the shared expert's
+    matrices h x F_shared and its gate's h."""
+    h, q, kv = m.hidden_size, m.num_heads * head_size(m), m.query_groups * head_size(m)
+    attention = 2 * h * q + 2 * h * kv
+    if not is_moe_layer(m, layer):
+        return attention + mlp_matrices(m) * h * m.ffn_size
+    experts = m.moe_router_topk if active else m.num_experts
+    shared = mlp_matrices(m) * h * m.moe_shared_expert_ffn_hidden_size + (h if m.moe_shared_expert_gate else 0)
+    return attention + m.num_experts * h + experts * mlp_matrices(m) * h * m.moe_ffn_size + shared
+
+
+def matmul_parameters(m: ModelConfig, active: bool = True) -> int:
+    """The blocks' matmul weights (those a token multiplies, or with `active` False every
+    expert's) plus the output layer's V x h (tied or not, the head multiplies every token by
+    it; V the real vocabulary, not its TP padding)."""
     assert isinstance(m.vocab_size, int)
-    return m.num_layers * block_matmul_parameters(m) + m.vocab_size * m.hidden_size
+    blocks = sum(block_matmul_parameters(m, i, active) for i in range(m.num_layers))
+    return blocks + m.vocab_size * m.hidden_size
 
 
-def block_parameters(m: ModelConfig) -> int:
-    """Every parameter of one block: the matmul weights, their biases when model.bias (q, k, v
-    and the MLP's first layer are q + 2 g and f wide, 2 f for SwiGLU's fused gate and up; both
-    output projections h; with qkv_bias alone, q + 2 g), two norms (LayerNorm: weight and bias;
-    RMSNorm: a weight), and QK-norm's two head-size weights."""
-    h, f = m.hidden_size, m.ffn_size
-    qkv = m.q_width + 2 * m.kv_width if m.bias or m.qkv_bias else 0
-    biases = qkv + (h + (2 if m.activation == "swiglu" else 1) * f + h if m.bias else 0)
-    qk_norm = 2 * m.head_dim if m.qk_layernorm else 0
-    return block_matmul_parameters(m) + biases + 2 * norm_parameters(m) + qk_norm
+def block_parameters(m: ModelConfig, layer: int = 0, active: bool = False) -> int:
+    """Every parameter of block `layer` (only the k routed experts a token reaches with
+    `active`): the matmul weights; biases when model.bias (q, k, v: q + 2 g wide, the output
+    projection h, a dense MLP's or shared expert's first layer f (2 f for SwiGLU's fused gate
+    and up) and second h; the experts have none) or q, k, v's alone with model.qkv_bias; two
+    norms (LayerNorm: weight and bias; RMSNorm: a weight); with model.qk_layernorm an RMSNorm
+    weight of one head's size for q and one for k (shared by the heads)."""
+    h, q, kv = m.hidden_size, m.num_heads * head_size(m), m.query_groups * head_size(m)
+    gates = 2 if m.activation == "swiglu" else 1
+    width = m.moe_shared_expert_ffn_hidden_size if is_moe_layer(m, layer) else m.ffn_size
+    biases = (q + 2 * kv if m.bias or m.qkv_bias else 0) + (h + (gates * width + h if width else 0) if m.bias else 0)
+    qk_norms = 2 * head_size(m) if m.qk_layernorm else 0
+    return block_matmul_parameters(m, layer, active) + biases + 2 * norm_parameters(m) + qk_norms
 
 
 def norm_parameters(m: ModelConfig) -> int:
     return m.hidden_size * (1 if m.normalization == "rmsnorm" else 2)
 
 
-def model_parameters(m: ModelConfig, vocab: int = 0) -> int:
+def model_parameters(m: ModelConfig, vocab: int = 0, active: bool = False) -> int:
     """The model's parameters with a `vocab`-row embedding (default: the real vocabulary, as
     published counts are): the token embedding, a learned position table (none with rotary
-    positions), the blocks, the final norm, and the output layer when it is untied."""
+    positions), the blocks, the final norm, and the output layer when it is untied. With
+    `active`, an MoE block counts the k experts a token reaches, not all E (the published
+    "active parameters": Mixtral 8x7B 12.9B of 46.7B)."""
     assert isinstance(m.vocab_size, int)
     v, h = vocab or m.vocab_size, m.hidden_size
     positions = m.seq_length * h if m.position_embedding == "learned" else 0
     head = 0 if m.tie_embeddings else v * h
-    return v * h + positions + m.num_layers * block_parameters(m) + norm_parameters(m) + head
+    blocks = sum(block_parameters(m, i, active) for i in range(m.num_layers))
+    return v * h + positions + blocks + norm_parameters(m) + head
 
 
 def executed_flops_per_token(m: ModelConfig, recompute: str) -> float:
     """What the hardware runs: the model FLOPs plus the recomputed forward (full: every block,
-    2 x matmul parameters of the blocks + attention; selective: the attention core alone)."""
-    q, L, s = m.q_width, m.num_layers, m.seq_length
-    extra = {"none": 0.0, "selective": 4 * L * q * s,
-             "full": 2 * L * block_matmul_parameters(m) + 4 * L * q * s}[recompute]
+    2 x active matmul parameters of the blocks + attention; selective: the attention core alone)."""
+    L, s, q = m.num_layers, m.seq_length, m.num_heads * head_size(m)
+    blocks = sum(block_matmul_parameters(m, i) for i in range(L))
+    extra = {"none": 0.0, "selective": 4 * L * q * s, "full": 2 * blocks + 4 * L * q * s}[recompute]
     return model_flops_per_token(m) + extra
 
 
@@ -232,6 +267,16 @@ class ActivationShape:
     rope: bool = False
     """Rotary positions: no position ids or table; attention keeps the rotated q and k and the
     cos / sin tables."""
+    experts: int = 0
+    """Mixture of experts: routed experts E of an MoE layer (0: a dense model)."""
+    topk: int = 0
+    """Experts each token reaches."""
+    expert_ffn: int = 0
+    """Each routed expert's MLP width F (whole; split over `etp` ranks)."""
+    shared_ffn: int = 0
+    """The shared expert's MLP width (0: none); a dense MLP split over tp."""
+    etp: int = 1
+    """Expert tensor-parallel degree."""
 
     @property
     def q(self) -> int:
@@ -333,16 +378,36 @@ def head_activation_bytes(x: ActivationShape) -> int:
 
 @dataclass(frozen=True)
 class ChunkShape:
-    """A model chunk as the formulas see it: its layers and whether it holds the embedding
-    (pre) or the final norm and head (post)."""
+    """A model chunk as the formulas see it: its layers, how many of them are MoE layers, and
+    whether it holds the embedding (pre) or the final norm and head (post)."""
 
     layers: int
     pre: bool
     post: bool
+    moe_layers: int = 0
+
+
+def moe_layer_activation_bytes(x: ActivationShape) -> int:
+    """An MoE layer's saved bytes, an estimate (the dense layers' formula is measured; this one
+    is not yet): attention and norms as a dense layer's, the shared expert as a dense MLP of its
+    width, and for the T tokens this rank routes (b s, / t under sequence parallelism) the router's
+    fp32 input (a copy in 16-bit runs), logits and probabilities [T, E], and for the T k (token,
+    expert) pairs it computes (as many as it sends, under even routing) the experts' input and
+    output rows (h each) and their MLP's (`layer_activation_bytes`'s SwiGLU 4 F or 2 F, / etp).
+    Full recomputation keeps only the layer input, as a dense layer."""
+    dense = layer_activation_bytes(dataclasses.replace(x, ffn=x.shared_ffn))
+    if x.recompute == "full":
+        return dense
+    tokens = x.micro_batch * x.seq // (x.tp if x.sequence_parallel else 1)
+    router = tokens * ((4 * x.hidden if x.act_bytes != 4 else 0) + 2 * 4 * x.experts)
+    pairs = tokens * x.topk * x.act_bytes * (2 * x.hidden + (4 if x.gated else 2) * x.expert_ffn // x.etp)
+    return dense + router + pairs
 
 
 def chunk_activation_bytes(chunk: ChunkShape, x: ActivationShape) -> int:
-    return (chunk.layers * layer_activation_bytes(x) + (embedding_activation_bytes(x) if chunk.pre else 0)
+    layers = (chunk.layers - chunk.moe_layers) * layer_activation_bytes(x) + \
+        (chunk.moe_layers * moe_layer_activation_bytes(x) if chunk.moe_layers else 0)
+    return (layers + (embedding_activation_bytes(x) if chunk.pre else 0)
             + (head_activation_bytes(x) if chunk.post else 0) + rope_table_bytes(x, chunk.layers))
 
 
@@ -532,12 +597,19 @@ def tp_bytes(chunks: list[ChunkShape], x: ActivationShape, m: int, sequence_para
     embedding 2, the head 3; plus, once per iteration, the all-reduce of the
     `sequence_parallel_grads` fp32 elements of partial LayerNorm/bias gradients."""
     t = x.tp
+    # An MoE layer without a shared expert has no MLP on the TP group: its experts are whole on
+    # each TP rank (etp 1), which routes its own tokens (SP: its positions), so that layer
+    # drops the MLP's calls: 2 all-reduces, or under SP 5 halves (6 with full recompute's
+    # replayed gather).
+    mlp_free = 0 if x.shared_ffn else 1
     if x.sequence_parallel:
         per_call = all_gather_volume(x.micro_batch * x.seq // t * x.hidden * x.act_bytes, t)
-        calls = sum(c.layers * (13 if x.recompute == "full" else 10) + 2 * c.pre + 3 * c.post for c in chunks)
+        calls = sum(c.layers * (13 if x.recompute == "full" else 10) + 2 * c.pre + 3 * c.post
+                    - mlp_free * c.moe_layers * (6 if x.recompute == "full" else 5) for c in chunks)
     else:
         per_call = all_reduce_volume(x.micro_batch * x.seq * x.hidden * x.act_bytes, t)
-        calls = sum(c.layers * (5 if x.recompute == "full" else 4) + c.pre + c.post for c in chunks)
+        calls = sum(c.layers * (5 if x.recompute == "full" else 4) + c.pre + c.post - mlp_free * c.moe_layers * 2
+                    for c in chunks)
     loss = sum(3 * all_reduce_volume(4 * x.micro_batch * x.seq, t) for c in chunks if c.post)
     grads = all_reduce_volume(4 * sequence_parallel_grads, t) if x.sequence_parallel else 0
     return m * (calls * per_call + loss) + grads
@@ -574,6 +646,31 @@ def cp_bytes(x: ActivationShape, layers: int, m: int) -> int:
         forward = backward = (x.cp - 1) * (2 * local + 2 * widened) // x.cp
         replay = forward if x.recompute == "full" else (x.cp - 1) * (local + 2 * widened) // x.cp
     return m * layers * (forward + (replay if x.recompute != "none" else 0) + backward)
+
+
+def expert_dispatch_bytes(tokens: int, topk: int, hidden: int, act_bytes: int, experts: int, ep: int,
+                          dispatcher: str = "alltoall", replayed: bool = False) -> int:
+    """Bytes one rank sends over its expert-parallel group per MoE layer and micro-batch, for the
+    `tokens` it routes (T: b s / cp, / tp under sequence parallelism), dropless
+    (parallel/dispatch.py; the byte counters count what leaves a rank).
+
+    alltoall: forward, the counts [ep, E/ep] int64 (all but its own row leave: 8 E (ep-1)/ep),
+    then the T k pairs bound for other ranks' experts, and the same rows back to combine;
+    backward, the two exchanges reversed. Which pairs leave depends on the routing: this is
+    the expectation under even routing, T k (ep-1)/ep rows of h x act_bytes each way, and exact
+    whenever each rank's pairs reach every EP rank's experts equally (the test's routing).
+    allgather: every rank's T k pairs (the longest rank's, padded; dropless all have T k) are
+    gathered, (ep-1) T k h x act_bytes, with the counts, (ep-1) 8 E, and their outputs
+    reduce-scattered back as much; backward the transposes: exact for any routing.
+    `replayed`: full recomputation runs the forward's exchanges again."""
+    if ep == 1:
+        return 0
+    if dispatcher == "allgather":
+        counts, rows = all_gather_volume(8 * experts, ep), (ep - 1) * tokens * topk * hidden * act_bytes
+    else:
+        counts, rows = all_to_all_volume(8 * experts, ep), tokens * topk * (ep - 1) * hidden * act_bytes // ep
+    forward = counts + 2 * rows
+    return forward * (2 if replayed else 1) + 2 * rows
 
 
 def embed_bytes(tied_numel: int, pp: int) -> int:
@@ -625,15 +722,17 @@ def simulated_bubble(pp: int, vpp: int, m: int, schedule: str) -> float:
 
 def step_seconds(flops: float, peak_flops: float, efficiency: float, bubble: float, tp_s: float, pp_s: float,
                  dp_s: float, dp_overlap: float, cp_s: float = 0.0, muon_flops: float = 0.0,
-                 muon_s: float = 0.0) -> dict[str, float]:
+                 muon_s: float = 0.0, ep_s: float = 0.0) -> dict[str, float]:
     """One iteration of one rank: compute at `efficiency` x peak stretched by the bubble, TP,
-    PP and context-parallel transfers on the critical path (a bound: ring attention overlaps
-    its transfers with the blocks), DP communication hidden behind backward except
+    PP, context-parallel and expert-parallel transfers on the critical path (a bound: ring
+    attention overlaps its transfers with the blocks), DP communication hidden behind backward except
     (1 - dp_overlap) of it; under optim.name muon, its Newton-Schulz FLOPs and exchange after
     the backward, exposed."""
     compute = flops / (peak_flops * efficiency)
     parts = {"compute": compute, "bubble": compute * bubble / (1 - bubble), "tp": tp_s, "pp": pp_s,
              "dp": dp_s * (1 - dp_overlap), "cp": cp_s}
+    if ep_s:  # the experts' token exchange: the next matmul waits for it
+        parts["ep"] = ep_s
     if muon_flops or muon_s:
         parts["muon"] = muon_flops / (peak_flops * efficiency) + muon_s
     parts["total"] = sum(parts.values())

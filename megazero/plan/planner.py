@@ -10,6 +10,7 @@ micro-batches) and the layout is judged by its worst rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from megazero.parallel.host import PIECE_BYTES
 from megazero.pipeline.schedules import ORDERS, activation_events
 from megazero.plan import formulas as F
 from megazero.plan.ranks import rank_params
+from megazero.zero.partition import bucket_numel
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -63,13 +65,23 @@ class ParallelLayout:
     offload_optimizer: bool = False
     cp: int = 1
     cp_impl: str = "ring"
+    ep: int = 1
+    """Expert-parallel degree (MoE): E / ep experts per rank; experts fold tp x cp x dp as etp x ep x expert-dp."""
+    etp: int = 1
+    """Expert tensor-parallel degree (MoE)."""
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of one expert shard in a pipeline stage: the group expert gradients reduce over."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
     def label(self) -> str:
         chunks = f" v{self.vpp}" if self.vpp > 1 else ""
         sp = " sp" if self.sequence_parallel else ""
         off = " offload" if self.offload_optimizer else ""
         cp = f" cp{self.cp}" + (" ulysses" if self.cp_impl == "ulysses" else "") if self.cp > 1 else ""
-        return (f"tp{self.tp}{cp} pp{self.pp}{chunks} dp{self.dp} z{self.zero_stage} mb{self.micro_batch} "
+        experts = (f" ep{self.ep}" if self.ep > 1 else "") + (f" etp{self.etp}" if self.etp > 1 else "")
+        return (f"tp{self.tp}{cp} pp{self.pp}{chunks} dp{self.dp}{experts} z{self.zero_stage} mb{self.micro_batch} "
                 f"{self.recompute}{sp}{off}")
 
 
@@ -77,7 +89,8 @@ def run_layout(cfg: Config, dp: int, cp: int) -> ParallelLayout:
     """The layout a run of `cfg` trains at, with its grid's dp and cp degrees."""
     p, z, t = cfg.parallel, cfg.zero, cfg.train
     return ParallelLayout(p.tp, p.pp, dp, p.vpp, z.stage, t.micro_batch_size, t.recompute, p.sequence_parallel,
-                          z.offload_optimizer != "none", cp, p.cp_impl)
+                          z.offload_optimizer != "none", cp, p.cp_impl, p.ep if cfg.model.num_experts else 1,
+                          p.expert_tp if cfg.model.num_experts else 1)
 
 
 @dataclass
@@ -95,10 +108,14 @@ class RankPrediction:
     gathered units, gradients in flight, communication buffers, logits."""
     bytes: dict[str, int]
     """Bytes this rank sends per iteration over its dp (ZeRO's dp x cp), tp, cp, pp and embedding
-    groups, and under optim.name muon in Muon's exchange over its stage (tp x cp x dp)."""
+    groups, under optim.name muon in Muon's exchange over its stage (tp x cp x dp), and with
+    experts over its ep group (the tokens' exchange) and expert-dp group (expert gradients, when
+    that group is not ZeRO's own)."""
     times: Optional[dict[str, float]] = None
     muon_flops: int = 0
     """Newton-Schulz FLOPs per step on the busiest rank of this stage (optim.name muon)."""
+    expert_params: int = 0
+    """Of `params`, this rank's routed experts' elements (E / ep experts per MoE layer, / etp wide)."""
 
     @property
     def host(self) -> int:
@@ -169,7 +186,10 @@ def activation_shape(cfg: Config, layout: ParallelLayout, attention: str = "flas
                              cp=layout.cp, cp_impl=layout.cp_impl, kv_hidden=m.kv_width, q_hidden=m.q_width,
                              qk_norm=m.qk_layernorm,
                              gated=m.activation == "swiglu", rmsnorm=m.normalization == "rmsnorm",
-                             fused_norm=device != "cpu", rope=m.position_embedding == "rope")
+                             fused_norm=device != "cpu", rope=m.position_embedding == "rope",
+                             experts=m.num_experts, topk=m.moe_router_topk if m.num_experts else 0,
+                             expert_ffn=m.moe_ffn_size if m.num_experts else 0,
+                             shared_ffn=m.moe_shared_expert_ffn_hidden_size, etp=layout.etp)
 
 
 def distinct_ranks(pp: int) -> list[int]:
@@ -204,46 +224,77 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
     zs, pp, vpp = sharding(layout.zero_stage), layout.pp, layout.vpp
     dp = layout.dp * layout.cp  # ZeRO shards and reduces over dp x cp
     elem = F.STATE_BYTES[cfg.train.precision]
-    rp = rank_params(cfg.model, layout.tp, pp, vpp, r, zs.parameters, cfg.zero.bucket_size, pp_layers)
+    rp = rank_params(cfg.model, layout.tp, pp, vpp, r, zs.parameters, cfg.zero.bucket_size, pp_layers, layout.ep,
+                     layout.etp)
     shards = dp if zs.optimizer else 1
-    padded = rp.padded(shards)
+    # Expert gradients and optimizer states are sharded over expert-dp (Megatron's distributed
+    # optimizer): their buckets apart when that group is not ZeRO's dp x cp.
+    apart = rp.expert_numel > 0 and layout.expert_dp != dp
+    buckets, tied, expert_buckets = rp.split_experts() if apart else (list(rp.buckets), rp.tied, [])
+    padded = [bucket_numel(list(b), shards) for b in buckets]
+    expert_shards = layout.expert_dp if zs.optimizer else 1
+    expert_padded = [bucket_numel(list(b), expert_shards) for b in expert_buckets]
     states = zs.model_state_bytes(sum(padded), dp, elem)  # a new dict, adjusted in place here
+    if expert_padded:
+        for k, v in zs.model_state_bytes(sum(expert_padded), layout.expert_dp, elem).items():
+            states[k] += v
     # Elements with one fp32 buffer, not Adam's two moments: Muon's matrices, SGD's every element.
-    muon = {"muon": rp.muon_shard_numel(shards), "sgd": sum(padded) // shards}.get(cfg.optim.name, 0)
+    shard_numel = sum(padded) // shards + sum(expert_padded) // expert_shards
+    muon = rp.muon_shard_numel(shards) if cfg.optim.name == "muon" else shard_numel if cfg.optim.name == "sgd" else 0
     states["optimizer"] -= F.MUON_SAVED_BYTES * muon
-    host = host_shape(cfg, layout, padded, shards, accelerator, muon)
+    host = host_shape(cfg, layout, padded + expert_padded, shards, accelerator, muon, shard_numel)
     off_device = (states["optimizer"] if host.offload_optimizer != "none" else 0) + \
         (states["params"] if host.offload_param != "none" else 0)
     states["total"] -= F.MUON_SAVED_BYTES * muon + off_device
     sizes = [F.chunk_activation_bytes(c, shape) for c in rp.chunks]
-    order = activation_events(ORDERS[schedule](pp, vpp, r, m)) if pp > 1 else [(True, 0), (False, 0)]
+    order = activation_order(schedule, pp, vpp, r, m)
     wire = 2 if cfg.zero.reduce_dtype == "bf16" else 4
     moved = {"dp": F.dp_bytes(zs, padded, dp, m, wire, elem[0]),
              # Partial LayerNorm/bias gradients are all-reduced on this rank's ZeRO shard (about 1/dp of them).
              "tp": F.tp_bytes(list(rp.chunks), shape, m, rp.replicated_numel // shards),
              "pp": F.pp_bytes(pp, vpp, r, m, shape),
              "cp": F.cp_bytes(shape, sum(c.layers for c in rp.chunks), m),
-             "embed": F.embed_bytes(sum(padded[i] // shards for i in rp.tied), pp)}
+             "embed": F.embed_bytes(sum(padded[i] // shards for i in tied), pp)}
+    if cfg.model.num_experts:
+        moved["ep"] = m * sum(c.moe_layers for c in rp.chunks) * expert_exchange_bytes(cfg, layout, shape)
+        moved["expert_dp"] = F.dp_bytes(zs, expert_padded, layout.expert_dp, m, wire, elem[0])
     ns = 0
     if cfg.optim.name == "muon":  # one owner per matrix among the stage's tp x cp x dp ranks
         stage_ranks = layout.tp * layout.cp * layout.dp
         moved["muon"] = F.muon_exchange_bytes(rp.muon_shapes, stage_ranks, 4 if cfg.train.precision == "fp32" else 2)
         ns = F.muon_ns_flops(rp.muon_shapes, cfg.optim.muon_ns_steps, stage_ranks)
     tied_twice = any(c.pre and c.post for c in rp.chunks)
-    buffers = F.BufferShape(tuple(padded), rp.tied, tied_twice, zs, dp, cfg.zero.prefetch, elem[0], wire,
+    buffers = F.BufferShape(tuple(padded + expert_padded), tied, tied_twice, zs, dp, cfg.zero.prefetch, elem[0], wire,
                             gloo=not accelerator, shard_on_device=host.offload_param == "none" or (host.offload_param == "cpu" and not accelerator))
     return RankPrediction(r, rp.param_numel, states, F.host_items(host), F.peak_in_flight_bytes(order, sizes),
-                          F.transient_items(buffers, shape, rp.chunks[-1].post), moved, muon_flops=ns)
+                          F.transient_items(buffers, shape, rp.chunks[-1].post), moved, muon_flops=ns,
+                          expert_params=rp.expert_numel)
+
+
+@functools.lru_cache(maxsize=4096)
+def activation_order(schedule: str, pp: int, vpp: int, r: int, m: int) -> tuple[tuple[bool, int], ...]:
+    """Pipeline rank r's (forward?, chunk) actions in its schedule's order (one forward and its
+    backward without a pipeline); cached, as every candidate of one pipeline shape shares it."""
+    return tuple(activation_events(ORDERS[schedule](pp, vpp, r, m))) if pp > 1 else ((True, 0), (False, 0))
+
+
+def expert_exchange_bytes(cfg: Config, layout: ParallelLayout, shape: F.ActivationShape) -> int:
+    """Bytes one rank sends over its EP group per MoE layer and micro-batch (formulas.expert_dispatch_bytes)
+    for the tokens it routes: b s / cp, / tp under sequence parallelism."""
+    tokens = shape.micro_batch * shape.seq // (shape.tp if shape.sequence_parallel else 1)
+    return F.expert_dispatch_bytes(tokens, shape.topk, shape.hidden, shape.act_bytes, shape.experts, layout.ep,
+                                   cfg.parallel.moe_dispatcher, layout.recompute == "full")
 
 
 def host_shape(cfg: Config, layout: ParallelLayout, padded: list[int], shards: int, accelerator: bool,
-               muon: int = 0) -> F.HostShape:
+               muon: int = 0, shard: int = 0) -> F.HostShape:
     """What offloading keeps in host memory for one rank of `layout`: the config's offload
     modes (the planner's --offload-optimizer alone means cpu), its buffers and sub-groups;
-    `muon` of the shard's elements keep no second moment (Muon's matrices, or all under SGD)."""
+    `muon` of the shard's elements keep no second moment (Muon's matrices, or all under SGD);
+    `shard`: the rank's elements when not sum(padded) / shards (experts sharded over expert-dp)."""
     z = cfg.zero
     optimizer = (z.offload_optimizer if z.offload_optimizer != "none" else "cpu") if layout.offload_optimizer else "none"
-    shard = sum(padded) // shards
+    shard = shard or sum(padded) // shards
     return F.HostShape(shard=shard, largest_slice=max(padded) // shards, offload_optimizer=optimizer,
                        offload_param=z.offload_param if sharding(layout.zero_stage).parameters else "none", accelerator=accelerator,
                        param_bytes=F.STATE_BYTES[cfg.train.precision][0], sub_group_size=z.sub_group_size,
@@ -260,13 +311,16 @@ def add_times(out: Prediction, cfg: Config, cluster: Cluster) -> None:
     flops = F.executed_flops_per_token(cfg.model, lay.recompute) * tokens / cluster.gpus
     # A group whose ranks lie within `span` consecutive ranks (TP innermost, then CP, DP, PP
     # outermost) talks over NVLink when they share a node, over the network otherwise.
+    # Experts fold a stage's ranks etp fastest, then ep: an EP group lies within etp x ep ranks.
     spans = {"tp": lay.tp, "cp": lay.tp * lay.cp, "dp": lay.tp * lay.cp * lay.dp,
-             "pp": lay.tp * lay.cp * lay.dp * lay.pp, "muon": lay.tp * lay.cp * lay.dp}
+             "pp": lay.tp * lay.cp * lay.dp * lay.pp, "muon": lay.tp * lay.cp * lay.dp, "ep": lay.etp * lay.ep}
     gbps = {k: cluster.intra_gbps if span <= cluster.gpus_per_node else cluster.inter_gbps for k, span in spans.items()}
     for r in out.ranks:
-        secs = {k: (r.bytes.get(k, 0) + (r.bytes["embed"] if k == "pp" else 0)) / (gbps[k] * 1e9) for k in spans}
+        # Expert gradients reduce over expert-dp, which spans the stage like dp: hidden alike.
+        extra = {"pp": r.bytes["embed"], "dp": r.bytes.get("expert_dp", 0)}
+        secs = {k: (r.bytes.get(k, 0) + extra.get(k, 0)) / (gbps[k] * 1e9) for k in spans}
         r.times = F.step_seconds(flops, cluster.peak_flops, cluster.efficiency, out.bubble, secs["tp"], secs["pp"],
-                                 secs["dp"], cluster.dp_overlap, secs["cp"], r.muon_flops, secs["muon"])
+                                 secs["dp"], cluster.dp_overlap, secs["cp"], r.muon_flops, secs["muon"], secs["ep"])
     times = out.slowest.times
     assert times is not None
     out.step_seconds = times["total"]
@@ -327,8 +381,23 @@ def _layouts_of(cfg: Config, cluster: Cluster, fixed: dict, tp: int, cp: int, pp
                              _options(fixed, "zero_stage", list(STAGES) if dp * cp > 1 else [0]),
                              _options(fixed, "recompute", RECOMPUTE))
     sp = fixed.get("sequence_parallel", False) and tp > 1
-    return [ParallelLayout(tp, pp, dp, vpp, stage, mb, rc, sp, fixed.get("offload_optimizer", False), cp, impl)
-            for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb, cp, impl, sp)]
+    return [ParallelLayout(tp, pp, dp, vpp, stage, mb, rc, sp, fixed.get("offload_optimizer", False), cp, impl, ep, etp)
+            for mb, vpp, stage, rc in rest if not layout_problem(cfg, gpus, tp, pp, vpp, mb, cp, impl, sp)
+            for ep, etp in expert_options(cfg, fixed, tp, cp, dp)]
+
+
+def expert_options(cfg: Config, fixed: dict, tp: int, cp: int, dp: int) -> list[tuple[int, int]]:
+    """The (ep, etp) a stage of tp x cp x dp ranks allows (config/rules.py's expert rules): ep
+    dividing num_experts and tp x cp x dp / etp; etp fixed, or the config's (0: tp). A dense
+    model: (1, 1)."""
+    m = cfg.model
+    if not m.num_experts:
+        return [(1, 1)]
+    etp = fixed.get("etp", cfg.parallel.etp or tp)
+    if R.expert_width_problem(m.moe_ffn_size, m.moe_shared_expert_ffn_hidden_size, etp, tp):
+        return []
+    return [(ep, etp) for ep in _options(fixed, "ep", divisors(m.num_experts))
+            if not R.expert_grid_problem(tp, cp, dp, ep, etp, m.num_experts)]
 
 
 def check_fixed(cfg: Config, cluster: Cluster, fixed: dict) -> None:
@@ -358,6 +427,12 @@ def check_fixed(cfg: Config, cluster: Cluster, fixed: dict) -> None:
     if "dp" in fixed and "tp" in fixed and "pp" in fixed and fixed["dp"] * tp * pp * cp != gpus:
         raise PlanError(f"tp x cp x pp x dp ({tp} x {cp} x {pp} x {fixed['dp']} = {tp * cp * pp * fixed['dp']}) "
                         f"must equal --gpus ({gpus}); closest that fits: dp {gpus // (tp * cp * pp)}")
+    if ("ep" in fixed or "etp" in fixed) and not m.num_experts:
+        raise PlanError("--ep / --etp split experts, but model.num_experts is 0 (a dense model); drop them")
+    if "ep" in fixed and m.num_experts % fixed["ep"]:
+        ok = divisors(m.num_experts)
+        raise PlanError(f"--ep {fixed['ep']} must divide model.num_experts ({m.num_experts}): each EP rank holds whole "
+                        f"experts; closest that fits: ep {closest(ok, fixed['ep'])}")
     if "micro_batch" in fixed or "vpp" in fixed:
         dp = fixed.get("dp", gpus // (tp * pp * cp))
         problem = layout_problem(cfg, gpus, tp, pp, vpp, fixed.get("micro_batch", cfg.train.micro_batch_size), cp)
@@ -433,9 +508,10 @@ def explain(preds: list[Prediction]) -> str:
         return f"{head}; as fast as {second.layout.label()} by this model, chosen for {why}"
     a, b = win.slowest.times, second.slowest.times
     assert a is not None and b is not None and second.step_seconds is not None
-    part = max(("compute", "bubble", "tp", "pp", "dp", "cp"), key=lambda k: b[k] - a[k])
+    part = max(("compute", "bubble", "tp", "pp", "dp", "cp", "ep"), key=lambda k: b.get(k, 0.0) - a.get(k, 0.0))
     words = {"compute": "computes more (recomputation)", "bubble": "idles longer in the pipeline bubble",
              "tp": "waits longer on TP all-reduces", "pp": "waits longer on pipeline transfers",
-             "dp": "waits longer on DP communication", "cp": "waits longer on context-parallel attention"}[part]
+             "dp": "waits longer on DP communication", "cp": "waits longer on context-parallel attention",
+             "ep": "waits longer on the experts' all-to-all"}[part]
     return (f"{head}; {100 * (second.step_seconds / win.step_seconds - 1):.1f}% faster than "
-            f"{second.layout.label()}, which {words} (+{1e3 * (b[part] - a[part]):.0f} ms/step)")
+            f"{second.layout.label()}, which {words} (+{1e3 * (b.get(part, 0.0) - a.get(part, 0.0)):.0f} ms/step)")

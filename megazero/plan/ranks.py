@@ -17,8 +17,9 @@ from typing import Optional
 import torch
 
 from megazero.config.schema import ModelConfig
-from megazero.model.gpt import GPT, apply_tensor_parallel
-from megazero.parallel.comm import Group
+from megazero.model.gpt import GPT, apply_tensor_parallel, moe_layers
+from megazero.parallel.comm import Group, solo_group
+from megazero.parallel.dispatch import LocalDispatch
 from megazero.parallel.placement import placement
 from megazero.pipeline.stages import stage_layers
 from megazero.plan.formulas import ChunkShape, muon_shard_numels
@@ -43,6 +44,30 @@ class RankParams:
     """Per bucket, whether each parameter is a weight matrix Muon steps under optim.name muon."""
     muon_shapes: tuple[tuple[int, int], ...] = ()
     """The (out, in) shapes of the matrices Muon orthogonalises on this pipeline rank, whole over TP."""
+    expert: tuple[tuple[bool, ...], ...] = ()
+    """Per bucket, whether each parameter is a routed experts' weight (this rank's E / ep experts)."""
+
+    @property
+    def expert_numel(self) -> int:
+        """Elements of this rank's routed experts (the expert memory: E / ep experts per MoE layer)."""
+        return sum(n for b, e in zip(self.buckets, self.expert) for n, is_expert in zip(b, e) if is_expert)
+
+    def split_experts(self) -> tuple[list[tuple[int, ...]], tuple[int, ...], list[tuple[int, ...]]]:
+        """The buckets cut into their dense parameters and their experts' (a bucket is reduced over
+        one group: ZeRO's dp x cp, or the experts' expert-dp), each part in layout order, empty
+        parts dropped: (dense buckets, which of them hold the tied embedding, expert buckets)."""
+        dense: list[tuple[int, ...]] = []
+        experts: list[tuple[int, ...]] = []
+        tied = []
+        for i, (b, e) in enumerate(zip(self.buckets, self.expert or [()] * len(self.buckets))):
+            flags = e or (False,) * len(b)
+            part = tuple(n for n, is_expert in zip(b, flags) if not is_expert)
+            if part:
+                tied += [len(dense)] if i in self.tied else []
+                dense.append(part)
+            if any(flags):
+                experts.append(tuple(n for n, is_expert in zip(b, flags) if is_expert))
+        return dense, tuple(tied), experts
 
     def padded(self, shards: int) -> list[int]:
         """Each bucket's padded size when partitioned over `shards` ranks."""
@@ -55,16 +80,19 @@ class RankParams:
 
 
 def rank_params(m: ModelConfig, tp: int, pp: int, vpp: int, pp_rank: int, stage3: bool, bucket_size: int,
-                pp_layers: Optional[list[int]] = None) -> RankParams:
-    """The parameters of pipeline rank `pp_rank` of a tp x pp (x vpp) layout (cached)."""
-    return _rank_params(tuple(dataclasses.astuple(m)), tp, pp, vpp, pp_rank, stage3, bucket_size,
-                        tuple(pp_layers) if pp_layers else None)
+                pp_layers: Optional[list[int]] = None, ep: int = 1, etp: int = 1) -> RankParams:
+    """The parameters of pipeline rank `pp_rank` of a tp x pp (x vpp) layout, its MoE layers
+    keeping E / ep experts (GPT.apply_expert_parallel), each 1 / etp of its width (cached)."""
+    model = tuple(tuple(v) if isinstance(v, list) else v for v in (getattr(m, f.name) for f in dataclasses.fields(m)))
+    return _rank_params(model, tp, pp, vpp, pp_rank, stage3, bucket_size, tuple(pp_layers) if pp_layers else None,
+                        ep, etp)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=2048)
 def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3: bool, bucket_size: int,
-                 pp_layers: Optional[tuple[int, ...]]) -> RankParams:
-    cfg = ModelConfig(*model)
+                 pp_layers: Optional[tuple[int, ...]], ep: int = 1, etp: int = 1) -> RankParams:
+    values: tuple = tuple(list(v) if isinstance(v, tuple) else v for v in model)  # lists back (moe_layer_freq)
+    cfg = ModelConfig(*values)
     layer_sets = stage_layers(cfg.num_layers, pp, vpp, pp_rank, list(pp_layers) if pp_layers else None)
     group = Group("tp", None, list(range(tp)), 0)  # shapes only: no collective runs on meta tensors
     with torch.device("meta"):
@@ -73,15 +101,23 @@ def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3:
                   for v, layers in enumerate(layer_sets)]
     for chunk in chunks:
         apply_tensor_parallel(chunk, group)
+        # Rank 0 of the EP group: every EP rank keeps as many experts. (Shapes only, as above.)
+        chunk.apply_expert_parallel(Group("ep", None, list(range(ep)), 0), LocalDispatch(), solo_group())
     groups = fetch_units(chunks)[1] if stage3 else bucket_groups(chunks, bucket_size)
     tied_params = {id(c.tied_weight()): c for c in chunks if c.tied_weight() is not None}
     tied = tuple(i for i, (_, named) in enumerate(groups) if any(id(p) in tied_params for _, p in named))
-    return RankParams(chunks=tuple(ChunkShape(len(c.layers), c.pre_process, c.post_process) for c in chunks),
-                      buckets=tuple(tuple(p.numel() for _, p in named) for _, named in groups),
+    # Expert tensor parallelism (etp) is not built in the model yet: each expert weight's width
+    # split over etp ranks is counted here, 1 / etp of its elements.
+    return RankParams(chunks=tuple(ChunkShape(len(c.layers), c.pre_process, c.post_process, len(moe_layers(c)))
+                                   for c in chunks),
+                      buckets=tuple(tuple(p.numel() // (etp if placement(p).experts else 1) for _, p in named)
+                                    for _, named in groups),
+                      expert=tuple(tuple(bool(placement(p).experts) for _, p in named) for _, named in groups),
                       muon=tuple(tuple(is_muon_matrix(n) for n, _ in named) for _, named in groups),
                       muon_shapes=tuple(m.shape for c in chunks for n, p in c.named_parameters() if is_muon_matrix(n)
                                         for m in split_matrices(n, placement(p), tuple(p.shape), 0, tp)),
                       tied=tied,
-                      param_numel=sum(p.numel() for c in chunks for p in c.parameters()),
+                      param_numel=sum(p.numel() // (etp if placement(p).experts else 1)
+                                      for c in chunks for p in c.parameters()),
                       replicated_numel=sum(p.numel() for c in chunks for p in c.parameters()
                                            if not placement(p).sharded))
