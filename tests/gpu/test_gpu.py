@@ -77,10 +77,28 @@ def test_fp32_gpu_run_matches_cpu_run(tmp_path, monkeypatch):
     assert len(diffs) == 10 and max(diffs) <= 1e-3, diffs
 
 
-# The Llama family's kernels (rotary, RMSNorm, SwiGLU, SDPA with grouped K/V) and Muon's
-# Newton-Schulz (bf16 on the device in bf16 runs) have their own CUDA paths.
+# The Llama family's kernels (rotary, RMSNorm, SwiGLU, SDPA with grouped K/V), Muon's
+# Newton-Schulz (bf16 on the device in bf16 runs), the MoE layer's grouped GEMM (CUDA's
+# torch._grouped_mm in bf16, the loop over experts in fp32) and Qwen3's QK-norm with a head
+# size of its own have their own CUDA paths.
 NEW_PATHS = {"llama": ["--config", "configs/llama-tiny.yaml"],
-             "muon": ["--config", "configs/gpt2-tiny.yaml", "--optim.name", "muon"]}
+             "muon": ["--config", "configs/gpt2-tiny.yaml", "--optim.name", "muon"],
+             "mixtral": ["--config", "configs/mixtral-tiny.yaml"],
+             "qwen3": ["--config", "configs/llama-tiny.yaml", "--model.qk_layernorm", "true", "--model.kv_channels", "32"]}
+
+
+def test_grouped_gemm_on_gpu_equals_the_loop_over_experts():
+    """bf16 on CUDA runs torch._grouped_mm: within bf16 rounding of the loop, forward and backward."""
+    from megazero.model.moe import expert_loop_mm, grouped_mm
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(96, 64, generator=g).cuda().bfloat16().requires_grad_()
+    w = torch.randn(4, 128, 64, generator=g).cuda().bfloat16().requires_grad_()
+    counts = torch.tensor([40, 0, 32, 24])  # an idle expert too
+    y, ref = grouped_mm(x, w, counts), expert_loop_mm(x, w, counts)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    grad = torch.randn(y.shape, generator=g).cuda().bfloat16()
+    for a, b in zip(torch.autograd.grad(y, (x, w), grad), torch.autograd.grad(ref, (x, w), grad)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("name", sorted(NEW_PATHS))
