@@ -1,4 +1,4 @@
-"""Reading Hugging Face GPT-2 and Llama directories (one model.safetensors, a sharded
+"""Reading Hugging Face GPT-2, Llama and mixture-of-experts directories (one model.safetensors, a sharded
 model.safetensors.index.json, or pytorch_model.bin): whole (convert, generate), or each
 rank's TP shard of one parameter at a time (checkpoint.init_from_hf). export.write_hf
 writes them; hf_names.py says where each megazero tensor lives in them.
@@ -126,7 +126,7 @@ def _cat(files: HFFiles, parts: list[Piece]) -> torch.Tensor:
 
 
 def open_hf(path: str) -> Checkpoint:
-    """A Hugging Face GPT-2 or Llama directory as a Checkpoint (weights only)."""
+    """A Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE directory as a Checkpoint (weights only)."""
     try:
         with open(os.path.join(path, "config.json")) as f:
             m = model_config_from_hf(json.load(f))

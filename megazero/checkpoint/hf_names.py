@@ -74,7 +74,7 @@ class Piece(NamedTuple):
 
 
 def architecture(m: ModelConfig) -> str:
-    """gpt2 or llama, by the model section; refused in one line when it is neither."""
+    """gpt2, llama, mixtral or qwen2_moe, by the model section; refused in one line when it is none."""
     if m.position_embedding == "learned":
         wrong = [(k, v) for k, v in _GPT2 if getattr(m, k) != v and not (k == "num_query_groups"
                                                                             and m.query_groups == m.num_heads)]
@@ -258,7 +258,7 @@ def _moe_hf_config(m: ModelConfig, llama: dict) -> dict:
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """The megazero model section equivalent to an HF config.json (GPT-2 or Llama)."""
+    """The megazero model section equivalent to an HF config.json (GPT-2, Llama or a mixture of experts)."""
     kind = hf.get("model_type")
     if kind == "gpt2":
         inner = hf.get("n_inner") or 0
