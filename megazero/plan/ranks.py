@@ -57,14 +57,16 @@ class RankParams:
 def rank_params(m: ModelConfig, tp: int, pp: int, vpp: int, pp_rank: int, stage3: bool, bucket_size: int,
                 pp_layers: Optional[list[int]] = None) -> RankParams:
     """The parameters of pipeline rank `pp_rank` of a tp x pp (x vpp) layout (cached)."""
-    return _rank_params(tuple(dataclasses.astuple(m)), tp, pp, vpp, pp_rank, stage3, bucket_size,
-                        tuple(pp_layers) if pp_layers else None)
+    # The cache needs hashable keys: a list value (model.moe_layer_freq's 0/1 form) goes in as a tuple.
+    model = tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(m))
+    return _rank_params(model, tp, pp, vpp, pp_rank, stage3, bucket_size, tuple(pp_layers) if pp_layers else None)
 
 
 @functools.lru_cache(maxsize=256)
 def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3: bool, bucket_size: int,
                  pp_layers: Optional[tuple[int, ...]]) -> RankParams:
-    cfg = ModelConfig(*model)
+    values: list = [list(v) if isinstance(v, tuple) else v for v in model]
+    cfg = ModelConfig(*values)
     layer_sets = stage_layers(cfg.num_layers, pp, vpp, pp_rank, list(pp_layers) if pp_layers else None)
     group = Group("tp", None, list(range(tp)), 0)  # shapes only: no collective runs on meta tensors
     with torch.device("meta"):
