@@ -121,7 +121,8 @@ def _split(full: torch.Tensor, parts: list[Piece]) -> list[tuple[str, torch.Tens
 def write_hf(output_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]],
              m: ModelConfig, dtype: torch.dtype = torch.float32, eos_token_id: int | None = None) -> None:
     """config.json + model.safetensors into `output_dir` (a GPT2LMHeadModel, LlamaForCausalLM,
-    Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM directory),
+    Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM
+    directory),
     streamed one tensor at a time (`shapes`: megazero's full shapes, in the order `tensors` yields
     them). A tied output layer is HF's tie: not stored."""
     os.makedirs(output_dir, exist_ok=True)

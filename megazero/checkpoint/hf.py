@@ -126,7 +126,8 @@ def _cat(files: HFFiles, parts: list[Piece]) -> torch.Tensor:
 
 
 def open_hf(path: str) -> Checkpoint:
-    """A Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mixtral or Qwen2-MoE directory as a Checkpoint
+    """A Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE
+    directory as a Checkpoint
     (weights only)."""
     try:
         with open(os.path.join(path, "config.json")) as f:

@@ -1,6 +1,6 @@
 """Which Hugging Face architecture a megazero model is, and where each of its tensors lives there.
 
-Six architectures, chosen by the model section:
+Seven architectures, chosen by the model section:
 
     gpt2   GPT2LMHeadModel: learned positions, LayerNorm, GELU, biases, tied output layer.
            Names are megazero's own; the four projections are Conv1D ([in, out]) in HF.
@@ -23,6 +23,8 @@ Six architectures, chosen by the model section:
            down_proj), softmax over every expert first unless norm_topk_prob, a sigmoid-gated
            shared expert (mlp.shared_expert.*, mlp.shared_expert_gate), dense layers where
            mlp_only_layers says (Llama's names), Qwen2's q/k/v biases where qkv_bias says.
+    qwen3_moe  Qwen3MoeForCausalLM: Qwen2-MoE's experts and router without the shared expert,
+           Qwen3's attention (self_attn.q_norm / k_norm: model.qk_layernorm; no biases).
 
 The experts' weights are 3-D here ([E, out, in]) and one matrix per expert in the published
 files (what save_pretrained writes); transformers' own modules hold them fused 3-D
@@ -58,7 +60,8 @@ _SHARED_FUSED = {"mlp.shared_expert.c_fc": ("mlp.shared_expert.gate_proj", "mlp.
 STACKED = ("mlp.experts.c_fc.weight", "mlp.experts.c_proj.weight", "mlp.shared_expert_gate.weight")
 # Each architecture's MoE module and its experts' projections: (module, gate, up, down).
 _MOE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-              "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+              "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+              "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
 _LLAMA_TOP = {EMBEDDING: "model.embed_tokens.weight", "transformer.ln_f.weight": "model.norm.weight",
               HEAD: "lm_head.weight"}
 
@@ -71,7 +74,8 @@ _LLAMA = [("normalization", "rmsnorm"), ("position_embedding", "rope"), ("activa
 _QWEN2 = [("bias", False), ("qk_layernorm", False)]
 _QWEN3 = [("bias", False), ("qkv_bias", False)]
 _HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+             "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+             "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 class Piece(NamedTuple):
@@ -84,8 +88,8 @@ class Piece(NamedTuple):
 
 
 def architecture(m: ModelConfig) -> str:
-    """gpt2, llama, qwen2, qwen3, mixtral or qwen2_moe, by the model section; refused in one line when it
-    is none."""
+    """gpt2, llama, qwen2, qwen3, mixtral, qwen2_moe or qwen3_moe, by the model section; refused in one
+    line when it is none."""
     if m.position_embedding == "learned":
         # GPT-2's heads are h / heads wide; its biases cover q, k and v already.
         same = {"num_query_groups": m.query_groups == m.num_heads, "kv_channels": m.q_width == m.hidden_size,
@@ -112,19 +116,27 @@ def architecture(m: ModelConfig) -> str:
 
 
 def _moe_architecture(m: ModelConfig) -> str:
-    """mixtral or qwen2_moe for a mixture of experts of the Llama family; what neither class
-    computes is refused in one line naming the key and the value they need."""
+    """mixtral, qwen2_moe or qwen3_moe for a mixture of experts of the Llama family; what none of
+    these classes computes is refused in one line naming the key and the value they need."""
     refused = [("moe_router_score_function", "softmax", m.moe_router_score_function != "softmax"),
                ("moe_router_topk_scaling_factor", None, m.moe_router_topk_scaling_factor not in (None, 1.0)),
                ("moe_router_num_groups", 0, m.moe_router_num_groups > 0),
                ("moe_router_enable_expert_bias", False, m.moe_router_enable_expert_bias),
                ("moe_capacity_factor", None, m.moe_capacity_factor is not None),  # HF's experts are dropless
-               ("bias", False, m.bias), ("qk_layernorm", False, m.qk_layernorm)]
+               ("bias", False, m.bias)]
     for key, value, wrong in refused:
         if wrong:
-            raise ConfigError(f"model.{key} {getattr(m, key)!r} has no equivalent in Hugging Face's Mixtral or "
-                              f"Qwen2-MoE; Hugging Face export and import of a mixture of experts need "
+            raise ConfigError(f"model.{key} {getattr(m, key)!r} has no equivalent in Hugging Face's Mixtral, "
+                              f"Qwen2-MoE or Qwen3-MoE; Hugging Face export and import of a mixture of experts need "
                               f"model.{key} {value!r}")
+    if m.qk_layernorm:  # Qwen3-MoE's attention: no shared expert, no biases
+        clash = ("moe_shared_expert_ffn_hidden_size", 0) if m.moe_shared_expert_ffn_hidden_size else \
+            ("qkv_bias", False) if m.qkv_bias else None
+        if clash:
+            raise ConfigError(f"model.{clash[0]} {getattr(m, clash[0])!r} with model.qk_layernorm true: Qwen3-MoE, "
+                              f"the mixture of experts with per-head q/k norms, has none; Hugging Face export and "
+                              f"import need model.{clash[0]} {clash[1]!r}")
+        return "qwen3_moe"
     if m.moe_shared_expert_ffn_hidden_size:
         if not m.moe_shared_expert_gate:
             raise ConfigError("model.moe_shared_expert_gate false: Qwen2-MoE gates its shared expert; Hugging Face "
@@ -136,7 +148,8 @@ def _moe_architecture(m: ModelConfig) -> str:
                   else "model.qkv_bias true")
         raise ConfigError(f"{reason} without a shared expert: Mixtral has neither, and Qwen2-MoE, which has, always "
                           f"has a shared expert; Hugging Face export needs model.moe_shared_expert_ffn_hidden_size "
-                          f"> 0 with model.moe_shared_expert_gate true, or a Mixtral-style model")
+                          f"> 0 with model.moe_shared_expert_gate true, or (without q/k/v biases) Qwen3-MoE's "
+                          f"model.qk_layernorm true, or a Mixtral-style model")
     return "mixtral"
 
 
@@ -264,7 +277,8 @@ def hf_config(m: ModelConfig, eos_token_id: int | None = None) -> dict:
 
 
 def _moe_hf_config(m: ModelConfig, arch: str, llama: dict) -> dict:
-    """Mixtral's or Qwen2-MoE's config.json (`arch`): Llama's attention and norms, and the experts.
+    """Mixtral's, Qwen2-MoE's or Qwen3-MoE's config.json (`arch`): Llama's attention and norms
+    (Qwen3's q/k norms), and the experts.
     HF adds its load-balancing loss only with output_router_logits, so that says whether the run
     had one."""
     common = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias")}
@@ -273,11 +287,13 @@ def _moe_hf_config(m: ModelConfig, arch: str, llama: dict) -> dict:
     if arch == "mixtral":
         return {**common, **moe, "intermediate_size": m.moe_ffn_size, "num_local_experts": m.num_experts, "sliding_window": None,
                 "router_jitter_noise": 0.0}
-    return {**common, **moe, "num_experts": m.num_experts, "moe_intermediate_size": m.moe_ffn_size,
-            "shared_expert_intermediate_size": m.moe_shared_expert_ffn_hidden_size,
+    qwen = {"num_experts": m.num_experts, "moe_intermediate_size": m.moe_ffn_size,
             "norm_topk_prob": not m.moe_router_pre_softmax, "decoder_sparse_step": 1,
-            "mlp_only_layers": [i for i in range(m.num_layers) if not _is_moe(m, i)], "qkv_bias": m.qkv_bias,
-            "use_sliding_window": False}
+            "mlp_only_layers": [i for i in range(m.num_layers) if not _is_moe(m, i)], "use_sliding_window": False}
+    if arch == "qwen3_moe":
+        return {**common, **moe, **qwen, "attention_bias": False}
+    return {**common, **moe, **qwen, "shared_expert_intermediate_size": m.moe_shared_expert_ffn_hidden_size,
+            "qkv_bias": m.qkv_bias}
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
@@ -295,20 +311,18 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         return _llama_config(hf, kind)
     if kind in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         return _moe_config(hf, kind)
-    raise ValueError(f"model_type '{kind}' is none of gpt2, llama, qwen2, qwen3, mixtral, qwen2_moe; only GPT-2, "
-                     f"Llama, Qwen2, Qwen3, Mixtral and Qwen2-MoE checkpoints can be imported")
+    raise ValueError(f"model_type '{kind}' is none of gpt2, llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe; "
+                     f"only GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints can be imported")
 
 
 def _moe_config(hf: dict, kind: str) -> ModelConfig:
-    """Mixtral or Qwen2-MoE as megazero's keys: the attention and norms of the dense family it
-    extends (Llama's, Qwen2's q/k/v biases where qkv_bias says), and the experts; a head size of its
-    own is model.kv_channels. Qwen3-MoE, OLMoE and what else megazero's layer does not compute are
-    refused (ValueError, one line)."""
+    """Mixtral, Qwen2-MoE or Qwen3-MoE as megazero's keys: the attention and norms of the dense
+    family it extends (Llama's; Qwen2's q/k/v biases where qkv_bias says; Qwen3's per-head q/k norm,
+    model.qk_layernorm), and the experts; a head size of its own is model.kv_channels. OLMoE and
+    what else megazero's layer does not compute are refused (ValueError, one line)."""
     if kind == "olmoe":
         raise ValueError("OLMoE's q_norm and k_norm normalise the whole q and k projections, not each head as "
                          "model.qk_layernorm does, so OlmoeForCausalLM has no megazero equivalent yet")
-    if kind == "qwen3_moe":
-        raise ValueError("Qwen3MoeForCausalLM (per-head q/k norm in a mixture of experts) is not read yet")
     window = hf.get("sliding_window") if kind == "mixtral" or hf.get("use_sliding_window") else None
     if window and window < hf["max_position_embeddings"]:
         raise ValueError(f"sliding_window {window} is below max_position_embeddings ({hf['max_position_embeddings']}); "
@@ -324,7 +338,7 @@ def _moe_config(hf: dict, kind: str) -> ModelConfig:
     step = hf.get("decoder_sparse_step", 1)
     moe = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]  # Qwen's rule for MoE layers
     shared = hf.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
-    family = {"mixtral": "llama", "qwen2_moe": "qwen2"}[kind]
+    family = {"mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}[kind]
     base = _llama_config({**hf, "head_dim": head_dim, "attention_bias": False, "mlp_bias": False,
                           "use_sliding_window": False}, family)
     return dataclasses.replace(

@@ -4,8 +4,8 @@ single-process, data-, tensor- (sequence-parallel, experts whole) and pipeline-p
 and trains step for step as MixtralForCausalLM + torch.optim.AdamW, whose loss the test builds
 from HF's logits and router logits with Megatron's load-balancing and z-losses; convert --to hf
 writes the published layout, which transformers loads as the right class with megazero's
-logits; Qwen2-MoE comes in and goes out the same way; what megazero cannot represent is refused
-in one line."""
+logits; Qwen2-MoE (with q/k/v biases) and Qwen3-MoE (per-head q/k norms, a head size of its
+own) come in and go out the same way; what megazero cannot represent is refused in one line."""
 
 from __future__ import annotations
 
@@ -213,33 +213,58 @@ def test_mixtral_exports_as_mixtral_with_its_logits(mixtral_dir, tmp_path):
 QWEN2_MOE = dict(vocab_size=300, hidden_size=64, intermediate_size=80, moe_intermediate_size=24,
                  shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=64, rms_norm_eps=1e-5, num_experts=4, num_experts_per_tok=2,
-                 norm_topk_prob=False, mlp_only_layers=[1], qkv_bias=False, tie_word_embeddings=False)
+                 norm_topk_prob=False, mlp_only_layers=[1], qkv_bias=True, tie_word_embeddings=False)
+QWEN3_MOE = dict(vocab_size=300, hidden_size=64, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
+                 rms_norm_eps=1e-5, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+                 tie_word_embeddings=False)
 
 
-def test_qwen2_moe_comes_in_and_goes_out(tmp_path):
-    """Qwen2-MoE without q/k/v biases (a gated shared expert, softmax before the top k, layer 1
-    dense): the run takes its keys from config.json, its logits at tp 2 equal transformers',
-    and its export loads as Qwen2MoeForCausalLM with the same logits (1e-5)."""
-    hf_dir = save_random_hf(tmp_path / "hf", "qwen2_moe", **QWEN2_MOE)
-    m = make_config(ARGS + ["--checkpoint.init_from_hf", hf_dir], base=BASE, world=1).model
-    assert (m.num_experts, m.moe_ffn_hidden_size, m.moe_layer_freq, m.ffn_hidden_size, m.moe_router_pre_softmax,
-            m.moe_shared_expert_ffn_hidden_size, m.moe_shared_expert_gate) == (4, 24, [1, 0], 80, True, 40, True)
+def _comes_in_and_goes_out(hf_dir: str, tmp_path, cls: str) -> None:
+    """hf_dir's logits at tp 2 (experts whole) equal transformers', and the export of one step
+    loads as `cls` with the stepped model's logits (1e-5)."""
     with torch.no_grad():
         before = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(ROWS).logits
     export, started, expected = _export(hf_dir, tmp_path, 2, ["--parallel.tp", "2"])
     assert (started - before).abs().max() <= 1e-5
     with torch.no_grad():
         hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
-        assert type(hf).__name__ == "Qwen2MoeForCausalLM"
+        assert type(hf).__name__ == cls
         got = hf(ROWS).logits
     assert (got - expected).abs().max() <= 1e-5
+
+
+def test_qwen2_moe_comes_in_and_goes_out(tmp_path):
+    """Qwen2-MoE with q/k/v biases (a gated shared expert, softmax before the top k, layer 1
+    dense): the run takes its keys from config.json, its logits at tp 2 equal transformers',
+    and its export loads as Qwen2MoeForCausalLM with the same logits (1e-5)."""
+    hf_dir = save_random_hf(tmp_path / "hf", "qwen2_moe", **QWEN2_MOE)
+    m = make_config(ARGS + ["--checkpoint.init_from_hf", hf_dir], base=BASE, world=1).model
+    assert (m.num_experts, m.moe_ffn_hidden_size, m.moe_layer_freq, m.ffn_hidden_size, m.moe_router_pre_softmax,
+            m.moe_shared_expert_ffn_hidden_size, m.moe_shared_expert_gate, m.qkv_bias, m.bias) == (
+        4, 24, [1, 0], 80, True, 40, True, True, False)
+    _comes_in_and_goes_out(hf_dir, tmp_path, "Qwen2MoeForCausalLM")
+    assert json.load(open(os.path.join(tmp_path, "export", "config.json")))["qkv_bias"] is True
+
+
+def test_qwen3_moe_comes_in_and_goes_out(tmp_path):
+    """Qwen3-MoE (per-head q/k norms, heads of 24 beside h / heads 16, top k then softmax over the
+    k, layer 0 dense, no shared expert): model.qk_layernorm and model.kv_channels from config.json,
+    logits at tp 2 equal transformers', the export loads as Qwen3MoeForCausalLM with the same
+    logits (1e-5)."""
+    hf_dir = save_random_hf(tmp_path / "hf", "qwen3_moe", **QWEN3_MOE)
+    m = make_config(ARGS + ["--checkpoint.init_from_hf", hf_dir], base=BASE, world=1).model
+    assert (m.num_experts, m.moe_ffn_hidden_size, m.moe_layer_freq, m.ffn_hidden_size, m.moe_router_pre_softmax,
+            m.moe_shared_expert_ffn_hidden_size, m.qk_layernorm, m.kv_channels, m.qkv_bias) == (
+        4, 24, [0, 1], 80, False, 0, True, 24, False)
+    _comes_in_and_goes_out(hf_dir, tmp_path, "Qwen3MoeForCausalLM")
+    config = json.load(open(os.path.join(tmp_path, "export", "config.json")))
+    assert (config["head_dim"], config["mlp_only_layers"], config["norm_topk_prob"]) == (24, [0], True)
 
 
 # ----------------------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("family, config, refusal", [
-    ("qwen3_moe", {**{k: v for k, v in QWEN2_MOE.items() if "shared" not in k and k != "qkv_bias"}, "head_dim": 16},
-     r"Qwen3MoeForCausalLM \(per-head q/k norm in a mixture of experts\) is not read yet"),
     ("olmoe", {k: v for k, v in QWEN2_MOE.items() if "shared" not in k and k not in ("qkv_bias", "mlp_only_layers")},
      r"OLMoE's q_norm and k_norm normalise the whole q and k projections"),
 ])
@@ -252,16 +277,23 @@ def test_what_megazero_cannot_compute_yet_is_refused_in_one_line(tmp_path, famil
 
 
 def test_an_moe_without_a_hugging_face_class_is_refused_at_export():
-    """Sigmoid routing (DeepSeek-V3), or pre-softmax routing without a shared expert, has no class
-    among Mixtral and Qwen2-MoE: refused in one line naming the key."""
+    """Sigmoid routing (DeepSeek-V3), pre-softmax routing without a shared expert or q/k norms, or
+    q/k norms with a shared expert, has no class among Mixtral, Qwen2-MoE and Qwen3-MoE: refused in
+    one line naming the key; q/k norms alone are Qwen3-MoE."""
     from megazero.checkpoint.hf_names import hf_config
     from megazero.config import ConfigError, ModelConfig
     family = dict(normalization="rmsnorm", position_embedding="rope", activation="swiglu", bias=False, vocab_size=300,
                   num_experts=4)
     with pytest.raises(ConfigError, match=r"model.moe_router_score_function 'sigmoid' has no equivalent in Hugging "
-                                          r"Face's Mixtral or Qwen2-MoE; .* need model.moe_router_score_function "
+                                          r"Face's Mixtral, Qwen2-MoE or Qwen3-MoE; .* need model.moe_router_score_function "
                                           r"'softmax'"):
         hf_config(ModelConfig(**family, moe_router_score_function="sigmoid"))
     with pytest.raises(ConfigError, match=r"model.moe_router_pre_softmax true without a shared expert"):
         hf_config(ModelConfig(**family, moe_router_pre_softmax=True))
+    with pytest.raises(ConfigError, match=r"model.moe_shared_expert_ffn_hidden_size 32 with model.qk_layernorm "
+                                          r"true: Qwen3-MoE, .* has none"):
+        hf_config(ModelConfig(**family, qk_layernorm=True, moe_shared_expert_ffn_hidden_size=32,
+                              moe_shared_expert_gate=True))
     assert hf_config(ModelConfig(**family))["architectures"] == ["MixtralForCausalLM"]
+    assert hf_config(ModelConfig(**family, qk_layernorm=True, moe_router_pre_softmax=True))["architectures"] == [
+        "Qwen3MoeForCausalLM"]
