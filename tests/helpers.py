@@ -118,9 +118,10 @@ def hf_tiny_gpt2_args(steps: int, optim: list[str]) -> list[str]:
 
 
 def save_random_hf(path: Path, family: str = "gpt2", shard_size: Optional[str] = None, **config) -> str:
-    """A random Hugging Face GPT-2 (no dropout), Llama, Qwen2 or Qwen3 (`family`; `config`: its
-    Config's sizes) with non-trivial norms and biases, saved as safetensors under `path` (for
-    checkpoint.init_from_hf); `shard_size` saves shards with an index."""
+    """A random Hugging Face GPT-2 (no dropout), Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE or
+    OLMoE (`family`: the model_type; `config`: its Config's sizes) with non-trivial norms and
+    biases, saved as safetensors under `path` (for checkpoint.init_from_hf); `shard_size` saves
+    shards with an index."""
     import torch
     import transformers
     torch.manual_seed(0)
@@ -128,9 +129,8 @@ def save_random_hf(path: Path, family: str = "gpt2", shard_size: Optional[str] =
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config, resid_pdrop=0, embd_pdrop=0,
                                                                      attn_pdrop=0))
     else:
-        classes = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
-                   "qwen3": ("Qwen3ForCausalLM", "Qwen3Config")}[family]
-        model = getattr(transformers, classes[0])(getattr(transformers, classes[1])(**config))
+        auto = transformers.AutoConfig.for_model(family, **config)
+        model = transformers.AutoModelForCausalLM.from_config(auto)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:

@@ -3,7 +3,7 @@ memory stays near one full tensor however large the model.
 
     write_torch      one plain torch state_dict of the non-parallel model + FILE.config.json
     write_universal  the universal format (universal.py), which resumes at any layout
-    write_hf         a Hugging Face GPT-2 or Llama directory (the mapping: hf_names.py); write_run_tokenizer
+    write_hf         a Hugging Face directory (the mapping: hf_names.py); write_run_tokenizer
                      adds the tokenizer the run was trained with, for megazero and for transformers
 """
 
@@ -21,7 +21,7 @@ import torch
 from megazero.atomic import atomic_write, write_bytes, write_text
 from megazero.checkpoint import digest
 from megazero.checkpoint.base import KINDS, Checkpoint
-from megazero.checkpoint.hf_names import EMBEDDING, HEAD, hf_config, pieces
+from megazero.checkpoint.hf_names import EMBEDDING, HEAD, STACKED, Piece, expert_pieces, hf_config, pieces
 from megazero.checkpoint.tensors import fit_vocab, save_safetensors_streaming
 from megazero.checkpoint.universal import UNIVERSAL_VERSION
 from megazero.config.schema import ModelConfig
@@ -103,10 +103,16 @@ def write_universal(reader: Checkpoint, output: str) -> None:
 
 
 def to_hf(name: str, full: torch.Tensor, m: ModelConfig) -> list[tuple[str, torch.Tensor]]:
-    """A full (unsharded) megazero tensor as the HF tensors that store it (hf_names.py)."""
+    """A full (unsharded) megazero tensor as the HF tensors that store it (hf_names.py); a 3-D one
+    (experts) as each slice's, the published per-expert layout."""
+    if name.endswith(STACKED):
+        return [pair for j in range(full.shape[0]) for pair in _split(full[j], expert_pieces(name, m, j))]
     if name in (EMBEDDING, HEAD):
         full = full[: m.vocab_size]
-    parts = pieces(name, m)
+    return _split(full, pieces(name, m))
+
+
+def _split(full: torch.Tensor, parts: list[Piece]) -> list[tuple[str, torch.Tensor]]:
     rows = [full.shape[0] if p.rows < 0 else p.rows for p in parts]
     return [(p.key, t.t().contiguous() if p.transposed else t.contiguous())
             for p, t in zip(parts, full.split(rows), strict=True)]
@@ -114,9 +120,11 @@ def to_hf(name: str, full: torch.Tensor, m: ModelConfig) -> list[tuple[str, torc
 
 def write_hf(output_dir: str, tensors: Iterable[tuple[str, torch.Tensor]], shapes: dict[str, tuple[int, ...]],
              m: ModelConfig, dtype: torch.dtype = torch.float32, eos_token_id: int | None = None) -> None:
-    """config.json + model.safetensors into `output_dir` (a GPT2LMHeadModel or LlamaForCausalLM
-    directory), streamed one tensor at a time (`shapes`: megazero's full shapes, in the order
-    `tensors` yields them). A tied output layer is HF's tie: not stored."""
+    """config.json + model.safetensors into `output_dir` (a GPT2LMHeadModel, LlamaForCausalLM,
+    Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM
+    directory),
+    streamed one tensor at a time (`shapes`: megazero's full shapes, in the order `tensors` yields
+    them). A tied output layer is HF's tie: not stored."""
     os.makedirs(output_dir, exist_ok=True)
     tied = m.tie_embeddings
     # The HF tensors' shapes: to_hf of meta tensors (no memory) of the full shapes.

@@ -1,5 +1,5 @@
-"""Reading Hugging Face GPT-2 and Llama directories (one model.safetensors, a sharded
-model.safetensors.index.json, or pytorch_model.bin): whole (convert, generate), or each
+"""Reading Hugging Face GPT-2, Llama, Qwen and mixture-of-experts directories (one
+model.safetensors, a sharded model.safetensors.index.json, or pytorch_model.bin): whole (convert, generate), or each
 rank's TP shard of one parameter at a time (checkpoint.init_from_hf). export.write_hf
 writes them; hf_names.py says where each megazero tensor lives in them.
 
@@ -20,7 +20,18 @@ import torch
 from safetensors import safe_open
 
 from megazero.checkpoint.base import Checkpoint, CheckpointError, safetensors_metadata
-from megazero.checkpoint.hf_names import EMBEDDING, GPT2_CONV1D, HEAD, Piece, model_config_from_hf, pieces
+from megazero.checkpoint.hf_names import (
+    EMBEDDING,
+    GPT2_CONV1D,
+    HEAD,
+    STACKED,
+    Piece,
+    expert_pieces,
+    fused_key,
+    in_memory_key,
+    model_config_from_hf,
+    pieces,
+)
 from megazero.checkpoint.tensors import plain_shapes
 from megazero.config.schema import ModelConfig
 from megazero.data.tokenizer import spec_of_directory
@@ -71,9 +82,13 @@ class HFFiles:
     def keys(self) -> list[str]:
         return list(self._where)
 
+    def has(self, key: str) -> bool:
+        return key in self._where or in_memory_key(key) in self._where
+
     def slice(self, key: str) -> Any:
-        """An indexable view of tensor `key` (safetensors slice or tensor); KeyError when absent."""
-        path, inner = self._where[key]
+        """An indexable view of tensor `key` (safetensors slice or tensor), found under its published
+        name or the one transformers' modules give it (hf_names.in_memory_key); KeyError when absent."""
+        path, inner = self._where[key if key in self._where else in_memory_key(key)]
         f = self._open(path)
         return f.get_slice(inner) if path.endswith(".safetensors") else f[inner]
 
@@ -90,17 +105,30 @@ def _normalised(key: str) -> str:
     return ("model." if key.startswith(("layers.", "embed_tokens.", "norm.")) else "transformer.") + key
 
 
-def _stacked(files: HFFiles, name: str, m: ModelConfig) -> torch.Tensor:
+def _stacked(files: HFFiles, name: str, m: ModelConfig, shape: tuple[int, ...]) -> torch.Tensor:
+    """Whole megazero tensor `name` (of full `shape`) from its HF pieces; a 3-D one from transformers'
+    fused tensor when the directory has it, else from each expert's matrices."""
+    if name.endswith(STACKED):
+        fused = fused_key(name)
+        if fused is not None and files.has(fused):
+            return files.slice(fused)[:].contiguous()
+        return torch.stack([_cat(files, expert_pieces(name, m, j)) for j in range(shape[0])])
+    return _cat(files, pieces(name, m))
+
+
+def _cat(files: HFFiles, parts: list[Piece]) -> torch.Tensor:
     try:
-        parts = [files.slice(p.key)[:] for p in pieces(name, m)]
+        read = [files.slice(p.key)[:] for p in parts]
     except KeyError as e:
         raise CheckpointError(f"{files.dir} has no tensor {e}: not a checkpoint of this model's shape") from None
-    parts = [t.t() if p.transposed else t for p, t in zip(pieces(name, m), parts, strict=True)]
-    return (torch.cat(parts) if len(parts) > 1 else parts[0]).contiguous()
+    read = [t.t() if p.transposed else t for p, t in zip(parts, read, strict=True)]
+    return (torch.cat(read) if len(read) > 1 else read[0]).contiguous()
 
 
 def open_hf(path: str) -> Checkpoint:
-    """A Hugging Face GPT-2 or Llama directory as a Checkpoint (weights only)."""
+    """A Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE
+    directory as a Checkpoint
+    (weights only)."""
     try:
         with open(os.path.join(path, "config.json")) as f:
             m = model_config_from_hf(json.load(f))
@@ -115,7 +143,7 @@ def open_hf(path: str) -> Checkpoint:
         """megazero's tensors in megazero's layout (fused projections stacked, Linear-shaped; no
         vocab padding), read one at a time."""
         files = HFFiles(path)
-        return ((name, _stacked(files, name, m)) for name in shapes)
+        return ((name, _stacked(files, name, m, shape)) for name, shape in shapes.items())
 
     return Checkpoint(path, "Hugging Face directory", m, spec_of_directory(path), None, shapes, stream)
 
@@ -132,28 +160,38 @@ def hf_contents(hf_dir: str) -> tuple[str, int]:
 
 
 class HFInitialValues:
-    """A run's starting parameters read from an HF GPT-2 or Llama directory, one parameter's
-    TP shard at a time: safetensors slices (or a memory-mapped weights_only pytorch_model.bin)
-    read only the rows or columns this rank keeps, from the HF tensor (piece) that holds
-    them, never the whole model.
+    """A run's starting parameters read from an HF directory, one parameter's shard at a time:
+    safetensors slices (or a memory-mapped weights_only pytorch_model.bin) read only the rows or
+    columns this rank keeps, from the HF tensor (piece) that holds them, never the whole model.
+    An expert weight is read expert by expert, only this rank's experts (its placement's
+    `expert_range` over the expert-parallel group), each cut over the expert-tensor-parallel
+    group as its placement says.
 
-    `value(name, param, tp_rank, tp_size)` returns the shard in megazero's layout (Linear
-    [out, in] weights, fused projections stacked, the vocabulary padded with zero rows),
-    fp32, on the CPU."""
+    `value(name, param, tp_rank, tp_size, ep=(rank, size), etp=(rank, size))` returns the shard
+    in megazero's layout (Linear [out, in] weights, fused projections stacked, the vocabulary
+    padded with zero rows), fp32, on the CPU."""
 
     def __init__(self, hf_dir: str, m: ModelConfig) -> None:
         self.files, self.m = HFFiles(hf_dir), m
 
-    def value(self, name: str, p: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
+    def value(self, name: str, p: torch.nn.Parameter, tp_rank: int, tp_size: int,
+              ep: tuple[int, int] = (0, 1), etp: tuple[int, int] = (0, 1)) -> torch.Tensor:
         if name == HEAD and self.m.tie_embeddings:
             name = EMBEDDING
-        full = placement(p).full_shape
-        parts = pieces(name, self.m)
-        rows = [full[0] if q.rows < 0 else q.rows for q in parts]
+        where = placement(p)
+        if name.endswith(STACKED):
+            return self._experts(name, where, ep, etp)
         vocab = name in (EMBEDDING, HEAD)
+        return self._matrix(pieces(name, self.m), where if tp_size > 1 else Placement(where.full_shape),
+                            tp_rank, tp_size, vocab, name == "transformer.wpe.weight")
+
+    def _matrix(self, parts: list[Piece], where: Placement, tp_rank: int, tp_size: int, vocab: bool = False,
+                positions: bool = False) -> torch.Tensor:
+        """A 2-D tensor's shard (`where`: its placement, full shape included) from its pieces."""
+        full = where.full_shape
+        rows = [full[0] if q.rows < 0 else q.rows for q in parts]
         for q, r in zip(parts, rows, strict=True):
-            self._check(q, (self.m.vocab_size if vocab else r, *full[1:]), name == "transformer.wpe.weight")
-        where = placement(p) if tp_size > 1 else Placement(full)
+            self._check(q, (self.m.vocab_size if vocab else r, *full[1:]), positions)
         if vocab:
             where = Placement(full, 0)  # read by rows at any tp, so the padding rows come out as zeros
         if where.dim is None:
@@ -166,6 +204,31 @@ class HFInitialValues:
         else:
             out = [self._rows(parts, rows, lo, hi, full) for lo, hi in ranges]
         return torch.cat(out, dim=dim) if len(out) > 1 else out[0]
+
+    def _experts(self, name: str, where: Placement, ep: tuple[int, int], etp: tuple[int, int]) -> torch.Tensor:
+        """This rank's experts of a 3-D tensor, each its etp shard: from transformers' fused tensor
+        when the directory has one, else from each expert's published matrices."""
+        lo, hi = where.expert_range(*ep)
+        one = Placement(where.full_shape[1:], None if where.dim is None else where.dim - 1, where.stride,
+                        parts=where.parts)  # one expert's matrix and its split
+        if etp[1] == 1:
+            one = Placement(one.full_shape)
+        fused = fused_key(name)
+        if fused is not None and self.files.has(fused):
+            return self._fused(fused, lo, hi, where.full_shape, one, etp)
+        return torch.stack([self._matrix(expert_pieces(name, self.m, j), one, *etp) for j in range(lo, hi)])
+
+    def _fused(self, key: str, lo: int, hi: int, full: tuple, one: Placement, etp: tuple[int, int]) -> torch.Tensor:
+        """Experts [lo, hi) of transformers' fused [E, out, in] tensor, each cut as `one` says."""
+        got = self.files.shape(key)
+        if got != full:
+            raise CheckpointError(f"{self.files.dir}: '{key}' has shape {list(got)}, but the model config needs "
+                                  f"{list(full)}; the model section does not match this checkpoint")
+        s = self.files.slice(key)
+        if one.dim is None:
+            return s[lo:hi].float()
+        cut = [s[lo:hi, a:b] if one.dim == 0 else s[lo:hi, :, a:b] for a, b in one.ranges(*etp)]
+        return torch.cat(cut, dim=one.dim + 1).float()
 
     def _check(self, piece: Piece, expected: tuple, positions: bool) -> None:
         key = piece.key

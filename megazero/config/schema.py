@@ -404,9 +404,9 @@ class CheckpointConfig:
     """Load the checkpoint's RNG streams. false (Megatron's --no-load-rng): reseed them from train.seed and
     the iteration (needed for a checkpoint saved with checkpoint.save_rng false)."""
     init_from_hf: Optional[str] = None
-    """Start from a Hugging Face GPT-2 directory (config.json + model.safetensors or
-    pytorch_model.bin) at any layout; each rank reads only its slices. The model section must
-    match its config.json (model.vocab_size auto takes its vocabulary). Not read when the run
+    """Start from a Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE directory
+    (config.json + model.safetensors, its index or pytorch_model.bin) at any layout; each rank reads
+    only its slices. The model section must match its config.json (model.vocab_size auto takes its vocabulary). Not read when the run
     resumes from checkpoint.load (or restarts): the checkpoint's values win."""
 
 

@@ -62,11 +62,19 @@ class Placement:
 
     def expert_shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         """This expert-parallel rank's experts of a full expert weight (`full` itself otherwise)."""
+        lo, hi = self.expert_range(rank, size)
+        return full if (lo, hi) == (0, full.shape[0]) else full[lo:hi]
+
+    def expert_range(self, rank: int, size: int) -> tuple[int, int]:
+        """[lo, hi) along dim 0 of the full tensor: the experts this expert-parallel rank keeps (all
+        of dim 0 for a tensor that is not an expert weight, or at ep 1), for readers that fetch
+        only those."""
         if not self.experts or size == 1:
-            return full
+            return 0, self.full_shape[0]
         if self.experts % size:
             raise ValueError(f"{self.experts} experts cannot be split over {size} expert-parallel ranks")
-        return full.chunk(size, dim=0)[rank]
+        per_rank = self.experts // size
+        return rank * per_rank, (rank + 1) * per_rank
 
     def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """Inverse of `shard`: the full tensor from every TP rank's shard, in rank order."""

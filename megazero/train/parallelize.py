@@ -100,11 +100,12 @@ def with_adapter_init(base: Optional[Initial], chunks: list[GPT], seed: int, gri
 
 
 def hf_initial_values(cfg: Config, grid: ProcessGrid) -> Initial:
-    """checkpoint.init_from_hf: starting values read from HF GPT-2 weights, each rank
-    reading only its TP shard of one parameter at a time."""
+    """checkpoint.init_from_hf: starting values read from HF weights, each rank reading only its
+    TP shard of one parameter at a time (of an expert weight: its experts, each its etp shard)."""
     assert cfg.checkpoint.init_from_hf
     hf = HFInitialValues(cfg.checkpoint.init_from_hf, cfg.model)
-    return lambda chunk, name, p: hf.value(name, p, grid.tp_rank, grid.tp)
+    experts = {"ep": (grid.ep_rank, grid.ep), "etp": (grid.etp_rank, grid.etp)}
+    return lambda chunk, name, p: hf.value(name, p, grid.tp_rank, grid.tp, **experts)
 
 
 def apply_compile(model: GPT) -> None:

@@ -104,7 +104,7 @@ def _edited(hf_dir: str, tmp_path, **changes) -> str:
 
 
 def test_bad_input_is_one_clear_line(hf_dir, tmp_path):
-    with pytest.raises(ConfigError, match=r"model_type 'mistral' is not gpt2, llama, qwen2 or qwen3"):
+    with pytest.raises(ConfigError, match=r"model_type 'mistral' is none of gpt2, llama, qwen2, qwen3, mixtral, qwen2_moe"):
         make_config(ARGS + ["--checkpoint.init_from_hf", _edited(hf_dir, tmp_path / "a", model_type="mistral")],
                     world=1)
     with pytest.raises(ConfigError, match=r"config.json lacks 'num_attention_heads'"):  # llama keys missing
