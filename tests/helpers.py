@@ -354,6 +354,10 @@ TAGS = {
     "tokens-per-sec": ("tokens_per_sec", 1, False),
     "mfu": ("mfu", 1, False),
     "skipped-iterations": ("skipped_iters", 1, False),
+    "load_balancing_loss": ("moe_aux_loss", 1, True),
+    "z_loss": ("moe_z_loss", 1, True),
+    "moe-imbalance": ("moe_imbalance", 1, False),
+    "moe-dropped-tokens": ("moe_dropped", 1, False),
 }
 
 

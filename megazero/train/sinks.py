@@ -181,6 +181,11 @@ TENSORBOARD_SCALARS = (
     ("mfu", "mfu", 1, False),
     ("mem-max-allocated-bytes", "peak_mem_gib", 2**30, False),
     ("skipped-iterations", "skipped_iters", 1, False),
+    # Mixtures of experts (Megatron's names for the two losses; present only with experts)
+    ("load_balancing_loss", "moe_aux_loss", 1, True),
+    ("z_loss", "moe_z_loss", 1, True),
+    ("moe-imbalance", "moe_imbalance", 1, False),
+    ("moe-dropped-tokens", "moe_dropped", 1, False),
 )
 SAMPLES_RUN = "vs_samples"  # the "vs samples" scalars: a run of their own, purged on their own step axis
 

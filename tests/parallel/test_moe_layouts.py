@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_parity, logged_by_layout, make_trainer, run_distributed
+from helpers import (
+    REPO,
+    assert_parity,
+    assert_tensorboard_matches,
+    logged_by_layout,
+    make_trainer,
+    read_jsonl,
+    run_distributed,
+)
 
 MIXTRAL = "configs/mixtral-tiny.yaml"
 ITERS = 3
@@ -117,3 +125,22 @@ def test_expert_bias_updates_from_every_ranks_counts_and_resumes(tmp_path):
     assert resumed == straight[2:] and resumed_bias == bias
     assert_parity({"dp2": two["straight"][0]}, straight, 3)
     assert two["straight"][1] == bias
+
+
+def test_moe_figures_reach_the_jsonl_the_line_and_tensorboard(tmp_path):
+    """moe_aux_loss, moe_z_loss, moe_imbalance and (with a capacity) moe_dropped in the JSONL, the
+    iteration line's aux / imbalance / dropped, and Megatron's load_balancing_loss / z_loss tags."""
+    import subprocess
+    import sys
+    jsonl, tb = str(tmp_path / "m.jsonl"), str(tmp_path / "tb")
+    proc = subprocess.run([sys.executable, "-m", "megazero.train", "--config", MIXTRAL, "--train.iters", "2",
+                           "--model.moe_capacity_factor", "0.5", "--logging.jsonl", jsonl, "--logging.tensorboard",
+                           tb], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = read_jsonl(jsonl)
+    assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 and r["moe_imbalance"] >= 1 and r["moe_dropped"] > 0
+               for r in records)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("iter ")]
+    assert len(lines) == 2 and all("| aux " in line and "| imbalance " in line and "| dropped " in line
+                                   for line in lines)
+    assert_tensorboard_matches(tb, records)
