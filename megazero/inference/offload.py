@@ -43,6 +43,10 @@ def build_offloaded_model(ckpt: Checkpoint, device: torch.device, offload: str, 
     with torch.device("meta"):
         model = GPT(ckpt.model_config)
     blocks = list(model.transformer.h.values())
+    shapes = {tuple((n, tuple(p.shape)) for n, p in b.named_parameters()) for b in blocks}
+    if len(shapes) > 1:  # the store holds one layout that every block's weights fill alike
+        raise CheckpointError("offloaded generation streams blocks of one shape, but this model mixes dense and "
+                              "mixture-of-experts layers (model.moe_layer_freq); generate without --offload")
     layout = BlockLayout(blocks[0], torch.float32)
     store = HostWeightStore(layout, len(blocks)) if offload == "cpu" else NvmeWeightStore(layout, len(blocks), nvme_path)
     # Everything but the blocks: the embeddings and final norm, and an untied output layer
