@@ -98,7 +98,9 @@ def _job_marker(attempt: bool = True) -> Optional[str]:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if attempt else "all"
     # megazero.launch's own directory, which it removes at exit; under plain torchrun the
     # system's (_remove_stale_markers clears what launchers that have exited left there).
-    where = os.environ.get("MEGAZERO_LAUNCH_DIR") or tempfile.gettempdir()
+    # A directory that is gone (a variable inherited from a launcher that has exited) is no home.
+    where = os.environ.get("MEGAZERO_LAUNCH_DIR", "")
+    where = where if os.path.isdir(where) else tempfile.gettempdir()
     return os.path.join(where, f"megazero-error-{launcher}-{started}-{restart}")
 
 

@@ -31,16 +31,27 @@ from typing import Optional, Sequence
 from megazero.errors import EXIT_USER_ERROR
 from megazero.train.lifecycle import FINISHED, LAUNCHER_PID, STOPPED
 
+JOB_VARIABLES = ("MEGAZERO_LAUNCH_DIR", "MEGAZERO_USER_ERROR_FILE", "MEGAZERO_STOPPED_FILE", LAUNCHER_PID)
+"""What the launcher tells its workers through the environment, for this job alone."""
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.run import parse_args
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     scratch = tempfile.mkdtemp(prefix="megazero-launch-")
+    saved = {k: os.environ.get(k) for k in JOB_VARIABLES}
     try:
         return _run(args, scratch)
     finally:  # also after restarts, failures and signals: the job's scratch goes with it
         shutil.rmtree(scratch, ignore_errors=True)
+        # The variables name this job's files: a caller that goes on (a test, a script calling
+        # main()) must not hand them to a later job.
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _run(args: argparse.Namespace, scratch: str) -> int:

@@ -79,12 +79,15 @@ def test_a_stop_signal_to_the_launcher_after_its_workers_ended(monkeypatch, caps
         raise SignalException("late", signal.SIGTERM)
 
     monkeypatch.setattr("torch.distributed.run.run", run)
-    for name in ("MEGAZERO_USER_ERROR_FILE", "MEGAZERO_STOPPED_FILE", "MEGAZERO_LAUNCHER_PID"):
-        monkeypatch.setenv(name, "")  # launch.main sets them: removed again after the test
+    for name in launch.JOB_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         status = launch.main(["--nproc_per_node", "1", "-m", "megazero.train"])
         ignored = all(signal.getsignal(s) == signal.SIG_IGN for s in handlers)
+        # The job's variables go with it: a later job in this process (a test) must not inherit
+        # a directory that no longer exists (its workers' error lines then failed with a traceback).
+        assert not [name for name in launch.JOB_VARIABLES if name in os.environ]
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
