@@ -112,6 +112,7 @@ def test_model_llama_fine_tunes_a_hf_llama_with_lora_under_zero3(tmp_path, bpe_s
     PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "llama"), latest / "adapter")
 
 
+@pytest.mark.slow  # suite budget: tests/unit/test_finetune_data.py checks the rebuild rule in a second
 def test_model_llama_takes_the_directorys_tokenizer_json_and_rebuilds_data_made_with_another(
         tmp_path, llama3_tokenizer_dir: str) -> None:
     """MODEL=llama with a Llama 3 style directory (tokenizer.json, no tokenizer.model): the
