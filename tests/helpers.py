@@ -384,5 +384,10 @@ def assert_tensorboard_matches(log_dir: str, records: list[dict]) -> None:
             expected[tag] = [(r["iteration"], _f32(r[field] * unit)) for r in rows]
             if vs_samples:
                 samples[f"{tag} vs samples"] = [(r["consumed_samples"], _f32(r[field] * unit)) for r in rows]
+    from megazero.train.sinks import PER_LAYER
+    for field, tag in PER_LAYER.items():  # logging.moe_per_layer: one tag per MoE layer, by iteration
+        for r in records:
+            for i, value in (r.get(field) or {}).items():
+                expected.setdefault(f"{tag}/layer_{i}", []).append((r["iteration"], _f32(value)))
     assert tensorboard_scalars(log_dir) == expected
     assert tensorboard_scalars(os.path.join(log_dir, SAMPLES_RUN)) == samples

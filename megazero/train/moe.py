@@ -11,7 +11,9 @@ the world, the same on every rank):
 - `moe_aux_loss`, `moe_z_loss`: summed over the MoE layers, averaged over micro-batches and
   data ranks (each rank holding part of a micro-batch's tokens adds its share);
 - `moe_imbalance`: tokens of the busiest expert over the mean, the worst layer's;
-- `moe_dropped`: (token, expert) pairs dropped by a capacity factor in the global batch.
+- `moe_dropped`: (token, expert) pairs dropped by a capacity factor in the global batch;
+- with `logging.moe_per_layer`, `moe_aux_loss_layers` and `moe_z_loss_layers`: each MoE
+  layer's share, by layer index (Megatron's --moe-per-layer-logging).
 
 With `model.moe_router_enable_expert_bias` the same sums drive the aux-loss-free balancing:
 every rank keeps the bias of every MoE layer ([MoE layers, E], equal everywhere: the counts
@@ -43,8 +45,9 @@ def scale_losses(chunks: Sequence[GPT], microbatches: int, grid: ProcessGrid, fp
 class MoESteps:
     """The MoE figures of each step and the expert-bias table (see above); nothing for a dense model."""
 
-    def __init__(self, model: ModelConfig, chunks: Sequence[GPT], grid: ProcessGrid, sequence_parallel: bool):
-        self.model, self.grid, self.sequence_parallel = model, grid, sequence_parallel
+    def __init__(self, model: ModelConfig, chunks: Sequence[GPT], grid: ProcessGrid, sequence_parallel: bool,
+                 per_layer: bool = False):
+        self.model, self.grid, self.sequence_parallel, self.per_layer = model, grid, sequence_parallel, per_layer
         self.indices = [i for i in range(model.num_layers) if is_moe_layer(model, i)]
         self.mine: dict[int, MoE] = {int(i): layer for chunk in chunks for i, block in chunk.transformer.h.items()
                                      for layer in moe_layers(block)}
@@ -69,8 +72,13 @@ class MoESteps:
             self.bias += self.model.moe_router_bias_update_rate * torch.sign(counts.mean(dim=1, keepdim=True) - counts)
             self._hand_out_bias()
         imbalance = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)).max()
-        return {"moe_aux_loss": float(losses[:, 0].sum()), "moe_z_loss": float(losses[:, 1].sum()),
-                "moe_imbalance": float(imbalance), "moe_dropped": int(table[:, 2].sum())}
+        out: dict = {"moe_aux_loss": float(losses[:, 0].sum()), "moe_z_loss": float(losses[:, 1].sum()),
+               "moe_imbalance": float(imbalance), "moe_dropped": int(table[:, 2].sum())}
+        if self.per_layer:
+            rows = losses.tolist()
+            out["moe_aux_loss_layers"] = {str(i): row[0] for i, row in zip(self.indices, rows)}
+            out["moe_z_loss_layers"] = {str(i): row[1] for i, row in zip(self.indices, rows)}
+        return out
 
     def state_dict(self) -> Optional[list]:
         """The expert-bias table for the checkpoint (None without one)."""

@@ -190,10 +190,16 @@ TENSORBOARD_SCALARS = (
 SAMPLES_RUN = "vs_samples"  # the "vs samples" scalars: a run of their own, purged on their own step axis
 
 
+PER_LAYER = {"moe_aux_loss_layers": "load_balancing_loss", "moe_z_loss_layers": "z_loss"}
+"""logging.moe_per_layer's records (by layer index) and their tags, TAG/layer_INDEX, by iteration."""
+
+
 def tensorboard_scalars(rec: dict) -> list[tuple[str, float, bool]]:
     """(tag, value, also vs samples) for every scalar of `rec` TensorBoard gets."""
-    return [(tag, rec[field] * unit, vs_samples) for tag, field, unit, vs_samples in TENSORBOARD_SCALARS
-            if rec.get(field) is not None]
+    scalars = [(tag, rec[field] * unit, vs_samples) for tag, field, unit, vs_samples in TENSORBOARD_SCALARS
+               if rec.get(field) is not None]
+    return scalars + [(f"{tag}/layer_{i}", value, False) for field, tag in PER_LAYER.items()
+                      for i, value in (rec.get(field) or {}).items()]
 
 
 class TensorBoardSink:

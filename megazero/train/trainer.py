@@ -65,7 +65,7 @@ class Trainer:
         t = cfg.train
         self.tracker = seed_everything(t.seed, grid.pp_rank, grid.tp_rank, grid.device, cp_rank=grid.cp_rank)
         self.chunks, self.optimizer = parallelize(cfg, grid, self.tracker)
-        self.moe = moe.MoESteps(cfg.model, self.chunks, grid, cfg.parallel.sequence_parallel)
+        self.moe = moe.MoESteps(cfg.model, self.chunks, grid, cfg.parallel.sequence_parallel, cfg.logging.moe_per_layer)
         self.train_ds, self.valid_ds = build_datasets(cfg, grid)
         # Fine-tuning data: some labels count nothing, so the loss divides by a count of the rest.
         self.loss_masked = self.train_ds.loss_masked

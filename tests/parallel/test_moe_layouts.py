@@ -131,17 +131,23 @@ def test_expert_bias_updates_from_every_ranks_counts_and_resumes(tmp_path):
 
 def test_moe_figures_reach_the_jsonl_the_line_and_tensorboard(tmp_path):
     """moe_aux_loss, moe_z_loss, moe_imbalance and (with a capacity) moe_dropped in the JSONL, the
-    iteration line's aux / imbalance / dropped, and Megatron's load_balancing_loss / z_loss tags."""
+    iteration line's aux / imbalance / dropped, and Megatron's load_balancing_loss / z_loss tags;
+    with logging.moe_per_layer each layer's losses in both."""
     import subprocess
     import sys
     jsonl, tb = str(tmp_path / "m.jsonl"), str(tmp_path / "tb")
     proc = subprocess.run([sys.executable, "-m", "megazero.train", "--config", MIXTRAL, "--train.iters", "2",
                            "--model.moe_capacity_factor", "0.5", "--logging.jsonl", jsonl, "--logging.tensorboard",
-                           tb], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           tb, "--logging.moe_per_layer", "true"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = read_jsonl(jsonl)
     assert all(r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0 and r["moe_imbalance"] >= 1 and r["moe_dropped"] > 0
                for r in records)
+    for r in records:  # logging.moe_per_layer: each of the 4 MoE layers' share, summing to the total
+        assert sorted(r["moe_aux_loss_layers"]) == ["0", "1", "2", "3"]
+        assert abs(sum(r["moe_aux_loss_layers"].values()) - r["moe_aux_loss"]) < 1e-6
+        assert abs(sum(r["moe_z_loss_layers"].values()) - r["moe_z_loss"]) < 1e-6
     lines = [line for line in proc.stdout.splitlines() if line.startswith("iter ")]
     assert len(lines) == 2 and all("| aux " in line and "| imbalance " in line and "| dropped " in line
                                    for line in lines)
