@@ -52,7 +52,7 @@ from megazero.config.schema import Config
 from megazero.model.gpt import GPT, apply_tensor_parallel
 from megazero.model.layers import apply_sparse_embedding_grad
 from megazero.model.lora import apply_lora, initial_adapter, is_adapter
-from megazero.parallel.dispatch import AllToAllDispatch, LocalDispatch
+from megazero.parallel.dispatch import AllGatherDispatch, AllToAllDispatch, LocalDispatch, TokenDispatcher
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import RNGTracker, recompute_rng_context
 from megazero.pipeline.stages import build_model_chunks
@@ -71,8 +71,7 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
         if cfg.parallel.sequence_parallel:
             chunk.apply_sequence_parallel()
         chunk.apply_context_parallel(grid.cp_group, cfg.parallel.cp_impl)
-        chunk.apply_expert_parallel(grid.ep_group, AllToAllDispatch(grid.ep_group) if grid.ep > 1 else LocalDispatch(),
-                                    grid.dp_group)
+        chunk.apply_expert_parallel(grid.ep_group, dispatcher(cfg, grid), grid.dp_group)
         apply_lora(chunk, cfg.finetune, tracker)
         if cfg.train.compile:
             apply_compile(chunk)
@@ -87,6 +86,13 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
 
 
 Initial = Callable[[int, str, torch.nn.Parameter], torch.Tensor]
+
+
+def dispatcher(cfg: Config, grid: ProcessGrid) -> TokenDispatcher:
+    """How routed tokens reach experts on other ranks (parallel.moe_dispatcher); none at ep 1."""
+    if grid.ep == 1:
+        return LocalDispatch()
+    return (AllGatherDispatch if cfg.parallel.moe_dispatcher == "allgather" else AllToAllDispatch)(grid.ep_group)
 
 
 def with_adapter_init(base: Optional[Initial], chunks: list[GPT], seed: int, grid: ProcessGrid) -> Initial:
