@@ -93,11 +93,11 @@ def _timed(step, args: argparse.Namespace) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iters", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--micro", type=int, default=2)
-    parser.add_argument("--accum", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=4, help="timed iterations of each (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default: %(default)s)")
+    parser.add_argument("--micro", type=int, default=2, help="sequences per micro-batch (default: %(default)s)")
+    parser.add_argument("--accum", type=int, default=2, help="micro-batches per iteration (default: %(default)s)")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args, overrides = parser.parse_known_args()
     from megazero.harness.spawn import run_ranks
