@@ -71,9 +71,7 @@ def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def expert_loop_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The reference of grouped_mm: one matmul per expert over its rows."""
-    pieces = x.split(counts.tolist())
-    return torch.cat([piece @ weight[j].t() for j, piece in enumerate(pieces)]) if len(pieces) else x.new_zeros(
-        0, weight.shape[1])
+    return torch.cat([piece @ weight[j].t() for j, piece in enumerate(x.split(counts.tolist()))])
 
 
 class _ExpertWeight(nn.Module):
@@ -151,6 +149,7 @@ class MoE(nn.Module):
         if shared_expert is not None and spec.shared_expert_gate:
             self.shared_expert_gate = _ExpertWeight((1, 1, hidden))  # a [1, h] linear, stored [1, 1, h]
         self.dispatcher: TokenDispatcher = LocalDispatch()
+        self.ep_size = 1  # ranks whose tokens reach this rank's experts (each sends at most a capacity's worth)
         # Groups whose ranks hold parts of the same micro-batch's tokens (tp under sequence
         # parallelism, cp): the load-balancing counts are summed over them. The data-parallel
         # group too for global_aux_loss. Set from outside, like the dispatcher.
@@ -168,7 +167,7 @@ class MoE(nn.Module):
         if ep.size > 1:
             self.experts.c_fc.keep_experts(ep)
             self.experts.c_proj.keep_experts(ep)
-        self.dispatcher = dispatcher
+        self.dispatcher, self.ep_size = dispatcher, ep.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -195,27 +194,43 @@ class MoE(nn.Module):
         order = kept[torch.argsort(pairs[kept], stable=True)]  # pair indices, grouped by expert
         counts = torch.bincount(pairs[order], minlength=self.spec.router.num_experts).cpu()
         local, local_counts, sent = self.dispatcher.dispatch(flat[order // k], counts)
-        outputs = self.dispatcher.combine(self.experts(local, local_counts), sent)
+        if self.spec.pad_to_capacity and self.spec.capacity_factor is not None:
+            computed = self._padded_experts(local, local_counts, self.ep_size * self._capacity(tokens))
+        else:
+            computed = self.experts(local, local_counts)
+        outputs = self.dispatcher.combine(computed, sent)
         per_pair = outputs.new_zeros(tokens * k, flat.shape[-1]).index_copy(0, order, outputs)
         weights = routing.probs.to(outputs.dtype).unsqueeze(-1)
         return (per_pair.view(tokens, k, -1) * weights).sum(dim=1)
+
+    def _padded_experts(self, local: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
+        """model.moe_pad_to_capacity: every expert computes `rows` rows (its tokens, then zeros), so
+        the grouped GEMM's shapes do not depend on the routing; the padding's outputs are dropped."""
+        blocks = local.split(counts.tolist())
+        padded = torch.cat([torch.cat([b, b.new_zeros(rows - b.shape[0], b.shape[1])]) for b in blocks])
+        out = self.experts(padded, torch.full_like(counts, rows)).split(rows)
+        return torch.cat([o[:n] for o, n in zip(out, counts.tolist(), strict=True)])
+
+    def _capacity(self, tokens: int) -> int:
+        """Pairs an expert takes from `tokens` tokens: ceil(T·k/E · moe_capacity_factor)."""
+        assert self.spec.capacity_factor is not None
+        return math.ceil(tokens * self.spec.router.topk / self.spec.router.num_experts * self.spec.capacity_factor)
 
     def _within_capacity(self, routing: Routing, tokens: int) -> Optional[torch.Tensor]:
         """[T, k] which pairs an expert takes under the capacity factor (None: dropless, all).
         Each expert takes at most ceil(T·k/E · factor) of its pairs: those of the highest
         probability (policy probs) or the first tokens (policy position)."""
-        factor = self.spec.capacity_factor
-        if factor is None:
+        if self.spec.capacity_factor is None:
             return None
-        num_experts, k = self.spec.router.num_experts, self.spec.router.topk
-        capacity = math.ceil(tokens * k / num_experts * factor)
+        num_experts, capacity = self.spec.router.num_experts, self._capacity(tokens)
         pairs = routing.experts.reshape(-1)
         # Rank each pair among its expert's by the policy's key: sort by key, then stably by expert.
         key = -routing.probs.reshape(-1) if self.spec.token_drop_policy == "probs" else \
             torch.arange(pairs.numel(), device=pairs.device, dtype=torch.float)
         by_key = torch.argsort(key, stable=True)
         by_expert = by_key[torch.argsort(pairs[by_key], stable=True)]
-        starts = torch.bincount(pairs, minlength=num_experts).cumsum(0) - torch.bincount(pairs, minlength=num_experts)
+        per_expert = torch.bincount(pairs, minlength=num_experts)
+        starts = per_expert.cumsum(0) - per_expert
         rank_in_expert = torch.empty_like(pairs)
         rank_in_expert[by_expert] = torch.arange(pairs.numel(), device=pairs.device) - starts[pairs[by_expert]]
         return (rank_in_expert < capacity).view_as(routing.experts)

@@ -169,31 +169,32 @@ def test_other_model_shape_is_refused(tmp_path):
 def test_ctrl_c_under_the_launcher_is_named_sigint(tmp_path):
     """Issue 46, 6: a worker under megazero.launch takes Ctrl-C's SIGINT as a stop request; its
     line used to say SIGTERM."""
-    cmd = [sys.executable, "-m", "megazero.train", *BASE, "--train.iters", "100000"]
     env = {**os.environ, "MEGAZERO_STOPPED_FILE": str(tmp_path / "stopped")}  # as megazero.launch sets it
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    for line in proc.stdout:
-        if line.startswith("iter 2/"):
-            break
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    proc, out, err = _signal_at_iteration([], 2, signal.SIGINT, env)
     assert proc.returncode == 0, err[-2000:]
     assert "SIGINT: stopped cleanly at iteration" in out and "SIGTERM" not in out, out[-2000:]
+
+
+def _signal_at_iteration(extra: list[str], iteration: int, sig: signal.Signals, env=None):
+    """A long megazero.train run given `sig` once it logs `iteration`; (process, stdout, stderr)."""
+    cmd = [sys.executable, "-m", "megazero.train", *BASE, "--train.iters", "100000", *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:
+        if line.startswith(f"iter {iteration}/"):
+            break
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    return proc, out, err
 
 
 @pytest.mark.parametrize("saving", ["sync", "async"])
 def test_sigterm_saves_and_exits_cleanly(tmp_path, saving):
     """async: a save every iteration, so that the signal's save first waits for one in flight."""
     ckpt = str(tmp_path / "ck")
-    cmd = [sys.executable, "-m", "megazero.train", *BASE, "--train.iters", "100000", "--checkpoint.save", ckpt]
+    extra = ["--checkpoint.save", ckpt]
     if saving == "async":
-        cmd += ["--checkpoint.async_save", "true", "--checkpoint.interval", "1", "--checkpoint.keep_last", "2"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        if line.startswith("iter 3/"):
-            break
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+        extra += ["--checkpoint.async_save", "true", "--checkpoint.interval", "1", "--checkpoint.keep_last", "2"]
+    proc, out, err = _signal_at_iteration(extra, 3, signal.SIGTERM)
     assert proc.returncode == 0, err[-2000:]
     assert "SIGTERM: saved and stopped cleanly" in out
     latest = open(os.path.join(ckpt, "latest")).read()

@@ -151,3 +151,23 @@ def test_capacity_drops_past_each_experts_capacity(policy):
             assert key[keep[mask]].min() >= key[~keep[mask]].max()
     layer(x)
     assert layer.stats.dropped == (~keep).sum()
+
+
+def test_padding_to_capacity_computes_fixed_shapes_and_changes_no_output():
+    """moe_pad_to_capacity: every expert's grouped-GEMM block is the capacity's rows whatever the
+    routing, and the outputs and gradients are those of the unpadded layer, bit for bit."""
+    x = torch.randn(1, 16, 16, generator=torch.Generator().manual_seed(12))
+    plain, padded = _moe(capacity_factor=1.0), _moe(capacity_factor=1.0, pad_to_capacity=True)
+    seen = []
+    original = padded.experts.forward
+    padded.experts.forward = lambda rows, counts: seen.append(counts.tolist()) or original(rows, counts)
+    out_plain, out_padded = plain(x), padded(x)
+    assert seen == [[8, 8, 8, 8]]  # ceil(16 tokens x 2 / 4 experts x 1.0) rows each
+    routing = plain.router(x.reshape(-1, 16))
+    kept = torch.bincount(routing.experts[plain._within_capacity(routing, 16)], minlength=4)
+    assert kept.min() < 8  # some expert's block was padded
+    assert torch.equal(out_plain, out_padded)
+    out_plain.square().sum().backward()
+    out_padded.square().sum().backward()
+    for a, b in zip(plain.parameters(), padded.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
