@@ -53,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from megazero.config.megatron import tokenizer_spec as megatron_tokenizer_spec  # noqa: E402
+from megazero.config.schema import ConfigError  # noqa: E402
 from megazero.data import DataError  # noqa: E402
 from megazero.data.corpus import (  # noqa: E402
     CorpusChunk,
@@ -71,7 +73,7 @@ from megazero.data.indexed import (  # noqa: E402
     loss_mask_prefix,
     read_metadata,
 )
-from megazero.data.tokenizer import build_tokenizer, spec_from_megatron_args  # noqa: E402
+from megazero.data.tokenizer import build_tokenizer  # noqa: E402
 
 META_FORMAT = "megazero-indexed-meta/1"
 MAX_SKIPPED_SHOWN = 3
@@ -119,7 +121,10 @@ def tokenizer_spec(args: argparse.Namespace) -> str:
     if args.tokenizer:
         return args.tokenizer
     if args.tokenizer_type:
-        return spec_from_megatron_args(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model)
+        try:
+            return megatron_tokenizer_spec(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model)
+        except ConfigError as e:
+            raise DataError(str(e)) from None
     raise DataError(
         "no tokenizer: pass --tokenizer gpt2bpe:DIR (train one with data_tools/train_tokenizer.py) "
         "or --tokenizer-type with its files"

@@ -3,7 +3,7 @@
 resolve.py (auto values), rules.py (validation; the one home of the layout rules), reads.py (the keys only
 some choice reads), sharding.py (what
 each ZeRO stage partitions, chosen once from zero.stage), megatron.py and
-deepspeed.py (the front-ends), preflight.py (every check before a run starts). This package
+deepspeed.py (the front-ends); every check before a run starts is train/preflight.py. This package
 re-exports what most callers use; the front-ends are imported by their own path (they sit higher)."""
 
 from megazero.config.help import config_keys, markdown_table, reference, show_value

@@ -22,8 +22,6 @@ from megazero.config.help import config_keys, show_value
 from megazero.config.schema import Config, ConfigError
 from megazero.config.sharding import sharding
 from megazero.config.suggest import closest, key_candidates
-from megazero.data import DataError
-from megazero.data.tokenizer import spec_from_megatron_args
 
 LIST = -1
 """nargs of a flag taking every value up to the next --flag (Megatron's nargs='*')."""
@@ -597,13 +595,49 @@ def translate(args: list[str]) -> Translation:
             raise ConfigError(f"{name} needs {BY_NAME[name].needs} (Megatron-LM ignores it without); add it")
     kind = out.collected.get("--tokenizer-type", "GPT2BPETokenizer")
     if out.collected and kind != "NullTokenizer":  # NullTokenizer: none (token ids; --vocab-size sizes the model)
-        try:
-            files = map(out.collected.get, ("--vocab-file", "--merge-file", "--tokenizer-model"))
-            spec = spec_from_megatron_args(kind, *files)
-        except DataError as e:
-            raise ConfigError(str(e)) from None
-        out.overrides += ["--data.tokenizer", spec]
+        files = map(out.collected.get, ("--vocab-file", "--merge-file", "--tokenizer-model"))
+        out.overrides += ["--data.tokenizer", tokenizer_spec(kind, *files)]
     return out
+
+
+# Megatron-LM's --tokenizer-type names and the data.tokenizer kind each becomes (the kinds' own
+# names are taken too).
+TOKENIZER_TYPES = {
+    "GPT2BPETokenizer": "gpt2bpe",
+    "SentencePieceTokenizer": "sentencepiece",
+    "GPTSentencePieceTokenizer": "sentencepiece",
+    "Llama2Tokenizer": "sentencepiece",
+    "HuggingFaceTokenizer": "hf",
+}
+
+
+def tokenizer_spec(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
+                   tokenizer_model: Optional[str]) -> str:
+    """data.tokenizer from Megatron-LM's tokenizer flags (--tokenizer-type, --vocab-file, --merge-file,
+    --tokenizer-model), by their names: the files are read later, by data/'s tokenizers (a directory,
+    as a bare spec, is read by what it holds)."""
+    kind = TOKENIZER_TYPES.get(tokenizer_type, tokenizer_type)
+    if kind == "gpt2bpe":
+        if not vocab_file or not merge_file:
+            raise ConfigError(f"--tokenizer-type {tokenizer_type} needs --vocab-file and --merge-file")
+        return f"gpt2bpe:{vocab_file},{merge_file}"
+    if kind == "sentencepiece":
+        if not tokenizer_model:
+            raise ConfigError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
+        return f"sentencepiece:{tokenizer_model}"
+    if kind != "hf":
+        names = ", ".join(dict.fromkeys([*TOKENIZER_TYPES, *TOKENIZER_TYPES.values()]))
+        raise ConfigError(f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {names}")
+    # HuggingFaceTokenizer's --tokenizer-model: a local directory (its files decide: tokenizer.json,
+    # or Llama 2's tokenizer.model) or a tokenizer.json; Megatron also takes a hub name, which needs the network.
+    if not tokenizer_model:
+        raise ConfigError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model DIR (a directory with tokenizer.json)")
+    if os.path.isdir(tokenizer_model):
+        return tokenizer_model
+    if os.path.isfile(tokenizer_model) and tokenizer_model.endswith(".json"):
+        return f"hf:{tokenizer_model}"
+    raise ConfigError(f"--tokenizer-type {tokenizer_type} --tokenizer-model {tokenizer_model}: megazero reads a local "
+                      f"directory holding tokenizer.json (or the file itself), not a hub name; download the tokenizer first")
 
 
 def _values(flag: Flag, args: list[str], i: int, inline: Optional[list[str]]) -> tuple[list[str], int]:

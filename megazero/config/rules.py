@@ -1,5 +1,5 @@
 """The rules a resolved config must meet: `validate(cfg, world_size)` checks every value and their
-consistency, changing nothing, before any process group is built (config/preflight.py adds other
+consistency, changing nothing, before any process group is built (train/preflight.py adds other
 modules' checks). Errors are one line naming the key, the values and the fix.
 """
 

@@ -36,14 +36,6 @@ from megazero.data import DataError, read_json
 
 EOD_TOKEN = "<|endoftext|>"
 KINDS = ("gpt2bpe", "sentencepiece", "hf")
-# Megatron-LM's --tokenizer-type names, so its users can keep their flags.
-MEGATRON_TYPES = {
-    "GPT2BPETokenizer": "gpt2bpe",
-    "SentencePieceTokenizer": "sentencepiece",
-    "GPTSentencePieceTokenizer": "sentencepiece",
-    "Llama2Tokenizer": "sentencepiece",
-    "HuggingFaceTokenizer": "hf",
-}
 SPM_MODEL_NAME = "tokenizer.model"
 HF_TOKENIZER_NAME = "tokenizer.json"
 T = TypeVar("T")
@@ -237,39 +229,6 @@ def build_tokenizer(spec: str) -> Tokenizer:
         tokenizer = cls(os.path.join(path, name) if os.path.isdir(path) else path)
     tokenizer.spec = spec  # as the user wrote it, for messages and the dataset sidecar
     return tokenizer
-
-
-def spec_from_megatron_args(
-    tokenizer_type: str, vocab_file: str | None, merge_file: str | None, tokenizer_model: str | None
-) -> str:
-    """A spec from Megatron-LM style flags (--tokenizer-type, --vocab-file, --merge-file, --tokenizer-model)."""
-    kind = MEGATRON_TYPES.get(tokenizer_type, tokenizer_type)
-    if kind == "gpt2bpe":
-        if not vocab_file or not merge_file:
-            raise DataError(f"--tokenizer-type {tokenizer_type} needs --vocab-file and --merge-file")
-        return f"gpt2bpe:{vocab_file},{merge_file}"
-    if kind == "sentencepiece":
-        if not tokenizer_model:
-            raise DataError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
-        return f"sentencepiece:{tokenizer_model}"
-    if kind != "hf":
-        names = ", ".join([*MEGATRON_TYPES, *KINDS])
-        raise DataError(f"--tokenizer-type {tokenizer_type!r} is not supported; use one of {names}")
-    # HuggingFaceTokenizer's --tokenizer-model: a local directory (its files decide, as for a bare
-    # DIR spec) or a tokenizer.json; Megatron also takes a hub name, which needs the network.
-    model = tokenizer_model
-    if not model:
-        raise DataError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model DIR (a directory with tokenizer.json)")
-    if os.path.isdir(model):
-        spec = spec_of_directory(model)
-        if spec is None:
-            raise DataError(f"--tokenizer-model {model}: the directory holds no tokenizer files (tokenizer.json, "
-                            f"tokenizer.model or vocab.json + merges.txt)")
-        return spec
-    if os.path.isfile(model) and model.endswith(".json"):
-        return f"hf:{model}"
-    raise DataError(f"--tokenizer-type {tokenizer_type} --tokenizer-model {model}: megazero reads a local directory "
-                    f"holding tokenizer.json (or the file itself), not a hub name; download the tokenizer first")
 
 
 def train_gpt2bpe(texts: Iterable[str], vocab_size: int, output_dir: str | os.PathLike) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Mapping, Sequence, Union
 
 from megazero.config import Config, build_config, load_yaml
-from megazero.config.preflight import resolve_and_validate
+from megazero.train.preflight import resolve_and_validate
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # the repository megazero is used from (configs/, scripts/)
 TINY_CONFIG = "configs/gpt2-tiny.yaml"

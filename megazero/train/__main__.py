@@ -20,12 +20,12 @@ from megazero.config.deepspeed import load_deepspeed_config
 from megazero.config.help import reference
 from megazero.config.megatron import translate
 from megazero.config.parse import build_config, load_yaml, parse_overrides
-from megazero.config.preflight import preflight, resolve_and_validate, starting_point_line
 from megazero.config.reads import unread_warning
 from megazero.config.rules import schedule_warnings
 from megazero.config.schema import Config, ConfigError
 from megazero.errors import exit_if_failed_before, report_errors
 from megazero.train import lifecycle
+from megazero.train.preflight import preflight, resolve_and_validate, starting_point_line
 from megazero.train.sinks import set_aside_other_runs
 
 

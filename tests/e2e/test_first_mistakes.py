@@ -137,8 +137,8 @@ def test_validate_only_checks_the_nvme_swap_space_as_start_up_does(tmp_path, mon
     import pytest
 
     from helpers import make_config
-    from megazero.config.preflight import preflight
     from megazero.errors import UserError
+    from megazero.train.preflight import preflight
     cfg = make_config(["--zero.stage", "3", "--zero.offload_optimizer", "nvme", "--zero.offload_param", "nvme",
                        "--zero.nvme_path", str(tmp_path / "swap")], world=2)  # created by the run: not yet there
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

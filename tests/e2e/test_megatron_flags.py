@@ -409,11 +409,15 @@ def test_llama_example_flags_refused_in_one_line(args, message):
 
 
 def test_hugging_face_tokenizer_directory(spm_spec, tmp_path):
-    """--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR: the directory's tokenizer.model."""
+    """--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR: the directory's tokenizer.model (the
+    front-end passes the directory on; the tokenizer reads what it holds)."""
+    from megazero.data.tokenizer import build_tokenizer
+
     (tmp_path / "tokenizer.model").symlink_to(spm_spec.split(":", 1)[1])
     cfg = load_config(None, None, ["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                                    str(tmp_path)], 0, 1)
-    assert cfg.data.tokenizer == f"sentencepiece:{tmp_path}"
+    assert cfg.data.tokenizer == str(tmp_path)
+    assert build_tokenizer(cfg.data.tokenizer).kind == "sentencepiece"
 
 
 def _train_on(prefix: str, tokenizer_dir: str) -> list[tuple[int, float]]:
@@ -429,7 +433,7 @@ def test_hugging_face_tokenizer_json_directory_preprocesses_and_trains(llama3_to
     from helpers import make_texts, write_jsonl
     flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", llama3_tokenizer_dir]
     cfg = load_config(None, None, ["--mock-data", *flags], 0, 1)
-    assert cfg.data.tokenizer == f"hf:{llama3_tokenizer_dir}"
+    assert cfg.data.tokenizer == llama3_tokenizer_dir  # the directory: the tokenizer reads what it holds
     corpus = write_jsonl(tmp_path / "c.jsonl", make_texts(300))
     done = subprocess.run([sys.executable, str(REPO / "data_tools" / "preprocess_data.py"), "--input", str(corpus),
                            *flags, "--output-prefix", str(tmp_path / "c"), "--append-eod", "--no-progress"],

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import REPO
 from megazero.config import build_config
-from megazero.config.preflight import PreflightError, starting_point_line
+from megazero.train.preflight import PreflightError, starting_point_line
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:

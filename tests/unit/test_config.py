@@ -11,8 +11,8 @@ import pytest
 
 from helpers import REPO
 from megazero.config import ConfigError, build_config, load_yaml, parse_overrides, resolve, validate
-from megazero.config.preflight import resolve_and_validate
 from megazero.model.layers import padded_vocab_size
+from megazero.train.preflight import resolve_and_validate
 
 
 def test_precedence_cli_over_file_over_defaults(tmp_path):

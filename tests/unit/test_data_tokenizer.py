@@ -9,12 +9,10 @@ from pathlib import Path
 import pytest
 
 from helpers import SAMPLES, documents, load_script, make_texts, run, write_jsonl
+from megazero.config.megatron import tokenizer_spec
+from megazero.config.schema import ConfigError
 from megazero.data import DataError
-from megazero.data.tokenizer import (
-    build_tokenizer,
-    spec_from_megatron_args,
-    train_gpt2bpe,
-)
+from megazero.data.tokenizer import build_tokenizer, train_gpt2bpe
 
 
 @pytest.mark.parametrize("fixture", ["bpe_spec", "spm_spec"])
@@ -42,7 +40,7 @@ def test_gpt2bpe_files_and_eod(bpe_spec: str) -> None:
 def test_spec_forms_share_identity(bpe_spec: str) -> None:
     folder = bpe_spec.split(":", 1)[1]
     by_files = build_tokenizer(f"gpt2bpe:{folder}/vocab.json,{folder}/merges.txt")
-    by_megatron = build_tokenizer(spec_from_megatron_args("GPT2BPETokenizer", f"{folder}/vocab.json", f"{folder}/merges.txt", None))
+    by_megatron = build_tokenizer(tokenizer_spec("GPT2BPETokenizer", f"{folder}/vocab.json", f"{folder}/merges.txt", None))
     identity = build_tokenizer(bpe_spec).identity()
     assert by_files.identity() == by_megatron.identity() == identity
     assert set(identity) == {"type", "vocab_size", "eod", "sha256"} and identity["type"] == "gpt2bpe"
@@ -85,16 +83,26 @@ def test_foreign_files_are_refused(tmp_path: Path) -> None:
 
 
 def test_megatron_flags_need_their_files() -> None:
-    with pytest.raises(DataError, match="--vocab-file"):
-        spec_from_megatron_args("GPT2BPETokenizer", None, None, None)
-    with pytest.raises(DataError, match="--tokenizer-model"):
-        spec_from_megatron_args("SentencePieceTokenizer", None, None, None)
-    with pytest.raises(DataError, match="HuggingFaceTokenizer needs --tokenizer-model DIR"):
-        spec_from_megatron_args("HuggingFaceTokenizer", None, None, None)
-    with pytest.raises(DataError, match="not a hub name"):
-        spec_from_megatron_args("HuggingFaceTokenizer", None, None, "meta-llama/Meta-Llama-3-8B")
-    with pytest.raises(DataError, match="not supported"):
-        spec_from_megatron_args("TikTokenizer", None, None, None)
+    with pytest.raises(ConfigError, match="--vocab-file"):
+        tokenizer_spec("GPT2BPETokenizer", None, None, None)
+    with pytest.raises(ConfigError, match="--tokenizer-model"):
+        tokenizer_spec("SentencePieceTokenizer", None, None, None)
+    with pytest.raises(ConfigError, match="HuggingFaceTokenizer needs --tokenizer-model DIR"):
+        tokenizer_spec("HuggingFaceTokenizer", None, None, None)
+    with pytest.raises(ConfigError, match="not a hub name"):
+        tokenizer_spec("HuggingFaceTokenizer", None, None, "meta-llama/Meta-Llama-3-8B")
+    with pytest.raises(ConfigError, match="not supported"):
+        tokenizer_spec("TikTokenizer", None, None, None)
+
+
+def test_a_megatron_tokenizer_directory_is_read_by_what_it_holds(llama3_tokenizer_dir: str, tmp_path: Path) -> None:
+    """HuggingFaceTokenizer --tokenizer-model DIR becomes the bare DIR spec: the front-end reads no files,
+    the tokenizer reads the directory (tokenizer.json here), and an empty one is refused there, naming it."""
+    spec = tokenizer_spec("HuggingFaceTokenizer", None, None, llama3_tokenizer_dir)
+    assert spec == llama3_tokenizer_dir
+    assert build_tokenizer(spec).kind == "hf"
+    with pytest.raises(DataError, match="holds no tokenizer files"):
+        build_tokenizer(tokenizer_spec("HuggingFaceTokenizer", None, None, str(tmp_path)))
 
 
 @pytest.mark.parametrize("kind, size", [("gpt2bpe", 300), ("sentencepiece", 300)])

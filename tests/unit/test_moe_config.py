@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megazero.config import ConfigError, build_config
-from megazero.config.preflight import resolve_and_validate
+from megazero.train.preflight import resolve_and_validate
 
 MOE = ["--model.num_experts", "8", "--model.num_layers", "4"]
 SPLIT_NOT_BUILT = "parallel.ep 4 x parallel.etp 1 (etp defaults to tp): experts split over ranks do not train yet"
