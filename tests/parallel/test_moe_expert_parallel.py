@@ -1,0 +1,83 @@
+"""Experts split over ranks (expert parallelism, issue 45): a Mixtral-style mixture of experts
+(configs/mixtral-tiny.yaml, 4 experts, top-2) with ep > 1 equals the single process: fp32,
+dropless, same seed and global batch; per iteration the LM loss, the gradient norm (each expert
+element counted once over the world) and the logged aux and z-losses within 1e-5.
+
+Expert weights are sharded and reduced over the expert-data-parallel group, dense ones over
+dp x cp (config/sharding.parameter_groups), at every ZeRO stage; the tokens reach their experts
+by all-to-all or all-gather over the ep group; at tp without sequence parallelism (etp 1) each
+TP rank sends its share of the replicated tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import assert_parity, logged_by_layout, moe_records, run_distributed
+
+ITERS = 3
+# Large coefficients, so that the losses' gradients weigh in the gradient norm.
+SHORT = ["--train.iters", str(ITERS), "--model.seq_length", "32", "--train.global_batch_size", "8",
+         "--train.micro_batch_size", "2", "--model.moe_aux_loss_coeff", "0.1", "--model.moe_z_loss_coeff", "0.01"]
+
+
+def _records(extra: list[str]) -> list[tuple[float, ...]]:
+    """(loss, grad norm, aux loss, z-loss) of each iteration on the logging rank (empty elsewhere),
+    after checking that the expert buckets are partitioned over expert-dp and the dense over dp x cp."""
+    return moe_records(SHORT + extra, _check_buckets)
+
+
+def _check_buckets(tr) -> None:
+    sharded, grid = tr.optimizer.sharded, tr.grid
+    for b in sharded.layout.buckets:
+        expert = "experts." in b.slots[0].name
+        group = grid.expert_dp_group if expert else grid.dp_cp_group
+        assert b.group == ("expert_dp" if expert else "dp_cp") and all(("experts." in s.name) == expert for s in b.slots)
+        assert (b.shards, b.rank) == sharded.sharding.shards(group)
+
+
+def _layouts(layouts: dict[str, list[str]]) -> dict[str, list]:
+    return logged_by_layout(_records, layouts)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[tuple[float, ...]]:
+    return run_distributed(_records, 1, [])[0]
+
+
+EP2, EP4, TP2 = ["--parallel.ep", "2"], ["--parallel.ep", "4"], ["--parallel.tp", "2", "--parallel.etp", "1"]
+ALLGATHER, SP = ["--parallel.moe_dispatcher", "allgather"], ["--parallel.sequence_parallel", "true"]
+
+
+def _zero(stage: int) -> list[str]:
+    return ["--zero.stage", str(stage)]
+
+
+def test_expert_parallel_on_2_ranks(reference):
+    """ep 2 over the data ranks with ZeRO-3 and the all-gather dispatcher (experts alone on their
+    expert-dp group of one), and ep 2 over the TP ranks under sequence parallelism with ZeRO-1."""
+    layouts = {"ep2-zero3-allgather": EP2 + _zero(3) + ALLGATHER, "tp2-sp-ep2-zero1": TP2 + SP + EP2 + _zero(1)}
+    assert_parity(run_distributed(_layouts, 2, layouts)[0], reference, ITERS)
+
+
+def test_expert_parallel_with_expert_data_parallelism_on_4_ranks(reference):
+    """ep 2 x expert-dp 2 (dp 4): expert gradients reduce-scattered and their shards gathered over
+    expert-dp, dense ones over dp, at ZeRO-2 with the all-to-all dispatcher."""
+    assert_parity(run_distributed(_layouts, 4, {"ep2-edp2-zero2": EP2 + _zero(2)})[0], reference, ITERS)
+
+
+@pytest.mark.slow
+def test_expert_parallel_every_stage_and_dispatcher_on_2_ranks(reference):
+    """ZeRO 0-2 and both dispatchers at ep 2; tp 2 (etp 1) without sequence parallelism, where the
+    TP ranks hold the same tokens and each sends its share; cp 2 folded into ep."""
+    layouts = {"ep2-zero0": EP2, "ep2-zero1-allgather": EP2 + _zero(1) + ALLGATHER, "ep2-zero2": EP2 + _zero(2),
+               "tp2-ep2": TP2 + EP2, "tp2-ep1": TP2, "cp2-ep2-zero3": ["--parallel.cp", "2"] + EP2 + _zero(3)}
+    assert_parity(run_distributed(_layouts, 2, layouts)[0], reference, ITERS)
+
+
+@pytest.mark.slow
+def test_expert_parallel_layouts_on_4_ranks(reference):
+    """ep 4 at ZeRO-3; ep 2 x expert-dp 2 at ZeRO 0, 1 and 3 (all-gather); pp 2 x ep 2; tp 2 x ep 2 x dp 2."""
+    layouts = {"ep4-zero3": EP4 + _zero(3), "ep2-edp2-zero0": EP2, "ep2-edp2-zero1": EP2 + _zero(1),
+               "ep2-edp2-zero3-allgather": EP2 + _zero(3) + ALLGATHER,
+               "pp2-ep2-zero1": ["--parallel.pp", "2"] + EP2 + _zero(1), "tp2-ep2-dp2-zero3": TP2 + EP2 + _zero(3)}
+    assert_parity(run_distributed(_layouts, 4, layouts)[0], reference, ITERS)
