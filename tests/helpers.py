@@ -317,6 +317,16 @@ def logged_by_layout(records: Callable[[list[str]], list], layouts: dict[str, li
     return out
 
 
+def losses_saving_at_2(trainer: Any, iters: int) -> list[float]:
+    """In a spawned rank: train `iters` steps, saving a checkpoint after the second; their losses."""
+    losses = []
+    for i in range(iters):
+        losses.append(trainer.train_step()["loss"])
+        if i == 1:
+            trainer.checkpoints.save(trainer.iteration, last=False)
+    return losses
+
+
 def moe_records(args: Sequence[str], check: Optional[Callable[[Any], None]] = None) -> list[tuple[float, ...]]:
     """In a spawned rank: train configs/mixtral-tiny.yaml with `args` (after `check(trainer)`, when
     given); (loss, grad norm, aux loss, z-loss) of each iteration on the logging rank, nothing elsewhere."""

@@ -281,6 +281,7 @@ class ZeroOptimizer:
                 return pieces[0]
             return snapshot.concat(kind, pieces) if snapshot is not None else host.concat(pieces)
         return {"stage": self.sharding.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
+                "zero_ranks": {b.group: b.rank for b in self.layout.buckets},  # each ZeRO group's shard index
                 "precision": self.cfg.train.precision, "step": self.step_count,
                 "master": on_host("master", self._shard_values()),
                 "exp_avg": on_host("exp_avg", [self.state.read("exp_avg")]),
