@@ -27,12 +27,22 @@ def _records(extra: list[str]) -> list[tuple[float, ...]]:
 
 
 def _check_buckets(tr) -> None:
-    sharded, grid = tr.optimizer.sharded, tr.grid
+    """Expert weights in buckets of their own over expert-dp, dense ones over dp x cp, as the planner
+    lays them out (plan/ranks.py: the same buckets, padded for their own group)."""
+    from megazero.plan.ranks import rank_params
+    from megazero.zero.partition import bucket_numel
+    sharded, grid, cfg = tr.optimizer.sharded, tr.grid, tr.cfg
     for b in sharded.layout.buckets:
         expert = "experts." in b.slots[0].name
         group = grid.expert_dp_group if expert else grid.dp_cp_group
         assert b.group == ("expert_dp" if expert else "dp_cp") and all(("experts." in s.name) == expert for s in b.slots)
         assert (b.shards, b.rank) == sharded.sharding.shards(group)
+    p = cfg.parallel
+    planned = rank_params(cfg.model, p.tp, p.pp, p.vpp, grid.pp_rank, sharded.sharding.parameters, cfg.zero.bucket_size,
+                          p.pp_layers, grid.ep, 1).split_experts()[2]
+    shards = sharded.sharding.shards(grid.expert_dp_group)[0]
+    assert [b.numel for b in sharded.layout.buckets if b.group == "expert_dp"] == \
+        [bucket_numel(list(b), shards) for b in planned]
 
 
 def _layouts(layouts: dict[str, list[str]]) -> dict[str, list]:
