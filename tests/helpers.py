@@ -40,7 +40,8 @@ def make_trainer(args: Sequence[str] = (), base: str | dict = TINY_CONFIG):
     from megazero.train.trainer import Trainer
     cfg = make_config(args, base, world=dist.get_world_size())
     with contextlib.redirect_stdout(io.StringIO()):
-        return Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp, cp=cfg.parallel.cp))
+        p = cfg.parallel
+        return Trainer(cfg, ProcessGrid.create(p.tp, p.pp, cp=p.cp, ep=p.ep, etp=p.expert_tp))
 
 
 def warm_trainer_and_plan(args: Sequence[str], base: str | dict):
@@ -314,6 +315,27 @@ def logged_by_layout(records: Callable[[list[str]], list], layouts: dict[str, li
         dist.all_gather_object(everyone, records(extra))
         out[name] = next(r for r in everyone if r)
     return out
+
+
+def losses_saving_at_2(trainer: Any, iters: int) -> list[float]:
+    """In a spawned rank: train `iters` steps, saving a checkpoint after the second; their losses."""
+    losses = []
+    for i in range(iters):
+        losses.append(trainer.train_step()["loss"])
+        if i == 1:
+            trainer.checkpoints.save(trainer.iteration, last=False)
+    return losses
+
+
+def moe_records(args: Sequence[str], check: Optional[Callable[[Any], None]] = None) -> list[tuple[float, ...]]:
+    """In a spawned rank: train configs/mixtral-tiny.yaml with `args` (after `check(trainer)`, when
+    given); (loss, grad norm, aux loss, z-loss) of each iteration on the logging rank, nothing elsewhere."""
+    tr = make_trainer(args, base="configs/mixtral-tiny.yaml")
+    if check is not None:
+        check(tr)
+    with contextlib.redirect_stdout(io.StringIO()):
+        records = tr.run()
+    return [(r["loss"], r["grad_norm"], r["moe_aux_loss"], r["moe_z_loss"]) for r in records] if tr.is_logger else []
 
 
 def logged_losses(make: Callable[[], Any]) -> list[tuple[float, float]]:

@@ -1,8 +1,8 @@
 """A 16-bit copy of the whole model written during training (`checkpoint.save_model_16bit`).
 
 Every parameter is assembled in full — from its ZeRO-3 shards over DP (one gather unit at
-a time), its TP shards (all-gathered within the TP group) and its pipeline stage (sent to
-global rank 0) — and written by global rank 0 alone into one safetensors file holding the
+a time), an expert weight's experts (all-gathered within the expert-parallel group), its TP
+shards (all-gathered within the TP group) and its pipeline stage (sent to global rank 0) — and written by global rank 0 alone into one safetensors file holding the
 non-parallel model's state_dict (megazero names, tp = 1 vocab padding) with the model
 config in its metadata. Rank 0 never holds more than one full parameter: the file's
 header is written first from the model's shapes and each tensor lands at its offset
@@ -42,6 +42,15 @@ def _tp_full(local: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tenso
     flat = torch.empty(tp.size * local.numel(), dtype=local.dtype, device=local.device)
     comm.all_gather_into(flat, local.reshape(-1), tp)
     return where.unshard(list(flat.view(tp.size, *local.shape).unbind(0)))
+
+
+def _experts_full(local: torch.Tensor, param: nn.Parameter, ep: Group) -> torch.Tensor:
+    """Stack every expert-parallel rank's experts of an expert weight (collective over ep)."""
+    if not placement(param).experts or ep.size == 1:
+        return local
+    flat = torch.empty(ep.size * local.numel(), dtype=local.dtype, device=local.device)
+    comm.all_gather_into(flat, local.reshape(-1), ep)
+    return flat.view(ep.size * local.shape[0], *local.shape[1:])
 
 
 def save_model_16bit(directory: str, full_parameters: Iterator[tuple[str, nn.Parameter, torch.Tensor]],
@@ -91,12 +100,15 @@ def save_gathered(path: str, full_parameters: Iterator[tuple[str, nn.Parameter, 
 
 def _joined(full_parameters: Iterator, shapes: dict, grid: ProcessGrid, dtype: torch.dtype) -> Iterator:
     """(name, full tensor) on the DP-rank-0 row, one at a time; other rows only take part
-    in the ZeRO-3 gathers that `full_parameters` runs."""
+    in the ZeRO-3 gathers that `full_parameters` runs and in the experts' all-gathers."""
     for name, param, value in full_parameters:
         # A tied head (wte's copy) is not in the non-parallel model's shapes; an untied one is.
-        if name not in shapes or grid.dp_cp_group.rank != 0:
+        if name not in shapes:
             continue
-        yield name, fit_vocab(name, _tp_full(value.detach(), param, grid.tp_group), shapes[name]).to(dtype)
+        value = _experts_full(value.detach(), param, grid.ep_group)  # every rank: the ep group spans dp x cp ranks
+        if grid.dp_cp_group.rank != 0:
+            continue
+        yield name, fit_vocab(name, _tp_full(value, param, grid.tp_group), shapes[name]).to(dtype)
 
 
 def _send(index: int, tensor: torch.Tensor, grid: ProcessGrid) -> None:

@@ -7,7 +7,8 @@ materializes) and the trainer (which state it loads):
             universal checkpoint, or a DeepSpeed one; also on a torchrun restart): it replaces every value
 
 At the checkpoint's own layout each rank reads its own file (bitwise; at ZeRO-0 the
-replicated optimizer state is in DP rank 0's file alone). Any other layout, or a universal
+replicated optimizer state of a ZeRO group's buckets is in its rank 0's file alone: dp x cp's
+for the dense parameters, expert-dp's for the experts). Any other layout, or a universal
 checkpoint, is resharded: each rank asks the checkpoint's reader (load.open_checkpoint) for
 one full fp32 tensor at a time (master weights, then each Adam moment) and keeps its new TP
 shard's pieces that its new DP partition owns, never holding more than about one full
@@ -29,6 +30,7 @@ from megazero.checkpoint.save import LEFT_OUT, layout_of
 from megazero.checkpoint.sharded import check_model, load_rank_state, read_metadata, resolve
 from megazero.checkpoint.tensors import decode_rng, fit_vocab
 from megazero.config.schema import Config
+from megazero.config.sharding import DENSE, parameter_groups
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.placement import Placement
@@ -66,7 +68,7 @@ def resume_state(load: str, iteration: int, cfg: Config, grid: ProcessGrid,
         check_model(reader.meta, cfg, ckpt)
         kinds = KINDS if cfg.checkpoint.load_optimizer else ("master",)
         return ckpt, {**reader.trainer_state(), "rng": None,
-                      "optimizer": reshard_optimizer_state(reader, template(), grid.tp_rank, grid.tp, kinds)}
+                      "optimizer": reshard_optimizer_state(reader, template(), grid, kinds)}
 
     def error(rank: int, report: tuple[str, str | None]) -> CheckpointError:
         message, bad = report  # the search for the last good checkpoint hashes older ones: rank 0 alone runs it
@@ -122,10 +124,27 @@ def check_optimizer(meta: dict, cfg: Config, ckpt: str) -> None:
 def _own_files(ckpt: str, meta: dict, grid: ProcessGrid) -> dict:
     """This rank's state at the checkpoint's own layout."""
     state = load_rank_state(ckpt, meta, grid)
-    if state["optimizer"] is None:  # ZeRO-0: DP rank 0 holds the replicated optimizer state
-        c = grid.coords()
-        state["optimizer"] = load_rank_state(ckpt, meta, grid, rank=grid.rank_of(c.tp, 0, c.pp))["optimizer"]
+    if state["optimizer"] is None:  # ZeRO-0: the replicated state is in its ZeRO groups' rank 0 files
+        state["optimizer"] = _replicated_state(ckpt, meta, grid)
     return {**state, "rng": decode_rng(state["rng"]) if state["rng"] is not None else None}
+
+
+def _replicated_state(ckpt: str, meta: dict, grid: ProcessGrid) -> dict:
+    """ZeRO-0's optimizer state of this rank, which it did not save: a bucket's state is that of
+    its ZeRO group's rank 0 (the partition map names a bucket's group where it is not dp x cp's)."""
+    state = load_rank_state(ckpt, meta, grid, rank=grid[DENSE.zero].ranks[0])["optimizer"]  # a private copy
+    owners = {}
+    for b in state["partition"]["buckets"]:
+        kind = b.get("zero_group", DENSE.zero)
+        if kind == DENSE.zero:
+            continue
+        if kind not in owners:
+            owners[kind] = load_rank_state(ckpt, meta, grid, rank=grid[kind].ranks[0])["optimizer"]
+        span = slice(b["shard_offset"], b["shard_offset"] + b["shard_numel"])
+        for key in KINDS:
+            if state[key] is not None and span.start < len(state[key]):  # frozen buckets have master values only
+                state[key][span] = owners[kind][key][span]
+    return state
 
 
 class FullTensorReader(Protocol):  # sharded.ShardedReader, universal.UniversalReader
@@ -134,24 +153,29 @@ class FullTensorReader(Protocol):  # sharded.ShardedReader, universal.UniversalR
     def trainer_state(self) -> dict: ...
 
 
-def reshard_optimizer_state(reader: FullTensorReader, template: dict, tp_rank: int, tp_size: int,
+def reshard_optimizer_state(reader: FullTensorReader, template: dict, grid: ProcessGrid,
                             kinds: tuple[str, ...] = KINDS) -> dict:
     """This rank's optimizer state_dict in its new layout (`template` is the fresh optimizer's
-    own state_dict: it supplies the partition map and the keys). The flat shards are built
-    in host memory, whatever the run's device: the optimizer's load_state_dict copies each
-    to the device once, so resharding needs no device memory beyond the optimizer's own."""
+    own state_dict: it supplies the partition map, each ZeRO group's shard index and the keys).
+    The flat shards are built in host memory, whatever the run's device: the optimizer's
+    load_state_dict copies each to the device once, so resharding needs no device memory
+    beyond the optimizer's own. A parameter's shard on this rank: its experts of the
+    expert-parallel group (an expert weight), then its split over its TP group."""
     partition = template["partition"]
-    dp_rank = template["dp_rank"]
+    zero_ranks = template.get("zero_ranks", {DENSE.zero: template["dp_rank"]})
     # Frozen parameters (LoRA's base) sit after the trainable prefix and have master values only.
     flats = {k: torch.zeros(partition["shard_numel" if k == "master" else "trainable_numel"], dtype=torch.float32)
              for k in kinds}
     for name, entry in partition["params"].items():
-        mine = [p for p in entry["shards"] if p["rank"] == dp_rank]
+        where = Placement.from_record(entry)
+        groups = parameter_groups(where)
+        mine = [p for p in entry["shards"] if p["rank"] == zero_ranks[groups.zero]]
         if not mine:
             continue
+        tensor = grid[groups.tensor]
         for kind in kinds if entry["trainable"] else ("master",):
             full = fit_vocab(name, reader.full(name, kind), tuple(entry["full_shape"]))
-            local = Placement.from_record(entry).shard(full, tp_rank, tp_size).reshape(-1)
+            local = where.shard(where.expert_shard(full, grid.ep_rank, grid.ep), tensor.rank, tensor.size).reshape(-1)
             for p in mine:
                 flats[kind][p["offset"]: p["offset"] + p["length"]] = \
                     local[p["param_offset"]: p["param_offset"] + p["length"]]

@@ -166,9 +166,11 @@ def layout_of(cfg: Config, grid: ProcessGrid) -> dict:
     """The layout a checkpoint's rank files follow. Its "dp" counts ZeRO's shards (dp x cp: rank
     files are named by the dp x cp index), so readers need not know context parallelism; "cp"
     appears only above 1, so that a cp change reshards (RNG streams differ) while checkpoints
-    written before cp existed keep their layout."""
+    written before cp existed keep their layout. Likewise the experts' folding: "ep" above 1,
+    "etp" where it is not tp (readers find an expert-dp rank's file from them)."""
     cp = {"cp": grid.cp} if grid.cp > 1 else {}
-    return {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp * grid.cp, **cp, "vpp": cfg.parallel.vpp,
+    experts = {**({"ep": grid.ep} if grid.ep > 1 else {}), **({"etp": grid.etp} if grid.etp != grid.tp else {})}
+    return {"tp": grid.tp, "pp": grid.pp, "dp": grid.dp * grid.cp, **cp, **experts, "vpp": cfg.parallel.vpp,
             "pp_layers": cfg.parallel.pp_layers, "zero_stage": cfg.zero.stage, "precision": cfg.train.precision}
 
 

@@ -10,8 +10,11 @@ loaded with `torch.load(weights_only=True)`: loading never runs code from a chec
 `ShardedReader` gives full tensors, a pure function of the files: each rank file holds its
 flat fp32 shards (master weights, Adam moments) and the partition map saying where every
 element of every parameter lives (DP rank, offset, length); a parameter's DP pieces are
-joined on every TP rank, then its TP shards by its placement (tp_dim / tp_stride). Rank files are
-memory-mapped: only the pieces read are brought into memory.
+joined on every TP rank, then its TP shards by its placement (tp_dim / tp_stride). An expert
+weight's pieces lie on the ranks of its ZeRO group (the map's `zero_group`, expert-dp): they are
+joined on every expert-parallel rank, whose experts are then stacked in rank order (the layout's
+"ep" and "etp" say which file holds which expert-dp rank). Rank files are memory-mapped: only
+the pieces read are brought into memory.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from megazero.checkpoint.base import (
 from megazero.checkpoint.meta import LATEST, PointerError, model_mismatch, resume_dir
 from megazero.config.parse import build_config
 from megazero.config.schema import Config
+from megazero.config.sharding import DENSE
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.placement import Placement
 
@@ -109,7 +113,9 @@ class ShardedReader:
         self._verified: set[str] = set()
         self.config = build_config(self.meta["config"])
         self.model_config = self.config.model
-        self.tp, self.pp = self.meta["layout"]["tp"], self.meta["layout"]["pp"]
+        layout = self.meta["layout"]
+        self.tp, self.pp = layout["tp"], layout["pp"]
+        self.ep, self.etp = layout.get("ep", 1), layout.get("etp", self.tp)  # the experts' folding
         # Partition maps are identical on every DP rank of a (tp, pp) coordinate.
         self.maps = {(tp, pp): self.optimizer_state(tp, pp, 0)["partition"]
                      for pp in range(self.pp) for tp in range(self.tp)}
@@ -155,16 +161,32 @@ class ShardedReader:
             name = "transformer.wte.weight"
         pp = self.stage_of[name]
         entry = self.maps[(0, pp)]["params"][name]
+        if entry.get("zero_group", DENSE.zero) != DENSE.zero:  # an expert weight: over the experts' folding
+            return torch.cat([self._expert_shard(name, kind, pp, ep) for ep in range(self.ep)])
         shards = [self._tp_shard(name, kind, tp, pp) for tp in range(self.tp)]
         return Placement.from_record(entry).unshard(shards)
 
-    def _tp_shard(self, name: str, kind: str, tp: int, pp: int) -> torch.Tensor:
+    def _expert_shard(self, name: str, kind: str, pp: int, ep: int) -> torch.Tensor:
+        """Expert-parallel rank `ep`'s experts of an expert weight, their etp shards joined: each
+        from the files of the expert-dp ranks holding its pieces."""
+        def file_of(etp: int) -> Callable[[int], tuple[int, int, int]]:
+            def coords(edp: int) -> tuple[int, int, int]:
+                local = (edp * self.ep + ep) * self.etp + etp  # the grid's expert rank order, within stage pp
+                return local % self.tp, pp, local // self.tp  # (tp, pp, dp x cp index): its rank file
+            return coords
+        shards = [self._tp_shard(name, kind, etp, pp, file_of(etp)) for etp in range(self.etp)]
+        return Placement.from_record(self.maps[(0, pp)]["params"][name]).unshard(shards)
+
+    def _tp_shard(self, name: str, kind: str, tp: int, pp: int,
+                  file_of: Optional[Callable[[int], tuple[int, int, int]]] = None) -> torch.Tensor:
+        """One TP rank's shard, from its pieces over the ZeRO group; `file_of(piece rank)` names the
+        rank file holding a piece (default: the dp x cp rank of this TP and pipeline rank)."""
         entry = self.maps[(tp, pp)]["params"][name]
         if kind != "master" and not entry.get("trainable", True):  # frozen (LoRA's base): no moments
             return torch.zeros(entry["shape"])
         flat = torch.empty(entry["numel"], dtype=torch.float32)
-        for piece in entry["shards"]:  # at ZeRO-0 one piece, on DP rank 0 (the state is replicated)
-            values = self.optimizer_state(tp, pp, piece["rank"])[kind]
+        for piece in entry["shards"]:  # at ZeRO-0 one piece, on the ZeRO group's rank 0 (the state is replicated)
+            values = self.optimizer_state(*(file_of or (lambda r: (tp, pp, r)))(piece["rank"]))[kind]
             if values is None:  # checkpoint.save_optimizer false kept the master weights alone
                 raise CheckpointError(f"checkpoint '{self.ckpt}' holds no {kind} (saved with "
                                       f"checkpoint.save_optimizer false): its weights alone can be read")

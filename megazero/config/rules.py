@@ -92,12 +92,12 @@ def validate(cfg: Config, world_size: int) -> int:
 
 
 def expert_split_not_built_problem(p: ParallelConfig, m: ModelConfig) -> Optional[str]:
-    """Experts split over ranks (ep > 1 or etp > 1): the layer and its dispatchers exist, but ZeRO's
-    reduction of expert gradients over the expert-data-parallel group does not yet; experts whole
-    on every rank (ep 1, etp 1) train at every dense layout."""
-    if m.num_experts and (p.ep > 1 or p.expert_tp > 1):
-        return (f"parallel.ep {p.ep} x parallel.etp {p.expert_tp} (etp defaults to tp): experts split over ranks do not "
-                f"train yet (issue 45); use --parallel.ep 1 --parallel.etp 1 (each rank holds every expert)")
+    """Experts split by expert tensor parallelism (etp > 1): each expert's MLP would have to be cut
+    over the expert_tp group, which the experts do not do yet; experts split over ep (whole experts
+    per rank) train at every layout, their parameters sharded over expert-dp by ZeRO."""
+    if m.num_experts and p.expert_tp > 1:
+        return (f"parallel.etp {p.expert_tp} (etp defaults to tp): experts split by expert tensor parallelism do "
+                f"not train yet (issue 45); use --parallel.etp 1 (whole experts per rank; ep splits them)")
     return None
 
 

@@ -11,6 +11,15 @@ rules can ask it before torch loads.
     stage 2  gradients as well: reduce-scattered every backward, a rank keeps only its shard
     stage 3  parameters as well: gathered per unit around its use (stage3.py), never
              all-gathered after the step
+
+Over which ranks a parameter is partitioned is decided here too, once, from its placement
+(`parameter_groups`): a dense parameter is replicated over dp x cp (ZeRO's group "dp_cp") and
+split by its TP placement over "tp"; an expert weight (Placement.experts) is distinct on each
+expert-parallel rank, replicated over the expert-data-parallel group ("expert_dp") and split
+over "expert_tp". ZeRO puts each kind in buckets of its own, reduced, sharded and gathered over
+its group; the gradient norm counts each element once over these groups; checkpoints record
+the group of each parameter. Nothing else in zero/, checkpoint/ or train/ asks whether a
+parameter is an expert's.
 """
 
 from __future__ import annotations
@@ -65,6 +74,35 @@ class Sharding:
         params, grads, optim = (size * (psi // dp if partitioned else psi) for size, partitioned in
                                 zip(element_bytes, (self.parameters, self.gradients, self.optimizer)))
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+
+@dataclass(frozen=True)
+class ParameterGroups:
+    """The grid groups (by kind, as ProcessGrid names them) over which one kind of parameter lives."""
+
+    zero: str
+    """Its data-parallel replicas: ZeRO shards it and reduces its gradient over this group."""
+    tensor: str
+    """The group its TP placement splits it over; one it does not split is replicated over this
+    group, and counted on the group's rank 0 alone (the gradient norm)."""
+
+
+DENSE = ParameterGroups(zero="dp_cp", tensor="tp")
+EXPERTS = ParameterGroups(zero="expert_dp", tensor="expert_tp")
+
+
+class _Placed(Protocol):
+    """A parameter's placement as `parameter_groups` reads it (parallel/placement.Placement)."""
+
+    @property
+    def experts(self) -> int: ...
+
+
+def parameter_groups(where: _Placed) -> ParameterGroups:
+    """Where a parameter of placement `where` lives: an expert weight's experts are split over the
+    expert-parallel group and replicated over expert-dp (etp x ep x edp, the grid's folding), every
+    other parameter is replicated over dp x cp. The one place that tells them apart."""
+    return EXPERTS if where.experts else DENSE
 
 
 STAGES = {s.stage: s for s in (Sharding(0, optimizer=False, gradients=False, parameters=False),

@@ -317,7 +317,9 @@ class GPT(nn.Module):
             if hasattr(module, "sequence_parallel"):
                 module.sequence_parallel = True  # type: ignore[assignment]  # torch types Module attributes Tensor | Module
         for p in self.parameters():
-            if not (where := placement(p)).sharded:
+            # Expert weights excepted: the ranks sharing a micro-batch's tokens are folded into
+            # their expert-dp group (etp 1), over which ZeRO sums their gradients anyway.
+            if not (where := placement(p)).sharded and not where.experts:
                 place(p, dataclasses.replace(where, sequence_parallel=True))
         for layer in moe_layers(self):  # each TP rank routes its own positions: counts summed over tp
             layer.split_groups.append(self.tp)
@@ -337,13 +339,18 @@ class GPT(nn.Module):
         for layer in moe_layers(self):  # each cp rank routes its own positions: counts summed over cp
             layer.split_groups.append(cp)
 
-    def apply_expert_parallel(self, ep: Group, dispatcher: TokenDispatcher, dp: Group) -> None:
+    def apply_expert_parallel(self, ep: Group, dispatcher: TokenDispatcher, dp: Group,
+                              token_replicas: Optional[Group] = None) -> None:
         """Mixture of experts: each MoE layer keeps this rank's experts of the `ep` group and sends
-        tokens to the others' by `dispatcher`; global_aux_loss counts tokens over `dp` too."""
+        tokens to the others' by `dispatcher`; global_aux_loss counts tokens over `dp` too.
+        `token_replicas`: ranks holding the same tokens (tp without sequence parallelism) whose
+        experts' places differ (etp 1): each sends its share of the tokens to the experts."""
         self.ep = ep
         for layer in moe_layers(self):
             layer.apply_ep(ep, dispatcher)
             layer.data_group = dp
+            if token_replicas is not None:
+                layer.token_replicas = token_replicas
 
     def hidden_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
         """Shape of the hidden states a stage passes on for [batch, seq] tokens."""

@@ -47,7 +47,7 @@ from megazero.model.router import (
     z_loss,
 )
 from megazero.parallel.comm import Group, all_reduce, solo_group
-from megazero.parallel.dispatch import LocalDispatch, TokenDispatcher
+from megazero.parallel.dispatch import LocalDispatch, TokenDispatcher, gather_token_shares, share_rows, token_share
 from megazero.parallel.placement import Placement, place, placement
 
 
@@ -155,6 +155,9 @@ class MoE(nn.Module):
         # group too for global_aux_loss. Set from outside, like the dispatcher.
         self.split_groups: list[Group] = []
         self.data_group: Group = solo_group()
+        # Ranks holding the same tokens whose experts' places differ (tp without sequence
+        # parallelism, at etp 1): each sends only its share of the tokens (dispatch.token_share).
+        self.token_replicas: Group = solo_group()
         self.loss_scale = 1.0
         self.stats: Optional[MoEStats] = None
         # Sums over the training forwards since `take_totals` (recomputations not counted): aux, z,
@@ -186,21 +189,35 @@ class MoE(nn.Module):
         return out
 
     def _experts(self, flat: torch.Tensor, routing: Routing, keep: Optional[torch.Tensor]) -> torch.Tensor:
+        """The routed experts' output for every token: where other ranks hold the same tokens
+        (`token_replicas`), this rank computes its share of them and the shares are gathered."""
+        group = self.token_replicas
+        rows = flat.shape[0]
+        if group.size == 1:
+            return self._routed(flat, routing.experts, routing.probs, keep, rows)
+        own = share_rows(rows, group)
+        mine = self._routed(token_share(flat, group), routing.experts[own], token_share(routing.probs, group),
+                            None if keep is None else keep[own], rows)
+        return gather_token_shares(mine, group, flat.shape[0])
+
+    def _routed(self, flat: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor,
+                keep: Optional[torch.Tensor], routed: int) -> torch.Tensor:
         """Sort the kept (token, expert) pairs by expert, run the experts, and sum each token's
-        outputs weighted by its probabilities (a dropped pair adds nothing)."""
-        tokens, k = routing.experts.shape
-        pairs = routing.experts.reshape(-1)
+        outputs weighted by its probabilities (a dropped pair adds nothing). `routed`: the tokens
+        the capacity was counted over (all the replicas' rows, of which these are a share)."""
+        tokens, k = experts.shape
+        pairs = experts.reshape(-1)
         kept = torch.arange(pairs.numel(), device=pairs.device) if keep is None else keep.reshape(-1).nonzero()[:, 0]
         order = kept[torch.argsort(pairs[kept], stable=True)]  # pair indices, grouped by expert
         counts = torch.bincount(pairs[order], minlength=self.spec.router.num_experts).cpu()
         local, local_counts, sent = self.dispatcher.dispatch(flat[order // k], counts)
         if self.spec.pad_to_capacity and self.spec.capacity_factor is not None:
-            computed = self._padded_experts(local, local_counts, self.ep_size * self._capacity(tokens))
+            computed = self._padded_experts(local, local_counts, self.ep_size * self._capacity(routed))
         else:
             computed = self.experts(local, local_counts)
         outputs = self.dispatcher.combine(computed, sent)
         per_pair = outputs.new_zeros(tokens * k, flat.shape[-1]).index_copy(0, order, outputs)
-        weights = routing.probs.to(outputs.dtype).unsqueeze(-1)
+        weights = probs.to(outputs.dtype).unsqueeze(-1)
         return (per_pair.view(tokens, k, -1) * weights).sum(dim=1)
 
     def _padded_experts(self, local: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:

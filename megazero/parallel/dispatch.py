@@ -128,3 +128,48 @@ def _reduce_scatter_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = x.new_empty((x.shape[0] // group.size,) + tuple(x.shape[1:]))
     reduce_scatter_into(out, x.contiguous(), group)
     return out
+
+
+# ----------------------------------------------------------------------------- replicated tokens
+# Ranks that hold the same tokens (tensor-parallel ranks without sequence parallelism) but
+# different experts' places in the experts' folding (etp 1: they are ep or expert-dp ranks) must
+# not each send every token: an expert would see each token once per replica, and its gradient,
+# summed over expert-dp, would count it as often. Each replica routes the same tokens, sends only
+# its share of them, and the shares' outputs are gathered back.
+
+
+def share_rows(rows: int, group: Group) -> slice:
+    """This member's share of `rows` rows (ceil-sized shares in member order, the last shorter)."""
+    per = -(-rows // group.size)
+    return slice(min(rows, group.rank * per), min(rows, (group.rank + 1) * per))
+
+
+def _own_share(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x[share_rows(x.shape[0], group)].contiguous()
+
+
+def _gather_shares(x: torch.Tensor, group: Group, rows: int) -> torch.Tensor:
+    """Every member's share (padded to the longest) gathered, then cut back to `rows` rows."""
+    per = -(-rows // group.size)
+    padded = torch.cat([x, x.new_zeros((per - x.shape[0],) + tuple(x.shape[1:]))]) if x.shape[0] < per else x
+    out = x.new_empty((group.size * per,) + tuple(x.shape[1:]))
+    all_gather_into(out, padded.contiguous(), group)
+    return out[:rows]
+
+
+def token_share(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """This member's share of rows that every member of `group` holds alike; backward, every
+    member's gradient of its share gathered (each is complete: the rows' consumers downstream
+    are replicated too)."""
+    if group.size == 1:
+        return x
+    rows = x.shape[0]
+    return transposed_pair(x, group, _own_share, lambda g, grp: _gather_shares(g, grp, rows))
+
+
+def gather_token_shares(x: torch.Tensor, group: Group, rows: int) -> torch.Tensor:
+    """Inverse of `token_share`: every member's share gathered into the `rows` rows; backward,
+    this member's share of the (replicated) gradient."""
+    if group.size == 1:
+        return x
+    return transposed_pair(x, group, lambda t, grp: _gather_shares(t, grp, rows), _own_share)

@@ -31,7 +31,7 @@ created on `grid.device`; without CUDA they are gloo's and `grid.device` is the 
 Host copies for checkpoints go through `parallel/host.py`.
 
 Timeouts, stated once: every group the grid creates (tp, cp, dp, dp_cp, pp, embed, stage, the
-experts' expert_tp, ep and expert_dp, the world, and gloo's duplicate of ZeRO's group for the communication thread) gets `grid.timeout_s`
+experts' expert_tp, ep and expert_dp, the world, and gloo's duplicates of ZeRO's groups for the communication thread) gets `grid.timeout_s`
 (train.timeout_minutes), so a collective or p2p op that waits longer on a stopped or dead
 peer fails instead of hanging (torch's default for a new group is 30 minutes on gloo). Gloo
 raises the error in the thread that waits. NCCL's watchdog thread notices it; `comm_errors`
@@ -221,7 +221,8 @@ class ProcessGrid:
         """Create every process group once, each with the grid's timeout. All ranks call
         new_group for all groups in the same order (a torch.distributed requirement), keeping
         only their own. At cp 1 the dp x cp group is the DP group (no second communicator).
-        On gloo ZeRO's group also gets a duplicate for its asynchronous reduce-scatters."""
+        On gloo ZeRO's groups (dp x cp, and expert-dp for the experts) also get a duplicate for
+        their asynchronous reduce-scatters."""
         kinds = ("tp", "dp", "pp", "embed", "stage") + (("cp", "dp_cp") if self.cp > 1 else ())
         for kind in kinds:
             for ranks in self.group_ranks(kind):
@@ -234,10 +235,15 @@ class ProcessGrid:
         self.complete_cp_groups()
         self.build_expert_groups()
         if self.backend == "gloo":  # ZeRO's comm thread gets a communicator of its own (see comm.py)
-            for ranks in self.group_ranks("dp_cp"):
-                side = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
-                if self.rank in ranks:
-                    self.groups["dp_cp"].side_pg = side
+            for kind in ("dp_cp", "expert_dp"):
+                # expert-dp may be dp x cp's own Group (then it has its duplicate already): every
+                # rank sees the same sharing, so all skip or all create.
+                if self.groups[kind].side_pg is not None:
+                    continue
+                for ranks in self.group_ranks(kind):
+                    side = dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
+                    if self.rank in ranks:
+                        self.groups[kind].side_pg = side
 
     def build_expert_groups(self) -> None:
         """The experts' groups, after the dense ones. A kind whose groups hold the same ranks, in the

@@ -98,12 +98,13 @@ class Placement:
     def record(self) -> dict[str, Any]:
         """The JSON fields of a sharded checkpoint's partition map (their names are on disk)."""
         parts = {"tp_parts": list(self.parts)} if self.parts else {}
-        return {"tp_dim": self.dim, "tp_stride": self.stride, "full_shape": list(self.full_shape), **parts}
+        experts = {"experts": self.experts} if self.experts else {}
+        return {"tp_dim": self.dim, "tp_stride": self.stride, "full_shape": list(self.full_shape), **parts, **experts}
 
     @classmethod
     def from_record(cls, entry: dict[str, Any]) -> Placement:
         return cls(tuple(entry["full_shape"]), entry["tp_dim"], entry["tp_stride"],
-                   parts=tuple(entry.get("tp_parts", ())))
+                   parts=tuple(entry.get("tp_parts", ())), experts=entry.get("experts", 0))
 
 
 def placement(param: torch.Tensor) -> Placement:

@@ -228,8 +228,8 @@ def rank_prediction(cfg: Config, layout: ParallelLayout, r: int, m: int, shape: 
                      layout.etp)
     shards = dp if zs.optimizer else 1
     # Expert gradients and optimizer states are sharded over expert-dp (Megatron's distributed
-    # optimizer): their buckets apart when that group is not ZeRO's dp x cp.
-    apart = rp.expert_numel > 0 and layout.expert_dp != dp
+    # optimizer): ZeRO lays the experts out in buckets of their own (zero/partition.split_frozen).
+    apart = rp.expert_numel > 0
     buckets, tied, expert_buckets = rp.split_experts() if apart else (list(rp.buckets), rp.tied, [])
     padded = [bucket_numel(list(b), shards) for b in buckets]
     expert_shards = layout.expert_dp if zs.optimizer else 1
@@ -280,8 +280,10 @@ def activation_order(schedule: str, pp: int, vpp: int, r: int, m: int) -> tuple[
 
 def expert_exchange_bytes(cfg: Config, layout: ParallelLayout, shape: F.ActivationShape) -> int:
     """Bytes one rank sends over its EP group per MoE layer and micro-batch (formulas.expert_dispatch_bytes)
-    for the tokens it routes: b s / cp, / tp under sequence parallelism."""
-    tokens = shape.micro_batch * shape.seq // (shape.tp if shape.sequence_parallel else 1)
+    for the tokens it routes: b s / cp, / tp under sequence parallelism or, without it, at etp below
+    tp, where the TP ranks hold the same tokens and each sends its share (dispatch.token_share)."""
+    shared = shape.sequence_parallel or layout.etp < layout.tp
+    tokens = -(-shape.micro_batch * shape.seq // shape.tp) if shared else shape.micro_batch * shape.seq
     return F.expert_dispatch_bytes(tokens, shape.topk, shape.hidden, shape.act_bytes, shape.experts, layout.ep,
                                    cfg.parallel.moe_dispatcher, layout.recompute == "full")
 

@@ -52,6 +52,7 @@ from megazero.config.schema import Config
 from megazero.model.gpt import GPT, apply_tensor_parallel
 from megazero.model.layers import apply_sparse_embedding_grad
 from megazero.model.lora import apply_lora, initial_adapter, is_adapter
+from megazero.parallel.comm import Group
 from megazero.parallel.dispatch import AllGatherDispatch, AllToAllDispatch, LocalDispatch, TokenDispatcher
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.random import RNGTracker, recompute_rng_context
@@ -71,7 +72,7 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
         if cfg.parallel.sequence_parallel:
             chunk.apply_sequence_parallel()
         chunk.apply_context_parallel(grid.cp_group, cfg.parallel.cp_impl)
-        chunk.apply_expert_parallel(grid.ep_group, dispatcher(cfg, grid), grid.dp_group)
+        chunk.apply_expert_parallel(grid.ep_group, dispatcher(cfg, grid), grid.dp_group, token_replicas(cfg, grid))
         apply_lora(chunk, cfg.finetune, tracker)
         if cfg.train.compile:
             apply_compile(chunk)
@@ -93,6 +94,15 @@ def dispatcher(cfg: Config, grid: ProcessGrid) -> TokenDispatcher:
     if grid.ep == 1:
         return LocalDispatch()
     return (AllGatherDispatch if cfg.parallel.moe_dispatcher == "allgather" else AllToAllDispatch)(grid.ep_group)
+
+
+def token_replicas(cfg: Config, grid: ProcessGrid) -> Optional[Group]:
+    """The ranks that hold the same tokens but not the same experts' place: the TP group without
+    sequence parallelism at etp 1 (its ranks are ep or expert-dp ranks of the experts' folding);
+    None where each rank's tokens are its own (sequence parallelism, or tp 1)."""
+    if grid.tp == 1 or cfg.parallel.sequence_parallel or grid.etp == grid.tp:
+        return None
+    return grid.tp_group
 
 
 def with_adapter_init(base: Optional[Initial], chunks: list[GPT], seed: int, grid: ProcessGrid) -> Initial:

@@ -31,7 +31,8 @@ VocabParallelEmbedding.sparse_grad, chosen by train/parallelize.py) and is added
 bucket row by row, so no dense V x h gradient exists beside the bucket; a gradient that is a whole bucket by itself (the tied
 embedding's, once autograd has summed the head's part into it) becomes the bucket to reduce.
 
-Only trainable buckets take part: frozen parameters (the base model under LoRA) have no
+Each bucket is reduced over its own ZeRO group (`Bucket.group`: dp x cp, or expert-dp for the
+experts' buckets). Only trainable buckets take part: frozen parameters (the base model under LoRA) have no
 gradient buffer, no hook and no DP traffic. `reduced_numel` counts the gradient elements
 this rank has put into DP reductions (trainable buckets only, by construction), beside the
 DP group's byte counter.
@@ -42,7 +43,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -156,13 +157,16 @@ class GradientSync:
     """fp32 gradients of one model-parallel rank's buckets and their DP reduction."""
 
     def __init__(self, layout: FlatLayout, *, sharding: Sharding, model_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, dp: comm.Group, embed: Optional[comm.Group], tied_buckets: list[int],
+                 reduce_dtype: torch.dtype, groups: Mapping[str, comm.Group], embed: Optional[comm.Group],
+                 tied_buckets: list[int],
                  device: torch.device, on_reduced: Optional[Callable[[int], None]] = None,
                  on_final: Optional[Callable[[Bucket, torch.Tensor], None]] = None):
         """`on_reduced(bucket)`: a sharded bucket's gradient is reduced (stage 3 releases its
         parameters); `on_final(bucket, slice)`: a reduced gradient slice is final for the
-        iteration (last backward; tied ones after their embedding sum: ZeRO-Offload's host copy)."""
-        self.layout, self.sharding, self.dp, self.embed = layout, sharding, dp, embed
+        iteration (last backward; tied ones after their embedding sum: ZeRO-Offload's host copy).
+        `groups`: ZeRO's groups by kind; a bucket's gradient is reduced over `groups[bucket.group]`."""
+        self.layout, self.sharding, self.embed = layout, sharding, embed
+        self.dp = [groups[b.group] for b in layout.buckets]  # the group each bucket is reduced over
         self.model_dtype, self.reduce_dtype, self.device = model_dtype, reduce_dtype, device
         self.sharded = sharding.gradients
         self.tied_buckets = tied_buckets  # summed over `embed` (None on stages without the embedding)
@@ -179,7 +183,7 @@ class GradientSync:
         self._pool = _Pool(device)
         # Nothing to sum with and nothing to round to a wire dtype: a full bucket filled only to be
         # added into the shard would be a second copy of it (the largest, a block's, at the peak).
-        self._direct = self.sharded and dp.size == 1 and reduce_dtype == torch.float32
+        self._direct = [self.sharded and g.size == 1 and reduce_dtype == torch.float32 for g in self.dp]
         self._slots = [(b, s) for b in layout.trainable_buckets() for s in b.slots]
         self._slot_of = {id(s.param): (b, s) for b, s in self._slots}
         for b, s in self._slots:
@@ -227,7 +231,7 @@ class GradientSync:
         """Add p's gradient into bucket b's full fp32 gradient being filled. An `owned` gradient
         (autograd's, already dropped by p) that is the whole bucket becomes that buffer itself:
         no second copy of the largest gradient (the tied embedding's) while it waits to be reduced."""
-        if self._direct:
+        if self._direct[b.index]:
             add_gradient(self.buffers.own_slice(b)[s.offset: s.offset + s.numel].view(s.shape), grad)
             return
         filling = self._pending.get(b.index)
@@ -275,7 +279,7 @@ class GradientSync:
         self.reduced_numel += b.numel
         pooled: tuple[torch.Tensor, ...] = ()
         if self.sharded:
-            if self._direct:  # already in the shard
+            if self._direct[b.index]:  # already in the shard
                 handle, then, wire = None, None, self.buffers.own_slice(b)[:0]
             else:
                 filling = self._pending.pop(b.index)
@@ -286,7 +290,7 @@ class GradientSync:
         elif self.sharding.replicated:  # every rank keeps the whole reduced bucket
             full = self.buffers.full[b.index]
             wire = self._on_wire(full)
-            handle = comm.all_reduce(wire, self.dp, async_op=True)
+            handle = comm.all_reduce(wire, self.dp[b.index], async_op=True)
             then = None if wire is full else (lambda: full.copy_(wire))
         else:
             handle, then, wire, pooled = self._reduce_scatter(b, self.buffers.full[b.index], add=False)
@@ -303,7 +307,8 @@ class GradientSync:
         slice into its fp32 gradient slice. A `pooled` full bucket goes back to the pool once
         nothing reads it any more."""
         into = self.buffers.own_slice(b)
-        if self.dp.size == 1:  # nothing to sum with: no wire, no second full-size buffer kept in flight
+        dp = self.dp[b.index]
+        if dp.size == 1:  # nothing to sum with: no wire, no second full-size buffer kept in flight
             (into.add_ if add else into.copy_)(self._on_wire(full).to(into.dtype))
             if pooled:
                 self._pool.give(full)
@@ -317,11 +322,11 @@ class GradientSync:
         if wire is full and not add:  # stage 1 in fp32: reduced in place, into full's own slice
             # Only that slice is read after the reduction (the step, the norm, the host copy), and
             # zero_grad clears the rest: gloo's ring may leave its partial sums in the others.
-            return comm.reduce_scatter_into(into, full, self.dp, async_op=True, consume=True), None, full, ()
+            return comm.reduce_scatter_into(into, full, dp, async_op=True, consume=True), None, full, ()
         out = self._pool.take(b.shard_numel, wire.dtype)
         # The wire is a temporary (the stage-2/3 bucket being filled, or a 16-bit copy): the
         # reduction may sum in it rather than in a second full-size buffer.
-        handle = comm.reduce_scatter_into(out, wire, self.dp, async_op=True, consume=add or wire is not full)
+        handle = comm.reduce_scatter_into(out, wire, dp, async_op=True, consume=add or wire is not full)
         back = (out,) + ((wire,) if wire is not full or pooled else ())
         return handle, (lambda: into.add_(out)) if add else (lambda: into.copy_(out)), wire, back
 

@@ -165,7 +165,7 @@ class MuonExchange:
             if s.name in muon and b.trainable and s.name not in self.pieces:
                 self.pieces[s.name] = []
                 matrices += split_matrices(s.name, placement(s.param), s.shape, tp_rank, tp)
-        for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets(), layout.rank):
+        for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets()):
             if s.name in self.pieces:
                 r = Range(b.index, start, end - start, offset, True, True, True)
                 self.pieces[s.name].append((start - s.offset, r))

@@ -26,6 +26,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from megazero.config.schema import Config
+from megazero.config.sharding import parameter_groups
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostSnapshot, HostStaging
@@ -71,9 +72,10 @@ class ZeroOptimizer:
         slots = self.layout.slots()
         no_decay = [c.no_weight_decay() for c in sharded.chunks]
         decays = {s.name: s.name not in no_decay[b.chunk] for b, s in slots}
-        # Each gradient element counted once: TP-replicated parameters on TP rank 0 only, and the
-        # tied embedding (one summed gradient in every copy after finish_grad_sync) on the first stage.
-        counted = {s.name: (placement(s.param).sharded or grid.tp_rank == 0)
+        # Each gradient element counted once: parameters replicated over their TP group (tp, or
+        # expert_tp for experts) on its rank 0 only, and the tied embedding (one summed gradient in
+        # every copy after finish_grad_sync) on the first stage.
+        counted = {s.name: (placement(s.param).sharded or grid[parameter_groups(placement(s.param)).tensor].rank == 0)
                    and (b.index not in sharded.tied_buckets or grid.pp_rank == 0) for b, s in slots}
         # Megatron's --decoupled-lr: the input embedding and the output layer get their own LR.
         decoupled = frozenset(EMBEDDING_OR_OUTPUT) if cfg.optim.decoupled_lr is not None else frozenset()
@@ -81,6 +83,10 @@ class ZeroOptimizer:
         muon = frozenset(s.name for b, s in slots if cfg.optim.name == "muon" and b.trainable and is_muon_matrix(s.name))
         self.ranges = self.layout.ranges(decays, counted, z.sub_group_size, decoupled, muon)
         self.groups = sub_groups(self.ranges, z.sub_group_size)
+        # What this rank's share of the norm reads: at stage 0 a bucket's replicas over its ZeRO
+        # group hold the same reduced gradients, so the group's rank 0 stands for them all.
+        owned = [not self.sharding.replicated or sharded.zero_groups[b.group].rank == 0 for b in self.layout.buckets]
+        self.norm_ranges = [r for r in self.ranges if owned[r.bucket]]
         self.scaler = (DynamicLossScaler(z.initial_loss_scale, z.loss_scale_window, z.hysteresis, z.min_loss_scale)
                        if cfg.train.precision == "fp16" else None)
         self.step_count = 0
@@ -140,9 +146,10 @@ class ZeroOptimizer:
 
     @property
     def owns_state(self) -> bool:
-        """Whether this rank's gradients and optimizer state are its own to count and save: at
-        stage 0 every rank of dp x cp holds the same, so its rank 0 stands for them all."""
-        return not self.sharding.replicated or self.grid.dp_cp_group.rank == 0
+        """Whether this rank's optimizer state is its own to save: at stage 0 every rank of a
+        ZeRO group holds the same, so its rank 0 stands for them all (dp x cp's for the dense
+        parameters; expert-dp's rank 0 also saves its experts, beside a copy of the dense state)."""
+        return not self.sharding.replicated or any(g.rank == 0 for g in self.sharded.zero_groups.values())
 
     # ------------------------------------------------------------------ step
 
@@ -157,9 +164,10 @@ class ZeroOptimizer:
         device->host read. `decoupled_lr`: the LR of the embedding and output layer's ranges
         (optim.decoupled_lr's schedule), else `lr` for them too."""
         self.params.wait_all()  # the step writes the slices the last gathers read
-        # The world's sums: the gradients' global norm, each element once (at stage 0 DP replicas hold
-        # the same reduced gradients: rank 0 of dp x cp adds them); the loss, one TP rank per replica.
-        pieces = ((self.grads.buffers.view(r), r.counted) for r in (self.ranges if self.owns_state else ()))
+        # The world's sums: the gradients' global norm, each element once (at stage 0 ZeRO-group
+        # replicas hold the same reduced gradients: rank 0 of each adds them); the loss, one TP rank
+        # per replica.
+        pieces = ((self.grads.buffers.view(r), r.counted) for r in self.norm_ranges)
         sums = reduce_step_sums(pieces, loss, loss is not None and self.grid.tp_rank == 0, extra, self.grid["world"],
                                 self.grid.device)
         scale = self.scaler.scale if self.scaler is not None else None
@@ -207,7 +215,7 @@ class ZeroOptimizer:
         self.params.flush()
         if self.sharding.gathers_after_step:  # stage 0 stepped everything, stage 3 keeps shards
             # In forward order (buckets are laid out in reverse), so the first unit's arrive first.
-            self.params.all_gather(self.grid.dp_cp_group, reversed(self.layout.trainable_buckets()))
+            self.params.all_gather(self.sharded.zero_groups, reversed(self.layout.trainable_buckets()))
         return result
 
     def _grad(self, r: Range) -> torch.Tensor:
@@ -273,6 +281,7 @@ class ZeroOptimizer:
                 return pieces[0]
             return snapshot.concat(kind, pieces) if snapshot is not None else host.concat(pieces)
         return {"stage": self.sharding.stage, "dp_rank": self.layout.rank, "dp_size": self.layout.shards,
+                "zero_ranks": {b.group: b.rank for b in self.layout.buckets},  # each ZeRO group's shard index
                 "precision": self.cfg.train.precision, "step": self.step_count,
                 "master": on_host("master", self._shard_values()),
                 "exp_avg": on_host("exp_avg", [self.state.read("exp_avg")]),
@@ -303,7 +312,7 @@ class ZeroOptimizer:
         self.state.flush()
         self.params.flush()
         if self.sharding.gathers_after_step:
-            self.params.all_gather(self.grid.dp_cp_group, self.layout.buckets)
+            self.params.all_gather(self.sharded.zero_groups, self.layout.buckets)
             self.params.wait_all()
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -15,7 +15,7 @@ rank writes only the elements it owns, so a model built on the meta device is ne
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -46,7 +46,7 @@ class ParamStore:
         shard also to `write_master(shard offset, values)`. At stage 3 only this rank's slices,
         parameter by parameter (never a whole bucket); the gatherer points the parameters at placeholders."""
         if self.home is not None:
-            for b, s, start, end, offset in self.layout.slot_pieces(self.layout.buckets, self.layout.rank):
+            for b, s, start, end, offset in self.layout.slot_pieces(self.layout.buckets):
                 piece = initial(b, s)[start - s.offset: end - s.offset]
                 self.home.write(offset, piece)
                 write_master(offset, piece)
@@ -56,7 +56,7 @@ class ParamStore:
             flat = torch.zeros(b.numel, device=self.device)  # fp32: the master slice comes from it
             for s in b.slots:
                 flat[s.offset: s.offset + s.numel].copy_(initial(b, s))
-            lo, hi = b.slice_of(self.layout.rank)
+            lo, hi = b.slice_of(b.rank)
             write_master(b.shard_offset, flat[lo:hi])
             bucket = self._whole.full[b.index]
             bucket.copy_(flat)
@@ -112,7 +112,7 @@ class ParamStore:
         piece is empty when the parameter lies wholly in other ranks' slices."""
         out = []
         for b, s in self.layout.slots():
-            lo, hi = b.slice_of(self.layout.rank)
+            lo, hi = b.slice_of(b.rank)
             start = max(lo, s.offset)
             length = max(0, min(hi, s.offset + s.numel) - start)
             out.append((s.name, b.shard_offset + min(start, hi) - lo, length))
@@ -124,13 +124,14 @@ class ParamStore:
             return self.home.nbytes()
         return {self.device.type: sum(t.nbytes for t in self._whole.tensors())}
 
-    def all_gather(self, dp: comm.Group, buckets: Iterable[Bucket]) -> None:
-        """Stages 1/2: every rank updated its slices of `buckets`; launch the all-gathers that
-        put them whole everywhere, in the given order (the same on every rank)."""
+    def all_gather(self, groups: Mapping[str, comm.Group], buckets: Iterable[Bucket]) -> None:
+        """Stages 1/2: every rank updated its slices of `buckets`; launch the all-gathers over
+        each bucket's group (`groups[bucket.group]`) that put them whole everywhere, in the given
+        order (the same on every rank)."""
         for b in buckets:
-            lo, hi = b.slice_of(self.layout.rank)
+            lo, hi = b.slice_of(b.rank)
             full = self._whole.full[b.index]
-            work = comm.all_gather_into(full, full[lo:hi], dp, async_op=True)
+            work = comm.all_gather_into(full, full[lo:hi], groups[b.group], async_op=True)
             if work is not None:
                 self.gathering[b.index] = work
 

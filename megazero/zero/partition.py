@@ -15,6 +15,12 @@ Frozen parameters (requires_grad False, e.g. the base model under LoRA) get buck
 their own, placed after every trainable bucket in the shard: the trainable buckets form a
 prefix of `trainable_numel` elements, and gradients and optimizer state cover that prefix
 only. Frozen buckets are still sharded (stage 3) and gathered like the others.
+
+Expert weights get buckets of their own as well: each bucket is partitioned over its own ZeRO
+group (`Bucket.group`, chosen by config/sharding.parameter_groups from the parameter's
+placement: dp x cp for dense parameters, expert-dp for experts), so its `shards` and this
+rank's index in it (`Bucket.rank`) are the bucket's. Every rank still lays out the same buckets
+at the same shard offsets (an expert-parallel rank's experts have the same shapes as another's).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
+from megazero.config.sharding import DENSE, parameter_groups
 from megazero.parallel.placement import placement
 from megazero.zero import ALIGN  # elements: 256 B in fp32; validated against at start-up
 
@@ -58,6 +65,10 @@ class Bucket:
     """Where each rank's slice of this bucket starts in that rank's flat shard (the same on every rank)."""
     trainable: bool = True
     """False for a bucket of frozen parameters: no gradient, no optimizer state."""
+    group: str = DENSE.zero
+    """The grid group it is partitioned and reduced over (config/sharding.parameter_groups)."""
+    rank: int = 0
+    """This rank's index in `group`: which slice of the bucket is its own."""
 
     @property
     def shard_numel(self) -> int:
@@ -90,7 +101,9 @@ class Range:
 class FlatLayout:
     buckets: list[Bucket]
     shards: int
+    """Of the dense parameters' group (each bucket has its own `shards`)."""
     rank: int
+    """This rank's index in the dense parameters' group (each bucket has its own `rank`)."""
 
     @property
     def shard_numel(self) -> int:
@@ -115,11 +128,13 @@ class FlatLayout:
     def slots(self) -> list[tuple[Bucket, FlatSlot]]:
         return [(b, s) for b in self.buckets for s in b.slots]
 
-    def slot_pieces(self, buckets: list[Bucket], rank: int) -> Iterator[tuple[Bucket, FlatSlot, int, int, int]]:
+    def slot_pieces(self, buckets: list[Bucket], rank: Optional[int] = None
+                    ) -> Iterator[tuple[Bucket, FlatSlot, int, int, int]]:
         """(bucket, slot, start, end, shard offset) of every non-empty piece of a parameter in
-        `rank`'s slices of `buckets`: [start, end) in bucket coordinates."""
+        `rank`'s slices of `buckets` (default: this rank's slice of each): [start, end) in bucket
+        coordinates."""
         for b in buckets:
-            lo, hi = b.slice_of(rank)
+            lo, hi = b.slice_of(b.rank if rank is None else rank)
             for s in b.slots:
                 start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
                 if start < end:
@@ -129,19 +144,22 @@ class FlatLayout:
         """Parameter -> where its elements live on every DP rank, plus the padding.
 
         `params[name]["shards"]` lists (rank, offset in that rank's flat shard, length,
-        offset in the flattened parameter); the pieces of a parameter cover it exactly.
+        offset in the flattened parameter); the pieces of a parameter cover it exactly. The rank
+        is the index in the parameter's ZeRO group: dp x cp, or for a bucket over another group
+        (experts) the one its `zero_group` names.
         """
         pieces: dict[str, list[dict]] = {s.name: [] for _, s in self.slots()}
-        for r in range(self.shards):
-            for _, s, start, end, offset in self.slot_pieces(self.buckets, r):
-                pieces[s.name].append({"rank": r, "offset": offset, "length": end - start,
-                                       "param_offset": start - s.offset})
+        for b in self.buckets:
+            for r in range(b.shards):
+                for _, s, start, end, offset in self.slot_pieces([b], r):
+                    pieces[s.name].append({"rank": r, "offset": offset, "length": end - start,
+                                           "param_offset": start - s.offset})
         params = {s.name: {"shape": list(s.shape), **placement(s.param).record(), "bucket": b.index,
                            "bucket_offset": s.offset, "numel": s.numel, "shards": pieces[s.name],
-                           "trainable": b.trainable}
+                           "trainable": b.trainable, **_group_record(b)}
                   for b, s in self.slots()}
         buckets = [{"numel": b.numel, "padding": b.numel - sum(s.numel for s in b.slots), "shard_numel": b.shard_numel,
-                    "shard_offset": b.shard_offset, "chunk": b.chunk} for b in self.buckets]
+                    "shard_offset": b.shard_offset, "chunk": b.chunk, **_group_record(b)} for b in self.buckets]
         return {"align": ALIGN, "shards": self.shards, "shard_numel": self.shard_numel,
                 "trainable_numel": self.trainable_numel, "buckets": buckets, "params": params}
 
@@ -157,7 +175,7 @@ class FlatLayout:
             return r.bucket, r.decay, r.counted, r.decoupled, r.muon
 
         runs: list[Range] = []
-        for b, s, start, end, offset in self.slot_pieces(self.trainable_buckets(), self.rank):
+        for b, s, start, end, offset in self.slot_pieces(self.trainable_buckets()):
             r = Range(b.index, start, end - start, offset, decays[s.name], counted[s.name], s.name in decoupled,
                       s.name in muon)
             if runs and treatment(runs[-1]) == treatment(r):
@@ -167,6 +185,12 @@ class FlatLayout:
         # long runs split, so no sub-group has to hold more than max_len
         return [replace(r, start=r.start + off, length=min(max_len, r.length - off), shard_offset=r.shard_offset + off)
                 for r in runs for off in range(0, r.length, max_len)]
+
+
+def _group_record(b: Bucket) -> dict[str, Any]:
+    """A bucket over a group other than dense's says which, and over how many ranks (dense
+    buckets record nothing: their maps read as before experts existed)."""
+    return {} if b.group == DENSE.zero else {"zero_group": b.group, "group_shards": b.shards}
 
 
 def with_trainable_flags(param_map: dict) -> dict:
@@ -234,36 +258,45 @@ def bucket_groups(chunks: Sequence[ShardableModel], bucket_size: int) -> list[tu
     return groups
 
 
+def zero_group(p: nn.Parameter) -> str:
+    """The grid group ZeRO partitions p over (config/sharding.parameter_groups)."""
+    return parameter_groups(placement(p)).zero
+
+
 def split_frozen(groups: list[tuple[int, Named]]) -> list[tuple[int, Named]]:
-    """Each group cut into its trainable and its frozen parameters (a bucket holds one kind)."""
+    """Each group cut into its trainable and its frozen parameters, and those into dense and
+    expert parameters (a bucket holds one kind, partitioned over one group)."""
     out = []
     for chunk, named in groups:
-        for trainable in (True, False):
-            part = [(n, p) for n, p in named if p.requires_grad == trainable]
-            if part:
-                out.append((chunk, part))
+        kinds = dict.fromkeys((zero_group(p), p.requires_grad) for _, p in named)
+        for group, trainable in sorted(kinds, key=lambda k: (not k[1], k[0] != DENSE.zero)):
+            out.append((chunk, [(n, p) for n, p in named if (zero_group(p), p.requires_grad) == (group, trainable)]))
     return out
 
 
-def build_layout(groups: list[tuple[int, Named]], shards: int, rank: int) -> FlatLayout:
-    """One bucket per (chunk index, [(name, param), ...]) group, partitioned over `shards`
-    ranks; the shard holds the trainable buckets first, then the frozen ones."""
+def build_layout(groups: list[tuple[int, Named]], shards: dict[str, tuple[int, int]]) -> FlatLayout:
+    """One bucket per (chunk index, [(name, param), ...]) group, partitioned over its ZeRO
+    group's ranks (`shards[group]`: how many, and this rank's index); the shard holds the
+    trainable buckets first, then the frozen ones."""
     buckets = []
     for index, (chunk, named) in enumerate(groups):
-        trainable = {p.requires_grad for _, p in named}
-        if len(trainable) != 1:
-            raise ValueError(f"bucket {index} mixes trainable and frozen parameters; split_frozen first")
+        kinds = {(p.requires_grad, zero_group(p)) for _, p in named}
+        if len(kinds) != 1:
+            raise ValueError(f"bucket {index} mixes trainable and frozen, or dense and expert parameters; "
+                             f"split_frozen first")
+        trainable, group = kinds.pop()
         slots, offset = [], 0
         for name, p in named:
             slots.append(FlatSlot(name, p, offset, p.numel(), tuple(p.shape)))
             offset = _round_up(offset + p.numel(), ALIGN)
-        buckets.append(Bucket(index, chunk, slots, bucket_numel([p.numel() for _, p in named], shards), shards,
-                              0, trainable.pop()))
+        n, rank = shards[group]
+        buckets.append(Bucket(index, chunk, slots, bucket_numel([p.numel() for _, p in named], n), n,
+                              0, trainable, group, rank))
     shard_offset = 0
     for b in sorted(buckets, key=lambda b: not b.trainable):  # stable: trainable first, each in bucket order
         b.shard_offset = shard_offset
         shard_offset += b.shard_numel
-    return FlatLayout(buckets, shards, rank)
+    return FlatLayout(buckets, *shards[DENSE.zero])
 
 
 def sub_groups(ranges: list[Range], max_numel: int) -> list[list[Range]]:
@@ -305,7 +338,7 @@ class FlatBuffers:
         """This rank's slice of bucket b."""
         if self.sharded:
             return self.shard[b.shard_offset: b.shard_offset + b.shard_numel]
-        lo, hi = b.slice_of(self.layout.rank)
+        lo, hi = b.slice_of(b.rank)
         return self.full[b.index][lo:hi]
 
     def tensors(self) -> list[torch.Tensor]:

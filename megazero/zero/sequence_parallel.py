@@ -32,7 +32,7 @@ class SequenceParallelGrads:
         self.grads, self.tp = grads, tp
         # the runs of this rank's gradient shard that belong to parameters placed `sequence_parallel`
         self.ranges = [Range(b.index, start, end - start, offset, decay=False, counted=False)
-                       for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets(), layout.rank)
+                       for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets())
                        if placement(s.param).sequence_parallel]
         where = [(r.bucket, r.start, r.length, r.shard_offset) for r in self.ranges]
         if any(other != where for other in comm.all_gather_object(where, tp)):

@@ -2,7 +2,9 @@
 (train/parallelize.py): flat buckets take over the model's parameters, hooks reduce their
 gradients over DP and, at stage 3, gather and release them; ZeroOptimizer (optimizer.py)
 steps the shard. "DP" here is the grid's dp x cp group: context-parallel ranks hold the same
-parameters, so ZeRO shards and reduces over them too (at cp 1 it is the DP group).
+parameters, so ZeRO shards and reduces over them too (at cp 1 it is the DP group). Expert
+weights live in buckets of their own, sharded, reduced and gathered over the expert-data-parallel
+group instead (`zero_groups`, each bucket's `group`: config/sharding.parameter_groups decides).
 
     stage 0  every rank keeps everything; gradient buckets are all-reduced (async) as they
              become ready during the last backward of the iteration
@@ -39,7 +41,7 @@ import torch
 from torch import nn
 
 from megazero.config.schema import Config
-from megazero.config.sharding import sharding
+from megazero.config.sharding import DENSE, sharding
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostStaging
@@ -56,6 +58,7 @@ from megazero.zero.partition import (
     bucket_groups,
     build_layout,
     split_frozen,
+    zero_group,
 )
 from megazero.zero.precision import COMPUTE_DTYPE
 from megazero.zero.sequence_parallel import SequenceParallelGrads
@@ -75,11 +78,14 @@ class ShardedParameters:
         self.sharded_init = replace_meta_parameters(chunks, grid.device, hollow=True)
         z = cfg.zero
         self.sharding, self.compute_dtype = sharding(z.stage), COMPUTE_DTYPE[cfg.train.precision]
-        # Context-parallel ranks hold the same parameters: ZeRO shards and reduces over dp x cp.
-        zero = grid.dp_cp_group
         units, groups = (fetch_units(chunks) if self.sharding.parameters
                          else (None, split_frozen(bucket_groups(chunks, z.bucket_size))))
-        self.layout: FlatLayout = build_layout(groups, *self.sharding.shards(zero))
+        # ZeRO's groups by kind: context-parallel ranks hold the same parameters, so dense ones are
+        # sharded and reduced over dp x cp; expert weights over expert-dp (config/sharding.py).
+        kinds = dict.fromkeys([DENSE.zero] + [zero_group(p) for _, named in groups for _, p in named])
+        self.zero_groups: dict[str, comm.Group] = {kind: grid[kind] for kind in kinds}
+        self.layout: FlatLayout = build_layout(groups, {kind: self.sharding.shards(g)
+                                                        for kind, g in self.zero_groups.items()})
         slots = self.layout.slots()
         tied = {id(c.tied_weight()) for c in chunks if c.tied_weight() is not None}
         self.tied_buckets = [b.index for b, s in slots if id(s.param) in tied and b.trainable]
@@ -93,13 +99,13 @@ class ShardedParameters:
         # 3. the gradient sync; its post-accumulate-grad hooks reduce each complete bucket, then
         #    hand it to 1 (release its parameters) and 2 (copy its final slice to the host);
         # 4. stages 1-2: forward pre-hooks waiting for the post-step all-gathers (what 1 does at 3).
-        self.gatherer = (ParamGatherer(self.layout, self.params.home, units, zero, z.prefetch,  # type: ignore[arg-type]  # stage 3: home and units set
+        self.gatherer = (ParamGatherer(self.layout, self.params.home, units, self.zero_groups, z.prefetch,  # type: ignore[arg-type]  # stage 3: home and units set
                                        self.compute_dtype, grid.device, [getattr(c, "weight_grads", None) for c in chunks])
                          if self.sharding.parameters else None)
         self.host_grads = (HostGradients(self.layout.trainable_numel, grid.device, z.pin_memory)
                            if self._offloads_gradients() else None)
         self.grads = GradientSync(self.layout, sharding=self.sharding, model_dtype=self.compute_dtype,
-                                  reduce_dtype=COMPUTE_DTYPE[z.reduce_dtype], dp=zero,
+                                  reduce_dtype=COMPUTE_DTYPE[z.reduce_dtype], groups=self.zero_groups,
                                   embed=grid.embed_group if self.tied_buckets else None, tied_buckets=self.tied_buckets,
                                   device=grid.device, on_reduced=self.gatherer.reduced if self.gatherer else None,
                                   on_final=self.host_grads.copy if self.host_grads else None)

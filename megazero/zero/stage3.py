@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -166,11 +166,13 @@ class ParamGatherer:
     order, follow from the sequence of hooks alone, however long the reads take (see the
     module docstring for where the hooks issue them)."""
 
-    def __init__(self, layout: FlatLayout, home: ShardHome, units: list[FetchUnit], dp: comm.Group, prefetch: int,
-                 dtype: torch.dtype, device: torch.device,
+    def __init__(self, layout: FlatLayout, home: ShardHome, units: list[FetchUnit], groups: Mapping[str, comm.Group],
+                 prefetch: int, dtype: torch.dtype, device: torch.device,
                  weight_grads: Sequence[Optional[WeightGradStore]] = ()) -> None:
-        """`weight_grads`: each model chunk's store of deferred weight gradients (zbh1), if any."""
-        self.layout, self.home, self.units, self.dp = layout, home, units, dp
+        """`groups`: ZeRO's groups by kind (a bucket is gathered over `groups[bucket.group]`);
+        `weight_grads`: each model chunk's store of deferred weight gradients (zbh1), if any."""
+        self.layout, self.home, self.units = layout, home, units
+        self.dp = [groups[b.group] for b in layout.buckets]  # the group each bucket is gathered over
         self.weight_grads = list(weight_grads)
         self.prefetch, self.device = prefetch, device
         self.placeholder = torch.empty(0, dtype=dtype, device=device)
@@ -180,8 +182,9 @@ class ParamGatherer:
         # One rank's slice is the whole bucket: when the shard lies in memory on the device, the
         # parameters view it and nothing is gathered. A fresh read or host copy is still copied
         # into the bucket's buffer, which release frees: autograd's saved views of a weight would
-        # otherwise keep every unit's read alive until its backward.
-        self.alone = dp.size == 1 and home.resident_on(device)
+        # otherwise keep every unit's read alive until its backward. Per bucket: experts' group
+        # may be of one rank where dp x cp is not.
+        self.alone = [g.size == 1 and home.resident_on(device) for g in self.dp]
         self.reads: dict[int, Future] = {}  # bucket -> its slice read ahead, not yet gathered
         self.pending: dict[int, Optional[comm.Handle]] = {}  # bucket -> in-flight gather
         self.gathered: set[int] = set()
@@ -210,7 +213,7 @@ class ParamGatherer:
     def _free_storage(self, b: int) -> None:
         for slot in self.layout.buckets[b].slots:
             slot.param.data = self.placeholder
-        if not self.alone:
+        if not self.alone[b]:
             self.spare.take(self.full[b].untyped_storage())
 
     def read_ahead(self, b: int) -> None:
@@ -228,14 +231,14 @@ class ParamGatherer:
             if source is None:
                 source = self.home.load(self.layout.buckets[b])
             mine = source.result().to(self.device, non_blocking=True)
-            if self.alone:  # the slice is the bucket, in the shard itself: nothing to gather or wait for
+            if self.alone[b]:  # the slice is the bucket, in the shard itself: nothing to gather or wait for
                 self._point(b, mine)
                 return
             full = self.full[b]
             self.spare.fill(full.untyped_storage(), full.nbytes)
             self.materialized_numel += self.layout.buckets[b].numel
             self.peak_materialized_numel = max(self.peak_materialized_numel, self.materialized_numel)
-            self.pending[b] = comm.all_gather_into(full, mine, self.dp, async_op=True)
+            self.pending[b] = comm.all_gather_into(full, mine, self.dp[b], async_op=True)
         if wait and b in self.pending:
             work = self.pending.pop(b)
             if work is not None:
@@ -253,7 +256,7 @@ class ParamGatherer:
             self.fetch(b)  # never free a buffer a collective is still writing into
         if b in self.gathered:
             self.gathered.discard(b)
-            if not self.alone:
+            if not self.alone[b]:
                 self.materialized_numel -= self.layout.buckets[b].numel
             self._free_storage(b)
 

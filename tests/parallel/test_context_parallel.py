@@ -12,7 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_parity, logged_by_layout, logged_losses, make_config, make_trainer, run_distributed
+from helpers import (
+    assert_parity,
+    logged_by_layout,
+    logged_losses,
+    losses_saving_at_2,
+    make_config,
+    make_trainer,
+    run_distributed,
+)
 
 # ----------------------------------------------------------------------------- layout and grid
 
@@ -385,11 +393,7 @@ def _save_at_cp2_then_resume(save: str, universal: str) -> dict:
     from megazero.convert import main as convert_main
     common = SHORT + ["--zero.stage", "1"]
     t = make_trainer(common + RING + ["--checkpoint.save", save])
-    out = {"straight": []}
-    for i in range(ITERS):
-        out["straight"].append(t.train_step()["loss"])
-        if i == 1:
-            t.checkpoints.save(t.iteration, last=False)
+    out = {"straight": losses_saving_at_2(t, ITERS)}
     if dist.get_rank() == 0:
         with contextlib.redirect_stdout(io.StringIO()):
             convert_main(["--load", save, "--to", "universal", "--output", universal])

@@ -300,9 +300,10 @@ def test_a_resume_keeps_the_adapters(trained):
 
 
 def test_partition_maps_saved_before_frozen_parameters_still_match():
+    from megazero.config.sharding import DENSE
     from megazero.zero.partition import build_layout, with_trainable_flags
     named = [("a", torch.nn.Parameter(torch.zeros(100))), ("b", torch.nn.Parameter(torch.zeros(7, 3)))]
-    today = build_layout([(0, named)], 2, 0).param_map()
+    today = build_layout([(0, named)], {DENSE.zero: (2, 0)}).param_map()
     old = {k: v for k, v in today.items() if k != "trainable_numel"}
     old["params"] = {n: {k: v for k, v in e.items() if k != "trainable"} for n, e in today["params"].items()}
     assert with_trainable_flags(old) == today

@@ -13,6 +13,7 @@ from helpers import (
     assert_tensorboard_matches,
     logged_by_layout,
     make_trainer,
+    moe_records,
     read_jsonl,
     run_distributed,
 )
@@ -26,12 +27,7 @@ SHORT = ["--train.iters", str(ITERS), "--model.seq_length", "32", "--train.globa
 
 def _records(extra: list[str]) -> list[tuple[float, ...]]:
     """(loss, grad norm, aux loss, z-loss) of each iteration on the logging rank (empty elsewhere)."""
-    import contextlib
-    import io
-    tr = make_trainer(SHORT + extra, base=MIXTRAL)
-    with contextlib.redirect_stdout(io.StringIO()):
-        records = tr.run()
-    return [(r["loss"], r["grad_norm"], r["moe_aux_loss"], r["moe_z_loss"]) for r in records] if tr.is_logger else []
+    return moe_records(SHORT + extra)
 
 
 def _layouts(layouts: dict[str, list[str]]) -> dict[str, list]:

@@ -182,10 +182,11 @@ def test_nvme_store_streams_sub_groups_and_keeps_what_the_step_wrote(tmp_path):
 def test_nvme_shard_writes_back_behind_and_reads_ahead(tmp_path):
     """Stage-3 parameters on NVMe: a bucket's write-back runs on the writer thread while the
     next bucket (read ahead) is updated; a load or read after it sees the written values."""
+    from megazero.config.sharding import DENSE
     from megazero.zero.partition import build_layout
     from megazero.zero.shard_home import NvmeShard
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (700, 300, 1000)]
-    layout = build_layout([(0, [(f"p{i}", p)]) for i, p in enumerate(params)], shards=2, rank=1)
+    layout = build_layout([(0, [(f"p{i}", p)]) for i, p in enumerate(params)], {DENSE.zero: (2, 1)})
     home = NvmeShard(layout, torch.float32, str(tmp_path), pin=False)
     for step in range(3):
         for b in sorted(layout.buckets, key=lambda b: b.shard_offset):

@@ -11,6 +11,7 @@ import torch
 
 from helpers import REPO, make_config, make_trainer, run_distributed
 from megazero.config import ConfigError
+from megazero.config.sharding import DENSE
 from megazero.parallel.placement import Placement
 from megazero.zero.partition import ALIGN, build_layout, sub_groups
 
@@ -418,7 +419,7 @@ def test_model_state_memory_matches_zero_formulas():
 def test_partition_map_covers_every_parameter_once():
     params = [("a", torch.nn.Parameter(torch.zeros(100, 3))), ("b", torch.nn.Parameter(torch.zeros(7))),
               ("c", torch.nn.Parameter(torch.zeros(130)))]
-    layout = build_layout([(0, params[:2]), (0, params[2:])], shards=3, rank=1)
+    layout = build_layout([(0, params[:2]), (0, params[2:])], {DENSE.zero: (3, 1)})
     pmap = layout.param_map()
     assert all(b["numel"] % (ALIGN * 3) == 0 for b in pmap["buckets"])
     assert pmap["buckets"][0]["padding"] == pmap["buckets"][0]["numel"] - 307

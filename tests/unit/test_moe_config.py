@@ -1,5 +1,6 @@
 """The mixture-of-experts keys (issue 45, 1): typed and validated in one line each, the defaults a
-dense model, and what megazero cannot train yet (experts split over ranks, Muon on experts)
+dense model, and what megazero cannot train yet (experts split by expert tensor parallelism, Muon
+on experts)
 refused at start-up instead of trained otherwise."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from megazero.config import ConfigError, build_config
 from megazero.train.preflight import resolve_and_validate
 
 MOE = ["--model.num_experts", "8", "--model.num_layers", "4"]
-SPLIT_NOT_BUILT = "parallel.ep 4 x parallel.etp 1 (etp defaults to tp): experts split over ranks do not train yet"
+SPLIT_NOT_BUILT = ("parallel.etp 2 (etp defaults to tp): experts split by expert tensor parallelism do not train yet "
+                   "(issue 45); use --parallel.etp 1 (whole experts per rank; ep splits them)")
 
 
 def _refusal(overrides: list[str], world: int = 1) -> str:
@@ -40,15 +42,15 @@ def test_defaults_are_a_dense_model():
     ["--model.moe_shared_expert_ffn_hidden_size", "64", "--model.moe_shared_expert_gate", "true",
      "--model.moe_router_pre_softmax", "true"],  # Qwen2-MoE
     ["--model.moe_capacity_factor", "1.25", "--model.moe_token_drop_policy", "position"],
-    ["--parallel.ep", "4", "--parallel.tp", "2", "--parallel.etp", "1"],
+    ["--parallel.ep", "4", "--parallel.tp", "2", "--parallel.etp", "1"],  # experts over tp x dp ranks
 ])
 def test_a_valid_moe_config_passes_every_rule(overrides):
-    """Valid configs pass; experts split over ranks, whose training is not built yet, are refused by name."""
-    world = 8 if "--parallel.ep" in overrides else 1
+    """Valid configs pass (dp is the world over tp); experts split by expert tensor parallelism,
+    whose training is not built yet, are refused by name."""
+    world, tp = (8, 2) if "--parallel.ep" in overrides else (1, 1)
+    assert resolve_and_validate(build_config({"data": {"mock": True}}, MOE + overrides), world) == world // tp
     if "--parallel.ep" in overrides:
-        assert _refusal(MOE + overrides, world).startswith(SPLIT_NOT_BUILT)
-    else:
-        assert resolve_and_validate(build_config({"data": {"mock": True}}, MOE + overrides), world) == world
+        assert _refusal(MOE + overrides[:-2], world) == SPLIT_NOT_BUILT
 
 
 @pytest.mark.parametrize("overrides, world, message", [
@@ -128,14 +130,13 @@ def test_dense_keys_at_their_dense_values_pass():
     assert resolve_and_validate(cfg, 1) == 1
 
 
-def test_training_with_experts_split_over_ranks_stops_at_start_up_with_one_line():
+def test_training_with_experts_split_by_expert_tensor_parallelism_stops_at_start_up_with_one_line():
     proc = subprocess.run([sys.executable, "-m", "megazero.train", "--config", "configs/gpt2-tiny.yaml",
-                           "--model.num_experts", "8", "--parallel.ep", "4", "--parallel.etp", "1", "--validate-only",
+                           "--model.num_experts", "8", "--parallel.ep", "4", "--parallel.tp", "2", "--validate-only",
                            "--train.global_batch_size", "32",
                            "--world-size", "8"], capture_output=True, text=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: {SPLIT_NOT_BUILT} (issue 45); use --parallel.ep 1 "
-                                                f"--parallel.etp 1 (each rank holds every expert)"]
+    assert proc.stderr.strip().splitlines() == [f"error: {SPLIT_NOT_BUILT}"]
 
 
 def test_lora_on_the_experts_is_refused_and_on_attention_passes():

@@ -1,0 +1,173 @@
+"""Experts split over ranks (expert parallelism, issue 45): a Mixtral-style mixture of experts
+(configs/mixtral-tiny.yaml, 4 experts, top-2) with ep > 1 equals the single process: fp32,
+dropless, same seed and global batch; per iteration the LM loss, the gradient norm (each expert
+element counted once over the world) and the logged aux and z-losses within 1e-5.
+
+Expert weights are sharded and reduced over the expert-data-parallel group, dense ones over
+dp x cp (config/sharding.parameter_groups), at every ZeRO stage; the tokens reach their experts
+by all-to-all or all-gather over the ep group; at tp without sequence parallelism (etp 1) each
+TP rank sends its share of the replicated tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import assert_parity, logged_by_layout, losses_saving_at_2, make_trainer, moe_records, run_distributed
+
+ITERS = 3
+# Large coefficients, so that the losses' gradients weigh in the gradient norm.
+SHORT = ["--train.iters", str(ITERS), "--model.seq_length", "32", "--train.global_batch_size", "8",
+         "--train.micro_batch_size", "2", "--model.moe_aux_loss_coeff", "0.1", "--model.moe_z_loss_coeff", "0.01"]
+
+
+def _records(extra: list[str]) -> list[tuple[float, ...]]:
+    """(loss, grad norm, aux loss, z-loss) of each iteration on the logging rank (empty elsewhere),
+    after checking that the expert buckets are partitioned over expert-dp and the dense over dp x cp."""
+    return moe_records(SHORT + extra, _check_buckets)
+
+
+def _check_buckets(tr) -> None:
+    """Expert weights in buckets of their own over expert-dp, dense ones over dp x cp, as the planner
+    lays them out (plan/ranks.py: the same buckets, padded for their own group)."""
+    from megazero.plan.ranks import rank_params
+    from megazero.zero.partition import bucket_numel
+    sharded, grid, cfg = tr.optimizer.sharded, tr.grid, tr.cfg
+    for b in sharded.layout.buckets:
+        expert = "experts." in b.slots[0].name
+        group = grid.expert_dp_group if expert else grid.dp_cp_group
+        assert b.group == ("expert_dp" if expert else "dp_cp") and all(("experts." in s.name) == expert for s in b.slots)
+        assert (b.shards, b.rank) == sharded.sharding.shards(group)
+    p = cfg.parallel
+    planned = rank_params(cfg.model, p.tp, p.pp, p.vpp, grid.pp_rank, sharded.sharding.parameters, cfg.zero.bucket_size,
+                          p.pp_layers, grid.ep, 1).split_experts()[2]
+    shards = sharded.sharding.shards(grid.expert_dp_group)[0]
+    assert [b.numel for b in sharded.layout.buckets if b.group == "expert_dp"] == \
+        [bucket_numel(list(b), shards) for b in planned]
+
+
+def _layouts(layouts: dict[str, list[str]]) -> dict[str, list]:
+    return logged_by_layout(_records, layouts)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[tuple[float, ...]]:
+    return run_distributed(_records, 1, [])[0]
+
+
+EP2, EP4, TP2 = ["--parallel.ep", "2"], ["--parallel.ep", "4"], ["--parallel.tp", "2", "--parallel.etp", "1"]
+ALLGATHER, SP = ["--parallel.moe_dispatcher", "allgather"], ["--parallel.sequence_parallel", "true"]
+
+
+def _zero(stage: int) -> list[str]:
+    return ["--zero.stage", str(stage)]
+
+
+def test_expert_parallel_on_2_ranks(reference):
+    """ep 2 over the data ranks with ZeRO-3 and the all-gather dispatcher (experts alone on their
+    expert-dp group of one), and ep 2 over the TP ranks under sequence parallelism with ZeRO-1."""
+    layouts = {"ep2-zero3-allgather": EP2 + _zero(3) + ALLGATHER, "tp2-sp-ep2-zero1": TP2 + SP + EP2 + _zero(1)}
+    assert_parity(run_distributed(_layouts, 2, layouts)[0], reference, ITERS)
+
+
+def test_expert_parallel_with_expert_data_parallelism_on_4_ranks(reference):
+    """ep 2 x expert-dp 2 (dp 4): expert gradients reduce-scattered and their shards gathered over
+    expert-dp, dense ones over dp, at ZeRO-2 with the all-to-all dispatcher."""
+    assert_parity(run_distributed(_layouts, 4, {"ep2-edp2-zero2": EP2 + _zero(2)})[0], reference, ITERS)
+
+
+@pytest.mark.slow
+def test_expert_parallel_every_stage_and_dispatcher_on_2_ranks(reference):
+    """ZeRO 0-2 and both dispatchers at ep 2; tp 2 (etp 1) without sequence parallelism, where the
+    TP ranks hold the same tokens and each sends its share; cp 2 folded into ep."""
+    layouts = {"ep2-zero0": EP2, "ep2-zero1-allgather": EP2 + _zero(1) + ALLGATHER, "ep2-zero2": EP2 + _zero(2),
+               "tp2-ep2": TP2 + EP2, "tp2-ep1": TP2, "cp2-ep2-zero3": ["--parallel.cp", "2"] + EP2 + _zero(3)}
+    assert_parity(run_distributed(_layouts, 2, layouts)[0], reference, ITERS)
+
+
+@pytest.mark.slow
+def test_expert_parallel_layouts_on_4_ranks(reference):
+    """ep 4 at ZeRO-3; ep 2 x expert-dp 2 at ZeRO 0, 1 and 3 (all-gather); pp 2 x ep 2; tp 2 x ep 2 x dp 2."""
+    layouts = {"ep4-zero3": EP4 + _zero(3), "ep2-edp2-zero0": EP2, "ep2-edp2-zero1": EP2 + _zero(1),
+               "ep2-edp2-zero3-allgather": EP2 + _zero(3) + ALLGATHER,
+               "pp2-ep2-zero1": ["--parallel.pp", "2"] + EP2 + _zero(1), "tp2-ep2-dp2-zero3": TP2 + EP2 + _zero(3)}
+    assert_parity(run_distributed(_layouts, 4, layouts)[0], reference, ITERS)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _save_at_ep2_then_resume(root: str, layout: list[str], resumes: dict[str, list[str]]) -> dict:
+    """`layout` (ep 2): train ITERS, saving after 2 (with its 16-bit model); its universal and torch exports; each of
+    `resumes` (extra args, loading the save or, with "universal" in its name, the universal
+    export) trains the last iteration. The full parameters each resume starts from, and the
+    torch export's, on the logging rank."""
+    import contextlib
+    import io
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from megazero.convert import main as convert_main
+    save, universal, exported = f"{root}/save", f"{root}/universal", f"{root}/model.pt"
+    t = make_trainer(SHORT + layout + ["--checkpoint.save", save, "--checkpoint.save_model_16bit", "true"],
+                     base="configs/mixtral-tiny.yaml")
+    out: dict = {"straight": losses_saving_at_2(t, ITERS)}
+    if dist.get_rank() == 0:
+        with contextlib.redirect_stdout(io.StringIO()):
+            convert_main(["--load", save, "--to", "universal", "--output", universal])
+            convert_main(["--load", save, "--to", "torch", "--output", exported])
+        out["exported"] = torch.load(exported, weights_only=True)
+        out["16bit"] = load_file(f"{save}/iter_0000002/model_16bit.safetensors")
+    dist.barrier()
+    for name, extra in resumes.items():
+        t = make_trainer(SHORT + extra + ["--checkpoint.load", universal if "universal" in name else save],
+                         base="configs/mixtral-tiny.yaml")
+        out[f"{name}-start"] = t.optimizer.sharded.full_state_dict()
+        out[name] = [t.train_step()["loss"] for _ in range(ITERS - 2)]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, out if t.is_logger else None)
+    if dist.get_rank() != 0:
+        return {}
+    logged = next(o for o in everyone if o)  # the losses of the logging rank, rank 0's export
+    return {**logged, "exported": out["exported"], "16bit": out["16bit"]}
+
+
+def _assert_resumes(out: dict, reference: list, same: str, resharded: list[str]) -> None:
+    """The uninterrupted run equals the single process; the same layout's resume is bitwise, the
+    resharded ones within 1e-5; a resume at ep 1 starts from every expert the torch export holds,
+    and the 16-bit model saved during training holds them too (in bf16)."""
+    import torch
+    losses = [r[0] for r in reference]
+    assert max(abs(a - b) for a, b in zip(out["straight"], losses, strict=True)) <= 1e-5
+    assert out[same] == out["straight"][2:], (out[same], out["straight"])
+    for name in resharded:
+        assert max(abs(a - b) for a, b in zip(out[name], losses[2:], strict=True)) <= 1e-5, (name, out[name])
+    whole = out[f"{resharded[0]}-start"]  # a layout with every expert on every rank (ep 1)
+    experts = [n for n in whole if ".experts." in n]
+    assert experts and all(out["exported"][n].shape[0] == 4 for n in experts)
+    for name, value in whole.items():
+        assert torch.equal(out["exported"][name], value), name
+    assert set(experts) <= set(out["16bit"])
+    for name, value in out["16bit"].items():
+        assert torch.equal(value, out["exported"][name].to(value.dtype)), name
+
+
+def test_checkpoint_at_ep2_resumes_bitwise_and_reshards_to_ep1(tmp_path, reference):
+    """Saved at ep 2 (dp 2, ZeRO-1: experts alone on their expert-dp ranks): the same layout
+    resumes bit for bit; ep 1 at ZeRO-2 (resharded from the rank files) and ep 1 at ZeRO-3 from
+    the universal export continue within 1e-5; convert --to torch and the 16-bit model gather every expert."""
+    resumes = {"same": EP2 + _zero(1), "ep1-zero2": _zero(2), "universal-ep1-zero3": _zero(3)}
+    out = run_distributed(_save_at_ep2_then_resume, 2, str(tmp_path), EP2 + _zero(1), resumes)[0]
+    _assert_resumes(out, reference, "same", ["ep1-zero2", "universal-ep1-zero3"])
+
+
+@pytest.mark.slow
+def test_checkpoint_at_ep2_with_expert_data_parallelism_resumes_and_reshards(tmp_path, reference):
+    """Saved at ep 2 x expert-dp 2 at ZeRO-0 (each bucket's state saved by its ZeRO group's rank 0
+    alone): bitwise at the same layout; resharded to ep 1 x dp 4 at ZeRO-1, to ep 4 at ZeRO-3 and,
+    from the universal export, to ep 2 x tp 2 at ZeRO-2."""
+    resumes = {"same": EP2, "ep1-zero1": _zero(1), "ep4-zero3": EP4 + _zero(3),
+               "universal-tp2-ep2-zero2": TP2 + EP2 + _zero(2)}
+    out = run_distributed(_save_at_ep2_then_resume, 4, str(tmp_path), EP2, resumes)[0]
+    _assert_resumes(out, reference, "same", ["ep1-zero1", "ep4-zero3", "universal-tp2-ep2-zero2"])
