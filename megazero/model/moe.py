@@ -75,11 +75,12 @@ def expert_loop_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
 
 
 class _ExpertWeight(nn.Module):
-    """One 3-D weight [E, out, in]: a module of its own so that its name ends in `.weight`."""
+    """One 3-D weight [E, out, in]: a module of its own so that its name ends in `.weight`.
+    `stride`: equal fused blocks of each expert's rows (gate | up), as a dense MLP's c_fc."""
 
-    def __init__(self, shape: tuple[int, int, int], experts: int = 0):
+    def __init__(self, shape: tuple[int, int, int], experts: int = 0, stride: int = 1):
         super().__init__()
-        self.weight = place(nn.Parameter(torch.empty(shape)), Placement(shape, experts=experts))
+        self.weight = place(nn.Parameter(torch.empty(shape)), Placement(shape, stride=stride, experts=experts))
 
     def keep_experts(self, ep: Group) -> None:
         """Keep this expert-parallel rank's whole experts (the placement keeps the full shape)."""
@@ -94,7 +95,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.activation = activation
         gated = activation == "swiglu"
-        self.c_fc = _ExpertWeight((num_experts, (2 if gated else 1) * ffn, hidden), num_experts)
+        self.c_fc = _ExpertWeight((num_experts, (2 if gated else 1) * ffn, hidden), num_experts, 2 if gated else 1)
         self.c_proj = _ExpertWeight((num_experts, hidden, ffn), num_experts)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
