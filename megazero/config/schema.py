@@ -285,8 +285,9 @@ class TrainConfig:
 class OptimConfig:
     name: Literal["adamw", "muon", "sgd"] = "adamw"
     """The optimizer: adamw; muon: Muon (momentum orthogonalised by Newton-Schulz) on each block's
-    weight matrices (attention q, k, v and output, MLP up, gate and down), AdamW (the other optim.* keys)
-    on embeddings, the output layer, norms and biases; sgd: torch.optim.SGD's update on every parameter
+    weight matrices (attention q, k, v and output, MLP up, gate and down; in an MoE layer each expert's
+    apart), AdamW (the other optim.* keys) on embeddings, the output layer, norms, biases and MoE
+    routers; sgd: torch.optim.SGD's update on every parameter
     (momentum optim.sgd_momentum, weight decay as L2 added to the gradient, no Nesterov)."""
     lr: float = 1e-3
     """Peak learning rate."""
