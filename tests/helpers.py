@@ -112,6 +112,8 @@ def full_logits(trainer, rows):
     with torch.no_grad():
         local = model.eval()(rows)
     model.train()
+    if tp.size == 1:  # a solo group has no process group to gather over
+        return local[..., : trainer.cfg.model.vocab_size]
     pieces = [torch.empty_like(local) for _ in range(tp.size)]
     dist.all_gather(pieces, local, group=tp.pg)
     return torch.cat(pieces, dim=-1)[..., : trainer.cfg.model.vocab_size]

@@ -238,6 +238,18 @@ def hf_adapter_name(name: str) -> str:
     return f"model.layers.{block}.{hf}.{lora}.{kind}"
 
 
+def hf_expert_adapter_name(name: str, m: ModelConfig) -> str:
+    """The published per-expert name of one expert's LoRA weight (transformer.h.{i}.mlp.experts.{j}
+    .c_fc.gate_proj.lora_A.weight: model.layers.{i}.block_sparse_moe.experts.{j}.w1.lora_A.weight for
+    Mixtral, ...mlp.experts.{j}.gate_proj... for the Qwen models), as PEFT names it behind base_model.model."""
+    head, lora, kind = name.rsplit(".", 2)
+    layer, rest = _in_block(head)
+    j, projection = rest.removeprefix("mlp.experts.").split(".", 1)
+    module, gate, up, down = _MOE_NAMES[architecture(m)]
+    hf = {"c_fc.gate_proj": gate, "c_fc.up_proj": up, "c_proj": down}[projection]
+    return f"{layer}{module}.experts.{j}.{hf}.{lora}.{kind}"
+
+
 def hf_config(m: ModelConfig, eos_token_id: int | None = None) -> dict:
     """The config.json of a megazero model, for its architecture."""
     assert isinstance(m.vocab_size, int)

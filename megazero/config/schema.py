@@ -422,7 +422,9 @@ class FinetuneConfig:
     """Dropout on the adapter's input (as PEFT's lora_dropout)."""
     lora_targets: list = field(default_factory=lambda: ["c_attn"])
     """HF GPT-2 module names adapted, matched as PEFT's target_modules: c_attn, c_proj (attention's and
-    the MLP's), c_fc, mlp.c_proj, attn.c_proj."""
+    the MLP's), c_fc, mlp.c_proj, attn.c_proj; the Llama family's q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj (Mixtral's w1, w3, w2). In an MoE layer the MLP's targets adapt each
+    expert."""
 
 
 @dataclass
