@@ -70,6 +70,7 @@ def validate(cfg: Config, world_size: int) -> int:
     if m.hidden_size % m.num_heads and not m.kv_channels:  # with kv_channels the heads need not tile h
         raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads}); "
                           f"or set model.kv_channels, the head size")
+    _refuse(qk_norm_tp_problem(m, p.tp))
     _refuse(model_family_problem(m), tp_problem(m.num_heads, m.ffn_size, p.tp, m.query_groups),
             cp_problem(m.seq_length, p.cp))  # then cp >= 1
     _refuse(ulysses_problem(m.num_heads, p.tp, p.cp, p.cp_impl), world_problem(world_size, p.tp, p.pp, p.cp))
@@ -393,6 +394,15 @@ def tp_problem(num_heads: int, ffn_size: int, tp: int, groups: int = 0) -> Optio
                 f"whole K/V groups; lower parallel.tp or raise model.num_query_groups")
     if ffn_size % tp:
         return f"MLP width ({ffn_size}) must be divisible by parallel.tp ({tp})"
+    return None
+
+
+def qk_norm_tp_problem(m: ModelConfig, tp: int) -> Optional[str]:
+    """A q/k norm over the whole projections (OLMoE) would need each position's sum of squares over
+    the heads that tensor parallelism splits: not built, so tp 1."""
+    if m.qk_layernorm and m.qk_layernorm_scope == "projection" and tp > 1:
+        return (f"model.qk_layernorm_scope projection normalises q and k over all heads, which parallel.tp ({tp}) "
+                f"splits; use --parallel.tp 1 (data, pipeline or context parallelism instead)")
     return None
 
 

@@ -122,6 +122,10 @@ class ModelConfig:
     qk_layernorm: bool = False
     """Per-head RMSNorm of q and k after their projection, before rotary embeddings (Qwen3): one weight of
     head size shared by all heads, epsilon layernorm_eps."""
+    qk_layernorm_scope: Literal["head", "projection"] = "head"
+    """With qk_layernorm: head normalises each head's width (Qwen3, Megatron's --qk-layernorm); projection the
+    whole q and k projections, with weights as wide (OLMoE); tensor parallelism (tp > 1) splits those, so it
+    needs tp 1."""
     kv_channels: int = 0
     """Head size when it is not hidden_size / num_heads (Qwen3: 128 with h 2048 and 32 heads): q is
     num_heads x kv_channels wide, k and v query groups x kv_channels; 0 means hidden_size / num_heads."""

@@ -100,7 +100,7 @@ def architecture(m: ModelConfig) -> str:
     if m.q_width != m.hidden_size:
         parts.append(f"head size {m.head_dim}")
     if m.qk_layernorm:
-        parts.append("qk-norm")
+        parts.append("qk-norm" + (" over the projections" if m.qk_layernorm_scope == "projection" else ""))
     if m.qkv_bias and not m.bias:
         parts.append("q/k/v biases")
     if m.num_experts:
