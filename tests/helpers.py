@@ -44,6 +44,40 @@ def make_trainer(args: Sequence[str] = (), base: str | dict = TINY_CONFIG):
         return Trainer(cfg, ProcessGrid.create(p.tp, p.pp, cp=p.cp, ep=p.ep, etp=p.expert_tp))
 
 
+def muon_steps(args: Sequence[str], base: str | dict = TINY_CONFIG, iters: int = 3) -> bytes:
+    """`iters` steps of make_trainer(args, base) in a spawned rank, counting Newton-Schulz's
+    matrices: this rank's parameters (its TP shards) with their placements, the losses, the shape
+    of every matrix it orthogonalised (a batch: each of its matrices), its TP rank and size and
+    the model config; sent by value (read with `loaded`)."""
+    import torch
+
+    import megazero.zero.muon as muon
+    from megazero.parallel.placement import placement
+    calls: list[tuple[int, ...]] = []
+    plain = muon.orthogonalize
+
+    def counted(u: torch.Tensor, steps: int) -> torch.Tensor:
+        calls.extend([tuple(u.shape[-2:])] * (u.shape[0] if u.dim() == 3 else 1))
+        return plain(u, steps)
+    muon.orthogonalize = counted
+    try:
+        tr = make_trainer(args, base)
+        losses = [tr.train_step()["loss"] for _ in range(iters)]
+    finally:
+        muon.orthogonalize = plain
+    where = {name: placement(p) for chunk in tr.chunks for name, p in chunk.named_parameters()}
+    buf = io.BytesIO()
+    torch.save({"params": tr.optimizer.sharded.full_state_dict(), "where": where, "losses": losses, "calls": calls,
+                "tp": tr.grid.tp, "tp_rank": tr.grid.tp_rank, "model": tr.cfg.model}, buf)
+    return buf.getvalue()
+
+
+def loaded(results: list[bytes]) -> list[Any]:
+    """Each rank's result sent by value (torch.save'd bytes), loaded."""
+    import torch
+    return [torch.load(io.BytesIO(r), weights_only=False) for r in results]
+
+
 def warm_trainer_and_plan(args: Sequence[str], base: str | dict):
     """make_trainer(args, base) after one warm-up step, its comm counters reset (the next step is
     a steady one to measure), and the layout planner's prediction for this rank's pipeline stage."""
@@ -79,6 +113,8 @@ def full_logits(trainer, rows):
     with torch.no_grad():
         local = model.eval()(rows)
     model.train()
+    if tp.size == 1:  # a solo group has no process group to gather over
+        return local[..., : trainer.cfg.model.vocab_size]
     pieces = [torch.empty_like(local) for _ in range(tp.size)]
     dist.all_gather(pieces, local, group=tp.pg)
     return torch.cat(pieces, dim=-1)[..., : trainer.cfg.model.vocab_size]

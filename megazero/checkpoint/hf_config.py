@@ -1,5 +1,5 @@
-"""checkpoint.init_from_hf: a Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE
-config.json resolved into the run's model section (hf_names.py reads it), torch-free, so it is
+"""checkpoint.init_from_hf: a Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE or
+OLMoE config.json resolved into the run's model section (hf_names.py reads it), torch-free, so it is
 checked before torch loads (hf.py reads the weights)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def resolve_init_from_hf(cfg: Config) -> None:
                           f"{hf.get('model_type')!r}; save the model with save_pretrained()") from None
     except ValueError as e:
         raise ConfigError(f"checkpoint.init_from_hf {d}: {e}; only GPT-2, Llama, Qwen2, Qwen3, Mixtral, "
-                          f"Qwen2-MoE and Qwen3-MoE weights of these shapes can start a megazero run") from None
+                          f"Qwen2-MoE, Qwen3-MoE and OLMoE weights of these shapes can start a megazero run") from None
     if hf.get("model_type") == "gpt2" and hf.get("activation_function", "gelu_new") not in ("gelu_new",
                                                                                           "gelu_pytorch_tanh"):
         raise ConfigError(f"checkpoint.init_from_hf {d} uses activation {hf['activation_function']}; megazero's "

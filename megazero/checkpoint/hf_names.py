@@ -1,6 +1,6 @@
 """Which Hugging Face architecture a megazero model is, and where each of its tensors lives there.
 
-Seven architectures, chosen by the model section:
+Eight architectures, chosen by the model section:
 
     gpt2   GPT2LMHeadModel: learned positions, LayerNorm, GELU, biases, tied output layer.
            Names are megazero's own; the four projections are Conv1D ([in, out]) in HF.
@@ -25,6 +25,8 @@ Seven architectures, chosen by the model section:
            mlp_only_layers says (Llama's names), Qwen2's q/k/v biases where qkv_bias says.
     qwen3_moe  Qwen3MoeForCausalLM: Qwen2-MoE's experts and router without the shared expert,
            Qwen3's attention (self_attn.q_norm / k_norm: model.qk_layernorm; no biases).
+    olmoe  OlmoeForCausalLM: Qwen3-MoE's names, every layer MoE, its q_norm / k_norm over the
+           whole q and k projections (model.qk_layernorm_scope projection), head size h / heads.
 
 The experts' weights are 3-D here ([E, out, in]) and one matrix per expert in the published
 files (what save_pretrained writes); transformers' own modules hold them fused 3-D
@@ -61,7 +63,8 @@ STACKED = ("mlp.experts.c_fc.weight", "mlp.experts.c_proj.weight", "mlp.shared_e
 # Each architecture's MoE module and its experts' projections: (module, gate, up, down).
 _MOE_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
               "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-              "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+              "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+              "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj")}
 _LLAMA_TOP = {EMBEDDING: "model.embed_tokens.weight", "transformer.ln_f.weight": "model.norm.weight",
               HEAD: "lm_head.weight"}
 
@@ -71,11 +74,11 @@ _GPT2 = [("normalization", "layernorm"), ("position_embedding", "learned"), ("ac
 _LLAMA = [("normalization", "rmsnorm"), ("position_embedding", "rope"), ("activation", "swiglu"),
           ("zero_centered_norm", False)]
 # What Qwen2 and Qwen3 fix beyond Llama's keys: Qwen2's q/k/v biases alone, Qwen3's QK-norm without biases.
-_QWEN2 = [("bias", False), ("qk_layernorm", False)]
-_QWEN3 = [("bias", False), ("qkv_bias", False)]
+_QWEN2: list[tuple[str, object]] = [("bias", False), ("qk_layernorm", False)]
+_QWEN3: list[tuple[str, object]] = [("bias", False), ("qkv_bias", False), ("qk_layernorm_scope", "head")]
 _HF_CLASS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-             "qwen3_moe": "Qwen3MoeForCausalLM"}
+             "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 
 class Piece(NamedTuple):
@@ -88,8 +91,8 @@ class Piece(NamedTuple):
 
 
 def architecture(m: ModelConfig) -> str:
-    """gpt2, llama, qwen2, qwen3, mixtral, qwen2_moe or qwen3_moe, by the model section; refused in one
-    line when it is none."""
+    """gpt2, llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe or olmoe, by the model section; refused
+    in one line when it is none."""
     if m.position_embedding == "learned":
         # GPT-2's heads are h / heads wide; its biases cover q, k and v already.
         same = {"num_query_groups": m.query_groups == m.num_heads, "kv_channels": m.q_width == m.hidden_size,
@@ -116,8 +119,8 @@ def architecture(m: ModelConfig) -> str:
 
 
 def _moe_architecture(m: ModelConfig) -> str:
-    """mixtral, qwen2_moe or qwen3_moe for a mixture of experts of the Llama family; what none of
-    these classes computes is refused in one line naming the key and the value they need."""
+    """mixtral, qwen2_moe, qwen3_moe or olmoe for a mixture of experts of the Llama family; what none
+    of these classes computes is refused in one line naming the key and the value they need."""
     refused = [("moe_router_score_function", "softmax", m.moe_router_score_function != "softmax"),
                ("moe_router_topk_scaling_factor", None, m.moe_router_topk_scaling_factor not in (None, 1.0)),
                ("moe_router_num_groups", 0, m.moe_router_num_groups > 0),
@@ -127,8 +130,10 @@ def _moe_architecture(m: ModelConfig) -> str:
     for key, value, wrong in refused:
         if wrong:
             raise ConfigError(f"model.{key} {getattr(m, key)!r} has no equivalent in Hugging Face's Mixtral, "
-                              f"Qwen2-MoE or Qwen3-MoE; Hugging Face export and import of a mixture of experts need "
-                              f"model.{key} {value!r}")
+                              f"Qwen2-MoE, Qwen3-MoE or OLMoE; Hugging Face export and import of a mixture of experts "
+                              f"need model.{key} {value!r}")
+    if m.qk_layernorm and m.qk_layernorm_scope == "projection":
+        return _olmoe(m)
     if m.qk_layernorm:  # Qwen3-MoE's attention: no shared expert, no biases
         clash = ("moe_shared_expert_ffn_hidden_size", 0) if m.moe_shared_expert_ffn_hidden_size else \
             ("qkv_bias", False) if m.qkv_bias else None
@@ -151,6 +156,20 @@ def _moe_architecture(m: ModelConfig) -> str:
                           f"> 0 with model.moe_shared_expert_gate true, or (without q/k/v biases) Qwen3-MoE's "
                           f"model.qk_layernorm true, or a Mixtral-style model")
     return "mixtral"
+
+
+def _olmoe(m: ModelConfig) -> str:
+    """OLMoE, the mixture of experts with q/k norms over the whole projections: every layer MoE, no
+    shared expert or biases, heads h / heads wide (its q_norm is hidden_size wide)."""
+    dense = [i for i in range(m.num_layers) if not _is_moe(m, i)]
+    clash = ("moe_shared_expert_ffn_hidden_size", 0) if m.moe_shared_expert_ffn_hidden_size else \
+        ("qkv_bias", False) if m.qkv_bias else ("kv_channels", 0) if m.q_width != m.hidden_size else \
+        ("moe_layer_freq", 1) if dense else None
+    if clash:
+        raise ConfigError(f"model.{clash[0]} {getattr(m, clash[0])!r} with model.qk_layernorm_scope projection: OLMoE, "
+                          f"the mixture of experts with q/k norms over the whole projections, has none; Hugging Face "
+                          f"export and import need model.{clash[0]} {clash[1]!r}")
+    return "olmoe"
 
 
 def _is_moe(m: ModelConfig, layer: int) -> bool:
@@ -238,6 +257,18 @@ def hf_adapter_name(name: str) -> str:
     return f"model.layers.{block}.{hf}.{lora}.{kind}"
 
 
+def hf_expert_adapter_name(name: str, m: ModelConfig) -> str:
+    """The published per-expert name of one expert's LoRA weight (transformer.h.{i}.mlp.experts.{j}
+    .c_fc.gate_proj.lora_A.weight: model.layers.{i}.block_sparse_moe.experts.{j}.w1.lora_A.weight for
+    Mixtral, ...mlp.experts.{j}.gate_proj... for the Qwen models), as PEFT names it behind base_model.model."""
+    head, lora, kind = name.rsplit(".", 2)
+    layer, rest = _in_block(head)
+    j, projection = rest.removeprefix("mlp.experts.").split(".", 1)
+    module, gate, up, down = _MOE_NAMES[architecture(m)]
+    hf = {"c_fc.gate_proj": gate, "c_fc.up_proj": up, "c_proj": down}[projection]
+    return f"{layer}{module}.experts.{j}.{hf}.{lora}.{kind}"
+
+
 def hf_config(m: ModelConfig, eos_token_id: int | None = None) -> dict:
     """The config.json of a megazero model, for its architecture."""
     assert isinstance(m.vocab_size, int)
@@ -292,6 +323,9 @@ def _moe_hf_config(m: ModelConfig, arch: str, llama: dict) -> dict:
             "mlp_only_layers": [i for i in range(m.num_layers) if not _is_moe(m, i)], "use_sliding_window": False}
     if arch == "qwen3_moe":
         return {**common, **moe, **qwen, "attention_bias": False}
+    if arch == "olmoe":  # its experts are intermediate_size wide; every layer is MoE
+        return {**common, **moe, "num_experts": m.num_experts, "intermediate_size": m.moe_ffn_size,
+                "norm_topk_prob": not m.moe_router_pre_softmax, "attention_bias": False, "clip_qkv": None}
     return {**common, **moe, **qwen, "shared_expert_intermediate_size": m.moe_shared_expert_ffn_hidden_size,
             "qkv_bias": m.qkv_bias}
 
@@ -311,18 +345,19 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         return _llama_config(hf, kind)
     if kind in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         return _moe_config(hf, kind)
-    raise ValueError(f"model_type '{kind}' is none of gpt2, llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe; "
-                     f"only GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints can be imported")
+    raise ValueError(f"model_type '{kind}' is none of gpt2, llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, "
+                     f"olmoe; only GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE checkpoints "
+                     f"can be imported")
 
 
 def _moe_config(hf: dict, kind: str) -> ModelConfig:
-    """Mixtral, Qwen2-MoE or Qwen3-MoE as megazero's keys: the attention and norms of the dense
+    """Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE as megazero's keys: the attention and norms of the dense
     family it extends (Llama's; Qwen2's q/k/v biases where qkv_bias says; Qwen3's per-head q/k norm,
-    model.qk_layernorm), and the experts; a head size of its own is model.kv_channels. OLMoE and
-    what else megazero's layer does not compute are refused (ValueError, one line)."""
-    if kind == "olmoe":
-        raise ValueError("OLMoE's q_norm and k_norm normalise the whole q and k projections, not each head as "
-                         "model.qk_layernorm does, so OlmoeForCausalLM has no megazero equivalent yet")
+    model.qk_layernorm, or OLMoE's over the whole projections, qk_layernorm_scope projection), and
+    the experts; a head size of its own is model.kv_channels. What megazero's layer does not compute
+    is refused (ValueError, one line)."""
+    if kind == "olmoe" and hf.get("clip_qkv") is not None:
+        raise ValueError(f"clip_qkv {hf['clip_qkv']}: megazero does not clip q, k and v")
     window = hf.get("sliding_window") if kind == "mixtral" or hf.get("use_sliding_window") else None
     if window and window < hf["max_position_embeddings"]:
         raise ValueError(f"sliding_window {window} is below max_position_embeddings ({hf['max_position_embeddings']}); "
@@ -333,21 +368,23 @@ def _moe_config(hf: dict, kind: str) -> ModelConfig:
     # Every one of these classes takes config.json's head_dim, hidden_size / num_attention_heads without it.
     head_dim = hf.get("head_dim") or hidden // heads
     mixtral = kind == "mixtral"
+    wide = kind in ("mixtral", "olmoe")  # their experts' width is intermediate_size
     layers = hf["num_hidden_layers"]
     dense = set(hf.get("mlp_only_layers") or ())
     step = hf.get("decoder_sparse_step", 1)
     moe = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]  # Qwen's rule for MoE layers
     shared = hf.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
-    family = {"mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}[kind]
+    family = {"mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "olmoe": "qwen3"}[kind]
     base = _llama_config({**hf, "head_dim": head_dim, "attention_bias": False, "mlp_bias": False,
                           "use_sliding_window": False}, family)
     return dataclasses.replace(
         base, num_experts=hf.get("num_local_experts") or hf["num_experts"], moe_router_topk=hf["num_experts_per_tok"],
-        moe_ffn_hidden_size=hf["intermediate_size" if mixtral else "moe_intermediate_size"],
+        moe_ffn_hidden_size=hf["intermediate_size" if wide else "moe_intermediate_size"],
         moe_layer_freq=1 if all(moe) else moe, moe_router_pre_softmax=not (mixtral or hf.get("norm_topk_prob", False)),
         moe_shared_expert_ffn_hidden_size=shared, moe_shared_expert_gate=bool(shared),
         moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
-        qkv_bias=kind == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
+        qkv_bias=kind == "qwen2_moe" and bool(hf.get("qkv_bias", True)),
+        qk_layernorm_scope="projection" if kind == "olmoe" else "head")
 
 
 def _llama_config(hf: dict, arch: str) -> ModelConfig:
@@ -396,7 +433,7 @@ def set_by_hf(m: ModelConfig) -> list[str]:
     family = common + ["num_query_groups", "normalization", "position_embedding", "rope_base", "rope_scaling",
                        "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                        "rope_original_max_position", "activation", "bias", "tie_embeddings", "kv_channels",
-                       "qk_layernorm", "qkv_bias", "num_experts"]
+                       "qk_layernorm", "qk_layernorm_scope", "qkv_bias", "num_experts"]
     if not m.num_experts:
         return family + ["ffn_hidden_size"]
     every_layer_moe = all(_is_moe(m, i) for i in range(m.num_layers))
@@ -425,13 +462,14 @@ _FAMILY_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_h
                 "moe_shared_expert_ffn_hidden_size": "shared_expert_intermediate_size",
                 "moe_shared_expert_gate": "shared_expert_gate"}
 _HF_KEYS = {"gpt2": _GPT2_KEYS, "qwen2_moe": {**_FAMILY_KEYS, "qkv_bias": "qkv_bias"},
-            "mixtral": {**_FAMILY_KEYS, "num_experts": "num_local_experts", "moe_ffn_hidden_size": "intermediate_size"}}
+            "mixtral": {**_FAMILY_KEYS, "num_experts": "num_local_experts", "moe_ffn_hidden_size": "intermediate_size"},
+            "olmoe": {**_FAMILY_KEYS, "moe_ffn_hidden_size": "intermediate_size"}}
 
 
 def hf_key(key: str, model_type: str) -> str:
     """The config.json key (of HF model_type `model_type`) that holds megazero's model.KEY (its own
     name where they agree; the model_type itself for what only the architecture says)."""
     table = _HF_KEYS.get(model_type, _FAMILY_KEYS)
-    if key not in table and key in ("qk_layernorm", "qkv_bias"):  # no key of their own: the architecture says them
+    if key not in table and key in ("qk_layernorm", "qk_layernorm_scope", "qkv_bias"):  # no key of their own: the architecture says them
         return f"model_type {model_type}"
     return table.get(key, key)

@@ -16,7 +16,8 @@ MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
 """Megatron-LM's name for `latest`: the iteration number (or `release`), written beside it."""
 MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size", "ffn_hidden_size",
               "normalization", "position_embedding", "rope_base", "rope_scaling", "activation", "num_query_groups",
-              "bias", "tie_embeddings", "zero_centered_norm", "qk_layernorm", "kv_channels", "qkv_bias")
+              "bias", "tie_embeddings", "zero_centered_norm", "qk_layernorm", "kv_channels", "qkv_bias",
+              "qk_layernorm_scope")
 """The model keys a resume must match (the architecture); a checkpoint from before a key existed
 holds that key's default (GPT-2)."""
 

@@ -50,6 +50,7 @@ READ_ONLY = (
     ReadOnly(("model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
               "model.rope_original_max_position"), "model.rope_scaling llama3 with rope",
              lambda c: c.model.position_embedding == "rope" and c.model.rope_scaling == "llama3"),
+    ReadOnly(("model.qk_layernorm_scope",), "model.qk_layernorm true", lambda c: c.model.qk_layernorm),
     ReadOnly(("model.moe_*", "logging.moe_per_layer"), "model.num_experts > 0", lambda c: c.model.num_experts > 0),
     # at ep 1 each rank holds every expert: no token travels, whichever dispatcher is named
     ReadOnly(("parallel.moe_dispatcher",), "parallel.ep > 1", lambda c: c.parallel.ep > 1),

@@ -70,6 +70,7 @@ def validate(cfg: Config, world_size: int) -> int:
     if m.hidden_size % m.num_heads and not m.kv_channels:  # with kv_channels the heads need not tile h
         raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads}); "
                           f"or set model.kv_channels, the head size")
+    _refuse(qk_norm_tp_problem(m, p.tp))
     _refuse(model_family_problem(m), tp_problem(m.num_heads, m.ffn_size, p.tp, m.query_groups),
             cp_problem(m.seq_length, p.cp))  # then cp >= 1
     _refuse(ulysses_problem(m.num_heads, p.tp, p.cp, p.cp_impl), world_problem(world_size, p.tp, p.pp, p.cp))
@@ -85,9 +86,10 @@ def validate(cfg: Config, world_size: int) -> int:
             raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
                               f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
     _refuse(expert_split_not_built_problem(p, m))
-    if m.num_experts and cfg.optim.name == "muon":
-        raise ConfigError(f"optim.name muon with model.num_experts {m.num_experts}: Muon on the experts' matrices is "
-                          f"not built yet (issue 45), and AdamW would step them instead; use --optim.name adamw")
+    if m.num_experts and cfg.optim.name == "muon" and (p.ep > 1 or p.expert_tp > 1):
+        raise ConfigError(f"optim.name muon with parallel.ep {p.ep} x parallel.etp {p.expert_tp}: Muon orthogonalises "
+                          f"experts held whole on each rank only; use --parallel.ep 1 --parallel.etp 1 or "
+                          f"--optim.name adamw")
     return dp
 
 
@@ -392,6 +394,15 @@ def tp_problem(num_heads: int, ffn_size: int, tp: int, groups: int = 0) -> Optio
                 f"whole K/V groups; lower parallel.tp or raise model.num_query_groups")
     if ffn_size % tp:
         return f"MLP width ({ffn_size}) must be divisible by parallel.tp ({tp})"
+    return None
+
+
+def qk_norm_tp_problem(m: ModelConfig, tp: int) -> Optional[str]:
+    """A q/k norm over the whole projections (OLMoE) would need each position's sum of squares over
+    the heads that tensor parallelism splits: not built, so tp 1."""
+    if m.qk_layernorm and m.qk_layernorm_scope == "projection" and tp > 1:
+        return (f"model.qk_layernorm_scope projection normalises q and k over all heads, which parallel.tp ({tp}) "
+                f"splits; use --parallel.tp 1 (data, pipeline or context parallelism instead)")
     return None
 
 

@@ -122,6 +122,10 @@ class ModelConfig:
     qk_layernorm: bool = False
     """Per-head RMSNorm of q and k after their projection, before rotary embeddings (Qwen3): one weight of
     head size shared by all heads, epsilon layernorm_eps."""
+    qk_layernorm_scope: Literal["head", "projection"] = "head"
+    """With qk_layernorm: head normalises each head's width (Qwen3, Megatron's --qk-layernorm); projection the
+    whole q and k projections, with weights as wide (OLMoE); tensor parallelism (tp > 1) splits those, so it
+    needs tp 1."""
     kv_channels: int = 0
     """Head size when it is not hidden_size / num_heads (Qwen3: 128 with h 2048 and 32 heads): q is
     num_heads x kv_channels wide, k and v query groups x kv_channels; 0 means hidden_size / num_heads."""
@@ -285,8 +289,9 @@ class TrainConfig:
 class OptimConfig:
     name: Literal["adamw", "muon", "sgd"] = "adamw"
     """The optimizer: adamw; muon: Muon (momentum orthogonalised by Newton-Schulz) on each block's
-    weight matrices (attention q, k, v and output, MLP up, gate and down), AdamW (the other optim.* keys)
-    on embeddings, the output layer, norms and biases; sgd: torch.optim.SGD's update on every parameter
+    weight matrices (attention q, k, v and output, MLP up, gate and down; in an MoE layer each expert's
+    apart), AdamW (the other optim.* keys) on embeddings, the output layer, norms, biases and MoE
+    routers; sgd: torch.optim.SGD's update on every parameter
     (momentum optim.sgd_momentum, weight decay as L2 added to the gradient, no Nesterov)."""
     lr: float = 1e-3
     """Peak learning rate."""
@@ -421,7 +426,9 @@ class FinetuneConfig:
     """Dropout on the adapter's input (as PEFT's lora_dropout)."""
     lora_targets: list = field(default_factory=lambda: ["c_attn"])
     """HF GPT-2 module names adapted, matched as PEFT's target_modules: c_attn, c_proj (attention's and
-    the MLP's), c_fc, mlp.c_proj, attn.c_proj."""
+    the MLP's), c_fc, mlp.c_proj, attn.c_proj; the Llama family's q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj (Mixtral's w1, w3, w2). In an MoE layer the MLP's targets adapt each
+    expert."""
 
 
 @dataclass

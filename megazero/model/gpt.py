@@ -14,7 +14,8 @@ Parameter names are Hugging Face GPT2LMHeadModel's, one to one:
     transformer.h.{i}.ln_1.{weight,bias}
     transformer.h.{i}.attn.c_attn.{weight,bias}    weight [3h/tp, h] = HF Conv1D weight^T
     transformer.h.{i}.attn.c_proj.{weight,bias}    weight [h, h/tp]  = HF Conv1D weight^T
-    transformer.h.{i}.attn.{q,k}_norm.weight       [head_dim], whole on every rank (model.qk_layernorm)
+    transformer.h.{i}.attn.{q,k}_norm.weight       [head_dim], whole on every rank (model.qk_layernorm);
+                                                   q's and k's widths with qk_layernorm_scope projection
     transformer.h.{i}.ln_2.{weight,bias}
     transformer.h.{i}.mlp.c_fc.{weight,bias}       weight [4h/tp, h] = HF Conv1D weight^T
     transformer.h.{i}.mlp.c_proj.{weight,bias}     weight [h, 4h/tp] = HF Conv1D weight^T
@@ -85,9 +86,11 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = ColumnParallelLinear(h, q + 2 * kv, bias=cfg.bias or cfg.qkv_bias, stride=3, parts=parts)
         self.c_proj = RowParallelLinear(q, h, bias=cfg.bias)
         self.resid_dropout = Dropout(cfg.dropout, tracker)
-        # QK-norm (Qwen3): one RMSNorm over each head's width, its weight shared by every head.
-        self.q_norm = head_norm(cfg) if cfg.qk_layernorm else None
-        self.k_norm = head_norm(cfg) if cfg.qk_layernorm else None
+        # QK-norm (Qwen3): one RMSNorm over each head's width, its weight shared by every head;
+        # or (OLMoE) over the whole q and k projections, each position's heads together.
+        self.qk_whole = cfg.qk_layernorm_scope == "projection"
+        self.q_norm = head_norm(cfg, q if self.qk_whole else 0) if cfg.qk_layernorm else None
+        self.k_norm = head_norm(cfg, kv if self.qk_whole else 0) if cfg.qk_layernorm else None
 
     def apply_tp(self, tp: Group) -> None:
         self.heads //= tp.size  # c_attn's split hands each rank whole heads of q, k and v
@@ -110,8 +113,9 @@ class CausalSelfAttention(nn.Module):
             q, k, v = split_heads(qkv, self.heads, self.head_dim)
         else:
             q, k, v = split_grouped_heads(qkv, self.heads, self.groups, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # before rotary, as Qwen3 does
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None and self.k_norm is not None:  # before rotary, as Qwen3 and OLMoE do
+            q, k = (over_heads(self.q_norm, q), over_heads(self.k_norm, k)) if self.qk_whole else \
+                (self.q_norm(q), self.k_norm(k))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         mask = None
@@ -223,9 +227,17 @@ class ZeroCenteredRMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
 
 
-def head_norm(cfg: ModelConfig) -> nn.Module:
-    """model.qk_layernorm's RMSNorm of one head's width (applied as 1 + w with zero_centered_norm)."""
-    return (ZeroCenteredRMSNorm if cfg.zero_centered_norm else nn.RMSNorm)(cfg.head_dim, eps=cfg.layernorm_eps)
+def head_norm(cfg: ModelConfig, width: int = 0) -> nn.Module:
+    """model.qk_layernorm's RMSNorm of one head's width, or of `width` (applied as 1 + w with
+    zero_centered_norm)."""
+    return (ZeroCenteredRMSNorm if cfg.zero_centered_norm else nn.RMSNorm)(width or cfg.head_dim,
+                                                                           eps=cfg.layernorm_eps)
+
+
+def over_heads(norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """`norm` over each position's heads together: t [b, heads, s, d] seen as [b, s, heads x d]."""
+    b, n, s, d = t.shape
+    return norm(t.transpose(1, 2).reshape(b, s, n * d)).view(b, s, n, d).transpose(1, 2)
 
 
 def norm(cfg: ModelConfig) -> nn.Module:

@@ -21,6 +21,14 @@ Dropout on a replicated input uses the default stream (the same mask on every TP
 on a row-parallel input each rank holds distinct features and uses the tracker's
 per-rank stream, as attention dropout does.
 
+An MoE layer's experts (model/moe.py: 3-D weights [E, out, in], experts whole on each rank)
+get one adapter per expert, stacked as their weights are: `lora_A.weight` [E, r, in] and
+`lora_B.weight` [E, out, r] under the expert weight (or, for gate and up of a SwiGLU c_fc,
+under its part: mlp.experts.c_fc.gate_proj.lora_A.weight); the tokens sorted by expert pass
+through A and B as one grouped GEMM each, so expert j's tokens see exactly W_j + B_j A_j.
+Each expert's slice is the adapter PEFT puts on that expert's own Linear
+(block_sparse_moe.experts.{j}.w1, mlp.experts.{j}.gate_proj, ...): the export splits them.
+
 Initial values are layout-independent (seeded by name, like GPT._full_init): A as PEFT's
 default (kaiming-uniform, a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), B zeros, so training
 starts from the base model exactly.
@@ -37,10 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config.schema import FinetuneConfig, ModelConfig
+from megazero.config.schema import ConfigError, FinetuneConfig, ModelConfig
 from megazero.model.gpt import GPT
 from megazero.model.layers import ColumnParallelLinear, RowParallelLinear
-from megazero.model.lora_targets import adapted, part_rows
+from megazero.model.lora_targets import Target, adapted, part_rows
+from megazero.model.moe import MoE, grouped_mm
 from megazero.parallel.comm import copy_to_tp, reduce_from_tp
 from megazero.parallel.placement import Placement, place, placement
 from megazero.parallel.random import RNGTracker, in_stream
@@ -109,17 +118,71 @@ class LoRA:
         return y + delta
 
 
+class ExpertLoRA:
+    """The adapters of every expert of one expert weight [E, out, in] (or of its rows [lo, hi)
+    of each expert: gate or up); its forward hook adds expert j's B_j A_j x to its tokens' rows."""
+
+    def __init__(self, base: Any, rank: int, alpha: float, dropout: float,
+                 part: Optional[tuple[str, int, int]] = None):
+        self.scale, self.dropout = alpha / rank, dropout
+        where = placement(base.weight)
+        experts, out_full, in_full = where.full_shape
+        if where.sharded or base.weight.shape[0] != experts:  # apply_lora runs after expert parallelism
+            raise ConfigError("finetune.lora_targets adapts the experts, whose adapters are built for experts whole "
+                              "on every rank; use --parallel.ep 1 --parallel.etp 1, or adapt the attention only "
+                              "(q_proj, k_proj, v_proj, o_proj)")
+        self.at: Optional[tuple[int, int]] = None  # (first output column, width) of a part
+        holder: Any = base
+        if part is not None:
+            name, lo, hi = part
+            holder = nn.Module()
+            setattr(base, name, holder)
+            out_full, self.at = hi - lo, (lo, hi - lo)
+        make = dict(dtype=base.weight.dtype, device=base.weight.device)
+        holder.lora_A, holder.lora_B = nn.Module(), nn.Module()
+        holder.lora_A.weight = place(nn.Parameter(torch.empty(experts, rank, in_full, **make)),
+                                     Placement((experts, rank, in_full), experts=experts))
+        holder.lora_B.weight = place(nn.Parameter(torch.empty(experts, out_full, rank, **make)),
+                                     Placement((experts, out_full, rank), experts=experts))
+        self.holder = holder
+        base.register_forward_hook(self._add_adapter)
+
+    def _add_adapter(self, base: Any, args: tuple, y: torch.Tensor) -> torch.Tensor:
+        x, counts = args
+        if base.training and self.dropout:  # the experts' inputs are the same on every TP rank: one mask
+            x = F.dropout(x, self.dropout, training=True)
+        h = self.holder
+        delta = grouped_mm(grouped_mm(x, h.lora_A.weight, counts), h.lora_B.weight, counts) * self.scale
+        if self.at is not None:  # onto the part's columns
+            start, width = self.at
+            delta = F.pad(delta, (start, y.shape[-1] - start - width))
+        return y + delta
+
+
 def apply_lora(model: GPT, f: FinetuneConfig, tracker: Optional[RNGTracker] = None) -> None:
     """Freeze every parameter of `model` (a GPT chunk, after tensor parallelism) and give the
-    projections finetune.lora_targets selects trainable adapters. A no-op at lora_rank 0."""
+    projections finetune.lora_targets selects trainable adapters: in an MoE layer, the MLP's
+    targets are its experts' projections. A no-op at lora_rank 0."""
     if f.lora_rank == 0:
         return
     for p in model.parameters():
         p.requires_grad_(False)
     for block in model.transformer.h.values():
         for t in adapted(f.lora_targets, model.cfg):
+            if isinstance(block.mlp, MoE) and t.module.startswith("mlp."):
+                ExpertLoRA(block.mlp.experts.get_submodule(t.module.removeprefix("mlp.")), f.lora_rank, f.lora_alpha,
+                           f.lora_dropout, _expert_part(model.cfg, t))
+                continue
             part = None if t.part is None or t.position is None else (t.part, *part_rows(model.cfg, t.module, t.position))
             LoRA(block.get_submodule(t.module), f.lora_rank, f.lora_alpha, f.lora_dropout, tracker, part)
+
+
+def _expert_part(m: ModelConfig, t: Target) -> Optional[tuple[str, int, int]]:
+    """(name, lo, hi) of the rows of each expert's fused gate | up that target `t` adapts; None: all."""
+    if t.part is None or t.position is None:
+        return None
+    width = m.moe_ffn_size
+    return t.part, t.position * width, (t.position + 1) * width
 
 
 def adapter_shapes(m: ModelConfig, f: FinetuneConfig) -> dict[str, tuple[int, ...]]:
@@ -137,12 +200,13 @@ def initial_adapter(name: str, p: nn.Parameter, seed: int, tp_rank: int, tp_size
     if name.endswith(".lora_B.weight"):
         full = torch.zeros(where.full_shape, device="cpu")
     else:
-        bound = 1.0 / math.sqrt(where.full_shape[1])
+        bound = 1.0 / math.sqrt(where.full_shape[-1])  # A [r, in], or an expert weight's [E, r, in]
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full = torch.empty(where.full_shape, device="cpu").uniform_(-bound, bound, generator=g)
     return where.shard(full, tp_rank, tp_size)
 
 
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
-    """A base weight [out, in] with its adapter folded in: W + scale * B A (full tensors)."""
+    """A base weight [out, in] with its adapter folded in: W + scale * B A (full tensors); an
+    expert weight [E, out, in] expert by expert."""
     return weight + scale * (lora_b.double() @ lora_a.double()).to(weight.dtype)

@@ -24,8 +24,10 @@ FAMILY_PARTS = {"q_proj": ("attn.c_attn", 0), "k_proj": ("attn.c_attn", 1), "v_p
 (q | k | v of c_attn, gate | up of a SwiGLU c_fc), or a whole one."""
 _FAMILY_ALIASES = {"c_attn": ("q_proj", "k_proj", "v_proj"), "c_proj": ("o_proj", "down_proj"),
                    "attn.c_proj": ("o_proj",), "mlp.c_proj": ("down_proj",), "c_fc": ("gate_proj", "up_proj"),
-                   "mlp.c_fc": ("gate_proj", "up_proj")}
-"""GPT-2's names on a model of the family: every part they cover (so the default c_attn adapts q, k and v)."""
+                   "mlp.c_fc": ("gate_proj", "up_proj"), "w1": ("gate_proj",), "w3": ("up_proj",),
+                   "w2": ("down_proj",)}
+"""GPT-2's names on a model of the family: every part they cover (so the default c_attn adapts q, k and v);
+and Mixtral's expert names (w1 gate, w3 up, w2 down)."""
 
 
 class Target(NamedTuple):
@@ -81,8 +83,8 @@ def check_targets(targets: list, m: Optional[ModelConfig] = None) -> None:
         if not family and not adapted_modules([t]):
             raise ConfigError(f"finetune.lora_targets names {t!r}, which matches no GPT-2 module; use c_attn, "
                               f"c_proj, c_fc, mlp.c_proj or attn.c_proj")
-    if m is not None and m.num_experts and any(t.module.startswith("mlp.") for t in adapted(targets, m)):
-        mlp = [t for t in targets if any(a.module.startswith("mlp.") for a in adapted([t], m))]
-        raise ConfigError(f"finetune.lora_targets {', '.join(mlp)}: the MLP of a mixture-of-experts model is its "
-                          f"experts, which have no LoRA adapters yet (issue 45); adapt the attention projections "
-                          f"(q_proj, k_proj, v_proj, o_proj)")
+
+
+def adapts_experts(targets: list[str], m: ModelConfig) -> bool:
+    """Whether finetune.lora_targets adapts the MLP of a mixture of experts (its experts)."""
+    return bool(m.num_experts) and any(t.module.startswith("mlp.") for t in adapted(targets, m))

@@ -62,11 +62,12 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
 
 
 def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """CUDA's grouped GEMM takes bf16 only, with rows 16-byte aligned; the CPU's takes any float."""
-    if x.device.type != "cuda":
-        return True
-    return x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 \
-        and weight.shape[1] % 8 == 0
+    """The grouped GEMM takes rows 16 bytes aligned (a LoRA adapter's rank r may not be), and on
+    CUDA bf16 only; the CPU's takes any float."""
+    align = 16 // x.element_size()
+    if x.shape[1] % align or weight.shape[1] % align:
+        return False
+    return x.device.type != "cuda" or (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16)
 
 
 def expert_loop_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -75,11 +76,17 @@ def expert_loop_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
 
 
 class _ExpertWeight(nn.Module):
-    """One 3-D weight [E, out, in]: a module of its own so that its name ends in `.weight`."""
+    """One 3-D weight [E, out, in]: a module of its own so that its name ends in `.weight` and
+    that its product is a module's forward (which LoRA's hook extends, as a dense projection's).
+    `stride`: equal fused blocks of each expert's rows (gate | up), as a dense MLP's c_fc."""
 
-    def __init__(self, shape: tuple[int, int, int], experts: int = 0):
+    def __init__(self, shape: tuple[int, int, int], experts: int = 0, stride: int = 1):
         super().__init__()
-        self.weight = place(nn.Parameter(torch.empty(shape)), Placement(shape, experts=experts))
+        self.weight = place(nn.Parameter(torch.empty(shape)), Placement(shape, stride=stride, experts=experts))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, in] sorted by expert, `counts` [E] rows each -> [N, out]."""
+        return grouped_mm(x, self.weight, counts)
 
     def keep_experts(self, ep: Group) -> None:
         """Keep this expert-parallel rank's whole experts (the placement keeps the full shape)."""
@@ -94,12 +101,11 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.activation = activation
         gated = activation == "swiglu"
-        self.c_fc = _ExpertWeight((num_experts, (2 if gated else 1) * ffn, hidden), num_experts)
+        self.c_fc = _ExpertWeight((num_experts, (2 if gated else 1) * ffn, hidden), num_experts, 2 if gated else 1)
         self.c_proj = _ExpertWeight((num_experts, hidden, ffn), num_experts)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return grouped_mm(activate(grouped_mm(x, self.c_fc.weight, counts), self.activation),
-                          self.c_proj.weight, counts)
+        return self.c_proj(activate(self.c_fc(x, counts), self.activation), counts)
 
 
 @dataclass(frozen=True)

@@ -124,12 +124,13 @@ def block_parameters(m: ModelConfig, layer: int = 0, active: bool = False) -> in
     projection h, a dense MLP's or shared expert's first layer f (2 f for SwiGLU's fused gate
     and up) and second h; the experts have none) or q, k, v's alone with model.qkv_bias; two
     norms (LayerNorm: weight and bias; RMSNorm: a weight); with model.qk_layernorm an RMSNorm
-    weight of one head's size for q and one for k (shared by the heads)."""
+    weight of one head's size for q and one for k (shared by the heads), or of q's and k's widths
+    (qk_layernorm_scope projection)."""
     h, q, kv = m.hidden_size, m.num_heads * head_size(m), m.query_groups * head_size(m)
     gates = 2 if m.activation == "swiglu" else 1
     width = m.moe_shared_expert_ffn_hidden_size if is_moe_layer(m, layer) else m.ffn_size
     biases = (q + 2 * kv if m.bias or m.qkv_bias else 0) + (h + (gates * width + h if width else 0) if m.bias else 0)
-    qk_norms = 2 * head_size(m) if m.qk_layernorm else 0
+    qk_norms = (q + kv if m.qk_layernorm_scope == "projection" else 2 * head_size(m)) if m.qk_layernorm else 0
     return block_matmul_parameters(m, layer, active) + biases + 2 * norm_parameters(m) + qk_norms
 
 

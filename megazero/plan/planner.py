@@ -342,7 +342,8 @@ def layout_problem(cfg: Config, gpus: int, tp: int, pp: int, vpp: int = 1, micro
     """Why tp x cp x pp (x vpp, micro-batch) cannot be formed for this model on `gpus` GPUs, or
     None: the first of config/rules.py's layout rules that it breaks (validation's own rules)."""
     m, gbs = cfg.model, cfg.train.global_batch_size
-    problem = (R.tp_problem(m.num_heads, m.ffn_size, tp, m.query_groups) or R.ulysses_problem(m.num_heads, tp, cp, cp_impl)
+    problem = (R.tp_problem(m.num_heads, m.ffn_size, tp, m.query_groups) or R.qk_norm_tp_problem(m, tp)
+               or R.ulysses_problem(m.num_heads, tp, cp, cp_impl)
                or R.world_problem(gpus, tp, pp, cp) or R.cp_problem(m.seq_length, cp)
                or R.pp_problem(m.num_layers, pp, vpp)
                or (R.sequence_parallel_problem(m.seq_length, tp, cp) if sequence_parallel else None))

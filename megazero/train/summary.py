@@ -27,7 +27,6 @@ from megazero.plan import formulas as F
 from megazero.plan.planner import Cluster, Prediction, predict, run_layout
 from megazero.plan.ranks import rank_params
 from megazero.train.batch_rampup import samples_after
-from megazero.zero.muon import MATRICES
 
 
 def run_prediction(cfg: Config, grid: ProcessGrid, peak_flops: Optional[float]) -> Prediction:
@@ -101,7 +100,7 @@ def architecture(m: ModelConfig) -> str:
     if m.q_width != m.hidden_size:
         parts.append(f"head size {m.head_dim}")
     if m.qk_layernorm:
-        parts.append("qk-norm")
+        parts.append("qk-norm" + (" over the projections" if m.qk_layernorm_scope == "projection" else ""))
     if m.qkv_bias and not m.bias:
         parts.append("q/k/v biases")
     if m.num_experts:
@@ -110,14 +109,22 @@ def architecture(m: ModelConfig) -> str:
     return ", ".join(parts + ([] if m.bias or m.qkv_bias else ["no biases"]))
 
 
+def muon_matrices(m: ModelConfig) -> int:
+    """The weight matrices optim.name muon steps (a fused q|k|v or gate|up counted once): each
+    block's attention projections, and its MLP's, or in an MoE layer each expert's (and the shared
+    expert's)."""
+    moe = sum(is_moe_layer(m, i) for i in range(m.num_layers))
+    per_moe = 2 + 2 * m.num_experts + (2 if m.moe_shared_expert_ffn_hidden_size else 0)
+    return 4 * (m.num_layers - moe) + per_moe * moe
+
+
 def optim_line(cfg: Config) -> str:
     """The optimizer that runs and its LRs: AdamW, Muon on the block matrices with AdamW on the
     rest, or SGD; then the schedule they share."""
     o, t = cfg.optim, cfg.train
     adam = f"(betas {o.beta1:g}, {o.beta2:g}, eps {o.eps:g}, weight decay {o.weight_decay:g})"
     if o.name == "muon":
-        matrices = len(MATRICES) * cfg.model.num_layers  # each block's attention and MLP projections
-        line = f"optim: muon {o.muon_lr:g} on {matrices} matrices + adamw {o.lr:g} on the rest {adam}"
+        line = f"optim: muon {o.muon_lr:g} on {muon_matrices(cfg.model)} matrices + adamw {o.lr:g} on the rest {adam}"
     elif o.name == "sgd":
         line = f"optim: sgd lr {o.lr:g} momentum {o.sgd_momentum:g}, weight decay {o.weight_decay:g} (L2)"
     else:

@@ -11,7 +11,9 @@ Muon (optim.name muon) keeps one momentum buffer per element and updates a weigh
 The elementwise parts run where the optimizer state lives (its shard, on the device or the
 host), using the state's `exp_avg` as the buffer. Newton-Schulz needs each matrix whole, while
 ZeRO cuts flat buckets over dp x cp and tensor parallelism cuts matrices over tp; fused
-matrices (q|k|v, SwiGLU's gate|up) are orthogonalised part by part. `MuonExchange` gives each
+matrices (q|k|v, SwiGLU's gate|up) are orthogonalised part by part, and an MoE layer's expert
+weights ([E, out, in], model/moe.py) expert by expert: each expert's matrix (its gate and up
+apart) is a matrix of its own, with the LR factor of its own shape. `MuonExchange` gives each
 matrix one owner among the ranks of its pipeline stage (the grid's `stage` group: tp x cp x
 dp), balancing Newton-Schulz FLOPs, and per owner: every rank writes the elements of U it holds
 into a zero buffer of that owner's matrices, a `reduce` sums them into the owner (each element
@@ -36,8 +38,11 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic iterat
 NS_EPS = 1e-7
 NS_BATCH_NUMEL = 1 << 24  # at most this many elements of same-shaped matrices orthogonalised in one batch
 # The weight matrices Muon takes: each block's attention (fused q|k|v and output) and MLP (up,
-# or fused gate|up, and down) projections. Embeddings, the output layer, norms and biases are AdamW's.
-MATRICES = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+# or fused gate|up, and down) projections; in an MoE layer its experts' and its shared expert's.
+# Embeddings, the output layer, norms, biases, the router and the shared expert's gate are AdamW's.
+MATRICES = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight",
+            ".mlp.experts.c_fc.weight", ".mlp.experts.c_proj.weight", ".mlp.shared_expert.c_fc.weight",
+            ".mlp.shared_expert.c_proj.weight")
 
 
 def is_muon_matrix(name: str) -> bool:
@@ -115,7 +120,10 @@ class Matrix:
 
 def split_matrices(name: str, where: Placement, shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Matrix]:
     """The matrices Muon orthogonalises in parameter `name` (TP-local `shape`): one per fused
-    block (q|k|v, gate|up), whole over TP, with where this TP rank holds each."""
+    block (q|k|v, gate|up), whole over TP, with where this TP rank holds each; of an expert
+    weight, one per block of each expert."""
+    if where.experts:
+        return expert_matrices(name, where, shape)
     dim = where.dim if where.dim is not None else 0
     full = where.full_shape
     # The full parameter's blocks along `dim` (q|k|v, gate|up: one matrix each) and this
@@ -136,6 +144,23 @@ def split_matrices(name: str, where: Placement, shape: tuple[int, ...], tp_rank:
             m.pieces.append((0, math.prod(shape), hlo - lo, n))
         local += n
         out.append(m)
+    return out
+
+
+def expert_matrices(name: str, where: Placement, shape: tuple[int, ...]) -> list[Matrix]:
+    """The matrices of an expert weight [E, out, in] held whole on this rank: per expert, each of
+    its `stride` blocks of rows (gate, up), a contiguous run of the flattened parameter."""
+    if where.dim is not None:
+        raise NotImplementedError(f"{name}: Muon on expert weights split over expert-tensor-parallel ranks")
+    experts, rows, cols = shape
+    block = rows // where.stride
+    out = []
+    for e in range(experts):
+        for b in range(where.stride):
+            start = (e * rows + b * block) * cols
+            m = Matrix(name, where, 0, b * block, (b + 1) * block, (block, cols))
+            m.pieces.append((start, start + block * cols, 0, block))
+            out.append(m)
     return out
 
 

@@ -265,8 +265,8 @@ def test_qwen3_moe_comes_in_and_goes_out(tmp_path):
 # ----------------------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("family, config, refusal", [
-    ("olmoe", {k: v for k, v in QWEN2_MOE.items() if "shared" not in k and k not in ("qkv_bias", "mlp_only_layers")},
-     r"OLMoE's q_norm and k_norm normalise the whole q and k projections"),
+    ("olmoe", {**{k: v for k, v in QWEN2_MOE.items() if "shared" not in k and k not in ("qkv_bias", "mlp_only_layers")},
+               "clip_qkv": 8.0}, r"clip_qkv 8.0: megazero does not clip q, k and v"),
 ])
 def test_what_megazero_cannot_compute_yet_is_refused_in_one_line(tmp_path, family, config, refusal):
     from megazero.config import ConfigError
@@ -285,7 +285,7 @@ def test_an_moe_without_a_hugging_face_class_is_refused_at_export():
     family = dict(normalization="rmsnorm", position_embedding="rope", activation="swiglu", bias=False, vocab_size=300,
                   num_experts=4)
     with pytest.raises(ConfigError, match=r"model.moe_router_score_function 'sigmoid' has no equivalent in Hugging "
-                                          r"Face's Mixtral, Qwen2-MoE or Qwen3-MoE; .* need model.moe_router_score_function "
+                                          r"Face's Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE; .* need model.moe_router_score_function "
                                           r"'softmax'"):
         hf_config(ModelConfig(**family, moe_router_score_function="sigmoid"))
     with pytest.raises(ConfigError, match=r"model.moe_router_pre_softmax true without a shared expert"):

@@ -13,9 +13,11 @@ from helpers import (
     hf_adamw,
     hf_reference_losses,
     hf_tiny_gpt2_args,
+    loaded,
     make_config,
     make_trainer,
     momentum_checkpoints,
+    muon_steps,
     run_distributed,
 )
 
@@ -91,30 +93,11 @@ TINY = ["--model.seq_length", "32", "--train.global_batch_size", "8", "--train.m
 
 def _run(args: list[str], iters: int = 3) -> bytes:
     """`iters` steps: this rank's full parameters, losses, and how many matrices it orthogonalised."""
-    import io
-
-    import megazero.zero.muon as muon
-    calls = []
-    plain = muon.orthogonalize
-
-    def counted(u: torch.Tensor, steps: int) -> torch.Tensor:
-        calls.extend([tuple(u.shape[-2:])] * (u.shape[0] if u.dim() == 3 else 1))  # a batch: each of its matrices
-        return plain(u, steps)
-    muon.orthogonalize = counted
-    try:
-        tr = make_trainer(TINY + args)
-        losses = [tr.train_step()["loss"] for _ in range(iters)]
-    finally:
-        muon.orthogonalize = plain
-    buf = io.BytesIO()
-    torch.save({"params": tr.optimizer.sharded.full_state_dict(), "losses": losses, "calls": calls,
-                "tp": tr.grid.tp, "tp_rank": tr.grid.tp_rank}, buf)
-    return buf.getvalue()
+    return muon_steps(TINY + args, iters=iters)
 
 
 def _outs(world: int, args: list[str]) -> list[dict]:
-    import io
-    return [torch.load(io.BytesIO(r), weights_only=False) for r in run_distributed(_run, world, args)]
+    return loaded(run_distributed(_run, world, args))
 
 
 @pytest.fixture(scope="module")

@@ -139,11 +139,11 @@ def test_training_with_experts_split_by_expert_tensor_parallelism_stops_at_start
     assert proc.stderr.strip().splitlines() == [f"error: {SPLIT_NOT_BUILT}"]
 
 
-def test_lora_on_the_experts_is_refused_and_on_attention_passes():
-    """The experts have no adapters yet: an MLP target of an MoE model is one line, not a crash."""
+def test_lora_on_the_experts_and_on_attention_passes():
+    """An MLP target of an MoE model adapts its experts (tests/parallel/test_moe_lora.py), Mixtral's
+    names (w1, w3, w2) included."""
     llama_moe = MOE + ["--model.normalization", "rmsnorm", "--model.position_embedding", "rope", "--model.activation",
                        "swiglu", "--finetune.lora_rank", "4"]
-    assert _refusal(llama_moe + ["--finetune.lora_targets", "q_proj", "down_proj"]).startswith(
-        "finetune.lora_targets down_proj: the MLP of a mixture-of-experts model is its experts")
-    cfg = build_config({"data": {"mock": True}}, llama_moe + ["--finetune.lora_targets", "q_proj", "o_proj"])
-    assert resolve_and_validate(cfg, 1) == 1
+    for targets in (["q_proj", "down_proj"], ["q_proj", "o_proj"], ["w1", "w3", "w2"]):
+        cfg = build_config({"data": {"mock": True}}, llama_moe + ["--finetune.lora_targets", *targets])
+        assert resolve_and_validate(cfg, 1) == 1
