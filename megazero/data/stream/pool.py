@@ -1,0 +1,138 @@
+"""Loader processes: the shards tokenized in parallel, the global order kept.
+
+Shard (source k, shard s) lives in loader process (k * NUM_SHARDS + s) mod workers; each
+process runs its shards' ShardStreams (producer.py) and sends their items back in order, a
+few ahead of need (PREFETCH per shard, asked for in CHUNKs). The trainer's process takes each
+shard's items in the order the global stream asks for them, so the number of processes changes
+only who tokenizes, never what comes out.
+
+A loader that meets bad data sends the one-line error; the trainer raises it when the stream
+reaches that shard's item, the same sample on every rank. A loader whose parent is gone
+exits by itself (the trainer leaves with os._exit, which runs no cleanup).
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import os
+import queue
+import time
+import traceback
+from typing import Any, Iterator
+
+from megazero.data import DataError
+from megazero.data.stream.producer import Item, ShardStream
+from megazero.data.stream.shards import NUM_SHARDS
+
+PREFETCH = 8
+CHUNK = 4
+POLL_S = 1.0
+
+
+def worker_of(source: int, shard: int, workers: int) -> int:
+    return (source * NUM_SHARDS + shard) % workers
+
+
+class PoolProducer:
+    """`workers` loader processes serving the shards of `setup` (a dataset.StreamSetup) from
+    `states`: (source, shard, state) for every shard."""
+
+    def __init__(self, setup: Any, states: list[tuple[int, int, dict]], workers: int) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads and groups
+        self.workers = workers
+        self.requests = [ctx.Queue() for _ in range(workers)]
+        self.results = [ctx.Queue() for _ in range(workers)]
+        self.buffers: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
+        self.outstanding: dict[tuple[int, int], int] = collections.defaultdict(int)
+        self.busy = [0.0] * workers
+        self.encoded = [0] * workers
+        self.procs = []
+        for w in range(workers):
+            mine = [(k, s, st) for k, s, st in states if worker_of(k, s, workers) == w]
+            proc = ctx.Process(target=_serve, args=(setup, mine, self.requests[w], self.results[w], os.getpid()),
+                               daemon=True, name=f"megazero-loader-{w}")
+            proc.start()
+            self.procs.append(proc)
+        for k, s, _ in states:
+            self._ask(k, s, PREFETCH)
+
+    def _ask(self, k: int, s: int, n: int) -> None:
+        self.requests[worker_of(k, s, self.workers)].put((k, s, n))
+        self.outstanding[(k, s)] += n
+
+    def next_item(self, source: int, shard: int) -> Item:
+        key, w = (source, shard), worker_of(source, shard, self.workers)
+        while not self.buffers[key]:
+            self._receive(w)
+        item = self.buffers[key].popleft()
+        self.outstanding[key] -= 1
+        if self.outstanding[key] <= PREFETCH - CHUNK:
+            self._ask(source, shard, CHUNK)
+        return item
+
+    def _receive(self, w: int) -> None:
+        while True:
+            try:
+                message = self.results[w].get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                if not self.procs[w].is_alive():
+                    raise DataError(f"data loader process {w} died (exit code {self.procs[w].exitcode}); see its "
+                                    f"output above, or run with --data.loader_workers 0 to tokenize in-process") \
+                        from None
+        if message[0] == "error":
+            raise DataError(message[1])
+        _, k, s, items, encoded, busy = message
+        self.buffers[(k, s)].extend(items)
+        self.encoded[w] += encoded
+        self.busy[w] += busy
+
+    def supply_tokens_per_s(self) -> float | None:
+        """Tokens/s all loader processes together can encode, from their busy time so far."""
+        rates = [e / b for e, b in zip(self.encoded, self.busy) if b > 0]
+        return sum(rates) / len(rates) * self.workers if rates else None
+
+    def close(self) -> None:
+        for q in self.requests:
+            q.put(None)
+        for proc in self.procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+        for q in (*self.requests, *self.results):
+            q.close()
+            q.cancel_join_thread()
+
+
+def _serve(setup: Any, mine: list[tuple[int, int, dict]], requests: Any, results: Any, parent: int) -> None:
+    """A loader process: answer (source, shard, n) with that shard's next n items."""
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one core per loader: the parallelism is the processes
+    try:
+        from megazero.data.stream.dataset import shard_stream  # here: the process imports what it runs
+
+        tokenizer = setup.tokenizer()
+        streams: dict[tuple[int, int], Iterator[Item]] = {}
+        counted: dict[tuple[int, int], ShardStream] = {}
+        for k, s, state in mine:
+            counted[(k, s)] = shard_stream(setup, k, s, state, tokenizer)
+            streams[(k, s)] = counted[(k, s)].items()
+        while True:
+            try:
+                request = requests.get(timeout=POLL_S)
+            except queue.Empty:
+                if os.getppid() != parent:
+                    return
+                continue
+            if request is None:
+                return
+            k, s, n = request
+            before, tic = counted[(k, s)].tokens, time.perf_counter()
+            items = [next(streams[(k, s)]) for _ in range(n)]
+            results.put(("items", k, s, items, counted[(k, s)].tokens - before, time.perf_counter() - tic))
+    except DataError as e:
+        results.put(("error", str(e)))
+    except Exception as e:  # a bug, not bad data: its traceback on stderr, one line to the trainer
+        traceback.print_exc()
+        results.put(("error", f"data loader process failed: {type(e).__name__}: {e}; run with "
+                              f"--data.loader_workers 0 to see it in the trainer"))
