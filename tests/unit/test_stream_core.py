@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from megazero.data import DataError
-from megazero.data.stream.dataset import StreamDataset, setup_stream
+from megazero.data.stream.dataset import StreamDataset
 from megazero.data.stream.mixture import next_source
 from megazero.data.stream.packing import Packer
+from megazero.data.stream.setup import setup_stream
 from megazero.data.stream.shards import NUM_SHARDS, Cursor, owner, shard_documents
 from megazero.data.stream.stream import copy_state
 
@@ -181,3 +182,23 @@ def test_refuses_another_stream(tmp_path):
     with pytest.raises(DataError, match="load_data_state false") as e:
         make([0.4, str(tmp_path / "a"), 0.6, str(tmp_path / "b")], state=ds.state_dict())
     assert "weights" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_loader_processes_change_nothing(tmp_path):
+    """2 loader processes give the samples 0 give; a state saved there resumes in 3."""
+    write_docs(tmp_path / "a", files=3, per_file=30)
+    stream = str(tmp_path / "a")
+    straight = take(make(stream), 120)
+    setup = setup_stream(stream, "text", 0, 1, SEQ, None, IdTokenizer())
+    pooled = StreamDataset(setup, 10**9, workers=2)
+    try:
+        assert all(np.array_equal(a, b) for a, b in zip(take(pooled, 60), straight))
+        state = copy_state(pooled.state_dict())
+    finally:
+        pooled.close()
+    resumed = StreamDataset(setup, 10**9, workers=3, state=state)
+    try:
+        assert all(np.array_equal(a, b) for a, b in zip(take(resumed, 60), straight[60:]))
+        assert resumed.supply_tokens_per_s() > 0
+    finally:
+        resumed.close()

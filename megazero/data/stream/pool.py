@@ -109,7 +109,7 @@ def _serve(setup: Any, mine: list[tuple[int, int, dict]], requests: Any, results
     """A loader process: answer (source, shard, n) with that shard's next n items."""
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one core per loader: the parallelism is the processes
     try:
-        from megazero.data.stream.dataset import shard_stream  # here: the process imports what it runs
+        from megazero.data.stream.setup import shard_stream
 
         tokenizer = setup.tokenizer()
         streams: dict[tuple[int, int], Iterator[Item]] = {}

@@ -103,7 +103,7 @@ class Producer(Protocol):
 
 
 class LocalProducer:
-    """Every shard in this process (data.loader_workers 0, tests, validation samples)."""
+    """Every shard in this process (data.loader_workers 0, tests)."""
 
     def __init__(self, streams: Sequence[Sequence[ShardStream]]) -> None:
         self.streams = streams
