@@ -149,6 +149,8 @@ def data_lines(cfg: Config, train, valid, samples: int) -> list[str]:
     t, seq = cfg.train, cfg.model.seq_length
     if cfg.data.mock:
         return [f"data: mock, {samples:,} training samples"]
+    if cfg.data.stream:
+        return [train.describe(samples), *([f"data valid: {len(valid):,} samples, each evaluation"] if valid else [])]
     evaluated = t.eval_iters * t.global_batch_size if t.eval_interval else 0
     lines = []
     for name, ds, drawn in (("train", train, samples), ("valid", valid, evaluated)):

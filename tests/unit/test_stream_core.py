@@ -112,6 +112,7 @@ def test_stream_mixture_and_epochs(tmp_path):
     setup = setup_stream([0.7, str(tmp_path / "a"), 0.3, str(tmp_path / "b")], "text", 0, 1, SEQ, None, IdTokenizer())
     ds = StreamDataset(setup, 10**9, workers=0, say=lines.append)
     samples = take(ds, 400)
+    assert ds.read == 400
     tokens = ds.tokens_per_source()
     total = sum(tokens.values())
     assert abs(tokens[str(tmp_path / "a")] / total - 0.7) <= 0.01
@@ -138,6 +139,7 @@ def test_every_document_once_per_epoch_at_any_dp(tmp_path):
     (inputs tile each shard's token stream; the epoch's last carry-overs hold the rest)."""
     lengths = write_docs(tmp_path / "a", files=4, per_file=25)
     ds = make(str(tmp_path / "a"))
+    ds.fetch(0, 0)  # starts the stream, reading nothing
     carries: list[int] = []  # what waits in each shard at the end of epoch 0
     producer, next_item = ds.stream.producer, ds.stream.producer.next_item
 

@@ -17,11 +17,12 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from megazero.config.schema import Config
 from megazero.data import DataError
 from megazero.data.stream.packing import Packer
 from megazero.data.stream.pool import PoolProducer
 from megazero.data.stream.producer import LocalProducer, supply
-from megazero.data.stream.setup import StreamSetup, shard_stream
+from megazero.data.stream.setup import StreamSetup, setup_stream, shard_stream
 from megazero.data.stream.shards import NUM_SHARDS, where
 from megazero.data.stream.sources import (
     NotText,
@@ -31,7 +32,7 @@ from megazero.data.stream.sources import (
     read_file,
     resolve_source,
 )
-from megazero.data.stream.stream import GlobalStream, optional, state_shards
+from megazero.data.stream.stream import GlobalStream, copy_state, optional, state_shards
 
 
 def default_workers(ranks_per_node: int) -> int:
@@ -41,32 +42,47 @@ def default_workers(ranks_per_node: int) -> int:
 
 
 class StreamDataset:
-    """The training samples of data.stream (see the module docstring)."""
+    """The training samples of data.stream (see the module docstring). The loader processes
+    start at the first sample asked for, from the state given or loaded (load_state_dict) before."""
 
     loss_masked = False
 
     def __init__(self, setup: StreamSetup, num_samples: int, workers: int, state: Optional[dict] = None,
                  say: Callable[[str], None] = lambda line: None) -> None:
-        self.setup, self.num_samples = setup, num_samples
-        start = optional(state, setup.identity())
-        self.first = start["samples"]  # the sample index the stream resumes at
-        if workers > 0:
-            producer: Any = PoolProducer(setup, state_shards(start), workers)
-        else:
-            tokenizer = setup.tokenizer()
-            producer = LocalProducer([[shard_stream(setup, k, s, start["sources"][k]["shards"][s], tokenizer)
-                                       for s in range(NUM_SHARDS)] for k in range(len(setup.sources))])
-        self.stream = GlobalStream(producer, start, say)
+        self.setup, self.num_samples, self.workers, self.say = setup, num_samples, workers, say
+        self.stream: Optional[GlobalStream] = None
+        self.load_state_dict(state)
+
+    def load_state_dict(self, state: Optional[dict], first_sample: int = 0) -> None:
+        """Continue the stream from `state` (a saved state_dict: refused unless it is this
+        stream's), or start it anew (None) as sample `first_sample` of the run."""
+        assert self.stream is None, "the stream has started"
+        self.start = optional(state, self.setup.identity())
+        if state is None:
+            self.start["samples"] = first_sample
+        self.first = self.read = self.start["samples"]  # sample `read` is the next the stream gives
         self.samples: dict[int, np.ndarray] = {}
-        self.read = self.first  # samples read from the stream (the next one is sample `read`)
+
+    def _open(self) -> GlobalStream:
+        if self.stream is None:
+            start, setup = self.start, self.setup
+            if self.workers > 0:
+                producer: Any = PoolProducer(setup, state_shards(start), self.workers)
+            else:
+                tokenizer = setup.tokenizer()
+                producer = LocalProducer([[shard_stream(setup, k, s, start["sources"][k]["shards"][s], tokenizer)
+                                           for s in range(NUM_SHARDS)] for k in range(len(setup.sources))])
+            self.stream = GlobalStream(producer, start, self.say)
+        return self.stream
 
     def __len__(self) -> int:
         return self.num_samples
 
     def fetch(self, first: int, end: int) -> None:
         """Read the stream up to sample `end` (exclusive) and drop the samples before `first`."""
+        stream = self._open()
         while self.read < end:
-            self.samples[self.read] = self.stream.next_sample()
+            self.samples[self.read] = stream.next_sample()
             self.read += 1
         for i in [i for i in self.samples if i < first]:
             del self.samples[i]
@@ -82,16 +98,27 @@ class StreamDataset:
         return sample.astype(np.int64)
 
     def state_dict(self) -> dict:
-        return self.stream.state
+        """The stream's state after the samples read (a copy: training goes on changing it)."""
+        return copy_state(self.stream.state if self.stream is not None else self.start)
 
     def tokens_per_source(self) -> dict[str, int]:
-        return self.stream.tokens_per_source(self.setup.seq_length)
+        counts = self.state_dict()["taken"]
+        return {s.spec: n * self.setup.seq_length for s, n in zip(self.setup.sources, counts)}
 
     def supply_tokens_per_s(self) -> Optional[float]:
-        return supply(self.stream.producer)
+        return supply(self.stream.producer) if self.stream is not None else None
+
+    def describe(self, samples: int) -> str:
+        """The start-up line: the sources, their weights, what the run reads, who tokenizes."""
+        sources = ", ".join(f"{w:.0%} {s.spec} ({s.num_files} file(s))" if not s.hf else f"{w:.0%} {s.spec}"
+                            for w, s in zip(self.setup.weights, self.setup.sources))
+        who = f"{self.workers} loader process(es) per rank" if self.workers else "the trainer's process"
+        return (f"data: stream {sources}; the run reads {samples:,} samples = {samples * self.setup.seq_length:,} "
+                f"tokens, tokenized on the fly by {who}, nothing written to disk")
 
     def close(self) -> None:
-        self.stream.producer.close()
+        if self.stream is not None:
+            self.stream.producer.close()
 
 
 def validation_samples(setup: StreamSetup, valid: Optional[str], count: int) -> list[np.ndarray]:
@@ -138,3 +165,31 @@ def _first_texts(source: Source, key: str, holdout: Optional[tuple[int, ...]], l
             if len(texts) >= limit:
                 return texts
     return texts
+
+
+def stream_datasets(cfg: Config, say: Callable[[str], None]) -> tuple[StreamDataset, Optional[list[np.ndarray]]]:
+    """(train, valid) for data.stream: the training stream (its loader processes not started
+    yet) and the validation samples (None without data.stream_valid or stream_valid_docs)."""
+    d, t = cfg.data, cfg.train
+    setup = setup_stream(d.stream or [], d.stream_key, d.stream_valid_docs, t.seed, cfg.model.seq_length, d.tokenizer)
+    workers = d.loader_workers
+    if workers < 0:
+        workers = default_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    train = StreamDataset(setup, (t.iters + 1) * t.global_batch_size, workers, say=say)
+    valid = None
+    if t.eval_interval and (d.stream_valid or d.stream_valid_docs):
+        valid = validation_samples(setup, d.stream_valid, max(1, t.eval_iters) * t.global_batch_size)
+    return train, valid
+
+
+def supply_line(supplied: Optional[float], consumed: float, workers: int) -> Optional[str]:
+    """The start-up comparison of what the loader processes can tokenize with what the run
+    trains on (every rank's loaders read the whole global stream); a warning when short."""
+    if supplied is None:
+        return None
+    line = (f"data.stream: {workers} loader process(es) per rank supply {supplied / 1e3:,.1f}k tokens/s "
+            f"(measured), the run consumes {consumed / 1e3:,.1f}k tokens/s")
+    if supplied < consumed:
+        return (f"warning: {line}: training waits for data (time_data_wait_s); raise data.loader_workers, or "
+                f"preprocess the corpus (docs/data.md)")
+    return line
