@@ -373,6 +373,9 @@ class Trainer:
             rec["loss_scale"] = out["loss_scale"]
         if isinstance(self.train_ds, StreamDataset):  # what each source gave so far (the mixture's realised share)
             rec["stream_tokens"] = self.train_ds.tokens_per_source()
+            skipped = self.train_ds.skipped_documents()
+            if skipped:  # not UTF-8: skipped, not fatal
+                rec["stream_skipped_docs"] = skipped
         rec.update({k: v for k, v in out.items() if k.startswith("moe_") and (k != "moe_dropped" or v)})
         if self.timers is not None:
             rec.update(self.timers.take(steps))

@@ -105,6 +105,10 @@ class StreamDataset:
         counts = self.state_dict()["taken"]
         return {s.spec: n * self.setup.seq_length for s, n in zip(self.setup.sources, counts)}
 
+    def skipped_documents(self) -> int:
+        """Documents skipped so far because they are not UTF-8."""
+        return self.stream.skipped_documents() if self.stream is not None else 0
+
     def supply_tokens_per_s(self) -> Optional[float]:
         return supply(self.stream.producer) if self.stream is not None else None
 

@@ -6,8 +6,9 @@ few ahead of need (PREFETCH per shard, asked for in CHUNKs). The trainer's proce
 shard's items in the order the global stream asks for them, so the number of processes changes
 only who tokenizes, never what comes out.
 
-A loader that meets bad data sends the one-line error; the trainer raises it when the stream
-reaches that shard's item, the same sample on every rank. A loader whose parent is gone
+A loader that meets bad data sends the one-line error in place of the shard's next item; the
+trainer raises it when the stream reaches that item: the same sample on every rank, whatever
+the timing. A loader whose parent is gone
 exits by itself (the trainer leaves with os._exit, which runs no cleanup).
 """
 
@@ -19,7 +20,7 @@ import os
 import queue
 import time
 import traceback
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from megazero.data import DataError
 from megazero.data.stream.producer import Item, ShardStream
@@ -28,6 +29,12 @@ from megazero.data.stream.shards import NUM_SHARDS
 PREFETCH = 8
 CHUNK = 4
 POLL_S = 1.0
+
+
+class Failed(NamedTuple):
+    """In place of a shard's next item: the error its loader met there."""
+
+    message: str
 
 
 def worker_of(source: int, shard: int, workers: int) -> int:
@@ -66,6 +73,8 @@ class PoolProducer:
         while not self.buffers[key]:
             self._receive(w)
         item = self.buffers[key].popleft()
+        if isinstance(item, Failed):  # raised where the stream reaches it: the same sample on every rank
+            raise DataError(item.message)
         self.outstanding[key] -= 1
         if self.outstanding[key] <= PREFETCH - CHUNK:
             self._ask(source, shard, CHUNK)
@@ -81,8 +90,6 @@ class PoolProducer:
                     raise DataError(f"data loader process {w} died (exit code {self.procs[w].exitcode}); see its "
                                     f"output above, or run with --data.loader_workers 0 to tokenize in-process") \
                         from None
-        if message[0] == "error":
-            raise DataError(message[1])
         _, k, s, items, encoded, busy = message
         self.buffers[(k, s)].extend(items)
         self.encoded[w] += encoded
@@ -113,6 +120,7 @@ def _serve(setup: Any, mine: list[tuple[int, int, dict]], requests: Any, results
 
         tokenizer = setup.tokenizer()
         streams: dict[tuple[int, int], Iterator[Item]] = {}
+        failed: set[tuple[int, int]] = set()
         counted: dict[tuple[int, int], ShardStream] = {}
         for k, s, state in mine:
             counted[(k, s)] = shard_stream(setup, k, s, state, tokenizer)
@@ -127,12 +135,27 @@ def _serve(setup: Any, mine: list[tuple[int, int, dict]], requests: Any, results
             if request is None:
                 return
             k, s, n = request
+            if (k, s) in failed:
+                continue
             before, tic = counted[(k, s)].tokens, time.perf_counter()
-            items = [next(streams[(k, s)]) for _ in range(n)]
+            items = _next_items(streams[(k, s)], n)
+            if items and isinstance(items[-1], Failed):
+                failed.add((k, s))
             results.put(("items", k, s, items, counted[(k, s)].tokens - before, time.perf_counter() - tic))
+    except Exception:  # setting up (the tokenizer): the trainer's process meets the same error itself
+        traceback.print_exc()
+
+
+def _next_items(stream: Iterator[Item], n: int) -> list[Any]:
+    """The shard's next n items; bad data (or a bug) ends the list with a Failed."""
+    items: list[Any] = []
+    try:
+        for _ in range(n):
+            items.append(next(stream))
     except DataError as e:
-        results.put(("error", str(e)))
+        items.append(Failed(str(e)))
     except Exception as e:  # a bug, not bad data: its traceback on stderr, one line to the trainer
         traceback.print_exc()
-        results.put(("error", f"data loader process failed: {type(e).__name__}: {e}; run with "
-                              f"--data.loader_workers 0 to see it in the trainer"))
+        items.append(Failed(f"data loader process failed: {type(e).__name__}: {e}; run with --data.loader_workers 0 "
+                            f"to see it in the trainer"))
+    return items

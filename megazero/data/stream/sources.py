@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 from megazero.data import DataError
+from megazero.data.corpus import hub_unreachable_reason
 
 FORMATS = (".jsonl.gz", ".jsonl", ".parquet", ".txt")
 """File suffixes a source may hold (.jsonl.gz before .jsonl: the longer match wins)."""
@@ -142,6 +143,9 @@ def _resolve_hf(spec: str, key: str) -> Source:
     name, config, split = parts[0], (parts[1] or None) if len(parts) > 1 else None, \
         parts[2] if len(parts) > 2 else "train"
     source = Source(spec, hf=(name, config, split))
+    reason = None if os.path.isdir(name) else hub_unreachable_reason()  # milliseconds, not the hub client's retries
+    if reason:
+        raise DataError(f"data.stream source {spec!r} cannot be loaded: {name!r} is not a local folder, and {reason}")
     try:
         first = next(iter(_hf_dataset(source)), None)
     except DataError:
