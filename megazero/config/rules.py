@@ -44,9 +44,6 @@ def validate(cfg: Config, world_size: int) -> int:
     if not cfg.data.mock and not cfg.data.prefix and not cfg.data.stream:
         raise ConfigError("no training data: set data.prefix (indexed dataset prefixes), data.stream (raw text "
                           "tokenized on the fly) or data.mock true")
-    if cfg.data.stream and not cfg.data.tokenizer:
-        raise ConfigError("data.stream needs data.tokenizer to tokenize its text; set it, e.g. --data.tokenizer "
-                          "gpt2bpe:DIR (or hf:DIR)")
     if cfg.data.stream_valid_docs < 0:
         raise ConfigError(f"data.stream_valid_docs ({cfg.data.stream_valid_docs}) must not be negative")
     if cfg.data.loader_workers < -1:

@@ -118,13 +118,13 @@ def test_formats_and_validation_docs(tmp_path, bpe_spec):
     assert all(len(ds[i]) == 33 for i in range(40))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--data.stream", "a.jsonl", "--data.prefix", "P"], "data.prefix and data.stream are both given on the command line"),
-    (["--data.stream", "a.jsonl"], "data.stream needs data.tokenizer"),
-])
-def test_one_data_source(args, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        make_config(args, world=1)
+def test_one_data_source_and_a_tokenizer(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("data.prefix and data.stream are both given on the command line")):
+        make_config(["--data.stream", "a.jsonl", "--data.prefix", "P"], world=1)
+    write_jsonl(tmp_path / "a.jsonl", make_texts(5))
+    with pytest.raises(DataError) as e:
+        setup_stream(str(tmp_path / "a.jsonl"), "text", 0, 1, 32, None).tokenizer()
+    _one_line(e, "data.stream needs data.tokenizer")
 
 
 def test_command_line_source_replaces_the_files(bpe_spec):

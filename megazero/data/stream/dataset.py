@@ -179,11 +179,19 @@ def stream_datasets(cfg: Config, say: Callable[[str], None]) -> tuple[StreamData
     workers = d.loader_workers
     if workers < 0:
         workers = default_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    setup.tokenizer()  # refuse a missing tokenizer here, not in the loader processes
     train = StreamDataset(setup, (t.iters + 1) * t.global_batch_size, workers, say=say)
     valid = None
     if t.eval_interval and (d.stream_valid or d.stream_valid_docs):
         valid = validation_samples(setup, d.stream_valid, max(1, t.eval_iters) * t.global_batch_size)
     return train, valid
+
+
+def check_stream_sources(cfg: Config) -> None:
+    """--validate-only's check of data.stream (nothing when the run does not stream)."""
+    if cfg.data.stream:
+        setup_stream(cfg.data.stream, cfg.data.stream_key, cfg.data.stream_valid_docs, cfg.train.seed,
+                     cfg.model.seq_length, cfg.data.tokenizer).tokenizer()
 
 
 def supply_line(supplied: Optional[float], consumed: float, workers: int) -> Optional[str]:

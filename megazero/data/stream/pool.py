@@ -15,6 +15,7 @@ exits by itself (the trainer leaves with os._exit, which runs no cleanup).
 from __future__ import annotations
 
 import collections
+import gc
 import multiprocessing
 import os
 import queue
@@ -107,9 +108,15 @@ class PoolProducer:
             proc.join(timeout=2)
             if proc.is_alive():
                 proc.kill()
+                proc.join()
+            proc.close()
         for q in (*self.requests, *self.results):
             q.close()
             q.cancel_join_thread()
+        # The queues' semaphores are released when collected: now, before the trainer's os._exit
+        # (which collects nothing and would leave the resource tracker warning of leaks).
+        self.procs, self.requests, self.results = [], [], []
+        gc.collect()
 
 
 def _serve(setup: Any, mine: list[tuple[int, int, dict]], requests: Any, results: Any, parent: int) -> None:
