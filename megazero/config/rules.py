@@ -44,6 +44,9 @@ def validate(cfg: Config, world_size: int) -> int:
     if not cfg.data.mock and not cfg.data.prefix and not cfg.data.stream:
         raise ConfigError("no training data: set data.prefix (indexed dataset prefixes), data.stream (raw text "
                           "tokenized on the fly) or data.mock true")
+    if cfg.data.eod_mask_loss and not cfg.data.tokenizer:
+        raise ConfigError("data.eod_mask_loss needs data.tokenizer (its end-of-document id); set it, or drop "
+                          "data.eod_mask_loss")
     if cfg.data.stream_valid_docs < 0:
         raise ConfigError(f"data.stream_valid_docs ({cfg.data.stream_valid_docs}) must not be negative")
     if cfg.data.loader_workers < -1:

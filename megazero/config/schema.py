@@ -364,6 +364,9 @@ class DataConfig:
     """Fine-tuning datasets (those with a loss mask, from preprocess_data.py --prompt-key/--completion-key):
     false: each sample is one example, truncated or padded to seq_length (padding and prompts count nothing
     in the loss); true: examples packed back to back across their boundaries. Other datasets are always packed."""
+    eod_mask_loss: bool = False
+    """Megatron's --eod-mask-loss: the loss leaves out the prediction made at each end-of-document token (the next
+    document's first token), for indexed and streamed data alike; needs data.tokenizer (its end-of-document id)."""
     stream: Optional[list] = None
     """Train straight from raw text, tokenized on the fly (docs/data.md): one source, or weighted [W1, SRC1, W2,
     SRC2, ...] (weights count tokens). A source is a path, folder or glob of .jsonl, .jsonl.gz, .parquet or .txt files

@@ -23,9 +23,15 @@ from megazero.checkpoint.tensors import encode_rng
 from megazero.config.parse import describe
 from megazero.config.schema import Config
 from megazero.data import DataError
-from megazero.data.gpt_dataset import build_train_valid_test_datasets, check_compatibility, inputs_and_labels
+from megazero.data.gpt_dataset import (
+    IGNORE_INDEX,
+    build_train_valid_test_datasets,
+    check_compatibility,
+    inputs_and_labels,
+)
 from megazero.data.mock import MockGPTDataset
 from megazero.data.stream.dataset import StreamDataset, stream_datasets, supply_line
+from megazero.data.tokenizer import build_tokenizer
 from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.context import shard_sequence
@@ -69,7 +75,10 @@ class Trainer:
         self.moe = moe.MoESteps(cfg.model, self.chunks, grid, cfg.parallel.sequence_parallel, cfg.logging.moe_per_layer)
         self.train_ds, self.valid_ds = build_datasets(cfg, grid)
         # Fine-tuning data: some labels count nothing, so the loss divides by a count of the rest.
-        self.loss_masked = self.train_ds.loss_masked
+        # Megatron's --eod-mask-loss: the prediction made at an end-of-document token counts nothing.
+        self.eod_masked = build_tokenizer(cfg.data.tokenizer).eod if cfg.data.eod_mask_loss and cfg.data.tokenizer \
+            else None
+        self.loss_masked = self.train_ds.loss_masked or self.eod_masked is not None
         self.iteration = 0
         self.consumed_samples = 0
         self.skipped_iters = 0
@@ -184,6 +193,8 @@ class Trainer:
         for j in range(count):
             base = first_sample + j * t.micro_batch_size * g.dp + g.dp_rank * t.micro_batch_size
             inputs, labels = inputs_and_labels([dataset[(base + k) % len(dataset)] for k in range(t.micro_batch_size)])
+            if self.eod_masked is not None:
+                labels[inputs == self.eod_masked] = IGNORE_INDEX
             # Context parallelism: this cp rank's zig-zag positions of the same samples.
             inputs, labels = (shard_sequence(a, g.cp_rank, g.cp) for a in (inputs, labels))
             out.append((_to_device(inputs, g.device), _to_device(labels, g.device)))

@@ -129,3 +129,25 @@ def test_bad_document_stops_every_rank_alike(tmp_path, bpe_spec):
             "--data.loader_workers", "1", "--train.micro_batch_size", "2", "--train.global_batch_size", "8"]
     messages = run_distributed(_refused, 2, args)
     assert messages[0] == messages[1] and "a.jsonl:41 has no field 'text'" in messages[0]
+
+
+def _eod_masked_batches(args: list[str]) -> list:
+    trainer = make_trainer(args + ["--data.eod_mask_loss", "true"])
+    try:
+        eod = trainer.eod_masked
+        return [eod, trainer.loss_masked,
+                [(i.numpy(), lab.numpy()) for i, lab in trainer.microbatches(trainer.train_ds, 0)]]
+    finally:
+        trainer.train_ds.close()
+
+
+def test_eod_mask_loss_leaves_out_the_prediction_at_each_end_of_document(stream_args):
+    eod, masked, batches = run_distributed(_eod_masked_batches, 1, stream_args)[0]
+    assert masked and eod is not None
+    ends = 0
+    for inputs, labels in batches:
+        at_eod = inputs == eod
+        ends += int(at_eod.sum())
+        assert (labels[at_eod] == -100).all() and (labels[~at_eod] >= 0).all()
+        assert (labels[:, :-1][~at_eod[:, :-1]] == inputs[:, 1:][~at_eod[:, :-1]]).all()
+    assert ends > 0

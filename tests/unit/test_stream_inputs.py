@@ -145,3 +145,14 @@ def test_weights_must_pair_with_sources(bpe_spec, tmp_path: Path):
     with pytest.raises(DataError) as e:
         _stream(["0.5", "a.jsonl", "b.jsonl"], bpe_spec)
     _one_line(e, "[W1, SRC1, W2, SRC2, ...]")
+
+
+def test_megatron_eod_and_reset_flags(bpe_spec):
+    from helpers import REPO, TINY_CONFIG
+    from megazero.train.__main__ import load_config
+    config = str(REPO / TINY_CONFIG)
+    assert load_config(config, None, ["--eod-mask-loss", "--data.tokenizer", bpe_spec], 1, 1).data.eod_mask_loss
+    with pytest.raises(ConfigError, match="positions and attention run across document boundaries"):
+        load_config(config, None, ["--reset-position-ids"], 1, 1)
+    with pytest.raises(ConfigError, match="data.eod_mask_loss needs data.tokenizer"):
+        make_config(["--data.eod_mask_loss", "true"], world=1)
