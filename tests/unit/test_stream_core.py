@@ -204,3 +204,12 @@ def test_loader_processes_change_nothing(tmp_path):
         assert resumed.supply_tokens_per_s() > 0
     finally:
         resumed.close()
+
+
+def test_supply_line_warns_when_the_loaders_fall_short():
+    from megazero.data.stream.dataset import supply_line
+    ok = supply_line(300e3, 20e3, 2)
+    assert ok is not None and not ok.startswith("warning") and "300.0k" in ok and "20.0k" in ok
+    short = supply_line(10e3, 20e3, 1)
+    assert short is not None and short.startswith("warning: ") and "data.loader_workers" in short and "\n" not in short
+    assert supply_line(None, 20e3, 0) is None  # in-process: nothing measured
