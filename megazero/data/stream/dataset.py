@@ -1,8 +1,8 @@
 """What the trainer holds for data.stream: samples by index, the stream's state, validation.
 
 StreamDataset serves sample i of the global stream the way an indexed dataset does (ds[i]),
-for increasing i: `fetch(n)` reads the stream up to sample n (the trainer asks for the whole
-global batch before taking its slice, so that every rank has read the same samples and meets
+for increasing i: `fetch(first, end)` reads the stream up to sample `end` (the trainer asks for
+the whole global batch before taking its slice, so that every rank has read the same samples and meets
 a bad document at the same place), and `state_dict()` is the stream's position after them.
 
 Validation samples are made once, in-process, from data.stream_valid (its first documents)
@@ -36,7 +36,8 @@ from megazero.data.stream.stream import GlobalStream, copy_state, optional, stat
 
 
 def default_workers(ranks_per_node: int) -> int:
-    """data.loader_workers 0 means in-process; the default (-1) takes the cores the ranks leave."""
+    """data.loader_workers -1 (the default): per rank, its share of the node's cores less the one
+    it trains on; at least 1 (0, tokenizing in-process, is only ever asked for)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(NUM_SHARDS, cores // max(1, ranks_per_node) - 1))
 

@@ -50,7 +50,11 @@ def file_order(num_files: int, seed: int, source: int, epoch: int) -> np.ndarray
 def owner(doc: int, seed: int, source: int, epoch: int) -> int:
     """The shard that reads document number `doc` of `epoch` (counted in the epoch's order)."""
     block, slot = divmod(doc, NUM_SHARDS)
-    return (slot + _seeded(seed, source, epoch, block)) % NUM_SHARDS
+    return (slot + _rotation(seed, source, epoch, block)) % NUM_SHARDS
+
+
+def _rotation(seed: int, source: int, epoch: int, block: int) -> int:
+    return _seeded(seed, source, epoch, block) % NUM_SHARDS
 
 
 def holdout_lines(source: Source, key: str, docs: int) -> tuple[int, ...]:
@@ -90,6 +94,7 @@ def shard_documents(source: Source, index: int, shard: int, start: Cursor, seed:
     epoch, docs = start.epoch, start.docs
     order = file_order(source.num_files, seed, index, epoch)
     before = start
+    block, rotation = -1, 0  # owner(), its rotation drawn once per block of documents
     for j in range(start.file, source.num_files):
         f = int(order[j])
         offset, line = (start.offset, start.line) if j == start.file else (0, 0)
@@ -98,7 +103,10 @@ def shard_documents(source: Source, index: int, shard: int, start: Cursor, seed:
             if is_blank(raw) or raw.line <= holdout[f]:
                 continue
             doc, docs = docs, docs + 1
-            if owner(doc, seed, index, epoch) != shard:
+            if doc // NUM_SHARDS != block:
+                block = doc // NUM_SHARDS
+                rotation = _rotation(seed, index, epoch, block)
+            if (doc % NUM_SHARDS + rotation) % NUM_SHARDS != shard:
                 continue
             after = Cursor(epoch, j, raw.next_offset, raw.line, docs)
             try:

@@ -96,10 +96,6 @@ class GlobalStream:
         self.say(f"data.stream source {self.specs[k]!r}: epoch {src['epoch']} done after "
                  f"{self.state['taken'][k]} samples in all; epoch {src['epoch'] + 1} starts, reshuffled")
 
-    def tokens_per_source(self, seq_length: int) -> dict[str, int]:
-        """Tokens trained on from each source so far (every sample is seq_length of them)."""
-        return {spec: n * seq_length for spec, n in zip(self.specs, self.state["taken"])}
-
     def skipped_documents(self) -> int:
         return sum(shard["skipped"] for src in self.state["sources"] for shard in src["shards"])
 
