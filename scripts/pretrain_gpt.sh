@@ -22,6 +22,9 @@
 #   DATA_PREFIX [$DATA_DIR/corpus_text_document, built if absent]   TOKENIZER [gpt2bpe:$DATA_DIR/tokenizer]
 #   VOCAB_SIZE [8192, for a tokenizer trained here]   INPUT [the embedded corpus]
 #   PREPARE_ONLY [unset; 1: build the tokenizer and dataset, then stop (Slurm does this once)]
+#   STREAM [unset; 1: no dataset is built: train straight from INPUT (a file, folder, glob or
+#     hf:NAME; default: the embedded corpus written once as $DATA_DIR/corpus.jsonl), tokenized on
+#     the fly by loader processes (data.stream); VALID_DOCS [50] documents held out for validation]
 #   NNODES [1, or MIN:MAX]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29500]  RDZV_ID [megazero]
 #   RESTARTS [3]  (passed to torchrun: c10d rendezvous at MASTER_ADDR:MASTER_PORT, --max-restarts)
 # Arguments are passed on to megazero.train as overrides, e.g. --train.precision bf16, or as
@@ -52,8 +55,14 @@ RESTARTS=${RESTARTS:-3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Each rendezvous round gets a fresh store hosted by rank 0 (none of a failed attempt's keys).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+if [[ -n ${STREAM:-} ]]; then
+  STREAM_SOURCE=${INPUT:-$DATA_DIR/corpus.jsonl}
+  data_args=(--data.stream "$STREAM_SOURCE" --data.stream_valid_docs "${VALID_DOCS:-50}")
+else
+  data_args=(--data.prefix "$DATA_PREFIX")
+fi
 train_args=(--config "$CONFIG" --parallel.tp "$TP" --parallel.pp "$PP" --zero.stage "$ZERO_STAGE"
-  --data.mock false --data.prefix "$DATA_PREFIX"
+  --data.mock false "${data_args[@]}"
   --checkpoint.save "$SAVE" --checkpoint.load "$SAVE"
   --logging.jsonl "$METRICS" ${ITERS:+--train.iters "$ITERS"})
 
@@ -69,17 +78,25 @@ LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --config-only -
 if [[ $TOKENIZER == gpt2bpe:* && ! -f $tok_dir/vocab.json ]]; then
   echo "== training a byte-level BPE tokenizer (vocab $VOCAB_SIZE) into $tok_dir"
   python data_tools/train_tokenizer.py --type gpt2bpe --vocab-size "$VOCAB_SIZE" --output "$tok_dir" \
-    ${INPUT:+--input "$INPUT"}
+    ${INPUT:+--input "${INPUT#hf:}"}
 fi
 
-# 2. Dataset: tokenize the corpus once into $DATA_PREFIX.{bin,idx}.
-if [[ ! -f $DATA_PREFIX.idx ]]; then
+# 2. Dataset: tokenize the corpus once into $DATA_PREFIX.{bin,idx}; streaming, only the raw
+#    embedded corpus is written when no INPUT is given (the run tokenizes it as it trains).
+if [[ -n ${STREAM:-} ]]; then
+  if [[ -z ${INPUT:-} && ! -f $STREAM_SOURCE ]]; then
+    echo "== writing the embedded corpus as raw text to $STREAM_SOURCE (streamed: no dataset is built)"
+    mkdir -p "$DATA_DIR"
+    python -c "import sys; from megazero.data.corpus import write_default_corpus; write_default_corpus(sys.argv[1])" \
+      "$STREAM_SOURCE"
+  fi
+elif [[ ! -f $DATA_PREFIX.idx ]]; then
   echo "== building the indexed dataset $DATA_PREFIX"
   python data_tools/preprocess_data.py --tokenizer "$TOKENIZER" --json-keys text --append-eod --workers 2 \
     --output-prefix "${DATA_PREFIX%_text_document}" ${INPUT:+--input "$INPUT"}
 fi
 if [[ -n ${PREPARE_ONLY:-} ]]; then
-  echo "== prepared: tokenizer $TOKENIZER, dataset $DATA_PREFIX"
+  echo "== prepared: tokenizer $TOKENIZER, $([[ -n ${STREAM:-} ]] && echo "raw text $STREAM_SOURCE" || echo "dataset $DATA_PREFIX")"
   exit 0
 fi
 
@@ -87,7 +104,7 @@ fi
 #    dataset, the checkpoint it resumes) are checked as start-up would, before any process starts.
 LOCAL_WORLD_SIZE=$NPROC python -m megazero.train --validate-only --quiet --world-size $((NPROC * ${NNODES##*:})) "${train_args[@]}" \
   --data.tokenizer "$TOKENIZER" --model.vocab_size auto "$@" > /dev/null
-echo "== training: $NPROC processes per node, tp $TP x pp $PP, ZeRO-$ZERO_STAGE; checkpoints in $SAVE, metrics in $METRICS"
+echo "== training: $NPROC processes per node, tp $TP x pp $PP, ZeRO-$ZERO_STAGE; checkpoints in $SAVE, metrics in $METRICS${STREAM_SOURCE:+; streaming $STREAM_SOURCE}"
 # megazero.launch is torchrun (same arguments) that exits 2 for a user error (config, data,
 # checkpoint) as megazero does, and ends any other failure in one line instead of a traceback.
 launch python -m megazero.launch --nproc_per_node "$NPROC" --nnodes "$NNODES" --max-restarts "$RESTARTS" \

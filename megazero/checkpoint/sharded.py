@@ -145,7 +145,8 @@ class ShardedReader:
         opt = rank0["optimizer"]
         return {"iteration": rank0["iteration"], "consumed_samples": rank0["consumed_samples"],
                 "skipped_iters": rank0["skipped_iters"], "step": int(opt["step"]), "loss_scaler": opt["loss_scaler"],
-                "lr_schedule": rank0.get("lr_schedule"), "moe_expert_bias": rank0.get("moe_expert_bias")}
+                "lr_schedule": rank0.get("lr_schedule"), "moe_expert_bias": rank0.get("moe_expert_bias"),
+                "data_state": rank0.get("data_state")}
 
     def names(self) -> list[str]:
         """Parameter names of the non-parallel model, in its order (no tied head copy; an untied

@@ -56,7 +56,8 @@ class UniversalReader:
 
     def trainer_state(self) -> dict:
         state = {k: self.meta[k] for k in ("iteration", "consumed_samples", "skipped_iters", "step", "loss_scaler")}
-        return {**state, "lr_schedule": self.meta.get("lr_schedule"), "moe_expert_bias": self.meta.get("moe_expert_bias")}
+        return {**state, "lr_schedule": self.meta.get("lr_schedule"), "moe_expert_bias": self.meta.get("moe_expert_bias"),
+                "data_state": self.meta.get("data_state")}
 
 
 def _remake(path: str, source: str | None = None) -> str:

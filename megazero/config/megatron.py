@@ -425,6 +425,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--data-path", LIST, (("data.prefix", None),), "`data.prefix` (weights too: `0.3 A 0.7 B`)"),
     _key("--split", "data.split"),
     _switch("--mock-data", "data.mock", "true"),
+    _switch("--eod-mask-loss", "data.eod_mask_loss", "true"),
+    *_no_effect("--reset-position-ids", "--reset-attention-mask",
+                refused="megazero packs documents as Megatron does by default: positions and attention run across "
+                        "document boundaries; drop the flag"),
     _key("--data-cache-path", "data.cache_dir"),
     Flag("--tokenizer-type", 1, note="`data.tokenizer`: GPT2BPETokenizer `gpt2bpe:V,M`; SentencePieceTokenizer, "
                                      "Llama2Tokenizer `sentencepiece:F`; HuggingFaceTokenizer with a local "

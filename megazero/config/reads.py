@@ -58,6 +58,8 @@ READ_ONLY = (
     ReadOnly(("logging.profile_start", "logging.profile_end", "logging.profile_ranks"), "logging.profiler torch or nsys",
              lambda c: c.logging.profiler != "none"),
     ReadOnly(("logging.wandb_project",), "logging.wandb true", lambda c: c.logging.wandb),
+    ReadOnly(("data.stream_*", "data.loader_workers", "checkpoint.load_data_state"), "data.stream",
+             lambda c: bool(c.data.stream)),
 )
 
 

@@ -11,10 +11,34 @@ def resolve(cfg: Config) -> None:
     """Fill in what the config leaves to megazero, in place: model.vocab_size auto from data.tokenizer
     (refusing an explicit size the tokenizer does not fit) and the interleaved schedule that 1f1b over
     vpp > 1 chunks per rank is. Without data the vocabulary stays auto: validate says data is missing."""
-    if cfg.data.mock or cfg.data.prefix:
+    choose_data_source(cfg)
+    if cfg.data.mock or cfg.data.prefix or cfg.data.stream:
         cfg.model.vocab_size = resolve_vocab_size(cfg)
     if cfg.parallel.vpp > 1 and cfg.parallel.schedule == "1f1b":
         cfg.parallel.schedule = "interleaved"
+
+
+DATA_SOURCES = ("data.prefix", "data.stream", "data.mock")
+"""The keys that name the training data; one run reads one of them."""
+
+
+def choose_data_source(cfg: Config) -> None:
+    """One data source: one given on the command line replaces a config file's (the documented
+    precedence: the file's is reset); two given at the same level are refused, naming where."""
+    d = cfg.data
+    given = [key for key, value in zip(DATA_SOURCES, (d.prefix, d.stream, d.mock)) if value]
+    if len(given) < 2:
+        return
+    on_cli = [key for key in given if key in cfg.cli_keys]
+    if len(on_cli) == 1:
+        for key in given:
+            if key != on_cli[0]:
+                setattr(d, key.split(".")[1], False if key == "data.mock" else None)
+        return
+    where = "on the command line" if on_cli else "in the config file"
+    both = on_cli or given
+    raise ConfigError(f"{' and '.join(both)} are both given {where}, but a run reads one data source; drop "
+                      f"all but one (one given on the command line replaces the config file's)")
 
 
 MOCK_VOCAB_SIZE = 512

@@ -41,8 +41,16 @@ def validate(cfg: Config, world_size: int) -> int:
     """Check every value of a resolved config and their consistency; return the inferred
     data-parallel degree. Changes nothing."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if not cfg.data.mock and not cfg.data.prefix:
-        raise ConfigError("no training data: set data.prefix (indexed dataset prefixes) or data.mock true")
+    if not cfg.data.mock and not cfg.data.prefix and not cfg.data.stream:
+        raise ConfigError("no training data: set data.prefix (indexed dataset prefixes), data.stream (raw text "
+                          "tokenized on the fly) or data.mock true")
+    if cfg.data.eod_mask_loss and not cfg.data.tokenizer:
+        raise ConfigError("data.eod_mask_loss needs data.tokenizer (its end-of-document id); set it, or drop "
+                          "data.eod_mask_loss")
+    if cfg.data.stream_valid_docs < 0:
+        raise ConfigError(f"data.stream_valid_docs ({cfg.data.stream_valid_docs}) must not be negative")
+    if cfg.data.loader_workers < -1:
+        raise ConfigError(f"data.loader_workers ({cfg.data.loader_workers}) must be -1 (auto), 0 (in-process) or more")
     for low, keys in ((1, ("model.num_layers", "model.hidden_size", "model.num_heads", "model.seq_length",
                            "model.vocab_size", "parallel.tp", "parallel.pp", "parallel.vpp", "train.micro_batch_size",
                            "train.global_batch_size", "train.log_interval", "zero.sub_group_size", "zero.bucket_size",

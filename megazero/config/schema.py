@@ -369,6 +369,24 @@ class DataConfig:
     """Fine-tuning datasets (those with a loss mask, from preprocess_data.py --prompt-key/--completion-key):
     false: each sample is one example, truncated or padded to seq_length (padding and prompts count nothing
     in the loss); true: examples packed back to back across their boundaries. Other datasets are always packed."""
+    eod_mask_loss: bool = False
+    """Megatron's --eod-mask-loss: the loss leaves out the prediction made at each end-of-document token (the next
+    document's first token), for indexed and streamed data alike; needs data.tokenizer (its end-of-document id)."""
+    stream: Optional[list] = None
+    """Train straight from raw text, tokenized on the fly (docs/data.md): one source, or weighted [W1, SRC1, W2,
+    SRC2, ...] (weights count tokens). A source is a path, folder or glob of .jsonl, .jsonl.gz, .parquet or .txt files
+    (one document a line, a row, a file) or hf:NAME[:CONFIG][:SPLIT] (datasets.load_dataset streaming; a local folder
+    of data files loads offline). Excludes data.prefix and data.mock."""
+    stream_key: str = "text"
+    """data.stream: the field holding a document's text (JSONL key, Parquet column, dataset field)."""
+    stream_valid: Optional[str] = None
+    """data.stream: a source whose first documents are the validation samples."""
+    stream_valid_docs: int = 0
+    """data.stream: hold the first N documents of each source out of training, as the validation samples
+    (without data.stream_valid)."""
+    loader_workers: int = -1
+    """data.stream: loader processes tokenizing per rank (0: in the trainer's process; -1: the cores left over
+    after the ranks of this node, at most 16)."""
 
 
 @dataclass
@@ -405,6 +423,9 @@ class CheckpointConfig:
     """Load the checkpoint's optimizer state. false (Megatron's --no-load-optim): its weights, loop position
     and LR schedule, with Adam's moments, step count and loss scale started afresh (needed for a
     checkpoint saved with checkpoint.save_optimizer false)."""
+    load_data_state: bool = True
+    """data.stream: continue the checkpoint's data stream where it stopped. false: start the stream anew (needed
+    after a change of data.stream's sources or weights); the weights, optimizer and loop position still load."""
     load_rng: bool = True
     """Load the checkpoint's RNG streams. false (Megatron's --no-load-rng): reseed them from train.seed and
     the iteration (needed for a checkpoint saved with checkpoint.save_rng false)."""

@@ -229,7 +229,7 @@ def quiet_hugging_face() -> None:
         os.environ.setdefault(name, value)
 
 
-def _hub_unreachable_reason() -> str | None:
+def hub_unreachable_reason() -> str | None:
     """Why a hub name cannot load, found in milliseconds instead of after the hub client's
     retries; None when it may load (online, or offline mode reading the datasets cache)."""
     if os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE"):
@@ -244,7 +244,7 @@ def _hub_unreachable_reason() -> str | None:
 
 def _load_hf(spec: str, split: str, from_disk: bool, builder: str | None = None) -> Source:
     if not from_disk and builder is None:
-        reason = _hub_unreachable_reason()
+        reason = hub_unreachable_reason()
         if reason:
             raise DataError(f"--input {spec!r} is not a local file or folder, and {reason}")
     try:

@@ -39,14 +39,17 @@ def format_line(rec: dict, total_iters: int) -> str:
         if rec.get("moe_dropped"):
             parts.append(f"dropped {rec['moe_dropped']}")
     if "time_forward_s" in rec:
-        parts.append(" ".join(f"{label} {1e3 * rec['time_' + key + '_s']:.1f} ms" for key, label in PHASES.items()))
+        parts.append(" ".join(f"{label} {1e3 * rec['time_' + key + '_s']:.1f} ms" for key, label in PHASES.items()
+                              if f"time_{key}_s" in rec))
         parts.append("sent " + " ".join(f"{g} {rec['bytes_' + g] / 2**20:.2f} MiB" for g in MOVED if 'bytes_' + g in rec))
     if "val_loss" in rec:
         parts.append(f"val {rec['val_loss']:.4f} (ppl {rec['val_ppl']:.1f})")
     return " | ".join(parts)
 
 
-PHASES = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "comm_wait": "wait"}
+PHASES = {"data_wait": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "comm_wait": "wait"}
+"""Timed phases (logging.timers); data_wait: building this rank's micro-batches (reading, and for data.stream
+waiting on the loader processes)."""
 MOVED = ("dp", "tp", "pp", "cp")
 
 

@@ -16,6 +16,7 @@ from megazero.config.schema import Config, ConfigError
 from megazero.config.sharding import sharding
 from megazero.data.gpt_dataset import parse_blend
 from megazero.data.indexed import IndexedDataset
+from megazero.data.stream.dataset import check_stream_sources
 from megazero.errors import UserError
 from megazero.model.lora_targets import check_targets
 from megazero.zero import ALIGN
@@ -49,9 +50,9 @@ def preflight(cfg: Config, world_size: int = 1) -> None:
     read holds this model, and zero.nvme_path is a writable directory with room for the swap
     files (as start-up checks it: the same line). The tokenizer and the
     init_from_hf directory were read by resolve_and_validate already."""
-    if not cfg.data.mock:
-        for prefix in parse_blend(cfg.data.prefix or [])[0]:
-            IndexedDataset(prefix)  # a missing or foreign .bin/.idx is its one-line DataError
+    for prefix in parse_blend(cfg.data.prefix)[0] if cfg.data.prefix else []:
+        IndexedDataset(prefix)  # a missing or foreign .bin/.idx is its one-line DataError
+    check_stream_sources(cfg)  # data.stream: every source exists and holds documents with the text key
     c = cfg.checkpoint
     ckpt = resume_dir(c.load, c.iteration) if c.load else None
     saved = saved_config(ckpt) if ckpt else None

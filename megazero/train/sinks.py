@@ -199,7 +199,8 @@ def tensorboard_scalars(rec: dict) -> list[tuple[str, float, bool]]:
     scalars = [(tag, rec[field] * unit, vs_samples) for tag, field, unit, vs_samples in TENSORBOARD_SCALARS
                if rec.get(field) is not None]
     return scalars + [(f"{tag}/layer_{i}", value, False) for field, tag in PER_LAYER.items()
-                      for i, value in (rec.get(field) or {}).items()]
+                      for i, value in (rec.get(field) or {}).items()] + \
+        [(f"stream_tokens/{source}", tokens, True) for source, tokens in (rec.get("stream_tokens") or {}).items()]
 
 
 class TensorBoardSink:

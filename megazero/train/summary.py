@@ -156,6 +156,13 @@ def data_lines(cfg: Config, train, valid, samples: int) -> list[str]:
     t, seq = cfg.train, cfg.model.seq_length
     if cfg.data.mock:
         return [f"data: mock, {samples:,} training samples"]
+    if cfg.data.stream:
+        if valid:
+            return [train.describe(samples), f"data valid: {len(valid):,} samples, each evaluation"]
+        skipped = (f"warning: train.eval_interval is {t.eval_interval} but data.stream has no validation samples: "
+                   f"validation will be skipped; hold some out with --data.stream_valid_docs 100, or name a source "
+                   f"with --data.stream_valid") if t.eval_interval else None
+        return [train.describe(samples), *([skipped] if skipped else [])]
     evaluated = t.eval_iters * t.global_batch_size if t.eval_interval else 0
     lines = []
     for name, ds, drawn in (("train", train, samples), ("valid", valid, evaluated)):

@@ -23,8 +23,15 @@ from megazero.checkpoint.tensors import encode_rng
 from megazero.config.parse import describe
 from megazero.config.schema import Config
 from megazero.data import DataError
-from megazero.data.gpt_dataset import build_train_valid_test_datasets, check_compatibility, inputs_and_labels
+from megazero.data.gpt_dataset import (
+    IGNORE_INDEX,
+    build_train_valid_test_datasets,
+    check_compatibility,
+    inputs_and_labels,
+)
 from megazero.data.mock import MockGPTDataset
+from megazero.data.stream.dataset import StreamDataset, stream_datasets, supply_line
+from megazero.data.tokenizer import build_tokenizer
 from megazero.errors import UserError
 from megazero.parallel import comm
 from megazero.parallel.context import shard_sequence
@@ -68,7 +75,10 @@ class Trainer:
         self.moe = moe.MoESteps(cfg.model, self.chunks, grid, cfg.parallel.sequence_parallel, cfg.logging.moe_per_layer)
         self.train_ds, self.valid_ds = build_datasets(cfg, grid)
         # Fine-tuning data: some labels count nothing, so the loss divides by a count of the rest.
-        self.loss_masked = self.train_ds.loss_masked
+        # Megatron's --eod-mask-loss: the prediction made at an end-of-document token counts nothing.
+        self.eod_masked = build_tokenizer(cfg.data.tokenizer).eod if cfg.data.eod_mask_loss and cfg.data.tokenizer \
+            else None
+        self.loss_masked = self.train_ds.loss_masked or self.eod_masked is not None
         self.iteration = 0
         self.consumed_samples = 0
         self.skipped_iters = 0
@@ -80,6 +90,7 @@ class Trainer:
         self.device_name, self.peak_flops = device_peak_flops()
         self.timers = PhaseTimers(grid.device) if cfg.logging.timers else None
         self.plan = self._announce()
+        self.supply_due = True  # data.stream: the loaders' supply against the run's use, at the first log line
         self.stop = StopRequest(t.exit_duration_minutes)
         self.checkpoints = CheckpointManager(cfg, grid, self, self.is_logger)
         self.signals = StepSignals()  # the world's sums from the last step: read alike by every rank
@@ -121,7 +132,8 @@ class Trainer:
                 "rng": encode_rng(get_rng_states(self.tracker)),
                 "iteration": self.iteration, "consumed_samples": self.consumed_samples,
                 "skipped_iters": self.skipped_iters, "lr_schedule": self.schedule.state_dict(),
-                "moe_expert_bias": self.moe.state_dict()}
+                "moe_expert_bias": self.moe.state_dict(),
+                "data_state": self.train_ds.state_dict() if isinstance(self.train_ds, StreamDataset) else None}
 
     def full_parameters(self, trainable_only: bool = False) -> Iterator[tuple[str, torch.nn.Parameter, torch.Tensor]]:
         """Collective: this rank's parameters, each value full over DP (the 16-bit export, adapters)."""
@@ -146,6 +158,9 @@ class Trainer:
         self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
         self.skipped_iters = state["skipped_iters"]
         self.moe.load_state_dict(state.get("moe_expert_bias"))
+        if isinstance(self.train_ds, StreamDataset):
+            load_stream_state(self.train_ds, state.get("data_state"), self.cfg.checkpoint.load_data_state,
+                              self.consumed_samples, ckpt)
         # A checkpoint from before the schedule was saved advanced it on every iteration.
         saved_schedule = state.get("lr_schedule") or {**self.schedule.state_dict(), "steps": self.iteration}
         schedule_change = self.schedule.resume(saved_schedule, self.cfg.optim.override_schedule)
@@ -172,9 +187,14 @@ class Trainer:
         train.global_batch_size) starting at `first_sample`."""
         t, g = self.cfg.train, self.grid
         out = []
-        for j in range(self.num_microbatches if batch is None else batch // (t.micro_batch_size * g.dp)):
+        count = self.num_microbatches if batch is None else batch // (t.micro_batch_size * g.dp)
+        if isinstance(dataset, StreamDataset):  # the whole global batch, on every rank: the same stream position
+            dataset.fetch(first_sample, first_sample + count * t.micro_batch_size * g.dp)
+        for j in range(count):
             base = first_sample + j * t.micro_batch_size * g.dp + g.dp_rank * t.micro_batch_size
             inputs, labels = inputs_and_labels([dataset[(base + k) % len(dataset)] for k in range(t.micro_batch_size)])
+            if self.eod_masked is not None:
+                labels[inputs == self.eod_masked] = IGNORE_INDEX
             # Context parallelism: this cp rank's zig-zag positions of the same samples.
             inputs, labels = (shard_sequence(a, g.cp_rank, g.cp) for a in (inputs, labels))
             out.append((_to_device(inputs, g.device), _to_device(labels, g.device)))
@@ -221,7 +241,8 @@ class Trainer:
         for c in self.chunks:
             c.train()
         self.optimizer.zero_grad()
-        batches = self.microbatches(self.train_ds, self.consumed_samples, batch)
+        with self._phase("data_wait"):
+            batches = self.microbatches(self.train_ds, self.consumed_samples, batch)
         scaler = self.optimizer.scaler
         moe.scale_losses(self.chunks, len(batches), self.grid, scaler.scale if scaler is not None else None)
         loss = self.run_schedule(batches, forward_only=False)
@@ -291,6 +312,8 @@ class Trainer:
         finally:  # the sinks are flushed and closed however the loop ends (a stop request, an error)
             self.profiler.close()
             self.metrics.close()
+            if isinstance(self.train_ds, StreamDataset):
+                self.train_ds.close()
 
     def _train_loop(self) -> list[dict]:
         t = self.cfg.train
@@ -333,6 +356,11 @@ class Trainer:
                 rec["val_loss"], rec["val_ppl"] = val, math.exp(min(val, 50.0))
         if self.is_logger:
             print(format_line(rec, self.cfg.train.iters), flush=True)
+            if self.supply_due and isinstance(self.train_ds, StreamDataset):
+                line = supply_line(self.train_ds.supply_tokens_per_s(), tokens_per_sec, self.train_ds.workers)
+                if line:
+                    print(line, flush=True)
+                self.supply_due = False
             # At the first log line: the planner's prediction beside the measured figures (on CPUs
             # RSS is no GPU memory).
             if self.plan is not None and self.grid.device.type == "cuda":
@@ -354,6 +382,11 @@ class Trainer:
                "skipped_iters": self.skipped_iters}
         if out.get("loss_scale") is not None:
             rec["loss_scale"] = out["loss_scale"]
+        if isinstance(self.train_ds, StreamDataset):  # what each source gave so far (the mixture's realised share)
+            rec["stream_tokens"] = self.train_ds.tokens_per_source()
+            skipped = self.train_ds.skipped_documents()
+            if skipped:  # not UTF-8: skipped, not fatal
+                rec["stream_skipped_docs"] = skipped
         rec.update({k: v for k, v in out.items() if k.startswith("moe_") and (k != "moe_dropped" or v)})
         if self.timers is not None:
             rec.update(self.timers.take(steps))
@@ -379,6 +412,9 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
     if cfg.data.mock:
         return (MockGPTDataset(needed, m.seq_length, m.vocab_size, t.seed),
                 MockGPTDataset(eval_needed, m.seq_length, m.vocab_size, t.seed + 1))
+    if cfg.data.stream:  # the tokenizer fits model.vocab_size: checked at resolution (config/resolve.py)
+        # Every rank reads the same sources (the same error, if any, on every rank at once).
+        return stream_datasets(cfg, lambda line: print(line, flush=True) if grid.rank == 0 else None)
     check_compatibility(cfg.data.prefix, cfg.data.tokenizer, m.vocab_size)
     assert cfg.data.prefix is not None
     build = functools.partial(build_train_valid_test_datasets, [str(p) for p in cfg.data.prefix], cfg.data.split,
@@ -390,3 +426,15 @@ def build_datasets(cfg: Config, grid: ProcessGrid):
                         lambda rank, message: DataError(message))
     train, valid, _ = built if grid.rank == 0 else build(is_builder=False)
     return train, valid
+
+
+def load_stream_state(ds: StreamDataset, saved: Optional[dict], load: bool, consumed_samples: int, ckpt: str) -> None:
+    """Continue the checkpoint's data stream, or (checkpoint.load_data_state false) start it
+    anew at the checkpoint's sample count. Another stream's state is refused (stream.py)."""
+    if not load:
+        ds.load_state_dict(None, consumed_samples)
+        return
+    if saved is None:
+        raise DataError(f"checkpoint '{ckpt}' holds no data.stream state (it was trained on other data); start "
+                        f"the stream anew with --checkpoint.load_data_state false")
+    ds.load_state_dict(saved)

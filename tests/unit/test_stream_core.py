@@ -1,0 +1,215 @@
+"""The streaming core without processes: packing with carry-over, logical shards, the mixture,
+the global order (the same at any dp), exact resume from any saved state, and every document
+read once per epoch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megazero.data import DataError
+from megazero.data.stream.dataset import StreamDataset
+from megazero.data.stream.mixture import next_source
+from megazero.data.stream.packing import Packer
+from megazero.data.stream.setup import setup_stream
+from megazero.data.stream.shards import NUM_SHARDS, Cursor, owner, shard_documents
+from megazero.data.stream.stream import copy_state
+
+SEQ = 16
+EOD = 0
+
+
+class IdTokenizer:
+    """Document "d<ID> <LENGTH>" becomes LENGTH tokens of value ID + 1; end of document is 0.
+    Windows then show which documents they hold, token by token."""
+
+    eod = EOD
+    vocab_size = 10_000
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        out = []
+        for text in texts:
+            name, length = text.split()
+            out.append([int(name[1:]) + 1] * int(length))
+        return out
+
+
+def write_docs(folder: Path, files: int, per_file: int, seed: int = 0, first: int = 0) -> dict[int, int]:
+    """`files` JSONL files of id documents; returns {id: length}."""
+    rng = np.random.default_rng(seed)
+    lengths, doc = {}, first
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        lines = []
+        for _ in range(per_file):
+            lengths[doc] = int(rng.integers(1, 3 * SEQ))
+            lines.append(json.dumps({"text": f"d{doc} {lengths[doc]}"}))
+            doc += 1
+        (folder / f"part{f}.jsonl").write_text("\n".join(lines) + "\n")
+    return lengths
+
+
+def make(stream, state=None, valid_docs: int = 0, seed: int = 1) -> StreamDataset:
+    setup = setup_stream(stream, "text", valid_docs, seed, SEQ, None, IdTokenizer())
+    return StreamDataset(setup, 10**9, workers=0, state=state)
+
+
+def take(ds: StreamDataset, n: int) -> list[np.ndarray]:
+    start = ds.read
+    ds.fetch(start, start + n)
+    return [ds[i] for i in range(start, start + n)]
+
+
+def test_packer_windows_share_one_token_and_resume_by_skip():
+    packer = Packer(4, EOD)
+    windows = [(w.tolist(), skip) for doc in ([1] * 3, [2] * 7, [3] * 2) for w, skip in packer.add(doc)]
+    stream = [1, 1, 1, 0, 2, 2, 2, 2, 2, 2, 2, 0, 3, 3, 0]
+    assert [w for w, _ in windows] == [stream[k * 4:k * 4 + 5] for k in range(3)]
+    # After window 1 the carry-over is document 2 less its first 4 tokens: replaying it so resumes.
+    assert windows[1][1] == 4
+    again = Packer(4, EOD)
+    assert [w.tolist() for w, _ in again.add([2] * 7, skip=4)] == []
+    assert [w.tolist() for w, _ in again.add([3] * 2)] == [windows[2][0]]
+
+
+def test_each_document_has_one_shard_per_epoch_and_epochs_differ():
+    for epoch in range(3):
+        owners = [owner(g, 7, 0, epoch) for g in range(10 * NUM_SHARDS)]
+        for block in range(10):  # each shard one document of every block
+            assert sorted(owners[block * NUM_SHARDS:(block + 1) * NUM_SHARDS]) == list(range(NUM_SHARDS))
+    assert [owner(g, 7, 0, 0) for g in range(64)] != [owner(g, 7, 0, 1) for g in range(64)]
+
+
+def test_shard_documents_partition_the_source(tmp_path):
+    lengths = write_docs(tmp_path / "a", files=3, per_file=20)
+    setup = setup_stream(str(tmp_path / "a"), "text", 0, 1, SEQ, None, IdTokenizer())
+    seen = []
+    for s in range(NUM_SHARDS):
+        docs = list(shard_documents(setup.sources[0], 0, s, Cursor(), 1, "text", setup.holdouts[0]))
+        seen += [d.text for d in docs]
+        # Reading a shard from any document's cursor finds the same documents from there on.
+        if len(docs) > 2:
+            again = shard_documents(setup.sources[0], 0, s, docs[2].before, 1, "text", setup.holdouts[0])
+            assert [d.text for d in again] == [d.text for d in docs[2:]]
+    assert sorted(int(t.split()[0][1:]) for t in seen) == sorted(lengths)
+
+
+def test_mixture_share_within_one_percent():
+    weights, taken = [0.5, 0.3, 0.2], [0, 0, 0]
+    for n in range(1, 1001):
+        taken[next_source(weights, taken)] += 1
+        if n >= 100:
+            assert all(abs(t / n - w) <= 0.01 for t, w in zip(taken, weights))
+
+
+def test_stream_mixture_and_epochs(tmp_path):
+    write_docs(tmp_path / "a", files=2, per_file=10)
+    write_docs(tmp_path / "b", files=1, per_file=40, seed=1, first=1000)
+    lines = []
+    setup = setup_stream([0.7, str(tmp_path / "a"), 0.3, str(tmp_path / "b")], "text", 0, 1, SEQ, None, IdTokenizer())
+    ds = StreamDataset(setup, 10**9, workers=0, say=lines.append)
+    samples = take(ds, 400)
+    assert ds.read == 400
+    tokens = ds.tokens_per_source()
+    total = sum(tokens.values())
+    assert abs(tokens[str(tmp_path / "a")] / total - 0.7) <= 0.01
+    # Source a's documents (ids < 1000) fill 70% of the samples, b's the rest; a ran out and restarted.
+    from_a = sum(int(s[1] <= 1000 and s[1] != EOD or s[2] <= 1000 and s[2] != EOD) for s in samples)
+    assert from_a > 0
+    assert any("epoch 1 done" in line and "reshuffled" in line for line in lines)
+
+
+def test_resume_from_any_state_is_the_same_stream(tmp_path):
+    write_docs(tmp_path / "a", files=3, per_file=15)
+    write_docs(tmp_path / "b", files=1, per_file=25, seed=2, first=1000)
+    stream = [0.6, str(tmp_path / "a"), 0.4, str(tmp_path / "b")]
+    straight = take(make(stream), 300)
+    ds = make(stream)
+    for stop in (37, 150, 151):  # across epoch ends of both sources
+        take(ds, stop - ds.read)
+        resumed = make(stream, state=json.loads(json.dumps(copy_state(ds.state_dict()))))
+        assert all(np.array_equal(a, b) for a, b in zip(take(resumed, 300 - stop), straight[stop:]))
+
+
+def test_every_document_once_per_epoch_at_any_dp(tmp_path):
+    """The samples all dp ranks train on in epoch 0 hold every document's tokens exactly once
+    (inputs tile each shard's token stream; the epoch's last carry-overs hold the rest)."""
+    lengths = write_docs(tmp_path / "a", files=4, per_file=25)
+    ds = make(str(tmp_path / "a"))
+    ds.fetch(0, 0)  # starts the stream, reading nothing
+    carries: list[int] = []  # what waits in each shard at the end of epoch 0
+    producer, next_item = ds.stream.producer, ds.stream.producer.next_item
+
+    def recording(k, s):
+        item = next_item(k, s)
+        if item.window is None and item.state["cursor"][0] == 1:
+            carries.extend(item.state["carry"])
+        return item
+    producer.next_item = recording
+    epoch0 = []
+    while True:
+        sample = take(ds, 1)[0]
+        if ds.stream.state["sources"][0]["epoch"] > 0:
+            break
+        epoch0.append(sample)
+    for dp in (1, 2, 4):
+        gbs, mbs = 8, 1
+        consumed = []  # what each rank trains on: its slice of every global batch
+        for rank in range(dp):
+            for first in range(0, len(epoch0) - len(epoch0) % gbs, gbs):
+                for j in range(gbs // (mbs * dp)):
+                    consumed += [epoch0[first + j * mbs * dp + rank * mbs + k][:-1] for k in range(mbs)]
+        consumed += [s[:-1] for s in epoch0[len(epoch0) - len(epoch0) % gbs:]]
+        counts = np.bincount(np.concatenate(consumed + [np.asarray(carries, dtype=np.int64)]),
+                             minlength=max(lengths) + 2)
+        assert all(counts[d + 1] == n for d, n in lengths.items()), dp
+        assert counts[EOD] == len(lengths)  # one end-of-document token each: no repeats, no gaps
+
+
+def test_holdout_docs_never_train(tmp_path):
+    write_docs(tmp_path / "a", files=2, per_file=20)
+    ds = make(str(tmp_path / "a"), valid_docs=5)
+    ids = np.unique(np.concatenate(take(ds, 200)))
+    assert not set(ids.tolist()) & {1, 2, 3, 4, 5}  # documents 0..4 (tokens 1..5)
+
+
+def test_refuses_another_stream(tmp_path):
+    write_docs(tmp_path / "a", files=1, per_file=20)
+    write_docs(tmp_path / "b", files=1, per_file=20, first=100)
+    ds = make([0.5, str(tmp_path / "a"), 0.5, str(tmp_path / "b")])
+    take(ds, 10)
+    with pytest.raises(DataError, match="load_data_state false") as e:
+        make([0.4, str(tmp_path / "a"), 0.6, str(tmp_path / "b")], state=ds.state_dict())
+    assert "weights" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_loader_processes_change_nothing(tmp_path):
+    """2 loader processes give the samples 0 give; a state saved there resumes in 3."""
+    write_docs(tmp_path / "a", files=3, per_file=30)
+    stream = str(tmp_path / "a")
+    straight = take(make(stream), 120)
+    setup = setup_stream(stream, "text", 0, 1, SEQ, None, IdTokenizer())
+    pooled = StreamDataset(setup, 10**9, workers=2)
+    try:
+        assert all(np.array_equal(a, b) for a, b in zip(take(pooled, 60), straight))
+        state = copy_state(pooled.state_dict())
+    finally:
+        pooled.close()
+    resumed = StreamDataset(setup, 10**9, workers=3, state=state)
+    try:
+        assert all(np.array_equal(a, b) for a, b in zip(take(resumed, 60), straight[60:]))
+        assert resumed.supply_tokens_per_s() > 0
+    finally:
+        resumed.close()
+
+
+def test_supply_line_warns_when_the_loaders_fall_short():
+    from megazero.data.stream.dataset import supply_line
+    ok = supply_line(300e3, 20e3, 2)
+    assert ok is not None and not ok.startswith("warning") and "300.0k" in ok and "20.0k" in ok
+    short = supply_line(10e3, 20e3, 1)
+    assert short is not None and short.startswith("warning: ") and "data.loader_workers" in short and "\n" not in short
+    assert supply_line(None, 20e3, 0) is None  # in-process: nothing measured
