@@ -60,7 +60,6 @@ class Entry:
     """One value this rank digests: `key` is the same on exactly the ranks that should hold it equal."""
 
     key: str
-    label: str  # as the mismatch line names it
     values: Callable[[], list[torch.Tensor]]
 
 
@@ -116,36 +115,49 @@ class ReplicaCheck:
             mine[: len(self.entries)] = torch.stack([digest(e.values()) for e in self.entries]).to(mine.device)
         everyone = torch.zeros(self.grid.world_size * self.width, dtype=torch.int64, device=self.grid.device)
         comm.all_gather_into(everyone, mine, self.grid["world"])
-        problem = mismatch(iteration, self.keys, everyone.view(self.grid.world_size, self.width).tolist(),
-                           {e.key: e.label for e in self.entries})
+        problem = mismatch(iteration, self.keys, everyone.view(self.grid.world_size, self.width).tolist())
         if problem:
             raise ReplicaMismatch(problem)
         self.verified = iteration
 
 
-def mismatch(iteration: int, keys: list[list[str]], digests: list[list[int]], labels: dict[str, str]) -> Optional[str]:
-    """The line naming the first value whose holders disagree, or None when all agree."""
+def mismatch(iteration: int, keys: list[list[str]], digests: list[list[int]]) -> Optional[str]:
+    """The line naming the values whose holders disagree, or None when all agree. A corrupted value
+    spreads through the next steps' computation to others: the one named is the first with the
+    fewest dissenters behind a strict majority (the likeliest origin), the others counted."""
     holders: dict[str, list[tuple[int, int]]] = {}
     for rank, rank_keys in enumerate(keys):
         for key, value in zip(rank_keys, digests[rank]):
             holders.setdefault(key, []).append((rank, value))
-    for key, held in holders.items():
-        values = Counter(v for _, v in held)
-        if len(values) < 2:
-            continue
-        (top, n), *rest = values.most_common()
-        label = labels.get(key, key.split("#")[0])
-        if n * 2 > len(held):  # a strict majority
-            odd = [r for r, v in held if v != top]
-            side = (f"ranks {', '.join(str(r) for r, v in held if v == top)} (the majority) agree; rank(s) "
-                    f"{', '.join(map(str, odd))} hold another value")
-        else:
-            groups = [[r for r, v in held if v == value] for value, _ in values.most_common()]
-            side = "no majority: " + " vs ".join("ranks " + ", ".join(map(str, g)) for g in groups)
-        return (f"replica mismatch at iteration {iteration}: {label} differs between ranks that should hold it "
-                f"equal: {side}; silent data corruption: stopping with no checkpoint of this state, a restart "
-                f"resumes from the last checkpoint (check the disagreeing ranks' device)")
-    return None
+    split = {key: held for key, held in holders.items() if len({v for _, v in held}) > 1}
+    if not split:
+        return None
+
+    def dissent(key: str) -> tuple[int, int]:
+        held = split[key]
+        top = Counter(v for _, v in held).most_common(1)[0][1]
+        return (0 if top * 2 > len(held) else 1), len(held) - top
+    key = min(split, key=dissent)  # min() keeps the first of equals: the same key on every rank
+    held = split[key]
+    values = Counter(v for _, v in held).most_common()
+    if dissent(key)[0] == 0:  # a strict majority
+        top = values[0][0]
+        side = (f"ranks {', '.join(str(r) for r, v in held if v == top)} (the majority) agree, rank(s) "
+                f"{', '.join(str(r) for r, v in held if v != top)} hold another value")
+    else:
+        groups = [[r for r, v in held if v == value] for value, _ in values]
+        side = "no majority: " + " vs ".join("ranks " + ", ".join(map(str, g)) for g in groups)
+    others = f" (and {len(split) - 1} other value(s))" if len(split) > 1 else ""
+    return (f"replica mismatch at iteration {iteration}: {label(key)}{others} differs between ranks that should hold "
+            f"it equal: {side}; silent data corruption: stopping with no checkpoint of this state, a restart resumes "
+            f"from the last checkpoint (check the disagreeing ranks' device)")
+
+
+def label(key: str) -> str:
+    """How a line names a key: the parameter (its DP slice at ZeRO 3) or the optimizer state."""
+    name, *coords = key.split("#")
+    dp = [c[2:].split("@")[0] for c in coords if c.startswith("dp")]
+    return f"{name} (DP slice {dp[0]})" if dp else name.replace("optimizer.", "optimizer state ")
 
 
 def replicated_entries(grid: ProcessGrid, optimizer: ZeroOptimizer, ep: int) -> list[Entry]:
@@ -161,20 +173,18 @@ def replicated_entries(grid: ProcessGrid, optimizer: ZeroOptimizer, ep: int) -> 
             if where.experts and ep > 1:
                 continue
             tp = f"#tp{grid.tp_rank}" if where.sharded else ""
-            entries.append(Entry(slot.name + stage + tp, slot.name, _whole(slot.param)))
+            entries.append(Entry(slot.name + stage + tp, _whole(slot.param)))
     elif grid.tp > 1:  # ZeRO 3: this rank's DP slice of each TP-replicated parameter
         for bucket, slot, start, end, _ in layout.slot_pieces(layout.buckets, layout.rank):
             if placement(slot.param).sharded or (placement(slot.param).experts and ep > 1):
                 continue
             lo = bucket.slice_of(layout.rank)[0]
             key = f"{slot.name}{stage}#dp{layout.rank}@{start}"
-            entries.append(Entry(key, f"{slot.name} (DP slice {layout.rank})",
-                                 _own_piece(optimizer, bucket, start - lo, end - lo)))
+            entries.append(Entry(key, _own_piece(optimizer, bucket, start - lo, end - lo)))
     if sharding.replicated:  # ZeRO 0: the optimizer state is the same on every rank of dp x cp
         tp = f"#tp{grid.tp_rank}"
         for kind in ("master", "exp_avg", "exp_avg_sq") if optimizer.state.separate_master else ("exp_avg", "exp_avg_sq"):
-            entries.append(Entry(f"optimizer.{kind}{stage}{tp}", f"optimizer state {kind}",
-                                 _state(optimizer, kind)))
+            entries.append(Entry(f"optimizer.{kind}{stage}{tp}", _state(optimizer, kind)))
     return entries
 
 
