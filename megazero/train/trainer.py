@@ -372,14 +372,14 @@ class Trainer:
             tic = time.perf_counter()
             with self.profiler.step(self.iteration):
                 out = self.train_step()
+            checked = self._after_step()  # timed with the step: the checks' cost shows in the throughput
             step_seconds, steps = step_seconds + time.perf_counter() - tic, steps + 1
-            logged = self._after_step()
             tokens += out["batch_size"] * self.cfg.model.seq_length  # smaller during a batch-size ramp-up
             if self.iteration % t.log_interval == 0 or self.iteration == t.iters or self.eval_due():
-                records.append(self.log(out, tokens / step_seconds, steps, step_seconds / steps, logged))
+                records.append(self.log(out, tokens / step_seconds, steps, step_seconds / steps, checked))
                 step_seconds, steps, tokens = 0.0, 0, 0
-            elif logged and self.is_logger:  # a straggler check between log lines: a record of its own
-                self.metrics.write({"iteration": self.iteration, **logged})
+            elif checked and self.is_logger:  # a straggler check between log lines: a record of its own
+                self.metrics.write({"iteration": self.iteration, **checked})
             for record in self.fault_records:  # reruns: one record each, on the logging rank
                 self.metrics.write(record)
             self.fault_records.clear()

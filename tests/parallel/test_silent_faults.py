@@ -115,3 +115,30 @@ def test_slow_rank_is_named_and_its_waiting_peers_are_not(layout):
     assert [line.split(":")[0] for line in named if "rank 2 computes forward backward" in line] == \
         ["iteration 3", "iteration 6"]
     assert not [line for line in named if "rank 2" not in line]  # rank 3 (its TP peer) waited on it: not named
+
+
+def _spikes(tmp: str) -> tuple:
+    """train.rerun_on spike on 2 ranks: a transient NaN caught before the step (the spike check's
+    all-reduce) leaves the clean losses; a loss far above the recent maximum fires on both
+    executions (the data: skipped)."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    spike = [*BASE, "--train.rerun_on", "spike"]
+    clean = _train([*spike, "--logging.jsonl", os.path.join(tmp, f"clean{rank}.jsonl")])
+    transient = _train([*spike, "--logging.jsonl", os.path.join(tmp, f"t{rank}.jsonl"),
+                        "--train.inject_fault", "transient_nan:0:3"])
+    tr = make_trainer([*spike, "--train.spike_factor", "2"])
+    tr.train_step()
+    tr.rerun.recent.extend([0.1] * 3)  # a loss of ~6 after losses of 0.1: a spike, on both executions
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        out = tr.train_step()
+    return clean[0], transient, (tr.skipped_iters, out["loss"], printed.getvalue(), tr.fault_records)
+
+
+def test_spike_mode_reruns_before_the_step(tmp_path):
+    clean, (transient, printed), (skipped, loss, spiked, records) = run_distributed(_spikes, 2, str(tmp_path))[0]
+    assert [r["loss"] for r in transient if "loss" in r] == [r["loss"] for r in clean]
+    assert "iteration 3: loss nan on the first execution" in printed and "rank(s) 0" in printed
+    assert skipped == 1 and loss > 2 * 0.1
+    assert "above 2 x the recent maximum 0.1" in spiked and "the data is the cause; batch skipped: samples" in spiked
+    assert records[0]["event"] == "skipped_batch" and records[0]["iteration"] == 2

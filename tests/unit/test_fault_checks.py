@@ -87,3 +87,10 @@ def test_megatron_rerun_flags_translate():
     off = translate(["--rerun-mode", "disabled", "--check-for-spiky-loss"])
     with pytest.raises(ConfigError, match="--check-for-spiky-loss with train.rerun_on none"):
         off.apply(make_config(off.overrides))
+
+
+def test_per_rank_compute_times_reach_tensorboard():
+    from megazero.train.sinks import tensorboard_scalars
+    rec = {"iteration": 5, "loss": 1.0, "rank_compute_s": {"forward_backward": [0.5, 0.7], "optimizer": [0.1, 0.2]}}
+    tags = {tag: value for tag, value, _ in tensorboard_scalars(rec)}
+    assert tags["compute-time/forward_backward/rank_1"] == 0.7 and tags["compute-time/optimizer/rank_0"] == 0.1
