@@ -75,7 +75,8 @@ def main() -> None:
           f"seq {a.seq}, {a.precision}, gloo; medians of {a.steps} steps")
     print(f"step, checks off:                      {r['step_off_s']:.3f} s")
     print(f"step, rerun guard + straggler timing:  {r['step_on_s']:.3f} s "
-          f"({100 * (r['step_on_s'] / r['step_off_s'] - 1):+.2f}%, within the noise of the step)")
+          f"({100 * (r['step_on_s'] / r['step_off_s'] - 1):+.2f}%: what the machine's load lets two runs differ by; "
+          f"the checks' own costs follow)")
     for name, key in (("replica check (digests + all-gather)", "replica_check_s"),
                       ("straggler gather (one all-gather)", "straggler_gather_s"),
                       ("rerun guard's save (RNG states)", "rerun_save_s")):

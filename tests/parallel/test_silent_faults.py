@@ -129,6 +129,7 @@ def _spikes(tmp: str) -> tuple:
                         "--train.inject_fault", "transient_nan:0:3"])
     tr = make_trainer([*spike, "--train.spike_factor", "2"])
     tr.train_step()
+    tr.rerun.recent.clear()
     tr.rerun.recent.extend([0.1] * 3)  # a loss of ~6 after losses of 0.1: a spike, on both executions
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         out = tr.train_step()
