@@ -320,10 +320,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     return run_ranks(fn, world_size, *args, timeout=timeout)
 
 
-def torchrun(nproc: int, args: list[str], cwd: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python -m megazero.train ARGS` under torchrun with `nproc` CPU processes."""
+def torchrun(nproc: int, args: list[str], cwd: str, timeout: float = 300,
+             restarts: Optional[int] = None) -> subprocess.CompletedProcess:
+    """Run `python -m megazero.train ARGS` under torchrun with `nproc` CPU processes (and
+    --max-restarts `restarts` when given)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(torchrun_command(nproc, args), cwd=cwd, env=env, capture_output=True, text=True,
+    return subprocess.run(torchrun_command(nproc, args, restarts), cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 

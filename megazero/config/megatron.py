@@ -277,6 +277,14 @@ def _accepted(cfg: Config, values: list[str]) -> None:
     """A flag whose meaning another flag carries (checked when the line is translated)."""
 
 
+def _spiky_loss(cfg: Config, values: list[str]) -> None:
+    """--check-for-spiky-loss: rerun on spikes too, unless the line turned reruns off."""
+    if cfg.train.rerun_on == "none":
+        raise ConfigError("--check-for-spiky-loss with train.rerun_on none (--rerun-mode disabled): a spike would be "
+                          "caught and nothing rerun; drop one of the two")
+    _set(cfg, "train.rerun_on", "spike")
+
+
 def _number(flag: str, raw: str, kind: type = int) -> Any:
     """A flag's value as an integer, or as a number (`kind` float)."""
     try:
@@ -471,6 +479,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--wandb-project", 1, (("logging.wandb", "true"), ("logging.wandb_project", None))),
     _key("--distributed-timeout-minutes", "train.timeout_minutes"),
     _key("--exit-duration-in-mins", "train.exit_duration_minutes"),
+    _key("--rerun-mode", "train.rerun_on", "`train.rerun_on nan` (validate_results: rerun a non-finite step; "
+         "with --check-for-spiky-loss `spike`), `none` (disabled); report_stats refused",
+         choices={"validate_results": "nan", "disabled": "none"}),
+    Flag("--check-for-nan-in-loss-and-grad", 0, note="what megazero always does (a non-finite loss or gradient norm "
+         "skips the step on every rank); train.rerun_on nan (the default) also reruns it", after=_accepted),
+    Flag("--check-for-spiky-loss", 0, note="`train.rerun_on spike` (with --rerun-mode validate_results, the "
+         "default there); the factor is `train.spike_factor`", after=_spiky_loss),
     Flag("--profile", 0, note="`logging.profiler nsys` (a CUDA profiler range for Nsight Systems), or `torch` "
          "with --use-pytorch-profiler", after=_profile),
     Flag("--use-pytorch-profiler", 0, (("logging.profiler", "torch"),), "`logging.profiler torch`: a torch.profiler "

@@ -54,6 +54,8 @@ READ_ONLY = (
     ReadOnly(("model.moe_*", "logging.moe_per_layer"), "model.num_experts > 0", lambda c: c.model.num_experts > 0),
     # at ep 1 each rank holds every expert: no token travels, whichever dispatcher is named
     ReadOnly(("parallel.moe_dispatcher",), "parallel.ep > 1", lambda c: c.parallel.ep > 1),
+    ReadOnly(("train.spike_factor",), "train.rerun_on spike", lambda c: c.train.rerun_on == "spike"),
+    ReadOnly(("train.straggler_factor",), "train.straggler_interval not 0", lambda c: c.train.straggler_interval != 0),
     ReadOnly(("train.eval_iters",), "train.eval_interval > 0", lambda c: c.train.eval_interval > 0),
     ReadOnly(("logging.profile_start", "logging.profile_end", "logging.profile_ranks"), "logging.profiler torch or nsys",
              lambda c: c.logging.profiler != "none"),

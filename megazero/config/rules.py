@@ -75,6 +75,7 @@ def validate(cfg: Config, world_size: int) -> int:
                           f"matrices Muon steps, so Muon would step nothing (the adapters train with AdamW); use "
                           f"--optim.name adamw")
     _validate_profiler(cfg)
+    _validate_silent_faults(t, world_size)
     if m.hidden_size % m.num_heads and not m.kv_channels:  # with kv_channels the heads need not tile h
         raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads ({m.num_heads}); "
                           f"or set model.kv_channels, the head size")
@@ -192,6 +193,35 @@ def _validate_profiler(cfg: Config) -> None:
     if lg.profiler == "torch" and not (lg.tensorboard or cfg.checkpoint.save or lg.jsonl):
         raise ConfigError("logging.profiler torch writes its trace beside the run's logs: set logging.tensorboard "
                           "(--tensorboard-dir), checkpoint.save or logging.jsonl")
+
+
+FAULT_KINDS = ("bitflip", "transient_nan", "persistent_nan", "slow")
+"""train.inject_fault's kinds (train/inject.py)."""
+
+
+def fault_spec(text: str, world_size: int) -> tuple[str, int, int]:
+    """train.inject_fault KIND:RANK:ITER -> (kind, rank, iteration), or one line naming what is wrong."""
+    kind, rank, iteration = (text.split(":") + ["", ""])[:3] if text.count(":") == 2 else ("", "", "")
+    if kind not in FAULT_KINDS or not rank.isdigit() or not iteration.isdigit():
+        raise ConfigError(f"train.inject_fault ({text!r}) must be KIND:RANK:ITER with KIND one of "
+                          f"{', '.join(FAULT_KINDS)}, e.g. bitflip:1:4")
+    if int(rank) >= world_size or int(iteration) < 1:
+        raise ConfigError(f"train.inject_fault ({text!r}): RANK must be below the world size ({world_size}) and ITER "
+                          f"at least 1 (iterations count from 1), e.g. {kind}:{world_size - 1}:1")
+    return kind, int(rank), int(iteration)
+
+
+def _validate_silent_faults(t: TrainConfig, world_size: int) -> None:
+    for key in ("replica_check_interval", "straggler_interval"):
+        value = getattr(t, key)
+        if value is not None and value < 0:
+            raise ConfigError(f"train.{key} ({value}) must not be negative (0: off; unset: train.log_interval)")
+    for key in ("spike_factor", "straggler_factor"):
+        if not getattr(t, key) > 1.0:
+            raise ConfigError(f"train.{key} ({getattr(t, key):g}) must be above 1 (a multiple of the reference), "
+                              f"e.g. {10 if key == 'spike_factor' else 1.5}")
+    if t.inject_fault is not None:
+        fault_spec(t.inject_fault, world_size)
 
 
 def _validate_finetune(f: FinetuneConfig) -> None:

@@ -283,6 +283,29 @@ class TrainConfig:
     exit_duration_minutes: float = 0.0
     """Save and exit cleanly once this many minutes have passed since start-up (0: never), like
     Megatron's --exit-duration-in-mins: set it a little under a job's time limit."""
+    replica_check_interval: Optional[int] = None
+    """Iterations between replica checks (and before every checkpoint save): ranks that should hold equal
+    values (DP replicas of the parameters at ZeRO 0-2, TP-replicated parameters at every stage, ZeRO 0's
+    replicated optimizer state) compare a digest; a mismatch stops the run naming the ranks and the
+    parameter, with no checkpoint written from that state. Unset: train.log_interval; 0: off."""
+    rerun_on: Literal["nan", "spike", "none"] = "nan"
+    """Rerun an iteration from the same state and batch when its loss or gradient norm is non-finite (nan),
+    or also when the loss exceeds train.spike_factor x the largest of the recent losses (spike; one more
+    scalar all-reduce per step). The rerun firing again blames the data (the batch is skipped and named);
+    a clean rerun blames the hardware (the rank is named, the rerun's result kept). none: no rerun."""
+    spike_factor: float = 10.0
+    """train.rerun_on spike: a loss above this x the largest of the last 100 iterations' losses is a spike."""
+    straggler_interval: Optional[int] = None
+    """Iterations between straggler checks: the ranks gather their compute times (forward and backward,
+    optimizer; collective waits left out) and a rank above train.straggler_factor x the median is named.
+    Unset: train.log_interval; 0: off."""
+    straggler_factor: float = 1.5
+    """A rank whose compute time of a phase exceeds this x the ranks' median is named as a straggler."""
+    inject_fault: Optional[str] = None
+    """Testing only: KIND:RANK:ITER injects a silent fault on global rank RANK at iteration ITER: bitflip
+    (an exponent bit of one replicated parameter element, after that iteration's step), transient_nan (a
+    NaN loss on the iteration's first execution only), persistent_nan (on every execution), slow (a
+    compute-sized sleep each iteration from ITER on). Only in a first attempt (not after a restart)."""
 
 
 @dataclass

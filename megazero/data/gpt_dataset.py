@@ -221,6 +221,7 @@ class GPTDataset:
         starts, lengths = indexed.document_spans()
         self.doc_starts = starts[doc_range[0] : doc_range[1]]
         self.doc_lengths = lengths[doc_range[0] : doc_range[1]]
+        self.first_document = doc_range[0]  # doc_order's ids count from here in the indexed dataset
         self.tokens_per_epoch = int(self.doc_lengths.sum())
         if self.tokens_per_epoch == 0:
             raise DataError(f"dataset {indexed.prefix!r}: documents {doc_range} hold no tokens; check data.split")
@@ -307,17 +308,28 @@ class GPTDataset:
 
     def _packed_spans(self, i: int) -> list[tuple[int, int]]:
         """[start, end) in the flat token array of each piece of packed sample i."""
+        return [(start, end) for _, start, end in self._packed_pieces(i)]
+
+    def _packed_pieces(self, i: int) -> list[tuple[int, int, int]]:
+        """(document, start, end) of each piece of packed sample i: [start, end) in the flat token array."""
         assert self.sample_starts is not None and self.shuffle is not None  # packed samples
         position, offset = (int(v) for v in self.sample_starts[self.shuffle[i]])
-        spans, need = [], self.seq_length + 1
+        pieces, need = [], self.seq_length + 1
         while need:
             doc = int(self.doc_order[position])
             take = min(need, int(self.doc_lengths[doc]) - offset)
             start = int(self.doc_starts[doc]) + offset
-            spans.append((start, start + take))
+            pieces.append((doc, start, start + take))
             need -= take
             position, offset = position + 1, 0
-        return spans
+        return pieces
+
+    def provenance(self, i: int) -> tuple[str, list[int]]:
+        """(the indexed dataset's prefix, the ids of the documents sample i is cut from), to name a
+        batch the trainer skips (train/rerun.py)."""
+        if self.one_example_per_sample:
+            return self.indexed.prefix, [self.first_document + int(self.doc_order[i])]
+        return self.indexed.prefix, [self.first_document + doc for doc, _, _ in self._packed_pieces(i)]
 
     def _example(self, doc: int) -> Example:
         """Example `doc` from its first token, truncated or padded (mask 0) to seq_length + 1.
@@ -389,6 +401,12 @@ class BlendedDataset:
         dataset = self.datasets[int(self.dataset_index[i])]
         assert dataset is not None  # only datasets with samples are indexed
         return dataset[int(self.sample_index[i])]
+
+    def provenance(self, i: int) -> tuple[str, list[int]]:
+        """Sample i's dataset and document ids (GPTDataset.provenance)."""
+        dataset = self.datasets[int(self.dataset_index[i])]
+        assert dataset is not None  # only datasets with samples are indexed
+        return dataset.provenance(int(self.sample_index[i]))
 
 
 # --- building the three splits ---------------------------------------------------------------

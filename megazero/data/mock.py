@@ -36,3 +36,7 @@ class MockGPTDataset:
         start = rng.integers(self.vocab_size)
         step = rng.integers(1, min(MAX_STEP, self.vocab_size - 1) + 1)
         return (start + step * np.arange(self.seq_length + 1, dtype=np.int64)) % self.vocab_size
+
+    def provenance(self, i: int) -> tuple[str, list[int]]:
+        """Sample i's dataset ("mock") and documents: none, a mock sample is made, not cut from one."""
+        return "mock", []

@@ -39,12 +39,14 @@ reduce_from_tp where the activations outside TP regions are split along the sequ
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -68,6 +70,9 @@ class Group:
     # Gloo ring's receive buffers, reused: by (thread, dtype, device), so the comm thread
     # and a synchronous call never share one (see _ring_reduce_scatter).
     _scratch: dict = field(default_factory=dict, repr=False)
+    blocked_s: float = 0.0
+    """Seconds this rank's main thread spent blocked in this group's collectives (issuing a synchronous one,
+    waiting on an asynchronous one's handle): what train/stragglers.py leaves out of a rank's compute time."""
 
     @property
     def size(self) -> int:
@@ -84,7 +89,16 @@ class Group:
         # A ring of n - 1 exchanges, each of which may wait up to the timeout on a slow but live
         # peer: after n timeouts the thread is stuck beyond what its own timeout catches.
         limit_s = None if self.timeout_s is None else self.timeout_s * self.size
-        return _Threaded(self._thread.submit(fn, *args, pg=self.side_pg), self.name, limit_s)
+        return _Threaded(self._thread.submit(fn, *args, pg=self.side_pg), self.name, limit_s, self)
+
+    @contextlib.contextmanager
+    def blocking(self) -> Iterator[None]:
+        """Count the time inside as blocked in this group (blocked_s)."""
+        tic = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.blocked_s += time.perf_counter() - tic
 
     def issue(self, op: str, t: Optional[torch.Tensor], nbytes: Optional[float], peer: Optional[int] = None) -> None:
         """Count one call putting `nbytes` on the wire (None: nothing counted, e.g. a receive) and
@@ -151,10 +165,12 @@ class _Threaded:
     future: Future
     group: str
     limit_s: Optional[float] = None
+    owner: Optional[Group] = None  # whose blocked_s the wait adds to
 
     def wait(self) -> None:
         try:
-            self.future.result(timeout=self.limit_s)
+            with self.owner.blocking() if self.owner is not None else contextlib.nullcontext():
+                self.future.result(timeout=self.limit_s)
         except FutureTimeout:
             if self.future.done():  # the collective's own error, not our wait's
                 raise
@@ -169,9 +185,11 @@ class _Async:
     this file's frame, by which the trainer tells a failed collective (one line) from a bug."""
 
     work: dist.Work
+    owner: Optional[Group] = None  # whose blocked_s the wait adds to
 
     def wait(self) -> None:
-        self.work.wait()
+        with self.owner.blocking() if self.owner is not None else contextlib.nullcontext():
+            self.work.wait()
 
 
 def solo_group() -> Group:
@@ -212,7 +230,8 @@ def all_reduce(t: torch.Tensor, group: Group, op: dist.ReduceOp.RedOpType = dist
     if group.size == 1:
         return None
     group.issue("all_reduce", t, all_reduce_volume(_nbytes(t), group.size))
-    return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
+    with group.blocking():
+        return dist.all_reduce(t, op=op, group=group.pg, async_op=async_op)
 
 
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group,
@@ -222,8 +241,9 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: Group,
         out.copy_(shard)
         return None
     group.issue("all_gather", shard, all_gather_volume(_nbytes(shard), group.size))
-    work = _ALL_GATHER(out, shard.contiguous(), group=group.pg, async_op=async_op)
-    return _Async(work) if async_op else None
+    with group.blocking():
+        work = _ALL_GATHER(out, shard.contiguous(), group=group.pg, async_op=async_op)
+    return _Async(work, group) if async_op else None
 
 
 def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group,
@@ -243,10 +263,12 @@ def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: Group,
         return _Done() if async_op else None
     group.issue("reduce_scatter", full, reduce_scatter_volume(_nbytes(out), n))
     if dist.get_backend(group.pg) != "gloo":
-        return _REDUCE_SCATTER(out, full.contiguous(), group=group.pg, async_op=async_op)
+        with group.blocking():
+            return _REDUCE_SCATTER(out, full.contiguous(), group=group.pg, async_op=async_op)
     if async_op:
         return group.submit(_ring_reduce_scatter, out, full, group, consume)
-    _ring_reduce_scatter(out, full, group, consume, pg=group.pg)
+    with group.blocking():
+        _ring_reduce_scatter(out, full, group, consume, pg=group.pg)
     return None
 
 
@@ -294,7 +316,8 @@ def all_to_all(out: torch.Tensor, t: torch.Tensor, group: Group) -> None:
         out.copy_(t)
         return
     group.issue("all_to_all", t, all_to_all_volume(_nbytes(t), group.size))
-    dist.all_to_all_single(out, t.contiguous(), group=group.pg)
+    with group.blocking():
+        dist.all_to_all_single(out, t.contiguous(), group=group.pg)
 
 
 def all_to_all_uneven(t: torch.Tensor, send_rows: list[int], recv_rows: list[int], group: Group) -> torch.Tensor:
@@ -305,7 +328,8 @@ def all_to_all_uneven(t: torch.Tensor, send_rows: list[int], recv_rows: list[int
         return out.copy_(t)
     row = _nbytes(t[:1]) if t.shape[0] else 0
     group.issue("all_to_all", t, row * (sum(send_rows) - send_rows[group.rank]))
-    dist.all_to_all_single(out, t.contiguous(), recv_rows, send_rows, group=group.pg)
+    with group.blocking():
+        dist.all_to_all_single(out, t.contiguous(), recv_rows, send_rows, group=group.pg)
     return out
 
 
@@ -314,14 +338,16 @@ def reduce(t: torch.Tensor, dst_index: int, group: Group) -> None:
     elsewhere `t` is left undefined."""
     if group.size > 1:
         group.issue("reduce", t, _nbytes(t))
-        dist.reduce(t, dst=group.ranks[dst_index], group=group.pg)
+        with group.blocking():
+            dist.reduce(t, dst=group.ranks[dst_index], group=group.pg)
 
 
 def broadcast(t: torch.Tensor, src_index: int, group: Group) -> None:
     """Broadcast from the group member with index `src_index` (not a global rank)."""
     if group.size > 1:
         group.issue("broadcast", t, _nbytes(t))
-        dist.broadcast(t, src=group.ranks[src_index], group=group.pg)
+        with group.blocking():
+            dist.broadcast(t, src=group.ranks[src_index], group=group.pg)
 
 
 def send(t: torch.Tensor, dst_rank: int, group: Group) -> dist.Work:
@@ -353,7 +379,8 @@ def all_gather_object(obj: Any, group: Group) -> list[Any]:
         return [obj]
     out: list[Any] = [None] * group.size
     group.issue("all_gather_object", None, 0)
-    dist.all_gather_object(out, obj, group=group.pg)
+    with group.blocking():
+        dist.all_gather_object(out, obj, group=group.pg)
     return out
 
 
@@ -364,14 +391,16 @@ def broadcast_object(obj: Any, src_index: int, group: Group) -> Any:
         return obj
     box = [obj]
     group.issue("broadcast_object", None, 0)
-    dist.broadcast_object_list(box, src=group.ranks[src_index], group=group.pg)
+    with group.blocking():
+        dist.broadcast_object_list(box, src=group.ranks[src_index], group=group.pg)
     return box[0]
 
 
 def barrier(group: Group) -> None:
     if group.size > 1:
         group.issue("barrier", None, None)
-        dist.barrier(group=group.pg)
+        with group.blocking():
+            dist.barrier(group=group.pg)
 
 
 # ----------------------------------------------------------------------------- f/g pairs

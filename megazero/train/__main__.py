@@ -97,6 +97,7 @@ def train(cfg: Config) -> NoReturn:
     import torch.distributed as dist  # here, not at the top: --help and --validate-only need no torch
 
     from megazero.parallel.grid import ProcessGrid
+    from megazero.train.replicas import ReplicaMismatch
     from megazero.train.trainer import Trainer
 
     timeout_s = cfg.train.timeout_minutes * 60
@@ -110,6 +111,10 @@ def train(cfg: Config) -> NoReturn:
                 Trainer(cfg, grid).run()
                 lifecycle.remember_clean_end(lifecycle.FINISHED)  # the last checkpoint is sealed
                 dist.barrier()  # no rank tears its communicators down while a peer still uses them
+            except ReplicaMismatch as e:  # every rank alike; status 1 (no user error): a restart resumes
+                if grid.rank == 0:
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+                _leave(1)
             except RuntimeError as e:
                 line = lifecycle.describe_comm_failure(e, grid.rank, timeout_s)
                 if line is None:

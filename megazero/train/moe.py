@@ -80,6 +80,11 @@ class MoESteps:
             out["moe_z_loss_layers"] = {str(i): row[1] for i, row in zip(self.indices, rows)}
         return out
 
+    def discard(self) -> None:
+        """Drop the routing totals gathered so far (a rerun iteration's first execution: the rerun counts anew)."""
+        for layer in self.mine.values():
+            layer.take_totals()
+
     def state_dict(self) -> Optional[list]:
         """The expert-bias table for the checkpoint (None without one)."""
         return None if self.bias is None else self.bias.tolist()

@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass
 from typing import Sequence
 
+import torch
+
 from megazero.checkpoint.background import WriteVotes
+from megazero.parallel import comm
 from megazero.train.lifecycle import StopRequest
 
 
@@ -38,6 +41,13 @@ class StepSignals:
     @classmethod
     def unpack(cls, sums: Sequence[float]) -> StepSignals:
         return cls(*(int(v) for v in sums))
+
+    def summed(self, world: comm.Group, device: torch.device) -> StepSignals:
+        """The world's sums of the ranks' records, by a collective of their own (an iteration whose
+        step did not run: train.rerun_on spike stopped it before)."""
+        sums = torch.tensor(self.pack(), dtype=torch.float64, device=device)
+        comm.all_reduce(sums, world)
+        return StepSignals.unpack(sums.tolist())
 
     def stop_code(self) -> int:
         """The largest reason to stop any rank voted for (StopRequest.NONE: go on), so every rank

@@ -194,13 +194,20 @@ PER_LAYER = {"moe_aux_loss_layers": "load_balancing_loss", "moe_z_loss_layers": 
 """logging.moe_per_layer's records (by layer index) and their tags, TAG/layer_INDEX, by iteration."""
 
 
+PER_RANK = {"rank_compute_s": "compute-time"}
+"""The straggler watch's records (phase -> seconds by rank) and their tag, TAG/PHASE/rank_RANK, by iteration."""
+
+
 def tensorboard_scalars(rec: dict) -> list[tuple[str, float, bool]]:
     """(tag, value, also vs samples) for every scalar of `rec` TensorBoard gets."""
     scalars = [(tag, rec[field] * unit, vs_samples) for tag, field, unit, vs_samples in TENSORBOARD_SCALARS
                if rec.get(field) is not None]
-    return scalars + [(f"{tag}/layer_{i}", value, False) for field, tag in PER_LAYER.items()
-                      for i, value in (rec.get(field) or {}).items()] + \
-        [(f"stream_tokens/{source}", tokens, True) for source, tokens in (rec.get("stream_tokens") or {}).items()]
+    per_rank = [(f"{tag}/{phase}/rank_{r}", value, False) for field, tag in PER_RANK.items()
+                for phase, values in (rec.get(field) or {}).items() for r, value in enumerate(values)]
+    per_layer = [(f"{tag}/layer_{i}", value, False) for field, tag in PER_LAYER.items()
+                 for i, value in (rec.get(field) or {}).items()]
+    per_source = [(f"stream_tokens/{source}", tokens, True) for source, tokens in (rec.get("stream_tokens") or {}).items()]
+    return scalars + per_rank + per_layer + per_source
 
 
 class TensorBoardSink:

@@ -8,9 +8,11 @@ on (seed, i), and each DP rank takes a fixed slice of every global batch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import sys
 import time
 from typing import Iterator, Optional
 
@@ -44,6 +46,7 @@ from megazero.plan.formulas import model_flops_per_token
 from megazero.train import moe
 from megazero.train.batch_rampup import rampup_batch
 from megazero.train.host_memory import fit_host_memory
+from megazero.train.inject import FaultInjector
 from megazero.train.lifecycle import STOPPED, StopRequest, remember_clean_end
 from megazero.train.lr import LRSchedule
 from megazero.train.metrics import (
@@ -56,7 +59,10 @@ from megazero.train.metrics import (
 )
 from megazero.train.parallelize import compile_notes, parallelize
 from megazero.train.profiler import StepProfiler
+from megazero.train.replicas import ReplicaCheck
+from megazero.train.rerun import Execution, RerunGuard, describe_samples, samples_line
 from megazero.train.signals import StepSignals
+from megazero.train.stragglers import StragglerWatch
 from megazero.train.summary import plan_check, run_prediction, startup_summary
 
 
@@ -95,6 +101,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(cfg, grid, self, self.is_logger)
         self.signals = StepSignals()  # the world's sums from the last step: read alike by every rank
         self.profiler = StepProfiler(cfg, grid.rank, grid.device)
+        self._silent_fault_guards()
         if cfg.checkpoint.load:
             self.load_checkpoint(cfg.checkpoint.load, cfg.checkpoint.iteration)
 
@@ -121,6 +128,20 @@ class Trainer:
                 write_text(saved, describe(self.cfg))
         return plan
 
+    def _silent_fault_guards(self) -> None:
+        """Replica digests, reruns of non-finite or spiking steps, the straggler watch, and an
+        injected fault (train/replicas.py, rerun.py, stragglers.py, inject.py); said at start-up."""
+        cfg, grid = self.cfg, self.grid
+        self.replicas = ReplicaCheck(cfg, grid, self.optimizer)
+        self.rerun = RerunGuard(cfg, grid)
+        self.stragglers = StragglerWatch(cfg, grid)
+        self.injector = FaultInjector.from_config(cfg, grid, self.chunks, self.optimizer)
+        self.fault_records: list[dict] = []  # JSONL records of this iteration's reruns and stragglers
+        if grid.rank == 0:
+            print(self.replicas.coverage(cfg), flush=True)
+            if self.injector is not None:
+                print(self.injector.announce(), file=sys.stderr, flush=True)
+
     # ------------------------------------------------------------------ checkpoints
 
     def rank_state(self, snapshot: Optional[HostSnapshot] = None) -> dict:
@@ -140,7 +161,9 @@ class Trainer:
         return self.optimizer.sharded.full_parameters(trainable_only)
 
     def check_saveable(self, iteration: int) -> None:
-        """Every save's guard: a checkpoint of inf/NaN weights is refused."""
+        """Every save's guard: replicas must agree (else ReplicaMismatch stops the run), and a
+        checkpoint of inf/NaN weights is refused."""
+        self.replicas.check(iteration)
         if not self.optimizer.all_finite():  # every rank agrees: none writes, all stop
             raise TrainingError(f"refusing to save iteration {iteration}: the weights hold inf/NaN; the last "
                                 f"saved checkpoint is intact; lower optim.lr or enable optim.clip_grad and resume")
@@ -231,6 +254,8 @@ class Trainer:
                                            self.optimizer.compute_dtype, self.optimizer, forward_only, stats, timers)
         if isinstance(timers, PhaseTimers):
             timers.add("comm_wait", stats["wait_s"])  # blocked on pipeline neighbours
+        if not forward_only:
+            self.stragglers.discount("forward_backward", stats["wait_s"])
         return loss
 
     def train_step(self) -> dict:
@@ -240,32 +265,80 @@ class Trainer:
         decoupled_lr = decoupled.current(batch) if decoupled is not None else None
         for c in self.chunks:
             c.train()
-        self.optimizer.zero_grad()
         with self._phase("data_wait"):
             batches = self.microbatches(self.train_ds, self.consumed_samples, batch)
-        scaler = self.optimizer.scaler
-        moe.scale_losses(self.chunks, len(batches), self.grid, scaler.scale if scaler is not None else None)
-        loss = self.run_schedule(batches, forward_only=False)
-        with self._phase("comm_wait"):  # the DP reductions still in flight after the last backward
-            self.optimizer.finish_grad_sync()
-        with self._phase("optimizer"):  # the iteration's one device->host read: norm, loss, step signals
-            mine = StepSignals.of_rank(self.stop.code(), self.checkpoints.votes())
-            result = self.optimizer.step(lr, loss, mine.pack(), decoupled_lr)
-        self.signals = StepSignals.unpack(result.extra)
-        if not result.skipped:  # a skipped step leaves the schedule where it was (Megatron)
+        saved = self.rerun.save(self.tracker, self.optimizer.scaler)  # None under train.rerun_on none
+        run = self.execute(batches, lr, decoupled_lr)
+        if run.fired and saved is not None:  # every rank alike: the verdict comes from world-wide sums
+            self.moe.discard()
+            self.rerun.restore(saved, self.tracker, self.optimizer.scaler)
+            run = self._judge(run, self.execute(batches, lr, decoupled_lr), batch)
+        result = run.result
+        skipped = result is None or result.skipped
+        if not skipped:  # a skipped step leaves the schedule where it was (Megatron)
             self.schedule.step(batch)
+            self.rerun.accepted(run.loss)
         self.iteration += 1
         self.consumed_samples += batch
         # The global loss came with the step's sums; it is reported where the loss is computed.
-        out = {"loss": result.loss if loss is not None else None, "lr": lr, "grad_norm": result.grad_norm,
-               "loss_scale": result.loss_scale, "batch_size": batch, **self.moe.figures(len(batches))}
-        self._count_skip(result.skipped, out)
+        scaler = self.optimizer.scaler
+        out = {"loss": run.loss if run.own_loss is not None else None, "lr": lr,
+               "grad_norm": result.grad_norm if result is not None else math.nan,
+               "loss_scale": result.loss_scale if result is not None else scaler.scale if scaler is not None else None,
+               "batch_size": batch, **self.moe.figures(len(batches))}
+        self._count_skip(skipped, out, "the data (rerun)" if run.fired else None)
         return out
+
+    def execute(self, batches: list[Microbatch], lr: float, decoupled_lr: Optional[float]) -> Execution:
+        """One execution of an iteration: forward and backward, then the step unless a loss spike
+        (train.rerun_on spike) stops it before; the world's verdict on it (train/rerun.py)."""
+        self.optimizer.zero_grad()
+        scaler = self.optimizer.scaler
+        moe.scale_losses(self.chunks, len(batches), self.grid, scaler.scale if scaler is not None else None)
+        injected = self.injector.loss(self.iteration + 1) if self.injector is not None else contextlib.nullcontext()
+        with self.stragglers.phase("forward_backward"), injected:
+            tic = time.perf_counter()
+            loss = self.run_schedule(batches, forward_only=False)
+            if self.injector is not None:
+                self.injector.slow(self.iteration + 1, time.perf_counter() - tic)
+        with self._phase("comm_wait"):  # the DP reductions still in flight after the last backward
+            self.optimizer.finish_grad_sync()
+        mine = StepSignals.of_rank(self.stop.code(), self.checkpoints.votes())
+        spike = self.rerun.spike(loss)
+        if spike is not None:  # no step: the signals travel on their own
+            self.signals = mine.summed(self.grid["world"], self.grid.device)
+            return Execution(spike, None, loss, self.rerun.spike_loss)
+        with self._phase("optimizer"), self.stragglers.phase("optimizer"):
+            # the iteration's one device->host read: norm, loss, step signals
+            result = self.optimizer.step(lr, loss, mine.pack(), decoupled_lr)
+        self.signals = StepSignals.unpack(result.extra)
+        return Execution(self.rerun.non_finite(result), result, loss, result.loss)
+
+    def _judge(self, first: Execution, second: Execution, batch: int) -> Execution:
+        """After a rerun: fired again, the data is to blame (the batch is skipped, no weight changed
+        in either execution); clean, the ranks whose loss differed are (the rerun's step stands)."""
+        ranks = self.rerun.ranks_that_differ(first, second)
+        it = self.iteration + 1
+        if second.fired:
+            samples = describe_samples(self.train_ds, self.consumed_samples, batch)
+            line = (f"iteration {it}: {first.fired}, and {second.fired} again when rerun from the same state and "
+                    f"batch: the data is the cause; batch skipped: {samples_line(samples)}")
+            record = {"iteration": it, "event": "skipped_batch", "why": second.fired, "samples": samples}
+        else:
+            who = (f"rank(s) {', '.join(map(str, ranks))} (their loss differed)" if ranks else
+                   "a rank whose loss agreed (the gradients differed; after their reduction every rank holds them)")
+            line = (f"iteration {it}: {first.fired} on the first execution, loss {second.loss:.6g} when rerun from the "
+                    f"same state and batch: a transient fault on {who}; training goes on with the rerun's result")
+            record = {"iteration": it, "event": "transient_fault", "why": first.fired, "ranks": ranks}
+        if self.is_logger:
+            print(line, flush=True)
+            self.fault_records.append(record)
+        return second
 
     def _phase(self, name: str):
         return self.timers(name) if self.timers is not None else untimed(name)
 
-    def _count_skip(self, skipped: bool, out: dict) -> None:
+    def _count_skip(self, skipped: bool, out: dict, why: Optional[str] = None) -> None:
         """Report a skipped step; stop after train.max_skipped_steps in a row (every rank skipped
         the same steps, so every rank stops at the same one)."""
         self.skipped_iters += int(skipped)
@@ -274,7 +347,7 @@ class Trainer:
             return
         limit = self.cfg.train.max_skipped_steps
         if self.is_logger:
-            why = "fp16 overflow" if self.optimizer.scaler is not None else "non-finite gradient norm or loss"
+            why = why or ("fp16 overflow" if self.optimizer.scaler is not None else "non-finite gradient norm or loss")
             print(f"iteration {self.iteration}: step skipped ({why}: loss {out['loss']}, grad norm "
                   f"{out['grad_norm']}); {self.skipped_in_a_row} in a row, limit {limit}", flush=True)
         if self.skipped_in_a_row >= limit:
@@ -322,11 +395,17 @@ class Trainer:
             tic = time.perf_counter()
             with self.profiler.step(self.iteration):
                 out = self.train_step()
+            checked = self._after_step()  # timed with the step: the checks' cost shows in the throughput
             step_seconds, steps = step_seconds + time.perf_counter() - tic, steps + 1
             tokens += out["batch_size"] * self.cfg.model.seq_length  # smaller during a batch-size ramp-up
             if self.iteration % t.log_interval == 0 or self.iteration == t.iters or self.eval_due():
-                records.append(self.log(out, tokens / step_seconds, steps, step_seconds / steps))
+                records.append(self.log(out, tokens / step_seconds, steps, step_seconds / steps, checked))
                 step_seconds, steps, tokens = 0.0, 0, 0
+            elif checked and self.is_logger:  # a straggler check between log lines: a record of its own
+                self.metrics.write({"iteration": self.iteration, **checked})
+            for record in self.fault_records:  # reruns: one record each, on the logging rank
+                self.metrics.write(record)
+            self.fault_records.clear()
             stop = self.signals.stop_code()
             saved = self.checkpoints.after_step(self.iteration, self.signals.write, bool(stop))
             if stop:
@@ -338,6 +417,25 @@ class Trainer:
         self.checkpoints.close()
         return records
 
+    def _after_step(self) -> dict:
+        """The silent-fault checks at the end of an iteration (collectives, every rank alike): an
+        injected bit flip, the replica digests when due, the straggler times when due. Returns the
+        fields they add to the JSONL record."""
+        if self.injector is not None:
+            flipped = self.injector.after_step(self.iteration)
+            if flipped:
+                print(f"FAULT INJECTION: iteration {self.iteration}: {flipped}", file=sys.stderr, flush=True)
+        if self.replicas.due(self.iteration):
+            self.replicas.check(self.iteration)
+        timed = self.stragglers.after_step(self.iteration)
+        if timed is None:
+            return {}
+        fields, lines = timed
+        if self.is_logger:
+            for line in lines:
+                print(line, flush=True)
+        return fields
+
     def eval_due(self) -> bool:
         """Validation runs every train.eval_interval iterations and after the last one,
         whatever train.log_interval is (an evaluation iteration is always logged)."""
@@ -345,10 +443,11 @@ class Trainer:
         return bool(t.eval_interval) and self.valid_ds is not None and (
             self.iteration % t.eval_interval == 0 or self.iteration == t.iters)
 
-    def log(self, out: dict, tokens_per_sec: float, steps: int = 1, step_seconds: float = 0.0) -> dict:
+    def log(self, out: dict, tokens_per_sec: float, steps: int = 1, step_seconds: float = 0.0,
+            extra: Optional[dict] = None) -> dict:
         """Record one logged iteration (with validation when due) and print/write it; `steps`
         training steps since the last record, `step_seconds` their mean time."""
-        rec = self.record(out, tokens_per_sec, steps, step_seconds)
+        rec = {**self.record(out, tokens_per_sec, steps, step_seconds), **(extra or {})}
         if self.eval_due():
             val = self.evaluate()
             if self.is_logger:
