@@ -62,12 +62,14 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
 
 
 def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The grouped GEMM takes rows 16 bytes aligned (a LoRA adapter's rank r may not be), and on
-    CUDA bf16 only; the CPU's takes any float."""
+    """The grouped GEMM takes rows 16 bytes aligned (a LoRA adapter's rank r may not be); on CUDA
+    bf16 only, and so under torch.compile (its fake-tensor rule is CUDA's); eager on the CPU any
+    float."""
     align = 16 // x.element_size()
     if x.shape[1] % align or weight.shape[1] % align:
         return False
-    return x.device.type != "cuda" or (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16)
+    bf16 = x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+    return bf16 or (x.device.type != "cuda" and not torch.compiler.is_compiling())
 
 
 def expert_loop_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

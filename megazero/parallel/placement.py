@@ -96,10 +96,13 @@ class Placement:
         return out
 
     def record(self) -> dict[str, Any]:
-        """The JSON fields of a sharded checkpoint's partition map (their names are on disk)."""
+        """The JSON fields of a sharded checkpoint's partition map (their names are on disk). A
+        replicated tensor's blocks are cut nowhere: its stride is recorded as 1 (an expert weight's
+        gate | up, which only Muon reads, leaves the maps of earlier checkpoints equal)."""
         parts = {"tp_parts": list(self.parts)} if self.parts else {}
         experts = {"experts": self.experts} if self.experts else {}
-        return {"tp_dim": self.dim, "tp_stride": self.stride, "full_shape": list(self.full_shape), **parts, **experts}
+        return {"tp_dim": self.dim, "tp_stride": self.stride if self.sharded else 1, "full_shape": list(self.full_shape),
+                **parts, **experts}
 
     @classmethod
     def from_record(cls, entry: dict[str, Any]) -> Placement:

@@ -96,3 +96,30 @@ def test_expert_adapters_load_in_peft_on_mixtral_and_merge(mixtral_dir, one, tmp
     assert (unadapted - expected).abs().max() > 1e-3 and (attention_only - expected).abs().max() > 1e-3
     assert (got - expected).abs().max() <= 1e-5
     assert (folded - expected).abs().max() <= 1e-5
+
+
+QWEN3_MOE = dict(vocab_size=300, hidden_size=64, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
+                 rms_norm_eps=1e-5, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[],
+                 tie_word_embeddings=False)
+QWEN_TARGETS = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_qwen3_moe_expert_adapters_load_in_peft(tmp_path):
+    """Qwen's names: mlp.experts.{j}.gate_proj / up_proj / down_proj, target_modules as given; PEFT
+    on transformers' Qwen3MoeForCausalLM gives megazero's logits (1e-5)."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    hf_dir = save_random_hf(tmp_path / "hf", "qwen3_moe", **QWEN3_MOE)
+    targets = ["--finetune.lora_targets", *QWEN_TARGETS]
+    _, expected = run_distributed(_fine_tune, 1, hf_dir, str(tmp_path / "save"), targets)[0]
+    adapter = os.path.join(tmp_path, "save", f"iter_{STEPS:07d}", "adapter")
+    assert json.load(open(os.path.join(adapter, "adapter_config.json")))["target_modules"] == QWEN_TARGETS
+    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    assert tensors["base_model.model.model.layers.0.mlp.experts.2.up_proj.lora_B.weight"].shape == (24, 4)
+    assert tensors["base_model.model.model.layers.1.mlp.experts.0.down_proj.lora_A.weight"].shape == (4, 24)
+    with torch.no_grad():
+        plain = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        assert type(plain).__name__ == "Qwen3MoeForCausalLM"
+        got = peft.PeftModel.from_pretrained(plain, adapter).eval()(ROWS).logits
+    assert (got - expected).abs().max() <= 1e-5

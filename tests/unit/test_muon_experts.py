@@ -70,6 +70,8 @@ def test_expert_matrices_are_each_experts_blocks():
     assert not is_muon_matrix("transformer.h.1.mlp.router.weight")  # the router stays AdamW's
     assert not is_muon_matrix("transformer.h.1.mlp.shared_expert_gate.weight")
     assert is_muon_matrix("transformer.h.1.mlp.shared_expert.c_fc.weight")
+    # gate | up is Muon's business only: the checkpoints' partition maps record the stride of a split tensor alone
+    assert where.record()["tp_stride"] == 1 and Placement((ROWS, COLS), 0, 2).record()["tp_stride"] == 2
     with pytest.raises(NotImplementedError, match="expert-tensor-parallel"):
         split_matrices("x.mlp.experts.c_fc.weight", Placement((E, ROWS, COLS), 1, 2, experts=E), (E, 6, COLS), 0, 2)
 
