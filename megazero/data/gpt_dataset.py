@@ -329,7 +329,7 @@ class GPTDataset:
         batch the trainer skips (train/rerun.py)."""
         if self.one_example_per_sample:
             return self.indexed.prefix, [self.first_document + int(self.doc_order[i])]
-        return self.indexed.prefix, [self.first_document + doc for doc, _, _ in self._packed_pieces(i)]
+        return self.indexed.prefix, [self.first_document + doc for doc, start, end in self._packed_pieces(i) if end > start]
 
     def _example(self, doc: int) -> Example:
         """Example `doc` from its first token, truncated or padded (mask 0) to seq_length + 1.

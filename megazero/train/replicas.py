@@ -74,11 +74,13 @@ class ReplicaCheck:
         t = cfg.train
         self.grid, self.optimizer = grid, optimizer
         self.interval = t.log_interval if t.replica_check_interval is None else t.replica_check_interval
-        self.entries = replicated_entries(grid, optimizer, cfg.parallel.ep)
+        self.entries = replicated_entries(grid, optimizer, cfg.parallel.ep) if self.interval else []
         self.verified: Optional[int] = None  # the last iteration found consistent
+        self.experts_left_out = cfg.parallel.ep > 1 and cfg.model.num_experts > 0
         # Every rank's keys, once (metadata): the check itself then gathers numbers only.
-        self.keys: list[list[str]] = comm.all_gather_object([e.key for e in self.entries], grid["world"])
-        self.width = max(len(k) for k in self.keys)
+        self.keys: list[list[str]] = (comm.all_gather_object([e.key for e in self.entries], grid["world"])
+                                      if self.interval else [])
+        self.width = max((len(k) for k in self.keys), default=0)
         # Nothing anywhere has a peer to agree with: the check does nothing, on every rank alike.
         counts = Counter(k for keys in self.keys for k in keys)
         self.compared = sum(1 for n in counts.values() if n > 1)
@@ -103,8 +105,9 @@ class ReplicaCheck:
                         f" over the {p.tp} TP ranks")
         if self.optimizer.sharding.replicated and self.grid.dp * self.grid.cp > 1:
             what.append("the replicated optimizer state")
-        return (f"replica check: {'; '.join(what)}; every {self.interval} iterations and before every checkpoint "
-                f"save ({self.compared} values compared)")
+        experts = " (expert weights at ep > 1 are not compared)" if self.experts_left_out else ""
+        return (f"replica check: {'; '.join(what)}{experts}; every {self.interval} iterations and before every "
+                f"checkpoint save ({self.compared} values compared)")
 
     def due(self, iteration: int) -> bool:
         return self.enabled and iteration % self.interval == 0

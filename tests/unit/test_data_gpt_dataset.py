@@ -226,3 +226,16 @@ def test_every_epoch_in_a_new_order(tmp_path: Path) -> None:
     touched = [set(doc_of[np.stack([train[i][:-1] for i in range(e * per_epoch, (e + 1) * per_epoch)])].ravel())
                for e in (0, 1)]
     assert len(touched[0] ^ touched[1]) <= 2  # the same documents, but the under-SEQ tail of an epoch
+
+
+def test_provenance_names_the_documents_a_sample_is_cut_from(tmp_path: Path) -> None:
+    """What a skipped batch is named by (train/rerun.py): every document whose tokens the sample
+    holds, by its id in the indexed dataset (the second split's ids continue the first's)."""
+    docs = unique_token_dataset(tmp_path / "u", 40)
+    owner = {int(t): d for d, doc in enumerate(docs) for t in doc}
+    train, valid, _ = build([tmp_path / "u"], (30, 10, 0), split="50,50,0")
+    for ds in (train, valid):
+        for i in range(len(ds)):
+            name, documents = ds.provenance(i)
+            assert name == str(tmp_path / "u")
+            assert sorted(documents) == sorted({owner[int(t)] for t in ds[i]})
