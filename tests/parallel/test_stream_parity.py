@@ -65,10 +65,11 @@ def _one_rank(args: list[str], root: str) -> dict:
 
 
 def _two_ranks(args: list[str], root: str) -> dict:
-    """At dp 2: the whole run with 2 loader processes per rank, and the resume of the one-rank
-    checkpoint with 1."""
+    """On two ranks: the whole run at dp 2 with 2 loader processes per rank, and the one-rank
+    checkpoint resumed at tp 2 with 1."""
     return {"straight": _run(args + ["--data.loader_workers", "2"]),
-            "resumed": _run(args + ["--data.loader_workers", "1", "--checkpoint.load", f"{root}/ckpt"])}
+            "resumed": _run(args + ["--data.loader_workers", "1", "--parallel.tp", "2",
+                                    "--checkpoint.load", f"{root}/ckpt"])}
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +86,9 @@ def _close(a: list[dict], b: list[dict], tol: float) -> None:
             assert abs(x["val_loss"] - y["val_loss"]) <= tol, (a, b)
 
 
-def test_dp2_with_loader_processes_matches_and_resumes(one_rank, stream_args):
+def test_dp2_with_loader_processes_matches_and_tp2_resumes(one_rank, stream_args):
     """The global batches depend neither on dp nor on the loader processes; a checkpoint of
-    the one-rank run continues the same stream at dp 2 with another number of them."""
+    the one-rank run continues the same stream at tp 2 with another number of them."""
     runs, root = one_rank
     two = run_distributed(_two_ranks, 2, stream_args, root)[0]
     _close(two["straight"], runs["straight"], 1e-5)
@@ -97,6 +98,13 @@ def test_dp2_with_loader_processes_matches_and_resumes(one_rank, stream_args):
 @pytest.mark.slow
 def test_dp4_matches(one_rank, stream_args):
     _close(run_distributed(_run, 4, stream_args)[0], one_rank[0]["straight"], 1e-5)
+
+
+@pytest.mark.slow
+def test_pp2_dp2_resumes_the_same_stream(one_rank, stream_args):
+    runs, root = one_rank
+    resumed = run_distributed(_run, 4, stream_args + ["--parallel.pp", "2", "--checkpoint.load", f"{root}/ckpt"])
+    _close(next(r for r in resumed if r and r[0]["loss"] is not None), runs["straight"][2:], 1e-5)
 
 
 def test_resume_at_the_same_layout_is_bitwise(one_rank):
