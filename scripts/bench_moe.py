@@ -2,7 +2,7 @@
 trained the plain way, in one process, on the same batches.
 
     python scripts/bench_moe.py [--iters 4] [--warmup 1] [--micro 2] [--accum 2] [--seq 256]
-                                [--section.key value ...]
+                                [--ep N] [--section.key value ...]
 
 The model is configs/mixtral-tiny.yaml widened to about 100M parameters (8 experts, top-2;
 h 512, 6 layers, expert width 1344, vocabulary 8192): issue 45's shape. megazero trains it
@@ -12,9 +12,12 @@ fp32, torch.optim.AdamW with the same settings, `output_router_logits` on so tha
 its load-balancing loss too, fed the very micro-batches megazero's data loader gives. Both are
 timed over `--iters` iterations after `--warmup`; printed: tokens/s of each and their ratio.
 
-Expert parallelism (ep > 1) does not train yet (issue 45: ZeRO over the expert-data-parallel
-group comes next), so the ep 2 / ep 1 ratio and the all-to-all share of the step are not
-measured here. This is a measurement, not a test: nothing is asserted about speed.
+With `--ep N` it measures expert parallelism instead: the same model and global batch trained
+by one process (ep 1, `--threads` torch threads) and by N processes (ep N over dp N, gloo, each
+with threads / N), each timed over `--iters` iterations; printed: tokens/s of each, their ratio,
+and the share of ep N's step spent in the tokens' all-to-alls (the counts' and the rows'
+exchanges, forward and backward, timed around each call). `--accum` must be a multiple of N.
+This is a measurement, not a test: nothing is asserted about speed.
 """
 
 from __future__ import annotations
@@ -81,10 +84,47 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
             "ours_s": ours, "peer_s": theirs}
 
 
-def _timed(step, args: argparse.Namespace) -> float:
-    """Mean seconds per iteration after the warm-up ones."""
+def run_ep(args: argparse.Namespace, overrides: list[str]) -> dict:
+    """In each spawned rank of a world of ep ranks (ep over dp): seconds per iteration and, of
+    them, seconds in the tokens' all-to-alls (each call timed on this rank)."""
+    import torch.distributed as dist
+
+    from megazero.harness.configs import make_config
+    from megazero.parallel import comm, dispatch
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer
+
+    ep = dist.get_world_size()
+    flags = SHAPE + ["--model.seq_length", str(args.seq), "--train.micro_batch_size", str(args.micro),
+                     "--train.global_batch_size", str(args.micro * args.accum), "--parallel.ep", str(ep),
+                     "--train.iters", str(args.iters + args.warmup), "--optim.warmup_iters", "0"] + overrides
+    cfg = make_config(flags, "configs/mixtral-tiny.yaml", world=ep)
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = Trainer(cfg, ProcessGrid.create(1, 1, ep=ep, etp=1))
+    spent = [0.0]
+
+    def timed(fn):
+        def call(*a, **k):
+            tic = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += time.perf_counter() - tic
+        return call
+    # The rows' exchange (comm's, which the dispatcher's autograd Function calls both ways) and the counts'.
+    comm.all_to_all_uneven = timed(comm.all_to_all_uneven)  # type: ignore[assignment]
+    dispatch.all_to_all = timed(dispatch.all_to_all)  # type: ignore[assignment]
+    start = [0.0]
+    seconds = _timed(lambda i: trainer.train_step()["loss"], args, lambda: start.__setitem__(0, spent[0]))
+    return {"s": seconds, "all_to_all_s": (spent[0] - start[0]) / args.iters,
+            "tokens": cfg.train.global_batch_size * cfg.model.seq_length}
+
+
+def _timed(step, args: argparse.Namespace, started=lambda: None) -> float:
+    """Mean seconds per iteration after the warm-up ones (`started()` when the timing starts)."""
     for i in range(args.warmup):
         step(i)
+    started()
     tic = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.iters):
         step(i)
@@ -99,9 +139,13 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=2, help="micro-batches per iteration (default: %(default)s)")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="measure ep N (N processes) against ep 1 instead of the HF peer (default: %(default)s)")
     args, overrides = parser.parse_known_args()
     from megazero.harness.spawn import run_ranks
 
+    if args.ep > 1:
+        return compare_ep(args, overrides)
     r = run_ranks(run, 1, args, overrides, threads=args.threads)[0]
     ours, theirs = r["tokens"] / r["ours_s"], r["tokens"] / r["peer_s"]
     print(f"Mixtral-style MoE, {r['params'] / 1e6:.1f}M parameters (peer {r['peer_params'] / 1e6:.1f}M), "
@@ -110,6 +154,25 @@ def main() -> None:
     print(f"{'megazero':<28}{r['ours_s']:>10.3f}{ours:>12.1f}")
     print(f"{'MixtralForCausalLM (eager)':<28}{r['peer_s']:>10.3f}{theirs:>12.1f}")
     print(f"megazero / Hugging Face: {ours / theirs:.2f}x")
+
+
+def compare_ep(args: argparse.Namespace, overrides: list[str]) -> None:
+    """ep 1 in one process against ep N in N, the same global batch and the same threads in all."""
+    from megazero.harness.spawn import run_ranks
+    if args.accum % args.ep:
+        raise SystemExit(f"error: --accum ({args.accum}) must be a multiple of --ep ({args.ep}): the global batch is "
+                         f"split over the ep x dp ranks; try --accum {args.ep * max(1, args.accum // args.ep)}")
+    threads = args.threads or torch.get_num_threads()
+    one = run_ranks(run_ep, 1, args, overrides, threads=threads)[0]
+    many = run_ranks(run_ep, args.ep, args, overrides, threads=max(1, threads // args.ep))
+    slowest = max(many, key=lambda r: r["s"])  # a step ends when its last rank's does
+    share = max(r["all_to_all_s"] / r["s"] for r in many)
+    print(f"Mixtral-style MoE, {one['tokens']} tokens/iteration, fp32 on gloo, {threads} threads in all")
+    print(f"{'runner':<28}{'s/iter':>10}{'tokens/s':>12}")
+    print(f"{'ep 1 (1 process)':<28}{one['s']:>10.3f}{one['tokens'] / one['s']:>12.1f}")
+    print(f"{f'ep {args.ep} ({args.ep} processes)':<28}{slowest['s']:>10.3f}{one['tokens'] / slowest['s']:>12.1f}")
+    print(f"ep {args.ep} / ep 1: {one['s'] / slowest['s']:.2f}x tokens/s; all-to-all {100 * share:.1f}% of the step "
+          f"(the rank spending most)")
 
 
 if __name__ == "__main__":

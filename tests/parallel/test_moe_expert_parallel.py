@@ -93,6 +93,18 @@ def test_expert_parallel_layouts_on_4_ranks(reference):
     assert_parity(run_distributed(_layouts, 4, layouts)[0], reference, ITERS)
 
 
+@pytest.mark.slow
+def test_expert_parallel_with_pipeline_schedules_and_tp_cp_on_4_ranks(reference):
+    """pp 2 x ep 2 under ZB-H1 (ZeRO-3: deferred weight gradients into expert buckets) and the
+    interleaved schedule; tp 2 x pp 2 x ep 2; tp 2 x cp 2 with sequence parallelism and ep 4 (the
+    ep group spans the tp and cp ranks) at ZeRO-2."""
+    pp2, cp2 = ["--parallel.pp", "2"], ["--parallel.cp", "2"]
+    layouts = {"pp2-zbh1-ep2-zero3": pp2 + ["--parallel.schedule", "zbh1"] + EP2 + _zero(3),
+               "pp2-vpp2-ep2-zero1": pp2 + ["--parallel.vpp", "2"] + EP2 + _zero(1),
+               "tp2-pp2-ep2": TP2 + pp2 + EP2, "tp2-cp2-sp-ep4-zero2": TP2 + cp2 + SP + EP4 + _zero(2)}
+    assert_parity(run_distributed(_layouts, 4, layouts)[0], reference, ITERS)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 
