@@ -36,9 +36,10 @@ RECENT = 100
 
 
 class NamedSamples(Protocol):
-    """A dataset that says where its samples come from (data/: provenance)."""
+    """A dataset that says where its samples come from (data/: provenance): document ids for
+    indexed data, FILE:LINE (or SPEC row N) for data.stream."""
 
-    def provenance(self, i: int) -> tuple[str, list[int]]: ...
+    def provenance(self, i: int) -> tuple[str, Sequence[int | str]]: ...
 
 
 @dataclass

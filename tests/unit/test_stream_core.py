@@ -213,3 +213,70 @@ def test_supply_line_warns_when_the_loaders_fall_short():
     short = supply_line(10e3, 20e3, 1)
     assert short is not None and short.startswith("warning: ") and "data.loader_workers" in short and "\n" not in short
     assert supply_line(None, 20e3, 0) is None  # in-process: nothing measured
+
+
+def _document_tokens(name: str, lengths: dict[int, int], folder: Path) -> np.ndarray:
+    """The tokens (end-of-document last) of the document at FILE:LINE, as IdTokenizer makes them."""
+    path, line = name.rsplit(":", 1)
+    doc = json.loads(Path(path).read_text().splitlines()[int(line) - 1])["text"].split()[0]
+    ident = int(doc[1:])
+    return np.asarray([ident + 1] * lengths[ident] + [EOD])
+
+
+def _inputs(pieces) -> list[list]:
+    """The pieces of a window's first SEQ tokens (its last is the next window's first)."""
+    out, left = [], SEQ
+    for name, epoch, first, end in pieces:
+        if left > 0:
+            out.append([name, epoch, first, first + min(end - first, left)])
+        left -= end - first
+    return out
+
+
+def test_samples_name_their_documents_and_an_epoch_tiles_every_document_once(tmp_path):
+    """Each sample's pieces (FILE:LINE, epoch, token range) are exactly its tokens; over epoch 0
+    the inputs' pieces cover every document's tokens once, in one piece after another (no
+    repeats, no gaps); provenance names the source and the documents; a resume (mid-epoch or at
+    an epoch's end, where the carry-over's pieces come from the saved state) names the same."""
+    lengths = write_docs(tmp_path / "a", files=3, per_file=20)
+    lengths.update(write_docs(tmp_path / "b", files=1, per_file=30, seed=3, first=1000))
+    stream = [0.6, str(tmp_path / "a"), 0.4, str(tmp_path / "b")]
+    ds = make(stream)
+    samples, n = [], 0
+    while n < 3 * NUM_SHARDS:  # on until every shard's carry-over from epoch 0 is taken
+        take(ds, 1)
+        samples.append(ds.sample(ds.read - 1))
+        n = n + 1 if min(src["epoch"] for src in ds.stream.state["sources"]) >= 1 else 0
+    both_in_epoch_1 = len(samples) - n  # its shards still hold epoch 0's carry-over, with its pieces
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for sample in samples:
+        tokens = np.concatenate([_document_tokens(name, lengths, tmp_path)[first:end]
+                                 for name, _, first, end in sample.documents])
+        assert np.array_equal(tokens, sample.window)
+        for name, epoch, first, end in _inputs(sample.documents):
+            if epoch == 0:
+                covered.setdefault(name, []).append((first, end))
+    names = {f"{tmp_path / d / f'part{f}.jsonl'}:{line}" for d, files, per in (("a", 3, 20), ("b", 1, 30))
+             for f in range(files) for line in range(1, per + 1)}
+    assert set(covered) == names
+    for name, spans in covered.items():
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == len(_document_tokens(name, lengths, tmp_path)), name
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (name, spans)  # no overlap, no gap
+    source, documents = make_until(stream, 6).provenance(5)
+    assert source == stream[1 + 2 * samples[5].source]
+    assert documents == list(dict.fromkeys(p[0] for p in samples[5].documents))
+    for stop in (40, both_in_epoch_1):
+        state = json.loads(json.dumps(copy_state(make_until(stream, stop).state_dict())))
+        if stop == both_in_epoch_1:
+            assert any(shard.get("carry_docs") for src in state["sources"] for shard in src["shards"])
+        resumed = make(stream, state=state)
+        take(resumed, len(samples) - stop)
+        assert [resumed.sample(i).documents for i in range(stop, len(samples))] == \
+            [s.documents for s in samples[stop:]]
+
+
+def make_until(stream, n: int) -> StreamDataset:
+    ds = make(stream)
+    take(ds, n)
+    return ds

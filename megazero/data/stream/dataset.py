@@ -32,7 +32,7 @@ from megazero.data.stream.sources import (
     read_file,
     resolve_source,
 )
-from megazero.data.stream.stream import GlobalStream, copy_state, optional, state_shards
+from megazero.data.stream.stream import GlobalStream, Sample, copy_state, optional, state_shards
 
 
 def default_workers(ranks_per_node: int) -> int:
@@ -62,7 +62,7 @@ class StreamDataset:
         if state is None:
             self.start["samples"] = first_sample
         self.first = self.read = self.start["samples"]  # sample `read` is the next the stream gives
-        self.samples: dict[int, np.ndarray] = {}
+        self.samples: dict[int, Sample] = {}
 
     def _open(self) -> GlobalStream:
         if self.stream is None:
@@ -89,6 +89,10 @@ class StreamDataset:
             del self.samples[i]
 
     def __getitem__(self, i: int) -> np.ndarray:
+        return self.sample(i).window.astype(np.int64)
+
+    def sample(self, i: int) -> Sample:
+        """Sample i with where it comes from (it must not have been dropped: see fetch)."""
         if i < self.first:
             raise IndexError(f"sample {i} was read before this run resumed at sample {self.first}")
         if i >= self.read:
@@ -96,7 +100,17 @@ class StreamDataset:
         sample = self.samples.get(i)
         if sample is None:
             raise IndexError(f"sample {i} of the stream was read and dropped already")
-        return sample.astype(np.int64)
+        return sample
+
+    def provenance(self, i: int) -> tuple[str, list[str]]:
+        """(sample i's source, the documents it is cut from, as FILE:LINE or SPEC row N): how the
+        trainer names a batch it skips (train/rerun.py)."""
+        sample = self.sample(i)
+        names: list[str] = []
+        for name, *_ in sample.documents:
+            if name not in names:  # a document that ends and starts the window (a short epoch) once
+                names.append(name)
+        return self.setup.sources[sample.source].spec, names
 
     def state_dict(self) -> dict:
         """The stream's state after the samples read (a copy: training goes on changing it)."""

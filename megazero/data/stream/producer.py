@@ -8,6 +8,7 @@ checkpoint saves for the shard (see packing.py for why it holds a cursor and a s
     cursor   where the document that the carry-over comes from is found (shards.Cursor)
     skip     how many of that document's tokens (end-of-document token included) are behind
     carry    tokens waiting that are not from that document (only at an epoch's end)
+    carry_docs  the documents those tokens are cut from (packing.Piece; only at an epoch's end)
     skipped  documents skipped so far because they are not UTF-8
     docs     documents this shard tokenized so far in the epoch
     epoch_docs  at an epoch's end: how many it tokenized in that epoch (none in any shard: the
@@ -39,6 +40,8 @@ class Item(NamedTuple):
     window: Optional[np.ndarray]
     """seq_length + 1 tokens, or None at the end of an epoch."""
     state: dict
+    documents: tuple = ()
+    """The window's pieces of documents (packing.Piece), in order."""
 
 
 def initial_state() -> dict:
@@ -60,7 +63,8 @@ class ShardStream:
         state = self.state
         while True:
             start = Cursor(*state["cursor"])
-            packer = Packer(self.seq_length, self.tokenizer.eod, np.asarray(state["carry"]))
+            packer = Packer(self.seq_length, self.tokenizer.eod, np.asarray(state["carry"]),
+                            state.get("carry_docs", ()))  # (a state saved before pieces were kept has none)
             skip, skipped, docs = state["skip"], state["skipped"], state["docs"]
             documents = shard_documents(self.source, self.index, self.shard, start, self.seed, self.key, self.holdout)
             for batch in _batches(documents):
@@ -72,12 +76,14 @@ class ShardStream:
                     tokens = next(encoded)
                     self.tokens += len(tokens) + 1
                     docs += 1
-                    for window, left_out in packer.add(tokens, skip):
+                    for window, left_out in packer.add(tokens, skip, doc.name, start.epoch):
                         yield Item(window.copy(), {"cursor": list(doc.before), "skip": left_out, "carry": [],
-                                                   "skipped": skipped, "docs": docs})
+                                                   "skipped": skipped, "docs": docs},
+                                   tuple(tuple(p) for p in packer.window_pieces))
                     skip = 0
             state = {"cursor": list(Cursor(start.epoch + 1)), "skip": 0, "carry": packer.carry.tolist(),
-                     "skipped": skipped, "docs": 0, "epoch_docs": docs}
+                     "carry_docs": [list(p) for p in packer.pieces], "skipped": skipped, "docs": 0,
+                     "epoch_docs": docs}
             yield Item(None, state)
 
 

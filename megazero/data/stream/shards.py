@@ -85,6 +85,8 @@ class Document(NamedTuple):
     before: Cursor
     """The shard's cursor before this document: reading from it finds this document first."""
     after: Cursor
+    name: str = ""
+    """Where it is (FILE:LINE, or SPEC row N): how a skipped batch names it."""
 
 
 def shard_documents(source: Source, index: int, shard: int, start: Cursor, seed: int, key: str,
@@ -109,9 +111,10 @@ def shard_documents(source: Source, index: int, shard: int, start: Cursor, seed:
             if (doc % NUM_SHARDS + rotation) % NUM_SHARDS != shard:
                 continue
             after = Cursor(epoch, j, raw.next_offset, raw.line, docs)
+            name = where(source, f, raw.line)
             try:
-                text: Optional[str] = document_text(raw, key, where(source, f, raw.line))
+                text: Optional[str] = document_text(raw, key, name)
             except NotText:
                 text = None
-            yield Document(text, before, after)
+            yield Document(text, before, after, name)
             before = after

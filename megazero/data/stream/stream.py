@@ -16,7 +16,7 @@ refused: that would be another stream.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -54,6 +54,16 @@ def check_same_stream(saved: dict, identity: dict) -> None:
                             f"{FRESH_START}")
 
 
+class Sample(NamedTuple):
+    """One sample of the stream: its tokens, its source's number, the documents it is cut from."""
+
+    window: np.ndarray
+    """seq_length + 1 tokens (int32)."""
+    source: int
+    documents: tuple
+    """Pieces of documents (packing.Piece), in order."""
+
+
 class GlobalStream:
     """Samples in the global order, from `producer`, starting at `state` (fresh_state)."""
 
@@ -62,15 +72,15 @@ class GlobalStream:
         self.weights = state["identity"]["weights"]
         self.specs = state["identity"]["sources"]
 
-    def next_sample(self) -> np.ndarray:
-        """The next sample: seq_length + 1 tokens (int32)."""
+    def next_sample(self) -> Sample:
         k = next_source(self.weights, self.state["taken"])
-        window = self._from_source(k)
+        item = self._from_source(k)
         self.state["taken"][k] += 1
         self.state["samples"] += 1
-        return window
+        assert item.window is not None
+        return Sample(item.window, k, item.documents)
 
-    def _from_source(self, k: int) -> np.ndarray:
+    def _from_source(self, k: int) -> Item:
         src = self.state["sources"][k]
         while True:
             if all(src["ended"]):
@@ -82,7 +92,7 @@ class GlobalStream:
             item: Item = self.producer.next_item(k, s)
             src["shards"][s] = item.state
             if item.window is not None:
-                return item.window
+                return item
             src["ended"][s] = True
 
     def _next_epoch(self, k: int, src: dict) -> None:
