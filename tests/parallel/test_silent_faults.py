@@ -143,3 +143,31 @@ def test_spike_mode_reruns_before_the_step(tmp_path):
     assert skipped == 1 and loss > 2 * 0.1
     assert "above 2 x the recent maximum 0.1" in spiked and "the data is the cause; batch skipped: samples" in spiked
     assert records[0]["event"] == "skipped_batch" and records[0]["iteration"] == 2
+
+
+OFF = ["--train.replica_check_interval", "0", "--train.rerun_on", "none", "--train.straggler_interval", "0"]
+
+
+def _losses_and_weights(args: list[str]) -> tuple:
+    """(loss and gradient norm per iteration, this rank's parameters' bytes) after 4 iterations."""
+    tr = make_trainer(["--train.iters", "4", "--train.log_interval", "1", "--model.dropout", "0.1", *args])
+    with contextlib.redirect_stdout(io.StringIO()):
+        records = tr.run()
+    tr.optimizer.params.wait_all()
+    weights = b"".join(p.detach().cpu().numpy().tobytes() for c in tr.chunks for p in c.parameters())
+    checks = (tr.replicas.enabled and tr.replicas.verified == 4, tr.rerun.enabled, tr.stragglers.enabled)
+    return [(r["loss"], r["grad_norm"]) for r in records], weights, checks
+
+
+def _with_and_without_checks(layout: list[str]) -> tuple:
+    return _losses_and_weights(layout), _losses_and_weights([*layout, *OFF])
+
+
+def test_the_checks_change_nothing_bit_for_bit():
+    """The default run (replica digests, the rerun guard's saves and the straggler gather every
+    iteration, dropout on) and one with all three off: the same losses, gradient norms and weights,
+    bit for bit, on every rank."""
+    for on, off in run_distributed(_with_and_without_checks, 4, LAYOUTS["zero1"]):
+        assert on[2] == (True, True, True) and off[2] == (False, False, False)
+        assert on[:2] == off[:2]
+        assert len(on[0]) == 4 and on[1]
