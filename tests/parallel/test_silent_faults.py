@@ -103,13 +103,22 @@ def test_zero3_without_tp_says_nothing_is_compared():
     assert coverage.startswith("replica check: nothing to compare at ZeRO 3 with tp 1")
 
 
-def _slow(layout: list[str]) -> str:
-    return _train([*layout, "--train.iters", "6", "--train.log_interval", "3", "--train.inject_fault", "slow:2:1"])[1]
+def _slow(layout: list[str], jsonl: str) -> tuple:
+    return _train([*layout, "--train.iters", "6", "--train.log_interval", "3", "--train.inject_fault", "slow:2:1",
+                   "--logging.jsonl", jsonl])
 
 
 @pytest.mark.parametrize("layout", [pytest.param("zero1"), pytest.param("zero3", marks=pytest.mark.slow)])
-def test_slow_rank_is_named_and_its_waiting_peers_are_not(layout):
-    printed = "".join(run_distributed(_slow, 4, LAYOUTS[layout]))
+def test_slow_rank_is_named_and_its_waiting_peers_are_not(layout, tmp_path):
+    results = run_distributed(_slow, 4, LAYOUTS[layout], str(tmp_path / "metrics.jsonl"))
+    printed = "".join(out for _, out in results)
+    # the JSONL records of both checks hold every rank's compute time per phase: rank 2's the largest
+    records = [r for records, _ in results for r in records]
+    assert [r["iteration"] for r in records] == [3, 6]
+    for r in records:
+        times = r["rank_compute_s"]
+        assert set(times) == {"forward_backward", "optimizer"} and all(len(t) == 4 for t in times.values())
+        assert max(range(4), key=times["forward_backward"].__getitem__) == 2
     named = [line for line in printed.splitlines() if "straggler: rank" in line]
     # both checks (iterations 3 and 6) name rank 2's forward and backward
     assert [line.split(":")[0] for line in named if "rank 2 computes forward backward" in line] == \
@@ -171,3 +180,35 @@ def test_the_checks_change_nothing_bit_for_bit():
         assert on[2] == (True, True, True) and off[2] == (False, False, False)
         assert on[:2] == off[:2]
         assert len(on[0]) == 4 and on[1]
+
+
+def _corrupt_optimizer_state() -> tuple:
+    """ZeRO 0 at dp 3: after a step, one element of rank 1's first moment changes (its weights
+    do not); the replica check of that iteration stops every rank, naming the optimizer state."""
+    import torch
+    import torch.distributed as dist
+
+    from megazero.train.replicas import ReplicaMismatch
+    tr = make_trainer([*BASE, "--zero.stage", "0", "--train.micro_batch_size", "2", "--train.global_batch_size", "12"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        tr.train_step()
+    tr.iteration = 1
+    tr.replicas.check(1)  # clean: it passes
+    if dist.get_rank() == 1:
+        for _, values in tr.optimizer.state.pieces("exp_avg"):
+            values.view(-1)[values.numel() // 2] += torch.tensor(1e-3, dtype=values.dtype)
+            break
+    try:
+        tr.replicas.check(2)
+    except ReplicaMismatch as e:
+        return tr.replicas.coverage(tr.cfg), str(e)
+    return tr.replicas.coverage(tr.cfg), None
+
+
+def test_replicated_optimizer_state_is_compared_at_zero0():
+    results = run_distributed(_corrupt_optimizer_state, 3)
+    assert len({line for _, line in results}) == 1
+    coverage, line = results[0]
+    assert "every parameter over its 3 data-parallel replicas" in coverage and "the replicated optimizer state" in coverage
+    assert line is not None and line.startswith("replica mismatch at iteration 2: optimizer state exp_avg")
+    assert "ranks 0, 2 (the majority) agree, rank(s) 1 hold another value" in line
