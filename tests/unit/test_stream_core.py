@@ -280,3 +280,28 @@ def make_until(stream, n: int) -> StreamDataset:
     ds = make(stream)
     take(ds, n)
     return ds
+
+
+def test_a_source_that_runs_out_starts_its_next_epoch_reshuffled_and_says_so(tmp_path):
+    """Source b (small) runs out several times while a goes on: each time one line says so, and
+    its next epoch reads every document again in another order (files and shards dealt anew)."""
+    write_docs(tmp_path / "a", files=2, per_file=150)
+    write_docs(tmp_path / "b", files=3, per_file=8, seed=5, first=1000)
+    lines: list[str] = []
+    setup = setup_stream([0.5, str(tmp_path / "a"), 0.5, str(tmp_path / "b")], "text", 0, 1, SEQ, None, IdTokenizer())
+    ds = StreamDataset(setup, 10**9, workers=0, say=lines.append)
+    order: dict[int, list[str]] = {}  # b's documents by epoch, in the order their first tokens are read
+    while ds.read < 2000 and len(order) < 6:  # (an epoch's last carry-overs are read in the next ones)
+        sample = take(ds, 1) and ds.sample(ds.read - 1)
+        for name, epoch, first, _ in _inputs(sample.documents):
+            if sample.source == 1 and first == 0:
+                order.setdefault(epoch, []).append(name)
+    b = str(tmp_path / "b")
+    said = [line for line in lines if repr(b) in line]
+    assert said[:3] == [f"data.stream source {b!r}: epoch {e} done after {n} samples in all; epoch {e + 1} starts, "
+                        f"reshuffled" for e, n in zip((1, 2, 3), [int(line.split(" after ")[1].split()[0])
+                                                                 for line in said[:3]])]
+    assert not [line for line in lines if repr(str(tmp_path / "a")) in line]  # a has not run out
+    epochs = [order[e] for e in (0, 1, 2)]
+    assert all(sorted(e) == sorted(epochs[0]) and len(e) == 24 for e in epochs)  # every document, once
+    assert epochs[0] != epochs[1] != epochs[2]  # in a new order each time

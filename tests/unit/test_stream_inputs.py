@@ -67,7 +67,7 @@ def test_empty_source(tmp_path, bpe_spec):
 
 
 def test_hf_name_not_loadable_offline(monkeypatch, bpe_spec):
-    import datasets
+    datasets = pytest.importorskip("datasets")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -76,10 +76,17 @@ def test_hf_name_not_loadable_offline(monkeypatch, bpe_spec):
     _one_line(e, "hf:no-such-user/no-such-dataset", "cannot be loaded", "local folder")
 
 
-def test_hf_local_folder_streams_offline(tmp_path, bpe_spec, monkeypatch):
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_hf_local_folder_streams_offline(tmp_path, bpe_spec, monkeypatch, fmt):
+    pytest.importorskip("datasets")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     (tmp_path / "data").mkdir()
-    write_jsonl(tmp_path / "data" / "train.jsonl", make_texts(60, seed=4))
+    if fmt == "jsonl":
+        write_jsonl(tmp_path / "data" / "train.jsonl", make_texts(60, seed=4))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({"text": make_texts(60, seed=4)}), tmp_path / "data" / "train.parquet")
     ds = _stream(f"hf:{tmp_path / 'data'}", bpe_spec)
     ds.fetch(0, 20)
     straight = [ds[i] for i in range(10, 20)]
@@ -156,3 +163,35 @@ def test_megatron_eod_and_reset_flags(bpe_spec):
         load_config(config, None, ["--reset-position-ids"], 1, 1)
     with pytest.raises(ConfigError, match="data.eod_mask_loss needs data.tokenizer"):
         make_config(["--data.eod_mask_loss", "true"], world=1)
+
+
+def test_loader_workers_default_to_the_cores_the_ranks_leave(monkeypatch):
+    """data.loader_workers -1: per rank, its share of the node's cores less the one it trains on
+    (at least 1, at most one per logical shard), from LOCAL_WORLD_SIZE ranks on the node."""
+    from megazero.data.stream.dataset import default_workers
+    from megazero.data.stream.shards import NUM_SHARDS
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    assert [default_workers(n) for n in (1, 4, 8, 16, 32)] == [NUM_SHARDS, 7, 3, 1, 1]
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    assert default_workers(2) == 1
+
+
+def test_default_loader_workers_follow_the_ranks_on_the_node(monkeypatch, tmp_path, bpe_spec):
+    from megazero.data.stream.dataset import stream_datasets
+    write_jsonl(tmp_path / "a.jsonl", make_texts(20))
+    cfg = make_config(["--data.stream", str(tmp_path / "a.jsonl"), "--data.tokenizer", bpe_spec,
+                       "--model.vocab_size", "auto"], world=1)
+    assert cfg.data.loader_workers == -1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    for ranks, workers in (("1", 15), ("4", 3)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        train, _ = stream_datasets(cfg, lambda line: None)
+        assert train.workers == workers
+        assert f"tokenized on the fly by {workers} loader process(es) per rank" in train.describe(8)
+
+
+def test_tokens_per_source_reach_tensorboard():
+    from megazero.train.sinks import tensorboard_scalars
+    rec = {"iteration": 4, "consumed_samples": 32, "loss": 1.0, "stream_tokens": {"a/*.jsonl": 1536, "hf:b": 512}}
+    tags = {tag: (value, vs_samples) for tag, value, vs_samples in tensorboard_scalars(rec)}
+    assert tags["stream_tokens/a/*.jsonl"] == (1536, True) and tags["stream_tokens/hf:b"] == (512, True)
