@@ -434,9 +434,8 @@ FLAGS: tuple[Flag, ...] = (
     _key("--split", "data.split"),
     _switch("--mock-data", "data.mock", "true"),
     _switch("--eod-mask-loss", "data.eod_mask_loss", "true"),
-    *_no_effect("--reset-position-ids", "--reset-attention-mask",
-                refused="megazero packs documents as Megatron does by default: positions and attention run across "
-                        "document boundaries; drop the flag"),
+    _switch("--reset-position-ids", "data.reset_position_ids", "true"),
+    _switch("--reset-attention-mask", "data.reset_attention_mask", "true"),
     _key("--data-cache-path", "data.cache_dir"),
     Flag("--tokenizer-type", 1, note="`data.tokenizer`: GPT2BPETokenizer `gpt2bpe:V,M`; SentencePieceTokenizer, "
                                      "Llama2Tokenizer `sentencepiece:F`; HuggingFaceTokenizer with a local "

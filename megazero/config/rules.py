@@ -37,6 +37,19 @@ def schedule_warnings(cfg: Config) -> list[str]:
     return lines
 
 
+def _check_document_resets(cfg: Config) -> None:
+    """data.reset_position_ids / reset_attention_mask find documents by the tokenizer's end-of-document
+    id, in the whole sample: a context-parallel rank holds only its zig-zag chunks of it."""
+    d = cfg.data
+    for key, on in (("data.reset_position_ids", d.reset_position_ids), ("data.reset_attention_mask",
+                                                                         d.reset_attention_mask)):
+        if on and not d.tokenizer:
+            raise ConfigError(f"{key} needs data.tokenizer (its end-of-document id); set it, or drop {key}")
+        if on and cfg.parallel.cp > 1:
+            raise ConfigError(f"{key} needs parallel.cp 1 (context-parallel attention takes no document mask; "
+                              f"cp is {cfg.parallel.cp}); set parallel.cp 1, or drop {key}")
+
+
 def validate(cfg: Config, world_size: int) -> int:
     """Check every value of a resolved config and their consistency; return the inferred
     data-parallel degree. Changes nothing."""
@@ -47,6 +60,7 @@ def validate(cfg: Config, world_size: int) -> int:
     if cfg.data.eod_mask_loss and not cfg.data.tokenizer:
         raise ConfigError("data.eod_mask_loss needs data.tokenizer (its end-of-document id); set it, or drop "
                           "data.eod_mask_loss")
+    _check_document_resets(cfg)
     if cfg.data.stream_valid_docs < 0:
         raise ConfigError(f"data.stream_valid_docs ({cfg.data.stream_valid_docs}) must not be negative")
     if cfg.data.loader_workers < -1:

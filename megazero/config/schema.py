@@ -395,6 +395,13 @@ class DataConfig:
     eod_mask_loss: bool = False
     """Megatron's --eod-mask-loss: the loss leaves out the prediction made at each end-of-document token (the next
     document's first token), for indexed and streamed data alike; needs data.tokenizer (its end-of-document id)."""
+    reset_position_ids: bool = False
+    """Megatron's --reset-position-ids: position ids restart at 0 after each end-of-document token of a sample, for
+    indexed and streamed data alike; needs data.tokenizer (its end-of-document id) and parallel.cp 1."""
+    reset_attention_mask: bool = False
+    """Megatron's --reset-attention-mask: a token attends only to the earlier tokens of its own document (the
+    end-of-document token ends it); needs data.tokenizer and parallel.cp 1. Attention then takes an explicit mask
+    (no flash kernel: SDPA's memory-efficient or math one)."""
     stream: Optional[list] = None
     """Train straight from raw text, tokenized on the fly (docs/data.md): one source, or weighted [W1, SRC1, W2,
     SRC2, ...] (weights count tokens). A source is a path, folder or glob of .jsonl, .jsonl.gz, .parquet or .txt files

@@ -42,6 +42,7 @@ from torch import nn
 
 from megazero.config.schema import ModelConfig
 from megazero.model.cross_entropy import vocab_parallel_cross_entropy
+from megazero.model.documents import DocumentResets
 from megazero.model.layers import (
     ColumnParallelLinear,
     Dropout,
@@ -105,9 +106,10 @@ class CausalSelfAttention(nn.Module):
                     place(w, dataclasses.replace(placement(w), sequence_parallel=True))
 
     def attend(self, qkv: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0,
-               rope: Optional[Rope] = None) -> torch.Tensor:
+               rope: Optional[Rope] = None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The attention core: q, k, v -> weighted values (selective recompute wraps this); q
-        and k rotated by their positions first when the model uses rotary embeddings."""
+        and k rotated by their positions first when the model uses rotary embeddings;
+        `documents`: the mask that keeps packed documents apart (documents.py), else causal."""
         b, s, _ = qkv.shape
         if self.groups == self.heads:
             q, k, v = split_heads(qkv, self.heads, self.head_dim)
@@ -118,7 +120,7 @@ class CausalSelfAttention(nn.Module):
                 (self.q_norm(q), self.k_norm(k))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        mask = None
+        mask = documents
         if kv is not None:  # incremental decoding: attend to every cached position as well
             k, v = kv.append(k, v, pos)
             mask = kv.mask
@@ -154,8 +156,8 @@ class CausalSelfAttention(nn.Module):
         return attend()
 
     def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0,
-                rope: Optional[Rope] = None) -> torch.Tensor:
-        y = self.attend(self.c_attn(x), kv, pos, rope)
+                rope: Optional[Rope] = None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = self.attend(self.c_attn(x), kv, pos, rope, documents)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -261,8 +263,8 @@ class Block(nn.Module):
             self.mlp = MoE(cfg.hidden_size, cfg.activation, moe_spec(cfg), MLP(cfg, tracker, width) if width else None)
 
     def forward(self, x: torch.Tensor, kv: Optional["LayerKV"] = None, pos: int = 0,
-                rope: Optional[Rope] = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv, pos, rope)
+                rope: Optional[Rope] = None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv, pos, rope, documents)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -280,6 +282,8 @@ class GPT(nn.Module):
         self.layers = list(range(cfg.num_layers) if layers is None else layers)
         self.pre_process, self.post_process = pre_process, post_process
         self.weight_grads: Optional[WeightGradStore] = None  # set: the head's weight gradient may be deferred
+        # set (data.reset_position_ids / reset_attention_mask): positions and attention restart at each document
+        self.document_resets: Optional[DocumentResets] = None
         assert isinstance(cfg.vocab_size, int), "resolve the config first"
         self.padded_vocab = padded_vocab_size(cfg.vocab_size, 1)
 
@@ -370,10 +374,12 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, x: torch.Tensor, cache: Optional["KVCache"] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Optional["KVCache"] = None,
+                tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Tokens [b, s] on the first stage (hidden states `hidden_shape` elsewhere) ->
         hidden states, or this rank's vocab slice of the logits [b, s, V_pad/tp] on the last.
-        With a `cache` (generation) the tokens continue the cached ones."""
+        With a `cache` (generation) the tokens continue the cached ones. `tokens`: the
+        micro-batch's tokens on every stage, where `document_resets` keeps packed documents apart."""
         start = cache.length if cache is not None else 0
         if cache is not None and self.sequence_parallel:
             raise ValueError("generation with a KV cache needs a model without sequence parallelism")
@@ -387,6 +393,10 @@ class GPT(nn.Module):
             pos = torch.as_tensor(zigzag_positions(seq * self.cp.size, self.cp.rank, self.cp.size), device=x.device)
         if cache is not None:
             pos = cache.begin(start, pos)  # per-row positions and masks when the prompts are left-padded
+        documents = None
+        if self.document_resets is not None and tokens is not None and cache is None:
+            reset, documents = self.document_resets.layout(tokens)  # per-row positions and masks
+            pos = reset if reset is not None else pos
         # Rotary: attention sees the whole (gathered) local sequence, so its positions are all of pos.
         rope = None
         if self.rotary is not None:
@@ -400,11 +410,11 @@ class GPT(nn.Module):
             x = self.transformer.wte(x, tied)
             if self.rotary is None:
                 if self.sequence_parallel:  # the embedding's output holds this rank's positions only
-                    pos = pos.chunk(self.tp.size)[self.tp.rank]
+                    pos = pos.chunk(self.tp.size, dim=-1)[self.tp.rank]
                 x = x + self.transformer.wpe(pos)
             x = self.transformer.drop(x)
         for i, block in self.transformer.h.items():
-            x = block(x, cache.layers[int(i)] if cache is not None else None, start, rope)
+            x = block(x, cache.layers[int(i)] if cache is not None else None, start, rope, documents)
         if cache is not None:
             cache.length += x.shape[1]
         if not self.post_process:

@@ -74,7 +74,7 @@ def forward_backward_no_pipelining(chunk: GPT, microbatches: Sequence[Microbatch
     total = torch.zeros((), dtype=torch.float32, device=microbatches[0][0].device)
     for i, (tokens, labels) in enumerate(microbatches):
         with torch.set_grad_enabled(not forward_only), timers("forward"):
-            loss = chunk.loss(chunk(tokens), labels).sum() / num_tokens
+            loss = chunk.loss(chunk(tokens, tokens=tokens), labels).sum() / num_tokens
         if not forward_only:
             assert optimizer is not None
             # Gradients accumulate locally; only the last backward reduces them over DP.
@@ -332,7 +332,7 @@ def forward_backward_pipelining(chunks: Sequence[GPT], microbatches: Sequence[Mi
             tokens, labels = microbatches[action.microbatch]
             x = tokens if chunk.pre_process else received.requires_grad_(not forward_only)  # type: ignore[union-attr]  # received: not the first stage
             with torch.set_grad_enabled(not forward_only), timers("forward"):
-                y = chunk(x)
+                y = chunk(x, tokens=tokens)  # the tokens: where documents start, on every stage
                 if chunk.post_process:
                     y = chunk.loss(y, labels).sum() / num_tokens
                     total += y.detach().float()

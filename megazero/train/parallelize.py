@@ -172,11 +172,12 @@ def apply_recompute(model: GPT, mode: str, tracker: Optional[RNGTracker], eager:
 
 
 def _recomputed(fn: Callable, tracker: Optional[RNGTracker]) -> Callable:
-    """fn(x, kv=None, pos=0, rope=None) recomputed in backward when it runs with gradients and
-    without a KV cache; dropout masks are replayed from the same RNG states."""
+    """fn(x, kv=None, pos=0, rope=None, documents=None) recomputed in backward when it runs with
+    gradients and without a KV cache; dropout masks are replayed from the same RNG states."""
     @functools.wraps(fn)
-    def run(x: torch.Tensor, kv=None, pos: int = 0, rope=None) -> torch.Tensor:
+    def run(x: torch.Tensor, kv=None, pos: int = 0, rope=None, documents=None) -> torch.Tensor:
         if kv is not None or not torch.is_grad_enabled():
-            return fn(x, kv, pos, rope)
-        return checkpoint(fn, x, None, 0, rope, use_reentrant=False, context_fn=recompute_rng_context(tracker))
+            return fn(x, kv, pos, rope, documents)
+        return checkpoint(fn, x, None, 0, rope, documents, use_reentrant=False,
+                          context_fn=recompute_rng_context(tracker))
     return run

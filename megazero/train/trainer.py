@@ -35,6 +35,7 @@ from megazero.data.mock import MockGPTDataset
 from megazero.data.stream.dataset import StreamDataset, stream_datasets, supply_line
 from megazero.data.tokenizer import build_tokenizer
 from megazero.errors import UserError
+from megazero.model.documents import DocumentResets
 from megazero.parallel import comm
 from megazero.parallel.context import shard_sequence
 from megazero.parallel.grid import ProcessGrid
@@ -82,8 +83,13 @@ class Trainer:
         self.train_ds, self.valid_ds = build_datasets(cfg, grid)
         # Fine-tuning data: some labels count nothing, so the loss divides by a count of the rest.
         # Megatron's --eod-mask-loss: the prediction made at an end-of-document token counts nothing.
-        self.eod_masked = build_tokenizer(cfg.data.tokenizer).eod if cfg.data.eod_mask_loss and cfg.data.tokenizer \
-            else None
+        d = cfg.data
+        eod = build_tokenizer(d.tokenizer).eod if d.tokenizer and (d.eod_mask_loss or d.reset_position_ids or
+                                                                   d.reset_attention_mask) else None
+        self.eod_masked = eod if d.eod_mask_loss else None
+        if eod is not None and (d.reset_position_ids or d.reset_attention_mask):
+            for c in self.chunks:  # Megatron's --reset-position-ids / --reset-attention-mask (model/documents.py)
+                c.document_resets = DocumentResets(eod, d.reset_position_ids, d.reset_attention_mask)
         self.loss_masked = self.train_ds.loss_masked or self.eod_masked is not None
         self.iteration = 0
         self.consumed_samples = 0

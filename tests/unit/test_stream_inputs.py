@@ -159,8 +159,17 @@ def test_megatron_eod_and_reset_flags(bpe_spec):
     from megazero.train.__main__ import load_config
     config = str(REPO / TINY_CONFIG)
     assert load_config(config, None, ["--eod-mask-loss", "--data.tokenizer", bpe_spec], 1, 1).data.eod_mask_loss
-    with pytest.raises(ConfigError, match="positions and attention run across document boundaries"):
-        load_config(config, None, ["--reset-position-ids"], 1, 1)
+    cfg = load_config(config, None, ["--reset-position-ids", "--reset-attention-mask", "--data.tokenizer", bpe_spec],
+                      1, 1)
+    assert cfg.data.reset_position_ids and cfg.data.reset_attention_mask
+    for flag, key in (("--reset-position-ids", "data.reset_position_ids"),
+                      ("--reset-attention-mask", "data.reset_attention_mask")):
+        with pytest.raises(ConfigError) as e:
+            load_config(config, None, [flag], 1, 1)
+        _one_line(e, f"{key} needs data.tokenizer")
+        with pytest.raises(ConfigError) as e:
+            load_config(config, None, [flag, "--data.tokenizer", bpe_spec, "--context-parallel-size", "2"], 0, 2)
+        _one_line(e, f"{key} needs parallel.cp 1", "cp is 2")
     with pytest.raises(ConfigError, match="data.eod_mask_loss needs data.tokenizer"):
         make_config(["--data.eod_mask_loss", "true"], world=1)
 
