@@ -50,6 +50,12 @@ def _packed(seed: int) -> tuple[torch.Tensor, list[list[tuple[int, int]]]]:
     return torch.tensor(rows), spans
 
 
+def _model(cfg: ModelConfig) -> GPT:
+    model = GPT(cfg)
+    model.init_weights(seed=3)
+    return model.eval()
+
+
 def test_layout_is_megatrons():
     tokens, _ = _packed(0)
     tokens[1, 0] = EOD  # a row that starts with an end of document
@@ -64,10 +70,7 @@ def test_layout_is_megatrons():
                          ids=["gpt2-both", "llama-both", "llama-mask-only"])
 def test_packed_logits_are_each_documents_alone(cfg, positions):
     """Rotary attention sees relative positions only: with it the mask alone keeps documents apart."""
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    model.init_weights(seed=3)
-    model.eval()
+    model = _model(cfg)
     tokens, spans = _packed(1)
     with torch.no_grad():
         plain = model(tokens)
@@ -82,9 +85,7 @@ def test_packed_logits_are_each_documents_alone(cfg, positions):
 
 def test_without_the_tokens_nothing_changes():
     """Generation and callers without the micro-batch's tokens: the model as before, bit for bit."""
-    model = GPT(CFG)
-    model.init_weights(seed=3)
-    model.eval()
+    model = _model(CFG)
     tokens, _ = _packed(2)
     with torch.no_grad():
         plain = model(tokens)
