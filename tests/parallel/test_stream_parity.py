@@ -66,10 +66,11 @@ def _one_rank(args: list[str], root: str) -> dict:
 
 def _two_ranks(args: list[str], root: str) -> dict:
     """On two ranks: the whole run at dp 2 with 2 loader processes per rank, and the one-rank
-    checkpoint resumed at tp 2 with 1."""
+    checkpoint resumed at tp 2 with 1, and at dp 2 in-process."""
     return {"straight": _run(args + ["--data.loader_workers", "2"]),
             "resumed": _run(args + ["--data.loader_workers", "1", "--parallel.tp", "2",
-                                    "--checkpoint.load", f"{root}/ckpt"])}
+                                    "--checkpoint.load", f"{root}/ckpt"]),
+            "resumed_dp2": _run(args + ["--checkpoint.load", f"{root}/ckpt"])}
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +89,12 @@ def _close(a: list[dict], b: list[dict], tol: float) -> None:
 
 def test_dp2_with_loader_processes_matches_and_tp2_resumes(one_rank, stream_args):
     """The global batches depend neither on dp nor on the loader processes; a checkpoint of
-    the one-rank run continues the same stream at tp 2 with another number of them."""
+    the one-rank run continues the same stream at tp 2 with another number of them, and at dp 2."""
     runs, root = one_rank
     two = run_distributed(_two_ranks, 2, stream_args, root)[0]
     _close(two["straight"], runs["straight"], 1e-5)
     _close(two["resumed"], runs["straight"][2:], 1e-5)
+    _close(two["resumed_dp2"], runs["straight"][2:], 1e-5)
 
 
 @pytest.mark.slow
