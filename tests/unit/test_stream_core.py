@@ -305,3 +305,18 @@ def test_a_source_that_runs_out_starts_its_next_epoch_reshuffled_and_says_so(tmp
     epochs = [order[e] for e in (0, 1, 2)]
     assert all(sorted(e) == sorted(epochs[0]) and len(e) == 24 for e in epochs)  # every document, once
     assert epochs[0] != epochs[1] != epochs[2]  # in a new order each time
+
+
+def test_validation_from_its_own_source_and_from_held_out_documents(tmp_path):
+    """data.stream_valid SRC: its first documents, in natural order, packed as training packs them;
+    data.stream_valid_docs N: the first N documents of each source (one source after the other)."""
+    from megazero.data.stream.dataset import validation_samples
+    lengths = write_docs(tmp_path / "valid", files=2, per_file=6, seed=9, first=500)
+    write_docs(tmp_path / "a", files=1, per_file=30)
+    setup = setup_stream(str(tmp_path / "a"), "text", 0, 1, SEQ, None, IdTokenizer())
+    stream = np.concatenate([[d + 1] * n + [EOD] for d, n in sorted(lengths.items())])  # part0 then part1
+    valid = validation_samples(setup, str(tmp_path / "valid"), 3)
+    assert [v.tolist() for v in valid] == [stream[k * SEQ:k * SEQ + SEQ + 1].tolist() for k in range(3)]
+    held = setup_stream(str(tmp_path / "a"), "text", 4, 1, SEQ, None, IdTokenizer())
+    tokens = set(np.concatenate(validation_samples(held, None, 100)).tolist())
+    assert tokens <= {EOD, 1, 2, 3, 4} and {1, 2, 3} <= tokens  # documents 0..3 (the 4th may wait in the carry)

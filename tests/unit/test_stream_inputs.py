@@ -204,3 +204,19 @@ def test_tokens_per_source_reach_tensorboard():
     rec = {"iteration": 4, "consumed_samples": 32, "loss": 1.0, "stream_tokens": {"a/*.jsonl": 1536, "hf:b": 512}}
     tags = {tag: (value, vs_samples) for tag, value, vs_samples in tensorboard_scalars(rec)}
     assert tags["stream_tokens/a/*.jsonl"] == (1536, True) and tags["stream_tokens/hf:b"] == (512, True)
+
+
+def test_stream_valid_source_makes_the_validation_samples(tmp_path, bpe_spec):
+    from megazero.data.stream.dataset import stream_datasets
+    write_jsonl(tmp_path / "train.jsonl", make_texts(40, seed=1))
+    write_jsonl(tmp_path / "valid.jsonl", make_texts(120, seed=2))
+    cfg = make_config(["--data.stream", str(tmp_path / "train.jsonl"), "--data.stream_valid",
+                       str(tmp_path / "valid.jsonl"), "--data.tokenizer", bpe_spec, "--model.vocab_size", "auto",
+                       "--train.eval_interval", "2", "--train.eval_iters", "2", "--data.loader_workers", "0"], world=1)
+    train, valid = stream_datasets(cfg, lambda line: None)
+    assert valid is not None and len(valid) == 2 * cfg.train.global_batch_size
+    tokenizer = train.setup.tokenizer()
+    first = tokenizer.encode_batch([make_texts(40, seed=2)[0]])[0]
+    assert valid[0][:len(first) + 1].tolist() == [*first, tokenizer.eod][:cfg.model.seq_length + 1]
+    train.fetch(0, 4)
+    assert not any(np.array_equal(train[i], v) for i in range(4) for v in valid)
