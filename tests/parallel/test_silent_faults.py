@@ -212,3 +212,35 @@ def test_replicated_optimizer_state_is_compared_at_zero0():
     assert "every parameter over its 3 data-parallel replicas" in coverage and "the replicated optimizer state" in coverage
     assert line is not None and line.startswith("replica mismatch at iteration 2: optimizer state exp_avg")
     assert "ranks 0, 2 (the majority) agree, rank(s) 1 hold another value" in line
+
+
+def _gradient_nan(tmp: str) -> tuple:
+    """dp 2, ZeRO 1: on rank 1 one gradient is NaN in the first execution of iteration 2 only (its
+    loss stays finite): the rerun is clean, and the losses are the clean run's."""
+    import torch
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    clean = _train(["--zero.stage", "1", *BASE, "--logging.jsonl", os.path.join(tmp, f"clean{rank}.jsonl")])[0]
+    tr = make_trainer(["--zero.stage", "1", *BASE, "--logging.jsonl", os.path.join(tmp, f"grad{rank}.jsonl")])
+    calls = []
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        calls.append(tr.iteration)
+        return grad * float("nan") if rank == 1 and calls.count(1) == 1 and tr.iteration == 1 else grad
+    next(p for c in tr.chunks for p in c.parameters() if p.requires_grad).register_hook(poison)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        tr.run()
+    return clean, read_jsonl(tr.cfg.logging.jsonl) if tr.is_logger else [], out.getvalue(), calls.count(1)
+
+
+def test_a_non_finite_gradient_alone_is_rerun(tmp_path):
+    results = run_distributed(_gradient_nan, 2, str(tmp_path))
+    clean, records, printed, calls = next(r for r in results if r[1])
+    assert calls == 4  # 2 micro-batches per rank, twice: iteration 2 ran again
+    assert [r["loss"] for r in records if "loss" in r] == [r["loss"] for r in clean]
+    event = next(r for r in records if r.get("event"))
+    assert event["event"] == "transient_fault" and event["iteration"] == 2 and event["ranks"] == []
+    assert event["why"].startswith("gradient norm nan")
+    assert "iteration 2: gradient norm nan" in printed and "a transient fault on a rank whose loss agreed" in printed
+    assert not any(r.get("skipped_iters") for r in records)
