@@ -124,3 +124,24 @@ def _text(doc: str) -> str:
     path, line = doc.rsplit(":", 1)
     with open(path) as f:
         return json.loads(f.readlines()[int(line) - 1])["text"]
+
+
+def _supply_lines(args: list[str]) -> list[str]:
+    """The first log line's supply line, with the loaders measured at 1 token/s and at 10M."""
+    from megazero.data.stream.dataset import StreamDataset
+    printed = []
+    for rate in (1.0, 1e7):
+        StreamDataset.supply_tokens_per_s = lambda self, rate=rate: rate  # type: ignore[method-assign]
+        tr = make_trainer(args + ["--train.iters", "2"])
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            tr.run()
+        printed.append([line for line in out.getvalue().splitlines() if "supply" in line])
+    return printed
+
+
+def test_the_supply_line_warns_when_the_loaders_fall_short(corpus):
+    short, enough = run_distributed(_supply_lines, 1, corpus[0])[0]
+    assert len(short) == 1 and short[0].startswith("warning: data.stream: 0 loader process(es) per rank supply 0.0k "
+                                                   "tokens/s (measured), the run consumes ")
+    assert "raise data.loader_workers, or preprocess the corpus" in short[0]
+    assert len(enough) == 1 and enough[0].startswith("data.stream: 0 loader process(es) per rank supply 10,000.0k")
