@@ -39,10 +39,10 @@ def _faults(layout: list[str], tmp: str) -> tuple:
     return runs, _bitflip(layout, os.path.join(tmp, "ckpt"))
 
 
-def _bitflip(layout: list[str], save: str) -> tuple:
+def _bitflip(layout: list[str], save: str, at: int = 3) -> tuple:
     from megazero.train.replicas import ReplicaMismatch
     tr = make_trainer([*layout, *BASE, "--train.iters", "6", "--train.replica_check_interval", "2",
-                       "--checkpoint.save", save, "--checkpoint.interval", "2", "--train.inject_fault", "bitflip:3:3"])
+                       "--checkpoint.save", save, "--checkpoint.interval", "2", "--train.inject_fault", f"bitflip:3:{at}"])
     line = None
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
@@ -244,3 +244,27 @@ def test_a_non_finite_gradient_alone_is_rerun(tmp_path):
     assert event["why"].startswith("gradient norm nan")
     assert "iteration 2: gradient norm nan" in printed and "a transient fault on a rank whose loss agreed" in printed
     assert not any(r.get("skipped_iters") for r in records)
+
+
+def _bitflip_on_stage(save: str) -> tuple:
+    import torch.distributed as dist
+    line, iteration, coverage = _bitflip(["--parallel.tp", "2", "--parallel.pp", "2", "--zero.stage", "1"], save, 4)
+    return line, iteration, coverage, dist.get_rank()
+
+
+def test_tp_replicas_are_compared_on_every_pipeline_stage(tmp_path):
+    """tp 2 x pp 2: a bit flipped on rank 3 (the last stage) after iteration 4's step is caught by
+    that iteration's check, before its save, naming that stage's parameter and TP peers (a step
+    later the damage would have spread to the first stage's replicas too, through the gradients
+    the two TP peers send back)."""
+    results = run_distributed(_bitflip_on_stage, 4, str(tmp_path / "ckpt"))
+    lines = {r[0] for r in results}
+    assert len(lines) == 1 and {r[1] for r in results} == {4}
+    line = lines.pop()
+    assert line is not None and line.startswith("replica mismatch at iteration 4: ")
+    assert "no majority: ranks 2 vs ranks 3" in line or "no majority: ranks 3 vs ranks 2" in line
+    layer = line.split(": ")[1].split(" ")[0]
+    assert layer.startswith(("transformer.h.2.", "transformer.h.3.", "transformer.ln_f.")), layer  # stage 1's layers
+    assert "the TP-replicated parameters (norms, biases, routers) over the 2 TP ranks" in results[0][2]
+    assert sorted(os.listdir(tmp_path / "ckpt"))[:2] == ["config.yaml", "iter_0000002"]
+    assert not (tmp_path / "ckpt" / "iter_0000004").exists()
