@@ -1,7 +1,7 @@
 """data.reset_position_ids and data.reset_attention_mask (Megatron's --reset-position-ids,
 --reset-attention-mask) in training, for streamed and indexed data alike: tp 2 with sequence
-parallelism (full recompute) and pp 2 (selective recompute) give the one-process losses, and the
-resets change them (the per-document reference is tests/unit/test_document_resets.py)."""
+parallelism (full recompute) and, under slow, pp 2 (selective recompute) give the one-process
+losses, and the resets change them (the per-document reference is tests/unit/test_document_resets.py)."""
 
 from __future__ import annotations
 
@@ -50,15 +50,22 @@ def _one_rank(data: dict) -> dict:
     return {kind: (_losses([*args, *RESETS]), _losses(args)) for kind, args in data.items()}
 
 
-def _layouts(data: dict) -> dict:
-    return {(kind, name): _losses([*args, *RESETS, *layout]) for name, layout in LAYOUTS.items()
-            for kind, args in data.items()}
+def _layout(data: dict, layout: list[str]) -> dict:
+    return {kind: _losses([*args, *RESETS, *layout]) for kind, args in data.items()}
 
 
-def test_resets_match_one_process_at_tp2_and_pp2(data):
-    reference = run_distributed(_one_rank, 1, data)[0]
+@pytest.fixture(scope="module")
+def reference(data) -> dict:
+    return run_distributed(_one_rank, 1, data)[0]
+
+
+def test_the_resets_change_the_losses(reference):
     for kind, (reset, plain) in reference.items():
-        assert len(reset) == 3 and all(abs(a - b) > 1e-4 for a, b in zip(reset, plain)), kind  # the resets act
-    ranks = run_distributed(_layouts, 2, data)
-    for (kind, name), losses in ranks[-1].items():  # the last rank holds the loss at pp 2
+        assert len(reset) == 3 and all(abs(a - b) > 1e-4 for a, b in zip(reset, plain)), kind
+
+
+@pytest.mark.parametrize("name", [pytest.param("tp2 sp"), pytest.param("pp2", marks=pytest.mark.slow)])
+def test_resets_match_one_process(data, reference, name):
+    ranks = run_distributed(_layout, 2, data, LAYOUTS[name])
+    for kind, losses in ranks[-1].items():  # the last rank holds the loss at pp 2
         np.testing.assert_allclose(losses, reference[kind][0], rtol=0, atol=1e-5, err_msg=f"{kind} {name}")

@@ -172,11 +172,14 @@ def _with_and_without_checks(layout: list[str]) -> tuple:
     return _losses_and_weights(layout), _losses_and_weights([*layout, *OFF])
 
 
-def test_the_checks_change_nothing_bit_for_bit():
+@pytest.mark.parametrize("ranks, layout", [pytest.param(2, ["--zero.stage", "1"], id="dp2-zero1"),
+                                           pytest.param(4, LAYOUTS["zero1"], id="tp2-dp2-zero1",
+                                                        marks=pytest.mark.slow)])
+def test_the_checks_change_nothing_bit_for_bit(ranks, layout):
     """The default run (replica digests, the rerun guard's saves and the straggler gather every
     iteration, dropout on) and one with all three off: the same losses, gradient norms and weights,
     bit for bit, on every rank."""
-    for on, off in run_distributed(_with_and_without_checks, 4, LAYOUTS["zero1"]):
+    for on, off in run_distributed(_with_and_without_checks, ranks, layout):
         assert on[2] == (True, True, True) and off[2] == (False, False, False)
         assert on[:2] == off[:2]
         assert len(on[0]) == 4 and on[1]
@@ -252,6 +255,7 @@ def _bitflip_on_stage(save: str) -> tuple:
     return line, iteration, coverage, dist.get_rank()
 
 
+@pytest.mark.slow
 def test_tp_replicas_are_compared_on_every_pipeline_stage(tmp_path):
     """tp 2 x pp 2: a bit flipped on rank 3 (the last stage) after iteration 4's step is caught by
     that iteration's check, before its save, naming that stage's parameter and TP peers (a step
