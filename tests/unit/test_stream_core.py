@@ -120,6 +120,12 @@ def test_stream_mixture_and_epochs(tmp_path):
     from_a = sum(int(s[1] <= 1000 and s[1] != EOD or s[2] <= 1000 and s[2] != EOD) for s in samples)
     assert from_a > 0
     assert any("epoch 1 done" in line and "reshuffled" in line for line in lines)
+    # the same share counted from what the samples hold: each token by the file of its document
+    counts = {"a": 0, "b": 0}
+    for i in range(400):
+        for name, _, first, end in _inputs(ds.sample(i).documents):
+            counts[Path(name.rsplit(":", 1)[0]).parent.name] += end - first
+    assert sum(counts.values()) == 400 * SEQ and abs(counts["a"] / (400 * SEQ) - 0.7) <= 0.01
 
 
 def test_resume_from_any_state_is_the_same_stream(tmp_path):
