@@ -272,3 +272,29 @@ def test_tp_replicas_are_compared_on_every_pipeline_stage(tmp_path):
     assert "the TP-replicated parameters (norms, biases, routers) over the 2 TP ranks" in results[0][2]
     assert sorted(os.listdir(tmp_path / "ckpt"))[:2] == ["config.yaml", "iter_0000002"]
     assert not (tmp_path / "ckpt" / "iter_0000004").exists()
+
+
+def _startup(args: list[str]) -> tuple[str, str]:
+    """What building the trainer prints on this rank: (stdout, stderr)."""
+    import torch.distributed as dist
+
+    from helpers import make_config
+    from megazero.parallel.grid import ProcessGrid
+    from megazero.train.trainer import Trainer
+    cfg = make_config([*BASE, *args], world=dist.get_world_size())
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        Trainer(cfg, ProcessGrid.create(cfg.parallel.tp, cfg.parallel.pp))
+    return out.getvalue(), err.getvalue()
+
+
+def test_startup_says_what_is_checked_and_the_injected_fault_loudly():
+    (out, err), (out1, _) = run_distributed(_startup, 2, ["--zero.stage", "1", "--train.inject_fault", "slow:1:3"])
+    line = next(line for line in out.splitlines() if line.startswith("replica check: "))
+    assert line.startswith("replica check: every parameter over its 2 data-parallel replicas; every 1 iterations and "
+                           "before every checkpoint save (") and line.endswith(" values compared)")
+    assert "WARNING: FAULT INJECTION (train.inject_fault slow:1:3, for testing): slow on rank 1 at iteration 3; " \
+           "this run is corrupted on purpose" in err
+    assert "replica check" not in out1  # said once, by rank 0
+    off, _ = run_distributed(_startup, 1, ["--train.replica_check_interval", "0"])[0]
+    assert "replica check: off (train.replica_check_interval 0)" in off
