@@ -7,7 +7,9 @@ iterations and before every checkpoint save:
   step's all-gather), over dp x cp;
 - the TP-replicated parameters (norms, biases, routers: `placement` not sharded) at every stage,
   over tp (at ZeRO 3 each rank's own DP slice of them, which its TP peers hold too);
-- ZeRO 0's optimizer state (master weights when separate, the moments), replicated over dp x cp.
+- ZeRO 0's optimizer state (master weights when separate, the moments), replicated over dp x cp;
+- at ZeRO 0-2 with tp > 1, the optimizer state of the TP-replicated parameters (each rank's DP
+  slice of it at ZeRO 1-2), which the TP peers hold too (state in memory: on NVMe it is not read).
 
 A digest is the sum, in int64, of the values' bit patterns: any single flipped bit changes it. Each
 rank digests what it holds (one pass over its parameters) and the world all-gathers the digests
@@ -36,6 +38,7 @@ from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.placement import placement
 from megazero.zero.optimizer import ZeroOptimizer
 from megazero.zero.partition import Bucket
+from megazero.zero.state import MemoryOptimizerStore
 
 _INT_VIEW = {4: torch.int32, 2: torch.int16, 8: torch.int64}
 
@@ -105,6 +108,8 @@ class ReplicaCheck:
                         f" over the {p.tp} TP ranks")
         if self.optimizer.sharding.replicated and self.grid.dp * self.grid.cp > 1:
             what.append("the replicated optimizer state")
+        if p.tp > 1 and any(" of " in e.key for e in self.entries):
+            what.append("the TP-replicated parameters' optimizer state")
         experts = " (expert weights at ep > 1 are not compared)" if self.experts_left_out else ""
         return (f"replica check: {'; '.join(what)}{experts}; every {self.interval} iterations and before every "
                 f"checkpoint save ({self.compared} values compared)")
@@ -161,10 +166,12 @@ def mismatch(iteration: int, keys: list[list[str]], digests: list[list[int]]) ->
 
 
 def label(key: str) -> str:
-    """How a line names a key: the parameter (its DP slice at ZeRO 3) or the optimizer state."""
+    """How a line names a key: the parameter or the optimizer state (of a parameter), with its DP
+    slice where the key has one (ZeRO 3's parameters, ZeRO 1-2's state)."""
     name, *coords = key.split("#")
+    name = name.replace("optimizer.", "optimizer state ", 1) if name.startswith("optimizer.") else name
     dp = [c[2:].split("@")[0] for c in coords if c.startswith("dp")]
-    return f"{name} (DP slice {dp[0]})" if dp else name.replace("optimizer.", "optimizer state ")
+    return f"{name} (DP slice {dp[0]})" if dp else name
 
 
 def replicated_entries(grid: ProcessGrid, optimizer: ZeroOptimizer, ep: int) -> list[Entry]:
@@ -190,8 +197,31 @@ def replicated_entries(grid: ProcessGrid, optimizer: ZeroOptimizer, ep: int) -> 
             entries.append(Entry(key, _own_piece(optimizer, bucket, start - lo, end - lo)))
     if sharding.replicated:  # ZeRO 0: the optimizer state is the same on every rank of dp x cp
         tp = f"#tp{grid.tp_rank}"
-        for kind in ("master", "exp_avg", "exp_avg_sq") if optimizer.state.separate_master else ("exp_avg", "exp_avg_sq"):
+        for kind in _state_kinds(optimizer):
             entries.append(Entry(f"optimizer.{kind}{stage}{tp}", _state(optimizer, kind)))
+    return entries + _tp_replicated_state(grid, optimizer, ep)
+
+
+def _state_kinds(optimizer: ZeroOptimizer) -> tuple[str, ...]:
+    return ("master", "exp_avg", "exp_avg_sq") if optimizer.state.separate_master else ("exp_avg", "exp_avg_sq")
+
+
+def _tp_replicated_state(grid: ProcessGrid, optimizer: ZeroOptimizer, ep: int) -> list[Entry]:
+    """ZeRO 0-2 at tp > 1: the optimizer state of each TP-replicated parameter in this rank's shard.
+    TP peers have the same layout (a TP-sharded parameter's shards are of one shape), so the same
+    key names the same elements on every TP rank (and, at ZeRO 0, on every DP rank)."""
+    sharding, layout, state = optimizer.sharding, optimizer.layout, optimizer.state
+    if sharding.parameters or grid.tp == 1 or not isinstance(state, MemoryOptimizerStore):
+        return []
+    dp = "" if sharding.replicated else f"#dp{layout.rank}"
+    entries = []
+    for _, slot, start, end, offset in layout.slot_pieces(layout.trainable_buckets()):
+        where = placement(slot.param)
+        if where.sharded or (where.experts and ep > 1):
+            continue
+        for kind in _state_kinds(optimizer):
+            entries.append(Entry(f"optimizer.{kind} of {slot.name}#pp{grid.pp_rank}{dp}@{start}",
+                                 _state_range(state, kind, offset, end - start)))
     return entries
 
 
@@ -205,3 +235,7 @@ def _own_piece(optimizer: ZeroOptimizer, bucket: Bucket, lo: int, hi: int) -> Ca
 
 def _state(optimizer: ZeroOptimizer, kind: str) -> Callable[[], list[torch.Tensor]]:
     return lambda: [values for _, values in optimizer.state.pieces(kind)]
+
+
+def _state_range(state: MemoryOptimizerStore, kind: str, offset: int, length: int) -> Callable[[], list[torch.Tensor]]:
+    return lambda: [state.view(kind, offset, length)]

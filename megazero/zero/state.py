@@ -164,6 +164,14 @@ class MemoryOptimizerStore:
         """(shard offset, values) pieces of one kind: here, the whole shard at once."""
         yield 0, self.flat[kind]
 
+    def view(self, kind: str, offset: int, length: int) -> torch.Tensor:
+        """[offset, offset + length) of one kind in shard coordinates (a range the optimizer steps
+        whole, e.g. one parameter's piece): a view of the state, empty where the kind has a hole."""
+        holes = self.holes[kind]
+        if kind not in self.flat or holes.contains(offset):
+            return torch.empty(0, device=self.device)
+        return self.flat[kind][holes.at(offset): holes.at(offset) + length]
+
     def flush(self) -> None:
         """Writes are immediate in memory."""
 

@@ -185,36 +185,51 @@ def test_the_checks_change_nothing_bit_for_bit(ranks, layout):
         assert len(on[0]) == 4 and on[1]
 
 
-def _corrupt_optimizer_state() -> tuple:
-    """ZeRO 0 at dp 3: after a step, one element of rank 1's first moment changes (its weights
-    do not); the replica check of that iteration stops every rank, naming the optimizer state."""
+def _corrupt_optimizer_state(args: list[str]) -> tuple:
+    """After a step, one element of rank 1's first moment changes (its weights do not): at ZeRO 0
+    any element (the whole state is replicated over dp), at tp > 1 one of a TP-replicated
+    parameter's; the replica check of that iteration stops every rank, naming the optimizer state."""
     import torch
     import torch.distributed as dist
 
+    from megazero.parallel.placement import placement
     from megazero.train.replicas import ReplicaMismatch
-    tr = make_trainer([*BASE, "--zero.stage", "0", "--train.micro_batch_size", "2", "--train.global_batch_size", "12"])
+    tr = make_trainer([*BASE, *args])
     with contextlib.redirect_stdout(io.StringIO()):
         tr.train_step()
     tr.iteration = 1
     tr.replicas.check(1)  # clean: it passes
+    layout, state = tr.optimizer.layout, tr.optimizer.state
+    _, slot, start, end, offset = next(piece for piece in layout.slot_pieces(layout.trainable_buckets())
+                                       if not placement(piece[1].param).sharded)
+    values = state.view("exp_avg", offset, end - start) if tr.grid.tp > 1 else next(state.pieces("exp_avg"))[1]
     if dist.get_rank() == 1:
-        for _, values in tr.optimizer.state.pieces("exp_avg"):
-            values.view(-1)[values.numel() // 2] += torch.tensor(1e-3, dtype=values.dtype)
-            break
+        values[values.numel() // 2] += torch.tensor(1e-3, dtype=values.dtype)
     try:
         tr.replicas.check(2)
     except ReplicaMismatch as e:
-        return tr.replicas.coverage(tr.cfg), str(e)
-    return tr.replicas.coverage(tr.cfg), None
+        return tr.replicas.coverage(tr.cfg), str(e), slot.name
+    return tr.replicas.coverage(tr.cfg), None, slot.name
 
 
-def test_replicated_optimizer_state_is_compared_at_zero0():
-    results = run_distributed(_corrupt_optimizer_state, 3)
-    assert len({line for _, line in results}) == 1
-    coverage, line = results[0]
-    assert "every parameter over its 3 data-parallel replicas" in coverage and "the replicated optimizer state" in coverage
-    assert line is not None and line.startswith("replica mismatch at iteration 2: optimizer state exp_avg")
-    assert "ranks 0, 2 (the majority) agree, rank(s) 1 hold another value" in line
+STATE_CASES = {
+    "zero0 dp3": (3, ["--zero.stage", "0", "--train.micro_batch_size", "2", "--train.global_batch_size", "12"],
+                  "the replicated optimizer state", "optimizer state exp_avg",
+                  "ranks 0, 2 (the majority) agree, rank(s) 1 hold another value"),
+    "zero1 tp2": (2, ["--zero.stage", "1", "--parallel.tp", "2"], "the TP-replicated parameters' optimizer state",
+                  "optimizer state exp_avg of {slot} (DP slice 0)", "no majority: ranks 0 vs ranks 1"),
+}
+
+
+@pytest.mark.parametrize("case", STATE_CASES)
+def test_replicated_optimizer_state_is_compared(case):
+    ranks, args, covered, named, side = STATE_CASES[case]
+    results = run_distributed(_corrupt_optimizer_state, ranks, args)
+    assert len({line for _, line, _ in results}) == 1
+    coverage, line, slot = results[0]
+    assert covered in coverage
+    assert line is not None and line.startswith(f"replica mismatch at iteration 2: {named.format(slot=slot)}"), line
+    assert side in line
 
 
 def _gradient_nan(tmp: str) -> tuple:
