@@ -68,7 +68,8 @@ def muon_steps(args: Sequence[str], base: str | dict = TINY_CONFIG, iters: int =
     where = {name: placement(p) for chunk in tr.chunks for name, p in chunk.named_parameters()}
     buf = io.BytesIO()
     torch.save({"params": tr.optimizer.sharded.full_state_dict(), "where": where, "losses": losses, "calls": calls,
-                "tp": tr.grid.tp, "tp_rank": tr.grid.tp_rank, "model": tr.cfg.model}, buf)
+                "tp": tr.grid.tp, "tp_rank": tr.grid.tp_rank, "ep": tr.grid.ep, "ep_rank": tr.grid.ep_rank,
+                "model": tr.cfg.model}, buf)
     return buf.getvalue()
 
 
