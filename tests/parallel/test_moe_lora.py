@@ -52,7 +52,8 @@ def one(mixtral_dir, tmp_path_factory) -> tuple[str, list[float], torch.Tensor]:
     return save, losses, logits
 
 
-@pytest.mark.parametrize("layout", [["--zero.stage", "3"], ["--parallel.ep", "2", "--zero.stage", "1"],
+@pytest.mark.parametrize("layout", [pytest.param(["--zero.stage", "3"], marks=pytest.mark.slow),
+                                    ["--parallel.ep", "2", "--zero.stage", "1"],
                                     pytest.param(["--parallel.tp", "2"], marks=pytest.mark.slow)],
                          ids=["dp2-zero3", "ep2-zero1", "tp2-etp1"])
 def test_expert_adapters_at_2_ranks_equal_the_single_process(mixtral_dir, one, tmp_path, layout):

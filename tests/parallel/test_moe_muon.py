@@ -43,8 +43,10 @@ def test_each_experts_matrices_are_muons_once_per_step(reference):
     assert sorted(reference["calls"]) == sorted(_expected_calls(reference["model"]) * ITERS)
 
 
-@pytest.mark.parametrize("layout", [["--zero.stage", "1"], ["--parallel.tp", "2", "--parallel.etp", "1"],
-                                    ["--parallel.ep", "2", "--zero.stage", "0"], ["--parallel.ep", "2", "--zero.stage", "3"]],
+@pytest.mark.parametrize("layout", [["--zero.stage", "1"],
+                                    pytest.param(["--parallel.tp", "2", "--parallel.etp", "1"], marks=pytest.mark.slow),
+                                    pytest.param(["--parallel.ep", "2", "--zero.stage", "0"], marks=pytest.mark.slow),
+                                    ["--parallel.ep", "2", "--zero.stage", "3"]],
                          ids=["dp2-zero1", "tp2-etp1", "ep2-zero0", "ep2-zero3"])
 def test_moe_muon_layouts_equal_the_single_process(reference, layout):
     """At ep 2 each rank's experts are orthogonalised among the ranks holding them (expert-dp)."""
