@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_parity, logged_by_layout, moe_records, run_distributed
+from helpers import (
+    assert_moe_resumes,
+    assert_parity,
+    logged_by_layout,
+    moe_records,
+    moe_save_then_resume,
+    run_ranks,
+)
 
 ITERS = 3
 SHORT = ["--train.iters", str(ITERS), "--model.seq_length", "32", "--train.global_batch_size", "8",
@@ -48,20 +55,20 @@ def _layouts(layouts: dict[str, list[str]]) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def reference() -> list[tuple[float, ...]]:
-    return run_distributed(moe_records, 1, SHORT)[0]
+    return run_ranks(moe_records, 1, SHORT)[0]
 
 
 def test_expert_tensor_parallel_on_2_ranks(reference):
     """tp 2 = etp 2 at dp 1: without sequence parallelism at ZeRO-1 (replicated tokens, the
     partial outputs all-reduced), with it at ZeRO-3 (tokens gathered, outputs reduce-scattered)."""
     layouts = {"etp2-zero1": ETP + _zero(1), "etp2-sp-zero3": ETP + SP + _zero(3)}
-    assert_parity(run_distributed(_layouts, 2, layouts)[0], reference, ITERS)
+    assert_parity(run_ranks(_layouts, 2, layouts)[0], reference, ITERS)
 
 
 def test_expert_tensor_parallel_with_expert_parallel_on_4_ranks(reference):
     """tp 2 = etp 2 x ep 2 (ep over the data ranks) at ZeRO-3: the tokens' all-to-all between the
     ranks of the same etp slice, expert slices sharded over their expert-dp group of one."""
-    assert_parity(run_distributed(_layouts, 4, {"etp2-ep2-zero3": ETP + EP2 + _zero(3)})[0], reference, ITERS)
+    assert_parity(run_ranks(_layouts, 4, {"etp2-ep2-zero3": ETP + EP2 + _zero(3)})[0], reference, ITERS)
 
 
 @pytest.mark.slow
@@ -71,4 +78,31 @@ def test_expert_tensor_parallel_layouts_on_4_ranks(reference):
     layouts = {"etp2-sp-ep2-zero1": ETP + SP + EP2 + _zero(1), "etp2-sp-ep2-zero3": ETP + SP + EP2 + _zero(3),
                "etp2-ep2-zero1-allgather": ETP + EP2 + _zero(1) + ["--parallel.moe_dispatcher", "allgather"],
                "etp2-edp2-zero2": ETP + _zero(2)}
-    assert_parity(run_distributed(_layouts, 4, layouts)[0], reference, ITERS)
+    assert_parity(run_ranks(_layouts, 4, layouts)[0], reference, ITERS)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+# The partition map records an expert slice's tp_dim / tp_stride as a dense TP shard's, so the
+# rank files and the universal export join the etp slices and any layout cuts them again.
+TP2_ETP1 = ["--parallel.tp", "2", "--parallel.etp", "1"]
+
+
+def test_checkpoint_at_etp2_resumes_bitwise_and_reshards(tmp_path, reference):
+    """Saved at tp 2 = etp 2 (ZeRO-1): the same layout resumes bit for bit; tp 1 x dp 2 (from the
+    rank files, ZeRO-2) and tp 2 with whole experts (etp 1, from the universal export, ZeRO-3)
+    continue within 1e-5; convert --to torch and the 16-bit model join every expert's slices."""
+    resumes = {"same": ETP + _zero(1), "tp1-zero2": _zero(2), "universal-tp2-etp1-zero3": TP2_ETP1 + _zero(3)}
+    out = run_ranks(moe_save_then_resume, 2, str(tmp_path), SHORT, ETP + _zero(1), resumes, ITERS)[0]
+    assert_moe_resumes(out, reference, "same", ["tp1-zero2", "universal-tp2-etp1-zero3"])
+
+
+@pytest.mark.slow
+def test_checkpoint_at_etp2_with_expert_parallel_resumes_and_reshards(tmp_path, reference):
+    """Saved at tp 2 = etp 2 x ep 2 with sequence parallelism (ZeRO-3): bitwise at the same layout;
+    resharded to tp 1 x dp 4 (ZeRO-1), to tp 2 with whole experts x ep 2 (ZeRO-2) and, from the
+    universal export, to tp 2 = etp 2 at ep 1 (expert-dp 2, ZeRO-0)."""
+    layout = ETP + SP + EP2 + _zero(3)
+    resumes = {"same": layout, "tp1-zero1": _zero(1), "tp2-etp1-ep2-zero2": TP2_ETP1 + EP2 + _zero(2),
+               "universal-etp2-edp2": ETP}
+    out = run_ranks(moe_save_then_resume, 4, str(tmp_path), SHORT, layout, resumes, ITERS)[0]
+    assert_moe_resumes(out, reference, "same", ["tp1-zero1", "tp2-etp1-ep2-zero2", "universal-etp2-edp2"])
