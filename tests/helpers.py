@@ -425,6 +425,26 @@ def assert_moe_resumes(out: dict, reference: list, same: str, resharded: list[st
         assert torch.equal(value, out["exported"][name].to(value.dtype)), name
 
 
+def check_moe_buckets(tr) -> None:
+    """In a spawned rank, of a trainer of an MoE model: expert weights in buckets of their own over
+    expert-dp, dense ones over dp x cp, as the planner lays them out (plan/ranks.py: the same
+    buckets, each expert E / ep and 1 / etp wide, padded for their own group)."""
+    from megazero.plan.ranks import rank_params
+    from megazero.zero.partition import bucket_numel
+    sharded, grid, cfg = tr.optimizer.sharded, tr.grid, tr.cfg
+    for b in sharded.layout.buckets:
+        expert = "experts." in b.slots[0].name
+        group = grid.expert_dp_group if expert else grid.dp_cp_group
+        assert b.group == ("expert_dp" if expert else "dp_cp") and all(("experts." in s.name) == expert for s in b.slots)
+        assert (b.shards, b.rank) == sharded.sharding.shards(group)
+    p = cfg.parallel
+    planned = rank_params(cfg.model, p.tp, p.pp, p.vpp, grid.pp_rank, sharded.sharding.parameters, cfg.zero.bucket_size,
+                          p.pp_layers, grid.ep, grid.etp).split_experts()[2]
+    shards = sharded.sharding.shards(grid.expert_dp_group)[0]
+    assert [b.numel for b in sharded.layout.buckets if b.group == "expert_dp"] == \
+        [bucket_numel(list(b), shards) for b in planned]
+
+
 def moe_records(args: Sequence[str], check: Optional[Callable[[Any], None]] = None) -> list[tuple[float, ...]]:
     """In a spawned rank: train configs/mixtral-tiny.yaml with `args` (after `check(trainer)`, when
     given); (loss, grad norm, aux loss, z-loss) of each iteration on the logging rank, nothing elsewhere."""

@@ -15,7 +15,6 @@ from megazero.config.schema import (
     FinetuneConfig,
     ModelConfig,
     OptimConfig,
-    ParallelConfig,
     TrainConfig,
     ZeroConfig,
 )
@@ -94,7 +93,7 @@ def validate(cfg: Config, world_size: int) -> int:
         if p.tp > 1 and cfg.finetune.lora_rank:
             raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
                               f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
-    _refuse(expert_tp_problem(p, m))
+    _refuse(expert_tp_problem(p.tp, p.expert_tp, m.num_experts))
     if m.num_experts and cfg.optim.name == "muon" and (p.ep > 1 or p.expert_tp > 1):
         raise ConfigError(f"optim.name muon with parallel.ep {p.ep} x parallel.etp {p.expert_tp}: Muon orthogonalises "
                           f"experts held whole on each rank only; use --parallel.ep 1 --parallel.etp 1 or "
@@ -102,14 +101,14 @@ def validate(cfg: Config, world_size: int) -> int:
     return dp
 
 
-def expert_tp_problem(p: ParallelConfig, m: ModelConfig) -> Optional[str]:
+def expert_tp_problem(tp: int, etp: int, num_experts: int) -> Optional[str]:
     """Expert tensor parallelism is built over the TP group itself (etp = tp, the default: each
     expert's MLP split as the dense MLP is) or not at all (etp 1: whole experts, ep splits them);
     an expert_tp group of other ranks than the TP group's (1 < etp != tp) would need the tokens
     gathered over a group the dense layers do not share, which the MoE layer does not do."""
-    if m.num_experts and p.expert_tp not in (1, p.tp):
-        return (f"parallel.etp ({p.expert_tp}) must be 1 or parallel.tp ({p.tp}): experts split over other ranks "
-                f"than the TP group's are not built; use --parallel.etp {p.tp} (the default) or --parallel.etp 1")
+    if num_experts and etp not in (1, tp):
+        return (f"parallel.etp ({etp}) must be 1 or parallel.tp ({tp}): experts split over other ranks than the TP "
+                f"group's are not built; use --parallel.etp {tp} (the default) or --parallel.etp 1")
     return None
 
 

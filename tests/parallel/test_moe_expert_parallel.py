@@ -15,6 +15,7 @@ import pytest
 from helpers import (
     assert_moe_resumes,
     assert_parity,
+    check_moe_buckets,
     logged_by_layout,
     moe_records,
     moe_save_then_resume,
@@ -30,26 +31,7 @@ SHORT = ["--train.iters", str(ITERS), "--model.seq_length", "32", "--train.globa
 def _records(extra: list[str]) -> list[tuple[float, ...]]:
     """(loss, grad norm, aux loss, z-loss) of each iteration on the logging rank (empty elsewhere),
     after checking that the expert buckets are partitioned over expert-dp and the dense over dp x cp."""
-    return moe_records(SHORT + extra, _check_buckets)
-
-
-def _check_buckets(tr) -> None:
-    """Expert weights in buckets of their own over expert-dp, dense ones over dp x cp, as the planner
-    lays them out (plan/ranks.py: the same buckets, padded for their own group)."""
-    from megazero.plan.ranks import rank_params
-    from megazero.zero.partition import bucket_numel
-    sharded, grid, cfg = tr.optimizer.sharded, tr.grid, tr.cfg
-    for b in sharded.layout.buckets:
-        expert = "experts." in b.slots[0].name
-        group = grid.expert_dp_group if expert else grid.dp_cp_group
-        assert b.group == ("expert_dp" if expert else "dp_cp") and all(("experts." in s.name) == expert for s in b.slots)
-        assert (b.shards, b.rank) == sharded.sharding.shards(group)
-    p = cfg.parallel
-    planned = rank_params(cfg.model, p.tp, p.pp, p.vpp, grid.pp_rank, sharded.sharding.parameters, cfg.zero.bucket_size,
-                          p.pp_layers, grid.ep, 1).split_experts()[2]
-    shards = sharded.sharding.shards(grid.expert_dp_group)[0]
-    assert [b.numel for b in sharded.layout.buckets if b.group == "expert_dp"] == \
-        [bucket_numel(list(b), shards) for b in planned]
+    return moe_records(SHORT + extra, check_moe_buckets)
 
 
 def _layouts(layouts: dict[str, list[str]]) -> dict[str, list]:

@@ -13,6 +13,7 @@ import pytest
 from helpers import (
     assert_moe_resumes,
     assert_parity,
+    check_moe_buckets,
     logged_by_layout,
     moe_records,
     moe_save_then_resume,
@@ -33,7 +34,7 @@ def _zero(stage: int) -> list[str]:
 
 def _check_split(tr) -> None:
     """Each expert weight is placed along the dense MLP's dims and (outside ZeRO-3, whose
-    parameters are placeholders) holds its experts' etp slice."""
+    parameters are placeholders) holds its experts' etp slice; the buckets are the planner's."""
     from megazero.parallel.placement import placement
     grid, m, whole = tr.grid, tr.cfg.model, tr.optimizer.sharded.sharding.parameters
     assert grid.etp == grid.tp == 2 and grid.expert_tp_group.ranks == grid.tp_group.ranks
@@ -43,6 +44,7 @@ def _check_split(tr) -> None:
             for kind, dim, shape in (("c_fc", 1, (f, h)), ("c_proj", 2, (h, f // 2))):  # gate | up: 2 x f / 2 rows
                 if f".experts.{kind}." in name:
                     assert placement(p).dim == dim and (whole or tuple(p.shape[1:]) == shape), name
+    check_moe_buckets(tr)
 
 
 def _records(extra: list[str]) -> list[tuple[float, ...]]:
