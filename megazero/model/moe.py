@@ -222,7 +222,8 @@ class MoE(nn.Module):
         keep = self._within_capacity(routing, flat.shape[0])
         out = self._experts(flat, routing, keep)
         if self.shared_expert is not None:
-            shared = self.shared_expert(flat)
+            # Given [b, s, h]: under sequence parallelism its TP layers gather along the sequence (dim 1).
+            shared = self.shared_expert(x).reshape(flat.shape)
             if hasattr(self, "shared_expert_gate"):
                 shared = shared * torch.sigmoid(flat @ self.shared_expert_gate.weight[0].t())
             out = out + shared

@@ -36,7 +36,10 @@ def _check_split(tr) -> None:
     """Each expert weight is placed along the dense MLP's dims and (outside ZeRO-3, whose
     parameters are placeholders) holds its experts' etp slice; the buckets are the planner's."""
     from megazero.parallel.placement import placement
+    check_moe_buckets(tr)
     grid, m, whole = tr.grid, tr.cfg.model, tr.optimizer.sharded.sharding.parameters
+    if grid.etp == 1:  # whole experts (a layout to compare with)
+        return
     assert grid.etp == grid.tp == 2 and grid.expert_tp_group.ranks == grid.tp_group.ranks
     f, h = m.moe_ffn_size, m.hidden_size
     for chunk in tr.chunks:
@@ -44,7 +47,6 @@ def _check_split(tr) -> None:
             for kind, dim, shape in (("c_fc", 1, (f, h)), ("c_proj", 2, (h, f // 2))):  # gate | up: 2 x f / 2 rows
                 if f".experts.{kind}." in name:
                     assert placement(p).dim == dim and (whole or tuple(p.shape[1:]) == shape), name
-    check_moe_buckets(tr)
 
 
 def _records(extra: list[str]) -> list[tuple[float, ...]]:
@@ -81,6 +83,32 @@ def test_expert_tensor_parallel_layouts_on_4_ranks(reference):
                "etp2-ep2-zero1-allgather": ETP + EP2 + _zero(1) + ["--parallel.moe_dispatcher", "allgather"],
                "etp2-edp2-zero2": ETP + _zero(2)}
     assert_parity(run_ranks(_layouts, 4, layouts)[0], reference, ITERS)
+
+
+@pytest.mark.slow
+def test_expert_tensor_parallel_with_recompute_compile_pipeline_and_context_parallel(reference):
+    """tp 2 = etp 2 with full recomputation under sequence parallelism (the region's collectives
+    replayed) and with train.compile on 2 ranks; with pp 2 under ZB-H1 (deferred weight
+    gradients) and with cp 2 x ep 2 under sequence parallelism at ZeRO-3 on 4."""
+    two = {"etp2-sp-full-zero2": ETP + SP + ["--train.recompute", "full"] + _zero(2),
+           "etp2-compile": ETP + ["--train.compile", "true"]}
+    four = {"etp2-pp2-zbh1": ETP + ["--parallel.pp", "2", "--parallel.schedule", "zbh1"],
+            "etp2-cp2-sp-ep2-zero3": ETP + SP + ["--parallel.cp", "2"] + EP2 + _zero(3)}
+    assert_parity(run_ranks(_layouts, 2, two)[0], reference, ITERS)
+    assert_parity(run_ranks(_layouts, 4, four)[0], reference, ITERS)
+
+
+SHARED = ["--model.moe_shared_expert_ffn_hidden_size", "64", "--model.moe_shared_expert_gate", "true"]
+
+
+def test_gated_shared_expert_beside_split_experts(reference):
+    """Qwen2-MoE's gated shared expert, a dense MLP over tp beside the routed experts: at tp 2 with
+    sequence parallelism (its TP layers gather the [b, s/tp, h] stream along the sequence), with
+    the experts split (etp 2) and whole (etp 1), equals its own single process."""
+    own = run_ranks(moe_records, 1, SHORT + SHARED)[0]
+    layouts = {"etp2-sp-shared": ETP + SP + SHARED, "etp1-sp-shared": ["--parallel.tp", "2", "--parallel.etp", "1"] + SP
+               + SHARED}
+    assert_parity(run_ranks(_layouts, 2, layouts)[0], own, ITERS)
 
 
 # ----------------------------------------------------------------------------- checkpoints
