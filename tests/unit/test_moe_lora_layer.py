@@ -46,9 +46,15 @@ def test_expert_adapters_are_each_experts_own():
     assert experts.c_proj.lora_B.weight.shape == (E, H, R)
 
 
-def test_adapters_on_experts_split_over_ranks_are_refused_in_one_line():
-    experts = GroupedExperts(4, H, FFN, "swiglu")
-    experts.c_fc.keep_experts(Group("ep", None, [0, 1], 0))  # ep 2: this rank holds experts 0 and 1
-    with pytest.raises(ConfigError, match="use --parallel.ep 1 --parallel.etp 1") as refused:
-        ExpertLoRA(experts.c_fc, R, ALPHA, 0.0)
-    assert "\n" not in str(refused.value)
+@pytest.mark.parametrize("split", ["ep", "etp"])
+def test_adapters_on_experts_split_over_ranks_are_refused_in_one_line(split):
+    """ep 2: this rank holds experts 0 and 1; etp 2: it holds half of every expert's width."""
+    experts = GroupedExperts(4, H, 2 * FFN, "swiglu")
+    if split == "ep":
+        experts.c_fc.keep_experts(Group("ep", None, [0, 1], 0))
+    else:
+        experts.apply_etp(Group("etp", None, [0, 1], 0))
+    for weight in (experts.c_fc, experts.c_proj) if split == "etp" else (experts.c_fc,):
+        with pytest.raises(ConfigError, match="use --parallel.ep 1 --parallel.etp 1") as refused:
+            ExpertLoRA(weight, R, ALPHA, 0.0)
+        assert "\n" not in str(refused.value)
