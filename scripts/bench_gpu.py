@@ -1,8 +1,8 @@
-"""Single-GPU training throughput of GPT-2 124M and 355M and a Llama-style 1B (Llama 3.2 1B's
-shape) in bf16: tokens/s, TFLOP/s, MFU, and the same models trained the plain Hugging Face way
+"""Single-GPU training throughput of GPT-2 124M and 355M, a Llama-style 1B (Llama 3.2 1B's
+shape) and a Mixtral-style mixture of experts (0.93B, 0.31B active: the grouped GEMM) in bf16: tokens/s, TFLOP/s, MFU, and the same models trained the plain Hugging Face way
 in the same run, as peers.
 
-    python scripts/bench_gpu.py [--models gpt2-124m gpt2-355m llama-3.2-1b] [--iters 30] [--warmup 5]
+    python scripts/bench_gpu.py [--models gpt2-124m gpt2-355m llama-3.2-1b mixtral-1b] [--iters 30] [--warmup 5]
                                 [--micro N] [--accum N] [--megazero eager|compile|both]
                                 [--peers none|eager|compile|both]
                                 [--peer-iters N] [--profile] [--profile-steps 1] [--trace DIR]
@@ -18,7 +18,8 @@ override applied to every model (e.g. `--train.recompute none`).
 `--megazero` (default both): megazero eager ("megazero") and under train.compile ("megazero
 compile"), each with its ratios to the peers; their ratio to each other is train.compile's gain.
 
-Peers (`--peers`, default both): transformers' GPT2LMHeadModel, or LlamaForCausalLM for the
+Peers (`--peers`, default both): transformers' GPT2LMHeadModel, MixtralForCausalLM for the
+MoE row (its load-balancing loss added at the config's coefficient), or LlamaForCausalLM for the
 Llama row (grouped K/V, SwiGLU, RMSNorm, rotary with llama3 scaling, tied; the config.json
 megazero's own export writes), of the same shape and dropout (SDPA attention) in fp32 weights under bf16 autocast, fused torch AdamW with the config's lr,
 betas, eps and weight decay (none on 1-D parameters, as megazero), the config's gradient clip,
@@ -73,9 +74,20 @@ from megazero.train.metrics import device_peak_flops
 # micro-batches large enough that the matmuls fill an H100/H200 (activations stay far below 80 GiB).
 # The Llama row: 1.24B parameters at 2048 tokens, 64k tokens per iteration like the GPT-2 rows; its
 # peer keeps every activation (no recomputation) and a 128k-wide logit row per token.
-SHAPES = {"gpt2-124m": (16, 4), "gpt2-355m": (8, 8), "llama-3.2-1b": (2, 16)}
-MODEL_OVERRIDES = {"llama-3.2-1b": ["--model.seq_length", "2048"]}
+SHAPES = {"gpt2-124m": (16, 4), "gpt2-355m": (8, 8), "llama-3.2-1b": (2, 16), "mixtral-1b": (8, 8)}
+MODEL_OVERRIDES = {
+    "llama-3.2-1b": ["--model.seq_length", "2048"],
+    # A Mixtral-style mixture of experts of 0.93B parameters, 0.31B active (8 SwiGLU experts of width
+    # 2816 per layer, top-2, 12 layers of h 1024, grouped K/V), from the tiny config's routing and
+    # losses; the z-loss off, which transformers' Mixtral has not.
+    "mixtral-1b": ["--model.num_layers", "12", "--model.num_experts", "8", "--model.hidden_size", "1024", "--model.num_heads", "16",
+                   "--model.num_query_groups", "8", "--model.seq_length", "1024", "--model.vocab_size", "32000",
+                   "--model.ffn_hidden_size", "2816", "--model.moe_ffn_hidden_size", "2816",
+                   "--model.moe_z_loss_coeff", "0"],
+}
 """Per-model config overrides applied before the user's (the shipped Llama config trains at 8192 tokens)."""
+MODEL_CONFIGS = {"mixtral-1b": "mixtral-tiny"}
+"""The shipped config a row starts from, when not configs/<model>.yaml."""
 MEGAZERO, MEGAZERO_COMPILE, HF_EAGER, HF_COMPILE = "megazero", "megazero compile", "hf eager", "hf compile"
 OURS = {"eager": (MEGAZERO,), "compile": (MEGAZERO_COMPILE,), "both": (MEGAZERO, MEGAZERO_COMPILE)}
 DEVICE = "cuda"  # where the peers train (a CPU smoke run of this script's logic swaps it)
@@ -109,7 +121,8 @@ def make_config(model: str, micro: int, accum: int, iters: int, overrides: list[
              "--train.micro_batch_size", str(micro), "--train.global_batch_size", str(micro * accum),
              "--train.iters", str(iters), "--train.eval_interval", "0", "--checkpoint.save", "null",
              "--checkpoint.load", "null", "--logging.jsonl", "null", "--logging.wandb", "false"]
-    return configs.make_config(fixed + MODEL_OVERRIDES.get(model, []) + overrides, f"configs/{model}.yaml", world=1)
+    base = f"configs/{MODEL_CONFIGS.get(model, model)}.yaml"
+    return configs.make_config(fixed + MODEL_OVERRIDES.get(model, []) + overrides, base, world=1)
 
 
 def timed_steps(step: Callable[[], float], iters: int, warmup: int) -> tuple[list[float], float, float]:
@@ -213,16 +226,27 @@ class LossOf(torch.nn.Module):
         self.lm = lm
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.lm(input_ids=inputs).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        out = self.lm(input_ids=inputs)
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten())
+        aux = getattr(out, "aux_loss", None)  # a mixture of experts' load-balancing loss, as megazero adds it
+        return loss if aux is None else loss + self.lm.config.router_aux_loss_coef * aux
 
 
 def hf_model(cfg: Config, device: str) -> torch.nn.Module:
-    """transformers' GPT-2, or LlamaForCausalLM for the Llama family, of the config's shape and
-    dropout, SDPA attention, fp32, on `device`."""
+    """transformers' GPT-2, LlamaForCausalLM for the Llama family or MixtralForCausalLM for a
+    Mixtral-style mixture of experts (its load-balancing loss on, at the config's coefficient), of
+    the config's shape and dropout, SDPA attention, fp32, on `device`."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     m = cfg.model
+    if architecture(m) == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        conf = {k: v for k, v in hf_config(m).items() if k != "model_type"}
+        mixtral = MixtralConfig(**{**conf, "use_cache": False, "output_router_logits": m.moe_aux_loss_coeff > 0,
+                                   "router_aux_loss_coef": m.moe_aux_loss_coeff}, attn_implementation="sdpa")
+        with torch.device(device):
+            return MixtralForCausalLM(mixtral)
     if architecture(m) == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 

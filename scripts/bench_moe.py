@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
         for inputs, labels in batches[i]:
             out = peer(input_ids=inputs, labels=None)
             lm = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
-            loss = (lm + out.aux_loss) / len(batches[i])
+            loss = (lm + peer.config.router_aux_loss_coef * out.aux_loss) / len(batches[i])
             loss.backward()
             total += float(lm.detach()) / len(batches[i])
         torch.nn.utils.clip_grad_norm_(peer.parameters(), o.clip_grad)

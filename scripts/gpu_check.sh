@@ -7,7 +7,8 @@
 # 2. runs the GPU tests: python -m pytest -q -m gpu tests/gpu/test_gpu.py ... (bf16 training at ZeRO
 #    stages 0-3 through NCCL, fp32 parity with CPU, 16-bit save, export, generation, the CUDA
 #    flash block kernel of ring attention, with and without dropout);
-# 3. benchmarks GPT-2 124M and 355M and the Llama-style 1B in bf16 without recomputation: python scripts/bench_gpu.py
+# 3. benchmarks GPT-2 124M and 355M, the Llama-style 1B and the Mixtral-style MoE (0.93B, grouped GEMM)
+#    in bf16 without recomputation: python scripts/bench_gpu.py
 #    (tokens/s, TFLOP/s, MFU), beside the Hugging Face GPT-2 of each shape trained the plain way
 #    (eager and torch.compile) and megazero's ratio to each; `--profile` adds the kernel-time
 #    breakdown by kind and the host syncs per step;
@@ -75,21 +76,21 @@ ensure_megazero() {
 export PYTHON
 export -f versions ensure_megazero  # `timeout` runs programs: the functions go through bash -c
 
-# Worst case 10 + 20 + 30 + 140 + 280 + 90 s = 9.5 min (run it with a 600 s limit). The benchmark with both peers and --profile
-# measured about 4 minutes on an H200 (torch.compile of each Hugging Face model ~45 s; of
+# Worst case 10 + 20 + 30 + 130 + 330 + 60 s = 9.7 min (run it with a 600 s limit). The benchmark with both peers and --profile
+# measured about 4 minutes on an H200 for the GPT-2 rows alone (the Llama and MoE rows are not measured yet) (torch.compile of each Hugging Face model ~45 s; of
 # megazero's blocks, which share one graph, ~15 s); without --profile it is shorter. Its
 # `run s` column shows where the time goes.
 part "device" 10 nvidia-smi || true  # informational: "versions" decides whether there is a usable GPU
 part "versions" 20 bash -c versions || { echo "gpu_check: no usable CUDA device; stopping"; exit 1; }
 part "import" 30 bash -c ensure_megazero || true
-part "gpu tests" 140 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu/test_gpu.py tests/parallel/test_cross_entropy.py \
+part "gpu tests" 130 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu/test_gpu.py tests/parallel/test_cross_entropy.py \
     tests/parallel/test_context_parallel.py \
     || true
 # No recomputation for the MFU figure: both models fit an H200 without it (pass --train.recompute
 # selective to measure it). Fewer iterations than bench_gpu.py's defaults, so that both models,
 # eager and compiled, and their two peers fit the limit (later arguments win: --peers none,
 # --megazero eager, --iters 30, ...).
-part "benchmark" 280 "$PYTHON" scripts/bench_gpu.py --train.recompute none --iters 12 --warmup 4 --peer-iters 10 \
+part "benchmark" 330 "$PYTHON" scripts/bench_gpu.py --train.recompute none --iters 12 --warmup 4 --peer-iters 10 \
     "$@" || true
 
 # Muon against AdamW on 355M (eager, no peers): the two "megazero" rows' tokens/s give the overhead.
@@ -101,7 +102,7 @@ muon_overhead() {
     done
 }
 export -f muon_overhead
-part "muon overhead" 90 bash -c muon_overhead || true
+part "muon overhead" 60 bash -c muon_overhead || true
 
 echo
 if [ "${#failed[@]}" -gt 0 ]; then

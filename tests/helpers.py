@@ -68,7 +68,8 @@ def muon_steps(args: Sequence[str], base: str | dict = TINY_CONFIG, iters: int =
     where = {name: placement(p) for chunk in tr.chunks for name, p in chunk.named_parameters()}
     buf = io.BytesIO()
     torch.save({"params": tr.optimizer.sharded.full_state_dict(), "where": where, "losses": losses, "calls": calls,
-                "tp": tr.grid.tp, "tp_rank": tr.grid.tp_rank, "model": tr.cfg.model}, buf)
+                "tp": tr.grid.tp, "tp_rank": tr.grid.tp_rank, "ep": tr.grid.ep, "ep_rank": tr.grid.ep_rank,
+                "model": tr.cfg.model}, buf)
     return buf.getvalue()
 
 
@@ -524,10 +525,19 @@ def assert_tensorboard_matches(log_dir: str, records: list[dict]) -> None:
             expected[tag] = [(r["iteration"], _f32(r[field] * unit)) for r in rows]
             if vs_samples:
                 samples[f"{tag} vs samples"] = [(r["consumed_samples"], _f32(r[field] * unit)) for r in rows]
-    from megazero.train.sinks import PER_LAYER
+    from megazero.train.sinks import PER_LAYER, PER_RANK
     for field, tag in PER_LAYER.items():  # logging.moe_per_layer: one tag per MoE layer, by iteration
         for r in records:
             for i, value in (r.get(field) or {}).items():
                 expected.setdefault(f"{tag}/layer_{i}", []).append((r["iteration"], _f32(value)))
+    for field, tag in PER_RANK.items():  # the straggler watch: one tag per phase and rank, by iteration
+        for r in records:
+            for phase, values in (r.get(field) or {}).items():
+                for rank, value in enumerate(values):
+                    expected.setdefault(f"{tag}/{phase}/rank_{rank}", []).append((r["iteration"], _f32(value)))
+    for r in records:  # a stream's tokens per source, by iteration and by samples
+        for source, tokens in (r.get("stream_tokens") or {}).items():
+            expected.setdefault(f"stream_tokens/{source}", []).append((r["iteration"], _f32(tokens)))
+            samples.setdefault(f"stream_tokens/{source} vs samples", []).append((r["consumed_samples"], _f32(tokens)))
     assert tensorboard_scalars(log_dir) == expected
     assert tensorboard_scalars(os.path.join(log_dir, SAMPLES_RUN)) == samples

@@ -34,7 +34,7 @@ from torch import nn
 
 from megazero.atomic import write_text
 from megazero.checkpoint.base import Checkpoint, CheckpointError
-from megazero.checkpoint.gathered import save_gathered
+from megazero.checkpoint.gathered import experts_full, save_gathered
 from megazero.checkpoint.hf_names import architecture, hf_adapter_name, hf_expert_adapter_name
 from megazero.config.schema import Config, ModelConfig
 from megazero.model.lora import adapter_shapes, is_adapter, merged_weight
@@ -76,7 +76,7 @@ def save_adapter(directory: str, adapters: Iterator[tuple[str, nn.Parameter, tor
         write_text(os.path.join(out, CONFIG_NAME), json.dumps(peft_config(cfg), indent=1))
     shapes = {n: s for name, shape in adapter_shapes(cfg.model, cfg.finetune).items()
               for n, s in _expert_by_expert(name, shape)}
-    save_gathered(os.path.join(out, WEIGHTS_NAME), _each_expert(adapters), shapes, grid, torch.float32,
+    save_gathered(os.path.join(out, WEIGHTS_NAME), _each_expert(adapters, grid), shapes, grid, torch.float32,
                   {"format": "pt"}, key=functools.partial(peft_key, cfg.model))
     return [os.path.join(ADAPTER_DIR, CONFIG_NAME), os.path.join(ADAPTER_DIR, WEIGHTS_NAME)]
 
@@ -90,16 +90,18 @@ def _expert_by_expert(name: str, shape: tuple[int, ...]) -> list[tuple[str, tupl
     return [(f"{head}.mlp.experts.{j}.{rest}", shape[1:]) for j in range(shape[0])]
 
 
-def _each_expert(adapters: Iterator[tuple[str, nn.Parameter, torch.Tensor]]
+def _each_expert(adapters: Iterator[tuple[str, nn.Parameter, torch.Tensor]], grid: ProcessGrid
                  ) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
-    """The adapters with each expert adapter cut into its experts' (experts are whole on each
-    rank: no TP shards to join)."""
+    """The adapters with each expert adapter gathered over the expert-parallel group (collective)
+    and cut into its experts' (each expert's whole on a rank: no TP shards to join), each piece a
+    plain replicated parameter to save_gathered."""
     for name, param, value in adapters:
         if ".mlp.experts." not in name:
             yield name, param, value
             continue
+        value = experts_full(value.detach(), param, grid.ep_group)
         for (piece, _), part in zip(_expert_by_expert(name, tuple(value.shape)), value.unbind(0), strict=True):
-            yield piece, param, part
+            yield piece, nn.Parameter(part, requires_grad=False), part
 
 
 def peft_key(m: ModelConfig, name: str) -> str:

@@ -45,7 +45,7 @@ def _tp_full(local: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tenso
     return where.unshard(list(flat.view(tp.size, *local.shape).unbind(0)))
 
 
-def _experts_full(local: torch.Tensor, param: nn.Parameter, ep: Group) -> torch.Tensor:
+def experts_full(local: torch.Tensor, param: nn.Parameter, ep: Group) -> torch.Tensor:
     """Stack every expert-parallel rank's experts of an expert weight (collective over ep)."""
     if not placement(param).experts or ep.size == 1:
         return local
@@ -106,7 +106,7 @@ def _joined(full_parameters: Iterator, shapes: dict, grid: ProcessGrid, dtype: t
         # A tied head (wte's copy) is not in the non-parallel model's shapes; an untied one is.
         if name not in shapes:
             continue
-        value = _experts_full(value.detach(), param, grid.ep_group)  # every rank: the ep group spans dp x cp ranks
+        value = experts_full(value.detach(), param, grid.ep_group)  # every rank: the ep group spans dp x cp ranks
         if grid.dp_cp_group.rank != 0:
             continue
         tensor = grid[parameter_groups(placement(param)).tensor]  # tp, or an expert weight's expert_tp

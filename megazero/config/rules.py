@@ -94,10 +94,9 @@ def validate(cfg: Config, world_size: int) -> int:
             raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
                               f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
     _refuse(expert_tp_problem(p.tp, p.expert_tp, m.num_experts))
-    if m.num_experts and cfg.optim.name == "muon" and (p.ep > 1 or p.expert_tp > 1):
-        raise ConfigError(f"optim.name muon with parallel.ep {p.ep} x parallel.etp {p.expert_tp}: Muon orthogonalises "
-                          f"experts held whole on each rank only; use --parallel.ep 1 --parallel.etp 1 or "
-                          f"--optim.name adamw")
+    if m.num_experts and cfg.optim.name == "muon" and p.expert_tp > 1:
+        raise ConfigError(f"optim.name muon with parallel.etp {p.expert_tp}: Muon orthogonalises whole experts (split "
+                          f"over ep, not over expert-TP ranks); use --parallel.etp 1 or --optim.name adamw")
     return dp
 
 

@@ -127,10 +127,11 @@ class ExpertLoRA:
         self.scale, self.dropout = alpha / rank, dropout
         where = placement(base.weight)
         experts, out_full, in_full = where.full_shape
-        if where.sharded or base.weight.shape[0] != experts:  # apply_lora runs after expert parallelism
+        if where.sharded:  # apply_lora runs after expert parallelism: each expert's matrix whole here
             raise ConfigError("finetune.lora_targets adapts the experts, whose adapters are built for experts whole "
-                              "on every rank; use --parallel.ep 1 --parallel.etp 1, or adapt the attention only "
-                              "(q_proj, k_proj, v_proj, o_proj)")
+                              "on a rank, but parallel.etp splits them; use --parallel.etp 1, or adapt the attention "
+                              "only (q_proj, k_proj, v_proj, o_proj)")
+        local = base.weight.shape[0]  # this rank's experts (all of them at ep 1)
         self.at: Optional[tuple[int, int]] = None  # (first output column, width) of a part
         holder: Any = base
         if part is not None:
@@ -140,9 +141,9 @@ class ExpertLoRA:
             out_full, self.at = hi - lo, (lo, hi - lo)
         make = dict(dtype=base.weight.dtype, device=base.weight.device)
         holder.lora_A, holder.lora_B = nn.Module(), nn.Module()
-        holder.lora_A.weight = place(nn.Parameter(torch.empty(experts, rank, in_full, **make)),
+        holder.lora_A.weight = place(nn.Parameter(torch.empty(local, rank, in_full, **make)),
                                      Placement((experts, rank, in_full), experts=experts))
-        holder.lora_B.weight = place(nn.Parameter(torch.empty(experts, out_full, rank, **make)),
+        holder.lora_B.weight = place(nn.Parameter(torch.empty(local, out_full, rank, **make)),
                                      Placement((experts, out_full, rank), experts=experts))
         self.holder = holder
         base.register_forward_hook(self._add_adapter)
@@ -193,9 +194,11 @@ def adapter_shapes(m: ModelConfig, f: FinetuneConfig) -> dict[str, tuple[int, ..
     return {n: tuple(p.shape) for n, p in model.named_parameters() if is_adapter(n)}
 
 
-def initial_adapter(name: str, p: nn.Parameter, seed: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """An adapter's starting value on this TP rank, the same whatever the layout: A drawn
-    whole from a generator seeded by (seed, name), B zeros."""
+def initial_adapter(name: str, p: nn.Parameter, seed: int, tp_rank: int, tp_size: int,
+                    ep: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """An adapter's starting value on this TP rank (of an expert adapter: its experts of the
+    expert-parallel group, `ep` = (rank, size)), the same whatever the layout: A drawn whole from
+    a generator seeded by (seed, name), B zeros."""
     where = placement(p)
     if name.endswith(".lora_B.weight"):
         full = torch.zeros(where.full_shape, device="cpu")
@@ -203,7 +206,7 @@ def initial_adapter(name: str, p: nn.Parameter, seed: int, tp_rank: int, tp_size
         bound = 1.0 / math.sqrt(where.full_shape[-1])  # A [r, in], or an expert weight's [E, r, in]
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full = torch.empty(where.full_shape, device="cpu").uniform_(-bound, bound, generator=g)
-    return where.shard(full, tp_rank, tp_size)
+    return where.shard(where.expert_shard(full, *ep), tp_rank, tp_size)
 
 
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:

@@ -111,7 +111,7 @@ def with_adapter_init(base: Optional[Initial], chunks: list[GPT], seed: int, gri
     `base` (e.g. HF weights) or the model's init."""
     def value(chunk: int, name: str, p: torch.nn.Parameter) -> torch.Tensor:
         if is_adapter(name):
-            return initial_adapter(name, p, seed, grid.tp_rank, grid.tp)
+            return initial_adapter(name, p, seed, grid.tp_rank, grid.tp, (grid.ep_rank, grid.ep))
         return base(chunk, name, p) if base is not None else chunks[chunk].initial_value(name, seed)
     return value
 

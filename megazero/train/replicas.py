@@ -18,8 +18,9 @@ lets torchrun --max-restarts resume from the last checkpoint, which passed the c
 
 At ZeRO 1-2 each rank steps its own slice and all-gathers it: a corrupted copy of another rank's
 slice is overwritten at the next step, a corrupted own slice spreads to the DP peers there, so
-the DP replicas are compared as the step left them, at the check's iteration. Expert weights at
-ep > 1 are not compared (their replicas follow the expert-data-parallel group).
+the DP replicas are compared as the step left them, at the check's iteration. An expert weight's
+replicas are its expert-data-parallel ones (config/sharding.parameter_groups): its key names the
+experts it holds (the ep rank) and its expert-TP shard, so exactly those ranks compare it.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from typing import Callable, Optional
 import torch
 
 from megazero.config.schema import Config
+from megazero.config.sharding import DENSE, parameter_groups
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
-from megazero.parallel.placement import placement
+from megazero.parallel.placement import Placement, placement
 from megazero.zero.optimizer import ZeroOptimizer
 from megazero.zero.partition import Bucket
 
@@ -74,9 +76,8 @@ class ReplicaCheck:
         t = cfg.train
         self.grid, self.optimizer = grid, optimizer
         self.interval = t.log_interval if t.replica_check_interval is None else t.replica_check_interval
-        self.entries = replicated_entries(grid, optimizer, cfg.parallel.ep) if self.interval else []
+        self.entries = replicated_entries(grid, optimizer) if self.interval else []
         self.verified: Optional[int] = None  # the last iteration found consistent
-        self.experts_left_out = cfg.parallel.ep > 1 and cfg.model.num_experts > 0
         # Every rank's keys, once (metadata): the check itself then gathers numbers only.
         self.keys: list[list[str]] = (comm.all_gather_object([e.key for e in self.entries], grid["world"])
                                       if self.interval else [])
@@ -105,9 +106,8 @@ class ReplicaCheck:
                         f" over the {p.tp} TP ranks")
         if self.optimizer.sharding.replicated and self.grid.dp * self.grid.cp > 1:
             what.append("the replicated optimizer state")
-        experts = " (expert weights at ep > 1 are not compared)" if self.experts_left_out else ""
-        return (f"replica check: {'; '.join(what)}{experts}; every {self.interval} iterations and before every "
-                f"checkpoint save ({self.compared} values compared)")
+        return (f"replica check: {'; '.join(what)}; every {self.interval} iterations and before every checkpoint "
+                f"save ({self.compared} values compared)")
 
     def due(self, iteration: int) -> bool:
         return self.enabled and iteration % self.interval == 0
@@ -167,32 +167,50 @@ def label(key: str) -> str:
     return f"{name} (DP slice {dp[0]})" if dp else name.replace("optimizer.", "optimizer state ")
 
 
-def replicated_entries(grid: ProcessGrid, optimizer: ZeroOptimizer, ep: int) -> list[Entry]:
+def replicated_entries(grid: ProcessGrid, optimizer: ZeroOptimizer) -> list[Entry]:
     """What this rank holds that others hold too, keyed by what must match. A key names the
     parameter, its pipeline stage (tied copies on two stages are not compared), and the coordinates
-    its values depend on: the TP rank for a TP-sharded parameter, the DP slice at ZeRO 3."""
+    its values depend on (`_coordinates`), the DP slice at ZeRO 3."""
     sharding, layout = optimizer.sharding, optimizer.layout
     stage = f"#pp{grid.pp_rank}"
     entries = []
-    if not sharding.parameters:  # ZeRO 0-2: every parameter whole on every DP rank
+    if not sharding.parameters:  # ZeRO 0-2: every parameter whole on every rank of its ZeRO group
         for _, slot in layout.slots():
-            where = placement(slot.param)
-            if where.experts and ep > 1:
-                continue
-            tp = f"#tp{grid.tp_rank}" if where.sharded else ""
-            entries.append(Entry(slot.name + stage + tp, _whole(slot.param)))
+            entries.append(Entry(slot.name + stage + _coordinates(grid, placement(slot.param)), _whole(slot.param)))
     elif grid.tp > 1:  # ZeRO 3: this rank's DP slice of each TP-replicated parameter
         for bucket, slot, start, end, _ in layout.slot_pieces(layout.buckets, layout.rank):
-            if placement(slot.param).sharded or (placement(slot.param).experts and ep > 1):
+            where = placement(slot.param)
+            if where.sharded or where.experts:  # an expert weight's ZeRO-3 slices are each on one rank
                 continue
             lo = bucket.slice_of(layout.rank)[0]
             key = f"{slot.name}{stage}#dp{layout.rank}@{start}"
             entries.append(Entry(key, _own_piece(optimizer, bucket, start - lo, end - lo)))
-    if sharding.replicated:  # ZeRO 0: the optimizer state is the same on every rank of dp x cp
-        tp = f"#tp{grid.tp_rank}"
-        for kind in ("master", "exp_avg", "exp_avg_sq") if optimizer.state.separate_master else ("exp_avg", "exp_avg_sq"):
-            entries.append(Entry(f"optimizer.{kind}{stage}{tp}", _state(optimizer, kind)))
+    if sharding.replicated:  # ZeRO 0: each bucket's optimizer state is the same over its ZeRO group
+        kinds = ("master", "exp_avg", "exp_avg_sq") if optimizer.state.separate_master else ("exp_avg", "exp_avg_sq")
+        for group, (where, ranges) in _state_ranges(layout.trainable_buckets()).items():
+            for kind in kinds:
+                entries.append(Entry(f"optimizer.{kind}{'' if group == DENSE.zero else '.' + group}{stage}"
+                                     f"{_coordinates(grid, where, always=True)}", _state(optimizer, kind, ranges)))
     return entries
+
+
+def _coordinates(grid: ProcessGrid, where: Placement, always: bool = False) -> str:
+    """Which copy of a parameter (or of its group's optimizer state) this rank holds: its TP shard
+    (over tp, or expert_tp for an expert weight) when split there (`always`: the optimizer state,
+    which is each TP rank's own), and the experts it holds when ep splits them."""
+    tensor = parameter_groups(where).tensor
+    key = f"#{tensor}{grid[tensor].rank}" if where.sharded or always else ""
+    return key + (f"#ep{grid.ep_rank}" if where.experts and grid.ep > 1 else "")
+
+
+def _state_ranges(buckets: list[Bucket]) -> dict[str, tuple[Placement, list[tuple[int, int]]]]:
+    """The trainable buckets' shard ranges by ZeRO group (dense, experts), with a placement of the
+    group's kind (what `_coordinates` reads)."""
+    out: dict[str, tuple[Placement, list[tuple[int, int]]]] = {}
+    for b in buckets:
+        where = placement(b.slots[0].param)
+        out.setdefault(b.group, (where, []))[1].append((b.shard_offset, b.shard_offset + b.shard_numel))
+    return out
 
 
 def _whole(param: torch.nn.Parameter) -> Callable[[], list[torch.Tensor]]:
@@ -203,5 +221,15 @@ def _own_piece(optimizer: ZeroOptimizer, bucket: Bucket, lo: int, hi: int) -> Ca
     return lambda: [optimizer.params.own_slice(bucket)[lo:hi]]
 
 
-def _state(optimizer: ZeroOptimizer, kind: str) -> Callable[[], list[torch.Tensor]]:
-    return lambda: [values for _, values in optimizer.state.pieces(kind)]
+def _state(optimizer: ZeroOptimizer, kind: str, ranges: list[tuple[int, int]]) -> Callable[[], list[torch.Tensor]]:
+    """The values of one kind of optimizer state in `ranges` of the shard (its pieces: the whole
+    shard in memory, sub-groups on NVMe)."""
+    def values() -> list[torch.Tensor]:
+        out = []
+        for offset, piece in optimizer.state.pieces(kind):
+            for lo, hi in ranges:
+                a, b = max(lo, offset), min(hi, offset + piece.numel())
+                if a < b:
+                    out.append(piece[a - offset: b - offset])
+        return out
+    return values

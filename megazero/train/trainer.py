@@ -161,12 +161,13 @@ class Trainer:
         return self.optimizer.sharded.full_parameters(trainable_only)
 
     def check_saveable(self, iteration: int) -> None:
-        """Every save's guard: replicas must agree (else ReplicaMismatch stops the run), and a
-        checkpoint of inf/NaN weights is refused."""
-        self.replicas.check(iteration)
+        """Every save's guard: a checkpoint of inf/NaN weights is refused, and replicas must agree
+        (else ReplicaMismatch stops the run). Non-finite weights first: their cause is named
+        plainly, and they would make the replicas differ too."""
         if not self.optimizer.all_finite():  # every rank agrees: none writes, all stop
             raise TrainingError(f"refusing to save iteration {iteration}: the weights hold inf/NaN; the last "
                                 f"saved checkpoint is intact; lower optim.lr or enable optim.clip_grad and resume")
+        self.replicas.check(iteration)
 
     def load_checkpoint(self, load_dir: str, iteration: int) -> None:
         """Resume from `load_dir` (a save directory, iter_ directory or universal checkpoint;

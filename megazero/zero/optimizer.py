@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from megazero.config.schema import Config
-from megazero.config.sharding import parameter_groups
+from megazero.config.sharding import DENSE, ParameterGroups, parameter_groups
 from megazero.parallel import comm
 from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.host import HostSnapshot, HostStaging
@@ -91,9 +91,7 @@ class ZeroOptimizer:
                        if cfg.train.precision == "fp16" else None)
         self.step_count = 0
         o = cfg.optim
-        self.muon = (MuonExchange(self.layout, muon, grid.stage_group, grid.tp_rank, grid.tp, self.owns_state,
-                                  grid.device, o.muon_ns_steps, o.muon_adjust_lr, ns_dtype(cfg.train.precision))
-                     if o.name == "muon" else None)
+        self.muon = self._muon_exchanges(muon) if o.name == "muon" else []
         self.state = self._state_store()
         sharded.materialize(self._write_master)
         self.state.flush()
@@ -143,6 +141,26 @@ class ZeroOptimizer:
         them to it): at stage 3 straight into the gradient sync (their parameters are released by the
         time W runs); else None."""
         return self.grads.add_grad if self.sharded.gatherer is not None else None
+
+    def _muon_exchanges(self, muon: frozenset[str]) -> list[MuonExchange]:
+        """Muon's exchanges, one per kind of parameter that has matrices: the dense ones' over the
+        pipeline stage (their TP parts and ZeRO shards), the experts' over expert-dp (the ranks
+        holding the same experts; their expert-TP split is refused by config/rules). At stage 0
+        each group's rank 0 alone contributes the replicated updates."""
+        o, grid, out = self.cfg.optim, self.grid, []
+        kinds: dict[ParameterGroups, set[str]] = {parameter_groups(placement(s.param)): set() for _, s in self.layout.slots()}
+        for _, s in self.layout.slots():
+            if s.name in muon:
+                kinds[parameter_groups(placement(s.param))].add(s.name)
+        for groups, names in kinds.items():
+            if not names:
+                continue
+            zero, tensor = self.sharded.zero_groups[groups.zero], grid[groups.tensor]
+            over = grid.stage_group if groups == DENSE else zero
+            out.append(MuonExchange(self.layout, frozenset(names), over, tensor.rank, tensor.size,
+                                    not self.sharding.replicated or zero.rank == 0, grid.device, o.muon_ns_steps,
+                                    o.muon_adjust_lr, ns_dtype(self.cfg.train.precision)))
+        return out
 
     @property
     def owns_state(self) -> bool:
@@ -210,7 +228,7 @@ class ZeroOptimizer:
             if st.master is not None:
                 adam = [i for i, r in enumerate(group) if not r.muon]
                 self.params.set_ranges([group[i] for i in adam], [masters[i] for i in adam])
-        if self.muon is not None:
+        if self.muon:
             self._muon_step(lr)
         self.params.flush()
         if self.sharding.gathers_after_step:  # stage 0 stepped everything, stage 3 keeps shards
@@ -226,7 +244,8 @@ class ZeroOptimizer:
         """Muon's second half: each matrix's update orthogonalised by its owner (MuonExchange),
         then decoupled weight decay and the step, at muon_lr scaled as the schedule scales optim.lr."""
         o = self.cfg.optim
-        self.muon.step(self._grad)  # type: ignore[union-attr]  # muon set
+        for exchange in self.muon:  # the same order on every rank: dense, then experts
+            exchange.step(self._grad)
         muon_lr = o.muon_lr * (lr / o.lr if o.lr > 0 else 1.0)
         for group, st in self.state.iterate(self.groups):
             mine = [r for r in group if r.muon]

@@ -378,6 +378,7 @@ def test_lost_node_restarts_at_the_smaller_world_size(tmp_path):
     assert abs(final["loss"] - _final_loss_uninterrupted(tmp_path, 1, args)) <= 1e-4
 
 
+@pytest.mark.slow  # suite budget
 def test_a_launch_with_a_restart_or_a_user_error_leaves_nothing_in_the_temporary_directory(tmp_path):
     """torchelastic made a torchelastic_* directory per launch in the system's temporary
     directory and left it (about 40 after a short trial), and the workers' error markers stayed

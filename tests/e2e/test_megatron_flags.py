@@ -507,6 +507,7 @@ def test_calculate_per_token_loss_on_uneven_loss_masks(tmp_path):
     assert abs(per_token - micro_mean) > 1e-3  # the masks are uneven enough for the definition to matter
 
 
+@pytest.mark.slow  # suite budget
 def test_llama3_line_trains_at_tp2_pp2_and_resumes(tmp_path):
     """The Llama 3 example's flags at tp 2 x pp 2 (sequence parallel, ZeRO 1): 4 steps of 8 samples
     with TensorBoard scalars and a checkpoint every 2; a run resumed from step 2 repeats steps 3

@@ -92,6 +92,7 @@ def test_init_from_hf_against_a_checkpoint_in_load(tmp_path):
     assert starting_point_line(empty) is None  # nothing to resume: the weights are read
 
 
+@pytest.mark.slow  # suite budget
 def test_the_fixes_the_init_from_hf_refusal_names_start_from_the_llama_config(tmp_path):
     """configs/llama-finetune.yaml (no model keys: init_from_hf gives them) with another run's
     checkpoint in checkpoint.load: refused; each fix the line names, followed as written, starts

@@ -243,6 +243,45 @@ def test_hf_llama_peer_trains_the_config_shape_on_cpu():
     assert not torch.equal(before, lm.model.embed_tokens.weight)
 
 
+def test_moe_row_is_a_mixtral_whose_peer_has_as_many_parameters_and_adds_its_aux_loss():
+    """The MoE row: a Mixtral-style model (8 experts, top-2) of 0.93B parameters, 0.31B active,
+    at the other rows' 64k tokens per iteration; its peer is MixtralForCausalLM of the same shape
+    (meta device), its load-balancing loss on at the config's coefficient."""
+    pytest.importorskip("transformers")
+    from megazero.plan.formulas import matmul_parameters, model_parameters
+    assert "mixtral-1b" in bench_gpu.parse_args([])[0].models
+    cfg = bench_gpu.make_config("mixtral-1b", *bench_gpu.SHAPES["mixtral-1b"], 3, [])
+    m = cfg.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_z_loss_coeff, m.seq_length) == (8, 2, 0.0, 1024)
+    lm = bench_gpu.hf_model(cfg, "meta")
+    c = lm.config
+    assert type(lm).__name__ == "MixtralForCausalLM" and c.output_router_logits
+    assert c.router_aux_loss_coef == m.moe_aux_loss_coeff > 0 and c._attn_implementation == "sdpa"
+    assert sum(p.numel() for p in lm.parameters()) == model_parameters(m) == 933_880_832
+    # active matmul weights: attention 37.7M, 2 of 8 experts 207.6M, routers 0.1M, the output layer 32.8M
+    assert round(matmul_parameters(m) / 1e6) == 278
+
+
+def test_hf_mixtral_peer_trains_with_its_aux_loss_on_cpu():
+    """One step of the peer on the tiny Mixtral: its loss is the cross-entropy plus the
+    coefficient times transformers' load-balancing loss."""
+    pytest.importorskip("transformers")
+    cfg = bench_gpu.make_config("mixtral-tiny", 2, 2, 3, [])
+    torch.manual_seed(0)
+    lm = bench_gpu.hf_model(cfg, "cpu")
+    batches = bench_gpu.token_batches(cfg, 2, 2, "cpu", torch.Generator().manual_seed(1))
+    inputs, labels = batches[0]
+    out = lm(input_ids=inputs)
+    plain = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+    with_aux = bench_gpu.LossOf(lm)(inputs, labels)
+    assert torch.allclose(with_aux, plain + cfg.model.moe_aux_loss_coeff * out.aux_loss)
+    optimizer = bench_gpu.peer_optimizer(lm, cfg)
+    before = lm.model.embed_tokens.weight.detach().clone()
+    loss = bench_gpu.peer_step(bench_gpu.LossOf(lm), optimizer, batches, cfg.optim.clip_grad, "cpu")
+    assert math.isfinite(loss) and abs(loss - math.log(512)) < 1.0
+    assert not torch.equal(before, lm.model.embed_tokens.weight)
+
+
 def _stand_in(path, name: str) -> None:
     path.write_text(f"#!/bin/sh\necho \"stand-in {name} $*\"\nexit 1\n")
     path.chmod(0o755)

@@ -530,6 +530,7 @@ def _assert_recompute_replays_dropout(impl: list[str], modes: tuple[str, ...]) -
     assert dropped > 1e-3, runs  # the gradient norms tell
 
 
+@pytest.mark.slow  # suite budget
 def test_ring_dropout_replayed_by_recompute():
     """Ring attention's block masks (seeds drawn from the per-rank stream) replay under selective
     recomputation, which runs the ring again inside backward."""

@@ -118,6 +118,7 @@ def test_resume_at_another_layout(tmp_path, source_checkpoint, target):
     assert len(losses) == 2 and max(abs(a - b) for a, b in zip(losses, reference, strict=True)) <= 1e-4
 
 
+@pytest.mark.slow  # suite budget
 def test_resume_from_universal_export(tmp_path, source_checkpoint):
     save, reference = source_checkpoint
     universal = str(tmp_path / "universal")
@@ -129,6 +130,7 @@ def test_resume_from_universal_export(tmp_path, source_checkpoint):
     assert max(abs(a - b) for a, b in zip(losses, reference, strict=True)) <= 1e-4
 
 
+@pytest.mark.slow  # suite budget
 def test_reshard_to_impossible_layout_is_refused(tmp_path, source_checkpoint):
     save, _ = source_checkpoint
     proc = torchrun(3, ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--model.num_layers", "8",
@@ -156,6 +158,7 @@ def test_greedy_generation_equal_across_layouts(tmp_path, source_checkpoint):
     assert all(ids == single for ids in tp4_from_checkpoint)
 
 
+@pytest.mark.slow  # suite budget
 def test_sampling_is_deterministic_for_a_seed(tmp_path, source_checkpoint):
     from megazero.checkpoint.load import open_checkpoint
     from megazero.generate import build_model, generate_batch

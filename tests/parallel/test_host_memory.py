@@ -138,6 +138,7 @@ def _explicit_refused(nvme: str) -> str:
     return "not refused"
 
 
+@pytest.mark.slow  # suite budget
 def test_an_explicit_sub_group_size_that_does_not_fit_on_one_rank_stops_every_rank(tmp_path):
     messages = run_distributed(_explicit_refused, 2, str(tmp_path))
     assert messages[0] == messages[1] and "\n" not in messages[0]

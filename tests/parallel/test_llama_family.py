@@ -115,11 +115,13 @@ def parallel_modes(tmp_path_factory) -> dict[str, list[tuple[float, float]]]:
                                          "lora-dp2-zero3": LORA + DP2_Z3})[0]
 
 
+@pytest.mark.slow  # suite budget
 def test_llama_nvme_offload_equals_the_single_process(parallel_modes, single_process_modes):
     """ZeRO-3 with parameters and optimizer offloaded to NVMe (dp 2)."""
     assert_parity({"zero3-nvme": parallel_modes["zero3-nvme"]}, single_process_modes["fp32"], 3)
 
 
+@pytest.mark.slow  # suite budget
 def test_llama_bf16_at_tp2_and_zero3_equals_the_single_process_and_learns(parallel_modes, single_process_modes):
     """bf16 compute (fp32 masters and gradients): dp 2 ZeRO-3 splits no reduction inside a
     sample and stays at fp32's bound; tp 2 sums partial products in another order, so its
@@ -134,6 +136,7 @@ def test_llama_bf16_at_tp2_and_zero3_equals_the_single_process_and_learns(parall
         assert run[-1][0] < run[0][0] - 0.01 and torch.isfinite(torch.tensor(run)).all(), run
 
 
+@pytest.mark.slow  # suite budget
 def test_llama_lora_at_tp2_and_zero3_equals_the_single_process(parallel_modes, single_process_modes):
     """LoRA on q, k, v, o, gate, up and down (the fused q|k|v and gate|up rows adapted part by
     part, K/V parts split by query group under tp)."""
@@ -170,6 +173,7 @@ def _save_then_resume(save: str, first: list[str], then: dict[str, list[str]]) -
     return out
 
 
+@pytest.mark.slow  # suite budget
 def test_llama_checkpoint_resumes_bitwise_and_reshards(tmp_path, reference):
     """Saved at tp 2 x pp 2 (ZeRO-1, untied output layer on the last stage): the same layout
     resumes bitwise; cp 2 x dp 2 under ZeRO-3 and, through the universal format, dp 4 under

@@ -201,6 +201,7 @@ def test_an_export_writes_the_runs_data_tokenizer_when_it_is_another(hf_dir, tmp
     assert transformers.AutoTokenizer.from_pretrained(export).encode(text) == build_tokenizer(bpe_spec).encode(text)
 
 
+@pytest.mark.slow  # suite budget
 def test_a_checkpoint_of_another_hf_model_names_a_fix_that_resumes(hf_dir, tmp_path):
     """Resuming a run that started from another Llama directory: refused, and the fix the line
     names (that run's init_from_hf, not --model.KEY, which config.json would refuse) resumes."""

@@ -344,6 +344,7 @@ def test_the_16bit_model_of_a_lora_run_folds_its_adapters_in(trained):
     assert (whole[name] - base).abs().max() > 1e-3  # folded: not the base weight
 
 
+@pytest.mark.slow  # suite budget
 def test_lora_on_a_plain_checkpoint_names_a_fix_that_starts(tmp_path):
     """A LoRA run resuming a checkpoint saved without adapters is refused; the export and the
     start the line names, followed as written (HF_DIR filled in), start the LoRA run."""

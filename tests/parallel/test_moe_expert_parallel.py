@@ -109,9 +109,12 @@ def test_checkpoint_at_ep2_resumes_bitwise_and_reshards_to_ep1(tmp_path, referen
 @pytest.mark.slow
 def test_checkpoint_at_ep2_with_expert_data_parallelism_resumes_and_reshards(tmp_path, reference):
     """Saved at ep 2 x expert-dp 2 at ZeRO-0 (each bucket's state saved by its ZeRO group's rank 0
-    alone): bitwise at the same layout; resharded to ep 1 x dp 4 at ZeRO-1, to ep 4 at ZeRO-3 and,
-    from the universal export, to ep 2 x tp 2 at ZeRO-2."""
+    alone): bitwise at the same layout; resharded to ep 1 x dp 4 at ZeRO-1, to ep 4 at ZeRO-3, to
+    tp 2 = etp 2 x ep 2 (each expert cut over the TP ranks) at ZeRO-1 and, from the universal
+    export, to ep 2 x tp 2 at ZeRO-2."""
     resumes = {"same": EP2, "ep1-zero1": _zero(1), "ep4-zero3": EP4 + _zero(3),
+               "tp2-etp2-ep2-zero1": ["--parallel.tp", "2", "--parallel.etp", "2"] + EP2 + _zero(1),
                "universal-tp2-ep2-zero2": TP2 + EP2 + _zero(2)}
     out = run_distributed(moe_save_then_resume, 4, str(tmp_path), SHORT, EP2, resumes, ITERS)[0]
-    assert_moe_resumes(out, reference, "same", ["ep1-zero1", "ep4-zero3", "universal-tp2-ep2-zero2"])
+    assert_moe_resumes(out, reference, "same", ["ep1-zero1", "ep4-zero3", "tp2-etp2-ep2-zero1",
+                                                 "universal-tp2-ep2-zero2"])

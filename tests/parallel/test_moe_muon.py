@@ -43,15 +43,34 @@ def test_each_experts_matrices_are_muons_once_per_step(reference):
     assert sorted(reference["calls"]) == sorted(_expected_calls(reference["model"]) * ITERS)
 
 
-@pytest.mark.parametrize("layout", [["--zero.stage", "1"], ["--parallel.tp", "2", "--parallel.etp", "1"]],
-                         ids=["dp2-zero1", "tp2-etp1"])
+@pytest.mark.parametrize("layout", [["--zero.stage", "1"],
+                                    pytest.param(["--parallel.tp", "2", "--parallel.etp", "1"], marks=pytest.mark.slow),
+                                    pytest.param(["--parallel.ep", "2", "--zero.stage", "0"], marks=pytest.mark.slow),
+                                    ["--parallel.ep", "2", "--zero.stage", "3"]],
+                         ids=["dp2-zero1", "tp2-etp1", "ep2-zero0", "ep2-zero3"])
 def test_moe_muon_layouts_equal_the_single_process(reference, layout):
-    outs = _outs(2, layout)
+    """At ep 2 each rank's experts are orthogonalised among the ranks holding them (expert-dp)."""
+    _assert_equal(_outs(2, layout), reference)
+
+
+@pytest.mark.slow
+def test_moe_muon_with_expert_data_parallelism_on_4_ranks(reference):
+    """ep 2 x expert-dp 2 at ZeRO 0 (each group's rank 0 contributes the replicated updates) and 2."""
+    for stage in ("0", "2"):
+        _assert_equal(_outs(4, ["--parallel.ep", "2", "--zero.stage", stage]), reference)
+
+
+def _assert_equal(outs: list[dict], reference: dict) -> None:
+    """Each rank's losses and its shard of every parameter within 1e-5 of the single process, and
+    each matrix orthogonalised once per step over the ranks."""
     for out in outs:
         assert max(abs(a - b) for a, b in zip(out["losses"], reference["losses"], strict=True)) <= 1e-5
         for name, p in out["params"].items():
+            where = out["where"][name]
             full = reference["params"][name]
-            mine = out["where"][name].shard(full, out["tp_rank"], out["tp"])
+            if where.experts and p.shape[0] != full.shape[0]:  # this rank's experts
+                full = where.expert_shard(full, out["ep_rank"], out["ep"])
+            mine = where.shard(full, out["tp_rank"], out["tp"])
             torch.testing.assert_close(p, mine, rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     # each matrix orthogonalised once per step over the ranks, by one owner
     assert sorted(c for out in outs for c in out["calls"]) == sorted(reference["calls"])

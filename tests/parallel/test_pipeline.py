@@ -414,6 +414,7 @@ def test_zbh1_matches_single_process():
     run_distributed(_check_layouts, 4, 8, 16, [(1, 4, 1, "zbh1", "full"), (1, 2, 1, "zbh1", "none")])
 
 
+@pytest.mark.slow  # suite budget
 def test_zbh1_zero3_matches_single_process():
     """ZeRO-3 under ZB-H1, pp 2 x dp 2: W lands its weight gradients with the parameters
     released; the loss and every gradient (gathered over DP) equal one process's."""

@@ -52,7 +52,8 @@ def _layouts(layouts: dict[str, list[str]]) -> dict[str, list[tuple[float, float
 DEFAULT_LAYOUTS = ("tp2", "cp2-ulysses")
 
 
-@pytest.mark.parametrize("which", ["default", pytest.param("all", marks=pytest.mark.slow)])
+@pytest.mark.slow  # suite budget: test_qwen_from_and_to_hugging_face trains the family by default
+@pytest.mark.parametrize("which", ["default", "all"])
 def test_qwen_layouts_equal_the_single_process(which):
     """Qwen3 and Qwen2 style models at tp 2 (with and without sequence parallelism), cp 2 ring and
     Ulysses, pp 2: one 2-rank world runs them all."""

@@ -90,7 +90,7 @@ def reference() -> dict:
     return _outs(1, [])[0]
 
 
-@pytest.mark.parametrize("layout", [["--zero.stage", "1"], ["--zero.stage", "3"],
+@pytest.mark.parametrize("layout", [["--zero.stage", "1"], pytest.param(["--zero.stage", "3"], marks=pytest.mark.slow),
                                     pytest.param(["--zero.stage", "2", "--zero.offload_optimizer", "cpu"],
                                                  marks=pytest.mark.slow)])
 def test_dp2_equals_single_process(reference, layout):

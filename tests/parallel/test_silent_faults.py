@@ -143,3 +143,52 @@ def test_spike_mode_reruns_before_the_step(tmp_path):
     assert skipped == 1 and loss > 2 * 0.1
     assert "above 2 x the recent maximum 0.1" in spiked and "the data is the cause; batch skipped: samples" in spiked
     assert records[0]["event"] == "skipped_batch" and records[0]["iteration"] == 2
+
+
+MOE = ["--train.iters", "2", "--model.seq_length", "32", "--train.global_batch_size", "8",
+       "--train.micro_batch_size", "2", "--train.log_interval", "1", "--train.straggler_interval", "0"]
+
+
+def _moe_replicas(layouts: dict[str, list[str]]) -> dict:
+    """Each layout of a Mixtral-style model with the replica check every iteration (losses on the
+    logging rank, the values compared); then at ep 1 x dp 2, ZeRO 0, a flipped bit in rank 1's copy
+    of an expert weight and the check's line."""
+    import torch
+
+    from megazero.train.replicas import ReplicaMismatch
+    out = {}
+    for name, extra in layouts.items():
+        tr = make_trainer(MOE + extra, base="configs/mixtral-tiny.yaml")
+        with contextlib.redirect_stdout(io.StringIO()):
+            records = tr.run()
+        out[name] = ([r["loss"] for r in records] if tr.is_logger else None, tr.replicas.compared)
+    tr = make_trainer(MOE + ["--zero.stage", "0", "--train.iters", "1"], base="configs/mixtral-tiny.yaml")
+    with contextlib.redirect_stdout(io.StringIO()):
+        tr.run()
+    expert = next(p for n, p in tr.chunks[0].named_parameters() if n.endswith("experts.c_fc.weight"))
+    if tr.grid.rank == 1:
+        with torch.no_grad():
+            expert.view(-1)[7:8].view(torch.int32).bitwise_xor_(1 << 27)
+    tr.replicas.verified = None
+    try:
+        tr.replicas.check(2)
+        out["flip"] = None
+    except ReplicaMismatch as e:
+        out["flip"] = str(e)
+    return out
+
+
+def test_moe_replicas_compare_each_expert_shard_with_its_own_replicas():
+    """Expert weights split over ep (and their ZeRO-0 optimizer state) are compared only between
+    ranks holding the same experts: ep 2 at ZeRO 0 and tp 2 x etp 1 at ZeRO 3 run clean with the
+    check every iteration, their losses those of the check turned off; a bit flipped in an expert
+    weight's replica is named."""
+    layouts = {"ep2-zero0": ["--parallel.ep", "2", "--zero.stage", "0"],
+               "tp2-etp1-ep2-zero0": ["--parallel.tp", "2", "--parallel.etp", "1", "--parallel.ep", "2",
+                                      "--zero.stage", "0"],
+               "tp2-etp1-zero3": ["--parallel.tp", "2", "--parallel.etp", "1", "--zero.stage", "3"],
+               "ep2-zero0-off": ["--parallel.ep", "2", "--zero.stage", "0", "--train.replica_check_interval", "0"]}
+    out = run_distributed(_moe_replicas, 2, layouts)[0]
+    assert out["ep2-zero0"][0] == out["ep2-zero0-off"][0]
+    assert all(out[k][1] > 0 for k in ("ep2-zero0", "tp2-etp1-ep2-zero0", "tp2-etp1-zero3"))
+    assert out["flip"] is not None and "experts.c_fc.weight" in out["flip"] and "iteration 2" in out["flip"], out

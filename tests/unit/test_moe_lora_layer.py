@@ -46,15 +46,18 @@ def test_expert_adapters_are_each_experts_own():
     assert experts.c_proj.lora_B.weight.shape == (E, H, R)
 
 
-@pytest.mark.parametrize("split", ["ep", "etp"])
-def test_adapters_on_experts_split_over_ranks_are_refused_in_one_line(split):
-    """ep 2: this rank holds experts 0 and 1; etp 2: it holds half of every expert's width."""
-    experts = GroupedExperts(4, H, 2 * FFN, "swiglu")
-    if split == "ep":
-        experts.c_fc.keep_experts(Group("ep", None, [0, 1], 0))
-    else:
-        experts.apply_etp(Group("etp", None, [0, 1], 0))
-    for weight in (experts.c_fc, experts.c_proj) if split == "etp" else (experts.c_fc,):
-        with pytest.raises(ConfigError, match="use --parallel.ep 1 --parallel.etp 1") as refused:
+def test_adapters_of_experts_split_over_ep_are_this_ranks_and_etp_is_refused_in_one_line():
+    """At ep 2 a rank's adapters are its experts' (their placement the full [E, ...]); an expert
+    split over expert-TP ranks (GroupedExperts.apply_etp) is refused in one line."""
+    from megazero.parallel.placement import placement
+    experts = GroupedExperts(4, H, FFN, "swiglu")
+    experts.c_fc.keep_experts(Group("ep", None, [0, 1], 0))  # ep 2: this rank holds experts 0 and 1
+    lora = ExpertLoRA(experts.c_fc, R, ALPHA, 0.0)
+    assert lora.holder.lora_A.weight.shape == (2, R, H) and lora.holder.lora_B.weight.shape == (2, 2 * FFN, R)
+    assert placement(lora.holder.lora_A.weight).full_shape == (4, R, H)
+    split = GroupedExperts(4, H, 2 * FFN, "swiglu")
+    split.apply_etp(Group("etp", None, [0, 1], 0))  # etp 2: half of every expert's width
+    for weight in (split.c_fc, split.c_proj):
+        with pytest.raises(ConfigError, match="use --parallel.etp 1") as refused:
             ExpertLoRA(weight, R, ALPHA, 0.0)
         assert "\n" not in str(refused.value)

@@ -18,7 +18,7 @@ E, ROWS, COLS, STEPS = 3, 12, 8, 5  # gate | up of 6 rows each, 8 inputs
 
 def _exchange_updates(named: list[tuple[str, nn.Parameter]], grads: list[torch.Tensor], rule: str) -> list[torch.Tensor]:
     """What MuonExchange makes of each parameter's update U in one process: lr_factor x O."""
-    layout = build_layout([(0, named)], 1, 0)
+    layout = build_layout([(0, named)], {"dp_cp": (1, 0), "expert_dp": (1, 0)})
     flat = torch.zeros(layout.shard_numel)
     for (_, s), g in zip(layout.slots(), grads, strict=True):
         flat[s.offset: s.offset + s.numel] = g.reshape(-1)
