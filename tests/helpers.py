@@ -366,6 +366,86 @@ def losses_saving_at_2(trainer: Any, iters: int) -> list[float]:
     return losses
 
 
+def moe_save_then_resume(root: str, args: list[str], layout: list[str], resumes: dict[str, list[str]],
+                         iters: int) -> dict:
+    """In spawned ranks: train configs/mixtral-tiny.yaml with `args` at `layout` `iters` steps,
+    saving after 2 (with its 16-bit model); its universal and torch exports; each of `resumes`
+    (`args` and a layout, loading the save or, with "universal" in its name, the universal export)
+    trains the rest. The losses and the full parameters each resume starts from on the logging rank, the
+    torch export's and the 16-bit model's on rank 0 (empty elsewhere)."""
+    import contextlib
+    import io
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from megazero.convert import main as convert_main
+    save, universal, exported = f"{root}/save", f"{root}/universal", f"{root}/model.pt"
+    t = make_trainer(args + layout + ["--checkpoint.save", save, "--checkpoint.save_model_16bit", "true"],
+                     base="configs/mixtral-tiny.yaml")
+    out: dict = {"straight": losses_saving_at_2(t, iters)}
+    if dist.get_rank() == 0:
+        with contextlib.redirect_stdout(io.StringIO()):
+            convert_main(["--load", save, "--to", "universal", "--output", universal])
+            convert_main(["--load", save, "--to", "torch", "--output", exported])
+        out["exported"] = torch.load(exported, weights_only=True)
+        out["16bit"] = load_file(f"{save}/iter_0000002/model_16bit.safetensors")
+    dist.barrier()
+    for name, extra in resumes.items():
+        t = make_trainer(args + extra + ["--checkpoint.load", universal if "universal" in name else save],
+                         base="configs/mixtral-tiny.yaml")
+        out[f"{name}-start"] = t.optimizer.sharded.full_state_dict()
+        out[name] = [t.train_step()["loss"] for _ in range(iters - 2)]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, out if t.is_logger else None)
+    if dist.get_rank() != 0:
+        return {}
+    logged = next(o for o in everyone if o)  # the losses of the logging rank, rank 0's export
+    return {**logged, "exported": out["exported"], "16bit": out["16bit"]}
+
+
+def assert_moe_resumes(out: dict, reference: list, same: str, resharded: list[str]) -> None:
+    """Of `moe_save_then_resume`: the uninterrupted run equals the single process; the same
+    layout's resume is bitwise, the resharded ones within 1e-5; the first resharded one (at ep 1,
+    tp 1: every expert whole) starts from what the torch export holds, and the 16-bit model
+    saved during training holds them too (in bf16)."""
+    import torch
+    losses = [r[0] for r in reference]
+    assert max(abs(a - b) for a, b in zip(out["straight"], losses, strict=True)) <= 1e-5
+    assert out[same] == out["straight"][2:], (out[same], out["straight"])
+    for name in resharded:
+        assert max(abs(a - b) for a, b in zip(out[name], losses[2:], strict=True)) <= 1e-5, (name, out[name])
+    whole = out[f"{resharded[0]}-start"]
+    experts = [n for n in whole if ".experts." in n]
+    assert experts and all(out["exported"][n].shape == value.shape for n, value in whole.items())
+    for name, value in whole.items():
+        assert torch.equal(out["exported"][name], value), name
+    assert set(experts) <= set(out["16bit"])
+    for name, value in out["16bit"].items():
+        assert torch.equal(value, out["exported"][name].to(value.dtype)), name
+
+
+def check_moe_buckets(tr) -> None:
+    """In a spawned rank, of a trainer of an MoE model: expert weights in buckets of their own over
+    expert-dp, dense ones over dp x cp, as the planner lays them out (plan/ranks.py: the same
+    buckets, each expert E / ep and 1 / etp wide, padded for their own group)."""
+    from megazero.plan.ranks import rank_params
+    from megazero.zero.partition import bucket_numel
+    sharded, grid, cfg = tr.optimizer.sharded, tr.grid, tr.cfg
+    for b in sharded.layout.buckets:
+        expert = "experts." in b.slots[0].name
+        group = grid.expert_dp_group if expert else grid.dp_cp_group
+        assert b.group == ("expert_dp" if expert else "dp_cp") and all(("experts." in s.name) == expert for s in b.slots)
+        assert (b.shards, b.rank) == sharded.sharding.shards(group)
+    p = cfg.parallel
+    planned = rank_params(cfg.model, p.tp, p.pp, p.vpp, grid.pp_rank, sharded.sharding.parameters, cfg.zero.bucket_size,
+                          p.pp_layers, grid.ep, grid.etp).split_experts()[2]
+    shards = sharded.sharding.shards(grid.expert_dp_group)[0]
+    assert [b.numel for b in sharded.layout.buckets if b.group == "expert_dp"] == \
+        [bucket_numel(list(b), shards) for b in planned]
+
+
 def moe_records(args: Sequence[str], check: Optional[Callable[[Any], None]] = None) -> list[tuple[float, ...]]:
     """In a spawned rank: train configs/mixtral-tiny.yaml with `args` (after `check(trainer)`, when
     given); (loss, grad norm, aux loss, z-loss) of each iteration on the logging rank, nothing elsewhere."""

@@ -27,6 +27,7 @@ from torch import nn
 from megazero.checkpoint.base import MODEL_16BIT
 from megazero.checkpoint.tensors import fit_vocab, plain_shapes, save_safetensors_streaming
 from megazero.config.schema import Config
+from megazero.config.sharding import parameter_groups
 from megazero.model.lora import adapter_shapes
 from megazero.parallel import comm
 from megazero.parallel.comm import Group
@@ -108,7 +109,8 @@ def _joined(full_parameters: Iterator, shapes: dict, grid: ProcessGrid, dtype: t
         value = experts_full(value.detach(), param, grid.ep_group)  # every rank: the ep group spans dp x cp ranks
         if grid.dp_cp_group.rank != 0:
             continue
-        yield name, fit_vocab(name, _tp_full(value, param, grid.tp_group), shapes[name]).to(dtype)
+        tensor = grid[parameter_groups(placement(param)).tensor]  # tp, or an expert weight's expert_tp
+        yield name, fit_vocab(name, _tp_full(value, param, tensor), shapes[name]).to(dtype)
 
 
 def _send(index: int, tensor: torch.Tensor, grid: ProcessGrid) -> None:

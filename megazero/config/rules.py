@@ -15,7 +15,6 @@ from megazero.config.schema import (
     FinetuneConfig,
     ModelConfig,
     OptimConfig,
-    ParallelConfig,
     TrainConfig,
     ZeroConfig,
 )
@@ -108,20 +107,21 @@ def validate(cfg: Config, world_size: int) -> int:
         if p.tp > 1 and cfg.finetune.lora_rank:
             raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
                               f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
-    _refuse(expert_split_not_built_problem(p, m))
+    _refuse(expert_tp_problem(p.tp, p.expert_tp, m.num_experts))
     if m.num_experts and cfg.optim.name == "muon" and p.expert_tp > 1:
         raise ConfigError(f"optim.name muon with parallel.etp {p.expert_tp}: Muon orthogonalises whole experts (split "
                           f"over ep, not over expert-TP ranks); use --parallel.etp 1 or --optim.name adamw")
     return dp
 
 
-def expert_split_not_built_problem(p: ParallelConfig, m: ModelConfig) -> Optional[str]:
-    """Experts split by expert tensor parallelism (etp > 1): each expert's MLP would have to be cut
-    over the expert_tp group, which the experts do not do yet; experts split over ep (whole experts
-    per rank) train at every layout, their parameters sharded over expert-dp by ZeRO."""
-    if m.num_experts and p.expert_tp > 1:
-        return (f"parallel.etp {p.expert_tp} (etp defaults to tp): experts split by expert tensor parallelism do "
-                f"not train yet (issue 45); use --parallel.etp 1 (whole experts per rank; ep splits them)")
+def expert_tp_problem(tp: int, etp: int, num_experts: int) -> Optional[str]:
+    """Expert tensor parallelism is built over the TP group itself (etp = tp, the default: each
+    expert's MLP split as the dense MLP is) or not at all (etp 1: whole experts, ep splits them);
+    an expert_tp group of other ranks than the TP group's (1 < etp != tp) would need the tokens
+    gathered over a group the dense layers do not share, which the MoE layer does not do."""
+    if num_experts and etp not in (1, tp):
+        return (f"parallel.etp ({etp}) must be 1 or parallel.tp ({tp}): experts split over other ranks than the TP "
+                f"group's are not built; use --parallel.etp {tp} (the default) or --parallel.etp 1")
     return None
 
 

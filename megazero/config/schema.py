@@ -193,8 +193,9 @@ class ParallelConfig:
     them by an all-to-all. Experts fold the tp x cp x dp ranks of each pipeline stage as etp x ep x expert-dp,
     so ep can span data- and context-parallel ranks (Megatron's --expert-model-parallel-size)."""
     etp: int = 0
-    """Expert tensor-parallel degree: ranks that split each expert's MLP; 0 means parallel.tp
-    (Megatron's --expert-tensor-parallel-size)."""
+    """Expert tensor-parallel degree: ranks that split each expert's MLP; 0 means parallel.tp (the TP group
+    splits each expert as it splits the dense MLP), 1 keeps experts whole (the TP ranks fold into ep x
+    expert-dp); other values are refused (Megatron's --expert-tensor-parallel-size)."""
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """How tokens reach their experts under ep > 1: alltoall (each rank sends only the routed tokens to the
     ranks holding their experts) or allgather (every EP rank gathers all tokens, keeps those for its experts,

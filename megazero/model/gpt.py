@@ -278,6 +278,7 @@ class GPT(nn.Module):
                  layers: Optional[Sequence[int]] = None, pre_process: bool = True, post_process: bool = True):
         super().__init__()
         self.cfg, self.tp, self.cp, self.ep, self.tracker = cfg, solo_group(), solo_group(), solo_group(), tracker
+        self.etp = solo_group()  # the group each expert's MLP is split over (apply_expert_parallel)
         self.sequence_parallel = False
         self.layers = list(range(cfg.num_layers) if layers is None else layers)
         self.pre_process, self.post_process = pre_process, post_process
@@ -356,14 +357,17 @@ class GPT(nn.Module):
             layer.split_groups.append(cp)
 
     def apply_expert_parallel(self, ep: Group, dispatcher: TokenDispatcher, dp: Group,
-                              token_replicas: Optional[Group] = None) -> None:
-        """Mixture of experts: each MoE layer keeps this rank's experts of the `ep` group and sends
-        tokens to the others' by `dispatcher`; global_aux_loss counts tokens over `dp` too.
-        `token_replicas`: ranks holding the same tokens (tp without sequence parallelism) whose
-        experts' places differ (etp 1): each sends its share of the tokens to the experts."""
+                              token_replicas: Optional[Group] = None, expert_tp: Optional[Group] = None) -> None:
+        """Mixture of experts: each MoE layer keeps this rank's experts of the `ep` group, each
+        split over `expert_tp` (the TP group at etp = tp; None: whole), and sends tokens to the
+        others' by `dispatcher`; global_aux_loss counts tokens over `dp` too. `token_replicas`:
+        ranks holding the same tokens (tp without sequence parallelism) whose experts' places
+        differ (etp 1): each sends its share of the tokens to the experts."""
         self.ep = ep
+        if expert_tp is not None:
+            self.etp = expert_tp
         for layer in moe_layers(self):
-            layer.apply_ep(ep, dispatcher)
+            layer.apply_ep(ep, dispatcher, expert_tp)
             layer.data_group = dp
             if token_replicas is not None:
                 layer.token_replicas = token_replicas
@@ -447,7 +451,8 @@ class GPT(nn.Module):
         parameter at a time."""
         p = self.get_parameter(name)
         where = placement(p)
-        return where.expert_shard(where.shard(self._full_init(name, p, seed), self.tp.rank, self.tp.size),
+        tensor = self.etp if where.experts else self.tp  # an expert weight's slice is its expert_tp group's
+        return where.expert_shard(where.shard(self._full_init(name, p, seed), tensor.rank, tensor.size),
                                   self.ep.rank, self.ep.size)
 
     def _full_init(self, name: str, p: nn.Parameter, seed: int) -> torch.Tensor:

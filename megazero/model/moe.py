@@ -27,6 +27,7 @@ values, the tokens per expert and the tokens dropped are kept in `stats` for the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from megazero.config.schema import ModelConfig
-from megazero.model.layers import activate
+from megazero.model.layers import activate, split_parameter_
 from megazero.model.router import (
     RouterSpec,
     Routing,
@@ -47,7 +48,16 @@ from megazero.model.router import (
     z_loss,
 )
 from megazero.parallel.comm import Group, all_reduce, solo_group
-from megazero.parallel.dispatch import LocalDispatch, TokenDispatcher, gather_token_shares, share_rows, token_share
+from megazero.parallel.dispatch import (
+    LocalDispatch,
+    TokenDispatcher,
+    enter_expert_tp,
+    gather_expert_tp,
+    gather_token_shares,
+    leave_expert_tp,
+    share_rows,
+    token_share,
+)
 from megazero.parallel.placement import Placement, place, placement
 
 
@@ -95,6 +105,14 @@ class _ExpertWeight(nn.Module):
         where = placement(self.weight)
         self.weight = place(nn.Parameter(where.expert_shard(self.weight.detach(), ep.rank, ep.size).clone()), where)
 
+    def split(self, dim: int, etp: Group) -> None:
+        """Keep this expert-tensor-parallel rank's slice of every expert along `dim` (1: output
+        rows, each of `stride`'s blocks cut on its own; 2: input columns). The placement records
+        the dim only now: whole experts (etp 1) stay replicated over their expert_tp group of one,
+        as checkpoints of whole experts record them."""
+        self.weight = place(self.weight, dataclasses.replace(placement(self.weight), dim=dim))
+        split_parameter_(self, "weight", etp)
+
 
 class GroupedExperts(nn.Module):
     """E expert MLPs whose weights are stacked: c_fc [E, (2)F, h], c_proj [E, h, F]."""
@@ -108,6 +126,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return self.c_proj(activate(self.c_fc(x, counts), self.activation), counts)
+
+    def apply_etp(self, etp: Group) -> None:
+        """Expert tensor parallelism: each expert's MLP split as a dense MLP over TP, c_fc by output
+        rows (gate and up each on its own), c_proj by input columns; the output is then partial."""
+        width = self.c_proj.weight.shape[2]
+        if width % etp.size:
+            raise ValueError(f"the experts' width ({width}) must be divisible by etp ({etp.size})")
+        self.c_fc.split(1, etp)
+        self.c_proj.split(2, etp)
 
 
 @dataclass(frozen=True)
@@ -166,15 +193,23 @@ class MoE(nn.Module):
         # Ranks holding the same tokens whose experts' places differ (tp without sequence
         # parallelism, at etp 1): each sends only its share of the tokens (dispatch.token_share).
         self.token_replicas: Group = solo_group()
+        # Ranks that split each expert's MLP (etp = tp; set by apply_ep), and whether the tokens
+        # arrive split along the sequence over them (set by GPT.apply_sequence_parallel).
+        self.expert_tp: Group = solo_group()
+        self.sequence_parallel = False
         self.loss_scale = 1.0
         self.stats: Optional[MoEStats] = None
         # Sums over the training forwards since `take_totals` (recomputations not counted): aux, z,
         # dropped, then the tokens of each expert.
         self.totals: Optional[torch.Tensor] = None  # (not a tensor made here: the model may be built on meta)
 
-    def apply_ep(self, ep: Group, dispatcher: TokenDispatcher) -> None:
+    def apply_ep(self, ep: Group, dispatcher: TokenDispatcher, expert_tp: Optional[Group] = None) -> None:
         """Expert parallelism (from outside, like tensor parallelism): keep this rank's E/ep
-        experts, and let `dispatcher` carry the tokens to the ranks of theirs."""
+        experts, each its slice of the `expert_tp` group (None: whole), and let `dispatcher` carry
+        the tokens to the ranks of theirs."""
+        if expert_tp is not None and expert_tp.size > 1:
+            self.experts.apply_etp(expert_tp)
+            self.expert_tp = expert_tp
         if ep.size > 1:
             self.experts.c_fc.keep_experts(ep)
             self.experts.c_proj.keep_experts(ep)
@@ -187,7 +222,8 @@ class MoE(nn.Module):
         keep = self._within_capacity(routing, flat.shape[0])
         out = self._experts(flat, routing, keep)
         if self.shared_expert is not None:
-            shared = self.shared_expert(flat)
+            # Given [b, s, h]: under sequence parallelism its TP layers gather along the sequence (dim 1).
+            shared = self.shared_expert(x).reshape(flat.shape)
             if hasattr(self, "shared_expert_gate"):
                 shared = shared * torch.sigmoid(flat @ self.shared_expert_gate.weight[0].t())
             out = out + shared
@@ -198,29 +234,55 @@ class MoE(nn.Module):
 
     def _experts(self, flat: torch.Tensor, routing: Routing, keep: Optional[torch.Tensor]) -> torch.Tensor:
         """The routed experts' output for every token: where other ranks hold the same tokens
-        (`token_replicas`), this rank computes its share of them and the shares are gathered."""
+        (`token_replicas`), this rank computes its share of them and the shares are gathered;
+        where the experts are split over `expert_tp`, a TP region around the dispatch."""
         group = self.token_replicas
         rows = flat.shape[0]
+        if self.expert_tp.size > 1:
+            return self._split_experts(flat, routing, keep)
         if group.size == 1:
-            return self._routed(flat, routing.experts, routing.probs, keep, rows)
+            return self._routed(flat, routing.experts, routing.probs, keep, self._pad_rows(rows))
         own = share_rows(rows, group)
         mine = self._routed(token_share(flat, group), routing.experts[own], token_share(routing.probs, group),
-                            None if keep is None else keep[own], rows)
+                            None if keep is None else keep[own], self._pad_rows(rows))
         return gather_token_shares(mine, group, flat.shape[0])
 
+    def _split_experts(self, flat: torch.Tensor, routing: Routing, keep: Optional[torch.Tensor]) -> torch.Tensor:
+        """Experts split over expert_tp (etp = tp): every rank of the group runs its slice of the
+        experts on the same tokens (replicated, or gathered from each rank's positions under
+        sequence parallelism), and the weighted outputs, partial sums, are summed over the group:
+        the sum commutes with the weighted combine, so it is one reduction, as a row-parallel
+        linear's. The tokens' and the probabilities' gradients are partial likewise, summed on
+        the way back (enter_expert_tp); the router's own stay whole."""
+        g, sp = self.expert_tp, self.sequence_parallel
+        # Under sequence parallelism each rank's capacity was counted over its own positions: an
+        # expert gets at most that many from each of the group's ranks.
+        pad = self._pad_rows(flat.shape[0], g.size if sp else 1)
+        out = self._routed(enter_expert_tp(flat, g, sp), gather_expert_tp(routing.experts, g, sp),
+                           enter_expert_tp(routing.probs, g, sp),
+                           None if keep is None else gather_expert_tp(keep, g, sp), pad)
+        return leave_expert_tp(out, g, sp)
+
+    def _pad_rows(self, routed: int, sources: int = 1) -> Optional[int]:
+        """Rows each local expert computes under model.moe_pad_to_capacity (None: its tokens alone):
+        a capacity counted over `routed` tokens from each of the ep group's ranks, times `sources`."""
+        if not (self.spec.pad_to_capacity and self.spec.capacity_factor is not None):
+            return None
+        return self.ep_size * sources * self._capacity(routed)
+
     def _routed(self, flat: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor,
-                keep: Optional[torch.Tensor], routed: int) -> torch.Tensor:
+                keep: Optional[torch.Tensor], pad_rows: Optional[int]) -> torch.Tensor:
         """Sort the kept (token, expert) pairs by expert, run the experts, and sum each token's
-        outputs weighted by its probabilities (a dropped pair adds nothing). `routed`: the tokens
-        the capacity was counted over (all the replicas' rows, of which these are a share)."""
+        outputs weighted by its probabilities (a dropped pair adds nothing). `pad_rows`: the rows
+        each local expert computes when padded to capacity (`_pad_rows`)."""
         tokens, k = experts.shape
         pairs = experts.reshape(-1)
         kept = torch.arange(pairs.numel(), device=pairs.device) if keep is None else keep.reshape(-1).nonzero()[:, 0]
         order = kept[torch.argsort(pairs[kept], stable=True)]  # pair indices, grouped by expert
         counts = torch.bincount(pairs[order], minlength=self.spec.router.num_experts).cpu()
         local, local_counts, sent = self.dispatcher.dispatch(flat[order // k], counts)
-        if self.spec.pad_to_capacity and self.spec.capacity_factor is not None:
-            computed = self._padded_experts(local, local_counts, self.ep_size * self._capacity(routed))
+        if pad_rows is not None:
+            computed = self._padded_experts(local, local_counts, pad_rows)
         else:
             computed = self.experts(local, local_counts)
         outputs = self.dispatcher.combine(computed, sent)

@@ -424,9 +424,10 @@ class _CopyToTP(torch.autograd.Function):
     def backward(ctx, grad):
         # Each TP rank computed a partial input-gradient from its weight shard: sum them, in
         # place (as Megatron does). Safe because copy_to_tp's output only ever feeds a matmul
-        # (column-parallel linear, LM head, LoRA B): `grad` is then that matmul's fresh input
-        # gradient, handed to this node alone (autograd sums several consumers' gradients
-        # into a new buffer), never a tensor also passed elsewhere, as a residual's is.
+        # (column-parallel linear, LM head, LoRA B) or, entering experts split over TP
+        # (dispatch.enter_expert_tp), a row gather and a broadcast product: `grad` is then that
+        # op's fresh input gradient, handed to this node alone (autograd sums several consumers'
+        # gradients into a new buffer), never a tensor also passed elsewhere, as a residual's is.
         return _summed_in_place(grad, ctx.group), None
 
 

@@ -17,6 +17,12 @@ model never knows how the tokens travelled.
 
 Every rank of a group issues the same collectives in the same order, whatever the routing:
 a dispatcher's calls depend only on the layer's shape, never on how many tokens an expert got.
+
+Experts split by expert tensor parallelism (etp = tp: each expert's MLP cut over the TP group as
+the dense MLP is) run as a TP region around the dispatch: the routed tokens and their
+probabilities enter it (`enter_expert_tp`: replicated rows copied, or under sequence parallelism
+each rank's rows gathered) and the weighted, combined output leaves it summed over the group
+(`leave_expert_tp`: all-reduce, or reduce-scatter back to each rank's rows).
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from megazero.parallel.comm import (
     Group,
     all_gather_into,
     all_to_all,
+    copy_to_tp,
     exchange_rows,
+    reduce_from_tp,
     reduce_scatter_into,
     transposed_pair,
 )
@@ -173,3 +181,42 @@ def gather_token_shares(x: torch.Tensor, group: Group, rows: int) -> torch.Tenso
     if group.size == 1:
         return x
     return transposed_pair(x, group, lambda t, grp: _gather_shares(t, grp, rows), _own_share)
+
+
+# ----------------------------------------------------------------------------- expert tensor parallelism
+# Each expert_tp rank computes its slice of every expert's MLP (c_fc's output rows, c_proj's input
+# columns) for the same tokens, so its output is a partial sum and its gradient of the tokens (and,
+# through the weighted combine, of their probabilities) is partial too. The router stays outside:
+# it runs replicated (or on each rank's own positions under sequence parallelism), so its own
+# gradients are whole and must not be summed again.
+
+
+def enter_expert_tp(rows: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """Rows [N, ...] (tokens, their probabilities) entering the experts split over `group`:
+    replicated rows as they are, their partial gradients summed in backward; under sequence
+    parallelism every rank's rows gathered (rank order), the gradients reduce-scattered back."""
+    if group.size == 1:
+        return rows
+    if sequence_parallel:
+        return transposed_pair(rows, group, _gather_rows, _reduce_scatter_rows)
+    return copy_to_tp(rows, group)
+
+
+def gather_expert_tp(rows: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """Rows without a gradient (the chosen experts, the capacity's mask) as `enter_expert_tp`
+    lays them out."""
+    if not sequence_parallel or group.size == 1:
+        return rows
+    if rows.dtype == torch.bool:  # not every backend gathers booleans
+        return _gather_rows(rows.to(torch.uint8), group).bool()
+    return _gather_rows(rows, group)
+
+
+def leave_expert_tp(out: torch.Tensor, group: Group, sequence_parallel: bool) -> torch.Tensor:
+    """The experts' partial output [N', h] summed over `group`: on every rank, or under sequence
+    parallelism each rank its own rows of the sum (the transpose of `enter_expert_tp`)."""
+    if group.size == 1:
+        return out
+    if sequence_parallel:
+        return transposed_pair(out, group, _reduce_scatter_rows, _gather_rows)
+    return reduce_from_tp(out, group)

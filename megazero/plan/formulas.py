@@ -393,15 +393,17 @@ def moe_layer_activation_bytes(x: ActivationShape) -> int:
     is not yet): attention and norms as a dense layer's, the shared expert as a dense MLP of its
     width, and for the T tokens this rank routes (b s, / t under sequence parallelism) the router's
     fp32 input (a copy in 16-bit runs), logits and probabilities [T, E], and for the T k (token,
-    expert) pairs it computes (as many as it sends, under even routing) the experts' input and
-    output rows (h each) and their MLP's (`layer_activation_bytes`'s SwiGLU 4 F or 2 F, / etp).
-    Full recomputation keeps only the layer input, as a dense layer."""
+    expert) pairs it computes (as many as it sends, under even routing; at etp = tp those of all
+    b s tokens, gathered under sequence parallelism) the experts' input and output rows (h each)
+    and their MLP's (`layer_activation_bytes`'s SwiGLU 4 F or 2 F, / etp). Full recomputation
+    keeps only the layer input, as a dense layer."""
     dense = layer_activation_bytes(dataclasses.replace(x, ffn=x.shared_ffn))
     if x.recompute == "full":
         return dense
     tokens = x.micro_batch * x.seq // (x.tp if x.sequence_parallel else 1)
     router = tokens * ((4 * x.hidden if x.act_bytes != 4 else 0) + 2 * 4 * x.experts)
-    pairs = tokens * x.topk * x.act_bytes * (2 * x.hidden + (4 if x.gated else 2) * x.expert_ffn // x.etp)
+    routed = x.micro_batch * x.seq if x.etp > 1 else tokens
+    pairs = routed * x.topk * x.act_bytes * (2 * x.hidden + (4 if x.gated else 2) * x.expert_ffn // x.etp)
     return dense + router + pairs
 
 
@@ -598,10 +600,9 @@ def tp_bytes(chunks: list[ChunkShape], x: ActivationShape, m: int, sequence_para
     embedding 2, the head 3; plus, once per iteration, the all-reduce of the
     `sequence_parallel_grads` fp32 elements of partial LayerNorm/bias gradients."""
     t = x.tp
-    # An MoE layer without a shared expert has no MLP on the TP group: its experts are whole on
-    # each TP rank (etp 1), which routes its own tokens (SP: its positions), so that layer
-    # drops the MLP's calls: 2 all-reduces, or under SP 5 halves (6 with full recompute's
-    # replayed gather).
+    # An MoE layer without a shared expert has no dense MLP on the TP group, so that layer drops
+    # the MLP's calls: 2 all-reduces, or under SP 5 halves (6 with full recompute's replayed
+    # gather); its routed experts' own calls are `moe_tp_bytes`.
     mlp_free = 0 if x.shared_ffn else 1
     if x.sequence_parallel:
         per_call = all_gather_volume(x.micro_batch * x.seq // t * x.hidden * x.act_bytes, t)
@@ -613,7 +614,37 @@ def tp_bytes(chunks: list[ChunkShape], x: ActivationShape, m: int, sequence_para
                     for c in chunks)
     loss = sum(3 * all_reduce_volume(4 * x.micro_batch * x.seq, t) for c in chunks if c.post)
     grads = all_reduce_volume(4 * sequence_parallel_grads, t) if x.sequence_parallel else 0
-    return m * (calls * per_call + loss) + grads
+    experts = sum(c.moe_layers for c in chunks) * moe_tp_bytes(x, x.recompute == "full")
+    return m * (calls * per_call + loss + experts) + grads
+
+
+def moe_tp_bytes(x: ActivationShape, replayed: bool = False) -> int:
+    """Bytes one rank sends over its TP group per MoE layer and micro-batch for the routed experts
+    (model/moe.py, parallel/dispatch.py), dropless; the shared expert is a dense MLP (tp_bytes).
+    Under sequence parallelism the tokens per expert are summed over tp (fp32 [E], all-reduced). At
+    etp = tp the experts are a TP region: without sequence parallelism the output [T, h] is
+    all-reduced forward, the tokens' gradient [T, h] and the probabilities' [T, k] (fp32)
+    backward; with it each rank's T / t rows of the tokens, of their chosen experts (int64) and
+    probabilities are all-gathered and the output reduce-scattered forward, and backward the
+    transposes (the output's gradient gathered, the tokens' and probabilities' reduce-scattered).
+    `replayed`: full recomputation runs the forward's calls again (the layer's losses, computed
+    after them, keep the replay going)."""
+    t = x.tp
+    if t == 1:
+        return 0
+    tokens = x.micro_batch * x.seq
+    counts = all_reduce_volume(4 * x.experts, t) if x.sequence_parallel else 0
+    if x.etp == 1:
+        return counts * (2 if replayed else 1)
+    rows, probs = tokens * x.hidden * x.act_bytes, tokens * x.topk * 4
+    if x.sequence_parallel:
+        gathered = all_gather_volume((rows + tokens * x.topk * 8 + probs) // t, t)
+        forward = counts + gathered + reduce_scatter_volume(rows // t, t)
+        backward = all_gather_volume(rows // t, t) + reduce_scatter_volume((rows + probs) // t, t)
+    else:
+        forward = all_reduce_volume(rows, t)
+        backward = all_reduce_volume(rows, t) + all_reduce_volume(probs, t)
+    return forward * (2 if replayed else 1) + backward
 
 
 def pp_bytes(pp: int, vpp: int, pp_rank: int, m: int, x: ActivationShape) -> int:

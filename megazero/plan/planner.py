@@ -280,9 +280,10 @@ def activation_order(schedule: str, pp: int, vpp: int, r: int, m: int) -> tuple[
 
 def expert_exchange_bytes(cfg: Config, layout: ParallelLayout, shape: F.ActivationShape) -> int:
     """Bytes one rank sends over its EP group per MoE layer and micro-batch (formulas.expert_dispatch_bytes)
-    for the tokens it routes: b s / cp, / tp under sequence parallelism or, without it, at etp below
-    tp, where the TP ranks hold the same tokens and each sends its share (dispatch.token_share)."""
-    shared = shape.sequence_parallel or layout.etp < layout.tp
+    for the tokens it routes: b s / cp, / tp at etp 1 below tp (under sequence parallelism its
+    positions; without it the TP ranks hold the same tokens and each sends its share,
+    dispatch.token_share); at etp = tp all of them (gathered over tp under sequence parallelism)."""
+    shared = layout.etp < layout.tp
     tokens = -(-shape.micro_batch * shape.seq // shape.tp) if shared else shape.micro_batch * shape.seq
     return F.expert_dispatch_bytes(tokens, shape.topk, shape.hidden, shape.act_bytes, shape.experts, layout.ep,
                                    cfg.parallel.moe_dispatcher, layout.recompute == "full")
@@ -397,8 +398,9 @@ def expert_options(cfg: Config, fixed: dict, tp: int, cp: int, dp: int) -> list[
     if not m.num_experts:
         return [(1, 1)]
     etp = fixed.get("etp", cfg.parallel.etp or tp)
-    if R.expert_width_problem(m.moe_ffn_size, m.moe_shared_expert_ffn_hidden_size, etp, tp):
-        return []
+    if R.expert_width_problem(m.moe_ffn_size, m.moe_shared_expert_ffn_hidden_size, etp, tp) or \
+            R.expert_tp_problem(tp, etp, m.num_experts) or (etp > 1 and cfg.optim.name == "muon"):
+        return []  # (Muon steps whole experts only: config/rules.py refuses it with etp > 1)
     return [(ep, etp) for ep in _options(fixed, "ep", divisors(m.num_experts))
             if not R.expert_grid_problem(tp, cp, dp, ep, etp, m.num_experts)]
 
@@ -432,6 +434,9 @@ def check_fixed(cfg: Config, cluster: Cluster, fixed: dict) -> None:
                         f"must equal --gpus ({gpus}); closest that fits: dp {gpus // (tp * cp * pp)}")
     if ("ep" in fixed or "etp" in fixed) and not m.num_experts:
         raise PlanError("--ep / --etp split experts, but model.num_experts is 0 (a dense model); drop them")
+    if "etp" in fixed and "tp" in fixed and R.expert_tp_problem(tp, fixed["etp"], m.num_experts):
+        raise PlanError(f"--etp {fixed['etp']} must be 1 or --tp ({tp}): experts split over other ranks than the TP "
+                        f"group's are not built; closest that fits: etp {closest([1, tp], fixed['etp'])}")
     if "ep" in fixed and m.num_experts % fixed["ep"]:
         ok = divisors(m.num_experts)
         raise PlanError(f"--ep {fixed['ep']} must divide model.num_experts ({m.num_experts}): each EP rank holds whole "

@@ -101,23 +101,23 @@ def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3:
                   for v, layers in enumerate(layer_sets)]
     for chunk in chunks:
         apply_tensor_parallel(chunk, group)
-        # Rank 0 of the EP group: every EP rank keeps as many experts. (Shapes only, as above.)
-        chunk.apply_expert_parallel(Group("ep", None, list(range(ep)), 0), LocalDispatch(), solo_group())
+        # Rank 0 of the EP and expert_tp groups: every rank keeps as many experts, each slice as
+        # wide. (Shapes only, as above.)
+        chunk.apply_expert_parallel(Group("ep", None, list(range(ep)), 0), LocalDispatch(), solo_group(),
+                                    expert_tp=Group("etp", None, list(range(etp)), 0))
     groups = fetch_units(chunks)[1] if stage3 else bucket_groups(chunks, bucket_size)
     tied_params = {id(c.tied_weight()): c for c in chunks if c.tied_weight() is not None}
     tied = tuple(i for i, (_, named) in enumerate(groups) if any(id(p) in tied_params for _, p in named))
-    # Expert tensor parallelism (etp) is not built in the model yet: each expert weight's width
-    # split over etp ranks is counted here, 1 / etp of its elements.
     return RankParams(chunks=tuple(ChunkShape(len(c.layers), c.pre_process, c.post_process, len(moe_layers(c)))
                                    for c in chunks),
-                      buckets=tuple(tuple(p.numel() // (etp if placement(p).experts else 1) for _, p in named)
-                                    for _, named in groups),
+                      buckets=tuple(tuple(p.numel() for _, p in named) for _, named in groups),
                       expert=tuple(tuple(bool(placement(p).experts) for _, p in named) for _, named in groups),
                       muon=tuple(tuple(is_muon_matrix(n) for n, _ in named) for _, named in groups),
+                      # Muon steps whole experts only (refused with etp > 1): their slices have no matrices.
                       muon_shapes=tuple(m.shape for c in chunks for n, p in c.named_parameters() if is_muon_matrix(n)
+                                        and not (placement(p).experts and placement(p).sharded)
                                         for m in split_matrices(n, placement(p), tuple(p.shape), 0, tp)),
                       tied=tied,
-                      param_numel=sum(p.numel() // (etp if placement(p).experts else 1)
-                                      for c in chunks for p in c.parameters()),
+                      param_numel=sum(p.numel() for c in chunks for p in c.parameters()),
                       replicated_numel=sum(p.numel() for c in chunks for p in c.parameters()
                                            if not placement(p).sharded))

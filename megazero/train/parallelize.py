@@ -72,7 +72,8 @@ def parallelize(cfg: Config, grid: ProcessGrid, tracker: RNGTracker) -> tuple[li
         if cfg.parallel.sequence_parallel:
             chunk.apply_sequence_parallel()
         chunk.apply_context_parallel(grid.cp_group, cfg.parallel.cp_impl)
-        chunk.apply_expert_parallel(grid.ep_group, dispatcher(cfg, grid), grid.dp_group, token_replicas(cfg, grid))
+        chunk.apply_expert_parallel(grid.ep_group, dispatcher(cfg, grid), grid.dp_group, token_replicas(cfg, grid),
+                                    grid.expert_tp_group)
         apply_lora(chunk, cfg.finetune, tracker)
         if cfg.train.compile:
             apply_compile(chunk)

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_parity, logged_by_layout, losses_saving_at_2, make_trainer, moe_records, run_distributed
+from helpers import (
+    assert_moe_resumes,
+    assert_parity,
+    check_moe_buckets,
+    logged_by_layout,
+    moe_records,
+    moe_save_then_resume,
+    run_distributed,
+)
 
 ITERS = 3
 # Large coefficients, so that the losses' gradients weigh in the gradient norm.
@@ -23,26 +31,7 @@ SHORT = ["--train.iters", str(ITERS), "--model.seq_length", "32", "--train.globa
 def _records(extra: list[str]) -> list[tuple[float, ...]]:
     """(loss, grad norm, aux loss, z-loss) of each iteration on the logging rank (empty elsewhere),
     after checking that the expert buckets are partitioned over expert-dp and the dense over dp x cp."""
-    return moe_records(SHORT + extra, _check_buckets)
-
-
-def _check_buckets(tr) -> None:
-    """Expert weights in buckets of their own over expert-dp, dense ones over dp x cp, as the planner
-    lays them out (plan/ranks.py: the same buckets, padded for their own group)."""
-    from megazero.plan.ranks import rank_params
-    from megazero.zero.partition import bucket_numel
-    sharded, grid, cfg = tr.optimizer.sharded, tr.grid, tr.cfg
-    for b in sharded.layout.buckets:
-        expert = "experts." in b.slots[0].name
-        group = grid.expert_dp_group if expert else grid.dp_cp_group
-        assert b.group == ("expert_dp" if expert else "dp_cp") and all(("experts." in s.name) == expert for s in b.slots)
-        assert (b.shards, b.rank) == sharded.sharding.shards(group)
-    p = cfg.parallel
-    planned = rank_params(cfg.model, p.tp, p.pp, p.vpp, grid.pp_rank, sharded.sharding.parameters, cfg.zero.bucket_size,
-                          p.pp_layers, grid.ep, 1).split_experts()[2]
-    shards = sharded.sharding.shards(grid.expert_dp_group)[0]
-    assert [b.numel for b in sharded.layout.buckets if b.group == "expert_dp"] == \
-        [bucket_numel(list(b), shards) for b in planned]
+    return moe_records(SHORT + extra, check_moe_buckets)
 
 
 def _layouts(layouts: dict[str, list[str]]) -> dict[str, list]:
@@ -108,78 +97,24 @@ def test_expert_parallel_with_pipeline_schedules_and_tp_cp_on_4_ranks(reference)
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _save_at_ep2_then_resume(root: str, layout: list[str], resumes: dict[str, list[str]]) -> dict:
-    """`layout` (ep 2): train ITERS, saving after 2 (with its 16-bit model); its universal and torch exports; each of
-    `resumes` (extra args, loading the save or, with "universal" in its name, the universal
-    export) trains the last iteration. The full parameters each resume starts from, and the
-    torch export's, on the logging rank."""
-    import contextlib
-    import io
-
-    import torch
-    import torch.distributed as dist
-    from safetensors.torch import load_file
-
-    from megazero.convert import main as convert_main
-    save, universal, exported = f"{root}/save", f"{root}/universal", f"{root}/model.pt"
-    t = make_trainer(SHORT + layout + ["--checkpoint.save", save, "--checkpoint.save_model_16bit", "true"],
-                     base="configs/mixtral-tiny.yaml")
-    out: dict = {"straight": losses_saving_at_2(t, ITERS)}
-    if dist.get_rank() == 0:
-        with contextlib.redirect_stdout(io.StringIO()):
-            convert_main(["--load", save, "--to", "universal", "--output", universal])
-            convert_main(["--load", save, "--to", "torch", "--output", exported])
-        out["exported"] = torch.load(exported, weights_only=True)
-        out["16bit"] = load_file(f"{save}/iter_0000002/model_16bit.safetensors")
-    dist.barrier()
-    for name, extra in resumes.items():
-        t = make_trainer(SHORT + extra + ["--checkpoint.load", universal if "universal" in name else save],
-                         base="configs/mixtral-tiny.yaml")
-        out[f"{name}-start"] = t.optimizer.sharded.full_state_dict()
-        out[name] = [t.train_step()["loss"] for _ in range(ITERS - 2)]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, out if t.is_logger else None)
-    if dist.get_rank() != 0:
-        return {}
-    logged = next(o for o in everyone if o)  # the losses of the logging rank, rank 0's export
-    return {**logged, "exported": out["exported"], "16bit": out["16bit"]}
-
-
-def _assert_resumes(out: dict, reference: list, same: str, resharded: list[str]) -> None:
-    """The uninterrupted run equals the single process; the same layout's resume is bitwise, the
-    resharded ones within 1e-5; a resume at ep 1 starts from every expert the torch export holds,
-    and the 16-bit model saved during training holds them too (in bf16)."""
-    import torch
-    losses = [r[0] for r in reference]
-    assert max(abs(a - b) for a, b in zip(out["straight"], losses, strict=True)) <= 1e-5
-    assert out[same] == out["straight"][2:], (out[same], out["straight"])
-    for name in resharded:
-        assert max(abs(a - b) for a, b in zip(out[name], losses[2:], strict=True)) <= 1e-5, (name, out[name])
-    whole = out[f"{resharded[0]}-start"]  # a layout with every expert on every rank (ep 1)
-    experts = [n for n in whole if ".experts." in n]
-    assert experts and all(out["exported"][n].shape[0] == 4 for n in experts)
-    for name, value in whole.items():
-        assert torch.equal(out["exported"][name], value), name
-    assert set(experts) <= set(out["16bit"])
-    for name, value in out["16bit"].items():
-        assert torch.equal(value, out["exported"][name].to(value.dtype)), name
-
-
 def test_checkpoint_at_ep2_resumes_bitwise_and_reshards_to_ep1(tmp_path, reference):
     """Saved at ep 2 (dp 2, ZeRO-1: experts alone on their expert-dp ranks): the same layout
     resumes bit for bit; ep 1 at ZeRO-2 (resharded from the rank files) and ep 1 at ZeRO-3 from
     the universal export continue within 1e-5; convert --to torch and the 16-bit model gather every expert."""
     resumes = {"same": EP2 + _zero(1), "ep1-zero2": _zero(2), "universal-ep1-zero3": _zero(3)}
-    out = run_distributed(_save_at_ep2_then_resume, 2, str(tmp_path), EP2 + _zero(1), resumes)[0]
-    _assert_resumes(out, reference, "same", ["ep1-zero2", "universal-ep1-zero3"])
+    out = run_distributed(moe_save_then_resume, 2, str(tmp_path), SHORT, EP2 + _zero(1), resumes, ITERS)[0]
+    assert_moe_resumes(out, reference, "same", ["ep1-zero2", "universal-ep1-zero3"])
 
 
 @pytest.mark.slow
 def test_checkpoint_at_ep2_with_expert_data_parallelism_resumes_and_reshards(tmp_path, reference):
     """Saved at ep 2 x expert-dp 2 at ZeRO-0 (each bucket's state saved by its ZeRO group's rank 0
-    alone): bitwise at the same layout; resharded to ep 1 x dp 4 at ZeRO-1, to ep 4 at ZeRO-3 and,
-    from the universal export, to ep 2 x tp 2 at ZeRO-2."""
+    alone): bitwise at the same layout; resharded to ep 1 x dp 4 at ZeRO-1, to ep 4 at ZeRO-3, to
+    tp 2 = etp 2 x ep 2 (each expert cut over the TP ranks) at ZeRO-1 and, from the universal
+    export, to ep 2 x tp 2 at ZeRO-2."""
     resumes = {"same": EP2, "ep1-zero1": _zero(1), "ep4-zero3": EP4 + _zero(3),
+               "tp2-etp2-ep2-zero1": ["--parallel.tp", "2", "--parallel.etp", "2"] + EP2 + _zero(1),
                "universal-tp2-ep2-zero2": TP2 + EP2 + _zero(2)}
-    out = run_distributed(_save_at_ep2_then_resume, 4, str(tmp_path), EP2, resumes)[0]
-    _assert_resumes(out, reference, "same", ["ep1-zero1", "ep4-zero3", "universal-tp2-ep2-zero2"])
+    out = run_distributed(moe_save_then_resume, 4, str(tmp_path), SHORT, EP2, resumes, ITERS)[0]
+    assert_moe_resumes(out, reference, "same", ["ep1-zero1", "ep4-zero3", "tp2-etp2-ep2-zero1",
+                                                 "universal-tp2-ep2-zero2"])

@@ -134,10 +134,14 @@ def _values(hf_dir: str, **where) -> dict[str, torch.Tensor]:
     """Every parameter's starting value as checkpoint.init_from_hf reads it from hf_dir (`where`:
     HFInitialValues.value's ep / etp ranks), for the model its config.json describes."""
     from megazero.checkpoint.hf import HFInitialValues, open_hf
-    from megazero.model.gpt import GPT
+    from megazero.model.gpt import GPT, moe_layers
+    from megazero.parallel.comm import Group
     m = open_hf(hf_dir).model_config
     with torch.device("meta"):
         model = GPT(m)
+    rank, size = where.get("etp", (0, 1))
+    for layer in moe_layers(model) if size > 1 else []:  # each expert split as at etp = tp (shapes only)
+        layer.experts.apply_etp(Group("etp", None, list(range(size)), rank))
     reader = HFInitialValues(hf_dir, m)
     return {name: reader.value(name, p, 0, 1, **where) for name, p in model.named_parameters()}
 
@@ -162,6 +166,19 @@ def test_the_fused_layout_reads_as_the_published_one_and_each_rank_its_experts(m
         second = _values(directory, ep=(1, 2))
         assert torch.equal(second[c_fc], published[c_fc][2:]), directory
         assert torch.equal(second["transformer.h.0.mlp.router.weight"], published["transformer.h.0.mlp.router.weight"])
+        _assert_each_rank_reads_its_expert_slices(directory, published)
+
+
+def _assert_each_rank_reads_its_expert_slices(directory: str, published: dict[str, torch.Tensor]) -> None:
+    """Expert-tensor-parallel rank r of 2 reads rows r of gate and of up (c_fc), columns r of down
+    (c_proj), of its experts (here with ep 2's rank 1: experts 2 and 3)."""
+    for r in range(2):
+        mine = _values(directory, ep=(1, 2), etp=(r, 2))
+        for layer in range(MIXTRAL["num_hidden_layers"]):
+            c_fc, c_proj = (published[f"transformer.h.{layer}.mlp.experts.{k}.weight"][2:] for k in ("c_fc", "c_proj"))
+            gate, up = (block.chunk(2, dim=1)[r] for block in c_fc.chunk(2, dim=1))
+            assert torch.equal(mine[f"transformer.h.{layer}.mlp.experts.c_fc.weight"], torch.cat([gate, up], dim=1))
+            assert torch.equal(mine[f"transformer.h.{layer}.mlp.experts.c_proj.weight"], c_proj.chunk(2, dim=2)[r])
 
 
 # ----------------------------------------------------------------------------- convert --to hf (issue 45, 7)
@@ -190,11 +207,16 @@ def _export(hf_dir: str, tmp_path, world: int, extra: list[str]) -> tuple[str, t
 
 
 def test_mixtral_exports_as_mixtral_with_its_logits(mixtral_dir, tmp_path):
-    """A step at tp 2 (sequence parallel, experts whole), converted with --to hf: the published
-    per-expert names, loaded by transformers as MixtralForCausalLM, logits within 1e-5."""
+    """At tp 2 with sequence parallelism and each expert split over the TP group (etp 2: every rank
+    reads its slice of every expert) the run starts with transformers' logits; a step, converted
+    with --to hf: the published per-expert names, loaded by transformers as MixtralForCausalLM,
+    logits within 1e-5."""
     from safetensors import safe_open
-    export, _, expected = _export(mixtral_dir, tmp_path, 2, ["--parallel.tp", "2", "--parallel.sequence_parallel",
-                                                             "true"])
+    export, started, expected = _export(mixtral_dir, tmp_path, 2, ["--parallel.tp", "2", "--parallel.sequence_parallel",
+                                                                   "true", "--parallel.etp", "2"])
+    with torch.no_grad():
+        original = transformers.MixtralForCausalLM.from_pretrained(mixtral_dir, dtype=torch.float32).eval()
+        assert (original(ROWS).logits - started).abs().max() <= 1e-5
     with safe_open(os.path.join(export, "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.3.w1.weight",

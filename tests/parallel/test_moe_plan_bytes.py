@@ -62,3 +62,41 @@ def test_expert_parallel_bytes_equal_the_planner_formula():
             assert per_expert == [BATCH * SEQ * TOPK // EXPERTS] * EXPERTS  # even routing
             predicted = expert_dispatch_bytes(BATCH * SEQ, TOPK, HIDDEN, 4, EXPERTS, 2, kind, replayed)
             assert sent == predicted > 0, (kind, replayed, sent, predicted)
+
+
+def _measure_expert_tp():
+    """Per (sequence parallel, recomputed): the bytes one MoE layer at tp 2 = etp 2 (each expert split
+    over the TP group, ep 1) counted on its TP group in a forward and backward."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from megazero.parallel.dispatch import LocalDispatch
+    grid = make_grid(2)
+    tp = grid.tp_group
+    out = {}
+    for sp in (False, True):
+        for replayed in (False, True):
+            layer = _evenly_routed_layer()
+            layer.apply_ep(grid.ep_group, LocalDispatch(), tp)
+            if sp:
+                layer.sequence_parallel, layer.split_groups = True, [tp]
+            x = _tokens(0)  # the same tokens on both ranks; under SP each keeps its half of the sequence
+            x = x.detach()[:, tp.rank * SEQ // 2:(tp.rank + 1) * SEQ // 2].requires_grad_() if sp else x
+            tp.counter.clear()
+            y = checkpoint(layer, x, use_reentrant=False) if replayed else layer(x)
+            y.square().sum().backward()
+            out[(sp, replayed)] = sum(v for op, v in tp.counter.items() if not op.endswith("_calls"))
+            assert torch.isfinite(x.grad).all()
+    return out
+
+
+def test_expert_tensor_parallel_bytes_equal_the_planner_formula():
+    """At etp = tp the experts are a TP region: the bytes its collectives put on the TP group equal
+    formulas.moe_tp_bytes, with and without sequence parallelism, with and without a replay."""
+    from megazero.plan.formulas import ActivationShape, moe_tp_bytes
+    for rank in run_ranks(_measure_expert_tp, 2, timeout=180):
+        for (sp, replayed), sent in rank.items():
+            shape = ActivationShape(micro_batch=BATCH, seq=SEQ, hidden=HIDDEN, heads=4, ffn=0, vocab=0, tp=2,
+                                    sequence_parallel=sp, recompute="none", act_bytes=4, experts=EXPERTS, topk=TOPK,
+                                    expert_ffn=24, etp=2)
+            assert sent == moe_tp_bytes(shape, replayed) > 0, (sp, replayed, sent)

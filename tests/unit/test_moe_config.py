@@ -1,7 +1,6 @@
 """The mixture-of-experts keys (issue 45, 1): typed and validated in one line each, the defaults a
-dense model, and what megazero cannot train yet (experts split by expert tensor parallelism, Muon
-on experts)
-refused at start-up instead of trained otherwise."""
+dense model, and what megazero cannot train yet (experts split over other ranks than the TP
+group's, Muon on experts split over ranks) refused at start-up instead of trained otherwise."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ from megazero.config import ConfigError, build_config
 from megazero.train.preflight import resolve_and_validate
 
 MOE = ["--model.num_experts", "8", "--model.num_layers", "4"]
-SPLIT_NOT_BUILT = ("parallel.etp 2 (etp defaults to tp): experts split by expert tensor parallelism do not train yet "
-                   "(issue 45); use --parallel.etp 1 (whole experts per rank; ep splits them)")
 
 
 def _refusal(overrides: list[str], world: int = 1) -> str:
@@ -45,12 +42,13 @@ def test_defaults_are_a_dense_model():
     ["--parallel.ep", "4", "--parallel.tp", "2", "--parallel.etp", "1"],  # experts over tp x dp ranks
 ])
 def test_a_valid_moe_config_passes_every_rule(overrides):
-    """Valid configs pass (dp is the world over tp); experts split by expert tensor parallelism,
-    whose training is not built yet, are refused by name."""
+    """Valid configs pass (dp is the world over tp); at tp 2 also with etp left to its default, tp
+    (each expert split over the TP group)."""
     world, tp = (8, 2) if "--parallel.ep" in overrides else (1, 1)
     assert resolve_and_validate(build_config({"data": {"mock": True}}, MOE + overrides), world) == world // tp
     if "--parallel.ep" in overrides:
-        assert _refusal(MOE + overrides[:-2], world) == SPLIT_NOT_BUILT
+        cfg = build_config({"data": {"mock": True}}, MOE + overrides[:-2])
+        assert cfg.parallel.expert_tp == 2 and resolve_and_validate(cfg, world) == world // tp
 
 
 @pytest.mark.parametrize("overrides, world, message", [
@@ -87,6 +85,9 @@ def test_a_valid_moe_config_passes_every_rule(overrides):
                                 "tp x cp x dp (1 x 1 x 4 = 4); try ep 2 or 4"),
     (["--parallel.ep", "4", "--model.num_experts", "6", "--model.moe_router_topk", "2"], 4,
      "parallel.ep (4) must divide model.num_experts (6): each EP rank holds whole experts; try ep 2"),
+    (["--parallel.tp", "2", "--parallel.etp", "4"], 8,
+     "parallel.etp (4) must be 1 or parallel.tp (2): experts split over other ranks than the TP group's are not "
+     "built; use --parallel.etp 2 (the default) or --parallel.etp 1"),
     (["--parallel.tp", "2", "--parallel.etp", "2", "--model.moe_ffn_hidden_size", "33"], 2,
      "the experts' MLP width (33, model.moe_ffn_hidden_size) must be divisible by parallel.etp (2)"),
 ])
@@ -130,13 +131,17 @@ def test_dense_keys_at_their_dense_values_pass():
     assert resolve_and_validate(cfg, 1) == 1
 
 
-def test_training_with_experts_split_by_expert_tensor_parallelism_stops_at_start_up_with_one_line():
+def test_experts_split_over_other_ranks_than_tp_stop_at_start_up_with_one_line():
+    """etp = tp trains (tests/parallel/test_moe_expert_tensor_parallel.py); an etp other than 1 and tp
+    stops the launch with one line and exit code 2."""
     proc = subprocess.run([sys.executable, "-m", "megazero.train", "--config", "configs/gpt2-tiny.yaml",
-                           "--model.num_experts", "8", "--parallel.ep", "4", "--parallel.tp", "2", "--validate-only",
-                           "--train.global_batch_size", "32",
-                           "--world-size", "8"], capture_output=True, text=True)
+                           "--model.num_experts", "8", "--parallel.ep", "2", "--parallel.tp", "2", "--parallel.etp",
+                           "4", "--validate-only", "--train.global_batch_size", "32", "--world-size", "8"],
+                          capture_output=True, text=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: {SPLIT_NOT_BUILT}"]
+    assert proc.stderr.strip().splitlines() == [
+        "error: parallel.etp (4) must be 1 or parallel.tp (2): experts split over other ranks than the TP group's are "
+        "not built; use --parallel.etp 2 (the default) or --parallel.etp 1"]
 
 
 def test_lora_on_the_experts_and_on_attention_passes():

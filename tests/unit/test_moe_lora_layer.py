@@ -48,15 +48,16 @@ def test_expert_adapters_are_each_experts_own():
 
 def test_adapters_of_experts_split_over_ep_are_this_ranks_and_etp_is_refused_in_one_line():
     """At ep 2 a rank's adapters are its experts' (their placement the full [E, ...]); an expert
-    split over expert-TP ranks is refused in one line."""
-    from megazero.parallel.placement import Placement, place, placement
+    split over expert-TP ranks (GroupedExperts.apply_etp) is refused in one line."""
+    from megazero.parallel.placement import placement
     experts = GroupedExperts(4, H, FFN, "swiglu")
     experts.c_fc.keep_experts(Group("ep", None, [0, 1], 0))  # ep 2: this rank holds experts 0 and 1
     lora = ExpertLoRA(experts.c_fc, R, ALPHA, 0.0)
     assert lora.holder.lora_A.weight.shape == (2, R, H) and lora.holder.lora_B.weight.shape == (2, 2 * FFN, R)
     assert placement(lora.holder.lora_A.weight).full_shape == (4, R, H)
-    split = GroupedExperts(4, H, FFN, "swiglu")
-    place(split.c_fc.weight, Placement((4, 2 * FFN, H), 1, 2, experts=4))  # as etp 2 would cut it
-    with pytest.raises(ConfigError, match="use --parallel.etp 1") as refused:
-        ExpertLoRA(split.c_fc, R, ALPHA, 0.0)
-    assert "\n" not in str(refused.value)
+    split = GroupedExperts(4, H, 2 * FFN, "swiglu")
+    split.apply_etp(Group("etp", None, [0, 1], 0))  # etp 2: half of every expert's width
+    for weight in (split.c_fc, split.c_proj):
+        with pytest.raises(ConfigError, match="use --parallel.etp 1") as refused:
+            ExpertLoRA(weight, R, ALPHA, 0.0)
+        assert "\n" not in str(refused.value)

@@ -25,10 +25,10 @@ def moe_config(overrides: list[str]):
     return build_config(load_yaml(str(REPO / "configs/mixtral-tiny.yaml")), overrides)
 
 
-def hand_count(m, tp: int, layers: list[int], pre: bool, post: bool, ep: int = 1) -> tuple[int, int]:
+def hand_count(m, tp: int, layers: list[int], pre: bool, post: bool, ep: int = 1, etp: int = 1) -> tuple[int, int]:
     """One rank's (parameters, routed experts' parameters), written out: attention and a dense or
     shared-expert MLP split over tp (their biases on the column side too, the row side's whole),
-    norms, the router and the gate whole, E / ep experts whole (etp 1)."""
+    norms, the router and the gate whole, E / ep experts, each 1 / etp of its width."""
     h, kv, a = m.hidden_size, m.query_groups * m.head_dim, m.hidden_size
     norm = h if m.normalization == "rmsnorm" else 2 * h
     attention = (a + 2 * kv) * h // tp + a * h // tp + (((a + 2 * kv) // tp + h) if m.bias else 0)
@@ -37,7 +37,7 @@ def hand_count(m, tp: int, layers: list[int], pre: bool, post: bool, ep: int = 1
         moe = m.moe_layer_freq[i] if isinstance(m.moe_layer_freq, list) else i % m.moe_layer_freq == 0
         width = m.moe_shared_expert_ffn_hidden_size if moe else m.ffn_size
         mlp = 3 * width * h // tp + ((2 * width // tp + h) if m.bias and width else 0)
-        routed = m.num_experts // ep * 3 * m.moe_ffn_size * h if moe else 0
+        routed = m.num_experts // ep * 3 * m.moe_ffn_size // etp * h if moe else 0
         extra = m.num_experts * h + (h if m.moe_shared_expert_gate else 0) if moe else 0
         total += attention + mlp + 2 * norm + routed + extra
         experts += routed
@@ -76,6 +76,22 @@ def test_moe_parameters_per_rank_equal_a_hand_count(shape, tp, pp, dp, ep):
         layers = list(range(r * per_stage, (r + 1) * per_stage))
         assert (pred.rank(r).params, pred.rank(r).expert_params) == \
             hand_count(m, tp, layers, r == 0, r == pp - 1, ep), (shape, tp, pp, dp, ep, r)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("tp, pp, dp, ep", [(2, 1, 1, 1), (2, 2, 2, 2), (2, 1, 4, 4)])
+def test_moe_parameters_per_rank_at_etp_equal_tp_equal_a_hand_count(shape, tp, pp, dp, ep):
+    """Each expert split over the TP group (etp = tp, GPT.apply_expert_parallel's expert_tp): the
+    planner's count holds 1 / etp of every expert's width, as the hand count says."""
+    from megazero.plan.planner import Cluster, ParallelLayout, predict
+    cfg = moe_config(SHAPES[shape])
+    pred = predict(cfg, ParallelLayout(tp, pp, dp, ep=ep, etp=tp), Cluster(tp * pp * dp, 8, 80.0, None),
+                   ranks=list(range(pp)))
+    per_stage = cfg.model.num_layers // pp
+    for r in range(pp):
+        layers = list(range(r * per_stage, (r + 1) * per_stage))
+        assert (pred.rank(r).params, pred.rank(r).expert_params) == \
+            hand_count(cfg.model, tp, layers, r == 0, r == pp - 1, ep, tp), (shape, tp, pp, dp, ep, r)
 
 
 def test_expert_parallel_count_equals_the_model_placement_on_every_ep_rank():
@@ -130,6 +146,10 @@ def test_ep_is_among_the_candidates_and_refused_when_it_cannot_divide():
     assert {lay.ep for lay in layouts} == {1, 2, 4} and all(lay.etp == 1 for lay in layouts)  # 4 experts
     with pytest.raises(PlanError, match=r"--ep 3 must divide model.num_experts \(4\).*closest that fits: ep 2"):
         check_fixed(cfg, Cluster(8, 8, 80.0, None), {"ep": 3})
+    with pytest.raises(PlanError, match=r"--etp 4 must be 1 or --tp \(2\).*closest that fits: etp 2"):
+        check_fixed(cfg, Cluster(8, 8, 80.0, None), {"tp": 2, "etp": 4})
+    at_tp2 = candidates(cfg, Cluster(8, 8, 80.0, None), {"pp": 1, "cp": 1, "tp": 2, "etp": 2})
+    assert at_tp2 and {lay.etp for lay in at_tp2} == {2}  # each expert split over the TP group
     dense = build_config({"model": {"vocab_size": 256}, "data": {"mock": True}})
     assert {(lay.ep, lay.etp) for lay in candidates(dense, Cluster(4, 8, 80.0, None), {})} == {(1, 1)}
 
