@@ -9,7 +9,7 @@ iterations and before every checkpoint save:
   over tp (at ZeRO 3 each rank's own DP slice of them, which its TP peers hold too);
 - ZeRO 0's optimizer state (master weights when separate, the moments), replicated over dp x cp;
 - at ZeRO 0-2 with tp > 1, the optimizer state of the TP-replicated parameters (each rank's DP
-  slice of it at ZeRO 1-2), which the TP peers hold too (state in memory: on NVMe it is not read).
+  slice of it at ZeRO 1-2), which the TP peers hold too (on NVMe: read from the sub-groups holding it).
 
 A digest is the sum, in int64, of the values' bit patterns: any single flipped bit changes it. Each
 rank digests what it holds (one pass over its parameters) and the world all-gathers the digests
@@ -40,7 +40,7 @@ from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.placement import Placement, placement
 from megazero.zero.optimizer import ZeroOptimizer
 from megazero.zero.partition import Bucket
-from megazero.zero.state import MemoryOptimizerStore
+from megazero.zero.state import MemoryOptimizerStore, NvmeOptimizerStore
 
 _INT_VIEW = {4: torch.int32, 2: torch.int16, 8: torch.int64}
 
@@ -213,7 +213,7 @@ def _tp_replicated_state(grid: ProcessGrid, optimizer: ZeroOptimizer) -> list[En
     shard. TP peers have the same layout (a TP-sharded parameter's shards are of one shape), so the
     same key names the same elements on every TP rank (and, at ZeRO 0, on every DP rank)."""
     sharding, layout, state = optimizer.sharding, optimizer.layout, optimizer.state
-    if sharding.parameters or grid.tp == 1 or not isinstance(state, MemoryOptimizerStore):
+    if sharding.parameters or grid.tp == 1:
         return []
     kinds = ("master", "exp_avg", "exp_avg_sq") if state.separate_master else ("exp_avg", "exp_avg_sq")
     dp = "" if sharding.replicated else f"#dp{layout.rank}"
@@ -269,5 +269,6 @@ def _state(optimizer: ZeroOptimizer, kind: str, ranges: list[tuple[int, int]]) -
     return values
 
 
-def _state_range(state: MemoryOptimizerStore, kind: str, offset: int, length: int) -> Callable[[], list[torch.Tensor]]:
+def _state_range(state: MemoryOptimizerStore | NvmeOptimizerStore, kind: str, offset: int, length: int
+                 ) -> Callable[[], list[torch.Tensor]]:
     return lambda: [state.view(kind, offset, length)]

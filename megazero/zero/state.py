@@ -289,6 +289,20 @@ class NvmeOptimizerStore:
         for g, (lo, hi) in enumerate(self.spans[kind]):
             yield lo, self._stage(g)[kind][: hi - lo]
 
+    def view(self, kind: str, offset: int, length: int) -> torch.Tensor:
+        """[offset, offset + length) of one kind in shard coordinates (a range the optimizer steps
+        whole), as a private copy read from the sub-groups storing it (empty where the kind has a
+        hole); consecutive ranges of one sub-group read it once."""
+        holes = self.holes[kind]
+        if holes.contains(offset):
+            return torch.empty(0)
+        at, out = holes.at(offset), []
+        for g, (lo, hi) in enumerate(self.spans[kind]):
+            start, end = max(at, lo), min(at + length, hi)
+            if start < end:
+                out.append(self._stage(g)[kind][start - lo: end - lo].clone())
+        return torch.cat(out) if out else torch.empty(0)
+
     def read(self, kind: str) -> torch.Tensor:
         """The whole shard of one kind as stored (checkpoints; padding is zero) as a private
         host tensor backed by a scratch file under nvme_path (see swap.scratch_tensor)."""

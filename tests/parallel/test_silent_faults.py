@@ -189,12 +189,15 @@ def _corrupt_optimizer_state(args: list[str]) -> tuple:
     """After a step, one element of rank 1's first moment changes (its weights do not): at ZeRO 0
     any element (the whole state is replicated over dp), at tp > 1 one of a TP-replicated
     parameter's; the replica check of that iteration stops every rank, naming the optimizer state."""
+    import tempfile
+
     import torch
     import torch.distributed as dist
 
     from megazero.parallel.placement import placement
     from megazero.train.replicas import ReplicaMismatch
-    tr = make_trainer([*BASE, *args])
+    swap = ["--zero.nvme_path", tempfile.mkdtemp(prefix="swap")] if "nvme" in args else []
+    tr = make_trainer([*BASE, *args, *swap])
     with contextlib.redirect_stdout(io.StringIO()):
         tr.train_step()
     tr.iteration = 1
@@ -202,8 +205,13 @@ def _corrupt_optimizer_state(args: list[str]) -> tuple:
     layout, state = tr.optimizer.layout, tr.optimizer.state
     _, slot, start, end, offset = next(piece for piece in layout.slot_pieces(layout.trainable_buckets())
                                        if not placement(piece[1].param).sharded)
-    values = state.view("exp_avg", offset, end - start) if tr.grid.tp > 1 else next(state.pieces("exp_avg"))[1]
-    if dist.get_rank() == 1:
+    if tr.grid.tp > 1:  # written back through the store: on NVMe a range is a copy
+        values = state.view("exp_avg", offset, end - start).clone()
+        values[values.numel() // 2] += torch.tensor(1e-3 if dist.get_rank() == 1 else 0.0, dtype=values.dtype)
+        state.write("exp_avg", offset, values)
+        state.flush()
+    elif dist.get_rank() == 1:
+        values = next(state.pieces("exp_avg"))[1]
         values[values.numel() // 2] += torch.tensor(1e-3, dtype=values.dtype)
     try:
         tr.replicas.check(2)
@@ -218,6 +226,9 @@ STATE_CASES = {
                   "ranks 0, 2 (the majority) agree, rank(s) 1 hold another value"),
     "zero1 tp2": (2, ["--zero.stage", "1", "--parallel.tp", "2"], "the TP-replicated parameters' optimizer state",
                   "optimizer state exp_avg of {slot} (DP slice 0)", "no majority: ranks 0 vs ranks 1"),
+    "zero1 tp2 nvme": (2, ["--zero.stage", "1", "--parallel.tp", "2", "--zero.offload_optimizer", "nvme",
+                           "--zero.sub_group_size", "3000"], "the TP-replicated parameters' optimizer state",
+                       "optimizer state exp_avg of {slot} (DP slice 0)", "no majority: ranks 0 vs ranks 1"),
 }
 
 
