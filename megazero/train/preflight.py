@@ -16,9 +16,9 @@ from megazero.config.schema import Config, ConfigError
 from megazero.config.sharding import sharding
 from megazero.data.gpt_dataset import parse_blend
 from megazero.data.indexed import IndexedDataset
-from megazero.data.stream.dataset import check_stream_sources
 from megazero.errors import UserError
 from megazero.model.lora_targets import check_targets
+from megazero.train.stream_data import check_stream_sources
 from megazero.zero import ALIGN
 
 

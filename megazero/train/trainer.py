@@ -32,7 +32,7 @@ from megazero.data.gpt_dataset import (
     inputs_and_labels,
 )
 from megazero.data.mock import MockGPTDataset
-from megazero.data.stream.dataset import StreamDataset, stream_datasets, supply_line
+from megazero.data.stream.dataset import StreamDataset, supply_line
 from megazero.data.tokenizer import build_tokenizer
 from megazero.errors import UserError
 from megazero.model.documents import DocumentResets
@@ -64,6 +64,7 @@ from megazero.train.replicas import ReplicaCheck
 from megazero.train.rerun import Execution, RerunGuard, describe_samples, samples_line
 from megazero.train.signals import StepSignals
 from megazero.train.stragglers import StragglerWatch
+from megazero.train.stream_data import stream_datasets
 from megazero.train.summary import plan_check, run_prediction, startup_summary
 
 

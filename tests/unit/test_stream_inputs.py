@@ -186,7 +186,7 @@ def test_loader_workers_default_to_the_cores_the_ranks_leave(monkeypatch):
 
 
 def test_default_loader_workers_follow_the_ranks_on_the_node(monkeypatch, tmp_path, bpe_spec):
-    from megazero.data.stream.dataset import stream_datasets
+    from megazero.train.stream_data import stream_datasets
     write_jsonl(tmp_path / "a.jsonl", make_texts(20))
     cfg = make_config(["--data.stream", str(tmp_path / "a.jsonl"), "--data.tokenizer", bpe_spec,
                        "--model.vocab_size", "auto"], world=1)
@@ -207,7 +207,7 @@ def test_tokens_per_source_reach_tensorboard():
 
 
 def test_stream_valid_source_makes_the_validation_samples(tmp_path, bpe_spec):
-    from megazero.data.stream.dataset import stream_datasets
+    from megazero.train.stream_data import stream_datasets
     write_jsonl(tmp_path / "train.jsonl", make_texts(40, seed=1))
     write_jsonl(tmp_path / "valid.jsonl", make_texts(120, seed=2))
     cfg = make_config(["--data.stream", str(tmp_path / "train.jsonl"), "--data.stream_valid",

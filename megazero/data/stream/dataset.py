@@ -17,12 +17,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from megazero.config.schema import Config
 from megazero.data import DataError
 from megazero.data.stream.packing import Packer
 from megazero.data.stream.pool import PoolProducer
 from megazero.data.stream.producer import LocalProducer, supply
-from megazero.data.stream.setup import StreamSetup, setup_stream, shard_stream
+from megazero.data.stream.setup import StreamSetup, shard_stream
 from megazero.data.stream.shards import NUM_SHARDS, where
 from megazero.data.stream.sources import (
     NotText,
@@ -184,29 +183,6 @@ def _first_texts(source: Source, key: str, holdout: Optional[tuple[int, ...]], l
             if len(texts) >= limit:
                 return texts
     return texts
-
-
-def stream_datasets(cfg: Config, say: Callable[[str], None]) -> tuple[StreamDataset, Optional[list[np.ndarray]]]:
-    """(train, valid) for data.stream: the training stream (its loader processes not started
-    yet) and the validation samples (None without data.stream_valid or stream_valid_docs)."""
-    d, t = cfg.data, cfg.train
-    setup = setup_stream(d.stream or [], d.stream_key, d.stream_valid_docs, t.seed, cfg.model.seq_length, d.tokenizer)
-    workers = d.loader_workers
-    if workers < 0:
-        workers = default_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    setup.tokenizer()  # refuse a missing tokenizer here, not in the loader processes
-    train = StreamDataset(setup, (t.iters + 1) * t.global_batch_size, workers, say=say)
-    valid = None
-    if t.eval_interval and (d.stream_valid or d.stream_valid_docs):
-        valid = validation_samples(setup, d.stream_valid, max(1, t.eval_iters) * t.global_batch_size)
-    return train, valid
-
-
-def check_stream_sources(cfg: Config) -> None:
-    """--validate-only's check of data.stream (nothing when the run does not stream)."""
-    if cfg.data.stream:
-        setup_stream(cfg.data.stream, cfg.data.stream_key, cfg.data.stream_valid_docs, cfg.train.seed,
-                     cfg.model.seq_length, cfg.data.tokenizer).tokenizer()
 
 
 def supply_line(supplied: Optional[float], consumed: float, workers: int) -> Optional[str]:
