@@ -118,7 +118,6 @@ def test_resume_at_another_layout(tmp_path, source_checkpoint, target):
     assert len(losses) == 2 and max(abs(a - b) for a, b in zip(losses, reference, strict=True)) <= 1e-4
 
 
-@pytest.mark.slow  # suite budget
 def test_resume_from_universal_export(tmp_path, source_checkpoint):
     save, reference = source_checkpoint
     universal = str(tmp_path / "universal")
@@ -130,7 +129,6 @@ def test_resume_from_universal_export(tmp_path, source_checkpoint):
     assert max(abs(a - b) for a, b in zip(losses, reference, strict=True)) <= 1e-4
 
 
-@pytest.mark.slow  # suite budget
 def test_reshard_to_impossible_layout_is_refused(tmp_path, source_checkpoint):
     save, _ = source_checkpoint
     proc = torchrun(3, ["--config", "configs/gpt2-tiny.yaml", "--data.mock", "true", "--model.num_layers", "8",

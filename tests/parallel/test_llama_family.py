@@ -173,7 +173,6 @@ def _save_then_resume(save: str, first: list[str], then: dict[str, list[str]]) -
     return out
 
 
-@pytest.mark.slow  # suite budget
 def test_llama_checkpoint_resumes_bitwise_and_reshards(tmp_path, reference):
     """Saved at tp 2 x pp 2 (ZeRO-1, untied output layer on the last stage): the same layout
     resumes bitwise; cp 2 x dp 2 under ZeRO-3 and, through the universal format, dp 4 under
