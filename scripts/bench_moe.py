@@ -13,10 +13,13 @@ its load-balancing loss too, fed the very micro-batches megazero's data loader g
 timed over `--iters` iterations after `--warmup`; printed: tokens/s of each and their ratio.
 
 With `--ep N` it measures expert parallelism instead: the same model and global batch trained
-by one process (ep 1, `--threads` torch threads) and by N processes (ep N over dp N, gloo, each
-with threads / N), each timed over `--iters` iterations; printed: tokens/s of each, their ratio,
-and the share of ep N's step spent in the tokens' all-to-alls (the counts' and the rows'
-exchanges, forward and backward, timed around each call). `--accum` must be a multiple of N.
+by N processes (ep N over dp N, gloo) and by one (ep 1), each rank with `--threads` torch threads
+(default 1), as each rank would have a GPU of its own: ep N has N times ep 1's cores, and the
+ratio of their tokens/s is the scaling issue 45 asks >= 1.6x of. ep 1 also runs on all of ep N's
+cores (N x threads in one process), the comparison on equal hardware. Each is timed over
+`--iters` iterations; printed: tokens/s of each, the ratios, and the share of ep N's step spent in
+the tokens' all-to-alls (the counts' and the rows' exchanges, forward and backward, timed around
+each call). `--accum` must be a multiple of N.
 This is a measurement, not a test: nothing is asserted about speed.
 """
 
@@ -138,7 +141,8 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=2, help="sequences per micro-batch (default: %(default)s)")
     parser.add_argument("--accum", type=int, default=2, help="micro-batches per iteration (default: %(default)s)")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's; with --ep, per rank: 1)")
     parser.add_argument("--ep", type=int, default=1,
                         help="measure ep N (N processes) against ep 1 instead of the HF peer (default: %(default)s)")
     args, overrides = parser.parse_known_args()
@@ -157,22 +161,27 @@ def main() -> None:
 
 
 def compare_ep(args: argparse.Namespace, overrides: list[str]) -> None:
-    """ep 1 in one process against ep N in N, the same global batch and the same threads in all."""
+    """ep N in N processes against ep 1 in one with a rank's threads, and in one with all N ranks'
+    threads; the same global batch."""
     from megazero.harness.spawn import run_ranks
     if args.accum % args.ep:
         raise SystemExit(f"error: --accum ({args.accum}) must be a multiple of --ep ({args.ep}): the global batch is "
                          f"split over the ep x dp ranks; try --accum {args.ep * max(1, args.accum // args.ep)}")
-    threads = args.threads or torch.get_num_threads()
+    n, threads = args.ep, args.threads or 1
+    many = run_ranks(run_ep, n, args, overrides, threads=threads)
     one = run_ranks(run_ep, 1, args, overrides, threads=threads)[0]
-    many = run_ranks(run_ep, args.ep, args, overrides, threads=max(1, threads // args.ep))
+    same_cores = run_ranks(run_ep, 1, args, overrides, threads=n * threads)[0]
     slowest = max(many, key=lambda r: r["s"])  # a step ends when its last rank's does
     share = max(r["all_to_all_s"] / r["s"] for r in many)
-    print(f"Mixtral-style MoE, {one['tokens']} tokens/iteration, fp32 on gloo, {threads} threads in all")
-    print(f"{'runner':<28}{'s/iter':>10}{'tokens/s':>12}")
-    print(f"{'ep 1 (1 process)':<28}{one['s']:>10.3f}{one['tokens'] / one['s']:>12.1f}")
-    print(f"{f'ep {args.ep} ({args.ep} processes)':<28}{slowest['s']:>10.3f}{one['tokens'] / slowest['s']:>12.1f}")
-    print(f"ep {args.ep} / ep 1: {one['s'] / slowest['s']:.2f}x tokens/s; all-to-all {100 * share:.1f}% of the step "
-          f"(the rank spending most)")
+    print(f"Mixtral-style MoE, {one['tokens']} tokens/iteration, fp32 on gloo")
+    print(f"{'runner':<40}{'s/iter':>10}{'tokens/s':>12}")
+    for name, s in ((f"ep 1: 1 process x {threads} thread(s)", one["s"]),
+                    (f"ep 1: 1 process x {n * threads} thread(s)", same_cores["s"]),
+                    (f"ep {n}: {n} processes x {threads} thread(s)", slowest["s"])):
+        print(f"{name:<40}{s:>10.3f}{one['tokens'] / s:>12.1f}")
+    print(f"ep {n} / ep 1, a rank each with {threads} thread(s) (as one GPU each): {one['s'] / slowest['s']:.2f}x "
+          f"tokens/s; on the same {n * threads} threads: {same_cores['s'] / slowest['s']:.2f}x; all-to-all "
+          f"{100 * share:.1f}% of ep {n}'s step (the rank spending most)")
 
 
 if __name__ == "__main__":
