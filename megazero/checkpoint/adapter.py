@@ -34,12 +34,14 @@ from torch import nn
 
 from megazero.atomic import write_text
 from megazero.checkpoint.base import Checkpoint, CheckpointError
-from megazero.checkpoint.gathered import experts_full, save_gathered
+from megazero.checkpoint.gathered import experts_full, save_gathered, tp_full
 from megazero.checkpoint.hf_names import architecture, hf_adapter_name, hf_expert_adapter_name
 from megazero.config.schema import Config, ModelConfig
+from megazero.config.sharding import parameter_groups
 from megazero.model.lora import adapter_shapes, is_adapter, merged_weight
 from megazero.model.lora_targets import FAMILY_PARTS, hf_target_names, part_rows, uses_hf_names
 from megazero.parallel.grid import ProcessGrid
+from megazero.parallel.placement import placement
 
 ADAPTER_DIR = "adapter"
 CONFIG_NAME = "adapter_config.json"
@@ -92,14 +94,15 @@ def _expert_by_expert(name: str, shape: tuple[int, ...]) -> list[tuple[str, tupl
 
 def _each_expert(adapters: Iterator[tuple[str, nn.Parameter, torch.Tensor]], grid: ProcessGrid
                  ) -> Iterator[tuple[str, nn.Parameter, torch.Tensor]]:
-    """The adapters with each expert adapter gathered over the expert-parallel group (collective)
-    and cut into its experts' (each expert's whole on a rank: no TP shards to join), each piece a
-    plain replicated parameter to save_gathered."""
+    """The adapters with each expert adapter gathered over the expert-parallel group and joined
+    over its expert-TP group (collectives), then cut into its experts', each piece a plain
+    replicated parameter to save_gathered."""
     for name, param, value in adapters:
         if ".mlp.experts." not in name:
             yield name, param, value
             continue
         value = experts_full(value.detach(), param, grid.ep_group)
+        value = tp_full(value, param, grid[parameter_groups(placement(param)).tensor])  # split over expert_tp
         for (piece, _), part in zip(_expert_by_expert(name, tuple(value.shape)), value.unbind(0), strict=True):
             yield piece, nn.Parameter(part, requires_grad=False), part
 

@@ -35,7 +35,7 @@ from megazero.parallel.grid import ProcessGrid
 from megazero.parallel.placement import placement
 
 
-def _tp_full(local: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tensor:
+def tp_full(local: torch.Tensor, param: nn.Parameter, tp: Group) -> torch.Tensor:
     """Join the TP shards of one parameter (collective over the TP group)."""
     where = placement(param)
     if not where.sharded or tp.size == 1:
@@ -110,7 +110,7 @@ def _joined(full_parameters: Iterator, shapes: dict, grid: ProcessGrid, dtype: t
         if grid.dp_cp_group.rank != 0:
             continue
         tensor = grid[parameter_groups(placement(param)).tensor]  # tp, or an expert weight's expert_tp
-        yield name, fit_vocab(name, _tp_full(value, param, tensor), shapes[name]).to(dtype)
+        yield name, fit_vocab(name, tp_full(value, param, tensor), shapes[name]).to(dtype)
 
 
 def _send(index: int, tensor: torch.Tensor, grid: ProcessGrid) -> None:

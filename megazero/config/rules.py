@@ -108,9 +108,6 @@ def validate(cfg: Config, world_size: int) -> int:
             raise ConfigError(f"parallel.sequence_parallel cannot be combined with finetune.lora_rank "
                               f"({cfg.finetune.lora_rank}): the LoRA adapters read replicated activations; turn one off")
     _refuse(expert_tp_problem(p.tp, p.expert_tp, m.num_experts))
-    if m.num_experts and cfg.optim.name == "muon" and p.expert_tp > 1:
-        raise ConfigError(f"optim.name muon with parallel.etp {p.expert_tp}: Muon orthogonalises whole experts (split "
-                          f"over ep, not over expert-TP ranks); use --parallel.etp 1 or --optim.name adamw")
     return dp
 
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.config.schema import ConfigError, FinetuneConfig, ModelConfig
+from megazero.config.schema import FinetuneConfig, ModelConfig
 from megazero.model.gpt import GPT
 from megazero.model.layers import ColumnParallelLinear, RowParallelLinear
 from megazero.model.lora_targets import Target, adapted, part_rows
@@ -120,31 +120,48 @@ class LoRA:
 
 class ExpertLoRA:
     """The adapters of every expert of one expert weight [E, out, in] (or of its rows [lo, hi)
-    of each expert: gate or up); its forward hook adds expert j's B_j A_j x to its tokens' rows."""
+    of each expert: gate or up); its forward hook adds expert j's B_j A_j x to its tokens' rows.
+
+    Experts split over expert-TP ranks (etp = tp) are adapted as a dense projection under TP is:
+    c_fc's B by output rows (A replicated, its gradient summed over the group), c_proj's A by input
+    columns (the partial products A x summed before B, which is replicated). Inside the experts'
+    TP region the tokens' gradient is partial on each rank (summed where the region begins), so
+    c_fc's adapter sums A's gradient on A itself, not on A x; and the experts' output is partial
+    (summed after the combine), so c_proj's adapter adds its share, 1 / etp of B A x, while B's
+    gradient stays whole on every rank (`_share`)."""
 
     def __init__(self, base: Any, rank: int, alpha: float, dropout: float,
                  part: Optional[tuple[str, int, int]] = None):
         self.scale, self.dropout = alpha / rank, dropout
         where = placement(base.weight)
         experts, out_full, in_full = where.full_shape
-        if where.sharded:  # apply_lora runs after expert parallelism: each expert's matrix whole here
-            raise ConfigError("finetune.lora_targets adapts the experts, whose adapters are built for experts whole "
-                              "on a rank, but parallel.etp splits them; use --parallel.etp 1, or adapt the attention "
-                              "only (q_proj, k_proj, v_proj, o_proj)")
+        self.etp = base.etp
+        etp = self.etp.size  # apply_lora runs after expert parallelism: the experts' split is known
+        self.row = where.dim == 2  # c_proj split by input columns (else c_fc by output rows, or whole)
         local = base.weight.shape[0]  # this rank's experts (all of them at ep 1)
-        self.at: Optional[tuple[int, int]] = None  # (first output column, width) of a part
+        self.at: Optional[tuple[int, int]] = None  # (first local output column, local width) of a part
         holder: Any = base
+        b_split = Placement((experts, out_full, rank), 1, where.stride, experts=experts)
         if part is not None:
             name, lo, hi = part
             holder = nn.Module()
             setattr(base, name, holder)
-            out_full, self.at = hi - lo, (lo, hi - lo)
+            out_full, self.at = hi - lo, (lo // etp, (hi - lo) // etp)  # gate and up each split on its own
+            b_split = Placement((experts, out_full, rank), 1, experts=experts)
         make = dict(dtype=base.weight.dtype, device=base.weight.device)
+        whole_a, whole_b = Placement((experts, rank, in_full), experts=experts), \
+            Placement((experts, out_full, rank), experts=experts)
+        if etp == 1:  # whole experts: nothing split (the maps of checkpoints record no dim)
+            a_where, b_where = whole_a, whole_b
+        elif self.row:
+            a_where, b_where = Placement((experts, rank, in_full), 2, experts=experts), whole_b
+        else:
+            a_where, b_where = whole_a, b_split
         holder.lora_A, holder.lora_B = nn.Module(), nn.Module()
-        holder.lora_A.weight = place(nn.Parameter(torch.empty(local, rank, in_full, **make)),
-                                     Placement((experts, rank, in_full), experts=experts))
-        holder.lora_B.weight = place(nn.Parameter(torch.empty(local, out_full, rank, **make)),
-                                     Placement((experts, out_full, rank), experts=experts))
+        holder.lora_A.weight = place(nn.Parameter(torch.empty(
+            local, rank, in_full // etp if a_where.sharded else in_full, **make)), a_where)
+        holder.lora_B.weight = place(nn.Parameter(torch.empty(
+            local, out_full // etp if b_where.sharded else out_full, rank, **make)), b_where)
         self.holder = holder
         base.register_forward_hook(self._add_adapter)
 
@@ -152,12 +169,27 @@ class ExpertLoRA:
         x, counts = args
         if base.training and self.dropout:  # the experts' inputs are the same on every TP rank: one mask
             x = F.dropout(x, self.dropout, training=True)
-        h = self.holder
-        delta = grouped_mm(grouped_mm(x, h.lora_A.weight, counts), h.lora_B.weight, counts) * self.scale
+        h, g = self.holder, self.etp
+        weight_a = h.lora_A.weight
+        if g.size > 1 and not self.row:  # A's gradient summed over the group; x's stays this rank's part
+            weight_a = copy_to_tp(weight_a, g)
+        a = grouped_mm(x, weight_a, counts)
+        if g.size > 1 and self.row:  # the partial products A x summed before B
+            a = reduce_from_tp(a, g)
+        delta = grouped_mm(a, h.lora_B.weight, counts) * self.scale
+        if g.size > 1 and self.row:
+            delta = _share(delta, g.size)
         if self.at is not None:  # onto the part's columns
             start, width = self.at
             delta = F.pad(delta, (start, y.shape[-1] - start - width))
         return y + delta
+
+
+def _share(delta: torch.Tensor, parts: int) -> torch.Tensor:
+    """delta / parts forward (each of `parts` ranks adds its share to an output summed over them),
+    delta's own gradient backward: the sum of the shares is delta, and each rank's B, replicated
+    over the group, gets the whole gradient rather than 1 / parts of it."""
+    return delta - delta.detach() * (1 - 1 / parts)
 
 
 def apply_lora(model: GPT, f: FinetuneConfig, tracker: Optional[RNGTracker] = None) -> None:

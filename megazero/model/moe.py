@@ -95,6 +95,7 @@ class _ExpertWeight(nn.Module):
     def __init__(self, shape: tuple[int, int, int], experts: int = 0, stride: int = 1):
         super().__init__()
         self.weight = place(nn.Parameter(torch.empty(shape)), Placement(shape, stride=stride, experts=experts))
+        self.etp: Group = solo_group()  # the ranks each expert is split over (split())
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, in] sorted by expert, `counts` [E] rows each -> [N, out]."""
@@ -112,6 +113,7 @@ class _ExpertWeight(nn.Module):
         as checkpoints of whole experts record them."""
         self.weight = place(self.weight, dataclasses.replace(placement(self.weight), dim=dim))
         split_parameter_(self, "weight", etp)
+        self.etp = etp
 
 
 class GroupedExperts(nn.Module):

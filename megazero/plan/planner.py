@@ -399,8 +399,8 @@ def expert_options(cfg: Config, fixed: dict, tp: int, cp: int, dp: int) -> list[
         return [(1, 1)]
     etp = fixed.get("etp", cfg.parallel.etp or tp)
     if R.expert_width_problem(m.moe_ffn_size, m.moe_shared_expert_ffn_hidden_size, etp, tp) or \
-            R.expert_tp_problem(tp, etp, m.num_experts) or (etp > 1 and cfg.optim.name == "muon"):
-        return []  # (Muon steps whole experts only: config/rules.py refuses it with etp > 1)
+            R.expert_tp_problem(tp, etp, m.num_experts):
+        return []
     return [(ep, etp) for ep in _options(fixed, "ep", divisors(m.num_experts))
             if not R.expert_grid_problem(tp, cp, dp, ep, etp, m.num_experts)]
 

@@ -113,10 +113,10 @@ def _rank_params(model: tuple, tp: int, pp: int, vpp: int, pp_rank: int, stage3:
                       buckets=tuple(tuple(p.numel() for _, p in named) for _, named in groups),
                       expert=tuple(tuple(bool(placement(p).experts) for _, p in named) for _, named in groups),
                       muon=tuple(tuple(is_muon_matrix(n) for n, _ in named) for _, named in groups),
-                      # Muon steps whole experts only (refused with etp > 1): their slices have no matrices.
+                      # Every matrix of the stage, each expert's too (Muon's exchange lists all experts).
                       muon_shapes=tuple(m.shape for c in chunks for n, p in c.named_parameters() if is_muon_matrix(n)
-                                        and not (placement(p).experts and placement(p).sharded)
-                                        for m in split_matrices(n, placement(p), tuple(p.shape), 0, tp)),
+                                        for m in split_matrices(n, placement(p), tuple(p.shape), 0,
+                                                                etp if placement(p).experts else tp)),
                       tied=tied,
                       param_numel=sum(p.numel() for c in chunks for p in c.parameters()),
                       replicated_numel=sum(p.numel() for c in chunks for p in c.parameters()

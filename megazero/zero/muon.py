@@ -118,12 +118,13 @@ class Matrix:
     columns), each a contiguous run of this TP rank's flattened parameter."""
 
 
-def split_matrices(name: str, where: Placement, shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Matrix]:
+def split_matrices(name: str, where: Placement, shape: tuple[int, ...], tp_rank: int, tp: int,
+                   ep: tuple[int, int] = (0, 1)) -> list[Matrix]:
     """The matrices Muon orthogonalises in parameter `name` (TP-local `shape`): one per fused
     block (q|k|v, gate|up), whole over TP, with where this TP rank holds each; of an expert
     weight, one per block of each expert."""
     if where.experts:
-        return expert_matrices(name, where, shape)
+        return expert_matrices(name, where, shape, tp_rank, tp, ep)
     dim = where.dim if where.dim is not None else 0
     full = where.full_shape
     # The full parameter's blocks along `dim` (q|k|v, gate|up: one matrix each) and this
@@ -147,19 +148,25 @@ def split_matrices(name: str, where: Placement, shape: tuple[int, ...], tp_rank:
     return out
 
 
-def expert_matrices(name: str, where: Placement, shape: tuple[int, ...]) -> list[Matrix]:
-    """The matrices of an expert weight [E, out, in] held whole on this rank: per expert, each of
-    its `stride` blocks of rows (gate, up), a contiguous run of the flattened parameter."""
-    if where.dim is not None:
-        raise NotImplementedError(f"{name}: Muon on expert weights split over expert-tensor-parallel ranks")
-    experts, rows, cols = shape
-    block = rows // where.stride
+def expert_matrices(name: str, where: Placement, shape: tuple[int, ...], tp_rank: int, tp: int,
+                    ep: tuple[int, int] = (0, 1)) -> list[Matrix]:
+    """The matrices of an expert weight [E, out, in]: per expert of the layer, all E of them in
+    order (the same list on every rank of the exchange), each of its `stride` blocks (gate, up)
+    split over the expert-TP ranks as a dense matrix of that placement is (`tp_rank` of `tp`).
+    This rank holds pieces of its own experts only (`ep`: its rank and size in the
+    expert-parallel group), each expert's TP-local part a contiguous run of the parameter."""
+    one = Placement(where.full_shape[1:], 0, where.stride) if where.dim is None else \
+        Placement(where.full_shape[1:], where.dim - 1, where.stride, parts=where.parts)
+    if where.dim is None:  # whole experts: their gate | up blocks are still matrices of their own
+        tp_rank, tp = 0, 1
+    lo, hi = where.expert_range(*ep)
+    local = tuple(shape[1:])
+    per_expert = math.prod(local)
     out = []
-    for e in range(experts):
-        for b in range(where.stride):
-            start = (e * rows + b * block) * cols
-            m = Matrix(name, where, 0, b * block, (b + 1) * block, (block, cols))
-            m.pieces.append((start, start + block * cols, 0, block))
+    for e in range(where.experts):
+        for m in split_matrices(name, one, local, tp_rank, tp):
+            at = (e - lo) * per_expert
+            m.pieces = [(start + at, end + at, a, n) for start, end, a, n in m.pieces] if lo <= e < hi else []
             out.append(m)
     return out
 
@@ -179,7 +186,8 @@ class MuonExchange:
     """Gathers each matrix's update to its owner, orthogonalises, returns the result (see above)."""
 
     def __init__(self, layout: FlatLayout, muon: frozenset[str], group: comm.Group, tp_rank: int, tp: int,
-                 contributes: bool, device: torch.device, steps: int, rule: str, dtype: torch.dtype) -> None:
+                 contributes: bool, device: torch.device, steps: int, rule: str, dtype: torch.dtype,
+                 ep: tuple[int, int] = (0, 1)) -> None:
         self.group, self.contributes, self.device, self.steps, self.rule = group, contributes, device, steps, rule
         self.dtype = dtype  # Newton-Schulz's, and the buffers' (each element has one contributor: exact in any)
         # A Muon parameter's elements in this rank's shard: (offset in the flattened TP-local
@@ -189,7 +197,7 @@ class MuonExchange:
         for b, s in layout.slots():
             if s.name in muon and b.trainable and s.name not in self.pieces:
                 self.pieces[s.name] = []
-                matrices += split_matrices(s.name, placement(s.param), s.shape, tp_rank, tp)
+                matrices += split_matrices(s.name, placement(s.param), s.shape, tp_rank, tp, ep)
         for b, s, start, end, offset in layout.slot_pieces(layout.trainable_buckets()):
             if s.name in self.pieces:
                 r = Range(b.index, start, end - start, offset, True, True, True)

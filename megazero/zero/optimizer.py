@@ -143,10 +143,10 @@ class ZeroOptimizer:
         return self.grads.add_grad if self.sharded.gatherer is not None else None
 
     def _muon_exchanges(self, muon: frozenset[str]) -> list[MuonExchange]:
-        """Muon's exchanges, one per kind of parameter that has matrices: the dense ones' over the
-        pipeline stage (their TP parts and ZeRO shards), the experts' over expert-dp (the ranks
-        holding the same experts; their expert-TP split is refused by config/rules). At stage 0
-        each group's rank 0 alone contributes the replicated updates."""
+        """Muon's exchanges over the pipeline stage, one per kind of parameter that has matrices:
+        the dense ones (their TP parts and ZeRO shards), then the experts (every expert of a layer
+        listed on every rank; each rank holds its experts' expert-TP parts and ZeRO shards). At
+        stage 0 each kind's ZeRO-group rank 0 alone contributes the replicated updates."""
         o, grid, out = self.cfg.optim, self.grid, []
         kinds: dict[ParameterGroups, set[str]] = {parameter_groups(placement(s.param)): set() for _, s in self.layout.slots()}
         for _, s in self.layout.slots():
@@ -156,10 +156,10 @@ class ZeroOptimizer:
             if not names:
                 continue
             zero, tensor = self.sharded.zero_groups[groups.zero], grid[groups.tensor]
-            over = grid.stage_group if groups == DENSE else zero
-            out.append(MuonExchange(self.layout, frozenset(names), over, tensor.rank, tensor.size,
+            ep = (0, 1) if groups == DENSE else (grid.ep_rank, grid.ep)
+            out.append(MuonExchange(self.layout, frozenset(names), grid.stage_group, tensor.rank, tensor.size,
                                     not self.sharding.replicated or zero.rank == 0, grid.device, o.muon_ns_steps,
-                                    o.muon_adjust_lr, ns_dtype(self.cfg.train.precision)))
+                                    o.muon_adjust_lr, ns_dtype(self.cfg.train.precision), ep))
         return out
 
     @property

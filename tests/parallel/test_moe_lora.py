@@ -54,10 +54,12 @@ def one(mixtral_dir, tmp_path_factory) -> tuple[str, list[float], torch.Tensor]:
 
 @pytest.mark.parametrize("layout", [pytest.param(["--zero.stage", "3"], marks=pytest.mark.slow),
                                     ["--parallel.ep", "2", "--zero.stage", "1"],
-                                    pytest.param(["--parallel.tp", "2"], marks=pytest.mark.slow)],
-                         ids=["dp2-zero3", "ep2-zero1", "tp2-etp1"])
+                                    pytest.param(["--parallel.tp", "2"], marks=pytest.mark.slow),
+                                    ["--parallel.tp", "2", "--parallel.etp", "2"]],
+                         ids=["dp2-zero3", "ep2-zero1", "tp2-etp1", "tp2-etp2"])
 def test_expert_adapters_at_2_ranks_equal_the_single_process(mixtral_dir, one, tmp_path, layout):
-    """At ep 2 each rank holds its experts' adapters; the exported adapter gathers them all."""
+    """At ep 2 each rank holds its experts' adapters, at etp 2 its part of every expert's; the
+    exported adapter gathers them all."""
     from safetensors.torch import load_file
     save, expected, logits = one[0], one[1], one[2]
     per_rank = run_distributed(_fine_tune, 2, mixtral_dir, str(tmp_path / "save"), layout)

@@ -1,7 +1,7 @@
-"""optim.name muon on a Mixtral-style mixture of experts (configs/mixtral-tiny.yaml, experts whole
-on every rank): each expert's gate, up and down matrices are orthogonalised on their own, once per
-step over all the ranks, and dp 2 at ZeRO 1 and tp 2 (etp 1) equal the single process: losses and
-every parameter within 1e-5 after 3 steps."""
+"""optim.name muon on a Mixtral-style mixture of experts (configs/mixtral-tiny.yaml): each expert's
+gate, up and down matrices are orthogonalised on their own, once per step over all the ranks, and
+dp 2 at ZeRO 1, tp 2 with whole experts (etp 1) or with each expert cut over the TP group (etp 2),
+and ep 2 equal the single process: losses and every parameter within 1e-5 after 3 steps."""
 
 from __future__ import annotations
 
@@ -46,18 +46,24 @@ def test_each_experts_matrices_are_muons_once_per_step(reference):
 @pytest.mark.parametrize("layout", [["--zero.stage", "1"],
                                     pytest.param(["--parallel.tp", "2", "--parallel.etp", "1"], marks=pytest.mark.slow),
                                     pytest.param(["--parallel.ep", "2", "--zero.stage", "0"], marks=pytest.mark.slow),
-                                    ["--parallel.ep", "2", "--zero.stage", "3"]],
-                         ids=["dp2-zero1", "tp2-etp1", "ep2-zero0", "ep2-zero3"])
+                                    ["--parallel.ep", "2", "--zero.stage", "3"],
+                                    ["--parallel.tp", "2", "--parallel.etp", "2", "--zero.stage", "1"]],
+                         ids=["dp2-zero1", "tp2-etp1", "ep2-zero0", "ep2-zero3", "tp2-etp2-zero1"])
 def test_moe_muon_layouts_equal_the_single_process(reference, layout):
-    """At ep 2 each rank's experts are orthogonalised among the ranks holding them (expert-dp)."""
+    """Every expert's matrices are listed on every rank of the stage, each gathered whole (its
+    expert-TP parts, its ZeRO shards) to one owner, whatever splits the experts (ep, or etp = tp)."""
     _assert_equal(_outs(2, layout), reference)
 
 
 @pytest.mark.slow
 def test_moe_muon_with_expert_data_parallelism_on_4_ranks(reference):
-    """ep 2 x expert-dp 2 at ZeRO 0 (each group's rank 0 contributes the replicated updates) and 2."""
+    """ep 2 x expert-dp 2 at ZeRO 0 (each group's rank 0 contributes the replicated updates) and 2;
+    tp 2 = etp 2 x ep 2 with sequence parallelism at ZeRO 3."""
     for stage in ("0", "2"):
         _assert_equal(_outs(4, ["--parallel.ep", "2", "--zero.stage", stage]), reference)
+    _assert_equal(_outs(4, ["--parallel.tp", "2", "--parallel.etp", "2", "--parallel.ep", "2",
+                            "--parallel.sequence_parallel", "true",
+                            "--zero.stage", "3"]), reference)
 
 
 def _assert_equal(outs: list[dict], reference: dict) -> None:

@@ -4,11 +4,9 @@ ranks are refused in one line."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from megazero.config import ConfigError
 from megazero.model.lora import ExpertLoRA
 from megazero.model.moe import GroupedExperts
 from megazero.parallel.comm import Group
@@ -46,18 +44,23 @@ def test_expert_adapters_are_each_experts_own():
     assert experts.c_proj.lora_B.weight.shape == (E, H, R)
 
 
-def test_adapters_of_experts_split_over_ep_are_this_ranks_and_etp_is_refused_in_one_line():
-    """At ep 2 a rank's adapters are its experts' (their placement the full [E, ...]); an expert
-    split over expert-TP ranks (GroupedExperts.apply_etp) is refused in one line."""
+def test_adapters_of_experts_split_over_ep_and_etp_are_this_ranks_parts():
+    """At ep 2 a rank's adapters are its experts' (their placement the full [E, ...]). Split over
+    expert-TP ranks (GroupedExperts.apply_etp), c_fc's B is cut by rows as its weight (A whole),
+    c_proj's A by columns as its weight (B whole), as a dense projection's under TP."""
     from megazero.parallel.placement import placement
     experts = GroupedExperts(4, H, FFN, "swiglu")
     experts.c_fc.keep_experts(Group("ep", None, [0, 1], 0))  # ep 2: this rank holds experts 0 and 1
     lora = ExpertLoRA(experts.c_fc, R, ALPHA, 0.0)
     assert lora.holder.lora_A.weight.shape == (2, R, H) and lora.holder.lora_B.weight.shape == (2, 2 * FFN, R)
     assert placement(lora.holder.lora_A.weight).full_shape == (4, R, H)
+    assert not placement(lora.holder.lora_B.weight).sharded  # whole experts: nothing recorded as split
     split = GroupedExperts(4, H, 2 * FFN, "swiglu")
     split.apply_etp(Group("etp", None, [0, 1], 0))  # etp 2: half of every expert's width
-    for weight in (split.c_fc, split.c_proj):
-        with pytest.raises(ConfigError, match="use --parallel.etp 1") as refused:
-            ExpertLoRA(weight, R, ALPHA, 0.0)
-        assert "\n" not in str(refused.value)
+    up, down = ExpertLoRA(split.c_fc, R, ALPHA, 0.0), ExpertLoRA(split.c_proj, R, ALPHA, 0.0)
+    a, b = (placement(w) for w in (up.holder.lora_A.weight, up.holder.lora_B.weight))
+    assert up.holder.lora_A.weight.shape == (4, R, H) and not a.sharded
+    assert up.holder.lora_B.weight.shape == (4, 2 * FFN, R) and (b.dim, b.stride, b.full_shape) == (1, 2, (4, 4 * FFN, R))
+    a, b = (placement(w) for w in (down.holder.lora_A.weight, down.holder.lora_B.weight))
+    assert down.holder.lora_A.weight.shape == (4, R, FFN) and (a.dim, a.full_shape) == (2, (4, R, 2 * FFN))
+    assert down.holder.lora_B.weight.shape == (4, H, R) and not b.sharded

@@ -72,8 +72,24 @@ def test_expert_matrices_are_each_experts_blocks():
     assert is_muon_matrix("transformer.h.1.mlp.shared_expert.c_fc.weight")
     # gate | up is Muon's business only: the checkpoints' partition maps record the stride of a split tensor alone
     assert where.record()["tp_stride"] == 1 and Placement((ROWS, COLS), 0, 2).record()["tp_stride"] == 2
-    with pytest.raises(NotImplementedError, match="expert-tensor-parallel"):
-        split_matrices("x.mlp.experts.c_fc.weight", Placement((E, ROWS, COLS), 1, 2, experts=E), (E, 6, COLS), 0, 2)
+
+    # ep 2 over 2 experts, rank 1: every expert's matrices are listed (the same list on every rank),
+    # only its own expert's hold runs
+    two = Placement((2, ROWS, COLS), stride=2, experts=2)
+    mine = split_matrices("x.mlp.experts.c_fc.weight", two, (1, ROWS, COLS), 0, 1, ep=(1, 2))
+    assert [bool(m.pieces) for m in mine] == [False, False, True, True]
+    assert [(s, e) for m in mine for s, e, _, _ in m.pieces] == [(0, ROWS // 2 * COLS), (ROWS // 2 * COLS, ROWS * COLS)]
+    # etp 2: each expert's gate and up rows split as a dense gate | up is, each rank holding half of each block
+    split = Placement((E, ROWS, COLS), 1, 2, experts=E)
+    halves = split_matrices("x.mlp.experts.c_fc.weight", split, (E, ROWS // 2, COLS), 1, 2)
+    assert [m.shape for m in halves] == [(ROWS // 2, COLS)] * (2 * E)
+    quarter = ROWS // 4 * COLS
+    assert [m.pieces for m in halves[:2]] == [[(0, quarter, ROWS // 4, ROWS // 4)],
+                                              [(quarter, 2 * quarter, ROWS // 4, ROWS // 4)]]
+    down = Placement((E, COLS, ROWS), 2, experts=E)  # c_proj: columns split
+    cols = split_matrices("x.mlp.experts.c_proj.weight", down, (E, COLS, ROWS // 2), 0, 2)
+    assert [m.shape for m in cols] == [(COLS, ROWS)] * E and cols[1].pieces == [(COLS * ROWS // 2, COLS * ROWS, 0,
+                                                                                  ROWS // 2)]
 
 
 
