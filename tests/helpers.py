@@ -446,6 +446,17 @@ def check_moe_buckets(tr) -> None:
         [bucket_numel(list(b), shards) for b in planned]
 
 
+MOE_ITERS = 3
+MOE_SHORT = ["--train.iters", str(MOE_ITERS), "--model.seq_length", "32", "--train.global_batch_size", "8",
+             "--train.micro_batch_size", "2", "--model.moe_aux_loss_coeff", "0.1", "--model.moe_z_loss_coeff", "0.01"]
+"""The MoE parity tests' short run of configs/mixtral-tiny.yaml; large loss coefficients, so that the
+aux and z-losses' gradients weigh in the gradient norm."""
+
+
+def zero(stage: int) -> list[str]:
+    return ["--zero.stage", str(stage)]
+
+
 def moe_records(args: Sequence[str], check: Optional[Callable[[Any], None]] = None) -> list[tuple[float, ...]]:
     """In a spawned rank: train configs/mixtral-tiny.yaml with `args` (after `check(trainer)`, when
     given); (loss, grad norm, aux loss, z-loss) of each iteration on the logging rank, nothing elsewhere."""

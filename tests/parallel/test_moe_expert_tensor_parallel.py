@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import (
+    MOE_ITERS,
+    MOE_SHORT,
     assert_moe_resumes,
     assert_parity,
     check_moe_buckets,
@@ -18,18 +20,13 @@ from helpers import (
     moe_records,
     moe_save_then_resume,
     run_ranks,
+    zero,
 )
 
-ITERS = 3
-SHORT = ["--train.iters", str(ITERS), "--model.seq_length", "32", "--train.global_batch_size", "8",
-         "--train.micro_batch_size", "2", "--model.moe_aux_loss_coeff", "0.1", "--model.moe_z_loss_coeff", "0.01"]
+ITERS, SHORT = MOE_ITERS, MOE_SHORT
 # configs/mixtral-tiny.yaml keeps whole experts (parallel.etp 1); etp 0 is the default, etp = tp.
 ETP = ["--parallel.tp", "2", "--parallel.etp", "0"]
 EP2, SP = ["--parallel.ep", "2"], ["--parallel.sequence_parallel", "true"]
-
-
-def _zero(stage: int) -> list[str]:
-    return ["--zero.stage", str(stage)]
 
 
 def _check_split(tr) -> None:
@@ -65,23 +62,23 @@ def reference() -> list[tuple[float, ...]]:
 def test_expert_tensor_parallel_on_2_ranks(reference):
     """tp 2 = etp 2 at dp 1: without sequence parallelism at ZeRO-1 (replicated tokens, the
     partial outputs all-reduced), with it at ZeRO-3 (tokens gathered, outputs reduce-scattered)."""
-    layouts = {"etp2-zero1": ETP + _zero(1), "etp2-sp-zero3": ETP + SP + _zero(3)}
+    layouts = {"etp2-zero1": ETP + zero(1), "etp2-sp-zero3": ETP + SP + zero(3)}
     assert_parity(run_ranks(_layouts, 2, layouts)[0], reference, ITERS)
 
 
 def test_expert_tensor_parallel_with_expert_parallel_on_4_ranks(reference):
     """tp 2 = etp 2 x ep 2 (ep over the data ranks) at ZeRO-3: the tokens' all-to-all between the
     ranks of the same etp slice, expert slices sharded over their expert-dp group of one."""
-    assert_parity(run_ranks(_layouts, 4, {"etp2-ep2-zero3": ETP + EP2 + _zero(3)})[0], reference, ITERS)
+    assert_parity(run_ranks(_layouts, 4, {"etp2-ep2-zero3": ETP + EP2 + zero(3)})[0], reference, ITERS)
 
 
 @pytest.mark.slow
 def test_expert_tensor_parallel_layouts_on_4_ranks(reference):
     """tp 2 = etp 2 x ep 2 with sequence parallelism at ZeRO 1 and 3; without it at ZeRO-1 with the
     all-gather dispatcher; tp 2 = etp 2 x dp 2 (ep 1: expert slices over expert-dp 2) at ZeRO-2."""
-    layouts = {"etp2-sp-ep2-zero1": ETP + SP + EP2 + _zero(1), "etp2-sp-ep2-zero3": ETP + SP + EP2 + _zero(3),
-               "etp2-ep2-zero1-allgather": ETP + EP2 + _zero(1) + ["--parallel.moe_dispatcher", "allgather"],
-               "etp2-edp2-zero2": ETP + _zero(2)}
+    layouts = {"etp2-sp-ep2-zero1": ETP + SP + EP2 + zero(1), "etp2-sp-ep2-zero3": ETP + SP + EP2 + zero(3),
+               "etp2-ep2-zero1-allgather": ETP + EP2 + zero(1) + ["--parallel.moe_dispatcher", "allgather"],
+               "etp2-edp2-zero2": ETP + zero(2)}
     assert_parity(run_ranks(_layouts, 4, layouts)[0], reference, ITERS)
 
 
@@ -90,10 +87,10 @@ def test_expert_tensor_parallel_with_recompute_compile_pipeline_and_context_para
     """tp 2 = etp 2 with full recomputation under sequence parallelism (the region's collectives
     replayed) and with train.compile on 2 ranks; with pp 2 under ZB-H1 (deferred weight
     gradients) and with cp 2 x ep 2 under sequence parallelism at ZeRO-3 on 4."""
-    two = {"etp2-sp-full-zero2": ETP + SP + ["--train.recompute", "full"] + _zero(2),
+    two = {"etp2-sp-full-zero2": ETP + SP + ["--train.recompute", "full"] + zero(2),
            "etp2-compile": ETP + ["--train.compile", "true"]}
     four = {"etp2-pp2-zbh1": ETP + ["--parallel.pp", "2", "--parallel.schedule", "zbh1"],
-            "etp2-cp2-sp-ep2-zero3": ETP + SP + ["--parallel.cp", "2"] + EP2 + _zero(3)}
+            "etp2-cp2-sp-ep2-zero3": ETP + SP + ["--parallel.cp", "2"] + EP2 + zero(3)}
     assert_parity(run_ranks(_layouts, 2, two)[0], reference, ITERS)
     assert_parity(run_ranks(_layouts, 4, four)[0], reference, ITERS)
 
@@ -121,8 +118,8 @@ def test_checkpoint_at_etp2_resumes_bitwise_and_reshards(tmp_path, reference):
     """Saved at tp 2 = etp 2 (ZeRO-1): the same layout resumes bit for bit; tp 1 x dp 2 (from the
     rank files, ZeRO-2) and tp 2 with whole experts (etp 1, from the universal export, ZeRO-3)
     continue within 1e-5; convert --to torch and the 16-bit model join every expert's slices."""
-    resumes = {"same": ETP + _zero(1), "tp1-zero2": _zero(2), "universal-tp2-etp1-zero3": TP2_ETP1 + _zero(3)}
-    out = run_ranks(moe_save_then_resume, 2, str(tmp_path), SHORT, ETP + _zero(1), resumes, ITERS)[0]
+    resumes = {"same": ETP + zero(1), "tp1-zero2": zero(2), "universal-tp2-etp1-zero3": TP2_ETP1 + zero(3)}
+    out = run_ranks(moe_save_then_resume, 2, str(tmp_path), SHORT, ETP + zero(1), resumes, ITERS)[0]
     assert_moe_resumes(out, reference, "same", ["tp1-zero2", "universal-tp2-etp1-zero3"])
 
 
@@ -131,8 +128,8 @@ def test_checkpoint_at_etp2_with_expert_parallel_resumes_and_reshards(tmp_path, 
     """Saved at tp 2 = etp 2 x ep 2 with sequence parallelism (ZeRO-3): bitwise at the same layout;
     resharded to tp 1 x dp 4 (ZeRO-1), to tp 2 with whole experts x ep 2 (ZeRO-2) and, from the
     universal export, to tp 2 = etp 2 at ep 1 (expert-dp 2, ZeRO-0)."""
-    layout = ETP + SP + EP2 + _zero(3)
-    resumes = {"same": layout, "tp1-zero1": _zero(1), "tp2-etp1-ep2-zero2": TP2_ETP1 + EP2 + _zero(2),
+    layout = ETP + SP + EP2 + zero(3)
+    resumes = {"same": layout, "tp1-zero1": zero(1), "tp2-etp1-ep2-zero2": TP2_ETP1 + EP2 + zero(2),
                "universal-etp2-edp2": ETP}
     out = run_ranks(moe_save_then_resume, 4, str(tmp_path), SHORT, layout, resumes, ITERS)[0]
     assert_moe_resumes(out, reference, "same", ["tp1-zero1", "tp2-etp1-ep2-zero2", "universal-etp2-edp2"])

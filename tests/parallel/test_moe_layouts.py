@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import (
+    MOE_ITERS,
+    MOE_SHORT,
     REPO,
     assert_parity,
     assert_tensorboard_matches,
@@ -19,10 +21,7 @@ from helpers import (
 )
 
 MIXTRAL = "configs/mixtral-tiny.yaml"
-ITERS = 3
-# Large coefficients, so that the losses' gradients weigh in the gradient norm.
-SHORT = ["--train.iters", str(ITERS), "--model.seq_length", "32", "--train.global_batch_size", "8",
-         "--train.micro_batch_size", "2", "--model.moe_aux_loss_coeff", "0.1", "--model.moe_z_loss_coeff", "0.01"]
+ITERS, SHORT = MOE_ITERS, MOE_SHORT
 
 
 def _records(extra: list[str]) -> list[tuple[float, ...]]:
