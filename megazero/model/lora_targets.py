@@ -83,8 +83,3 @@ def check_targets(targets: list, m: Optional[ModelConfig] = None) -> None:
         if not family and not adapted_modules([t]):
             raise ConfigError(f"finetune.lora_targets names {t!r}, which matches no GPT-2 module; use c_attn, "
                               f"c_proj, c_fc, mlp.c_proj or attn.c_proj")
-
-
-def adapts_experts(targets: list[str], m: ModelConfig) -> bool:
-    """Whether finetune.lora_targets adapts the MLP of a mixture of experts (its experts)."""
-    return bool(m.num_experts) and any(t.module.startswith("mlp.") for t in adapted(targets, m))
